@@ -1,0 +1,257 @@
+"""What a PEFT LoRA adapter folder says: its config and, per target module, where A, B and scaling come from."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CorruptFileError, InputError, NotFoundError, UnsupportedError
+from .safetensors_io import FLOAT_DTYPES, TORCH_TO_ST, RowReader, TensorInfo, read_header, row_blocks
+from .sources import _read_json, resolve_folder
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_BIN = "adapter_model.bin"
+PREFIX = "base_model.model."
+
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+    r"(?:\.(?!weight$|bias$)[^.]+)?(?:\.(?P<leaf>weight|bias))?$"
+)
+#: adapter_config.json options this version cannot merge, with what to do instead
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA adapters are not supported yet",
+    "target_parameters": "LoRA on parameters (target_parameters, fused MoE experts) is not supported yet",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices) are not supported yet",
+    "layer_replication": "layer_replication changes the layer structure and cannot be merged into the base layout",
+    "use_qalora": "QA-LoRA adapters are not supported",
+}
+
+
+@dataclass
+class AdapterTensor:
+    """One tensor of the adapter: in a safetensors file (``info``) or already in memory (``value``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    info: TensorInfo | None = None
+    value: torch.Tensor | None = None
+
+    def load(self, reader: RowReader) -> torch.Tensor:
+        """Return the tensor's data (a fresh copy for file-backed tensors)."""
+        if self.value is not None:
+            return self.value
+        assert self.info is not None
+        return reader.read(self.info)
+
+
+@dataclass
+class LoraModule:
+    """One LoRA-wrapped module of the base model.
+
+    Attributes:
+        path: the module's name in the base model, e.g. ``model.layers.0.self_attn.q_proj``.
+        kind: ``"linear"`` (``lora_A``/``lora_B``) or ``"embedding"`` (``lora_embedding_A``/``_B``).
+        a: the A factor, ``[r, in_features]`` (embedding: ``[r, num_embeddings]``).
+        b: the B factor, ``[out_features, r]`` (embedding: ``[embedding_dim, r]``).
+        bias: ``lora_B.bias`` when the adapter was trained with ``lora_bias=True``.
+        rank: r of this module (from ``rank_pattern`` or ``r``).
+        alpha: lora_alpha of this module (from ``alpha_pattern`` or ``lora_alpha``).
+        scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
+    """
+
+    path: str
+    kind: str
+    a: AdapterTensor
+    b: AdapterTensor
+    bias: AdapterTensor | None
+    rank: int
+    alpha: float
+    scaling: float
+
+
+@dataclass
+class AdapterSpec:
+    """A LoRA adapter, read once: config, LoRA modules and whole-tensor replacements.
+
+    Attributes:
+        folder: the adapter folder.
+        config: the parsed ``adapter_config.json``.
+        modules: LoRA modules by module path.
+        replacements: adapter tensors that replace a base tensor outright, by base tensor name
+            (``modules_to_save`` weights, trained biases, saved embedding layers).
+        fan_in_fan_out: the config's flag (Conv1D layers store weights transposed).
+        tokenizer_files: tokenizer files saved beside the adapter.
+    """
+
+    folder: str
+    config: dict
+    modules: dict[str, LoraModule] = field(default_factory=dict)
+    replacements: dict[str, AdapterTensor] = field(default_factory=dict)
+    fan_in_fan_out: bool = False
+    tokenizer_files: list[str] = field(default_factory=list)
+
+    @property
+    def base_model_name(self) -> str | None:
+        return self.config.get("base_model_name_or_path")
+
+
+def load_adapter(location: str) -> AdapterSpec:
+    """Read a PEFT LoRA adapter folder into an :class:`AdapterSpec` (tensor data stays on disk).
+
+    Args:
+        location: a folder with ``adapter_config.json`` and ``adapter_model.safetensors`` (or a legacy
+            ``adapter_model.bin``, read with ``torch.load(weights_only=True)``), or a cached Hub id.
+
+    Returns:
+        The adapter spec.
+
+    Raises:
+        NotFoundError: the folder, config or weights file is missing.
+        UnsupportedError: the adapter is not LoRA, or uses an option that cannot be merged (all named).
+        InputError: config fields are missing or of the wrong type, or A/B shapes disagree.
+        CorruptFileError: the weights file is malformed.
+
+    Example:
+        >>> spec = load_adapter("./my-adapter")   # doctest: +SKIP
+        >>> len(spec.modules), spec.config["r"]     # doctest: +SKIP
+        (28, 16)
+    """
+    from .sources import TOKENIZER_FILES
+
+    folder = resolve_folder(location, what="adapter", must_have=(ADAPTER_CONFIG,))
+    config = _read_json(os.path.join(folder, ADAPTER_CONFIG), "adapter_config.json")
+    _check_config(config, folder)
+    tensors = _read_adapter_tensors(folder)
+    spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)))
+    spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    parts: dict[str, dict[str, AdapterTensor]] = {}
+    problems: list[str] = []
+    for name, t in tensors.items():
+        key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+        m = _LORA_KEY.match(key)
+        if m is None:
+            if "lora_" in key:
+                problems.append(f"adapter tensor {name!r} is not a LoRA tensor this version knows")
+                continue
+            base_name = key.replace(".base_layer.", ".").replace(".modules_to_save.", ".")
+            spec.replacements[base_name] = t
+            continue
+        part = m.group("part") + ("." + m.group("leaf") if m.group("leaf") == "bias" else "")
+        if part == "lora_magnitude_vector":
+            raise UnsupportedError(f"adapter {folder} is a DoRA adapter ({name}); DoRA is not supported yet")
+        parts.setdefault(m.group("module"), {})[part] = t
+    r_default = config["r"]
+    alpha_default = config["lora_alpha"]
+    rslora = bool(config.get("use_rslora", False))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    for path, p in sorted(parts.items()):
+        if "lora_A" in p or "lora_B" in p:
+            kind, a, b = "linear", p.get("lora_A"), p.get("lora_B")
+        else:
+            kind, a, b = "embedding", p.get("lora_embedding_A"), p.get("lora_embedding_B")
+        if a is None or b is None:
+            problems.append(f"LoRA module {path!r} has only one of its A/B factors in the adapter weights")
+            continue
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
+            problems.append(
+                f"LoRA module {path!r}: A {list(a.shape)} and B {list(b.shape)} do not form a rank-r pair "
+                "(A is [r, in], B is [out, r])"
+            )
+            continue
+        rank = int(rank_pattern[_pattern_key(rank_pattern, path)]) if _pattern_key(rank_pattern, path) else r_default
+        alpha = alpha_pattern[_pattern_key(alpha_pattern, path)] if _pattern_key(alpha_pattern, path) else alpha_default
+        if a.shape[0] != rank:
+            problems.append(
+                f"LoRA module {path!r} has rank {a.shape[0]} in its weights but adapter_config.json says "
+                f"r={rank}; the config does not belong to these weights"
+            )
+            continue
+        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        spec.modules[path] = LoraModule(path, kind, a, b, p.get("lora_B.bias"), rank, float(alpha), scaling)
+    bad_values = [n for n, t in tensors.items() if t.value is not None and t.value.is_floating_point()
+                  and not torch.isfinite(t.value).all()]
+    if bad_values:
+        problems.append(f"adapter weights contain NaN or Inf: {', '.join(bad_values[:5])}")
+    if problems:
+        raise InputError(problems)
+    if not spec.modules and not spec.replacements:
+        raise InputError(f"adapter {folder} holds no LoRA weights; is it the right folder?")
+    return spec
+
+
+def _pattern_key(pattern: dict, path: str) -> str | None:
+    """The key of ``rank_pattern``/``alpha_pattern`` that applies to ``path``, as PEFT matches it."""
+    if not pattern:
+        return None
+    from peft.utils.other import get_pattern_key
+
+    key = get_pattern_key(list(pattern.keys()), path)
+    return key if key in pattern else None
+
+
+def _check_config(config: dict, folder: str) -> None:
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise UnsupportedError(
+            f"adapter {folder} has peft_type={peft_type!r}; only LoRA adapters (peft_type 'LORA') can be merged"
+        )
+    unsupported = [msg + f" ({opt}={config[opt]!r})" for opt, msg in _UNSUPPORTED_OPTIONS.items() if config.get(opt)]
+    if unsupported:
+        raise UnsupportedError(f"adapter {folder} uses options that cannot be merged: " + "; ".join(unsupported))
+    problems = []
+    for key, types in (("r", int), ("lora_alpha", (int, float))):
+        if key not in config:
+            problems.append(f"adapter_config.json lacks {key!r}")
+        elif isinstance(config[key], bool) or not isinstance(config[key], types) or config[key] <= 0:
+            problems.append(f"adapter_config.json {key!r} must be a positive number, got {config[key]!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            problems.append(f"adapter_config.json {key!r} must be an object, got {type(config[key]).__name__}")
+    if problems:
+        raise InputError(problems)
+
+
+def _read_adapter_tensors(folder: str) -> dict[str, AdapterTensor]:
+    st_path = os.path.join(folder, ADAPTER_WEIGHTS)
+    bin_path = os.path.join(folder, ADAPTER_BIN)
+    if os.path.isfile(st_path):
+        infos, _ = read_header(st_path)
+        out = {i.name: AdapterTensor(i.name, i.shape, i.dtype, info=i) for i in infos}
+        _check_finite_files(out)
+        return out
+    if os.path.isfile(bin_path):
+        try:
+            state: Any = torch.load(bin_path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CorruptFileError(
+                f"{bin_path} cannot be read safely with torch.load(weights_only=True) ({e}); re-save the adapter "
+                "as safetensors"
+            ) from e
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CorruptFileError(f"{bin_path} is not a flat dict of tensors")
+        return {
+            k: AdapterTensor(k, tuple(v.shape), TORCH_TO_ST.get(v.dtype, "F32"), value=v) for k, v in state.items()
+        }
+    raise NotFoundError(f"adapter {folder} has neither {ADAPTER_WEIGHTS} nor {ADAPTER_BIN}")
+
+
+def _check_finite_files(tensors: dict[str, AdapterTensor]) -> None:
+    bad = []
+    with RowReader() as reader:
+        for name, t in tensors.items():
+            if t.info is None or t.dtype not in FLOAT_DTYPES:
+                continue
+            for start, stop in row_blocks(t.shape, 1 << 22):
+                if not torch.isfinite(reader.read_rows(t.info, start, stop)).all():
+                    bad.append(name)
+                    break
+    if bad:
+        raise InputError(f"adapter weights contain NaN or Inf: {', '.join(bad[:5])}; the training diverged")

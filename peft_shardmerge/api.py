@@ -1,0 +1,191 @@
+"""The public disk-to-disk API: merge_checkpoint and plan_checkpoint_merge."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .adapter import load_adapter
+from .errors import InputError
+from .execute import execute_plan, resolve_device
+from .model_info import inspect_model
+from .plan import DEFAULT_CHUNK_ELEMS, Plan, build_plan
+from .quant import Nf4Settings
+from .report import MergeReport
+from .sources import open_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def check_out_dir(out_dir: str, *, inputs: dict[str, str], overwrite: bool) -> list[str]:
+    """Find every problem with an output folder, without touching anything.
+
+    Args:
+        out_dir: the output folder.
+        inputs: folders that must survive the merge, by role (``{"base": ..., "adapter": ...}``).
+        overwrite: whether a non-empty ``out_dir`` may be replaced.
+
+    Returns:
+        The problems, each a sentence with the fix; empty when ``out_dir`` is fine.
+
+    Example:
+        >>> check_out_dir("/tmp/base/merged", inputs={"base": "/tmp/base"}, overwrite=False)
+        ["output folder /tmp/base/merged is inside the base folder /tmp/base; choose a folder outside it"]
+    """
+    problems = []
+    out = os.path.realpath(out_dir)
+    for role, folder in inputs.items():
+        src = os.path.realpath(folder)
+        if out == src or out.startswith(src + os.sep):
+            where = "is" if out == src else "is inside"
+            problems.append(f"output folder {out_dir} {where} the {role} folder {folder}; choose a folder outside it")
+        elif src.startswith(out + os.sep):
+            problems.append(
+                f"the {role} folder {folder} is inside the output folder {out_dir}; replacing it would destroy "
+                f"the {role}; choose another output folder"
+            )
+    if os.path.lexists(out_dir):
+        if not os.path.isdir(out_dir):
+            problems.append(f"output {out_dir} exists and is not a folder; remove it or choose another path")
+        elif os.listdir(out_dir) and not overwrite:
+            problems.append(f"output folder {out_dir} is not empty; pass --overwrite (overwrite=True) to replace it")
+    return problems
+
+
+def plan_checkpoint_merge(
+    base: str,
+    adapter: str,
+    out_dir: str,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    base_precision: str = "original",
+    nf4_quant_type: str = "nf4",
+    nf4_blocksize: int = 64,
+    nf4_double_quant: bool = True,
+    device: str = "auto",
+    overwrite: bool = False,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> Plan:
+    """Check every input and decide the whole merge without reading tensor data (what ``--dry-run`` prints).
+
+    Args:
+        base: base checkpoint folder, or a Hub id in the local cache.
+        adapter: PEFT LoRA adapter folder, or a Hub id in the local cache.
+        out_dir: the output folder.
+        dtype: output dtype (``"bfloat16"``, ``"float16"``, ``"float32"`` or a torch dtype); None keeps the base's.
+        max_shard_size: largest output shard (``"5GB"``, ``"500MB"`` or bytes).
+        base_precision: ``"original"`` merges into the checkpoint's weights; ``"nf4"`` merges into
+            dequant(quantize_4bit(W)), the weights a QLoRA adapter was trained against.
+        nf4_quant_type: ``"nf4"`` or ``"fp4"`` for ``base_precision="nf4"``.
+        nf4_blocksize: 4-bit block size used during training.
+        nf4_double_quant: whether training used double quantization.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        overwrite: allow replacing a non-empty ``out_dir``.
+        chunk_elems: elements per row block (bounds peak memory).
+
+    Returns:
+        The :class:`~peft_shardmerge.plan.Plan`; ``print(plan.describe())`` shows it.
+
+    Raises:
+        InputError: every problem with the options, the output folder and the adapter/base pairing, at once.
+        NotFoundError: the base or adapter cannot be found.
+        UnsupportedError: the adapter type or an adapter option cannot be merged.
+        CorruptFileError: a checkpoint or adapter file is malformed.
+
+    Example:
+        >>> plan = plan_checkpoint_merge("tiny-base", "tiny-adapter", "merged")   # doctest: +SKIP
+        >>> print(plan.describe())   # doctest: +SKIP
+    """
+    problems: list[str] = []
+    try:
+        resolve_device(device)
+    except InputError as e:
+        problems += e.problems
+    if not isinstance(chunk_elems, int) or chunk_elems <= 0:
+        problems.append(f"chunk_elems must be a positive int, got {chunk_elems!r}")
+        chunk_elems = DEFAULT_CHUNK_ELEMS
+    src = open_checkpoint(base)
+    spec = load_adapter(adapter)
+    problems += check_out_dir(out_dir, inputs={"base": src.folder, "adapter": spec.folder}, overwrite=overwrite)
+    info = inspect_model(src.folder)
+    nf4 = Nf4Settings(nf4_quant_type, nf4_blocksize, nf4_double_quant) if base_precision == "nf4" else None
+    return build_plan(
+        src, spec, info,
+        dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
+        nf4=nf4, chunk_elems=chunk_elems, problems=problems,
+    )
+
+
+def merge_checkpoint(
+    base: str,
+    adapter: str,
+    out_dir: str,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    base_precision: str = "original",
+    nf4_quant_type: str = "nf4",
+    nf4_blocksize: int = 64,
+    nf4_double_quant: bool = True,
+    device: str = "auto",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    progress: bool = True,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> MergeReport:
+    """Merge a LoRA adapter into a base checkpoint on disk, streaming one row block at a time.
+
+    The output is a transformers checkpoint (``model.safetensors`` or shards with an index, ``config.json``
+    without ``quantization_config``, generation and tokenizer files) that ``from_pretrained`` loads as is.
+    Peak memory is one row block, whatever the model or shard size. The folder appears only when complete.
+
+    Args:
+        base: base checkpoint folder, or a Hub id already in the local Hugging Face cache.
+        adapter: PEFT LoRA adapter folder, or a cached Hub id.
+        out_dir: the output folder.
+        dtype: output dtype; None keeps the base's.
+        max_shard_size: largest output shard (decimal units: ``"5GB"`` is 5e9 bytes).
+        base_precision: ``"original"`` or ``"nf4"`` (see :func:`plan_checkpoint_merge`).
+        nf4_quant_type: ``"nf4"`` or ``"fp4"``.
+        nf4_blocksize: 4-bit block size used in training.
+        nf4_double_quant: whether training used double quantization.
+        device: where the maths runs: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        overwrite: allow replacing a non-empty ``out_dir`` (replaced only after the new one is complete).
+        dry_run: plan and check only; nothing is read beyond headers and nothing is written.
+        progress: show a progress bar.
+        chunk_elems: elements per row block.
+
+    Returns:
+        A :class:`~peft_shardmerge.report.MergeReport` (``report.summary()`` for a one-screen summary).
+
+    Raises:
+        InputError: problems with inputs or options, all reported at once, before anything is written.
+        NotFoundError: the base or adapter cannot be found.
+        UnsupportedError: the adapter cannot be merged by this version.
+        CorruptFileError: a file is malformed.
+        MergeCheckError: a consistency check failed after writing; nothing was committed.
+
+    Example:
+        >>> from peft_shardmerge import merge_checkpoint
+        >>> report = merge_checkpoint("tiny-base", "tiny-adapter", "merged", dtype="bfloat16")  # doctest: +SKIP
+        >>> print(report.summary())   # doctest: +SKIP
+    """
+    plan = plan_checkpoint_merge(
+        base, adapter, out_dir,
+        dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
+        nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize, nf4_double_quant=nf4_double_quant,
+        device=device, overwrite=overwrite, chunk_elems=chunk_elems,
+    )
+    for note in plan.notes:
+        log.info("%s", note)
+    if dry_run:
+        return MergeReport(
+            out_dir=os.path.abspath(out_dir), base=plan.base.folder, adapter=plan.adapter.folder,
+            dtype=str(plan.dtype).removeprefix("torch."), base_precision=plan.base_precision,
+            tensors_written=0, lora_modules_total=len(plan.adapter.modules), shards=list(plan.shard_names),
+            notes=list(plan.notes), dry_run=True, plan_text=plan.describe(),
+        )
+    return execute_plan(plan, out_dir, device=device, progress=progress)

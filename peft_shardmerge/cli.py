@@ -1,0 +1,100 @@
+"""The peft-shardmerge command line: argument parsing, logging levels and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import __version__
+from .errors import ShardMergeError
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser (``peft-shardmerge merge ...``).
+
+    Returns:
+        The parser.
+
+    Example:
+        >>> build_parser().parse_args(["merge", "base", "adapter", "out"]).dtype is None
+        True
+    """
+    p = argparse.ArgumentParser(
+        prog="peft-shardmerge",
+        description="Merge LoRA adapters into 16-bit checkpoints with flat memory.",
+    )
+    p.add_argument("--version", action="version", version=f"peft-shardmerge {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser(
+        "merge",
+        help="merge a base checkpoint and a LoRA adapter folder into a new checkpoint",
+        description="Merge BASE + ADAPTER into OUT, one row block at a time.",
+    )
+    m.add_argument("base", metavar="BASE", help="base checkpoint folder, or a Hub id in the local cache")
+    m.add_argument("adapter", metavar="ADAPTER", help="PEFT LoRA adapter folder, or a Hub id in the local cache")
+    m.add_argument("out", metavar="OUT", help="output folder (created; replaced only with --overwrite)")
+    m.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="dtype written (default: the base's)")
+    m.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
+    m.add_argument("--base-precision", choices=["original", "nf4"], default="original",
+                   help="merge into the original weights (default) or into dequant(nf4(W)), "
+                        "the weights a QLoRA adapter was trained against")
+    m.add_argument("--nf4-quant-type", choices=["nf4", "fp4"], default="nf4",
+                   help="4-bit type used in training (with --base-precision nf4)")
+    m.add_argument("--nf4-blocksize", type=int, default=64, help="4-bit block size used in training (default 64)")
+    m.add_argument("--no-nf4-double-quant", dest="nf4_double_quant", action="store_false",
+                   help="training did not use double quantization")
+    m.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="where the maths runs")
+    m.add_argument("--dry-run", action="store_true", help="print the plan and exit; read no tensor data")
+    m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    verbosity = m.add_mutually_exclusive_group()
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="errors and warnings only, no progress bar")
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: arguments without the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        0 on success, 2 for a user error (message, no traceback), 130 when interrupted.
+
+    Example:
+        >>> main(["merge", "base", "adapter", "out", "--dry-run"])   # doctest: +SKIP
+        0
+    """
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+    from .api import merge_checkpoint
+
+    try:
+        report = merge_checkpoint(
+            args.base, args.adapter, args.out,
+            dtype=args.dtype, max_shard_size=args.max_shard_size, base_precision=args.base_precision,
+            nf4_quant_type=args.nf4_quant_type, nf4_blocksize=args.nf4_blocksize,
+            nf4_double_quant=args.nf4_double_quant, device=args.device, overwrite=args.overwrite,
+            dry_run=args.dry_run, progress=not args.quiet,
+        )
+    except ShardMergeError as e:
+        print(f"peft-shardmerge: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("peft-shardmerge: interrupted; nothing was written to OUT", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The exception family of peft-shardmerge: every error a user can cause, with the fix in its message."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class ShardMergeError(Exception):
+    """Base class of every error raised on purpose by peft-shardmerge.
+
+    The command line prints these without a traceback and exits with status 2.
+    """
+
+
+class InputError(ShardMergeError, ValueError):
+    """One or more problems with the inputs, found before anything was written.
+
+    Args:
+        problems: every problem found, each a sentence naming what is wrong, where, and the fix.
+
+    Example:
+        >>> raise InputError(["OUT is not empty: pass --overwrite"])
+        Traceback (most recent call last):
+        peft_shardmerge.errors.InputError: 1 problem found before writing anything:
+          - OUT is not empty: pass --overwrite
+    """
+
+    def __init__(self, problems: Iterable[str] | str):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''} found before writing anything:"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+class NotFoundError(ShardMergeError, FileNotFoundError):
+    """A file, folder or cached Hub snapshot that the merge needs does not exist."""
+
+
+class UnsupportedError(ShardMergeError, ValueError):
+    """The adapter or checkpoint uses a feature this version cannot merge (named in the message)."""
+
+
+class CorruptFileError(ShardMergeError, ValueError):
+    """A safetensors file or index is malformed (header, offsets, names)."""
+
+
+class MissingDependencyError(ShardMergeError, ImportError):
+    """An optional dependency is needed for the requested option; the message gives the install line."""
+
+
+class MergeCheckError(ShardMergeError, RuntimeError):
+    """A consistency check after the merge failed (e.g. a LoRA module was not applied exactly once)."""

@@ -1,0 +1,260 @@
+"""Carrying out a plan: read each tensor in row blocks, merge in fp32, stream into shards, check, commit."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import shutil
+import tempfile
+import time
+from collections import Counter
+
+import torch
+
+from .errors import InputError, MergeCheckError
+from .maths import lora_bias_delta, lora_delta_rows, merge_rows
+from .plan import Plan, PlannedTensor
+from .quant import quantize_roundtrip
+from .report import MergeReport
+from .safetensors_io import DTYPES, RowReader, read_header, row_blocks
+from .writer import ShardWriter, write_json
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str) -> torch.device:
+    """Turn ``"auto"``, ``"cpu"`` or ``"cuda"`` (``"cuda:N"``) into the device the merge maths runs on.
+
+    Args:
+        device: the requested device.
+
+    Returns:
+        ``cuda`` when asked for (or ``auto`` and available), else ``cpu``.
+
+    Raises:
+        InputError: unknown device, or CUDA asked for but not available.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda" or str(device).startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise InputError(f"device {device!r} was asked for but CUDA is not available; use --device cpu or auto")
+        return torch.device(device)
+    raise InputError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far, in bytes (``ru_maxrss``, mapped file pages included)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    """The process's resident set size now, in bytes (from ``/proc/self/statm``; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _Merger:
+    """State of one execution: reader, device, counters, progress bar."""
+
+    def __init__(self, plan: Plan, device: torch.device, progress: bool):
+        from tqdm.auto import tqdm
+
+        self.plan = plan
+        self.device = device
+        self.reader = RowReader()
+        self.applied: Counter[str] = Counter()
+        self.replacements = 0
+        self.fallbacks = 0
+        self.bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.reader.close()
+
+    def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
+        src = t.source
+        if t.from_adapter:
+            self.replacements += 1
+        if t.op == "copy":
+            w.copy_from(self.reader.fd(src.path), src.offset, src.nbytes)
+            self.bar.update(t.nbytes)
+            return
+        out_dtype = DTYPES[t.out_dtype][0]
+        blocks = row_blocks(t.shape, self.plan.chunk_elems)
+        if t.op == "cast":
+            for start, stop in blocks:
+                w.write(self.reader.read_rows(src, start, stop).to(out_dtype))
+                self.bar.update((stop - start) * (t.nbytes // max(1, t.shape[0] if t.shape else 1)))
+            return
+        factors = [(m.a.load(self.reader), m.b.load(self.reader), m.scaling) for m in t.loras]
+        bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
+        whole = None
+        if t.quantize:
+            whole = quantize_roundtrip(self.reader.read(src), self.plan.nf4)
+        row_bytes = t.nbytes // max(1, t.shape[0] if t.shape else 1)
+        for start, stop in blocks:
+            rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)
+            merged = self._merge_block(t, rows, factors, bias_deltas, start, stop)
+            if not torch.isfinite(merged).all():
+                raise MergeCheckError(f"merged tensor {t.name!r} has NaN or Inf in rows {start}-{stop}")
+            w.write(merged.to(out_dtype))
+            self.bar.update((stop - start) * row_bytes)
+        for m in t.loras:
+            self.applied[m.path] += 1
+        for m in t.bias_loras:
+            self.applied[m.path + ".bias"] += 1
+
+    def _merge_block(self, t, rows, factors, bias_deltas, start, stop) -> torch.Tensor:
+        if self.device.type != "cpu":
+            try:
+                return self._compute(t, rows, factors, bias_deltas, start, stop, self.device).cpu()
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                self.fallbacks += 1
+                log.warning("out of memory on %s for %s rows %d-%d; redoing them on the CPU",
+                            self.device, t.name, start, stop)
+        return self._compute(t, rows, factors, bias_deltas, start, stop, torch.device("cpu"))
+
+    @staticmethod
+    def _compute(t, rows, factors, bias_deltas, start, stop, device) -> torch.Tensor:
+        rows = rows.to(device)
+        deltas = [
+            lora_delta_rows(a.to(device), b.to(device), s, start, stop, transposed=t.transposed)
+            for a, b, s in factors
+        ]
+        deltas += [d[start:stop].to(device) for d in bias_deltas]
+        return merge_rows(rows, deltas)
+
+
+def execute_plan(plan: Plan, out_dir: str, *, device: str = "auto", progress: bool = True) -> MergeReport:
+    """Write the planned checkpoint into a temporary folder beside ``out_dir``, check it, then move it into place.
+
+    ``out_dir`` is replaced only after every file is complete and checked; on any failure the temporary
+    folder is removed and ``out_dir`` is left as it was.
+
+    Args:
+        plan: the plan from :func:`~peft_shardmerge.plan.build_plan`.
+        out_dir: the output folder (validated by the caller).
+        device: where the merge maths runs: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        progress: show a progress bar over bytes written.
+
+    Returns:
+        The :class:`MergeReport`.
+
+    Raises:
+        MergeCheckError: a LoRA module was not applied exactly once, a merged value is not finite, or a
+            written file does not match the plan.
+        InputError: the device is not available.
+        OSError: the filesystem failed (disk full, permissions); nothing is left behind.
+
+    Example:
+        >>> report = execute_plan(plan, "merged")   # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    baseline = current_rss_bytes()
+    dev = resolve_device(device)
+    out_dir = os.path.abspath(out_dir)
+    parent, name = os.path.split(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    merger = _Merger(plan, dev, progress)
+    try:
+        with torch.no_grad():
+            for i, shard_name in enumerate(plan.shard_names):
+                tensors = plan.shard_tensors(i)
+                entries = [(t.name, t.out_dtype, t.shape, t.nbytes) for t in tensors]
+                with ShardWriter(os.path.join(tmp, shard_name), entries) as w:
+                    for t in tensors:
+                        merger.write_tensor(t, w)
+        if len(plan.shard_names) > 1:
+            write_json(os.path.join(tmp, "model.safetensors.index.json"), plan.index())
+        write_json(os.path.join(tmp, "config.json"), plan.config)
+        _copy_side_files(plan, tmp)
+        _check_counts(plan, merger)
+        _check_written(plan, tmp)
+        _commit(tmp, out_dir)
+    except BaseException:
+        merger.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    merger.close()
+    report = MergeReport(
+        out_dir=out_dir,
+        base=plan.base.folder,
+        adapter=plan.adapter.folder,
+        dtype=str(plan.dtype).removeprefix("torch."),
+        base_precision=plan.base_precision,
+        tensors_written=len(plan.tensors),
+        lora_modules_merged=sum(1 for k in merger.applied if not k.endswith(".bias")),
+        lora_modules_total=len(plan.adapter.modules),
+        replacements_applied=merger.replacements,
+        shards=list(plan.shard_names),
+        bytes_written=plan.total_size,
+        wall_time_s=time.perf_counter() - t0,
+        peak_rss_bytes=peak_rss_bytes(),
+        baseline_rss_bytes=baseline,
+        cpu_fallbacks=merger.fallbacks,
+        device=str(dev),
+        untied=list(plan.untied),
+        notes=list(plan.notes),
+    )
+    log.info("%s", report.summary())
+    return report
+
+
+def _copy_side_files(plan: Plan, tmp: str) -> None:
+    for fname in plan.base.extra_files:
+        shutil.copyfile(os.path.join(plan.base.folder, fname), os.path.join(tmp, fname))
+    for fname in plan.adapter.tokenizer_files:
+        shutil.copyfile(os.path.join(plan.adapter.folder, fname), os.path.join(tmp, fname))
+
+
+def _check_counts(plan: Plan, merger: _Merger) -> None:
+    expected = Counter({p: 1 for p in plan.adapter.modules})
+    for p, m in plan.adapter.modules.items():
+        if m.bias is not None:
+            expected[p + ".bias"] = 1
+    if merger.applied != expected:
+        missing = sorted(set(expected) - set(merger.applied))
+        twice = sorted(k for k, v in merger.applied.items() if v > 1)
+        raise MergeCheckError(
+            f"LoRA modules not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}"
+        )
+
+
+def _check_written(plan: Plan, tmp: str) -> None:
+    for i, shard_name in enumerate(plan.shard_names):
+        infos, meta = read_header(os.path.join(tmp, shard_name))
+        got = [(t.name, t.dtype, t.shape) for t in infos]
+        want = [(t.name, t.out_dtype, t.shape) for t in plan.shard_tensors(i)]
+        if got != want or meta.get("format") != "pt":
+            raise MergeCheckError(f"{shard_name}: written header does not match the plan")
+
+
+def _commit(tmp: str, out_dir: str) -> None:
+    parent, name = os.path.split(out_dir)
+    if os.path.lexists(out_dir):
+        old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+        os.rmdir(old)
+        os.rename(out_dir, old)
+        try:
+            os.rename(tmp, out_dir)
+        except BaseException:
+            os.rename(old, out_dir)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)

@@ -1,0 +1,454 @@
+"""The merge plan: every output tensor, its source, the LoRA deltas it receives, its shard and the peak memory."""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapter import AdapterSpec, LoraModule
+from .errors import InputError
+from .model_info import ModelInfo
+from .quant import Nf4Settings
+from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, TensorInfo, row_blocks
+from .sources import CheckpointSource
+
+OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BASE_PRECISIONS = ("original", "nf4")
+#: elements of one row block of a tensor (16 MiB in fp32)
+DEFAULT_CHUNK_ELEMS = 1 << 22
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Parse a shard size: an int of bytes, or a string such as ``"5GB"`` (decimal) or ``"512MiB"`` (binary).
+
+    Args:
+        size: bytes as an int, or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        InputError: not a positive size.
+
+    Example:
+        >>> parse_size("5GB"), parse_size("1MiB"), parse_size(1000)
+        (5000000000, 1048576, 1000)
+    """
+    if isinstance(size, bool):
+        raise InputError(f"max_shard_size must be a size such as '5GB', got {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        m = _SIZE_RE.match(str(size))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise InputError(f"max_shard_size {size!r} is not a size; write e.g. '5GB', '500MB' or '2GiB'")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise InputError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """Parse an output dtype: ``None``, a ``torch.dtype`` or its name.
+
+    Args:
+        dtype: ``None`` (keep the base's), ``"bfloat16"``/``"float16"``/``"float32"`` (``"bf16"``, ``"fp16"``,
+            ``"fp32"``, ``"torch.bfloat16"`` too) or the torch dtype.
+
+    Returns:
+        The torch dtype, or None.
+
+    Raises:
+        InputError: any other value.
+
+    Example:
+        >>> parse_dtype("bf16")
+        torch.bfloat16
+    """
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in OUTPUT_DTYPES.values():
+        return dtype
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    name = str(dtype).removeprefix("torch.")
+    name = aliases.get(name, name)
+    if name not in OUTPUT_DTYPES:
+        raise InputError(f"dtype {dtype!r} is not supported; use one of {', '.join(OUTPUT_DTYPES)}")
+    return OUTPUT_DTYPES[name]
+
+
+@dataclass
+class PlannedTensor:
+    """One output tensor and how to make it.
+
+    Attributes:
+        name: its name in the output checkpoint.
+        out_dtype: safetensors dtype written.
+        source: where its base data is read from (a base tensor, or an adapter tensor replacing it).
+        from_adapter: True when ``source`` is an adapter tensor (``modules_to_save`` and similar).
+        loras: LoRA modules whose weight delta is added.
+        bias_loras: LoRA modules whose ``lora_B.bias`` is added (this tensor is a bias).
+        transposed: the stored weight is ``[in, out]`` (Conv1D) or an embedding.
+        quantize: replace the base by dequant(quantize_4bit(base)) before adding deltas.
+        shard: index of the output shard.
+    """
+
+    name: str
+    out_dtype: str
+    source: TensorInfo
+    from_adapter: bool = False
+    loras: list[LoraModule] = field(default_factory=list)
+    bias_loras: list[LoraModule] = field(default_factory=list)
+    transposed: bool = False
+    quantize: bool = False
+    shard: int = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel * DTYPES[self.out_dtype][1]
+
+    @property
+    def op(self) -> str:
+        """``"copy"`` (bytes unchanged), ``"cast"`` (dtype change only) or ``"merge"``."""
+        if self.loras or self.bias_loras or self.quantize:
+            return "merge"
+        return "copy" if self.out_dtype == self.source.dtype else "cast"
+
+
+@dataclass
+class Plan:
+    """Everything the executor will write, decided from headers and configs alone.
+
+    Attributes:
+        base: the base checkpoint.
+        adapter: the adapter.
+        tensors: output tensors in write order.
+        shard_names: output file names, in order.
+        dtype: the floating-point dtype written.
+        base_precision: ``"original"`` or ``"nf4"``.
+        nf4: the 4-bit settings when ``base_precision == "nf4"``.
+        config: the ``config.json`` to write.
+        chunk_elems: elements per row block.
+        untied: tied weights written separately because the adapter changed one side.
+        notes: things the user should know (logged and kept in the report).
+    """
+
+    base: CheckpointSource
+    adapter: AdapterSpec
+    tensors: list[PlannedTensor]
+    shard_names: list[str]
+    dtype: torch.dtype
+    base_precision: str
+    nf4: Nf4Settings | None
+    config: dict
+    chunk_elems: int
+    untied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(t.source.numel for t in self.tensors)
+
+    def shard_tensors(self, i: int) -> list[PlannedTensor]:
+        return [t for t in self.tensors if t.shard == i]
+
+    def index(self) -> dict:
+        """The ``model.safetensors.index.json`` content (used when there is more than one shard)."""
+        return {
+            "metadata": {"total_parameters": self.total_parameters, "total_size": self.total_size},
+            "weight_map": {t.name: self.shard_names[t.shard] for t in self.tensors},
+        }
+
+    def peak_bytes(self) -> int:
+        """Estimated peak working memory of the executor, beyond the imported libraries."""
+        return max((_working_set(t, self.chunk_elems) for t in self.tensors), default=0)
+
+    def describe(self) -> str:
+        """A human-readable plan: every tensor with shard, dtype, shape, bytes and operation, then totals."""
+        lines = [
+            f"base:            {self.base.folder}",
+            f"adapter:         {self.adapter.folder}",
+            f"dtype:           {str(self.dtype).removeprefix('torch.')}",
+            f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else ""),
+            f"LoRA modules:    {len(self.adapter.modules)}",
+            "",
+            f"{'shard':<36} {'tensor':<56} {'dtype':<5} {'shape':<16} {'bytes':>12}  op",
+        ]
+        for t in self.tensors:
+            extra = ""
+            if t.loras:
+                extra = " +" + ",".join(f"lora(r={m.rank})" for m in t.loras)
+            if t.bias_loras:
+                extra += " +lora_bias"
+            if t.from_adapter:
+                extra += " (from adapter)"
+            if t.quantize:
+                extra += " (4-bit base)"
+            lines.append(
+                f"{self.shard_names[t.shard]:<36} {t.name:<56} {t.out_dtype:<5} {str(list(t.shape)):<16} "
+                f"{t.nbytes:>12}  {t.op}{extra}"
+            )
+        lines += [
+            "",
+            f"tensors: {len(self.tensors)}   shards: {len(self.shard_names)}   bytes: {self.total_size}"
+            f" ({self.total_size / 1e9:.3f} GB)",
+            f"estimated peak working memory: {self.peak_bytes() / 2**20:.1f} MiB",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _working_set(t: PlannedTensor, chunk_elems: int) -> int:
+    if t.op == "copy":
+        return 8 << 20
+    src_item, out_item = DTYPES[t.source.dtype][1], DTYPES[t.out_dtype][1]
+    factors = sum(4 * (m.a.shape[0] * m.a.shape[1] + m.b.shape[0] * m.b.shape[1]) for m in t.loras)
+    if t.quantize:
+        n = t.source.numel
+        return n * (src_item + 4 * 3 + out_item) + factors
+    start, stop = row_blocks(t.shape, chunk_elems)[0]
+    n = (stop - start) * (t.source.numel // max(1, t.shape[0] if t.shape else 1))
+    return n * (src_item + 4 * 2 + out_item) + factors
+
+
+def _base_dtype(base: CheckpointSource) -> torch.dtype:
+    for key in ("dtype", "torch_dtype"):
+        name = base.config.get(key)
+        if isinstance(name, str) and name in OUTPUT_DTYPES:
+            return OUTPUT_DTYPES[name]
+    counts: dict[str, int] = {}
+    for t in base.tensors:
+        if t.dtype in ("F32", "F16", "BF16"):
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel
+    if not counts:
+        return torch.float32
+    return DTYPES[max(counts, key=counts.get)][0]
+
+
+def _tie_enabled(config: dict) -> bool:
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    text = config.get("text_config")
+    if isinstance(text, dict) and "tie_word_embeddings" in text:
+        return bool(text["tie_word_embeddings"])
+    return True  # transformers' PretrainedConfig default
+
+
+def output_config(config: dict, dtype: torch.dtype, *, untie: bool) -> dict:
+    """The ``config.json`` of the merged checkpoint.
+
+    Removes ``quantization_config`` (also inside ``text_config``/``vision_config``), records the dtype
+    written, and turns weight tying off when tied weights were written separately.
+
+    Args:
+        config: the base config.
+        dtype: the dtype written.
+        untie: set ``tie_word_embeddings`` to False.
+
+    Returns:
+        A new dict.
+
+    Example:
+        >>> output_config({"quantization_config": {}, "dtype": "float32"}, torch.bfloat16, untie=False)
+        {'dtype': 'bfloat16'}
+    """
+    out = copy.deepcopy(config)
+    name = str(dtype).removeprefix("torch.")
+    for sub in (out, out.get("text_config"), out.get("vision_config")):
+        if isinstance(sub, dict):
+            sub.pop("quantization_config", None)
+            if sub is out or "dtype" in sub or "torch_dtype" in sub:
+                sub["dtype"] = name
+            sub.pop("torch_dtype", None)
+            if untie and sub is out:
+                sub["tie_word_embeddings"] = False
+            elif untie and "tie_word_embeddings" in sub:
+                sub["tie_word_embeddings"] = False
+    return out
+
+
+def build_plan(
+    base: CheckpointSource,
+    adapter: AdapterSpec,
+    info: ModelInfo,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    base_precision: str = "original",
+    nf4: Nf4Settings | None = None,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    problems: list[str] | None = None,
+) -> Plan:
+    """Decide every output tensor, its LoRA deltas and its shard, from headers and configs only.
+
+    Args:
+        base: the base checkpoint.
+        adapter: the LoRA adapter.
+        info: the model structure (:func:`~peft_shardmerge.model_info.inspect_model`).
+        dtype: output dtype; None keeps the base's.
+        max_shard_size: largest shard, bytes or a string such as ``"5GB"``.
+        base_precision: ``"original"`` (merge into W) or ``"nf4"`` (into dequant(quantize_4bit(W))).
+        nf4: 4-bit settings for ``base_precision="nf4"`` (defaults: nf4, blocksize 64, double quant).
+        chunk_elems: elements per row block when merging.
+        problems: problems already found by the caller, reported together with the plan's.
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        InputError: every problem found (missing targets, shape mismatches, bad options), at once.
+
+    Example:
+        >>> plan = build_plan(open_checkpoint("base"), load_adapter("adapter"), inspect_model("base"))  # doctest: +SKIP
+        >>> print(plan.describe())  # doctest: +SKIP
+    """
+    problems = list(problems or [])
+    try:
+        out_torch = parse_dtype(dtype) or _base_dtype(base)
+    except InputError as e:
+        problems += e.problems
+        out_torch = torch.float32
+    try:
+        shard_limit = parse_size(max_shard_size)
+    except InputError as e:
+        problems += e.problems
+        shard_limit = 1
+    if base_precision not in BASE_PRECISIONS:
+        problems.append(f"base_precision must be one of {', '.join(BASE_PRECISIONS)}, got {base_precision!r}")
+    if base_precision == "nf4":
+        nf4 = nf4 or Nf4Settings()
+        problems += nf4.validate()
+        if not info.available:
+            problems.append(
+                "base precision 'nf4' needs to know which weights bitsandbytes quantized, but the model class "
+                "could not be built from config.json; use base precision 'original'"
+            )
+    else:
+        nf4 = None
+    out_st = TORCH_TO_ST[out_torch]
+
+    # Every name the output may hold: the checkpoint's tensors, plus tied targets it leaves out.
+    sources: dict[str, TensorInfo] = dict(base.by_name)
+    virtual: dict[str, TensorInfo] = {}
+    tie_on = _tie_enabled(base.config)
+    if tie_on:
+        for target, src in info.tied.items():
+            if target not in sources and src in sources:
+                virtual[target] = sources[src]
+
+    planned: dict[str, PlannedTensor] = {}
+
+    def planned_for(name: str) -> PlannedTensor | None:
+        if name in planned:
+            return planned[name]
+        info_t = sources.get(name) or virtual.get(name)
+        if info_t is None:
+            return None
+        out_dtype = out_st if info_t.dtype in FLOAT_DTYPES else info_t.dtype
+        planned[name] = PlannedTensor(name, out_dtype, info_t)
+        return planned[name]
+
+    for name in base.by_name:
+        planned_for(name)
+
+    touched: set[str] = set()
+    for name, rep in sorted(adapter.replacements.items()):
+        pt = planned_for(name)
+        if pt is None:
+            problems.append(f"adapter tensor {name!r} (modules_to_save or a trained bias) has no counterpart in the base")
+            continue
+        if tuple(rep.shape) != pt.shape:
+            problems.append(
+                f"adapter tensor {name!r} has shape {list(rep.shape)} but the base has {list(pt.shape)} "
+                "(a resized vocabulary is not supported yet; merge into a base resized the same way)"
+            )
+            continue
+        if rep.info is None:
+            problems.append(f"adapter tensor {name!r} comes from a .bin file; re-save the adapter as safetensors")
+            continue
+        pt.source, pt.from_adapter = rep.info, True
+        touched.add(name)
+
+    for path, mod in sorted(adapter.modules.items()):
+        wname = f"{path}.weight"
+        pt = planned_for(wname)
+        if pt is None:
+            problems.append(f"LoRA target {path!r} does not exist in the base (no tensor {wname!r}); wrong base?")
+            continue
+        if mod.a.info is None or mod.b.info is None:
+            problems.append(f"LoRA module {path!r} comes from a .bin file; re-save the adapter as safetensors")
+            continue
+        if mod.kind == "embedding":
+            transposed = True
+        elif info.available:
+            transposed = wname in info.transposed
+        else:
+            transposed = adapter.fan_in_fan_out
+        out_f, in_f = mod.b.shape[0], mod.a.shape[1]
+        expected = (in_f, out_f) if transposed else (out_f, in_f)
+        if pt.shape != expected:
+            problems.append(
+                f"LoRA module {path!r} gives a delta of shape {list(expected)} but the base weight {wname!r} is "
+                f"{list(pt.shape)}; the adapter was trained on a different model"
+            )
+            continue
+        pt.loras.append(mod)
+        pt.transposed = transposed
+        touched.add(wname)
+        if mod.bias is not None:
+            bname = f"{path}.bias"
+            bt = planned_for(bname)
+            if bt is None or bt.shape != (out_f,):
+                problems.append(f"LoRA module {path!r} has lora_B.bias but the base has no bias {bname!r} of shape [{out_f}]")
+                continue
+            bt.bias_loras.append(mod)
+            touched.add(bname)
+
+    untied: list[str] = []
+    if tie_on:
+        for target, src in info.tied.items():
+            if (target in touched or src in touched) and planned_for(target) and planned_for(src):
+                untied += [target, src]
+    notes = []
+    if untied:
+        notes.append(
+            f"the adapter changes tied weights ({', '.join(sorted(set(untied)))}); both are written and "
+            "tie_word_embeddings is set to false"
+        )
+    if nf4 is not None:
+        for name, pt in planned.items():
+            if name in info.linear_weights and pt.source.dtype in FLOAT_DTYPES and not pt.from_adapter:
+                pt.quantize = True
+        notes.append(f"merging into the 4-bit base the adapter was trained on ({nf4.describe()})")
+
+    if adapter.tokenizer_files:
+        notes.append("tokenizer files taken from the adapter folder (they replace the base's)")
+    if problems:
+        raise InputError(problems)
+
+    order = list(base.by_name) + [n for n in virtual if n in untied]
+    tensors = [planned[n] for n in order]
+    shard, size = 0, 0
+    for t in tensors:
+        if size and size + t.nbytes > shard_limit:
+            shard, size = shard + 1, 0
+        t.shard = shard
+        size += t.nbytes
+    n = shard + 1
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    config = output_config(base.config, out_torch, untie=bool(untied))
+    return Plan(base, adapter, tensors, names, out_torch, base_precision, nf4, config, chunk_elems,
+                sorted(set(untied)), notes)

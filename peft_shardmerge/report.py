@@ -1,0 +1,81 @@
+"""The MergeReport: what a merge did, in numbers, and its one-screen summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MergeReport:
+    """What a merge wrote and how it went.
+
+    Attributes:
+        out_dir: the output folder (not written for a dry run).
+        base: the base checkpoint folder.
+        adapter: the adapter folder.
+        dtype: the floating-point dtype written, e.g. ``"bfloat16"``.
+        base_precision: ``"original"`` or ``"nf4"`` (what the deltas were added to).
+        tensors_written: output tensors.
+        lora_modules_merged: LoRA modules applied (equals ``lora_modules_total`` after a successful merge).
+        lora_modules_total: LoRA modules in the adapter.
+        replacements_applied: whole tensors taken from the adapter (``modules_to_save``, trained biases).
+        shards: output safetensors file names.
+        bytes_written: tensor bytes written (the index's ``total_size``).
+        wall_time_s: seconds from planning to commit.
+        peak_rss_bytes: the process's peak resident memory (``ru_maxrss``) at the end.
+        baseline_rss_bytes: resident memory when the merge started.
+        cpu_fallbacks: row blocks recomputed on the CPU after an accelerator out-of-memory.
+        device: where the merge maths ran.
+        untied: tied weights written separately.
+        notes: things worth knowing about this merge.
+        dry_run: True when nothing was written.
+        plan_text: the printed plan, for dry runs.
+    """
+
+    out_dir: str
+    base: str
+    adapter: str
+    dtype: str
+    base_precision: str
+    tensors_written: int = 0
+    lora_modules_merged: int = 0
+    lora_modules_total: int = 0
+    replacements_applied: int = 0
+    shards: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    wall_time_s: float = 0.0
+    peak_rss_bytes: int = 0
+    baseline_rss_bytes: int = 0
+    cpu_fallbacks: int = 0
+    device: str = "cpu"
+    untied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    plan_text: str = ""
+
+    def summary(self) -> str:
+        """A one-screen summary of the merge.
+
+        Returns:
+            Several lines of text.
+
+        Example:
+            >>> print(MergeReport("out", "base", "adapter", "bfloat16", "original").summary())  # doctest: +ELLIPSIS
+            merged base + adapter -> out...
+        """
+        if self.dry_run:
+            return self.plan_text
+        gb = self.bytes_written / 1e9
+        lines = [
+            f"merged {self.base} + {self.adapter} -> {self.out_dir}",
+            f"  dtype {self.dtype}, base precision {self.base_precision}, device {self.device}",
+            f"  tensors {self.tensors_written}, LoRA modules merged {self.lora_modules_merged}/"
+            f"{self.lora_modules_total}, tensors from adapter {self.replacements_applied}",
+            f"  shards {len(self.shards)}, {self.bytes_written} bytes ({gb:.3f} GB)",
+            f"  wall time {self.wall_time_s:.2f} s, peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB "
+            f"(+{max(0, self.peak_rss_bytes - self.baseline_rss_bytes) / 2**20:.0f} MiB over the start)",
+        ]
+        if self.cpu_fallbacks:
+            lines.append(f"  {self.cpu_fallbacks} block(s) redone on the CPU after out-of-memory")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)

@@ -1,0 +1,269 @@
+"""The safetensors file format: parsing headers, reading tensor rows in bounded pieces, building headers."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CorruptFileError
+
+#: safetensors dtype name -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = (getattr(torch, _attr), 1)
+
+TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+#: largest JSON header we accept (safetensors itself caps it at 100 MB)
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives inside a safetensors file.
+
+    Attributes:
+        name: the tensor's key in the file.
+        dtype: safetensors dtype name, e.g. ``"BF16"``.
+        shape: the tensor's shape.
+        path: the file holding it.
+        offset: absolute byte offset of its data in the file.
+        nbytes: size of its data in bytes.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: str
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+
+def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
+    """Parse a safetensors file's header without reading any tensor data.
+
+    Args:
+        path: the ``.safetensors`` file.
+
+    Returns:
+        ``(tensors, metadata)``: the tensors in the order of their data in the file, and the
+        ``__metadata__`` string map (empty when absent).
+
+    Raises:
+        CorruptFileError: the header length, JSON, dtypes, shapes or offsets are invalid.
+        FileNotFoundError: the file does not exist.
+
+    Example:
+        >>> tensors, meta = read_header("model.safetensors")  # doctest: +SKIP
+        >>> tensors[0].name, meta.get("format")                # doctest: +SKIP
+        ('model.embed_tokens.weight', 'pt')
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CorruptFileError(f"{path}: file is {size} bytes, too short to be safetensors; re-save it")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+            raise CorruptFileError(
+                f"{path}: header length {hlen} is beyond the file ({size} bytes); the file is truncated "
+                "or not safetensors"
+            )
+        raw = f.read(hlen)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptFileError(f"{path}: header is not valid JSON ({e}); the file is corrupted") from e
+    if not isinstance(header, dict):
+        raise CorruptFileError(f"{path}: header is not a JSON object; the file is corrupted")
+    data_start = 8 + hlen
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CorruptFileError(f"{path}: __metadata__ is not an object")
+    tensors: list[TensorInfo] = []
+    for name, entry in header.items():
+        try:
+            dtype = entry["dtype"]
+            shape = tuple(int(s) for s in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise CorruptFileError(f"{path}: entry {name!r} lacks dtype/shape/data_offsets") from e
+        if dtype not in DTYPES:
+            raise CorruptFileError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if any(s < 0 for s in shape):
+            raise CorruptFileError(f"{path}: tensor {name!r} has a negative dimension {shape}")
+        info = TensorInfo(name, dtype, shape, path, data_start + begin, end - begin)
+        if begin < 0 or end < begin or info.nbytes != info.numel * DTYPES[dtype][1]:
+            raise CorruptFileError(
+                f"{path}: tensor {name!r} offsets [{begin}, {end}) do not fit its dtype {dtype} and shape {list(shape)}"
+            )
+        if data_start + end > size:
+            raise CorruptFileError(f"{path}: tensor {name!r} ends beyond the file; the file is truncated")
+        tensors.append(info)
+    tensors.sort(key=lambda t: t.offset)
+    pos = data_start
+    for t in tensors:
+        if t.offset != pos:
+            raise CorruptFileError(f"{path}: tensor {t.name!r} overlaps another or leaves a gap in the data")
+        pos += t.nbytes
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+class RowReader:
+    """Reads rows of tensors from safetensors files with ``pread`` into one reusable buffer.
+
+    Memory stays at the largest piece requested: nothing is memory-mapped, so the kernel does not
+    count file pages as resident memory.
+
+    Example:
+        >>> reader = RowReader()
+        >>> rows = reader.read_rows(info, 0, 128).float()   # doctest: +SKIP
+        >>> reader.close()                                  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._buf = bytearray(0)
+
+    def fd(self, path: str) -> int:
+        """Return a cached read-only file descriptor for ``path``."""
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY)
+            self._fds[path] = fd
+        return fd
+
+    def read_rows(self, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
+        """Read rows ``[start, stop)`` of a tensor (dimension 0).
+
+        The returned tensor is a view of the reader's buffer: convert or copy it before the next read.
+
+        Args:
+            info: the tensor.
+            start: first row.
+            stop: one past the last row.
+
+        Returns:
+            A tensor of shape ``(stop - start, *info.shape[1:])`` in the file's dtype.
+
+        Raises:
+            CorruptFileError: the file ended early.
+        """
+        if not info.shape:
+            start, stop, row_elems = 0, 1, 1
+        else:
+            row_elems = info.numel // info.shape[0] if info.shape[0] else 0
+        item = DTYPES[info.dtype][1]
+        nbytes = (stop - start) * row_elems * item
+        if len(self._buf) < nbytes:
+            self._buf = bytearray(nbytes)
+        view = memoryview(self._buf)[:nbytes]
+        fd = self.fd(info.path)
+        got, off = 0, info.offset + start * row_elems * item
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:]], off + got)
+            if n <= 0:
+                raise CorruptFileError(f"{info.path}: file ended while reading {info.name!r}")
+            got += n
+        shape = info.shape[1:] if info.shape else ()
+        if nbytes == 0:
+            return torch.empty((stop - start, *shape), dtype=info.torch_dtype)
+        t = torch.frombuffer(view, dtype=info.torch_dtype)
+        return t.reshape((stop - start, *shape)) if info.shape else t.reshape(())
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """Read a whole tensor as an independent copy (for small tensors such as LoRA factors)."""
+        rows = info.shape[0] if info.shape else 1
+        return self.read_rows(info, 0, rows).clone()
+
+    def close(self) -> None:
+        """Close every file descriptor and drop the buffer."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._buf = bytearray(0)
+
+    def __enter__(self) -> "RowReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def build_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:
+    """Build the 8-byte length plus JSON header of a safetensors file.
+
+    Args:
+        entries: ``(name, dtype, shape, nbytes)`` for each tensor, in the order their data will follow.
+        metadata: the ``__metadata__`` string map (``{"format": "pt"}`` for transformers).
+
+    Returns:
+        The bytes to write before the tensor data; the header is padded with spaces to 8 bytes.
+
+    Example:
+        >>> len(build_header([("w", "F32", (2,), 8)], {"format": "pt"})) % 8
+        0
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    pos = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def row_blocks(shape: tuple[int, ...], max_elems: int) -> list[tuple[int, int]]:
+    """Split dimension 0 of ``shape`` into ``(start, stop)`` blocks of at most ``max_elems`` elements.
+
+    A block always holds at least one row, so a single row larger than ``max_elems`` is its own block.
+
+    Args:
+        shape: the tensor shape; a scalar counts as one row.
+        max_elems: the element budget per block.
+
+    Returns:
+        The blocks, covering every row once, in order.
+
+    Example:
+        >>> row_blocks((10, 4), 16)
+        [(0, 4), (4, 8), (8, 10)]
+    """
+    if not shape:
+        return [(0, 1)]
+    rows = shape[0]
+    per_row = 1
+    for s in shape[1:]:
+        per_row *= s
+    step = max(1, max_elems // max(1, per_row))
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)] or [(0, 0)]

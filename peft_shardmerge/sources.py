@@ -1,0 +1,226 @@
+"""Where base weights come from: a checkpoint folder (or cached Hub snapshot) described from its headers alone."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from .errors import CorruptFileError, InputError, NotFoundError
+from .safetensors_io import TensorInfo, read_header
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+#: files copied unchanged from the base (and, for tokenizer files, from the adapter when it has them)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+EXTRA_FILES = ("generation_config.json", "preprocessor_config.json", "processor_config.json")
+
+
+def resolve_folder(location: str, *, what: str, must_have: tuple[str, ...]) -> str:
+    """Turn a local folder or a Hub id already in the local Hugging Face cache into a folder path.
+
+    Never downloads: a Hub id is looked up with ``local_files_only=True``.
+
+    Args:
+        location: a folder path, or a Hub id such as ``"org/name"``.
+        what: how to call it in messages (``"base"``, ``"adapter"``).
+        must_have: file names of which at least one must be in the folder.
+
+    Returns:
+        The absolute folder path.
+
+    Raises:
+        NotFoundError: neither a folder nor a cached Hub id, or none of ``must_have`` is there.
+
+    Example:
+        >>> resolve_folder("./tiny-llama", what="base", must_have=("config.json",))  # doctest: +SKIP
+        '/home/me/tiny-llama'
+    """
+    path = os.path.abspath(os.path.expanduser(location))
+    if not os.path.isdir(path):
+        if os.path.exists(path):
+            raise NotFoundError(f"{what} {location!r} is a file; pass the folder that holds it")
+        cached = _from_hf_cache(location)
+        if cached is None:
+            raise NotFoundError(
+                f"{what} {location!r} is not a folder, nor a Hub id in the local Hugging Face cache; "
+                f"pass a local folder, or download it first (huggingface-cli download {location})"
+            )
+        path = cached
+    if not any(os.path.exists(os.path.join(path, name)) for name in must_have):
+        raise NotFoundError(f"{what} folder {path} has none of {', '.join(must_have)}")
+    return path
+
+
+def _from_hf_cache(repo_id: str) -> str | None:
+    if repo_id.count("/") > 1 or repo_id.startswith((".", "/")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        return None
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
+        return None
+
+
+def safe_shard_name(folder: str, name: object) -> str:
+    """Validate a shard file name taken from an index and return its path.
+
+    Args:
+        folder: the folder holding the index.
+        name: the shard name from the index's ``weight_map``.
+
+    Returns:
+        The shard's path inside ``folder``.
+
+    Raises:
+        CorruptFileError: the name is not a plain ``.safetensors`` file name in that folder.
+
+    Example:
+        >>> safe_shard_name("/ckpt", "model-00001-of-00002.safetensors")
+        '/ckpt/model-00001-of-00002.safetensors'
+    """
+    if (
+        not isinstance(name, str)
+        or not name.endswith(".safetensors")
+        or name != os.path.basename(name)
+        or name in (".", "..")
+        or "\\" in name
+        or "\x00" in name
+    ):
+        raise CorruptFileError(
+            f"{os.path.join(folder, INDEX_FILE)}: shard name {name!r} is not a plain .safetensors file name "
+            "in the same folder; fix the index"
+        )
+    return os.path.join(folder, name)
+
+
+@dataclass
+class CheckpointSource:
+    """A base checkpoint on disk, described from config.json and safetensors headers only.
+
+    Attributes:
+        folder: the checkpoint folder.
+        config: the parsed ``config.json``.
+        tensors: every tensor, in checkpoint order (index order of shards, then file order).
+        by_name: the same, by name.
+        extra_files: names of tokenizer / generation files present in the folder.
+    """
+
+    folder: str
+    config: dict
+    tensors: list[TensorInfo]
+    by_name: dict[str, TensorInfo] = field(default_factory=dict)
+    extra_files: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def open_checkpoint(location: str) -> CheckpointSource:
+    """Describe a base checkpoint: its config and every tensor, reading headers only.
+
+    Args:
+        location: a folder with ``config.json`` and ``model.safetensors`` or a sharded index, or a Hub
+            id in the local cache.
+
+    Returns:
+        The :class:`CheckpointSource`.
+
+    Raises:
+        NotFoundError: folder, config or weights are missing.
+        CorruptFileError: an index or shard is malformed, or a tensor name appears twice.
+        InputError: the checkpoint has only pickle (``.bin``) weights or is already quantized.
+
+    Example:
+        >>> src = open_checkpoint("./tiny-llama")   # doctest: +SKIP
+        >>> len(src.tensors), src.config["model_type"]  # doctest: +SKIP
+        (21, 'llama')
+    """
+    folder = resolve_folder(location, what="base", must_have=("config.json",))
+    config = _read_json(os.path.join(folder, "config.json"), "base config.json")
+    index_path = os.path.join(folder, INDEX_FILE)
+    single = os.path.join(folder, SINGLE_FILE)
+    if os.path.exists(index_path):
+        index = _read_json(index_path, "base index")
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wmap, dict) or not wmap:
+            raise CorruptFileError(f"{index_path}: has no 'weight_map' object; fix or regenerate the index")
+        files: list[str] = []
+        for shard in wmap.values():
+            path = safe_shard_name(folder, shard)
+            if path not in files:
+                files.append(path)
+        missing = [os.path.basename(p) for p in files if not os.path.isfile(p)]
+        if missing:
+            raise NotFoundError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
+    elif os.path.exists(single):
+        files, wmap = [single], None
+    else:
+        bins = [n for n in os.listdir(folder) if n.endswith(".bin") and n.startswith("pytorch_model")]
+        if bins:
+            raise InputError(
+                f"base {folder} has only pickle weights ({bins[0]}); convert it to safetensors first, e.g. "
+                "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path_out)"
+            )
+        raise NotFoundError(f"base {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "unknown")
+        raise InputError(
+            f"base {folder} is a pre-quantized checkpoint (quant_method={method!r}); "
+            "merge into the original 16-bit checkpoint instead (its model id is usually the name without the "
+            "'-bnb-4bit' suffix)"
+        )
+    tensors: list[TensorInfo] = []
+    by_name: dict[str, TensorInfo] = {}
+    for path in files:
+        infos, _meta = read_header(path)
+        for t in infos:
+            if t.name in by_name:
+                raise CorruptFileError(
+                    f"tensor {t.name!r} appears in both {os.path.basename(by_name[t.name].path)} and "
+                    f"{os.path.basename(path)}; the checkpoint is inconsistent"
+                )
+            if wmap is not None and os.path.join(folder, str(wmap.get(t.name, ""))) != path:
+                raise CorruptFileError(
+                    f"{index_path}: tensor {t.name!r} is in {os.path.basename(path)} but the index says "
+                    f"{wmap.get(t.name)!r}; regenerate the index"
+                )
+            by_name[t.name] = t
+            tensors.append(t)
+    if wmap is not None:
+        absent = sorted(set(wmap) - set(by_name))
+        if absent:
+            raise CorruptFileError(f"{index_path}: names tensors no shard holds: {', '.join(absent[:5])}")
+    extra = [n for n in EXTRA_FILES + TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    return CheckpointSource(folder, config, tensors, by_name, extra)
+
+
+def _read_json(path: str, what: str) -> dict:
+    if not os.path.isfile(path):
+        raise NotFoundError(f"{what} not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptFileError(f"{path}: {what} is not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CorruptFileError(f"{path}: {what} is not a JSON object")
+    return data

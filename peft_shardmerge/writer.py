@@ -1,0 +1,138 @@
+"""Streaming safetensors output: the header first, then tensor bytes as they are produced, then the index."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import torch
+
+from .errors import MergeCheckError
+from .safetensors_io import build_header
+
+_COPY_PIECE = 64 << 20
+_FALLBACK_PIECE = 8 << 20
+
+
+class ShardWriter:
+    """Writes one safetensors file whose header is known before any data.
+
+    Memory use is whatever piece is handed to :meth:`write`; nothing is buffered.
+
+    Args:
+        path: the file to create (must not exist).
+        entries: ``(name, dtype, shape, nbytes)`` of every tensor, in write order.
+        metadata: the ``__metadata__`` map; ``{"format": "pt"}`` is always included.
+
+    Raises:
+        FileExistsError: ``path`` exists.
+
+    Example:
+        >>> with ShardWriter("x.safetensors", [("w", "F32", (2,), 8)]) as w:   # doctest: +SKIP
+        ...     w.write(torch.ones(2))
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...], int]],
+                 metadata: dict[str, str] | None = None):
+        self.path = path
+        self.expected = sum(e[3] for e in entries)
+        self.written = 0
+        meta = {"format": "pt", **(metadata or {})}
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._write_all(memoryview(build_header(entries, meta)))
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Append a tensor's (or a row block's) bytes, in its own dtype.
+
+        Args:
+            tensor: the data; it is made contiguous on the CPU.
+        """
+        t = tensor.detach().to("cpu").contiguous()
+        if t.numel() == 0:
+            return
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        self._write_all(memoryview(raw).cast("B"))
+        self.written += raw.nbytes
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        """Append ``nbytes`` copied from another file, in the kernel where the filesystem allows.
+
+        Args:
+            fd: a readable file descriptor.
+            offset: where to start reading in it.
+            nbytes: how many bytes to copy.
+        """
+        done = 0
+        use_kernel = hasattr(os, "copy_file_range")
+        while done < nbytes:
+            want = min(_COPY_PIECE, nbytes - done)
+            n = 0
+            if use_kernel:
+                try:
+                    n = os.copy_file_range(fd, self._fd, want, offset + done)
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                        raise
+                    use_kernel = False
+            if not use_kernel or n == 0:
+                use_kernel = False
+                data = os.pread(fd, min(_FALLBACK_PIECE, want), offset + done)
+                if not data:
+                    raise MergeCheckError(f"source file ended early while copying into {self.path}")
+                self._write_all(memoryview(data))
+                n = len(data)
+            done += n
+        self.written += nbytes
+
+    def close(self) -> None:
+        """Flush to disk and check that exactly the announced bytes were written.
+
+        Raises:
+            MergeCheckError: more or fewer bytes were written than the header announced.
+        """
+        if self._fd < 0:
+            return
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+        if self.written != self.expected:
+            raise MergeCheckError(f"{self.path}: wrote {self.written} data bytes, header announced {self.expected}")
+
+    def abort(self) -> None:
+        """Close without checks (after an error)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write a JSON file the way transformers does (indent 2, sorted keys, trailing newline), fsynced.
+
+    Args:
+        path: the file.
+        data: the object.
+
+    Example:
+        >>> write_json("config.json", {"model_type": "llama"})   # doctest: +SKIP
+    """
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
