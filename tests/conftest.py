@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random bases and adapters built once per session, and the PEFT reference merge."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from peft_shardmerge.tiny import build_adapter, build_base, token_ids  # noqa: E402
+
+#: name -> (arch, dtype, shard size of the saved base, config overrides)
+BASES = {
+    "llama": ("llama", torch.float32, None, {}),
+    "llama_sharded": ("llama", torch.float32, "100KB", {}),
+    "llama_bias": ("llama", torch.float32, None, {"attention_bias": True}),
+    "llama_bf16": ("llama", torch.bfloat16, "200KB", {}),
+    "qwen2": ("qwen2", torch.float32, None, {}),
+    "gpt2": ("gpt2", torch.float32, "150KB", {}),
+}
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def make_base(workdir):
+    """Return a function name -> folder of a saved tiny base (built once)."""
+    cache: dict[str, str] = {}
+
+    def make(name: str) -> str:
+        if name not in cache:
+            arch, dtype, shard, overrides = BASES[name]
+            cache[name] = build_base(str(workdir / f"base-{name}"), arch, dtype=dtype, max_shard_size=shard,
+                                     **overrides)
+        return cache[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def make_adapter(workdir, make_base):
+    """Return a function (base name, adapter tag, **lora kwargs) -> folder of a saved adapter (built once)."""
+    cache: dict[tuple[str, str], str] = {}
+
+    def make(base: str, tag: str = "default", **kwargs) -> str:
+        key = (base, tag)
+        if key not in cache:
+            cache[key] = build_adapter(make_base(base), str(workdir / f"adapter-{base}-{tag}"),
+                                       arch=BASES[base][0], **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def peft_reference():
+    """Return a function (base, adapter) -> (PEFT merge_and_unload state dict in fp32, unmerged logits, ids)."""
+    cache: dict[tuple[str, str], tuple[dict, torch.Tensor, torch.Tensor]] = {}
+
+    def ref(base: str, adapter: str):
+        if (base, adapter) not in cache:
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            peft_model = PeftModel.from_pretrained(model, adapter).eval()
+            ids = token_ids(model.config.vocab_size)
+            with torch.no_grad():
+                logits = peft_model(ids).logits
+            merged = peft_model.merge_and_unload()
+            state = {k: v.detach().clone() for k, v in merged.state_dict().items()}
+            cache[(base, adapter)] = (state, logits, ids)
+        return cache[(base, adapter)]
+
+    return ref
