@@ -103,7 +103,10 @@ class _Merger:
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
         whole = None
         if t.quantize:
-            whole = quantize_roundtrip(self.reader.read(src), self.plan.nf4)
+            # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
+            weight = self.reader.read(src)
+            whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.nf4)
+            whole = whole.T.contiguous() if t.transposed else whole
         row_bytes = t.nbytes // max(1, t.shape[0] if t.shape else 1)
         for start, stop in blocks:
             rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)

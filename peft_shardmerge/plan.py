@@ -93,7 +93,8 @@ class PlannedTensor:
         from_adapter: True when ``source`` is an adapter tensor (``modules_to_save`` and similar).
         loras: LoRA modules whose weight delta is added.
         bias_loras: LoRA modules whose ``lora_B.bias`` is added (this tensor is a bias).
-        transposed: the stored weight is ``[in, out]`` (Conv1D) or an embedding.
+        transposed: the stored weight is ``[in, out]`` (Conv1D), or an embedding with LoRA (whose delta is
+            built transposed).
         quantize: replace the base by dequant(quantize_4bit(base)) before adding deltas.
         shard: index of the output shard.
     """
@@ -362,7 +363,7 @@ def build_plan(
         return planned[name]
 
     for name in base.by_name:
-        planned_for(name)
+        planned_for(name).transposed = name in info.transposed
 
     touched: set[str] = set()
     for name, rep in sorted(adapter.replacements.items()):

@@ -1,0 +1,82 @@
+"""--base-precision nf4: merging into the 4-bit weights transformers + bitsandbytes give a QLoRA run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from peft_shardmerge import merge_checkpoint  # noqa: E402
+
+
+def _quantized_reference(base: str, adapter: str, quant_type: str, double_quant: bool) -> dict[str, torch.Tensor]:
+    """Load base in 4-bit with transformers, attach the adapter with PEFT, and return per weight
+    dequant(W4) (+ PEFT's get_delta_weight where LoRA applies), in fp32, before any forward pass."""
+    import bitsandbytes.functional as F
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                            bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu")
+    peft_model = PeftModel.from_pretrained(model, adapter)
+    out = {}
+    for name, module in peft_model.base_model.model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            w = module.weight
+            assert not getattr(w.quant_state, "packing_format_for_cpu", False)
+            out[f"{name.replace('.base_layer', '')}.weight"] = F.dequantize_4bit(w.data, w.quant_state).float()
+    for name, module in peft_model.base_model.model.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            with torch.no_grad():
+                out[f"{name}.weight"] = out[f"{name}.weight"] + module.get_delta_weight("default").float()
+    return out
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parametrize("base_name", ["llama_bf16", "gpt2"])
+def test_nf4_base_equals_bitsandbytes_dequantized(base_name, quant_type, double_quant, make_base, make_adapter,
+                                                  tmp_path):
+    base = make_base(base_name)
+    kwargs = dict(fan_in_fan_out=True) if base_name == "gpt2" else {}
+    adapter = make_adapter(base_name, "default", **kwargs)
+    out = str(tmp_path / "m")
+    report = merge_checkpoint(base, adapter, out, dtype="float32", base_precision="nf4", nf4_quant_type=quant_type,
+                              nf4_double_quant=double_quant, progress=False)
+    assert report.base_precision == "nf4"
+    assert any("4-bit base" in n for n in report.notes)
+    ref = _quantized_reference(base, adapter, quant_type, double_quant)
+    assert ref
+    got = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(out, f), framework="pt") as h:
+                got.update({k: h.get_tensor(k) for k in h.keys()})
+    for name, want in ref.items():
+        have = got[name]
+        if base_name == "gpt2":  # Conv1D stores [in, out]; bitsandbytes holds [out, in]
+            have = have.T
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # bitsandbytes leaves embeddings and the output head alone, and so does the nf4 base
+    assert not any("embed" in k or "wte" in k or "lm_head" in k for k in ref)
+
+
+def test_original_and_nf4_differ_by_quantization_error(make_base, make_adapter, tmp_path):
+    base = make_base("llama_bf16")
+    adapter = make_adapter("llama_bf16", "default")
+    a, b = str(tmp_path / "orig"), str(tmp_path / "nf4")
+    merge_checkpoint(base, adapter, a, dtype="float32", progress=False)
+    merge_checkpoint(base, adapter, b, dtype="float32", base_precision="nf4", progress=False)
+    name = "model.layers.0.mlp.up_proj.weight"
+    with safe_open(os.path.join(a, "model.safetensors"), framework="pt") as ha, \
+            safe_open(os.path.join(b, "model.safetensors"), framework="pt") as hb:
+        wa, wb = ha.get_tensor(name), hb.get_tensor(name)
+        ea, eb = ha.get_tensor("model.embed_tokens.weight"), hb.get_tensor("model.embed_tokens.weight")
+    rel = float((wa - wb).norm() / wa.norm())
+    assert 0.01 < rel < 0.2, rel  # 4-bit quantization error, nothing more
+    assert torch.equal(ea, eb)
