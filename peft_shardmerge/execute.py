@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from .errors import InputError, MergeCheckError
-from .maths import lora_bias_delta, lora_delta_rows, merge_rows
+from .maths import lora_bias_delta, merge_block
 from .plan import Plan, PlannedTensor
 from .quant import quantize_roundtrip
 from .report import MergeReport
@@ -99,8 +99,9 @@ class _Merger:
                 w.write(self.reader.read_rows(src, start, stop).to(out_dtype))
                 self.bar.update((stop - start) * (t.nbytes // max(1, t.shape[0] if t.shape else 1)))
             return
-        factors = [(m.a.load(self.reader), m.b.load(self.reader), m.scaling) for m in t.loras]
+        factors = [(m.a.load(self.reader).float(), m.b.load(self.reader).float(), m.scaling) for m in t.loras]
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
+        dev_factors = [(a.to(self.device), b.to(self.device), s) for a, b, s in factors]
         whole = None
         if t.quantize:
             # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
@@ -110,8 +111,8 @@ class _Merger:
         row_bytes = t.nbytes // max(1, t.shape[0] if t.shape else 1)
         for start, stop in blocks:
             rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)
-            merged = self._merge_block(t, rows, factors, bias_deltas, start, stop)
-            if not torch.isfinite(merged).all():
+            merged = self._merge_block(t, rows, factors, dev_factors, bias_deltas, start, stop)
+            if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
                 raise MergeCheckError(f"merged tensor {t.name!r} has NaN or Inf in rows {start}-{stop}")
             w.write(merged.to(out_dtype))
             self.bar.update((stop - start) * row_bytes)
@@ -120,10 +121,10 @@ class _Merger:
         for m in t.bias_loras:
             self.applied[m.path + ".bias"] += 1
 
-    def _merge_block(self, t, rows, factors, bias_deltas, start, stop) -> torch.Tensor:
+    def _merge_block(self, t, rows, factors, dev_factors, bias_deltas, start, stop) -> torch.Tensor:
         if self.device.type != "cpu":
             try:
-                return self._compute(t, rows, factors, bias_deltas, start, stop, self.device).cpu()
+                return self._compute(t, rows, dev_factors, bias_deltas, start, stop, self.device).cpu()
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 self.fallbacks += 1
@@ -133,13 +134,7 @@ class _Merger:
 
     @staticmethod
     def _compute(t, rows, factors, bias_deltas, start, stop, device) -> torch.Tensor:
-        rows = rows.to(device)
-        deltas = [
-            lora_delta_rows(a.to(device), b.to(device), s, start, stop, transposed=t.transposed)
-            for a, b, s in factors
-        ]
-        deltas += [d[start:stop].to(device) for d in bias_deltas]
-        return merge_rows(rows, deltas)
+        return merge_block(rows.to(device), factors, start, stop, transposed=t.transposed, bias_deltas=bias_deltas)
 
 
 def execute_plan(plan: Plan, out_dir: str, *, device: str = "auto", progress: bool = True) -> MergeReport:

@@ -2,67 +2,77 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
+#: one LoRA module's contribution: (A [r, n], B [m, r], scaling)
+Factors = tuple[torch.Tensor, torch.Tensor, float]
 
-def lora_delta_rows(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scaling: float,
-    start: int,
-    stop: int,
-    *,
-    transposed: bool,
-) -> torch.Tensor:
-    """Rows ``[start, stop)`` of a LoRA module's weight delta, in fp32.
 
-    For a Linear stored as ``[out, in]`` the delta is ``(B @ A) * scaling`` and its rows come from rows of
-    ``B``. For a weight stored as ``[in, out]`` (GPT-2's Conv1D, ``fan_in_fan_out``) and for an embedding
-    (``[num_embeddings, dim]`` with ``lora_embedding_A`` as ``[r, num_embeddings]``), the delta is the
-    transpose, and its rows come from columns of ``A``. The order of operations follows PEFT's
-    ``get_delta_weight`` so the result agrees with it to fp32 rounding.
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, *, transposed: bool) -> torch.Tensor:
+    """A LoRA module's whole weight delta in fp32, as PEFT's ``get_delta_weight`` computes it.
 
     Args:
         a: the A factor ``[r, n]``.
         b: the B factor ``[m, r]``.
         scaling: alpha / r (or alpha / sqrt(r) for rsLoRA).
-        start: first row of the stored weight.
-        stop: one past the last row.
-        transposed: True when the stored weight is ``(B @ A).T``-shaped.
+        transposed: the stored weight is ``[n, m]`` (GPT-2 Conv1D, embeddings).
 
     Returns:
-        A float32 tensor of shape ``(stop - start, ...)`` matching the stored weight's rows.
+        ``(B @ A) * scaling``, transposed when asked, in float32.
 
     Example:
-        >>> a, b = torch.ones(2, 3), torch.ones(4, 2)
-        >>> lora_delta_rows(a, b, 0.5, 0, 2, transposed=False)
-        tensor([[1., 1., 1.],
-                [1., 1., 1.]])
+        >>> lora_delta(torch.ones(1, 3), torch.ones(2, 1), 0.5, transposed=False)
+        tensor([[0.5000, 0.5000, 0.5000],
+                [0.5000, 0.5000, 0.5000]])
     """
-    a32 = a.to(torch.float32)
-    b32 = b.to(torch.float32)
-    if transposed:
-        return (b32 @ a32[:, start:stop]).T * scaling
-    return (b32[start:stop] @ a32) * scaling
+    d = (b.to(torch.float32) @ a.to(torch.float32)) * scaling
+    return d.T if transposed else d
 
 
-def merge_rows(base_rows: torch.Tensor, deltas: list[torch.Tensor]) -> torch.Tensor:
-    """Add fp32 deltas to rows of a base weight, in fp32.
+def merge_block(
+    base_rows: torch.Tensor,
+    factors: Sequence[Factors],
+    start: int,
+    stop: int,
+    *,
+    transposed: bool,
+    bias_deltas: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``W + sum(scaling * B @ A)`` in fp32, computed in place on a fp32 copy.
+
+    For a weight stored ``[out, in]`` the rows come from rows of B; for one stored ``[in, out]`` (Conv1D with
+    ``fan_in_fan_out``) or an embedding (``lora_embedding_A`` is ``[r, num_embeddings]``) they come from
+    columns of A. Only one block's worth of memory is used, so a huge tensor can be merged in pieces.
 
     Args:
-        base_rows: rows of the base weight, any float dtype.
-        deltas: fp32 tensors of the same shape.
+        base_rows: rows ``[start, stop)`` of the base weight, any float dtype (not modified).
+        factors: ``(A, B, scaling)`` of each LoRA module adding to this weight.
+        start: first row.
+        stop: one past the last row.
+        transposed: the stored weight is the transpose of ``B @ A``.
+        bias_deltas: whole fp32 deltas to add to a 1-D tensor (``lora_B.bias * scaling``); rows are taken.
 
     Returns:
-        The merged rows in float32 (cast once by the caller).
+        A new float32 tensor shaped like ``base_rows``.
 
     Example:
-        >>> merge_rows(torch.ones(2, dtype=torch.bfloat16), [torch.full((2,), 0.25)])
-        tensor([1.2500, 1.2500])
+        >>> w = torch.zeros(4, 3)
+        >>> a, b = torch.ones(1, 3), torch.arange(4.0).reshape(4, 1)
+        >>> merge_block(w[2:], [(a, b, 1.0)], 2, 4, transposed=False)
+        tensor([[2., 2., 2.],
+                [3., 3., 3.]])
     """
     out = base_rows.to(torch.float32, copy=True)
-    for d in deltas:
-        out += d
+    for a, b, scaling in factors:
+        a32, b32 = a.to(torch.float32), b.to(torch.float32)
+        if transposed:
+            out.addmm_(a32[:, start:stop].T, b32.T, alpha=scaling)
+        else:
+            out.addmm_(b32[start:stop], a32, alpha=scaling)
+    for d in bias_deltas:
+        out += d[start:stop].to(out.device)
     return out
 
 

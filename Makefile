@@ -1,0 +1,30 @@
+# Set-up, demo, tests and benchmarks. Every target installs what it needs into .venv first.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# the CPU build first, so that nothing below pulls a CUDA build of torch
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_merge.py --sizes 0.5B,1B --write docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) bench/_work .pytest_cache
