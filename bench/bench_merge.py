@@ -113,10 +113,14 @@ def sample():
         sampled[0] = max(sampled[0], current_rss_bytes())
 threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()
-if method == "copy":
+if method in ("copy", "copy_fsync"):
     os.makedirs(out)
     for f in sorted(os.listdir(base)):
         shutil.copyfile(os.path.join(base, f), os.path.join(out, f))
+        if method == "copy_fsync":
+            fd = os.open(os.path.join(out, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
 elif method == "peft_shardmerge":
     peft_shardmerge.merge_checkpoint(base, adapter, out, progress=False)
 elif method == "peft":
@@ -138,9 +142,11 @@ print(json.dumps({"wall_s": wall, "peak_rss": peak, "baseline_rss": baseline}))
 def run(method: str, base: str, adapter: str) -> dict:
     out = os.path.join(WORK, f"out-{method}")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    os.sync()  # start every run with no dirty pages from the previous one being written back
     p = subprocess.run([sys.executable, "-c", CHILD, method, base, adapter, out], capture_output=True, text=True,
                        env=env, timeout=3600)
     shutil.rmtree(out, ignore_errors=True)
+    os.sync()
     if p.returncode != 0:
         raise RuntimeError(f"{method} failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -149,8 +155,8 @@ def run(method: str, base: str, adapter: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.5B,1B")
-    ap.add_argument("--methods", default="copy,peft_shardmerge,peft")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per method; the fastest is kept")
+    ap.add_argument("--methods", default="copy,copy_fsync,peft_shardmerge,peft")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per method; the median is reported")
     ap.add_argument("--write", help="write the Markdown table to this file")
     ap.add_argument("--keep", action="store_true", help="keep the generated models under bench/_work")
     args = ap.parse_args()
@@ -158,18 +164,16 @@ def main() -> int:
     for size in args.sizes.split(","):
         base, adapter = build(size)
         params = json.load(open(os.path.join(base, "model.safetensors.index.json")))["metadata"]["total_size"] // 2
-        results = {}
+        runs: dict[str, list[dict]] = {}
         for _ in range(args.repeats):  # interleaved, so that load on the machine hits every method alike
             for method in args.methods.split(","):
                 r = run(method, base, adapter)
-                best = results.get(method)
-                if best is None or r["wall_s"] < best["wall_s"]:
-                    r["peak_rss"] = max(r["peak_rss"], best["peak_rss"]) if best else r["peak_rss"]
-                    results[method] = r
+                runs.setdefault(method, []).append(r)
                 print(f"{size} {method}: {r['wall_s']:.2f} s, peak RSS +{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB",
                       flush=True)
-        copy_wall = results.get("copy", {}).get("wall_s")
-        for method, r in results.items():
+        summary = {m: summarize(rs) for m, rs in runs.items()}
+        copy_wall = summary.get("copy", {}).get("wall_s")
+        for method, r in summary.items():
             rows.append((size, params, method, r, copy_wall))
     table = format_table(rows, args)
     print(table)
@@ -179,6 +183,13 @@ def main() -> int:
     if not args.keep:
         shutil.rmtree(WORK, ignore_errors=True)
     return 0
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median wall time with its range, and the highest peak RSS over baseline, of repeated runs."""
+    walls = sorted(r["wall_s"] for r in runs)
+    return {"wall_s": walls[len(walls) // 2], "wall_min": walls[0], "wall_max": walls[-1],
+            "rss_over": max(r["peak_rss"] - r["baseline_rss"] for r in runs)}
 
 
 def format_table(rows, args) -> str:
@@ -200,17 +211,19 @@ def format_table(rows, args) -> str:
         "during the job (`ru_maxrss`, mapped file pages included, or 5 ms samples of `/proc/self/statm` when the",
         "job stays below the import-time peak) minus its resident memory right after importing torch,",
         "transformers, peft and peft_shardmerge. Wall time is the",
-        f"fastest of {args.repeats} interleaved runs; all runs read from a warm page cache.",
+        f"median of {args.repeats} interleaved runs (range in brackets), each started after `sync` with the",
+        "inputs in the page cache; × copy is the ratio of medians. Peak RSS is the highest of the runs.",
         "",
         "| base | params | method | wall time (s) | × copy | peak RSS over baseline (MiB) |",
         "|---|---:|---|---:|---:|---:|",
     ]
-    names = {"copy": "copy the files", "peft_shardmerge": "peft-shardmerge merge",
+    names = {"copy": "copy the files (`shutil.copyfile`)", "copy_fsync": "copy the files, then fsync each",
+             "peft_shardmerge": "peft-shardmerge merge (fsyncs its output)",
              "peft": "PEFT reload + merge_and_unload + save_pretrained"}
     for size, params, method, r, copy_wall in rows:
         ratio = f"{r['wall_s'] / copy_wall:.2f}" if copy_wall else "-"
-        lines.append(f"| {size} | {params / 1e9:.2f}B | {names.get(method, method)} | {r['wall_s']:.2f} | {ratio} | "
-                     f"{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} |")
+        lines.append(f"| {size} | {params / 1e9:.2f}B | {names.get(method, method)} | {r['wall_s']:.2f} "
+                     f"[{r['wall_min']:.2f}–{r['wall_max']:.2f}] | {ratio} | {r['rss_over'] / 2**20:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import queue
+import threading
 
 import torch
 
@@ -18,7 +20,8 @@ _FALLBACK_PIECE = 8 << 20
 class ShardWriter:
     """Writes one safetensors file whose header is known before any data.
 
-    Memory use is whatever piece is handed to :meth:`write`; nothing is buffered.
+    Writes happen on a background thread so that computing the next block overlaps writing this one; at
+    most ``depth`` blocks wait in between, so memory stays bounded by a few blocks.
 
     Args:
         path: the file to create (must not exist).
@@ -34,13 +37,34 @@ class ShardWriter:
     """
 
     def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...], int]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, *, depth: int = 2):
         self.path = path
         self.expected = sum(e[3] for e in entries)
         self.written = 0
         meta = {"format": "pt", **(metadata or {})}
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
+        self._thread.start()
         self._write_all(memoryview(build_header(entries, meta)))
+
+    def _drain(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._error is not None:
+                continue
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller on its next call
+                self._error = e
+
+    def _submit(self, job) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(job)
 
     def _write_all(self, view: memoryview) -> None:
         while view:
@@ -50,24 +74,36 @@ class ShardWriter:
     def write(self, tensor: torch.Tensor) -> None:
         """Append a tensor's (or a row block's) bytes, in its own dtype.
 
+        The tensor must not be modified afterwards: it is written in the background.
+
         Args:
             tensor: the data; it is made contiguous on the CPU.
+
+        Raises:
+            OSError: an earlier background write failed (disk full, ...).
         """
         t = tensor.detach().to("cpu").contiguous()
         if t.numel() == 0:
             return
         raw = t.reshape(-1).view(torch.uint8).numpy()
-        self._write_all(memoryview(raw).cast("B"))
         self.written += raw.nbytes
+        self._submit(lambda: self._write_all(memoryview(raw).cast("B")))
 
     def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
         """Append ``nbytes`` copied from another file, in the kernel where the filesystem allows.
 
         Args:
-            fd: a readable file descriptor.
+            fd: a readable file descriptor (kept open until :meth:`close`).
             offset: where to start reading in it.
             nbytes: how many bytes to copy.
+
+        Raises:
+            OSError: an earlier background write failed.
         """
+        self.written += nbytes
+        self._submit(lambda: self._copy(fd, offset, nbytes))
+
+    def _copy(self, fd: int, offset: int, nbytes: int) -> None:
         done = 0
         use_kernel = hasattr(os, "copy_file_range")
         while done < nbytes:
@@ -88,17 +124,25 @@ class ShardWriter:
                 self._write_all(memoryview(data))
                 n = len(data)
             done += n
-        self.written += nbytes
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def close(self) -> None:
-        """Flush to disk and check that exactly the announced bytes were written.
+        """Finish the background writes, flush to disk and check the byte count.
 
         Raises:
             MergeCheckError: more or fewer bytes were written than the header announced.
+            OSError: a background write failed.
         """
         if self._fd < 0:
             return
         try:
+            self._stop()
+            if self._error is not None:
+                raise self._error
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
@@ -108,6 +152,7 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Close without checks (after an error)."""
+        self._stop()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
