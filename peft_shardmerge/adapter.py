@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .errors import CorruptFileError, InputError, NotFoundError, UnsupportedError
-from .safetensors_io import FLOAT_DTYPES, TORCH_TO_ST, RowReader, TensorInfo, read_header, row_blocks
+from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from .sources import _read_json, resolve_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -35,19 +36,15 @@ _UNSUPPORTED_OPTIONS = {
 
 @dataclass
 class AdapterTensor:
-    """One tensor of the adapter: in a safetensors file (``info``) or already in memory (``value``)."""
+    """One tensor of the adapter, in a safetensors file."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
-    info: TensorInfo | None = None
-    value: torch.Tensor | None = None
+    info: TensorInfo
 
     def load(self, reader: RowReader) -> torch.Tensor:
-        """Return the tensor's data (a fresh copy for file-backed tensors)."""
-        if self.value is not None:
-            return self.value
-        assert self.info is not None
+        """Return the tensor's data as a fresh copy."""
         return reader.read(self.info)
 
 
@@ -88,6 +85,8 @@ class AdapterSpec:
             (``modules_to_save`` weights, trained biases, saved embedding layers).
         fan_in_fan_out: the config's flag (Conv1D layers store weights transposed).
         tokenizer_files: tokenizer files saved beside the adapter.
+        scratch: a temporary folder holding a legacy ``.bin`` adapter converted to safetensors (removed
+            when the spec is garbage-collected).
     """
 
     folder: str
@@ -96,6 +95,7 @@ class AdapterSpec:
     replacements: dict[str, AdapterTensor] = field(default_factory=dict)
     fan_in_fan_out: bool = False
     tokenizer_files: list[str] = field(default_factory=list)
+    scratch: tempfile.TemporaryDirectory | None = None
 
     @property
     def base_model_name(self) -> str | None:
@@ -128,8 +128,8 @@ def load_adapter(location: str) -> AdapterSpec:
     folder = resolve_folder(location, what="adapter", must_have=(ADAPTER_CONFIG,))
     config = _read_json(os.path.join(folder, ADAPTER_CONFIG), "adapter_config.json")
     _check_config(config, folder)
-    tensors = _read_adapter_tensors(folder)
-    spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)))
+    tensors, scratch = _read_adapter_tensors(folder)
+    spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)), scratch=scratch)
     spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     parts: dict[str, dict[str, AdapterTensor]] = {}
     problems: list[str] = []
@@ -176,10 +176,6 @@ def load_adapter(location: str) -> AdapterSpec:
             continue
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
         spec.modules[path] = LoraModule(path, kind, a, b, p.get("lora_B.bias"), rank, float(alpha), scaling)
-    bad_values = [n for n, t in tensors.items() if t.value is not None and t.value.is_floating_point()
-                  and not torch.isfinite(t.value).all()]
-    if bad_values:
-        problems.append(f"adapter weights contain NaN or Inf: {', '.join(bad_values[:5])}")
     if problems:
         raise InputError(problems)
     if not spec.modules and not spec.replacements:
@@ -219,35 +215,43 @@ def _check_config(config: dict, folder: str) -> None:
         raise InputError(problems)
 
 
-def _read_adapter_tensors(folder: str) -> dict[str, AdapterTensor]:
+def _read_adapter_tensors(folder: str) -> tuple[dict[str, AdapterTensor], tempfile.TemporaryDirectory | None]:
     st_path = os.path.join(folder, ADAPTER_WEIGHTS)
     bin_path = os.path.join(folder, ADAPTER_BIN)
+    scratch = None
+    if not os.path.isfile(st_path) and os.path.isfile(bin_path):
+        scratch = tempfile.TemporaryDirectory(prefix="peft-shardmerge-adapter-")
+        st_path = _bin_to_safetensors(bin_path, os.path.join(scratch.name, ADAPTER_WEIGHTS))
     if os.path.isfile(st_path):
         infos, _ = read_header(st_path)
         out = {i.name: AdapterTensor(i.name, i.shape, i.dtype, info=i) for i in infos}
         _check_finite_files(out)
-        return out
-    if os.path.isfile(bin_path):
-        try:
-            state: Any = torch.load(bin_path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CorruptFileError(
-                f"{bin_path} cannot be read safely with torch.load(weights_only=True) ({e}); re-save the adapter "
-                "as safetensors"
-            ) from e
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise CorruptFileError(f"{bin_path} is not a flat dict of tensors")
-        return {
-            k: AdapterTensor(k, tuple(v.shape), TORCH_TO_ST.get(v.dtype, "F32"), value=v) for k, v in state.items()
-        }
+        return out, scratch
     raise NotFoundError(f"adapter {folder} has neither {ADAPTER_WEIGHTS} nor {ADAPTER_BIN}")
+
+
+def _bin_to_safetensors(bin_path: str, st_path: str) -> str:
+    """Read a legacy adapter_model.bin without unpickling code and write it as safetensors (adapters are small)."""
+    from safetensors.torch import save_file
+
+    try:
+        state: Any = torch.load(bin_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CorruptFileError(
+            f"{bin_path} cannot be read safely with torch.load(weights_only=True) ({e}); re-save the adapter "
+            "as safetensors"
+        ) from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CorruptFileError(f"{bin_path} is not a flat dict of tensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, st_path, metadata={"format": "pt"})
+    return st_path
 
 
 def _check_finite_files(tensors: dict[str, AdapterTensor]) -> None:
     bad = []
     with RowReader() as reader:
         for name, t in tensors.items():
-            if t.info is None or t.dtype not in FLOAT_DTYPES:
+            if t.dtype not in FLOAT_DTYPES:
                 continue
             for start, stop in row_blocks(t.shape, 1 << 22):
                 if not torch.isfinite(reader.read_rows(t.info, start, stop)).all():

@@ -377,9 +377,6 @@ def build_plan(
                 "(a resized vocabulary is not supported yet; merge into a base resized the same way)"
             )
             continue
-        if rep.info is None:
-            problems.append(f"adapter tensor {name!r} comes from a .bin file; re-save the adapter as safetensors")
-            continue
         pt.source, pt.from_adapter = rep.info, True
         touched.add(name)
 
@@ -388,9 +385,6 @@ def build_plan(
         pt = planned_for(wname)
         if pt is None:
             problems.append(f"LoRA target {path!r} does not exist in the base (no tensor {wname!r}); wrong base?")
-            continue
-        if mod.a.info is None or mod.b.info is None:
-            problems.append(f"LoRA module {path!r} comes from a .bin file; re-save the adapter as safetensors")
             continue
         if mod.kind == "embedding":
             transposed = True

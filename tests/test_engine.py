@@ -192,3 +192,36 @@ def test_small_row_blocks_give_the_same_values(make_base, make_adapter, tmp_path
     assert ta.keys() == tb.keys()
     for k in ta:
         torch.testing.assert_close(ta[k], tb[k], rtol=1e-6, atol=1e-7)
+
+
+def test_legacy_bin_adapter_is_read_without_pickle(make_base, make_adapter, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from peft_shardmerge.tiny import compare_logits
+
+    base = make_base("qwen2")
+    src = make_adapter("qwen2", "mts", target_modules=["q_proj", "v_proj", "embed_tokens"],
+                       modules_to_save=["lm_head"], bias="lora_only")
+    legacy = tmp_path / "legacy"
+    shutil.copytree(src, legacy)
+    torch.save(load_file(str(legacy / "adapter_model.safetensors")), str(legacy / "adapter_model.bin"))
+    os.remove(legacy / "adapter_model.safetensors")
+    out = str(tmp_path / "m")
+    report = merge_checkpoint(base, str(legacy), out, dtype="float32", progress=False)
+    assert report.lora_modules_merged == 5 and report.replacements_applied > 0
+    assert compare_logits(base, src, out) < 1e-4
+
+
+def test_pickle_with_code_is_refused(make_base, make_adapter, tmp_path):
+    import shutil
+
+    from peft_shardmerge import CorruptFileError
+
+    legacy = tmp_path / "legacy"
+    shutil.copytree(make_adapter("llama", "default"), legacy)
+    os.remove(legacy / "adapter_model.safetensors")
+    torch.save({"w": torch.ones(1), "f": os.getcwd}, str(legacy / "adapter_model.bin"))
+    with pytest.raises(CorruptFileError, match=r"cannot be read safely with torch.load\(weights_only=True\)"):
+        merge_checkpoint(make_base("llama"), str(legacy), str(tmp_path / "m"), progress=False)
