@@ -123,6 +123,8 @@ if method in ("copy", "copy_fsync"):
             os.close(fd)
 elif method == "peft_shardmerge":
     peft_shardmerge.merge_checkpoint(base, adapter, out, progress=False)
+elif method == "peft_shardmerge_500MB":
+    peft_shardmerge.merge_checkpoint(base, adapter, out, progress=False, max_shard_size="500MB")
 elif method == "peft":
     from transformers import AutoModelForCausalLM
     from peft import PeftModel
@@ -155,7 +157,7 @@ def run(method: str, base: str, adapter: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.5B,1B")
-    ap.add_argument("--methods", default="copy,copy_fsync,peft_shardmerge,peft")
+    ap.add_argument("--methods", default="copy,copy_fsync,peft_shardmerge,peft_shardmerge_500MB,peft")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per method; the median is reported")
     ap.add_argument("--write", help="write the Markdown table to this file")
     ap.add_argument("--keep", action="store_true", help="keep the generated models under bench/_work")
@@ -219,6 +221,7 @@ def format_table(rows, args) -> str:
     ]
     names = {"copy": "copy the files (`shutil.copyfile`)", "copy_fsync": "copy the files, then fsync each",
              "peft_shardmerge": "peft-shardmerge merge (fsyncs its output)",
+             "peft_shardmerge_500MB": "peft-shardmerge merge, `max_shard_size=\"500MB\"`",
              "peft": "PEFT reload + merge_and_unload + save_pretrained"}
     for size, params, method, r, copy_wall in rows:
         ratio = f"{r['wall_s'] / copy_wall:.2f}" if copy_wall else "-"

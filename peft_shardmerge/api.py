@@ -30,9 +30,13 @@ def check_out_dir(out_dir: str, *, inputs: dict[str, str], overwrite: bool) -> l
     Returns:
         The problems, each a sentence with the fix; empty when ``out_dir`` is fine.
 
+    Raises:
+        Nothing: problems are returned, so that the caller can report them with others.
+
     Example:
-        >>> check_out_dir("/tmp/base/merged", inputs={"base": "/tmp/base"}, overwrite=False)
-        ["output folder /tmp/base/merged is inside the base folder /tmp/base; choose a folder outside it"]
+        >>> for p in check_out_dir("/tmp/base/merged", inputs={"base": "/tmp/base"}, overwrite=False):
+        ...     print(p)
+        output folder /tmp/base/merged is inside the base folder /tmp/base; choose a folder outside it
     """
     problems = []
     out = os.path.realpath(out_dir)

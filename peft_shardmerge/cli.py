@@ -16,8 +16,14 @@ EXIT_INTERRUPTED = 130
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser (``peft-shardmerge merge ...``).
 
+    Args:
+        None.
+
     Returns:
         The parser.
+
+    Raises:
+        Nothing.
 
     Example:
         >>> build_parser().parse_args(["merge", "base", "adapter", "out"]).dtype is None
@@ -65,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         0 on success, 2 for a user error (message, no traceback), 130 when interrupted.
+
+    Raises:
+        SystemExit: from argparse, for ``--help``, ``--version`` or unparsable arguments (status 2).
+        Exception: an unexpected failure (a bug) propagates with its traceback.
 
     Example:
         >>> main(["merge", "base", "adapter", "out", "--dry-run"])   # doctest: +SKIP

@@ -25,11 +25,11 @@ log = logging.getLogger(__name__)
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
     """Turn ``"auto"``, ``"cpu"`` or ``"cuda"`` (``"cuda:N"``) into the device the merge maths runs on.
 
     Args:
-        device: the requested device.
+        device: the requested device; a ``torch.device`` is returned as is.
 
     Returns:
         ``cuda`` when asked for (or ``auto`` and available), else ``cpu``.
@@ -41,6 +41,8 @@ def resolve_device(device: str) -> torch.device:
         >>> resolve_device("cpu")
         device(type='cpu')
     """
+    if isinstance(device, torch.device):
+        return device
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
@@ -53,12 +55,40 @@ def resolve_device(device: str) -> torch.device:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far, in bytes (``ru_maxrss``, mapped file pages included)."""
+    """The process's peak resident set size so far, in bytes (``ru_maxrss``, mapped file pages included).
+
+    Args:
+        None.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> peak_rss_bytes() > 0
+        True
+    """
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def current_rss_bytes() -> int:
-    """The process's resident set size now, in bytes (from ``/proc/self/statm``; 0 where unavailable)."""
+    """The process's resident set size now, in bytes (from ``/proc/self/statm``; 0 where unavailable).
+
+    Args:
+        None.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> current_rss_bytes() >= 0
+        True
+    """
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -101,7 +131,6 @@ class _Merger:
             return
         factors = [(m.a.load(self.reader).float(), m.b.load(self.reader).float(), m.scaling) for m in t.loras]
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
-        dev_factors = [(a.to(self.device), b.to(self.device), s) for a, b, s in factors]
         whole = None
         if t.quantize:
             # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
@@ -111,7 +140,7 @@ class _Merger:
         row_bytes = t.nbytes // max(1, t.shape[0] if t.shape else 1)
         for start, stop in blocks:
             rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)
-            merged = self._merge_block(t, rows, factors, dev_factors, bias_deltas, start, stop)
+            merged = self._merge_block(t, rows, factors, bias_deltas, start, stop)
             if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
                 raise MergeCheckError(f"merged tensor {t.name!r} has NaN or Inf in rows {start}-{stop}")
             w.write(merged.to(out_dtype))
@@ -121,12 +150,13 @@ class _Merger:
         for m in t.bias_loras:
             self.applied[m.path + ".bias"] += 1
 
-    def _merge_block(self, t, rows, factors, dev_factors, bias_deltas, start, stop) -> torch.Tensor:
+    def _merge_block(self, t, rows, factors, bias_deltas, start, stop) -> torch.Tensor:
         if self.device.type != "cpu":
             try:
-                return self._compute(t, rows, dev_factors, bias_deltas, start, stop, self.device).cpu()
+                return self._compute(t, rows, factors, bias_deltas, start, stop, self.device).cpu()
             except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
+                if torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()
                 self.fallbacks += 1
                 log.warning("out of memory on %s for %s rows %d-%d; redoing them on the CPU",
                             self.device, t.name, start, stop)
@@ -134,10 +164,13 @@ class _Merger:
 
     @staticmethod
     def _compute(t, rows, factors, bias_deltas, start, stop, device) -> torch.Tensor:
+        if device.type != "cpu":  # LoRA factors are small next to a row block: move them with it
+            factors = [(a.to(device), b.to(device), s) for a, b, s in factors]
         return merge_block(rows.to(device), factors, start, stop, transposed=t.transposed, bias_deltas=bias_deltas)
 
 
-def execute_plan(plan: Plan, out_dir: str, *, device: str = "auto", progress: bool = True) -> MergeReport:
+def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto",
+                 progress: bool = True) -> MergeReport:
     """Write the planned checkpoint into a temporary folder beside ``out_dir``, check it, then move it into place.
 
     ``out_dir`` is replaced only after every file is complete and checked; on any failure the temporary

@@ -22,6 +22,9 @@ def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, *, transposed: 
     Returns:
         ``(B @ A) * scaling``, transposed when asked, in float32.
 
+    Raises:
+        RuntimeError: from torch, when the shapes do not fit.
+
     Example:
         >>> lora_delta(torch.ones(1, 3), torch.ones(2, 1), 0.5, transposed=False)
         tensor([[0.5000, 0.5000, 0.5000],
@@ -57,6 +60,9 @@ def merge_block(
     Returns:
         A new float32 tensor shaped like ``base_rows``.
 
+    Raises:
+        RuntimeError: from torch, when the shapes do not fit.
+
     Example:
         >>> w = torch.zeros(4, 3)
         >>> a, b = torch.ones(1, 3), torch.arange(4.0).reshape(4, 1)
@@ -85,6 +91,9 @@ def lora_bias_delta(bias_b: torch.Tensor, scaling: float) -> torch.Tensor:
 
     Returns:
         The fp32 bias delta.
+
+    Raises:
+        RuntimeError: from torch, when the shapes do not fit.
 
     Example:
         >>> lora_bias_delta(torch.ones(2), 2.0)

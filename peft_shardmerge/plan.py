@@ -262,6 +262,9 @@ def output_config(config: dict, dtype: torch.dtype, *, untie: bool) -> dict:
     Returns:
         A new dict.
 
+    Raises:
+        Nothing.
+
     Example:
         >>> output_config({"quantization_config": {}, "dtype": "float32"}, torch.bfloat16, untie=False)
         {'dtype': 'bfloat16'}

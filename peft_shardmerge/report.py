@@ -56,8 +56,14 @@ class MergeReport:
     def summary(self) -> str:
         """A one-screen summary of the merge.
 
+        Args:
+            None.
+
         Returns:
             Several lines of text.
+
+        Raises:
+            Nothing.
 
         Example:
             >>> print(MergeReport("out", "base", "adapter", "bfloat16", "original").summary())  # doctest: +ELLIPSIS

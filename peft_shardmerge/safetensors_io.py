@@ -229,6 +229,9 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata:
     Returns:
         The bytes to write before the tensor data; the header is padded with spaces to 8 bytes.
 
+    Raises:
+        TypeError: a name or metadata value is not JSON-serializable.
+
     Example:
         >>> len(build_header([("w", "F32", (2,), 8)], {"format": "pt"})) % 8
         0
@@ -254,6 +257,9 @@ def row_blocks(shape: tuple[int, ...], max_elems: int) -> list[tuple[int, int]]:
 
     Returns:
         The blocks, covering every row once, in order.
+
+    Raises:
+        Nothing.
 
     Example:
         >>> row_blocks((10, 4), 16)

@@ -55,6 +55,10 @@ def build_base(folder: str, arch: str = "llama", *, dtype: torch.dtype = torch.f
     Returns:
         ``folder``.
 
+    Raises:
+        ValueError: unknown architecture.
+        OSError: the folder cannot be written.
+
     Example:
         >>> build_base("/tmp/tiny-llama")   # doctest: +SKIP
         '/tmp/tiny-llama'
@@ -68,7 +72,21 @@ def build_base(folder: str, arch: str = "llama", *, dtype: torch.dtype = torch.f
     return folder
 
 def default_targets(arch: str) -> list[str]:
-    """The usual LoRA target modules of an architecture."""
+    """The usual LoRA target modules of an architecture.
+
+    Args:
+        arch: ``"llama"``, ``"qwen2"`` or ``"gpt2"``.
+
+    Returns:
+        Module names for ``LoraConfig(target_modules=...)``.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> default_targets("gpt2")
+        ['c_attn', 'c_proj', 'c_fc']
+    """
     if arch == "gpt2":
         return ["c_attn", "c_proj", "c_fc"]
     return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -89,6 +107,10 @@ def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, see
 
     Returns:
         ``folder``.
+
+    Raises:
+        ValueError: PEFT rejects the LoRA settings (e.g. a target module that does not exist).
+        OSError: the folder cannot be written.
 
     Example:
         >>> build_adapter("/tmp/tiny-llama", "/tmp/tiny-adapter", r=8, lora_alpha=16)   # doctest: +SKIP
@@ -111,7 +133,24 @@ def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, see
     return folder
 
 def token_ids(vocab_size: int = 512, batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
-    """Reproducible random token ids for comparing logits."""
+    """Reproducible random token ids for comparing logits.
+
+    Args:
+        vocab_size: ids are drawn from ``[3, vocab_size)`` (past the special tokens).
+        batch: rows.
+        length: tokens per row.
+        seed: random seed.
+
+    Returns:
+        An int64 tensor ``[batch, length]``.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> token_ids(batch=1, length=4).shape
+        torch.Size([1, 4])
+    """
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (batch, length), generator=g)
 
@@ -126,6 +165,9 @@ def compare_logits(base_folder: str, adapter_folder: str, merged_folder: str, *,
 
     Returns:
         max |logits(merged) - logits(PeftModel(base, adapter))|, both computed in float32.
+
+    Raises:
+        OSError: a folder cannot be loaded by transformers or PEFT.
 
     Example:
         >>> compare_logits("base", "adapter", "merged") < 1e-4   # doctest: +SKIP

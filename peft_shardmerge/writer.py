@@ -174,6 +174,13 @@ def write_json(path: str, data: dict) -> None:
         path: the file.
         data: the object.
 
+    Returns:
+        None.
+
+    Raises:
+        OSError: the file cannot be written.
+        TypeError: ``data`` is not JSON-serializable.
+
     Example:
         >>> write_json("config.json", {"model_type": "llama"})   # doctest: +SKIP
     """

@@ -1,0 +1,85 @@
+"""The executor's failure paths: nothing half-written survives, and accelerator OOM falls back to the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import peft_shardmerge.execute as execute
+from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
+
+
+def _leftovers(folder) -> list[str]:
+    return [p for p in os.listdir(folder) if p.startswith(".")]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, tmp_path, monkeypatch):
+    base, adapter = make_base("llama_sharded"), make_adapter("llama_sharded", "default")
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "model.safetensors").write_text("the previous output")
+    calls = {"n": 0}
+    real = execute.merge_block
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(execute, "merge_block", failing)
+    with pytest.raises(OSError, match="No space left on device"):
+        merge_checkpoint(base, adapter, str(out), overwrite=True, max_shard_size="200KB", progress=False)
+    assert calls["n"] == 5
+    assert _leftovers(tmp_path) == []
+    if existing:
+        assert os.listdir(out) == ["model.safetensors"]
+        assert (out / "model.safetensors").read_text() == "the previous output"
+    else:
+        assert not out.exists()
+
+
+def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, monkeypatch):
+    """A real torch.OutOfMemoryError raised from the compute step on the accelerator for one module:
+    that block is redone on the CPU, counted, and the output equals an all-CPU merge."""
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    victim = "model.layers.1.mlp.down_proj.weight"
+    real = execute._Merger._compute
+
+    def compute(t, rows, factors, bias_deltas, start, stop, device):
+        if device.type != "cpu":
+            if t.name == victim:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            device = torch.device("cpu")
+        return real(t, rows, factors, bias_deltas, start, stop, device)
+
+    monkeypatch.setattr(execute._Merger, "_compute", staticmethod(compute))
+    # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
+    plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="float32", device="cpu")
+    report = execute.execute_plan(plan, str(tmp_path / "a"), device=torch.device("meta"), progress=False)
+    assert report.cpu_fallbacks == 1
+    assert "redone on the CPU" in report.summary()
+    monkeypatch.undo()
+    merge_checkpoint(base, adapter, str(tmp_path / "b"), dtype="float32", device="cpu", progress=False)
+    with safe_open(str(tmp_path / "a" / "model.safetensors"), "pt") as ha, \
+            safe_open(str(tmp_path / "b" / "model.safetensors"), "pt") as hb:
+        for k in ha.keys():
+            assert torch.equal(ha.get_tensor(k), hb.get_tensor(k)), k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_merge_matches_cpu(make_base, make_adapter, tmp_path):
+    base, adapter = make_base("llama_bf16"), make_adapter("llama_bf16", "default")
+    merge_checkpoint(base, adapter, str(tmp_path / "gpu"), dtype="float32", device="cuda", progress=False)
+    merge_checkpoint(base, adapter, str(tmp_path / "cpu"), dtype="float32", device="cpu", progress=False)
+    for f in os.listdir(tmp_path / "cpu"):
+        if f.endswith(".safetensors"):
+            with safe_open(str(tmp_path / "gpu" / f), "pt") as hg, safe_open(str(tmp_path / "cpu" / f), "pt") as hc:
+                for k in hc.keys():
+                    torch.testing.assert_close(hg.get_tensor(k), hc.get_tensor(k), rtol=1e-5, atol=1e-6)
