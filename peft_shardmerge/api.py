@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import torch
 
@@ -139,6 +140,7 @@ def merge_checkpoint(
     dry_run: bool = False,
     progress: bool = True,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    before_commit: Callable[[str], None] | None = None,
 ) -> MergeReport:
     """Merge a LoRA adapter into a base checkpoint on disk, streaming one row block at a time.
 
@@ -161,6 +163,8 @@ def merge_checkpoint(
         dry_run: plan and check only; nothing is read beyond headers and nothing is written.
         progress: show a progress bar.
         chunk_elems: elements per row block.
+        before_commit: called with the temporary output folder before it is checked and moved into place
+            (to add files, e.g. ``tokenizer.save_pretrained``).
 
     Returns:
         A :class:`~peft_shardmerge.report.MergeReport` (``report.summary()`` for a one-screen summary).
@@ -192,4 +196,4 @@ def merge_checkpoint(
             tensors_written=0, lora_modules_total=len(plan.adapter.modules), shards=list(plan.shard_names),
             notes=list(plan.notes), dry_run=True, plan_text=plan.describe(),
         )
-    return execute_plan(plan, out_dir, device=device, progress=progress)
+    return execute_plan(plan, out_dir, device=device, progress=progress, before_commit=before_commit)

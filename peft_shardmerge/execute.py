@@ -9,6 +9,8 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -170,7 +172,7 @@ class _Merger:
 
 
 def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto",
-                 progress: bool = True) -> MergeReport:
+                 progress: bool = True, before_commit: Callable[[str], None] | None = None) -> MergeReport:
     """Write the planned checkpoint into a temporary folder beside ``out_dir``, check it, then move it into place.
 
     ``out_dir`` is replaced only after every file is complete and checked; on any failure the temporary
@@ -181,6 +183,8 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         out_dir: the output folder (validated by the caller).
         device: where the merge maths runs: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         progress: show a progress bar over bytes written.
+        before_commit: called with the temporary folder once the weights are written, before the checks and
+            the move into place (e.g. to save a tokenizer there).
 
     Returns:
         The :class:`MergeReport`.
@@ -197,31 +201,28 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     t0 = time.perf_counter()
     baseline = current_rss_bytes()
     dev = resolve_device(device)
-    out_dir = os.path.abspath(out_dir)
-    parent, name = os.path.split(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     merger = _Merger(plan, dev, progress)
     try:
-        with torch.no_grad():
-            for i, shard_name in enumerate(plan.shard_names):
-                tensors = plan.shard_tensors(i)
-                entries = [(t.name, t.out_dtype, t.shape, t.nbytes) for t in tensors]
-                with ShardWriter(os.path.join(tmp, shard_name), entries) as w:
-                    for t in tensors:
-                        merger.write_tensor(t, w)
-        if len(plan.shard_names) > 1:
-            write_json(os.path.join(tmp, "model.safetensors.index.json"), plan.index())
-        write_json(os.path.join(tmp, "config.json"), plan.config)
-        _copy_side_files(plan, tmp)
-        _check_counts(plan, merger)
-        _check_written(plan, tmp)
-        _commit(tmp, out_dir)
-    except BaseException:
+        with staged_output(out_dir) as tmp:
+            with torch.no_grad():
+                for i, shard_name in enumerate(plan.shard_names):
+                    tensors = plan.shard_tensors(i)
+                    entries = [(t.name, t.out_dtype, t.shape, t.nbytes) for t in tensors]
+                    with ShardWriter(os.path.join(tmp, shard_name), entries) as w:
+                        for t in tensors:
+                            merger.write_tensor(t, w)
+            if len(plan.shard_names) > 1:
+                write_json(os.path.join(tmp, "model.safetensors.index.json"), plan.index())
+            write_json(os.path.join(tmp, "config.json"), plan.config)
+            _copy_side_files(plan, tmp)
+            if before_commit is not None:
+                before_commit(tmp)
+            _check_counts(plan, merger)
+            check_written(tmp, [(plan.shard_names[i], [(t.name, t.out_dtype, t.shape) for t in plan.shard_tensors(i)])
+                                for i in range(len(plan.shard_names))])
+    finally:
         merger.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    merger.close()
+    out_dir = os.path.abspath(out_dir)
     report = MergeReport(
         out_dir=out_dir,
         base=plan.base.folder,
@@ -266,13 +267,60 @@ def _check_counts(plan: Plan, merger: _Merger) -> None:
         )
 
 
-def _check_written(plan: Plan, tmp: str) -> None:
-    for i, shard_name in enumerate(plan.shard_names):
-        infos, meta = read_header(os.path.join(tmp, shard_name))
+def check_written(folder: str, shards: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> None:
+    """Read back every written shard's header and compare it with what was planned.
+
+    Args:
+        folder: where the shards are.
+        shards: ``(file name, [(tensor name, dtype, shape), ...])`` per shard, in write order.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: a header differs from the plan or lacks ``{"format": "pt"}``.
+        CorruptFileError: a written file is not valid safetensors.
+
+    Example:
+        >>> check_written(tmp, [("model.safetensors", [("w", "F32", (2,))])])   # doctest: +SKIP
+    """
+    for shard_name, want in shards:
+        infos, meta = read_header(os.path.join(folder, shard_name))
         got = [(t.name, t.dtype, t.shape) for t in infos]
-        want = [(t.name, t.out_dtype, t.shape) for t in plan.shard_tensors(i)]
-        if got != want or meta.get("format") != "pt":
+        if got != [(n, d, tuple(s)) for n, d, s in want] or meta.get("format") != "pt":
             raise MergeCheckError(f"{shard_name}: written header does not match the plan")
+
+
+@contextmanager
+def staged_output(out_dir: str) -> Iterator[str]:
+    """Yield a temporary folder beside ``out_dir``; move it into place when the block succeeds.
+
+    On any exception (KeyboardInterrupt included) the temporary folder is removed and ``out_dir`` is left as
+    it was. An existing ``out_dir`` is replaced only after the new folder is complete.
+
+    Args:
+        out_dir: the final folder.
+
+    Returns:
+        A context manager yielding the temporary folder's path.
+
+    Raises:
+        OSError: the parent folder cannot be created or written.
+
+    Example:
+        >>> with staged_output("merged") as tmp:   # doctest: +SKIP
+        ...     write_json(os.path.join(tmp, "config.json"), {})
+    """
+    out_dir = os.path.abspath(out_dir)
+    parent, name = os.path.split(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        yield tmp
+        _commit(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _commit(tmp: str, out_dir: str) -> None:

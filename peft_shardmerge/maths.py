@@ -71,15 +71,48 @@ def merge_block(
                 [3., 3., 3.]])
     """
     out = base_rows.to(torch.float32, copy=True)
-    for a, b, scaling in factors:
-        a32, b32 = a.to(torch.float32), b.to(torch.float32)
-        if transposed:
-            out.addmm_(a32[:, start:stop].T, b32.T, alpha=scaling)
-        else:
-            out.addmm_(b32[start:stop], a32, alpha=scaling)
+    add_lora_(out, factors, start, stop, transposed=transposed)
     for d in bias_deltas:
         out += d[start:stop].to(out.device)
     return out
+
+
+def add_lora_(
+    rows32: torch.Tensor,
+    factors: Sequence[Factors],
+    start: int,
+    stop: int,
+    *,
+    transposed: bool,
+) -> torch.Tensor:
+    """Add the LoRA deltas of rows ``[start, stop)`` to a float32 tensor in place (no delta is allocated).
+
+    Args:
+        rows32: float32 rows ``[start, stop)`` of the weight; modified in place.
+        factors: ``(A, B, scaling)`` of each LoRA module.
+        start: first row.
+        stop: one past the last row.
+        transposed: the stored weight is the transpose of ``B @ A``.
+
+    Returns:
+        ``rows32``.
+
+    Raises:
+        RuntimeError: from torch, when the shapes do not fit or ``rows32`` is not float32.
+
+    Example:
+        >>> add_lora_(torch.zeros(2, 3), [(torch.ones(1, 3), torch.ones(2, 1), 2.0)], 0, 2, transposed=False)
+        tensor([[2., 2., 2.],
+                [2., 2., 2.]])
+    """
+    for a, b, scaling in factors:
+        a32 = a.to(device=rows32.device, dtype=torch.float32)
+        b32 = b.to(device=rows32.device, dtype=torch.float32)
+        if transposed:
+            rows32.addmm_(a32[:, start:stop].T, b32.T, alpha=scaling)
+        else:
+            rows32.addmm_(b32[start:stop], a32, alpha=scaling)
+    return rows32
 
 
 def lora_bias_delta(bias_b: torch.Tensor, scaling: float) -> torch.Tensor:

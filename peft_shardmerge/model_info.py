@@ -34,14 +34,14 @@ class ModelInfo:
     state_names: set[str] = field(default_factory=set)
 
 
-def inspect_model(folder: str) -> ModelInfo:
+def inspect_model(folder: "str | object") -> ModelInfo:
     """Build the checkpoint's model class on the meta device (no memory, no weights) and read its structure.
 
     Never runs code from the checkpoint (``trust_remote_code`` stays off): a custom architecture yields
     ``ModelInfo(available=False)``.
 
     Args:
-        folder: a folder with ``config.json``.
+        folder: a folder with ``config.json``, or a transformers config object.
 
     Returns:
         The :class:`ModelInfo`.
@@ -61,7 +61,15 @@ def inspect_model(folder: str) -> ModelInfo:
         from transformers.pytorch_utils import Conv1D
         from transformers.quantizers.base import get_keys_to_not_convert
 
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        if isinstance(folder, str):
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        else:
+            import copy
+
+            config = copy.deepcopy(folder)
+            for sub in (config, getattr(config, "text_config", None)):
+                if sub is not None and getattr(sub, "quantization_config", None) is not None:
+                    del sub.quantization_config
         model = None
         for auto in (AutoModelForCausalLM, AutoModel):
             try:

@@ -212,6 +212,38 @@ class Plan:
         return "\n".join(lines)
 
 
+def assign_shards(sizes: list[int], limit: int) -> tuple[list[int], list[str]]:
+    """Split tensors, in write order, into consecutive shards of at most ``limit`` bytes.
+
+    A tensor larger than ``limit`` gets a shard of its own; the order is never changed, so shards can be
+    streamed one after the other.
+
+    Args:
+        sizes: byte size of each tensor, in write order.
+        limit: the largest shard in bytes.
+
+    Returns:
+        ``(shard index per tensor, file names)``, named as transformers names them.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> assign_shards([4, 4, 4], 8)
+        ([0, 0, 1], ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'])
+    """
+    indices, shard, size = [], 0, 0
+    for n in sizes:
+        if size and size + n > limit:
+            shard, size = shard + 1, 0
+        indices.append(shard)
+        size += n
+    count = shard + 1
+    names = ["model.safetensors"] if count == 1 else [
+        f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    return indices, names
+
+
 def _working_set(t: PlannedTensor, chunk_elems: int) -> int:
     if t.op == "copy":
         return 8 << 20
@@ -439,14 +471,9 @@ def build_plan(
 
     order = list(base.by_name) + [n for n in virtual if n in untied]
     tensors = [planned[n] for n in order]
-    shard, size = 0, 0
-    for t in tensors:
-        if size and size + t.nbytes > shard_limit:
-            shard, size = shard + 1, 0
-        t.shard = shard
-        size += t.nbytes
-    n = shard + 1
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    indices, names = assign_shards([t.nbytes for t in tensors], shard_limit)
+    for t, i in zip(tensors, indices):
+        t.shard = i
     config = output_config(base.config, out_torch, untie=bool(untied))
     return Plan(base, adapter, tensors, names, out_torch, base_precision, nf4, config, chunk_elems,
                 sorted(set(untied)), notes)
