@@ -1,0 +1,384 @@
+"""After training, in the same process: merge_and_save, merge_and_unload, save_pretrained_merged, push_to_hub_merged."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .api import check_out_dir, merge_checkpoint
+from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
+from .errors import InputError, MergeCheckError, ShardMergeError, UnsupportedError
+from .execute import check_written, current_rss_bytes, peak_rss_bytes, staged_output
+from .live import LiveEntry, LiveModel, dequantize, materialized, offload_owner, unwrap, walk
+from .maths import add_lora_
+from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
+from .report import MergeReport
+from .safetensors_io import DTYPES, row_blocks
+from .writer import ShardWriter, write_json
+
+log = logging.getLogger(__name__)
+
+BASE_PRECISIONS = ("auto", "original", "dequantized")
+SAVE_METHODS = ("merged_16bit", "merged_4bit", "lora")
+_CHUNK_ELEMS = 1 << 22
+
+
+def model_dtype(inner: nn.Module) -> torch.dtype:
+    """The 16-bit dtype a loaded (possibly 4-bit) model computes in: its config's dtype, else that of its first
+    floating-point parameter that bitsandbytes did not quantize.
+
+    Args:
+        inner: the transformers model.
+
+    Returns:
+        ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> model_dtype(model)   # doctest: +SKIP
+        torch.bfloat16
+    """
+    cfg = getattr(getattr(inner, "config", None), "dtype", None) or getattr(inner.config, "torch_dtype", None)
+    if isinstance(cfg, str):
+        cfg = getattr(torch, cfg, None)
+    if cfg in (torch.bfloat16, torch.float16, torch.float32):
+        return cfg
+    for p in inner.parameters():
+        if p.is_floating_point() and type(p).__name__ not in ("Params4bit", "Int8Params"):
+            return p.dtype
+    return torch.float32
+
+
+def find_original_checkpoint(inner: nn.Module) -> tuple[str | None, str]:
+    """Find the 16-bit checkpoint a loaded model came from (``config._name_or_path``) locally or in the offline
+    Hugging Face cache.
+
+    Args:
+        inner: the transformers model.
+
+    Returns:
+        ``(folder, "")`` when found and usable, else ``(None, reason)``.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> find_original_checkpoint(model)   # doctest: +SKIP
+        ('/home/me/llama', '')
+    """
+    from .sources import open_checkpoint
+
+    name = getattr(inner.config, "_name_or_path", "") or ""
+    if not name:
+        return None, "the model's config has no _name_or_path"
+    try:
+        return open_checkpoint(name).folder, ""
+    except ShardMergeError as e:
+        return None, str(e).splitlines()[0]
+
+
+def merge_and_save(
+    model: nn.Module,
+    out_dir: str,
+    *,
+    tokenizer: Any = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    maximum_memory_usage: float = 0.9,
+    base_precision: str = "auto",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> MergeReport:
+    """Write base + LoRA of a loaded model (bitsandbytes 4-bit, 8-bit or unquantized base) as a 16-bit checkpoint.
+
+    Walks the model one module at a time: each bitsandbytes weight is dequantized, the active adapter's
+    delta is added in fp32, the result is cast once and streamed into sharded safetensors. The full 16-bit
+    model is never built, and the caller's model is left exactly as it was.
+
+    Args:
+        model: a ``PeftModel`` (or a transformers model with a LoRA attached by ``add_adapter``).
+        out_dir: the output folder; it appears only when complete.
+        tokenizer: saved into ``out_dir`` when given.
+        dtype: output dtype (``torch.bfloat16`` or ``"bfloat16"``, ``"float16"``, ``"float32"``); None keeps the
+            model's 16-bit dtype.
+        max_shard_size: largest shard (``"5GB"``, ``"500MB"`` or bytes).
+        maximum_memory_usage: fraction (0, 0.95] of the accelerator's memory (of host RAM on a CPU-only
+            machine) the process may occupy while merging. A module whose working set would go over it is
+            merged on the CPU; on out-of-memory it is retried on the CPU and counted in the report.
+        base_precision: ``"original"`` merges into the 16-bit checkpoint the model was loaded from
+            (``config._name_or_path``, a local folder or the offline cache), streamed from disk;
+            ``"dequantized"`` merges into the dequantized weights in memory (what the adapter was trained
+            against); ``"auto"`` uses the original when it is available locally, else the dequantized.
+        overwrite: replace a non-empty ``out_dir`` (after the new output is complete).
+        progress: show progress bars.
+
+    Returns:
+        A :class:`~peft_shardmerge.report.MergeReport`; ``base_precision`` says which base was used.
+
+    Raises:
+        InputError: bad options, output folder problems, or ``base_precision="original"`` without a local
+            original checkpoint (the reason is given).
+        UnsupportedError: the adapter uses a feature that cannot be merged (named).
+        MergeCheckError: a LoRA layer was not applied exactly once.
+
+    Example:
+        >>> from peft_shardmerge import merge_and_save
+        >>> report = merge_and_save(model, "merged", tokenizer=tokenizer)   # doctest: +SKIP
+        >>> print(report.summary())                                        # doctest: +SKIP
+    """
+    budget = MemoryBudget(maximum_memory_usage)
+    problems: list[str] = []
+    if base_precision not in BASE_PRECISIONS:
+        problems.append(f"base_precision must be one of {', '.join(BASE_PRECISIONS)}, got {base_precision!r}")
+    try:
+        out_dtype = parse_dtype(dtype)
+    except InputError as e:
+        problems += e.problems
+        out_dtype = None
+    try:
+        limit = parse_size(max_shard_size)
+    except InputError as e:
+        problems += e.problems
+        limit = 1
+    inner = unwrap(model)
+    out_dtype = out_dtype or model_dtype(inner)
+    original, reason = (None, "")
+    if base_precision in ("auto", "original"):
+        original, reason = find_original_checkpoint(inner)
+        if original is None and base_precision == "original":
+            problems.append(f"base_precision='original' needs the 16-bit checkpoint the model was loaded from: "
+                            f"{reason}; use base_precision='dequantized'")
+    inputs = {"base": original} if original else {}
+    problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
+    if problems:
+        raise InputError(problems)
+    save_extra = _side_saver(tokenizer)
+    if original is not None:
+        report = _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite,
+                                      progress, save_extra)
+        if base_precision == "auto":
+            report.notes.insert(0, f"base precision 'auto': merged into the original checkpoint {original}")
+        log.info("merged into the original 16-bit checkpoint %s", original)
+        return report
+    if base_precision == "auto":
+        log.info("no original checkpoint available locally (%s); merging into the dequantized base", reason)
+    report = _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra)
+    if base_precision == "auto":
+        report.notes.insert(0, f"base precision 'auto': no original checkpoint available locally ({reason}); "
+                               "merged into the dequantized base")
+    return report
+
+
+def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
+    if tokenizer is None:
+        return None
+
+    def save(folder: str) -> None:
+        tokenizer.save_pretrained(folder)
+
+    return save
+
+
+def _active_adapter_name(model: nn.Module) -> str:
+    name = getattr(model, "active_adapter", None)
+    if callable(name):
+        name = name()
+    if isinstance(name, (list, tuple)):
+        if len(name) != 1:
+            raise UnsupportedError(f"several adapters are active ({', '.join(name)}); activate one with set_adapter")
+        name = name[0]
+    return name or "default"
+
+
+def _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite, progress, save_extra):
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise UnsupportedError("base_precision='original' needs a PeftModel; pass base_precision='dequantized'")
+    adapter = _active_adapter_name(model)
+    with tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-") as tmp:
+        model.save_pretrained(tmp, selected_adapters=[adapter])
+        folder = tmp if os.path.exists(os.path.join(tmp, "adapter_config.json")) else os.path.join(tmp, adapter)
+        device = "cuda" if any(p.is_cuda for p in inner.parameters()) else "cpu"
+        report = merge_checkpoint(original, folder, out_dir, dtype=out_dtype, max_shard_size=max_shard_size,
+                                  device=device, overwrite=overwrite, progress=progress, before_commit=save_extra)
+    report.adapter = f"(in memory: adapter {adapter!r})"
+    return report
+
+
+class _LiveMerger:
+    """Produces each output tensor of a walked model, within the memory budget."""
+
+    def __init__(self, live: LiveModel, budget: MemoryBudget):
+        self.live = live
+        self.budget = budget
+        self.applied: Counter[str] = Counter()
+        self.fallbacks = 0
+        self.repacked: list[str] = []
+
+    def compute_device(self, entry: LiveEntry) -> torch.device:
+        dev = entry.holder.weight.device if entry.kind in ("lora", "quantized") else torch.device("cpu")
+        if dev.type == "meta":
+            hook = getattr(offload_owner(self.live.model, entry.name), "_hf_hook", None)
+            dev = torch.device(getattr(hook, "execution_device", None) or "cpu")
+        if dev.type != "cpu" and not self.budget.fits(entry.numel * 4 * 2, dev):
+            log.info("%s: over the memory budget on %s; merging it on the CPU", entry.name, dev)
+            return torch.device("cpu")
+        return dev
+
+    def produce(self, entry: LiveEntry) -> torch.Tensor:
+        """The tensor in the output layout (float32 for merged weights; as stored for plain tensors)."""
+        owner = offload_owner(self.live.model, entry.name)
+        with materialized(owner) if owner is not None else _null():
+            if entry.kind in ("plain", "saved"):
+                return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
+                    entry.holder.state_dict(keep_vars=True)[entry.attr]
+            if entry.kind == "lora_bias":
+                out = entry.holder.bias.detach().to(torch.float32, copy=True)
+                for a in entry.adapters:
+                    out += entry.module.lora_B[a].bias.detach().float().to(out.device) * entry.module.scaling[a]
+                return out
+            dev = self.compute_device(entry)
+            try:
+                return self._merge_weight(entry, dev)
+            except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
+                if not is_out_of_memory(e):
+                    raise
+                free_accelerator_cache()
+                self.fallbacks += 1
+                log.warning("out of memory merging %s on %s; retrying on the CPU", entry.name, dev)
+                return self._merge_weight(entry, torch.device("cpu"))
+
+    def _merge_weight(self, entry: LiveEntry, device: torch.device) -> torch.Tensor:
+        notes: list[str] = []
+        w = dequantize(entry.holder, device, notes)
+        if notes:
+            self.repacked.append(entry.name)
+        if entry.kind == "lora":
+            m = entry.module
+            factors = []
+            for a in entry.adapters:
+                if a in m.lora_A:
+                    factors.append((m.lora_A[a].weight.detach(), m.lora_B[a].weight.detach(), m.scaling[a]))
+                else:
+                    factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), m.scaling[a]))
+            embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
+            transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
+            for start, stop in row_blocks(tuple(w.shape), _CHUNK_ELEMS):
+                add_lora_(w[start:stop], factors, start, stop, transposed=transposed)
+            self.applied[entry.name.rsplit(".", 1)[0]] += 1
+        return w.T if entry.transpose_out else w
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra) -> MergeReport:
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    baseline = current_rss_bytes()
+    live = walk(model)
+    out_st = TORCH_TO_ST[out_dtype]
+    items = []
+    for e in live.entries:
+        dtype_st = out_st if e.floating else None
+        items.append((e, dtype_st))
+    sizes = []
+    for e, st in items:
+        if st is None:
+            st = TORCH_TO_ST[_stored_dtype(live, e)]
+        sizes.append(e.numel * DTYPES[st][1])
+    indices, names = assign_shards(sizes, limit)
+    merger = _LiveMerger(live, budget)
+    with staged_output(out_dir) as tmp, torch.no_grad():
+        bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="merging", disable=not progress)
+        try:
+            plan_headers = []
+            for i, fname in enumerate(names):
+                members = [(items[j], sizes[j]) for j in range(len(items)) if indices[j] == i]
+                entries = []
+                for (e, st), n in members:
+                    st = st or TORCH_TO_ST[_stored_dtype(live, e)]
+                    entries.append((e.name, st, e.shape, n))
+                plan_headers.append((fname, [(n, d, s) for n, d, s, _ in entries]))
+                with ShardWriter(os.path.join(tmp, fname), entries, depth=1) as w:
+                    for ((e, _), n), (_, st, _, _) in zip(members, entries):
+                        t = merger.produce(e)
+                        target = DTYPES[st][0]
+                        if tuple(t.shape) != e.shape:
+                            raise MergeCheckError(f"{e.name}: produced shape {list(t.shape)}, expected {list(e.shape)}")
+                        if t.is_floating_point() and e.kind != "plain" and not torch.isfinite(t.sum()):
+                            raise MergeCheckError(f"merged tensor {e.name!r} has NaN or Inf")
+                        for start, stop in row_blocks(e.shape, _CHUNK_ELEMS):
+                            w.write(t[start:stop].detach().to(device="cpu", dtype=target))
+                        bar.update(n)
+                        del t
+        finally:
+            bar.close()
+        if len(names) > 1:
+            write_json(os.path.join(tmp, "model.safetensors.index.json"), {
+                "metadata": {"total_parameters": sum(e.numel for e in live.entries), "total_size": sum(sizes)},
+                "weight_map": {e.name: names[i] for e, i in zip(live.entries, indices)},
+            })
+        write_json(os.path.join(tmp, "config.json"),
+                   output_config(live.model.config.to_dict(), out_dtype, untie=bool(live.untied)))
+        gen = getattr(live.model, "generation_config", None)
+        if gen is not None:
+            gen.save_pretrained(tmp)
+        if save_extra is not None:
+            save_extra(tmp)
+        expected = Counter({name: 1 for name in live.lora_layers})
+        if merger.applied != expected:
+            missing = sorted(set(expected) - set(merger.applied))
+            raise MergeCheckError(f"LoRA layers not applied exactly once: {missing[:10]}")
+        check_written(tmp, plan_headers)
+    notes = list(live.notes)
+    if merger.repacked:
+        notes.append(
+            f"{len(merger.repacked)} 4-bit weight(s) had been repacked by bitsandbytes for its CPU kernel (an eval "
+            "forward on a CPU with AVX512-BF16); they were unpacked on a copy: 4-bit codes exact, block scales "
+            "kept in bf16 by the repacking (relative error <= 2^-9 per block). Set "
+            "module.support_avx512bf16_for_cpu = False after loading to avoid this"
+        )
+    report = MergeReport(
+        out_dir=os.path.abspath(out_dir),
+        base=getattr(live.model.config, "_name_or_path", "") or type(live.model).__name__,
+        adapter="(in memory)",
+        dtype=str(out_dtype).removeprefix("torch."),
+        base_precision="dequantized",
+        tensors_written=len(live.entries),
+        lora_modules_merged=len(merger.applied),
+        lora_modules_total=len(live.lora_layers),
+        replacements_applied=sum(1 for e in live.entries if e.kind == "saved"),
+        shards=names,
+        bytes_written=sum(sizes),
+        wall_time_s=time.perf_counter() - t0,
+        peak_rss_bytes=peak_rss_bytes(),
+        baseline_rss_bytes=baseline,
+        cpu_fallbacks=merger.fallbacks,
+        device=str(next((p.device for p in live.model.parameters()), "cpu")),
+        untied=list(live.untied),
+        notes=notes,
+    )
+    log.info("%s", report.summary())
+    return report
+
+
+def _stored_dtype(live: LiveModel, e: LiveEntry) -> torch.dtype:
+    t = e.holder.state_dict(keep_vars=True).get(e.attr) if e.kind in ("plain", "saved") else None
+    return t.dtype if t is not None else torch.float32

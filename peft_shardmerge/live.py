@@ -1,0 +1,368 @@
+"""A loaded model as a merge source: walk a PeftModel module by module and produce each merged tensor on demand."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .errors import InputError, UnsupportedError
+from .model_info import ModelInfo, inspect_model
+from .plan import _tie_enabled
+
+log = logging.getLogger(__name__)
+
+#: the relative error of a bf16 block scale, what bitsandbytes' CPU repacking keeps of each absmax
+REPACK_ABSMAX_REL_ERROR = 2.0**-9
+
+
+@dataclass
+class LiveEntry:
+    """One output tensor of a loaded model and how to produce it.
+
+    Attributes:
+        name: its name in the output checkpoint (plain transformers names).
+        shape: its shape in the output layout.
+        floating: whether it is cast to the output dtype.
+        kind: ``"lora"`` (base + LoRA deltas), ``"quantized"`` (a bitsandbytes weight, dequantized),
+            ``"saved"`` (a ``modules_to_save`` copy), ``"lora_bias"`` (a bias with ``lora_B.bias``) or ``"plain"``.
+        module: the module holding the tensor (the LoRA layer for ``"lora"``/``"lora_bias"``).
+        attr: the tensor's attribute name on the module it lives on.
+        holder: the module the attribute belongs to (base layer, ModulesToSaveWrapper copy, ...).
+        adapters: active adapter names whose deltas are added.
+        transpose_out: the output layout is the transpose of the holder's (Conv1D replaced by bnb Linear).
+        numel: elements.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    floating: bool
+    kind: str
+    module: nn.Module
+    attr: str
+    holder: nn.Module
+    adapters: list[str] = field(default_factory=list)
+    transpose_out: bool = False
+    numel: int = 0
+
+
+@dataclass
+class LiveModel:
+    """A walked model: its transformers model, structure facts, and every output tensor in order.
+
+    Attributes:
+        model: the transformers model under the PEFT wrapper.
+        info: structure of the plain model class (layouts, ties).
+        entries: output tensors, in ``state_dict`` order.
+        untied: tied weights written separately because the adapter changed one side.
+        lora_layers: names of LoRA layers with an active adapter (each must be applied once).
+        notes: things to tell the user.
+    """
+
+    model: nn.Module
+    info: ModelInfo
+    entries: list[LiveEntry]
+    untied: list[str]
+    lora_layers: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Return the transformers model inside a ``PeftModel`` (or the model itself when PEFT layers were
+    injected into a transformers model with ``add_adapter``).
+
+    Args:
+        model: a ``PeftModel`` or a transformers model carrying LoRA layers.
+
+    Returns:
+        The transformers model.
+
+    Raises:
+        InputError: the model carries no PEFT adapter.
+
+    Example:
+        >>> unwrap(peft_model).__class__.__name__   # doctest: +SKIP
+        'LlamaForCausalLM'
+    """
+    try:
+        from peft import PeftModel
+    except ImportError as e:  # pragma: no cover - peft is a dependency
+        raise InputError("peft is not installed: pip install peft") from e
+    if isinstance(model, PeftModel):
+        return model.base_model.model
+    if getattr(model, "peft_config", None) or any(_is_lora(m) for m in model.modules()):
+        return model
+    raise InputError(
+        f"{type(model).__name__} has no LoRA adapter; pass the PeftModel returned by get_peft_model / "
+        "PeftModel.from_pretrained (or a transformers model after add_adapter)"
+    )
+
+
+def _is_lora(module: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
+def _bnb_kind(param: torch.Tensor | None) -> str | None:
+    name = type(param).__name__ if param is not None else ""
+    return {"Params4bit": "4bit", "Int8Params": "8bit"}.get(name)
+
+
+def walk(model: nn.Module) -> LiveModel:
+    """List every tensor the merged checkpoint will hold, without computing any of them.
+
+    Args:
+        model: a ``PeftModel`` with a LoRA adapter (base unquantized, bitsandbytes 4-bit or 8-bit).
+
+    Returns:
+        The :class:`LiveModel`.
+
+    Raises:
+        InputError: no adapter, or adapters already merged into the base.
+        UnsupportedError: DoRA or other LoRA variants, trainable tokens (all named).
+
+    Example:
+        >>> live = walk(peft_model)              # doctest: +SKIP
+        >>> [e.name for e in live.entries][:2]   # doctest: +SKIP
+        ['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight']
+    """
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    inner = unwrap(model)
+    info = inspect_model(inner.config)
+    entries: list[LiveEntry] = []
+    problems: list[str] = []
+    unsupported: list[str] = []
+    lora_layers: list[str] = []
+    skip: list[str] = []
+    for name, module in inner.named_modules():
+        if any(name.startswith(p + ".") for p in skip):
+            continue
+        prefix = f"{name}." if name else ""
+        if _is_lora(module):
+            skip.append(name)
+            adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+            if getattr(module, "merged", False):
+                problems.append(f"{name} has its adapter merged into the base already; call model.unmerge_adapter() "
+                                "first (merging into a 4-bit base re-quantizes it)")
+                continue
+            for a in adapters:
+                if getattr(module, "use_dora", {}).get(a):
+                    unsupported.append(f"{name}: DoRA (adapter {a!r}) is not supported yet")
+                elif getattr(module, "lora_variant", {}).get(a) is not None:
+                    unsupported.append(f"{name}: LoRA variant {type(module.lora_variant[a]).__name__} is not supported")
+            base = module.get_base_layer()
+            weight = base.weight
+            wname = f"{prefix}weight"
+            transpose_out = _bnb_kind(weight) is not None and wname in info.transposed
+            shape = _logical_shape(base, weight)
+            if transpose_out:
+                shape = shape[::-1]
+            entries.append(LiveEntry(wname, shape, True, "lora", module, "weight", base, adapters, transpose_out,
+                                     _numel(shape)))
+            if adapters:
+                lora_layers.append(name)
+            if getattr(base, "bias", None) is not None:
+                with_bias = [a for a in adapters if getattr(module, "lora_bias", {}).get(a)]
+                entries.append(LiveEntry(f"{prefix}bias", tuple(base.bias.shape), True,
+                                         "lora_bias" if with_bias else "plain", module, "bias", base, with_bias,
+                                         numel=base.bias.numel()))
+            continue
+        if isinstance(module, ModulesToSaveWrapper):
+            skip.append(name)
+            active = module.active_adapters
+            holder = module.modules_to_save[active[0]] if active and active[0] in module.modules_to_save \
+                else module.original_module
+            for pname, t in holder.state_dict(keep_vars=True).items():
+                entries.append(LiveEntry(prefix + pname, tuple(t.shape), t.is_floating_point(),
+                                         "saved" if holder is not module.original_module else "plain",
+                                         module, pname, holder, numel=t.numel()))
+            continue
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            unsupported.append(f"{name}: {type(module).__name__} (trainable tokens) is not supported yet")
+            skip.append(name)
+            continue
+        weight = getattr(module, "weight", None)
+        if _bnb_kind(weight) is not None:
+            skip.append(name)
+            shape = _logical_shape(module, weight)
+            transpose_out = f"{prefix}weight" in info.transposed
+            if transpose_out:
+                shape = shape[::-1]
+            entries.append(LiveEntry(f"{prefix}weight", shape, True, "quantized", module, "weight", module,
+                                     transpose_out=transpose_out, numel=_numel(shape)))
+            if getattr(module, "bias", None) is not None:
+                entries.append(LiveEntry(f"{prefix}bias", tuple(module.bias.shape), True, "plain", module, "bias",
+                                         module, numel=module.bias.numel()))
+            continue
+        for pname, t in list(module.named_parameters(recurse=False)) + [
+            (b, t) for b, t in module.named_buffers(recurse=False) if b not in module._non_persistent_buffers_set
+        ]:
+            entries.append(LiveEntry(prefix + pname, tuple(t.shape), t.is_floating_point(), "plain", module, pname,
+                                     module, numel=t.numel()))
+    if unsupported:
+        raise UnsupportedError("the model uses adapter features that cannot be merged: " + "; ".join(unsupported))
+    if problems:
+        raise InputError(problems)
+    entries, untied = _resolve_ties(inner, info, entries)
+    notes = []
+    if untied:
+        notes.append(f"the adapter changes tied weights ({', '.join(untied)}); both are written and "
+                     "tie_word_embeddings is set to false")
+    return LiveModel(inner, info, entries, untied, lora_layers, notes)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _logical_shape(module: nn.Module, weight: torch.Tensor) -> tuple[int, ...]:
+    """The unquantized shape of a (possibly bitsandbytes-packed) weight, in the holder's layout."""
+    qs = getattr(weight, "quant_state", None)
+    if qs is not None:
+        return tuple(qs.shape)
+    return tuple(weight.shape)
+
+
+def _resolve_ties(inner: nn.Module, info: ModelInfo, entries: list[LiveEntry]) -> tuple[list[LiveEntry], list[str]]:
+    """Drop tied duplicates as transformers' save_pretrained does, unless the adapter changed one side."""
+    if not _tie_enabled(inner.config.to_dict()) or not info.tied:
+        return entries, []
+    by_name = {e.name: e for e in entries}
+    drop, untied = set(), []
+    for target, source in info.tied.items():
+        if target not in by_name or source not in by_name:
+            continue
+        touched = {by_name[n].kind for n in (target, source)} & {"lora", "saved"}
+        if touched:
+            untied += [target, source]
+        else:
+            drop.add(target)
+    return [e for e in entries if e.name not in drop], sorted(set(untied))
+
+
+@contextmanager
+def materialized(module: nn.Module) -> Iterator[None]:
+    """Bring an accelerate-offloaded module's weights onto its execution device for the duration.
+
+    Args:
+        module: a module whose parameters may be on the meta device behind an accelerate hook.
+
+    Returns:
+        A context manager.
+
+    Raises:
+        Nothing of its own.
+
+    Example:
+        >>> with materialized(layer):   # doctest: +SKIP
+        ...     w = layer.weight.detach().clone()
+    """
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and getattr(hook, "offload", False):
+        from accelerate.utils import align_module_device
+
+        with align_module_device(module, getattr(hook, "execution_device", None)):
+            yield
+    else:
+        yield
+
+
+def offload_owner(model: nn.Module, name: str) -> nn.Module | None:
+    """The nearest module on the path to ``name`` whose accelerate hook offloads its weights, if any."""
+    owner = None
+    parts = name.split(".")
+    mod = model
+    for part in parts[:-1]:
+        hook = getattr(mod, "_hf_hook", None)
+        if hook is not None and getattr(hook, "offload", False):
+            owner = mod
+            break
+        if not hasattr(mod, part):
+            break
+        mod = getattr(mod, part)
+    else:
+        hook = getattr(mod, "_hf_hook", None)
+        if hook is not None and getattr(hook, "offload", False):
+            owner = mod
+    return owner
+
+
+def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None = None) -> torch.Tensor:
+    """The float32 weight of a module, dequantized on ``device`` when it is a bitsandbytes weight.
+
+    A 4-bit weight that bitsandbytes repacked for its CPU kernel (``quant_state.packing_format_for_cpu``,
+    after an eval-mode forward on a CPU with AVX512-BF16) is unpacked on a copy: the 4-bit codes are
+    recovered exactly; the block scales were stored in bf16 by the repacking, so each block's scale is
+    off by at most 2^-9 relative (noted in ``notes``). The module itself is never changed.
+
+    Args:
+        holder: an ``nn.Linear``/``Conv1D``/``nn.Embedding`` or a bitsandbytes ``Linear4bit``/``Linear8bitLt``.
+        device: where to compute.
+        notes: receives a note when a repacked weight was unpacked.
+
+    Returns:
+        A new float32 tensor in the holder's layout (``[out, in]`` for bitsandbytes layers).
+
+    Raises:
+        MissingDependencyError: a bitsandbytes weight without bitsandbytes installed.
+
+    Example:
+        >>> dequantize(model.model.layers[0].mlp.up_proj, torch.device("cpu")).dtype   # doctest: +SKIP
+        torch.float32
+    """
+    weight = holder.weight
+    kind = _bnb_kind(weight)
+    if kind is None:
+        return weight.detach().to(device=device, dtype=torch.float32, copy=True)
+    from .quant import require_bitsandbytes
+
+    F = require_bitsandbytes()
+    if kind == "8bit":
+        cb = weight.data.to(device)
+        scb = weight.SCB if getattr(weight, "SCB", None) is not None else holder.state.SCB
+        return F.int8_vectorwise_dequant(cb, scb.to(device)).to(torch.float32)
+    qs = weight.quant_state
+    data = weight.data
+    if getattr(qs, "packing_format_for_cpu", False):
+        data, qs = _unpack_cpu_format(data, qs)
+        if notes is not None:
+            notes.append("repacked")
+    qs = _quant_state_on(qs, device) if qs.absmax.device != device else qs
+    return F.dequantize_4bit(data.to(device), qs).to(torch.float32)
+
+
+def _quant_state_on(qs, device: torch.device):
+    """A copy of a QuantState on another device (QuantState.to works in place, on the caller's state)."""
+    from bitsandbytes.functional import QuantState
+
+    packed = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in qs.as_dict(packed=True).items()}
+    return QuantState.from_dict(packed, device=device)
+
+
+def _unpack_cpu_format(packed: torch.Tensor, qs):
+    """Undo bitsandbytes' CPU repacking on copies: exact 4-bit codes, un-nested bf16 block scales."""
+    import bitsandbytes.functional as F
+
+    state = copy.copy(qs)
+    state.original_nested = False  # keep the bf16 scales as they are rather than re-quantizing them
+    qweight, state = F._convert_weight_packed_for_cpu_inverse(packed.detach().clone(), state)
+    state = copy.copy(state)
+    state.absmax = qs.absmax.T.reshape(-1).to(torch.float32)
+    state.nested = False
+    state.dtype = qs.original_dtype
+    state.packing_format_for_cpu = False
+    return qweight, state
+
+
+__all__ = ["LiveEntry", "LiveModel", "unwrap", "walk", "materialized", "offload_owner", "dequantize",
+           "REPACK_ABSMAX_REL_ERROR"]

@@ -1,0 +1,188 @@
+"""merge_and_save on a live QLoRA model: real bitsandbytes on CPU, a real optimizer step, PEFT as reference."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+
+from peft_shardmerge.inprocess import merge_and_save  # noqa: E402
+from peft_shardmerge.tiny import default_targets, token_ids  # noqa: E402
+
+
+def load_quantized(base: str, quant: str, compute_dtype=torch.float32, double_quant=True, dtype=torch.float32):
+    if quant == "none":
+        return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    if quant == "8bit":
+        qc = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double_quant,
+                                bnb_4bit_compute_dtype=compute_dtype)
+    return AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=dtype)
+
+
+def no_cpu_repack(model) -> None:
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+
+
+def train_one_step(model, vocab: int, steps: int = 2) -> None:
+    """A real optimizer step, so that every LoRA B moves off zero."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    ids = token_ids(vocab, batch=2, length=12, seed=7)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+def qlora(base: str, arch: str, quant: str = "nf4", compute_dtype=torch.float32, double_quant=True, **lora):
+    model = load_quantized(base, quant, compute_dtype, double_quant)
+    no_cpu_repack(model)
+    kw = dict(r=8, lora_alpha=16, target_modules=default_targets(arch), lora_dropout=0.0)
+    if arch == "gpt2":
+        kw["fan_in_fan_out"] = quant == "none"
+    kw.update(lora)
+    model = get_peft_model(model, LoraConfig(**kw))
+    train_one_step(model, model.config.vocab_size)
+    return model
+
+
+def reference_logits(model, ids) -> torch.Tensor:
+    """Logits of the unmerged PeftModel with every 4-bit layer computing in fp32."""
+    saved = {}
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            saved[m] = m.compute_dtype
+            m.compute_dtype = torch.float32
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids).logits.float()
+    finally:
+        for m, d in saved.items():
+            m.compute_dtype = d
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = v.detach().clone()
+    for name, m in model.named_modules():
+        qs = getattr(getattr(m, "weight", None), "quant_state", None)
+        if qs is not None:
+            out[f"{name}::packed"] = torch.tensor(bool(getattr(qs, "packing_format_for_cpu", False)))
+    return out
+
+
+def assert_unchanged(before, model) -> None:
+    after = snapshot(model)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), f"{k} changed"
+
+
+def read_all(out: str) -> dict[str, torch.Tensor]:
+    got = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(out, f), "pt") as h:
+                assert h.metadata() == {"format": "pt"}
+                got.update({k: h.get_tensor(k) for k in h.keys()})
+    return got
+
+
+def check_output(model, out: str, dtype: str, tol: float) -> None:
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert "quantization_config" not in config and config["dtype"] == dtype
+    ids = token_ids(model.config.vocab_size, seed=3)
+    ref = reference_logits(model, ids)
+    with torch.no_grad():
+        got = reloaded.eval()(input_ids=ids).logits
+    err = float((got - ref).abs().max() / ref.abs().max())
+    assert err < tol, err
+
+
+QUANT_CASES = [(q, dq, cd) for q in ("nf4", "fp4") for dq in (True, False) for cd in (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("quant,double_quant,compute_dtype", QUANT_CASES,
+                         ids=[f"{q}-{'dq' if d else 'nodq'}-{str(c)[6:]}" for q, d, c in QUANT_CASES])
+def test_4bit_llama(quant, double_quant, compute_dtype, make_base, tmp_path):
+    model = qlora(make_base("llama"), "llama", quant, compute_dtype, double_quant)
+    before = snapshot(model)
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False)
+    assert report.base_precision == "dequantized"
+    assert report.lora_modules_merged == report.lora_modules_total == 14
+    assert_unchanged(before, model)
+    check_output(model, out, "float32", 1e-5)
+    check_lora_tensors(model, read_all(out))
+
+
+def check_lora_tensors(model, got, transposed=()) -> None:
+    """Every LoRA weight equals the dequantized base weight + PEFT's own get_delta_weight."""
+    import bitsandbytes.functional as F
+
+    checked = 0
+    for name, m in model.base_model.model.named_modules():
+        if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer"):
+            w = m.base_layer.weight
+            with torch.no_grad():
+                if type(w).__name__ == "Params4bit":
+                    base = F.dequantize_4bit(w.data, w.quant_state).float()
+                elif type(w).__name__ == "Int8Params":
+                    scb = w.SCB if getattr(w, "SCB", None) is not None else m.base_layer.state.SCB
+                    base = F.int8_vectorwise_dequant(w.data, scb).float()
+                else:
+                    base = w.float()
+                want = base + m.get_delta_weight("default").float()
+            have = got[f"{name}.weight"].float()
+            if f"{name}.weight" in transposed:
+                have = have.T
+            torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+            checked += 1
+    assert checked
+
+
+@pytest.mark.parametrize("arch_base,quant", [("qwen2", "nf4"), ("gpt2", "nf4"), ("llama", "8bit"),
+                                             ("llama", "none"), ("gpt2", "none")])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_architectures_and_quantizations(arch_base, quant, dtype, make_base, tmp_path):
+    model = qlora(make_base(arch_base), arch_base, quant)
+    before = snapshot(model)
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype=dtype, base_precision="dequantized", max_shard_size="200KB",
+                            progress=False)
+    assert report.lora_modules_merged == report.lora_modules_total > 0
+    assert len(report.shards) > 1
+    assert_unchanged(before, model)
+    # LLM.int8 quantizes activations too, so the unmerged 8-bit forward differs from fp32 maths by ~1%
+    tol = 3e-2 if dtype == "bfloat16" or quant == "8bit" else 1e-5
+    check_output(model, out, dtype, tol)
+    if dtype == "float32":
+        conv1d = {k for k in read_all(out) if arch_base == "gpt2" and quant != "none" and ".attn.c_" in k
+                  or arch_base == "gpt2" and quant != "none" and ".mlp.c_" in k}
+        check_lora_tensors(model, read_all(out), transposed=conv1d)
+
+
+def test_qwen2_tied_with_modules_to_save(make_base, tmp_path):
+    model = qlora(make_base("qwen2"), "qwen2", "nf4", target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False)
+    assert report.untied == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert json.load(open(os.path.join(out, "config.json")))["tie_word_embeddings"] is False
+    check_output(model, out, "float32", 1e-5)
