@@ -380,5 +380,9 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra) 
 
 
 def _stored_dtype(live: LiveModel, e: LiveEntry) -> torch.dtype:
-    t = e.holder.state_dict(keep_vars=True).get(e.attr) if e.kind in ("plain", "saved") else None
-    return t.dtype if t is not None else torch.float32
+    # never call state_dict() on a bitsandbytes layer: it undoes the CPU repacking in place
+    if e.kind not in ("plain", "saved"):
+        return torch.float32
+    if "." in e.attr:
+        return e.holder.state_dict(keep_vars=True)[e.attr].dtype
+    return getattr(e.holder, e.attr).dtype

@@ -76,13 +76,15 @@ def reference_logits(model, ids) -> torch.Tensor:
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in model.state_dict().items():
-        out[k] = v.detach().clone()
+    """Every parameter, buffer and 4-bit quant state, read without state_dict() (which, on a repacked
+    Linear4bit, undoes the repacking in place)."""
+    out = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out.update({k: v.detach().clone() for k, v in model.named_buffers()})
     for name, m in model.named_modules():
         qs = getattr(getattr(m, "weight", None), "quant_state", None)
         if qs is not None:
             out[f"{name}::packed"] = torch.tensor(bool(getattr(qs, "packing_format_for_cpu", False)))
+            out[f"{name}::absmax"] = qs.absmax.detach().clone()
     return out
 
 
@@ -186,3 +188,95 @@ def test_qwen2_tied_with_modules_to_save(make_base, tmp_path):
     assert report.untied == ["lm_head.weight", "model.embed_tokens.weight"]
     assert json.load(open(os.path.join(out, "config.json")))["tie_word_embeddings"] is False
     check_output(model, out, "float32", 1e-5)
+
+
+def test_cpu_repacked_weights_are_unpacked_not_garbage(make_base, tmp_path):
+    """An eval forward on a CPU with AVX512-BF16 repacks Linear4bit weights in place; the merge still writes
+    the right weights (to the bf16 block-scale precision the repacking kept) and says so."""
+    import bitsandbytes.functional as F
+
+    model = qlora(make_base("llama"), "llama", "nf4", torch.float32)
+    want = {}
+    for name, m in model.base_model.model.named_modules():
+        if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer"):
+            w = m.base_layer.weight
+            with torch.no_grad():
+                want[f"{name}.weight"] = F.dequantize_4bit(w.data, w.quant_state).float() + m.get_delta_weight("default")
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = True
+    with torch.no_grad():
+        model(input_ids=token_ids(model.config.vocab_size))
+    repacked = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
+                and getattr(m.weight.quant_state, "packing_format_for_cpu", False)]
+    if not repacked:
+        pytest.skip("bitsandbytes did not repack on this CPU (no AVX512-BF16 kernel)")
+    before = snapshot(model)
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False)
+    assert_unchanged(before, model)
+    assert any("repacked by bitsandbytes" in n for n in report.notes)
+    got = read_all(out)
+    for name, w in want.items():
+        rel = float((got[name] - w).abs().max() / w.abs().max())
+        assert rel < 2 ** -8, (name, rel)  # the bf16 block scales; garbage would be O(1)
+
+
+def test_oom_on_one_module_is_retried_on_cpu(make_base, tmp_path, monkeypatch):
+    import peft_shardmerge.inprocess as inprocess
+
+    model = qlora(make_base("llama"), "llama", "nf4")
+    real = inprocess._LiveMerger._merge_weight
+    victim = "model.layers.0.mlp.up_proj.weight"
+    calls = []
+
+    def merge_weight(self, entry, device):
+        calls.append((entry.name, device.type))
+        if entry.name == victim and len([c for c in calls if c[0] == victim]) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real(self, entry, device)
+
+    monkeypatch.setattr(inprocess._LiveMerger, "_merge_weight", merge_weight)
+    a = str(tmp_path / "a")
+    report = merge_and_save(model, a, dtype="float32", base_precision="dequantized", progress=False)
+    assert report.cpu_fallbacks == 1 and [c for c in calls if c[0] == victim] == [(victim, "cpu"), (victim, "cpu")]
+    monkeypatch.undo()
+    b = str(tmp_path / "b")
+    merge_and_save(model, b, dtype="float32", base_precision="dequantized", progress=False)
+    ga, gb = read_all(a), read_all(b)
+    assert all(torch.equal(ga[k], gb[k]) for k in gb)
+
+
+def test_auto_uses_the_original_checkpoint(make_base, tmp_path):
+    from peft_shardmerge.tiny import compare_logits
+
+    base = make_base("llama")
+    model = qlora(base, "llama", "nf4")
+    adapter = str(tmp_path / "adapter")
+    model.save_pretrained(adapter)
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", progress=False)
+    assert report.base_precision == "original"
+    assert any("merged into the original checkpoint" in n for n in report.notes)
+    assert compare_logits(base, adapter, out) < 1e-4
+
+
+def test_original_requested_but_missing(make_base, tmp_path):
+    from peft_shardmerge import InputError
+
+    model = qlora(make_base("llama"), "llama", "nf4")
+    model.base_model.model.config._name_or_path = str(tmp_path / "gone")
+    with pytest.raises(InputError, match=r"base_precision='original' needs the 16-bit checkpoint .*gone"):
+        merge_and_save(model, str(tmp_path / "m"), base_precision="original", progress=False)
+    report = merge_and_save(model, str(tmp_path / "m"), progress=False)
+    assert report.base_precision == "dequantized" and "no original checkpoint" in report.notes[0]
+
+
+@pytest.mark.parametrize("value", [0, 0.99, -1, "0.5", True])
+def test_memory_budget_is_validated(value, make_base, tmp_path):
+    from peft_shardmerge import InputError
+
+    model = qlora(make_base("llama"), "llama", "nf4")
+    with pytest.raises(InputError, match="maximum_memory_usage must be a fraction in"):
+        merge_and_save(model, str(tmp_path / "m"), maximum_memory_usage=value, progress=False)
+    assert not (tmp_path / "m").exists()
