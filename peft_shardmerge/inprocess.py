@@ -386,3 +386,133 @@ def _stored_dtype(live: LiveModel, e: LiveEntry) -> torch.dtype:
     if "." in e.attr:
         return e.holder.state_dict(keep_vars=True)[e.attr].dtype
     return getattr(e.holder, e.attr).dtype
+
+
+def merge_and_unload(
+    model: nn.Module,
+    *,
+    maximum_memory_usage: float = 0.9,
+    dtype: str | torch.dtype | None = None,
+) -> nn.Module:
+    """Replace PEFT's ``merge_and_unload`` without re-quantizing: return a plain 16-bit transformers model.
+
+    Every LoRA layer and every bitsandbytes ``Linear4bit``/``Linear8bitLt`` is replaced, one module at a time,
+    by an ``nn.Linear`` (``Conv1D`` for GPT-2 style layers, ``nn.Embedding`` for embeddings) holding the
+    dequantized weight plus the LoRA delta (added in fp32, cast once); ``modules_to_save`` wrappers are
+    replaced by their trained copies. Each old module is released as soon as its replacement exists, so the
+    freed 4-bit storage is reused. The weights equal PEFT's merge on an fp32-dequantized base. Like PEFT's,
+    this consumes ``model``: use :func:`merge_and_save` to keep it.
+
+    Args:
+        model: a ``PeftModel`` (or transformers model with LoRA layers), base 4-bit, 8-bit or unquantized.
+        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy; a module over it is
+            merged on the CPU, and one that runs out of memory is retried there.
+        dtype: dtype of the returned model; None keeps the model's 16-bit dtype.
+
+    Returns:
+        The transformers model, with no PEFT or bitsandbytes layers and no ``quantization_config``.
+
+    Raises:
+        InputError: bad options, no adapter, or an adapter already merged.
+        UnsupportedError: DoRA and other variants (named).
+
+    Example:
+        >>> from peft_shardmerge import merge_and_unload
+        >>> plain = merge_and_unload(model)             # doctest: +SKIP
+        >>> plain.save_pretrained("merged")             # doctest: +SKIP
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    budget = MemoryBudget(maximum_memory_usage)
+    out_dtype = parse_dtype(dtype)
+    inner = unwrap(model)
+    out_dtype = out_dtype or model_dtype(inner)
+    live = walk(model)
+    merger = _LiveMerger(live, budget)
+    by_module: dict[int, list[LiveEntry]] = {}
+    order: list[LiveEntry] = []
+    for e in live.entries:
+        if e.kind in ("lora", "quantized") or (e.kind == "saved" and e.holder is not e.module):
+            if id(e.module) not in by_module:
+                order.append(e)
+                by_module[id(e.module)] = []
+    for e in live.entries:  # biases (and other tensors) of the replaced modules go with them
+        if id(e.module) in by_module:
+            by_module[id(e.module)].append(e)
+    names = {id(m): n for n, m in inner.named_modules()}
+    with torch.no_grad():
+        for first in order:
+            group = by_module[id(first.module)]
+            name = names[id(first.module)]
+            if first.kind == "saved":
+                new = first.holder
+            else:
+                weight = next(e for e in group if e.attr == "weight")
+                bias = next((e for e in group if e.attr == "bias"), None)
+                w = merger.produce(weight)
+                b = merger.produce(bias) if bias is not None else None
+                device = _param_device(weight.holder)
+                new = _plain_module(weight, w, b, out_dtype, device, Conv1D, live)
+                del w, b
+            _set_submodule(inner, name, new)
+        expected = Counter({n: 1 for n in live.lora_layers})
+        if merger.applied != expected:
+            raise MergeCheckError(f"LoRA layers not applied exactly once: {sorted(set(expected) - set(merger.applied))}")
+    free_accelerator_cache()
+    _drop_quantization(inner, untie=bool(live.untied))
+    inner.to(out_dtype)
+    return inner
+
+
+def _param_device(holder: nn.Module) -> torch.device:
+    dev = holder.weight.device
+    return torch.device("cpu") if dev.type == "meta" else dev
+
+
+def _plain_module(entry: LiveEntry, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype,
+                  device: torch.device, conv1d_cls, live: LiveModel) -> nn.Module:
+    """A plain module of the model class's kind holding merged weights (output layout)."""
+    base = entry.holder
+    w = w.to(device=device, dtype=dtype)
+    if isinstance(base, nn.Embedding):
+        new = nn.Embedding(w.shape[0], w.shape[1], padding_idx=base.padding_idx, max_norm=base.max_norm,
+                           norm_type=base.norm_type, scale_grad_by_freq=base.scale_grad_by_freq,
+                           sparse=base.sparse, device="meta")
+    elif entry.name in live.info.transposed:
+        new = conv1d_cls(w.shape[1], w.shape[0])
+        new.to("meta")
+    else:
+        new = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    new.weight = nn.Parameter(w, requires_grad=False)
+    if b is not None:
+        new.bias = nn.Parameter(b.to(device=device, dtype=dtype), requires_grad=False)
+    elif getattr(new, "bias", None) is not None:
+        new.bias = None
+    return new
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def _drop_quantization(inner: nn.Module, *, untie: bool) -> None:
+    """Make a formerly quantized transformers model a plain one (flags, quantizer, config)."""
+    for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit"):
+        if hasattr(inner, attr):
+            setattr(inner, attr, False)
+    if hasattr(inner, "hf_quantizer"):
+        inner.hf_quantizer = None
+    if getattr(inner, "quantization_method", None) is not None:
+        inner.quantization_method = None
+    for cfg in (inner.config, getattr(inner.config, "text_config", None)):
+        if cfg is None:
+            continue
+        for attr in ("quantization_config", "_pre_quantization_dtype"):
+            if hasattr(cfg, attr):
+                delattr(cfg, attr)
+        if untie and hasattr(cfg, "tie_word_embeddings"):
+            cfg.tie_word_embeddings = False
+    if hasattr(inner, "_hf_peft_config_loaded"):
+        inner._hf_peft_config_loaded = False

@@ -280,3 +280,32 @@ def test_memory_budget_is_validated(value, make_base, tmp_path):
     with pytest.raises(InputError, match="maximum_memory_usage must be a fraction in"):
         merge_and_save(model, str(tmp_path / "m"), maximum_memory_usage=value, progress=False)
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("arch_base,quant", [("llama", "nf4"), ("qwen2", "nf4"), ("gpt2", "nf4"), ("llama", "8bit"),
+                                             ("llama", "none")])
+def test_merge_and_unload_gives_a_plain_model(arch_base, quant, make_base, tmp_path):
+    from peft_shardmerge.inprocess import merge_and_unload
+
+    model = qlora(make_base(arch_base), arch_base, quant, target_modules=None if arch_base != "qwen2" else
+                  ["q_proj", "v_proj", "embed_tokens"], **({"modules_to_save": ["lm_head"]} if arch_base == "qwen2" else {}))
+    out = str(tmp_path / "saved")
+    merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False)
+    ids = token_ids(model.config.vocab_size, seed=3)
+    ref = reference_logits(model, ids)
+    plain = merge_and_unload(model, dtype=torch.float32)
+    kinds = {type(m).__module__.split(".")[0] for m in plain.modules()}
+    assert "peft" not in kinds and "bitsandbytes" not in kinds, kinds
+    assert getattr(plain.config, "quantization_config", None) is None
+    with torch.no_grad():
+        got = plain.eval()(input_ids=ids).logits
+    tol = 3e-2 if quant == "8bit" else 1e-5
+    assert float((got - ref).abs().max() / ref.abs().max()) < tol
+    # the same weights merge_and_save wrote, and it saves and reloads as a normal model
+    saved = read_all(out)
+    state = plain.state_dict()
+    for k, v in saved.items():
+        assert torch.equal(state[k].float(), v), k
+    plain.save_pretrained(str(tmp_path / "plain"))
+    again, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "plain"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
