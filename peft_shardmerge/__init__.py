@@ -12,10 +12,22 @@ from .errors import (  # noqa: E402
     ShardMergeError,
     UnsupportedError,
 )
+from .inprocess import (  # noqa: E402
+    merge_and_save,
+    merge_and_unload,
+    patch_peft,
+    push_to_hub_merged,
+    save_pretrained_merged,
+)
 from .plan import Plan, parse_dtype, parse_size  # noqa: E402
 from .report import MergeReport  # noqa: E402
 
 __all__ = [
+    "merge_and_save",
+    "merge_and_unload",
+    "save_pretrained_merged",
+    "push_to_hub_merged",
+    "patch_peft",
     "merge_checkpoint",
     "plan_checkpoint_merge",
     "check_out_dir",

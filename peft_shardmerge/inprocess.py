@@ -516,3 +516,237 @@ def _drop_quantization(inner: nn.Module, *, untie: bool) -> None:
             cfg.tie_word_embeddings = False
     if hasattr(inner, "_hf_peft_config_loaded"):
         inner._hf_peft_config_loaded = False
+
+
+def save_pretrained_merged(
+    model: nn.Module,
+    save_directory: str,
+    tokenizer: Any = None,
+    save_method: str = "merged_16bit",
+    push_to_hub: bool = False,
+    token: str | None = None,
+    is_main_process: bool = True,
+    state_dict: dict | None = None,
+    save_function: Callable | None = None,
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+    variant: str | None = None,
+    save_peft_format: bool = True,
+    tags: list[str] | None = None,
+    temporary_location: str | None = None,
+    maximum_memory_usage: float = 0.9,
+    private: bool | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    base_precision: str = "auto",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> MergeReport | None:
+    """Unsloth-style ``save_pretrained_merged``: same parameter names, flat memory, honoured shard size and budget.
+
+    Args:
+        model: the trained ``PeftModel``.
+        save_directory: the output folder (for ``push_to_hub=True``, also the repository id when it has the
+            form ``user/name`` and does not exist locally).
+        tokenizer: saved with the model when given.
+        save_method: ``"merged_16bit"`` (merged 16-bit safetensors, the default) or ``"lora"`` (the adapter only,
+            as ``model.save_pretrained``). ``"merged_4bit"`` is refused (see the guide).
+        push_to_hub: upload the folder to ``save_directory`` on the Hub afterwards.
+        token: Hub token for the upload (never logged).
+        is_main_process: when False nothing is done (distributed training).
+        state_dict: not supported (the merge reads the model itself); must be None.
+        save_function: ignored (safetensors are written directly).
+        max_shard_size: largest shard (``"5GB"``).
+        safe_serialization: must be True (only safetensors are written).
+        variant: not supported; must be None.
+        save_peft_format: ignored (kept for compatibility).
+        tags: extra model card tags when pushing.
+        temporary_location: ignored (output is staged beside ``save_directory``).
+        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
+        private: create the Hub repository private.
+        dtype: output dtype; None keeps the model's 16-bit dtype.
+        base_precision: ``"auto"``, ``"original"`` or ``"dequantized"`` (see :func:`merge_and_save`).
+        overwrite: replace a non-empty ``save_directory``.
+        progress: show progress bars.
+
+    Returns:
+        The :class:`MergeReport` for merged methods, None for ``"lora"`` or when not the main process.
+
+    Raises:
+        InputError: unknown ``save_method`` or unsupported compatibility options (named), plus everything
+            :func:`merge_and_save` raises.
+        UnsupportedError: ``save_method="merged_4bit"``.
+        HubUploadError: the upload failed.
+
+    Example:
+        >>> save_pretrained_merged(model, "outputs/merged", tokenizer, save_method="merged_16bit")  # doctest: +SKIP
+    """
+    if not is_main_process:
+        return None
+    _check_compat(save_method, state_dict, safe_serialization, variant)
+    repo_id = save_directory.strip("/")
+    if push_to_hub and (repo_id.count("/") != 1 or not all(repo_id.split("/"))):
+        raise InputError(
+            f"with push_to_hub=True, save_directory is also the Hub repository id 'user/name'; got {save_directory!r}"
+            " (use push_to_hub_merged(model, 'user/name') to push without keeping a local folder)"
+        )
+    if save_method == "lora":
+        _save_lora(model, save_directory, tokenizer)
+        report = None
+    else:
+        report = merge_and_save(model, save_directory, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
+                                maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
+                                overwrite=overwrite, progress=progress)
+    if push_to_hub:
+        _push(save_directory, repo_id, model, report, save_method, token=token, private=private, tags=tags)
+    return report
+
+
+def push_to_hub_merged(
+    model: nn.Module,
+    repo_id: str,
+    tokenizer: Any = None,
+    save_method: str = "merged_16bit",
+    use_temp_dir: bool | None = None,
+    commit_message: str | None = "Trained with peft-shardmerge",
+    private: bool | None = None,
+    token: str | None = None,
+    max_shard_size: int | str = "5GB",
+    create_pr: bool = False,
+    safe_serialization: bool = True,
+    revision: str | None = None,
+    commit_description: str | None = None,
+    tags: list[str] | None = None,
+    temporary_location: str | None = None,
+    maximum_memory_usage: float = 0.9,
+    *,
+    dtype: str | torch.dtype | None = None,
+    base_precision: str = "auto",
+    progress: bool = True,
+) -> str:
+    """Unsloth-style ``push_to_hub_merged``: merge into a temporary folder, add a model card, upload it.
+
+    Args:
+        model: the trained ``PeftModel``.
+        repo_id: ``"user/name"``.
+        tokenizer: uploaded with the model when given.
+        save_method: ``"merged_16bit"`` or ``"lora"``.
+        use_temp_dir: ignored (always a temporary folder).
+        commit_message: the commit title.
+        private: create the repository private.
+        token: Hub token (never logged).
+        max_shard_size: largest shard.
+        create_pr: open a pull request.
+        safe_serialization: must be True.
+        revision: branch to push to.
+        commit_description: ignored.
+        tags: extra model card tags.
+        temporary_location: ignored.
+        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
+        dtype: output dtype; None keeps the model's 16-bit dtype.
+        base_precision: ``"auto"``, ``"original"`` or ``"dequantized"``.
+        progress: show progress bars.
+
+    Returns:
+        The URL of the commit.
+
+    Raises:
+        InputError: bad options (all named).
+        UnsupportedError: ``save_method="merged_4bit"``.
+        HubUploadError: the upload failed (the token is never in the message).
+
+    Example:
+        >>> push_to_hub_merged(model, "me/llama-merged", tokenizer, token=os.environ["HF_TOKEN"])   # doctest: +SKIP
+    """
+    _check_compat(save_method, None, safe_serialization, None)
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise InputError(f"repo_id must look like 'user/name', got {repo_id!r}")
+    with tempfile.TemporaryDirectory(prefix="peft-shardmerge-push-") as tmp:
+        folder = os.path.join(tmp, repo_id.split("/")[1])
+        report = None
+        if save_method == "lora":
+            _save_lora(model, folder, tokenizer)
+        else:
+            report = merge_and_save(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
+                                    maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
+                                    progress=progress)
+        return _push(folder, repo_id, model, report, save_method, token=token, private=private, tags=tags,
+                     commit_message=commit_message or "Upload merged model", revision=revision, create_pr=create_pr)
+
+
+def _check_compat(save_method, state_dict, safe_serialization, variant) -> None:
+    if save_method == "merged_4bit":
+        raise UnsupportedError(
+            "save_method='merged_4bit' is not supported: re-quantizing the merged weights to 4-bit loses the "
+            "precision the merge kept; save 'merged_16bit' and quantize at load time with BitsAndBytesConfig"
+        )
+    problems = []
+    if save_method not in SAVE_METHODS:
+        problems.append(f"save_method must be one of {', '.join(SAVE_METHODS)}, got {save_method!r}")
+    if state_dict is not None:
+        problems.append("state_dict is not supported: the merge reads the model itself; leave it None")
+    if not safe_serialization:
+        problems.append("safe_serialization=False is not supported: only safetensors are written")
+    if variant is not None:
+        problems.append("variant is not supported; leave it None")
+    if problems:
+        raise InputError(problems)
+
+
+def _save_lora(model: nn.Module, folder: str, tokenizer: Any) -> None:
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def _push(folder, repo_id, model, report, save_method, *, token, private, tags, commit_message="Upload merged model",
+          revision=None, create_pr=False) -> str:
+    from . import __version__
+    from .hub import model_card, upload_folder
+
+    inner = unwrap(model)
+    base = getattr(inner.config, "_name_or_path", None)
+    settings = {"save method": save_method, "peft-shardmerge": __version__}
+    if report is not None:
+        settings.update({"dtype": report.dtype, "base precision": report.base_precision,
+                         "LoRA layers merged": f"{report.lora_modules_merged}/{report.lora_modules_total}",
+                         "shards": len(report.shards), "bytes": report.bytes_written})
+    peft_cfg = getattr(model, "peft_config", {}) or {}
+    cfg = next(iter(peft_cfg.values()), None)
+    if cfg is not None:
+        settings.update({"r": getattr(cfg, "r", ""), "lora_alpha": getattr(cfg, "lora_alpha", ""),
+                         "target_modules": ", ".join(sorted(getattr(cfg, "target_modules", None) or []))})
+    adapter = f"{type(cfg).__name__}" if cfg is not None else None
+    with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+        f.write(model_card(repo_id=repo_id, base_model=base, adapter=adapter, settings=settings, tags=tags))
+    return upload_folder(folder, repo_id, token=token, private=private, commit_message=commit_message,
+                         revision=revision, create_pr=create_pr)
+
+
+def patch_peft() -> None:
+    """Opt in to ``model.save_pretrained_merged(...)``, ``model.push_to_hub_merged(...)`` and
+    ``model.merge_and_save(...)`` on every ``PeftModel``, as in Unsloth.
+
+    PEFT's own ``merge_and_unload`` is left alone; call :func:`merge_and_unload` for the lossless one.
+
+    Args:
+        None.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> import peft_shardmerge
+        >>> peft_shardmerge.patch_peft()
+        >>> from peft import PeftModel
+        >>> hasattr(PeftModel, "save_pretrained_merged")
+        True
+    """
+    from peft import PeftModel
+
+    PeftModel.save_pretrained_merged = save_pretrained_merged
+    PeftModel.push_to_hub_merged = push_to_hub_merged
+    PeftModel.merge_and_save = merge_and_save

@@ -309,3 +309,71 @@ def test_merge_and_unload_gives_a_plain_model(arch_base, quant, make_base, tmp_p
     plain.save_pretrained(str(tmp_path / "plain"))
     again, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "plain"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.fixture()
+def fake_hub(monkeypatch):
+    import huggingface_hub.constants as hc
+
+    from hub_server import FakeHub
+
+    with FakeHub() as hub:
+        monkeypatch.setattr(hc, "ENDPOINT", hub.url)
+        monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+        yield hub
+
+
+def test_push_to_hub_merged_uploads_the_merged_folder(make_base, tmp_path, fake_hub, caplog):
+    import logging
+
+    from peft_shardmerge import push_to_hub_merged
+
+    caplog.set_level(logging.DEBUG)
+    base = make_base("llama")
+    model = qlora(base, "llama", "nf4")
+    secret = "hf_TESTtokenNEVERprinted123"
+    url = push_to_hub_merged(model, "me/tiny-merged", token=secret, private=True, max_shard_size="300KB",
+                             dtype="bfloat16", progress=False)
+    assert url.endswith("/commit/" + "a" * 40)
+    files = fake_hub.files["me/tiny-merged"]
+    shards = sorted(f for f in files if f.endswith(".safetensors"))
+    assert len(shards) > 1 and "model.safetensors.index.json" in files and "config.json" in files
+    assert fake_hub.repos["me/tiny-merged"]["visibility"] == "private"
+    card = files["README.md"].decode()
+    assert card.startswith("---\n") and "| base precision | original |" in card and "| dtype | bfloat16 |" in card
+    assert all(a == f"Bearer {secret}" for a in fake_hub.auth)
+    assert secret not in caplog.text and secret not in card
+    # what was uploaded loads and equals a local merge
+    local = tmp_path / "local"
+    merge_and_save(model, str(local), dtype="bfloat16", max_shard_size="300KB", progress=False)
+    for name in shards:
+        assert files[name] == (local / name).read_bytes()
+
+
+def test_save_pretrained_merged_methods(make_base, tmp_path, fake_hub):
+    from peft_shardmerge import InputError, UnsupportedError, save_pretrained_merged
+
+    model = qlora(make_base("llama"), "llama", "nf4")
+    report = save_pretrained_merged(model, str(tmp_path / "m16"), save_method="merged_16bit", max_shard_size="300KB",
+                                    progress=False)
+    assert report.lora_modules_merged == 14 and len(report.shards) > 1
+    assert save_pretrained_merged(model, str(tmp_path / "lora"), save_method="lora") is None
+    assert (tmp_path / "lora" / "adapter_model.safetensors").exists()
+    assert save_pretrained_merged(model, str(tmp_path / "x"), is_main_process=False) is None
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(UnsupportedError, match="merged_4bit' is not supported"):
+        save_pretrained_merged(model, str(tmp_path / "q"), save_method="merged_4bit")
+    with pytest.raises(InputError, match=r"(?s)save_method must be one of.*safe_serialization=False"):
+        save_pretrained_merged(model, str(tmp_path / "q"), save_method="gguf", safe_serialization=False)
+    with pytest.raises(InputError, match="save_directory is also the Hub repository id"):
+        save_pretrained_merged(model, str(tmp_path / "a" / "b"), push_to_hub=True)
+    assert not (tmp_path / "q").exists()
+
+
+def test_patch_peft_adds_methods(make_base, tmp_path):
+    import peft_shardmerge
+
+    peft_shardmerge.patch_peft()
+    model = qlora(make_base("llama"), "llama", "nf4")
+    report = model.save_pretrained_merged(str(tmp_path / "m"), dtype="float32", progress=False)
+    assert report.lora_modules_merged == 14
