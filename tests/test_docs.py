@@ -47,3 +47,12 @@ def test_demo_example_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("->  MATCH")
     assert "LoRA modules merged 14/14" in r.stdout
+
+
+def test_qlora_example_runs(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "qlora_train_and_merge.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("->  MATCH")
+    assert "LoRA modules merged 14/14" in r.stdout and "base precision dequantized" in r.stdout
