@@ -205,14 +205,45 @@ def _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_s
     if not isinstance(model, PeftModel):
         raise UnsupportedError("base_precision='original' needs a PeftModel; pass base_precision='dequantized'")
     adapter = _active_adapter_name(model)
-    with tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-") as tmp:
-        model.save_pretrained(tmp, selected_adapters=[adapter])
-        folder = tmp if os.path.exists(os.path.join(tmp, "adapter_config.json")) else os.path.join(tmp, adapter)
+    with tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-") as folder:
+        save_adapter_untouched(model, adapter, folder)
         device = "cuda" if any(p.is_cuda for p in inner.parameters()) else "cpu"
         report = merge_checkpoint(original, folder, out_dir, dtype=out_dtype, max_shard_size=max_shard_size,
                                   device=device, overwrite=overwrite, progress=progress, before_commit=save_extra)
     report.adapter = f"(in memory: adapter {adapter!r})"
     return report
+
+
+def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
+    """Save one adapter of a PeftModel like ``save_pretrained`` does, without calling ``state_dict()``.
+
+    ``state_dict()`` on a bitsandbytes ``Linear4bit`` that was repacked for the CPU kernel undoes the
+    repacking in place (lossily); reading ``named_parameters()`` leaves the model as it is.
+
+    Args:
+        model: the ``PeftModel``.
+        adapter: the adapter name.
+        folder: where ``adapter_config.json`` and ``adapter_model.safetensors`` go.
+
+    Returns:
+        None.
+
+    Raises:
+        OSError: the folder cannot be written.
+
+    Example:
+        >>> save_adapter_untouched(model, "default", "adapter-copy")   # doctest: +SKIP
+    """
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
+    adapter_state = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter_state.items()},
+              os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    model.peft_config[adapter].save_pretrained(folder)
 
 
 class _LiveMerger:

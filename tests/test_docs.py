@@ -18,7 +18,7 @@ def _blocks(path: str) -> list[tuple[str, str]]:
         return BLOCK.findall(f.read())
 
 
-@pytest.mark.parametrize("doc", ["docs/guide.md"])
+@pytest.mark.parametrize("doc", ["docs/guide.md", "docs/after-training.md"])
 def test_doc_examples_run(doc, tmp_path, monkeypatch):
     blocks = _blocks(doc)
     assert blocks

@@ -377,3 +377,23 @@ def test_patch_peft_adds_methods(make_base, tmp_path):
     model = qlora(make_base("llama"), "llama", "nf4")
     report = model.save_pretrained_merged(str(tmp_path / "m"), dtype="float32", progress=False)
     assert report.lora_modules_merged == 14
+
+
+def test_auto_on_a_repacked_model_leaves_it_untouched(make_base, tmp_path):
+    from peft_shardmerge.tiny import compare_logits
+
+    base = make_base("llama")
+    model = qlora(base, "llama", "nf4")
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = True
+    with torch.no_grad():
+        model(input_ids=token_ids(model.config.vocab_size))
+    before = snapshot(model)
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", progress=False)
+    assert report.base_precision == "original"
+    assert_unchanged(before, model)
+    adapter = str(tmp_path / "adapter")
+    model.save_pretrained(adapter)  # (this one does unpack the model: bitsandbytes' state_dict)
+    assert compare_logits(base, adapter, out) < 1e-4
