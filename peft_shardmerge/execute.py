@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .budget import free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError
 from .maths import lora_bias_delta, merge_block
 from .plan import Plan, PlannedTensor
@@ -156,9 +157,10 @@ class _Merger:
         if self.device.type != "cpu":
             try:
                 return self._compute(t, rows, factors, bias_deltas, start, stop, self.device).cpu()
-            except torch.OutOfMemoryError:
-                if torch.cuda.is_initialized():
-                    torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
+                if not is_out_of_memory(e):
+                    raise
+                free_accelerator_cache()
                 self.fallbacks += 1
                 log.warning("out of memory on %s for %s rows %d-%d; redoing them on the CPU",
                             self.device, t.name, start, stop)

@@ -397,3 +397,23 @@ def test_auto_on_a_repacked_model_leaves_it_untouched(make_base, tmp_path):
     adapter = str(tmp_path / "adapter")
     model.save_pretrained(adapter)  # (this one does unpack the model: bitsandbytes' state_dict)
     assert compare_logits(base, adapter, out) < 1e-4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_budget_sends_modules_to_cpu_with_the_same_result(make_base, tmp_path):
+    from transformers import BitsAndBytesConfig
+
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(make_base("llama"), quantization_config=qc, device_map="cuda:0")
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"),
+                                             init_lora_weights=False))
+    a, b = str(tmp_path / "gpu"), str(tmp_path / "cpu")
+    merge_and_save(model, a, dtype="float32", base_precision="dequantized", progress=False)
+    # a budget below current use sends every module to the CPU
+    merge_and_save(model, b, dtype="float32", base_precision="dequantized", maximum_memory_usage=0.01,
+                   progress=False)
+    ga, gb = read_all(a), read_all(b)
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], rtol=1e-5, atol=1e-6)
