@@ -256,10 +256,18 @@ class _LiveMerger:
         self.fallbacks = 0
         self.repacked: list[str] = []
 
+    def _offload_owner(self, entry: LiveEntry) -> nn.Module | None:
+        """The module whose accelerate hook holds this tensor's offloaded weights: its own module (accelerate
+        hooks leaves, which PEFT keeps as ``base_layer``), else an ancestor."""
+        hook = getattr(entry.holder, "_hf_hook", None)
+        if hook is not None and getattr(hook, "offload", False):
+            return entry.holder
+        return offload_owner(self.live.model, entry.name)
+
     def compute_device(self, entry: LiveEntry) -> torch.device:
         dev = entry.holder.weight.device if entry.kind in ("lora", "quantized") else torch.device("cpu")
         if dev.type == "meta":
-            hook = getattr(offload_owner(self.live.model, entry.name), "_hf_hook", None)
+            hook = getattr(self._offload_owner(entry), "_hf_hook", None)
             dev = torch.device(getattr(hook, "execution_device", None) or "cpu")
         if dev.type != "cpu" and not self.budget.fits(entry.numel * 4 * 2, dev):
             log.info("%s: over the memory budget on %s; merging it on the CPU", entry.name, dev)
@@ -268,7 +276,7 @@ class _LiveMerger:
 
     def produce(self, entry: LiveEntry) -> torch.Tensor:
         """The tensor in the output layout (float32 for merged weights; as stored for plain tensors)."""
-        owner = offload_owner(self.live.model, entry.name)
+        owner = self._offload_owner(entry)
         with materialized(owner) if owner is not None else _null():
             if entry.kind in ("plain", "saved"):
                 return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
