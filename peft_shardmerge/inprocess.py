@@ -326,56 +326,54 @@ class _null:
         return False
 
 
-def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra) -> MergeReport:
+def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, quant4: dict | None = None
+                ) -> MergeReport:
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
     baseline = current_rss_bytes()
     live = walk(model)
-    out_st = TORCH_TO_ST[out_dtype]
-    items = []
-    for e in live.entries:
-        dtype_st = out_st if e.floating else None
-        items.append((e, dtype_st))
-    sizes = []
-    for e, st in items:
-        if st is None:
-            st = TORCH_TO_ST[_stored_dtype(live, e)]
-        sizes.append(e.numel * DTYPES[st][1])
-    indices, names = assign_shards(sizes, limit)
     merger = _LiveMerger(live, budget)
+    out_st = TORCH_TO_ST[out_dtype]
+    q4_names = live.info.linear_weights if quant4 is not None else set()
+
+    def headers(e: LiveEntry) -> list[tuple[str, str, tuple[int, ...], int]]:
+        """The tensors an entry becomes: one, or a packed 4-bit weight with its quant state."""
+        if e.name in q4_names:
+            return [(n, TORCH_TO_ST[t.dtype], tuple(t.shape), t.numel() * t.element_size())
+                    for n, t in _quantize_entry(merger, e, out_dtype, quant4)]
+        st = out_st if e.floating else TORCH_TO_ST[_stored_dtype(live, e)]
+        return [(e.name, st, e.shape, e.numel * DTYPES[st][1])]
+
+    with torch.no_grad():
+        groups = [headers(e) for e in live.entries]  # 4-bit entries are quantized once here to learn sizes
+    merger.applied.clear()
+    sizes = [sum(h[3] for h in g) for g in groups]
+    indices, names = assign_shards(sizes, limit)
     with staged_output(out_dir) as tmp, torch.no_grad():
         bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="merging", disable=not progress)
         try:
             plan_headers = []
             for i, fname in enumerate(names):
-                members = [(items[j], sizes[j]) for j in range(len(items)) if indices[j] == i]
-                entries = []
-                for (e, st), n in members:
-                    st = st or TORCH_TO_ST[_stored_dtype(live, e)]
-                    entries.append((e.name, st, e.shape, n))
-                plan_headers.append((fname, [(n, d, s) for n, d, s, _ in entries]))
+                members = [j for j in range(len(groups)) if indices[j] == i]
+                entries = [h for j in members for h in groups[j]]
+                plan_headers.append((fname, [(n, d, sh) for n, d, sh, _ in entries]))
                 with ShardWriter(os.path.join(tmp, fname), entries, depth=1) as w:
-                    for ((e, _), n), (_, st, _, _) in zip(members, entries):
-                        t = merger.produce(e)
-                        target = DTYPES[st][0]
-                        if tuple(t.shape) != e.shape:
-                            raise MergeCheckError(f"{e.name}: produced shape {list(t.shape)}, expected {list(e.shape)}")
-                        if t.is_floating_point() and e.kind != "plain" and not torch.isfinite(t.sum()):
-                            raise MergeCheckError(f"merged tensor {e.name!r} has NaN or Inf")
-                        for start, stop in row_blocks(e.shape, _CHUNK_ELEMS):
-                            w.write(t[start:stop].detach().to(device="cpu", dtype=target))
-                        bar.update(n)
-                        del t
+                    for j in members:
+                        _write_entry(merger, live.entries[j], groups[j], w, out_dtype, quant4, q4_names)
+                        bar.update(sizes[j])
         finally:
             bar.close()
+        all_tensors = [(h[0], names[i]) for g, i in zip(groups, indices) for h in g]
         if len(names) > 1:
             write_json(os.path.join(tmp, "model.safetensors.index.json"), {
                 "metadata": {"total_parameters": sum(e.numel for e in live.entries), "total_size": sum(sizes)},
-                "weight_map": {e.name: names[i] for e, i in zip(live.entries, indices)},
+                "weight_map": dict(all_tensors),
             })
-        write_json(os.path.join(tmp, "config.json"),
-                   output_config(live.model.config.to_dict(), out_dtype, untie=bool(live.untied)))
+        config = output_config(live.model.config.to_dict(), out_dtype, untie=bool(live.untied))
+        if quant4 is not None:
+            config["quantization_config"] = quant4
+        write_json(os.path.join(tmp, "config.json"), config)
         gen = getattr(live.model, "generation_config", None)
         if gen is not None:
             gen.save_pretrained(tmp)
@@ -400,7 +398,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra) 
         adapter="(in memory)",
         dtype=str(out_dtype).removeprefix("torch."),
         base_precision="dequantized",
-        tensors_written=len(live.entries),
+        tensors_written=len(all_tensors),
         lora_modules_merged=len(merger.applied),
         lora_modules_total=len(live.lora_layers),
         replacements_applied=sum(1 for e in live.entries if e.kind == "saved"),
@@ -416,6 +414,41 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra) 
     )
     log.info("%s", report.summary())
     return report
+
+
+def _write_entry(merger: "_LiveMerger", e: LiveEntry, group, w: ShardWriter, out_dtype, quant4, q4_names) -> None:
+    if e.name in q4_names:
+        for (name, t), (hname, _, shape, _) in zip(_quantize_entry(merger, e, out_dtype, quant4), group):
+            if name != hname or tuple(t.shape) != tuple(shape):
+                raise MergeCheckError(f"{name}: quantized twice with different results")
+            w.write(t)
+        return
+    _, st, shape, _ = group[0]
+    t = merger.produce(e)
+    if tuple(t.shape) != e.shape:
+        raise MergeCheckError(f"{e.name}: produced shape {list(t.shape)}, expected {list(e.shape)}")
+    if t.is_floating_point() and e.kind != "plain" and not torch.isfinite(t.sum()):
+        raise MergeCheckError(f"merged tensor {e.name!r} has NaN or Inf")
+    target = DTYPES[st][0]
+    for start, stop in row_blocks(e.shape, _CHUNK_ELEMS):
+        w.write(t[start:stop].detach().to(device="cpu", dtype=target))
+
+
+def _quantize_entry(merger: "_LiveMerger", e: LiveEntry, out_dtype: torch.dtype, quant4: dict):
+    """The merged weight quantized with bitsandbytes as transformers would store it: ``name`` (packed codes)
+    and ``name.<quant state key>`` tensors, on the CPU."""
+    from .quant import require_bitsandbytes
+
+    F = require_bitsandbytes()
+    w = merger.produce(e)
+    if e.transpose_out or e.name in merger.live.info.transposed:  # bitsandbytes holds Conv1D as [out, in]
+        w = w.T
+    q, state = F.quantize_4bit(w.to(device="cpu", dtype=out_dtype).contiguous(), blocksize=64,
+                               compress_statistics=quant4["bnb_4bit_use_double_quant"],
+                               quant_type=quant4["bnb_4bit_quant_type"], quant_storage=torch.uint8)
+    out = [(e.name, q.cpu())]
+    out += [(f"{e.name}.{k}", v.cpu()) for k, v in state.as_dict(packed=True).items()]
+    return out
 
 
 def _stored_dtype(live: LiveModel, e: LiveEntry) -> torch.dtype:
@@ -588,8 +621,9 @@ def save_pretrained_merged(
         save_directory: the output folder (for ``push_to_hub=True``, also the repository id when it has the
             form ``user/name`` and does not exist locally).
         tokenizer: saved with the model when given.
-        save_method: ``"merged_16bit"`` (merged 16-bit safetensors, the default) or ``"lora"`` (the adapter only,
-            as ``model.save_pretrained``). ``"merged_4bit"`` is refused (see the guide).
+        save_method: ``"merged_16bit"`` (merged 16-bit safetensors, the default), ``"merged_4bit"`` (the merged
+            weights re-quantized to bitsandbytes 4-bit with the model's settings, with a warning: lossy) or
+            ``"lora"`` (the adapter only, as ``model.save_pretrained``).
         push_to_hub: upload the folder to ``save_directory`` on the Hub afterwards.
         token: Hub token for the upload (never logged).
         is_main_process: when False nothing is done (distributed training).
@@ -614,7 +648,6 @@ def save_pretrained_merged(
     Raises:
         InputError: unknown ``save_method`` or unsupported compatibility options (named), plus everything
             :func:`merge_and_save` raises.
-        UnsupportedError: ``save_method="merged_4bit"``.
         HubUploadError: the upload failed.
 
     Example:
@@ -632,6 +665,10 @@ def save_pretrained_merged(
     if save_method == "lora":
         _save_lora(model, save_directory, tokenizer)
         report = None
+    elif save_method == "merged_4bit":
+        report = _save_merged_4bit(model, save_directory, tokenizer=tokenizer, dtype=dtype,
+                                   max_shard_size=max_shard_size, maximum_memory_usage=maximum_memory_usage,
+                                   overwrite=overwrite, progress=progress)
     else:
         report = merge_and_save(model, save_directory, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
                                 maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
@@ -669,7 +706,7 @@ def push_to_hub_merged(
         model: the trained ``PeftModel``.
         repo_id: ``"user/name"``.
         tokenizer: uploaded with the model when given.
-        save_method: ``"merged_16bit"`` or ``"lora"``.
+        save_method: ``"merged_16bit"``, ``"merged_4bit"`` or ``"lora"``.
         use_temp_dir: ignored (always a temporary folder).
         commit_message: the commit title.
         private: create the repository private.
@@ -691,7 +728,6 @@ def push_to_hub_merged(
 
     Raises:
         InputError: bad options (all named).
-        UnsupportedError: ``save_method="merged_4bit"``.
         HubUploadError: the upload failed (the token is never in the message).
 
     Example:
@@ -705,6 +741,9 @@ def push_to_hub_merged(
         report = None
         if save_method == "lora":
             _save_lora(model, folder, tokenizer)
+        elif save_method == "merged_4bit":
+            report = _save_merged_4bit(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
+                                       maximum_memory_usage=maximum_memory_usage, progress=progress)
         else:
             report = merge_and_save(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
                                     maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
@@ -714,11 +753,6 @@ def push_to_hub_merged(
 
 
 def _check_compat(save_method, state_dict, safe_serialization, variant) -> None:
-    if save_method == "merged_4bit":
-        raise UnsupportedError(
-            "save_method='merged_4bit' is not supported: re-quantizing the merged weights to 4-bit loses the "
-            "precision the merge kept; save 'merged_16bit' and quantize at load time with BitsAndBytesConfig"
-        )
     problems = []
     if save_method not in SAVE_METHODS:
         problems.append(f"save_method must be one of {', '.join(SAVE_METHODS)}, got {save_method!r}")
@@ -730,6 +764,40 @@ def _check_compat(save_method, state_dict, safe_serialization, variant) -> None:
         problems.append("variant is not supported; leave it None")
     if problems:
         raise InputError(problems)
+
+
+def _save_merged_4bit(model, out_dir, *, tokenizer, dtype, max_shard_size, maximum_memory_usage, overwrite=False,
+                      progress=True) -> MergeReport:
+    """Merge in fp32 as merge_and_save does, then store every weight bitsandbytes quantizes in 4-bit again."""
+    import warnings
+
+    from transformers import BitsAndBytesConfig
+
+    budget = MemoryBudget(maximum_memory_usage)
+    inner = unwrap(model)
+    out_dtype = parse_dtype(dtype) or model_dtype(inner)
+    problems = check_out_dir(out_dir, inputs={}, overwrite=overwrite)
+    if out_dtype == torch.float32:
+        out_dtype = torch.bfloat16
+    limit = parse_size(max_shard_size)
+    if problems:
+        raise InputError(problems)
+    qc = getattr(inner.config, "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
+    quant4 = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=qc.get("bnb_4bit_quant_type", "nf4") if qc.get("load_in_4bit") else "nf4",
+        bnb_4bit_use_double_quant=bool(qc.get("bnb_4bit_use_double_quant", True)) if qc.get("load_in_4bit") else True,
+        bnb_4bit_compute_dtype=out_dtype,
+    ).to_dict()
+    message = ("save_method='merged_4bit' re-quantizes the merged weights to 4-bit: the result is not the model "
+               "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy")
+    warnings.warn(message, UserWarning, stacklevel=3)
+    log.warning("%s", message)
+    report = _merge_live(model, out_dir, out_dtype, limit, budget, progress, _side_saver(tokenizer), quant4=quant4)
+    report.notes.insert(0, f"weights re-quantized to 4-bit ({quant4['bnb_4bit_quant_type']}, "
+                           f"{'double quant' if quant4['bnb_4bit_use_double_quant'] else 'no double quant'})")
+    return report
 
 
 def _save_lora(model: nn.Module, folder: str, tokenizer: Any) -> None:

@@ -351,7 +351,7 @@ def test_push_to_hub_merged_uploads_the_merged_folder(make_base, tmp_path, fake_
 
 
 def test_save_pretrained_merged_methods(make_base, tmp_path, fake_hub):
-    from peft_shardmerge import InputError, UnsupportedError, save_pretrained_merged
+    from peft_shardmerge import InputError, save_pretrained_merged
 
     model = qlora(make_base("llama"), "llama", "nf4")
     report = save_pretrained_merged(model, str(tmp_path / "m16"), save_method="merged_16bit", max_shard_size="300KB",
@@ -361,8 +361,6 @@ def test_save_pretrained_merged_methods(make_base, tmp_path, fake_hub):
     assert (tmp_path / "lora" / "adapter_model.safetensors").exists()
     assert save_pretrained_merged(model, str(tmp_path / "x"), is_main_process=False) is None
     assert not (tmp_path / "x").exists()
-    with pytest.raises(UnsupportedError, match="merged_4bit' is not supported"):
-        save_pretrained_merged(model, str(tmp_path / "q"), save_method="merged_4bit")
     with pytest.raises(InputError, match=r"(?s)save_method must be one of.*safe_serialization=False"):
         save_pretrained_merged(model, str(tmp_path / "q"), save_method="gguf", safe_serialization=False)
     with pytest.raises(InputError, match="save_directory is also the Hub repository id"):
@@ -417,3 +415,35 @@ def test_cuda_budget_sends_modules_to_cpu_with_the_same_result(make_base, tmp_pa
     ga, gb = read_all(a), read_all(b)
     for k in ga:
         torch.testing.assert_close(ga[k], gb[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch_base", ["llama", "gpt2"])
+def test_merged_4bit_reloads_as_bitsandbytes_4bit(arch_base, make_base, tmp_path):
+    import bitsandbytes.functional as F
+
+    from peft_shardmerge import save_pretrained_merged
+
+    model = qlora(make_base(arch_base), arch_base, "nf4", torch.bfloat16)
+    ref16 = str(tmp_path / "m16")
+    merge_and_save(model, ref16, dtype="bfloat16", base_precision="dequantized", progress=False)
+    out = str(tmp_path / "m4")
+    with pytest.warns(UserWarning, match="re-quantizes the merged weights to 4-bit"):
+        report = save_pretrained_merged(model, out, save_method="merged_4bit", max_shard_size="100KB", progress=False)
+    assert report.lora_modules_merged == report.lora_modules_total > 0 and len(report.shards) > 1
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["quantization_config"]["load_in_4bit"] is True
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out, device_map="cpu", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    no_cpu_repack(reloaded)
+    merged16 = read_all(ref16)
+    n = 0
+    for name, m in reloaded.named_modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            got = F.dequantize_4bit(m.weight.data, m.weight.quant_state).float()
+            want = merged16[f"{name}.weight"]
+            if arch_base == "gpt2":
+                want = want.T
+            q, st = F.quantize_4bit(want.contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4")
+            torch.testing.assert_close(got, F.dequantize_4bit(q, st).float(), rtol=0, atol=0)
+            n += 1
+    assert n == report.lora_modules_total
