@@ -6,11 +6,9 @@ import logging
 import os
 import resource
 import shutil
-import tempfile
 import time
 from collections import Counter
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -20,7 +18,8 @@ from .maths import lora_bias_delta, merge_block
 from .plan import Plan, PlannedTensor
 from .quant import quantize_roundtrip
 from .report import MergeReport
-from .safetensors_io import DTYPES, RowReader, read_header, row_blocks
+from .safetensors_io import DTYPES, RowReader, row_blocks
+from .staging import check_written, staged_output
 from .writer import ShardWriter, write_json
 
 log = logging.getLogger(__name__)
@@ -117,6 +116,16 @@ class _Merger:
         self.bar.close()
         self.reader.close()
 
+    def skip(self, tensors: list[PlannedTensor]) -> None:
+        """Account for tensors of a shard kept from an interrupted run (already merged and verified)."""
+        for t in tensors:
+            self.replacements += t.from_adapter
+            for m in t.loras:
+                self.applied[m.path] += 1
+            for m in t.bias_loras:
+                self.applied[m.path + ".bias"] += 1
+            self.bar.update(t.nbytes)
+
     def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         src = t.source
         if t.from_adapter:
@@ -174,7 +183,8 @@ class _Merger:
 
 
 def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto",
-                 progress: bool = True, before_commit: Callable[[str], None] | None = None) -> MergeReport:
+                 progress: bool = True, before_commit: Callable[[str], None] | None = None,
+                 resume: bool = True) -> MergeReport:
     """Write the planned checkpoint into a temporary folder beside ``out_dir``, check it, then move it into place.
 
     ``out_dir`` is replaced only after every file is complete and checked; on any failure the temporary
@@ -187,6 +197,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         progress: show a progress bar over bytes written.
         before_commit: called with the temporary folder once the weights are written, before the checks and
             the move into place (e.g. to save a tokenizer there).
+        resume: keep the verified finished shards of an earlier run of the same merge that was killed.
 
     Returns:
         The :class:`MergeReport`.
@@ -205,14 +216,20 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     dev = resolve_device(device)
     merger = _Merger(plan, dev, progress)
     try:
-        with staged_output(out_dir) as tmp:
+        with staged_output(out_dir, fingerprint=plan.fingerprint() if resume else None) as staging:
+            tmp = staging.path
             with torch.no_grad():
                 for i, shard_name in enumerate(plan.shard_names):
                     tensors = plan.shard_tensors(i)
+                    if staging.is_done(shard_name):
+                        merger.skip(tensors)
+                        continue
                     entries = [(t.name, t.out_dtype, t.shape, t.nbytes) for t in tensors]
                     with ShardWriter(os.path.join(tmp, shard_name), entries) as w:
                         for t in tensors:
                             merger.write_tensor(t, w)
+                    staging.record(shard_name, w.digest())
+            resumed = list(staging.resumed)
             if len(plan.shard_names) > 1:
                 write_json(os.path.join(tmp, "model.safetensors.index.json"), plan.index())
             write_json(os.path.join(tmp, "config.json"), plan.config)
@@ -243,7 +260,8 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         cpu_fallbacks=merger.fallbacks,
         device=str(dev),
         untied=list(plan.untied),
-        notes=list(plan.notes),
+        notes=list(plan.notes) + ([f"resumed: {len(resumed)} shard(s) kept from an interrupted run"]
+                                  if resumed else []),
     )
     log.info("%s", report.summary())
     return report
@@ -267,75 +285,3 @@ def _check_counts(plan: Plan, merger: _Merger) -> None:
         raise MergeCheckError(
             f"LoRA modules not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}"
         )
-
-
-def check_written(folder: str, shards: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> None:
-    """Read back every written shard's header and compare it with what was planned.
-
-    Args:
-        folder: where the shards are.
-        shards: ``(file name, [(tensor name, dtype, shape), ...])`` per shard, in write order.
-
-    Returns:
-        None.
-
-    Raises:
-        MergeCheckError: a header differs from the plan or lacks ``{"format": "pt"}``.
-        CorruptFileError: a written file is not valid safetensors.
-
-    Example:
-        >>> check_written(tmp, [("model.safetensors", [("w", "F32", (2,))])])   # doctest: +SKIP
-    """
-    for shard_name, want in shards:
-        infos, meta = read_header(os.path.join(folder, shard_name))
-        got = [(t.name, t.dtype, t.shape) for t in infos]
-        if got != [(n, d, tuple(s)) for n, d, s in want] or meta.get("format") != "pt":
-            raise MergeCheckError(f"{shard_name}: written header does not match the plan")
-
-
-@contextmanager
-def staged_output(out_dir: str) -> Iterator[str]:
-    """Yield a temporary folder beside ``out_dir``; move it into place when the block succeeds.
-
-    On any exception (KeyboardInterrupt included) the temporary folder is removed and ``out_dir`` is left as
-    it was. An existing ``out_dir`` is replaced only after the new folder is complete.
-
-    Args:
-        out_dir: the final folder.
-
-    Returns:
-        A context manager yielding the temporary folder's path.
-
-    Raises:
-        OSError: the parent folder cannot be created or written.
-
-    Example:
-        >>> with staged_output("merged") as tmp:   # doctest: +SKIP
-        ...     write_json(os.path.join(tmp, "config.json"), {})
-    """
-    out_dir = os.path.abspath(out_dir)
-    parent, name = os.path.split(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    try:
-        yield tmp
-        _commit(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _commit(tmp: str, out_dir: str) -> None:
-    parent, name = os.path.split(out_dir)
-    if os.path.lexists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-        os.rmdir(old)
-        os.rename(out_dir, old)
-        try:
-            os.rename(tmp, out_dir)
-        except BaseException:
-            os.rename(old, out_dir)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)

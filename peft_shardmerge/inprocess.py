@@ -15,7 +15,8 @@ from torch import nn
 from .api import check_out_dir, merge_checkpoint
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError, ShardMergeError, UnsupportedError
-from .execute import check_written, current_rss_bytes, peak_rss_bytes, staged_output
+from .execute import current_rss_bytes, peak_rss_bytes
+from .staging import check_written, staged_output
 from .live import LiveEntry, LiveModel, dequantize, materialized, offload_owner, unwrap, walk
 from .maths import add_lora_
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
@@ -350,7 +351,8 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
     merger.applied.clear()
     sizes = [sum(h[3] for h in g) for g in groups]
     indices, names = assign_shards(sizes, limit)
-    with staged_output(out_dir) as tmp, torch.no_grad():
+    with staged_output(out_dir) as staging, torch.no_grad():
+        tmp = staging.path
         bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="merging", disable=not progress)
         try:
             plan_headers = []

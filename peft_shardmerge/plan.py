@@ -173,6 +173,41 @@ class Plan:
             "weight_map": {t.name: self.shard_names[t.shard] for t in self.tensors},
         }
 
+    def fingerprint(self) -> str:
+        """A digest of everything that decides the output bytes: input files (names, sizes, modification
+        times), options and the plan itself. A resumed run keeps earlier shards only when it matches.
+
+        Returns:
+            A hex SHA-256 digest.
+        """
+        import hashlib
+        import json
+        import os
+
+        from . import __version__
+
+        def files(folder: str) -> list:
+            out = []
+            for name in sorted(os.listdir(folder)):
+                path = os.path.join(folder, name)
+                if os.path.isfile(path):
+                    st = os.stat(path)
+                    out.append([name, st.st_size, st.st_mtime_ns])
+            return out
+
+        data = {
+            "version": __version__,
+            "base": [self.base.folder, files(self.base.folder)],
+            "adapter": [self.adapter.folder, files(self.adapter.folder)],
+            "dtype": str(self.dtype),
+            "base_precision": self.base_precision,
+            "nf4": self.nf4.describe() if self.nf4 else None,
+            "chunk_elems": self.chunk_elems,
+            "shards": self.shard_names,
+            "tensors": [[t.name, t.out_dtype, t.shard, t.op, [m.path for m in t.loras]] for t in self.tensors],
+        }
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
     def peak_bytes(self) -> int:
         """Estimated peak working memory of the executor, beyond the imported libraries."""
         return max((_working_set(t, self.chunk_elems) for t in self.tensors), default=0)

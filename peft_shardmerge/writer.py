@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import queue
@@ -44,6 +45,7 @@ class ShardWriter:
         meta = {"format": "pt", **(metadata or {})}
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._error: BaseException | None = None
+        self._hash = hashlib.blake2b(digest_size=16)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
         self._thread.start()
@@ -67,6 +69,7 @@ class ShardWriter:
         self._queue.put(job)
 
     def _write_all(self, view: memoryview) -> None:
+        self._hash.update(view)
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
@@ -123,7 +126,18 @@ class ShardWriter:
                     raise MergeCheckError(f"source file ended early while copying into {self.path}")
                 self._write_all(memoryview(data))
                 n = len(data)
+            else:  # copied in the kernel: read the same bytes back from the page cache for the digest
+                for pos in range(0, n, _FALLBACK_PIECE):
+                    self._hash.update(os.pread(fd, min(_FALLBACK_PIECE, n - pos), offset + done + pos))
             done += n
+
+    def digest(self) -> str:
+        """BLAKE2b-128 hex digest of every byte written (header included), as :func:`file_digest` computes it.
+
+        Returns:
+            32 hex characters; complete only after :meth:`close`.
+        """
+        return self._hash.hexdigest()
 
     def _stop(self) -> None:
         if self._thread.is_alive():
