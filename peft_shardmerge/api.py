@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Callable
 
 import torch
@@ -117,11 +118,50 @@ def plan_checkpoint_merge(
     problems += check_out_dir(out_dir, inputs={"base": src.folder, "adapter": spec.folder}, overwrite=overwrite)
     info = inspect_model(src.folder)
     nf4 = Nf4Settings(nf4_quant_type, nf4_blocksize, nf4_double_quant) if base_precision == "nf4" else None
-    return build_plan(
+    plan = build_plan(
         src, spec, info,
         dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
         nf4=nf4, chunk_elems=chunk_elems, problems=problems,
     )
+    space = check_space(out_dir, plan.total_size + sum(
+        os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files))
+    if space:
+        raise InputError(space)
+    return plan
+
+
+def check_space(out_dir: str, nbytes: int) -> list[str]:
+    """Whether ``out_dir`` can be created and ``nbytes`` written beside it, without writing anything.
+
+    Args:
+        out_dir: the output folder (it and its parents may not exist yet).
+        nbytes: the bytes the merge will write.
+
+    Returns:
+        The problems (read-only or missing-permission parent, not enough free space), each with the fix.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> check_space("/tmp/merged", 1000)
+        []
+    """
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    folder = existing if os.path.isdir(existing) else os.path.dirname(existing)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.access(folder, os.W_OK):
+        return [f"cannot write in {folder} (read-only or no permission) to create {out_dir}; choose another "
+                "output folder"]
+    free = shutil.disk_usage(folder).free
+    need = nbytes + (1 << 20)
+    if free < need:
+        return [f"not enough free space for {out_dir}: the merge writes {need / 1e9:.3f} GB and the filesystem of "
+                f"{parent if os.path.exists(parent) else folder} has {free / 1e9:.3f} GB free; free some space or "
+                "choose another output folder"]
+    return []
 
 
 def merge_checkpoint(
@@ -141,6 +181,7 @@ def merge_checkpoint(
     progress: bool = True,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     before_commit: Callable[[str], None] | None = None,
+    resume: bool = True,
 ) -> MergeReport:
     """Merge a LoRA adapter into a base checkpoint on disk, streaming one row block at a time.
 
@@ -165,6 +206,8 @@ def merge_checkpoint(
         chunk_elems: elements per row block.
         before_commit: called with the temporary output folder before it is checked and moved into place
             (to add files, e.g. ``tokenizer.save_pretrained``).
+        resume: when an earlier run of the same merge (same inputs and options) was killed, keep its
+            finished and verified shards (``.<OUT>.partial/manifest.json``) and redo the rest.
 
     Returns:
         A :class:`~peft_shardmerge.report.MergeReport` (``report.summary()`` for a one-screen summary).
@@ -196,4 +239,4 @@ def merge_checkpoint(
             tensors_written=0, lora_modules_total=len(plan.adapter.modules), shards=list(plan.shard_names),
             notes=list(plan.notes), dry_run=True, plan_text=plan.describe(),
         )
-    return execute_plan(plan, out_dir, device=device, progress=progress, before_commit=before_commit)
+    return execute_plan(plan, out_dir, device=device, progress=progress, before_commit=before_commit, resume=resume)

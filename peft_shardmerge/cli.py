@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from . import __version__
@@ -11,6 +12,15 @@ from .errors import ShardMergeError
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+class Terminated(BaseException):
+    """Raised in the main thread when SIGTERM arrives, so that the staging folder is cleaned up."""
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise Terminated()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         argv: arguments without the program name; ``sys.argv[1:]`` when None.
 
     Returns:
-        0 on success, 2 for a user error (message, no traceback), 130 when interrupted.
+        0 on success, 2 for a user error or a filesystem failure such as a full disk (message, no traceback),
+        130 when interrupted (Ctrl-C), 143 on SIGTERM.
 
     Raises:
         SystemExit: from argparse, for ``--help``, ``--version`` or unparsable arguments (status 2).
@@ -88,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(noisy).setLevel(logging.ERROR)
     from .api import merge_checkpoint
 
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         report = merge_checkpoint(
             args.base, args.adapter, args.out,
@@ -100,8 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peft-shardmerge: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("peft-shardmerge: interrupted; nothing was written to OUT", file=sys.stderr)
+        print("peft-shardmerge: interrupted; the partial output was removed and OUT is unchanged", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print("peft-shardmerge: terminated; the partial output was removed and OUT is unchanged", file=sys.stderr)
+        return EXIT_TERMINATED
+    except OSError as e:
+        print(f"peft-shardmerge: error: {e.strerror or e} ({e.filename or 'output'}); the partial output was "
+              "removed and OUT is unchanged", file=sys.stderr)
+        return EXIT_USER_ERROR
     print(report.summary())
     return 0
 

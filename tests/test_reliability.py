@@ -1,0 +1,217 @@
+"""Crash safety and resume, signals, locks and resource faults, with real processes and real filesystems."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from peft_shardmerge import InputError, merge_checkpoint
+from peft_shardmerge.staging import OutputLockedError, output_lock, partial_dir
+from peft_shardmerge.tiny import build_adapter, build_base
+
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+KILLS = 20
+
+
+@pytest.fixture(scope="module")
+def medium(tmp_path_factory):
+    """A base big enough that writing takes a noticeable moment: ~120 MB of fp32, written as 4 MB bf16 shards."""
+    root = tmp_path_factory.mktemp("medium")
+    base = build_base(str(root / "base"), "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, max_shard_size="20MB")
+    adapter = build_adapter(base, str(root / "adapter"), arch="llama")
+    return base, adapter
+
+
+def _cmd(base, adapter, out, *extra):
+    return [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--dtype", "bfloat16",
+            "--max-shard-size", "4MB", "-q", *extra]
+
+
+def _tree_bytes(folder) -> dict[str, bytes]:
+    return {f: open(os.path.join(folder, f), "rb").read() for f in sorted(os.listdir(folder))}
+
+
+def _start_and_kill(cmd, out, rng, sig=signal.SIGKILL, window: float = 0.4) -> subprocess.Popen:
+    """Start a merge, wait until it holds the output lock (planning is over and it is about to write), then
+    signal it at a random moment within ``window`` seconds."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.lock")
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        try:
+            if json.loads(open(lock).read() or "{}").get("pid") == proc.pid:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.002)
+    time.sleep(rng.uniform(0, window))
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    proc.wait(timeout=120)
+    proc.stderr_text = proc.stderr.read()
+    return proc
+
+
+def test_killed_at_random_points_then_resumed_byte_identical(medium, tmp_path):
+    base, adapter = medium
+    reference = str(tmp_path / "reference")
+    report = merge_checkpoint(base, adapter, reference, dtype="bfloat16", max_shard_size="4MB", progress=False,
+                              resume=False)
+    window = report.wall_time_s * 1.2  # signals land anywhere from the first shard to just after the commit
+    out = str(tmp_path / "out")
+    rng = random.Random(1234)
+    killed, resumed_from, attempts = 0, [], 0
+    while killed < KILLS and attempts < 4 * KILLS:
+        attempts += 1
+        proc = _start_and_kill(_cmd(base, adapter, out), out, rng, window=window)
+        if os.path.exists(out):  # the kill came after the commit: OUT must then be the complete output
+            assert _tree_bytes(out) == _tree_bytes(reference)
+            shutil.rmtree(out)
+            continue
+        if proc.returncode == -signal.SIGKILL:
+            killed += 1
+            manifest = os.path.join(partial_dir(out), "manifest.json")
+            if os.path.exists(manifest):
+                resumed_from.append(len(json.load(open(manifest))["shards"]))
+        else:
+            assert proc.returncode == 0, proc.stderr_text
+            shutil.rmtree(out)  # finished before the signal: start over so that the next attempt is killed
+    assert killed >= KILLS, (killed, attempts)
+    assert max(resumed_from) > 0, "no kill happened after a shard was finished"
+    proc = subprocess.run(_cmd(base, adapter, out), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert _tree_bytes(out) == _tree_bytes(reference)
+    assert sorted(os.listdir(tmp_path)) == ["out", "reference"]
+    print(f"\nkills survived: {killed} of {attempts} attempts; finished shards found after each kill: {resumed_from}")
+
+
+def test_kill_while_replacing_keeps_the_previous_output(medium, tmp_path):
+    base, adapter = medium
+    out = str(tmp_path / "out")
+    merge_checkpoint(base, adapter, out, dtype="bfloat16", max_shard_size="4MB", progress=False)
+    before = _tree_bytes(out)
+    rng = random.Random(99)
+    for _ in range(5):
+        _start_and_kill(_cmd(base, adapter, out, "--overwrite", "--dtype", "float32"), out, rng)
+        current = _tree_bytes(out)
+        assert current == before or json.load(open(os.path.join(out, "config.json")))["dtype"] == "float32"
+        if current != before:  # the new output landed whole; the next replacement starts from it
+            before = current
+
+
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_sigterm_and_ctrl_c_clean_up(sig, code, word, medium, tmp_path):
+    base, adapter = medium
+    out = str(tmp_path / "out")
+    for attempt in range(10):
+        proc = _start_and_kill(_cmd(base, adapter, out), out, random.Random(attempt), sig=sig, window=0.05)
+        if not os.path.exists(out):
+            break
+        shutil.rmtree(out)  # the signal came after the commit; try again
+    assert proc.returncode == code, (proc.returncode, proc.stderr_text)
+    assert proc.stderr_text.strip().splitlines() == [f"peft-shardmerge: {word}; the partial output was removed and OUT "
+                                                "is unchanged"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_changed_option_invalidates_the_manifest(medium, tmp_path):
+    base, adapter = medium
+    out = str(tmp_path / "out")
+    staging = partial_dir(out)
+    os.makedirs(staging)
+    fake = "model-00001-of-00042.safetensors"
+    open(os.path.join(staging, fake), "wb").write(b"not a shard")
+    json.dump({"fingerprint": "from another merge", "shards": {fake: {"size": 11, "digest": "x"}}},
+              open(os.path.join(staging, "manifest.json"), "w"))
+    report = merge_checkpoint(base, adapter, out, dtype="bfloat16", max_shard_size="4MB", progress=False)
+    assert not any("resumed" in n for n in report.notes)
+    assert fake not in os.listdir(out) and not os.path.exists(staging)
+
+
+def test_second_merge_into_the_same_output_is_refused(medium, tmp_path):
+    base, adapter = medium
+    out = str(tmp_path / "out")
+    with output_lock(out):
+        r = subprocess.run(_cmd(base, adapter, out), capture_output=True, text=True, timeout=300)
+        with pytest.raises(OutputLockedError, match=rf"another merge is writing .*out: pid {os.getpid()}"):
+            merge_checkpoint(base, adapter, out, progress=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"another merge is writing {out}: pid {os.getpid()}" in r.stderr
+    assert not os.path.exists(out)
+
+
+def test_stale_lock_from_a_dead_process_is_taken_over(medium, tmp_path):
+    base, adapter = medium
+    out = str(tmp_path / "out")
+    lock = os.path.join(tmp_path, ".out.lock")
+    json.dump({"pid": 999999, "host": "gone", "started": "yesterday"}, open(lock, "w"))
+    merge_checkpoint(base, adapter, out, dtype="bfloat16", max_shard_size="4MB", progress=False)
+    assert os.path.isdir(out) and not os.path.exists(lock)
+
+
+@pytest.fixture()
+def small_fs(tmp_path):
+    """A real 1 MiB tmpfs mounted for the test (root only)."""
+    if not IS_ROOT:
+        pytest.skip("mounting a small filesystem needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_disk_full_is_refused_up_front(small_fs, make_base, make_adapter):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    out = str(small_fs / "out")
+    with pytest.raises(InputError, match=r"not enough free space for .*: the merge writes 0\.00[0-9] GB"):
+        merge_checkpoint(base, adapter, out, dtype="float32", progress=False)
+    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--dtype", "float32"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "not enough free space" in r.stderr and "Traceback" not in r.stderr
+    assert os.listdir(small_fs) == []
+
+
+def test_disk_full_mid_write_removes_everything(small_fs, make_base, make_adapter, monkeypatch):
+    """The up-front check is told there is room; the kernel's real ENOSPC then hits the writer."""
+    import peft_shardmerge.api as api
+
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    previous = small_fs / "out"
+    previous.mkdir()
+    (previous / "config.json").write_text("previous output")
+    monkeypatch.setattr(api, "check_space", lambda out_dir, nbytes: [])
+    with pytest.raises(OSError) as e:
+        merge_checkpoint(base, adapter, str(previous), dtype="float32", overwrite=True, progress=False)
+    assert e.value.errno == errno.ENOSPC
+    assert os.listdir(small_fs) == ["out"] and (previous / "config.json").read_text() == "previous output"
+
+
+def test_read_only_parent_is_refused_up_front(tmp_path, make_base, make_adapter):
+    if not IS_ROOT:
+        pytest.skip("mounting a read-only filesystem needs root")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
+    try:
+        with pytest.raises(InputError, match=r"cannot write in .*ro \(read-only or no permission\)"):
+            merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(mnt / "a" / "out"),
+                             progress=False)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
