@@ -1,0 +1,356 @@
+"""The catalogue of bad inputs: each is refused with its own exception and message, by the API and the command
+line (exit 2, no traceback), and nothing on disk is written or changed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from peft_shardmerge import CorruptFileError, InputError, NotFoundError, UnsupportedError, merge_checkpoint
+from peft_shardmerge.cli import main as cli_main
+from peft_shardmerge.tiny import build_adapter, build_base
+
+
+@dataclass
+class Ctx:
+    root: str
+    base: str
+    adapter: str
+    sharded: str
+    other_arch_adapter: str
+    out: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def copy(self, what: str) -> str:
+        dst = os.path.join(self.root, "case-" + os.path.basename(what))
+        shutil.copytree(what, dst)
+        return dst
+
+
+def _edit_json(path: str, **changes) -> None:
+    data = json.load(open(path))
+    for k, v in changes.items():
+        if v is _DROP:
+            data.pop(k, None)
+        else:
+            data[k] = v
+    json.dump(data, open(path, "w"))
+
+
+_DROP = object()
+
+
+def adapter_config(**changes):
+    def make(c: Ctx):
+        a = c.copy(c.adapter)
+        _edit_json(os.path.join(a, "adapter_config.json"), **changes)
+        return c.base, a, {}
+    return make
+
+
+def adapter_weights(edit: Callable[[dict], None]):
+    def make(c: Ctx):
+        a = c.copy(c.adapter)
+        path = os.path.join(a, "adapter_model.safetensors")
+        w = load_file(path)
+        edit(w)
+        save_file(w, path, metadata={"format": "pt"})
+        return c.base, a, {}
+    return make
+
+
+def raw_file(folder_attr: str, name: str, content: bytes):
+    def make(c: Ctx):
+        folder = c.copy(getattr(c, folder_attr))
+        open(os.path.join(folder, name), "wb").write(content)
+        return (folder, c.adapter, {}) if folder_attr == "base" else (c.base, folder, {})
+    return make
+
+
+def bad_base_shard(header: dict | bytes, data: bytes = b"", length: int | None = None):
+    def make(c: Ctx):
+        b = c.copy(c.base)
+        raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+        n = len(raw) if length is None else length
+        open(os.path.join(b, "model.safetensors"), "wb").write(struct.pack("<Q", n) + raw + data)
+        return b, c.adapter, {}
+    return make
+
+
+def index_edit(edit: Callable[[dict, str], None]):
+    def make(c: Ctx):
+        b = c.copy(c.sharded)
+        path = os.path.join(b, "model.safetensors.index.json")
+        index = json.load(open(path))
+        edit(index, b)
+        json.dump(index, open(path, "w"))
+        return b, c.sharded_adapter, {}
+    return make
+
+
+def option(**kwargs):
+    def make(c: Ctx):
+        return c.base, c.adapter, kwargs
+    return make
+
+
+def out_at(where: Callable[[Ctx, str, str], str], **kwargs):
+    def make(c: Ctx):
+        b, a = c.copy(c.base), c.copy(c.adapter)
+        c.out = where(c, b, a)
+        return b, a, kwargs
+    return make
+
+
+def _drop_b(w):
+    for k in [k for k in w if "layers.0.self_attn.q_proj.lora_B" in k]:
+        del w[k]
+
+
+def _rank4_b(w):
+    k = next(k for k in w if "layers.0.self_attn.q_proj.lora_B" in k)
+    w[k] = w[k][:, :4].contiguous()
+
+
+def _rename_target(w):
+    for k in [k for k in w if "layers.0.self_attn.q_proj" in k]:
+        w[k.replace("q_proj", "qq_proj")] = w.pop(k)
+
+
+def _nan(w, value=float("nan")):
+    k = next(k for k in w if "lora_B" in k)
+    w[k][0, 0] = value
+
+
+def _resized_head(w):
+    w["base_model.model.lm_head.weight"] = torch.zeros(600, 128)
+
+
+def _pickled_code(c: Ctx):
+    a = c.copy(c.adapter)
+    os.remove(os.path.join(a, "adapter_model.safetensors"))
+    torch.save({"w": torch.ones(1), "f": os.getcwd}, os.path.join(a, "adapter_model.bin"))
+    return c.base, a, {}
+
+
+def _only_bin_base(c: Ctx):
+    b = c.copy(c.base)
+    os.rename(os.path.join(b, "model.safetensors"), os.path.join(b, "pytorch_model.bin"))
+    return b, c.adapter, {}
+
+
+def _no_config(c: Ctx):
+    b = c.copy(c.base)
+    os.remove(os.path.join(b, "config.json"))
+    return b, c.adapter, {}
+
+
+def _no_weights(c: Ctx):
+    a = c.copy(c.adapter)
+    os.remove(os.path.join(a, "adapter_model.safetensors"))
+    return c.base, a, {}
+
+
+def _prequantized(c: Ctx):
+    b = c.copy(c.base)
+    _edit_json(os.path.join(b, "config.json"), quantization_config={"quant_method": "bitsandbytes"})
+    return b, c.adapter, {}
+
+
+def _truncate(folder_attr: str, name: str):
+    def make(c: Ctx):
+        folder = c.copy(getattr(c, folder_attr))
+        path = os.path.join(folder, name)
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) - 100])
+        return (folder, c.adapter, {}) if folder_attr == "base" else (c.base, folder, {})
+    return make
+
+
+def _first(index):
+    return next(iter(index["weight_map"]))
+
+
+def _dup_across_shards(c: Ctx):
+    b = c.copy(c.sharded)
+    index = json.load(open(os.path.join(b, "model.safetensors.index.json")))
+    shards = sorted(set(index["weight_map"].values()))
+    t = load_file(os.path.join(b, shards[1]))
+    t.update({k: v for k, v in load_file(os.path.join(b, shards[0])).items()})
+    save_file(t, os.path.join(b, shards[1]), metadata={"format": "pt"})
+    return b, c.sharded_adapter, {}
+
+
+def _symlink_into_base(c: Ctx, b: str, a: str) -> str:
+    link = os.path.join(c.root, "link-out")
+    os.symlink(os.path.join(b, "sub"), link)
+    os.mkdir(os.path.join(b, "sub"))
+    return link
+
+
+def _out_is_file(c: Ctx, b: str, a: str) -> str:
+    p = os.path.join(c.root, "out-file")
+    open(p, "w").write("mine")
+    return p
+
+
+def _out_not_empty(c: Ctx, b: str, a: str) -> str:
+    p = os.path.join(c.root, "out-full")
+    os.mkdir(p)
+    open(os.path.join(p, "keep.txt"), "w").write("mine")
+    return p
+
+
+# (id, builder, exception, message regex)
+CASES = [
+    ("adapter-other-architecture", lambda c: (c.base, c.other_arch_adapter, {}), InputError,
+     r"LoRA target 'transformer\.h\.0\.attn\.c_attn' does not exist in the base"),
+    ("adapter-other-hidden-size", lambda c: (c.base, c.wide_adapter, {}), InputError,
+     r"gives a delta of shape \[192, 192\] but the base weight .* is \[128, 128\]"),
+    ("target-missing-in-base", adapter_weights(_rename_target), InputError,
+     r"LoRA target 'model\.layers\.0\.self_attn\.qq_proj' does not exist in the base"),
+    ("rank-mismatch-A-B", adapter_weights(_rank4_b), InputError, r"do not form a rank-r pair"),
+    ("only-A-no-B", adapter_weights(_drop_b), InputError, r"has only one of its A/B factors"),
+    ("rank-config-vs-weights", adapter_config(r=4), InputError, r"rank 8 in its weights but .* says r=4"),
+    ("nan-in-adapter", adapter_weights(_nan), InputError, r"adapter weights contain NaN or Inf"),
+    ("inf-in-adapter", adapter_weights(lambda w: _nan(w, float("inf"))), InputError,
+     r"adapter weights contain NaN or Inf"),
+    ("resized-vocabulary", adapter_weights(_resized_head), InputError, r"a resized vocabulary is not supported yet"),
+    ("peft-type-loha", adapter_config(peft_type="LOHA"), UnsupportedError, r"peft_type='LOHA'; only LoRA"),
+    ("peft-type-missing", adapter_config(peft_type=_DROP), UnsupportedError, r"peft_type=None; only LoRA"),
+    ("dora", adapter_config(use_dora=True), UnsupportedError, r"DoRA adapters are not supported yet"),
+    ("target-parameters", adapter_config(target_parameters=["experts.gate_up_proj"]), UnsupportedError,
+     r"target_parameters"),
+    ("trainable-tokens", adapter_config(trainable_token_indices=[1, 2]), UnsupportedError, r"trainable tokens"),
+    ("layer-replication", adapter_config(layer_replication=[[0, 2]]), UnsupportedError, r"layer_replication"),
+    ("config-missing-r", adapter_config(r=_DROP), InputError, r"adapter_config\.json lacks 'r'"),
+    ("config-r-string", adapter_config(r="8"), InputError, r"'r' must be a positive number, got '8'"),
+    ("config-alpha-negative", adapter_config(lora_alpha=-16), InputError, r"'lora_alpha' must be a positive number"),
+    ("config-rank-pattern-list", adapter_config(rank_pattern=["q_proj"]), InputError,
+     r"'rank_pattern' must be an object, got list"),
+    ("config-not-json", raw_file("adapter", "adapter_config.json", b"{r: 8"), CorruptFileError,
+     r"adapter_config\.json is not valid JSON"),
+    ("config-not-object", raw_file("adapter", "adapter_config.json", b"[1, 2]"), CorruptFileError,
+     r"adapter_config\.json is not a JSON object"),
+    ("adapter-folder-missing", lambda c: (c.base, os.path.join(c.root, "nope"), {}), NotFoundError,
+     r"adapter .*nope' is not a folder, nor a Hub id"),
+    ("adapter-weights-missing", _no_weights, NotFoundError, r"has neither adapter_model\.safetensors nor"),
+    ("adapter-pickle-with-code", _pickled_code, CorruptFileError, r"cannot be read safely with torch\.load"),
+    ("adapter-truncated", _truncate("adapter", "adapter_model.safetensors"), CorruptFileError, r"truncated"),
+    ("adapter-empty", raw_file("adapter", "adapter_model.safetensors", struct.pack("<Q", 2) + b"{}"), InputError,
+     r"holds no LoRA weights"),
+    ("base-folder-missing", lambda c: (os.path.join(c.root, "nobase"), c.adapter, {}), NotFoundError,
+     r"base .*nobase' is not a folder, nor a Hub id"),
+    ("base-without-config", _no_config, NotFoundError, r"has none of config\.json"),
+    ("base-only-pickle", _only_bin_base, InputError, r"has only pickle weights \(pytorch_model\.bin\)"),
+    ("base-prequantized", _prequantized, InputError, r"is a pre-quantized checkpoint \(quant_method='bitsandbytes'\)"),
+    ("base-config-not-json", raw_file("base", "config.json", b"{oops"), CorruptFileError,
+     r"base config\.json is not valid JSON"),
+    ("header-length-beyond-file", bad_base_shard(b"{}", length=10**9), CorruptFileError,
+     r"header length 1000000000 is beyond the file"),
+    ("header-bad-json", bad_base_shard(b"{not json}"), CorruptFileError, r"header is not valid JSON"),
+    ("offsets-out-of-range", bad_base_shard({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+                                            b"\0" * 8), CorruptFileError, r"ends beyond the file"),
+    ("overlapping-tensors", bad_base_shard({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+                                           b"\0" * 12), CorruptFileError, r"overlaps another or leaves a gap"),
+    ("unknown-dtype", bad_base_shard({"w": {"dtype": "F7", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),
+     CorruptFileError, r"unknown dtype 'F7'"),
+    ("empty-shard-file", raw_file("base", "model.safetensors", b""), CorruptFileError,
+     r"is 0 bytes, too short to be safetensors"),
+    ("index-missing-shard", index_edit(lambda i, b: i["weight_map"].update({_first(i): "model-99999.safetensors"})),
+     NotFoundError, r"names shard\(s\) that do not exist: model-99999\.safetensors"),
+    ("index-dotdot", index_edit(lambda i, b: i["weight_map"].update({_first(i): "../x.safetensors"})),
+     CorruptFileError, r"shard name '\.\./x\.safetensors' is not a plain"),
+    ("index-absolute", index_edit(lambda i, b: i["weight_map"].update({_first(i): "/etc/x.safetensors"})),
+     CorruptFileError, r"shard name '/etc/x\.safetensors' is not a plain"),
+    ("index-not-safetensors", index_edit(lambda i, b: i["weight_map"].update({_first(i): "model.bin"})),
+     CorruptFileError, r"shard name 'model\.bin' is not a plain \.safetensors"),
+    ("index-without-weight-map", index_edit(lambda i, b: i.pop("weight_map")), CorruptFileError,
+     r"has no 'weight_map' object"),
+    ("index-names-absent-tensor", index_edit(lambda i, b: i["weight_map"].update(
+        {"ghost.weight": i["weight_map"][_first(i)]})), CorruptFileError, r"names tensors no shard holds: ghost"),
+    ("duplicate-across-shards", _dup_across_shards, CorruptFileError, r"appears in both"),
+    ("unknown-dtype-option", option(dtype="int4"), InputError, r"dtype 'int4' is not supported"),
+    ("shard-size-unit", option(max_shard_size="5XB"), InputError, r"max_shard_size '5XB' is not a size"),
+    ("shard-size-negative", option(max_shard_size="-1GB"), InputError, r"max_shard_size '-1GB' is not a size"),
+    ("shard-size-empty", option(max_shard_size=""), InputError, r"max_shard_size '' is not a size"),
+    ("shard-size-zero", option(max_shard_size="0MB"), InputError, r"max_shard_size must be positive"),
+    ("base-precision", option(base_precision="int8"), InputError, r"base_precision must be one of original, nf4"),
+    ("nf4-blocksize", option(base_precision="nf4", nf4_blocksize=100), InputError,
+     r"4-bit blocksize must be a power of two"),
+    ("device-cuda-without-cuda", option(device="cuda"), InputError, r"CUDA is not available"),
+    ("out-not-empty", out_at(_out_not_empty), InputError, r"is not empty; pass --overwrite"),
+    ("out-is-a-file", out_at(_out_is_file), InputError, r"exists and is not a folder"),
+    ("out-equals-base", out_at(lambda c, b, a: b, overwrite=True), InputError, r"is the base folder"),
+    ("out-inside-base", out_at(lambda c, b, a: os.path.join(b, "m")), InputError, r"is inside the base folder"),
+    ("out-inside-adapter", out_at(lambda c, b, a: os.path.join(a, "m")), InputError,
+     r"is inside the adapter folder"),
+    ("base-inside-out", out_at(lambda c, b, a: c.root, overwrite=True), InputError,
+     r"the base folder .* is inside the output folder"),
+    ("symlink-out-into-base", out_at(_symlink_into_base), InputError, r"is inside the base folder"),
+]
+
+CLI_FLAGS = {"dtype": "--dtype", "max_shard_size": "--max-shard-size", "base_precision": "--base-precision",
+             "nf4_blocksize": "--nf4-blocksize", "device": "--device"}
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory, make_base, make_adapter):
+    root = str(tmp_path_factory.mktemp("catalogue"))
+    c = Ctx(root, make_base("llama"), make_adapter("llama", "default"), make_base("llama_sharded"),
+            make_adapter("gpt2", "default", fan_in_fan_out=True))
+    c.sharded_adapter = make_adapter("llama_sharded", "default")
+    wide = build_base(os.path.join(root, "wide"), "llama", hidden_size=192, intermediate_size=256)
+    c.wide_adapter = build_adapter(wide, os.path.join(root, "wide-adapter"), target_modules=["q_proj"])
+    return c
+
+
+def _snapshot(folder: str) -> dict[str, str]:
+    out = {}
+    for dirpath, dirnames, files in os.walk(folder):
+        for name in files + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            p = os.path.join(dirpath, name)
+            out[os.path.relpath(p, folder)] = (os.readlink(p) if os.path.islink(p)
+                                               else hashlib.sha256(open(p, "rb").read()).hexdigest())
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(case, ctx, tmp_path, capsys):
+    name, build, exc, message = case
+    ctx.root = str(tmp_path)
+    ctx.out = str(tmp_path / "out")
+    base, adapter, kwargs = build(ctx)
+    before = _snapshot(str(tmp_path))
+    with pytest.raises(exc, match=message):
+        merge_checkpoint(base, adapter, ctx.out, progress=False, **kwargs)
+    assert _snapshot(str(tmp_path)) == before, "the API wrote or changed something"
+
+    argv = ["merge", base, adapter, ctx.out, "-q"]
+    for k, v in kwargs.items():
+        argv += ["--overwrite"] if k == "overwrite" else [f"{CLI_FLAGS[k]}={v}"]
+    capsys.readouterr()
+    try:
+        code = cli_main(argv)
+    except SystemExit as e:  # argparse refuses values outside its choices, also with status 2
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    if "invalid choice" not in err:
+        assert err.startswith("peft-shardmerge: error: ")
+    assert _snapshot(str(tmp_path)) == before, "the command line wrote or changed something"
+
+
+def test_catalogue_is_large():
+    assert len(CASES) >= 40
