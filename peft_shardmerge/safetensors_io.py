@@ -101,7 +101,7 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
         raw = f.read(hlen)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptFileError(f"{path}: header is not valid JSON ({e}); the file is corrupted") from e
     if not isinstance(header, dict):
         raise CorruptFileError(f"{path}: header is not a JSON object; the file is corrupted")
@@ -115,9 +115,9 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
             dtype = entry["dtype"]
             shape = tuple(int(s) for s in entry["shape"])
             begin, end = (int(x) for x in entry["data_offsets"])
-        except (TypeError, KeyError, ValueError) as e:
+        except (TypeError, KeyError, ValueError, OverflowError) as e:
             raise CorruptFileError(f"{path}: entry {name!r} lacks dtype/shape/data_offsets") from e
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CorruptFileError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if any(s < 0 for s in shape):
             raise CorruptFileError(f"{path}: tensor {name!r} has a negative dimension {shape}")

@@ -219,8 +219,8 @@ def _read_json(path: str, what: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptFileError(f"{path}: {what} is not valid JSON ({e})") from e
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptFileError(f"{path}: {what} is not valid JSON ({type(e).__name__})") from e
     if not isinstance(data, dict):
         raise CorruptFileError(f"{path}: {what} is not a JSON object")
     return data
