@@ -159,20 +159,30 @@ def test_stale_lock_from_a_dead_process_is_taken_over(medium, tmp_path):
     assert os.path.isdir(out) and not os.path.exists(lock)
 
 
-@pytest.fixture()
-def small_fs(tmp_path):
-    """A real 1 MiB tmpfs mounted for the test (root only)."""
+def _tmpfs(mnt, options: str):
+    """Mount a real tmpfs for one test (root only), or skip with the reason."""
     if not IS_ROOT:
-        pytest.skip("mounting a small filesystem needs root")
-    mnt = tmp_path / "small"
+        pytest.skip("mounting a filesystem needs root")
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
     try:
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture()
+def small_fs(tmp_path):
+    """A real 1 MiB filesystem: smaller than any tiny merge."""
+    yield from _tmpfs(tmp_path / "small", "size=1m")
+
+
+@pytest.fixture()
+def other_fs(tmp_path):
+    """A real 8 MiB filesystem other than the one holding the inputs."""
+    yield from _tmpfs(tmp_path / "other", "size=8m")
 
 
 def test_disk_full_is_refused_up_front(small_fs, make_base, make_adapter):
@@ -201,17 +211,50 @@ def test_disk_full_mid_write_removes_everything(small_fs, make_base, make_adapte
     assert os.listdir(small_fs) == ["out"] and (previous / "config.json").read_text() == "previous output"
 
 
-def test_read_only_parent_is_refused_up_front(tmp_path, make_base, make_adapter):
-    if not IS_ROOT:
-        pytest.skip("mounting a read-only filesystem needs root")
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
-    try:
-        with pytest.raises(InputError, match=r"cannot write in .*ro \(read-only or no permission\)"):
-            merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(mnt / "a" / "out"),
-                             progress=False)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+@pytest.fixture()
+def read_only_fs(tmp_path):
+    yield from _tmpfs(tmp_path / "ro", "ro,size=1m")
+
+
+def test_read_only_parent_is_refused_up_front(read_only_fs, make_base, make_adapter):
+    with pytest.raises(InputError, match=r"cannot write in .*ro \(read-only or no permission\)"):
+        merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(read_only_fs / "a" / "out"),
+                         progress=False)
+
+
+def test_killed_run_is_not_resumed_with_another_option(medium, tmp_path):
+    base, adapter = medium
+    out = str(tmp_path / "out")
+    rng = random.Random(7)
+    for _ in range(30):
+        _start_and_kill(_cmd(base, adapter, out), out, rng, window=0.3)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+            continue
+        manifest = os.path.join(partial_dir(out), "manifest.json")
+        if os.path.exists(manifest) and json.load(open(manifest))["shards"]:
+            break
+    else:
+        pytest.fail("no kill left a finished shard behind")
+    report = merge_checkpoint(base, adapter, out, dtype="float32", max_shard_size="4MB", progress=False)
+    assert not any("resumed" in n for n in report.notes)
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "float32"
+    again = str(tmp_path / "again")
+    report = merge_checkpoint(base, adapter, again, dtype="float32", max_shard_size="4MB", progress=False)
+    assert _tree_bytes(out) == _tree_bytes(again)
+
+
+def test_missing_parents_are_created(make_base, make_adapter, tmp_path):
+    out = tmp_path / "a" / "b" / "out"
+    merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(out), progress=False)
+    assert (out / "model.safetensors").exists()
+
+
+def test_output_on_another_filesystem_is_staged_there(other_fs, make_base, make_adapter):
+    """The staging folder is always beside OUT, so the final rename never crosses filesystems."""
+    small_fs = other_fs
+    out = small_fs / "out"
+    report = merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(out), dtype="bfloat16",
+                              progress=False)
+    assert os.stat(out).st_dev == os.stat(small_fs).st_dev != os.stat(make_base("llama")).st_dev
+    assert sorted(os.listdir(small_fs)) == ["out"] and report.bytes_written < 2**20
