@@ -447,3 +447,30 @@ def test_merged_4bit_reloads_as_bitsandbytes_4bit(arch_base, make_base, tmp_path
             torch.testing.assert_close(got, F.dequantize_4bit(q, st).float(), rtol=0, atol=0)
             n += 1
     assert n == report.lora_modules_total
+
+
+def test_accelerate_disk_offload(make_base, tmp_path):
+    """Modules offloaded to disk by an accelerate device_map are brought in for their turn only.
+
+    (On a CPU-only machine PEFT cannot attach LoRA to a disk-offloaded layer itself: get_peft_model leaves its
+    factors on the meta device and PeftModel.from_pretrained fails in accelerate's dispatch_model. So the LoRA
+    layers stay on the CPU here while the embeddings and the head live on disk.)"""
+    base = make_base("llama")
+    device_map = {"model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "disk"}
+    model = AutoModelForCausalLM.from_pretrained(base, device_map=device_map, offload_folder=str(tmp_path / "offload"),
+                                                 dtype=torch.float32)
+    assert model.model.embed_tokens.weight.device.type == "meta"
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights=False))
+    ids = token_ids(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False)
+    assert report.lora_modules_merged == 4
+    assert model.base_model.model.model.embed_tokens.weight.device.type == "meta"  # offloaded again
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = reloaded(input_ids=ids).logits
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
