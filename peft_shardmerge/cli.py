@@ -67,6 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="where the maths runs")
     m.add_argument("--dry-run", action="store_true", help="print the plan and exit; read no tensor data")
     m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    v = sub.add_parser(
+        "verify",
+        help="check a merged checkpoint (files, values, config; logits against base + adapter when given)",
+        description="Check OUT: every indexed tensor present once, headers, sizes, format metadata, no NaN/Inf, "
+                    "names and shapes, config consistency; with --base and --adapter, logits against base + adapter.",
+    )
+    v.add_argument("out", metavar="OUT", help="the merged checkpoint folder")
+    v.add_argument("--base", help="the base checkpoint the merge came from")
+    v.add_argument("--adapter", help="the adapter that was merged")
+    v.add_argument("--prompts", help="a text file, one prompt a line, to compare logits on (default: random ids)")
+    v.add_argument("--tolerance", type=float, help="largest accepted relative logits error")
     verbosity = m.add_mutually_exclusive_group()
     verbosity.add_argument("-q", "--quiet", action="store_true", help="errors and warnings only, no progress bar")
     verbosity.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -91,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["merge", "base", "adapter", "out", "--dry-run"])   # doctest: +SKIP
         0
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "verify":
+        return _verify(args, parser)
     level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
@@ -123,6 +137,28 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     print(report.summary())
     return 0
+
+
+def _verify(args, parser) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    if (args.base is None) != (args.adapter is None):
+        parser.error("--base and --adapter go together")
+    from .verify import verify_checkpoint
+
+    prompts = None
+    try:
+        if args.prompts:
+            with open(args.prompts, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        report = verify_checkpoint(args.out, base=args.base, adapter=args.adapter, prompts=prompts,
+                                   tolerance=args.tolerance)
+    except (ShardMergeError, OSError) as e:
+        print(f"peft-shardmerge: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(report.summary())
+    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

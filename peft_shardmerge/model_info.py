@@ -22,6 +22,8 @@ class ModelInfo:
         input_embedding: the input embedding's weight name.
         output_embedding: the output embedding's weight name.
         state_names: every parameter/buffer name the class expects.
+        shapes: the expected shape of each of them.
+        tie_enabled: whether the config ties the output embedding to the input embedding.
     """
 
     available: bool = False
@@ -32,6 +34,8 @@ class ModelInfo:
     input_embedding: str | None = None
     output_embedding: str | None = None
     state_names: set[str] = field(default_factory=set)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    tie_enabled: bool = False
 
 
 def inspect_model(folder: "str | object") -> ModelInfo:
@@ -84,7 +88,11 @@ def inspect_model(folder: "str | object") -> ModelInfo:
         log.warning("could not build the model class for %s (%s); using the adapter config alone", folder, e)
         return ModelInfo()
     info = ModelInfo(available=True, architecture=type(model).__name__)
-    info.state_names = set(model.state_dict().keys())
+    state = model.state_dict()
+    info.state_names = set(state.keys())
+    info.shapes = {k: tuple(v.shape) for k, v in state.items()}
+    text = getattr(config, "get_text_config", lambda: config)()
+    info.tie_enabled = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
     skip = set(get_keys_to_not_convert(model))
     for name, module in model.named_modules():
         if isinstance(module, Conv1D):
