@@ -14,7 +14,7 @@ import torch
 
 from .budget import free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError
-from .maths import lora_bias_delta, merge_block
+from .maths import lora_bias_delta, merge_block, swallowed
 from .plan import Plan, PlannedTensor
 from .quant import quantize_roundtrip
 from .report import MergeReport
@@ -25,6 +25,19 @@ from .writer import ShardWriter, write_json
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
+#: probe vectors per merged weight, and the largest relative error the self-check accepts
+PROBES = 2
+PROBE_TOLERANCE = 1e-3
+#: above this fraction of swallowed updates a tensor is named in a warning
+SWALLOWED_WARNING = 0.5
+
+
+def _probes(t: PlannedTensor) -> torch.Tensor:
+    """Reproducible random probe vectors for one tensor (seeded by its name)."""
+    import zlib
+
+    g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()))
+    return torch.randn(t.shape[1], PROBES, generator=g)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -110,6 +123,8 @@ class _Merger:
         self.applied: Counter[str] = Counter()
         self.replacements = 0
         self.fallbacks = 0
+        self.probe_err = 0.0
+        self.swallowed: dict[str, tuple[int, int]] = {}
         self.bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress)
 
     def close(self) -> None:
@@ -150,22 +165,38 @@ class _Merger:
             whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.nf4)
             whole = whole.T.contiguous() if t.transposed else whole
         row_bytes = t.nbytes // max(1, t.shape[0] if t.shape else 1)
+        probes = _probes(t) if factors and len(t.shape) == 2 else None
+        changed = lost = 0
         for start, stop in blocks:
             rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)
-            merged = self._merge_block(t, rows, factors, bias_deltas, start, stop)
+            merged = self._merge_block(t, rows, factors, bias_deltas, start, stop, probes)
+            if probes is not None:
+                merged, err = merged
+                self.probe_err = max(self.probe_err, err)
+                if err > PROBE_TOLERANCE:
+                    raise MergeCheckError(
+                        f"self-check failed for {t.name!r} rows {start}-{stop}: merged weight times probe vectors "
+                        f"differs from base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
             if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
                 raise MergeCheckError(f"merged tensor {t.name!r} has NaN or Inf in rows {start}-{stop}")
-            w.write(merged.to(out_dtype))
+            cast = merged.to(out_dtype)
+            if factors and out_dtype != torch.float32:
+                c, s = swallowed(rows, merged, cast)
+                changed, lost = changed + c, lost + s
+            w.write(cast)
             self.bar.update((stop - start) * row_bytes)
+        if changed:
+            self.swallowed[t.name] = (changed, lost)
         for m in t.loras:
             self.applied[m.path] += 1
         for m in t.bias_loras:
             self.applied[m.path + ".bias"] += 1
 
-    def _merge_block(self, t, rows, factors, bias_deltas, start, stop) -> torch.Tensor:
+    def _merge_block(self, t, rows, factors, bias_deltas, start, stop, probes=None):
         if self.device.type != "cpu":
             try:
-                return self._compute(t, rows, factors, bias_deltas, start, stop, self.device).cpu()
+                got = self._compute(t, rows, factors, bias_deltas, start, stop, self.device, probes)
+                return (got[0].cpu(), got[1]) if probes is not None else got.cpu()
             except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
                 if not is_out_of_memory(e):
                     raise
@@ -173,13 +204,14 @@ class _Merger:
                 self.fallbacks += 1
                 log.warning("out of memory on %s for %s rows %d-%d; redoing them on the CPU",
                             self.device, t.name, start, stop)
-        return self._compute(t, rows, factors, bias_deltas, start, stop, torch.device("cpu"))
+        return self._compute(t, rows, factors, bias_deltas, start, stop, torch.device("cpu"), probes)
 
     @staticmethod
-    def _compute(t, rows, factors, bias_deltas, start, stop, device) -> torch.Tensor:
+    def _compute(t, rows, factors, bias_deltas, start, stop, device, probes=None):
         if device.type != "cpu":  # LoRA factors are small next to a row block: move them with it
             factors = [(a.to(device), b.to(device), s) for a, b, s in factors]
-        return merge_block(rows.to(device), factors, start, stop, transposed=t.transposed, bias_deltas=bias_deltas)
+        return merge_block(rows.to(device), factors, start, stop, transposed=t.transposed, bias_deltas=bias_deltas,
+                           probes=probes)
 
 
 def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto",
@@ -261,10 +293,31 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         device=str(dev),
         untied=list(plan.untied),
         notes=list(plan.notes) + ([f"resumed: {len(resumed)} shard(s) kept from an interrupted run"]
-                                  if resumed else []),
+                                  if resumed else []) + _precision_notes(merger.swallowed, plan.dtype),
+        self_check_max_rel_err=merger.probe_err,
+        swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()},
     )
     log.info("%s", report.summary())
     return report
+
+
+def _precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> list[str]:
+    """A note on how much of the LoRA update the output dtype kept, and a warning for the worst tensors."""
+    if not counts:
+        return []
+    changed = sum(c for c, _ in counts.values())
+    lost = sum(s for _, s in counts.values())
+    name = str(dtype).removeprefix("torch.")
+    notes = [f"{name} kept {100 * (1 - lost / changed):.1f}% of the entries the LoRA update changed "
+             f"({lost} of {changed} rounded back to the base value)"]
+    worst = sorted((s / c, k) for k, (c, s) in counts.items() if s / c > SWALLOWED_WARNING)
+    if worst:
+        names = ", ".join(k for _, k in worst[-5:][::-1])
+        message = (f"{name} swallowed more than {SWALLOWED_WARNING:.0%} of the LoRA update in {len(worst)} tensor(s) "
+                   f"(worst: {names}); write --dtype float32 (or float16) to keep it")
+        log.warning("%s", message)
+        notes.append(message)
+    return notes
 
 
 def _copy_side_files(plan: Plan, tmp: str) -> None:

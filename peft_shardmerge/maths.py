@@ -42,7 +42,8 @@ def merge_block(
     *,
     transposed: bool,
     bias_deltas: Sequence[torch.Tensor] = (),
-) -> torch.Tensor:
+    probes: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, float]:
     """Rows ``[start, stop)`` of ``W + sum(scaling * B @ A)`` in fp32, computed in place on a fp32 copy.
 
     For a weight stored ``[out, in]`` the rows come from rows of B; for one stored ``[in, out]`` (Conv1D with
@@ -56,9 +57,12 @@ def merge_block(
         stop: one past the last row.
         transposed: the stored weight is the transpose of ``B @ A``.
         bias_deltas: whole fp32 deltas to add to a 1-D tensor (``lora_B.bias * scaling``); rows are taken.
+        probes: float32 vectors ``[columns, k]``; when given, the merged rows are checked against the unmerged
+            computation: ``(W + dW) @ x`` vs ``W @ x + lora(x)``.
 
     Returns:
-        A new float32 tensor shaped like ``base_rows``.
+        A new float32 tensor shaped like ``base_rows``; with ``probes``, ``(tensor, relative error)`` where the
+        error is ``max |(W + dW) x - (W x + lora(x))| / max |W x + lora(x)|``.
 
     Raises:
         RuntimeError: from torch, when the shapes do not fit.
@@ -71,9 +75,84 @@ def merge_block(
                 [3., 3., 3.]])
     """
     out = base_rows.to(torch.float32, copy=True)
+    if probes is not None:
+        probes = probes.to(out.device)
+        want = out @ probes + lora_probe(probes, factors, start, stop, transposed=transposed)
     add_lora_(out, factors, start, stop, transposed=transposed)
     for d in bias_deltas:
         out += d[start:stop].to(out.device)
+    if probes is None:
+        return out
+    err = float((out @ probes - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    return out, err
+
+
+def swallowed(base_rows: torch.Tensor, merged32: torch.Tensor, cast: torch.Tensor) -> tuple[int, int]:
+    """How many entries the LoRA update changed, and how many of those the output dtype swallowed.
+
+    An entry is swallowed when ``cast(W + dW) == cast(W)`` although ``dW != 0`` (in bf16, an update smaller
+    than about |w|/256 vanishes).
+
+    Args:
+        base_rows: the base rows as read (any dtype).
+        merged32: the merged rows in float32.
+        cast: ``merged32`` cast to the output dtype.
+
+    Returns:
+        ``(changed, swallowed)`` counts.
+
+    Raises:
+        RuntimeError: from torch, when the shapes differ.
+
+    Example:
+        >>> w = torch.tensor([1.0, 1.0])
+        >>> m = torch.tensor([1.0001, 1.5])
+        >>> swallowed(w, m, m.to(torch.bfloat16))
+        (2, 1)
+    """
+    changed = merged32 != base_rows
+    same = cast == base_rows.to(cast.dtype)
+    return int(changed.sum()), int((changed & same).sum())
+
+
+def lora_probe(
+    x: torch.Tensor,
+    factors: Sequence[Factors],
+    start: int,
+    stop: int,
+    *,
+    transposed: bool,
+) -> torch.Tensor:
+    """``sum(scaling * B @ (A @ x))`` restricted to rows ``[start, stop)`` of the stored weight, without forming
+    ``B @ A``: the LoRA branch applied to probe vectors, for checking a merged block.
+
+    Args:
+        x: probe vectors ``[columns of the stored weight, k]`` in float32.
+        factors: ``(A, B, scaling)`` of each LoRA module.
+        start: first row.
+        stop: one past the last row.
+        transposed: the stored weight is the transpose of ``B @ A``.
+
+    Returns:
+        A float32 tensor ``[stop - start, k]``.
+
+    Raises:
+        RuntimeError: from torch, when the shapes do not fit.
+
+    Example:
+        >>> a, b = torch.ones(1, 3), torch.ones(2, 1)
+        >>> lora_probe(torch.ones(3, 1), [(a, b, 0.5)], 0, 2, transposed=False)
+        tensor([[1.5000],
+                [1.5000]])
+    """
+    out = torch.zeros(stop - start, x.shape[1], device=x.device)
+    for a, b, scaling in factors:
+        a32 = a.to(device=x.device, dtype=torch.float32)
+        b32 = b.to(device=x.device, dtype=torch.float32)
+        if transposed:
+            out += (a32[:, start:stop].T @ (b32.T @ x)) * scaling
+        else:
+            out += (b32[start:stop] @ (a32 @ x)) * scaling
     return out
 
 

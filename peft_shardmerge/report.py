@@ -28,6 +28,10 @@ class MergeReport:
         device: where the merge maths ran.
         untied: tied weights written separately.
         notes: things worth knowing about this merge.
+        self_check_max_rel_err: the worst relative error of the per-block self-check, (W + dW) x against
+            W x + lora(x) for random probe vectors x, in fp32 before casting.
+        swallowed: per merged tensor, the fraction of the entries the LoRA update changed that the output dtype
+            rounded back to the base value (16-bit outputs).
         dry_run: True when nothing was written.
         plan_text: the printed plan, for dry runs.
     """
@@ -50,6 +54,8 @@ class MergeReport:
     device: str = "cpu"
     untied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    self_check_max_rel_err: float = 0.0
+    swallowed: dict[str, float] = field(default_factory=dict)
     dry_run: bool = False
     plan_text: str = ""
 
@@ -81,6 +87,9 @@ class MergeReport:
             f"  wall time {self.wall_time_s:.2f} s, peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB "
             f"(+{max(0, self.peak_rss_bytes - self.baseline_rss_bytes) / 2**20:.0f} MiB over the start)",
         ]
+        if self.self_check_max_rel_err:
+            lines.append(f"  self-check: (W + dW) x vs W x + lora(x) on random probes, max relative error "
+                         f"{self.self_check_max_rel_err:.1e}")
         if self.cpu_fallbacks:
             lines.append(f"  {self.cpu_fallbacks} block(s) redone on the CPU after out-of-memory")
         lines += [f"  note: {n}" for n in self.notes]

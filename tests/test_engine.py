@@ -225,3 +225,41 @@ def test_pickle_with_code_is_refused(make_base, make_adapter, tmp_path):
     torch.save({"w": torch.ones(1), "f": os.getcwd}, str(legacy / "adapter_model.bin"))
     with pytest.raises(CorruptFileError, match=r"cannot be read safely with torch.load\(weights_only=True\)"):
         merge_checkpoint(make_base("llama"), str(legacy), str(tmp_path / "m"), progress=False)
+
+
+def test_self_check_catches_a_wrong_merge(make_base, make_adapter, tmp_path, monkeypatch):
+    import peft_shardmerge.maths as maths
+    from peft_shardmerge import MergeCheckError
+
+    real = maths.add_lora_
+
+    def doubled(rows32, factors, start, stop, *, transposed):
+        return real(rows32, [(a, b, 2 * s) for a, b, s in factors], start, stop, transposed=transposed)
+
+    monkeypatch.setattr(maths, "add_lora_", doubled)
+    out = tmp_path / "m"
+    with pytest.raises(MergeCheckError, match=r"self-check failed for 'model\.layers\.0\..*' rows 0-\d+: merged "
+                                              r"weight times probe vectors differs from base \+ LoRA"):
+        merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(out), progress=False)
+    assert not out.exists()
+
+
+def test_precision_report(make_base, make_adapter, tmp_path, caplog):
+    import logging
+
+    from peft_shardmerge.tiny import build_adapter
+
+    base = make_base("llama_bf16")
+    normal = merge_checkpoint(base, make_adapter("llama_bf16", "default"), str(tmp_path / "a"), progress=False)
+    assert normal.swallowed and max(normal.swallowed.values()) < 0.5
+    assert 0 < normal.self_check_max_rel_err < 1e-5
+    assert any(n.startswith("bfloat16 kept ") for n in normal.notes)
+
+    tiny = build_adapter(base, str(tmp_path / "tiny-adapter"), noise=1e-6)
+    caplog.set_level(logging.WARNING)
+    report = merge_checkpoint(base, tiny, str(tmp_path / "b"), progress=False)
+    assert min(report.swallowed.values()) > 0.5
+    assert "bfloat16 swallowed more than 50% of the LoRA update in 14 tensor(s)" in caplog.text
+    assert "write --dtype float32 (or float16) to keep it" in report.notes[-1]
+    kept = merge_checkpoint(base, tiny, str(tmp_path / "c"), dtype="float32", progress=False)
+    assert kept.swallowed == {}

@@ -51,12 +51,12 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     victim = "model.layers.1.mlp.down_proj.weight"
     real = execute._Merger._compute
 
-    def compute(t, rows, factors, bias_deltas, start, stop, device):
+    def compute(t, rows, factors, bias_deltas, start, stop, device, probes=None):
         if device.type != "cpu":
             if t.name == victim:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             device = torch.device("cpu")
-        return real(t, rows, factors, bias_deltas, start, stop, device)
+        return real(t, rows, factors, bias_deltas, start, stop, device, probes)
 
     monkeypatch.setattr(execute._Merger, "_compute", staticmethod(compute))
     # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
