@@ -428,6 +428,8 @@ def build_plan(
         info_t = sources.get(name) or virtual.get(name)
         if info_t is None:
             return None
+        if name in virtual and info.tied.get(name) in planned:  # follow a source the adapter replaced
+            info_t = planned[info.tied[name]].source
         out_dtype = out_st if info_t.dtype in FLOAT_DTYPES else info_t.dtype
         planned[name] = PlannedTensor(name, out_dtype, info_t)
         return planned[name]
@@ -436,20 +438,27 @@ def build_plan(
         planned_for(name).transposed = name in info.transposed
 
     touched: set[str] = set()
+    embeddings = {n for n in (info.input_embedding, info.output_embedding) if n}
+    new_vocab: int | None = None
     for name, rep in sorted(adapter.replacements.items()):
         pt = planned_for(name)
         if pt is None:
             problems.append(f"adapter tensor {name!r} (modules_to_save or a trained bias) has no counterpart in the base")
             continue
-        if tuple(rep.shape) != pt.shape:
+        resized = (name in embeddings and len(rep.shape) == 2 and len(pt.shape) == 2 and rep.shape[1] == pt.shape[1]
+                   and rep.shape[0] != pt.shape[0])
+        if tuple(rep.shape) != pt.shape and not resized:
             problems.append(
-                f"adapter tensor {name!r} has shape {list(rep.shape)} but the base has {list(pt.shape)} "
-                "(a resized vocabulary is not supported yet; merge into a base resized the same way)"
+                f"adapter tensor {name!r} has shape {list(rep.shape)} but the base has {list(pt.shape)}; the adapter "
+                "was trained on a different model"
             )
             continue
+        if resized:
+            if new_vocab not in (None, rep.shape[0]):
+                problems.append(f"the adapter resizes the vocabulary to both {new_vocab} and {rep.shape[0]} rows")
+            new_vocab = rep.shape[0]
         pt.source, pt.from_adapter = rep.info, True
         touched.add(name)
-
     for path, mod in sorted(adapter.modules.items()):
         wname = f"{path}.weight"
         pt = planned_for(wname)
@@ -487,6 +496,19 @@ def build_plan(
         for target, src in info.tied.items():
             if (target in touched or src in touched) and planned_for(target) and planned_for(src):
                 untied += [target, src]
+    # a tied target the checkpoint leaves out follows its source, also when the adapter replaced the source
+    for target, src in info.tied.items():
+        if target in virtual and target in planned and not planned[target].from_adapter and src in planned:
+            planned[target].source = planned[src].source
+    if new_vocab is not None:
+        for name in embeddings:
+            pt = planned.get(name)
+            if pt is not None and pt.shape[0] != new_vocab:
+                problems.append(
+                    f"the adapter resizes the vocabulary to {new_vocab} rows but has no {name!r} of that size; save "
+                    "the adapter with save_embedding_layers=True after resize_token_embeddings"
+                )
+
     notes = []
     if untied:
         notes.append(
@@ -510,5 +532,10 @@ def build_plan(
     for t, i in zip(tensors, indices):
         t.shard = i
     config = output_config(base.config, out_torch, untie=bool(untied))
+    if new_vocab is not None:
+        for sub in (config, config.get("text_config")):
+            if isinstance(sub, dict) and "vocab_size" in sub:
+                sub["vocab_size"] = new_vocab
+        notes.append(f"the adapter resized the vocabulary: {base.config.get('vocab_size')} -> {new_vocab} rows")
     return Plan(base, adapter, tensors, names, out_torch, base_precision, nf4, config, chunk_elems,
                 sorted(set(untied)), notes)

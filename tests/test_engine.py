@@ -263,3 +263,52 @@ def test_precision_report(make_base, make_adapter, tmp_path, caplog):
     assert "write --dtype float32 (or float16) to keep it" in report.notes[-1]
     kept = merge_checkpoint(base, tiny, str(tmp_path / "c"), dtype="float32", progress=False)
     assert kept.swallowed == {}
+
+
+@pytest.mark.parametrize("base_name", ["llama", "qwen2"])
+def test_resized_vocabulary(base_name, make_base, tmp_path):
+    """An adapter saved after resize_token_embeddings: the output takes the new shape and vocab_size."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from peft_shardmerge.tiny import token_ids
+
+    base = make_base(base_name)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.resize_token_embeddings(model.config.vocab_size + 64)
+    targets = ["q_proj", "embed_tokens"]
+    # untied: the new lm_head rows must travel with the adapter; tied: they are the embedding's
+    extra = {"modules_to_save": ["lm_head"]} if base_name == "llama" else {}
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False,
+                                                  **extra))
+    adapter = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter, save_embedding_layers=True)
+    out = str(tmp_path / "m")
+    report = merge_checkpoint(base, adapter, out, dtype="float32", progress=False)
+    assert any("resized the vocabulary: 512 -> 576" in n for n in report.notes)
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["vocab_size"] == 576
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ref_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    ref_base.resize_token_embeddings(576)
+    ref = PeftModel.from_pretrained(ref_base, adapter).eval()
+    ids = token_ids(576, seed=4)
+    ids[0, :4] = torch.tensor([512, 540, 575, 520])  # new tokens
+    with torch.no_grad():
+        want, got = ref(ids).logits, reloaded.eval()(ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def test_resized_vocabulary_without_the_new_head_rows_is_refused(make_base, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from peft_shardmerge import InputError
+
+    base = make_base("llama")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.resize_token_embeddings(576)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["embed_tokens"]))
+    adapter = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter, save_embedding_layers=True)
+    with pytest.raises(InputError, match=r"resizes the vocabulary to 576 rows but has no 'lm_head\.weight' of that size"):
+        merge_checkpoint(base, adapter, str(tmp_path / "m"), progress=False)
