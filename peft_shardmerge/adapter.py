@@ -193,6 +193,26 @@ def _pattern_key(pattern: dict, path: str) -> str | None:
     return key if key in pattern else None
 
 
+def modifies_base(init_lora_weights: object) -> bool:
+    """Whether a LoRA initialisation rewrites the base weights (PiSSA, OLoRA, CorDA, LoftQ).
+
+    Args:
+        init_lora_weights: the ``init_lora_weights`` value of a LoRA config.
+
+    Returns:
+        True for the methods that subtract the initial LoRA from the base.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> modifies_base("pissa_niter_4"), modifies_base(True)
+        (True, False)
+    """
+    return isinstance(init_lora_weights, str) and init_lora_weights.lower().startswith(
+        ("pissa", "olora", "corda", "loftq"))
+
+
 def _check_config(config: dict, folder: str) -> None:
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
@@ -200,6 +220,13 @@ def _check_config(config: dict, folder: str) -> None:
             f"adapter {folder} has peft_type={peft_type!r}; only LoRA adapters (peft_type 'LORA') can be merged"
         )
     unsupported = [msg + f" ({opt}={config[opt]!r})" for opt, msg in _UNSUPPORTED_OPTIONS.items() if config.get(opt)]
+    init = config.get("init_lora_weights")
+    if modifies_base(init):
+        unsupported.append(
+            f"init_lora_weights={init!r} trains against a residual base (W minus the initial LoRA), not the "
+            "checkpoint's W; save the adapter with save_pretrained(..., path_initial_model_for_weight_conversion=...) "
+            "to convert it to a plain LoRA first"
+        )
     if unsupported:
         raise UnsupportedError(f"adapter {folder} uses options that cannot be merged: " + "; ".join(unsupported))
     problems = []
@@ -209,8 +236,21 @@ def _check_config(config: dict, folder: str) -> None:
         elif isinstance(config[key], bool) or not isinstance(config[key], types) or config[key] <= 0:
             problems.append(f"adapter_config.json {key!r} must be a positive number, got {config[key]!r}")
     for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key) is not None and not isinstance(config[key], dict):
-            problems.append(f"adapter_config.json {key!r} must be an object, got {type(config[key]).__name__}")
+        pattern = config.get(key)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            problems.append(f"adapter_config.json {key!r} must be an object, got {type(pattern).__name__}")
+            continue
+        for k, v in pattern.items():
+            if key == "rank_pattern" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                problems.append(f"adapter_config.json rank_pattern[{k!r}] must be a positive int, got {v!r}")
+            if key == "alpha_pattern" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                problems.append(f"adapter_config.json alpha_pattern[{k!r}] must be a positive number, got {v!r}")
+            try:
+                re.compile(rf"(.*\.)?({k})$")
+            except re.error as e:
+                problems.append(f"adapter_config.json {key} key {k!r} is not a valid pattern ({e})")
     if problems:
         raise InputError(problems)
 

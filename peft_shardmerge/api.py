@@ -52,7 +52,13 @@ def check_out_dir(out_dir: str, *, inputs: dict[str, str], overwrite: bool) -> l
                 f"the {role} folder {folder} is inside the output folder {out_dir}; replacing it would destroy "
                 f"the {role}; choose another output folder"
             )
-    if os.path.lexists(out_dir):
+    if os.path.islink(out_dir) and not problems:
+        problems.append(f"output {out_dir} is a symlink; the output is staged beside it and renamed into place, "
+                        f"which would replace the link: pass the real path ({os.path.realpath(out_dir)})")
+    elif os.path.ismount(out_dir):
+        problems.append(f"output {out_dir} is a mount point; the output is staged beside it and renamed, which cannot "
+                        "replace a mount point: choose a folder inside it")
+    if os.path.lexists(out_dir) and not os.path.islink(out_dir):
         if not os.path.isdir(out_dir):
             problems.append(f"output {out_dir} exists and is not a folder; remove it or choose another path")
         elif os.listdir(out_dir) and not overwrite:
@@ -147,7 +153,7 @@ def check_space(out_dir: str, nbytes: int) -> list[str]:
         >>> check_space("/tmp/merged", 1000)
         []
     """
-    existing = os.path.abspath(out_dir)
+    existing = os.path.dirname(os.path.abspath(out_dir))  # the staging folder and lock live in OUT's parent
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     folder = existing if os.path.isdir(existing) else os.path.dirname(existing)
@@ -239,4 +245,5 @@ def merge_checkpoint(
             tensors_written=0, lora_modules_total=len(plan.adapter.modules), shards=list(plan.shard_names),
             notes=list(plan.notes), dry_run=True, plan_text=plan.describe(),
         )
-    return execute_plan(plan, out_dir, device=device, progress=progress, before_commit=before_commit, resume=resume)
+    return execute_plan(plan, out_dir, device=device, progress=progress, before_commit=before_commit, resume=resume,
+                        overwrite=overwrite)

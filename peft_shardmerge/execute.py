@@ -32,6 +32,12 @@ PROBE_TOLERANCE = 1e-3
 SWALLOWED_WARNING = 0.5
 
 
+def _check_range(t: PlannedTensor, cast: torch.Tensor, dtype: torch.dtype) -> None:
+    """float16 tops out at 65504: a larger value would be written as inf."""
+    if dtype == torch.float16 and bool(cast.isinf().any()):
+        raise MergeCheckError(f"{t.name!r} has values beyond float16's range (65504); write bfloat16 or float32")
+
+
 def _probes(t: PlannedTensor) -> torch.Tensor:
     """Reproducible random probe vectors for one tensor (seeded by its name)."""
     import zlib
@@ -153,7 +159,9 @@ class _Merger:
         blocks = row_blocks(t.shape, self.plan.chunk_elems)
         if t.op == "cast":
             for start, stop in blocks:
-                w.write(self.reader.read_rows(src, start, stop).to(out_dtype))
+                cast = self.reader.read_rows(src, start, stop).to(out_dtype)
+                _check_range(t, cast, out_dtype)
+                w.write(cast)
                 self.bar.update((stop - start) * (t.nbytes // max(1, t.shape[0] if t.shape else 1)))
             return
         factors = [(m.a.load(self.reader).float(), m.b.load(self.reader).float(), m.scaling) for m in t.loras]
@@ -180,6 +188,7 @@ class _Merger:
             if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
                 raise MergeCheckError(f"merged tensor {t.name!r} has NaN or Inf in rows {start}-{stop}")
             cast = merged.to(out_dtype)
+            _check_range(t, cast, out_dtype)
             if factors and out_dtype != torch.float32:
                 c, s = swallowed(rows, merged, cast)
                 changed, lost = changed + c, lost + s
@@ -216,7 +225,7 @@ class _Merger:
 
 def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto",
                  progress: bool = True, before_commit: Callable[[str], None] | None = None,
-                 resume: bool = True) -> MergeReport:
+                 resume: bool = True, overwrite: bool = True) -> MergeReport:
     """Write the planned checkpoint into a temporary folder beside ``out_dir``, check it, then move it into place.
 
     ``out_dir`` is replaced only after every file is complete and checked; on any failure the temporary
@@ -230,6 +239,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         before_commit: called with the temporary folder once the weights are written, before the checks and
             the move into place (e.g. to save a tokenizer there).
         resume: keep the verified finished shards of an earlier run of the same merge that was killed.
+        overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the output lock).
 
     Returns:
         The :class:`MergeReport`.
@@ -248,7 +258,8 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     dev = resolve_device(device)
     merger = _Merger(plan, dev, progress)
     try:
-        with staged_output(out_dir, fingerprint=plan.fingerprint() if resume else None) as staging:
+        with staged_output(out_dir, fingerprint=plan.fingerprint() if resume else None,
+                           overwrite=overwrite) as staging:
             tmp = staging.path
             with torch.no_grad():
                 for i, shard_name in enumerate(plan.shard_names):
@@ -321,7 +332,12 @@ def _precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> 
 
 
 def _copy_side_files(plan: Plan, tmp: str) -> None:
+    from .sources import TOKENIZER_FILES
+
+    adapter_has_tokenizer = bool(plan.adapter.tokenizer_files)
     for fname in plan.base.extra_files:
+        if adapter_has_tokenizer and fname in TOKENIZER_FILES:
+            continue  # the adapter's tokenizer replaces the base's as a whole
         shutil.copyfile(os.path.join(plan.base.folder, fname), os.path.join(tmp, fname))
     for fname in plan.adapter.tokenizer_files:
         shutil.copyfile(os.path.join(plan.adapter.folder, fname), os.path.join(tmp, fname))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .api import check_out_dir, merge_checkpoint
+from .adapter import modifies_base
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError, ShardMergeError, UnsupportedError
 from .execute import current_rss_bytes, peak_rss_bytes
@@ -158,6 +159,13 @@ def merge_and_save(
         if original is None and base_precision == "original":
             problems.append(f"base_precision='original' needs the 16-bit checkpoint the model was loaded from: "
                             f"{reason}; use base_precision='dequantized'")
+    inits = [getattr(c, "init_lora_weights", True) for c in (getattr(model, "peft_config", None) or {}).values()]
+    if original is not None and any(modifies_base(i) for i in inits):
+        reason = (f"the adapter was initialised with {next(i for i in inits if modifies_base(i))!r}, which rewrote "
+                  "the base in memory")
+        if base_precision == "original":
+            problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
+        original = None
     inputs = {"base": original} if original else {}
     problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
     if problems:
@@ -184,6 +192,12 @@ def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
         return None
 
     def save(folder: str) -> None:
+        from .sources import TOKENIZER_FILES
+
+        for name in TOKENIZER_FILES:  # no file of the base's tokenizer may outlive the one given
+            path = os.path.join(folder, name)
+            if os.path.exists(path):
+                os.remove(path)
         tokenizer.save_pretrained(folder)
 
     return save
@@ -315,7 +329,8 @@ class _LiveMerger:
             transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
             for start, stop in row_blocks(tuple(w.shape), _CHUNK_ELEMS):
                 add_lora_(w[start:stop], factors, start, stop, transposed=transposed)
-            self.applied[entry.name.rsplit(".", 1)[0]] += 1
+            if entry.adapters:
+                self.applied[entry.name.rsplit(".", 1)[0]] += 1
         return w.T if entry.transpose_out else w
 
 
@@ -346,6 +361,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
         st = out_st if e.floating else TORCH_TO_ST[_stored_dtype(live, e)]
         return [(e.name, st, e.shape, e.numel * DTYPES[st][1])]
 
+    gen = _valid_generation_config(live.model)
     with torch.no_grad():
         groups = [headers(e) for e in live.entries]  # 4-bit entries are quantized once here to learn sizes
     merger.applied.clear()
@@ -376,7 +392,6 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
         if quant4 is not None:
             config["quantization_config"] = quant4
         write_json(os.path.join(tmp, "config.json"), config)
-        gen = getattr(live.model, "generation_config", None)
         if gen is not None:
             gen.save_pretrained(tmp)
         if save_extra is not None:
@@ -416,6 +431,21 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
     )
     log.info("%s", report.summary())
     return report
+
+
+def _valid_generation_config(inner: nn.Module):
+    """The model's generation config if transformers can save it, else None (with a warning), checked before
+    any shard is written."""
+    gen = getattr(inner, "generation_config", None)
+    if gen is None:
+        return None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            gen.save_pretrained(tmp)
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError for inconsistent settings
+        log.warning("the model's generation_config cannot be saved (%s); the merged folder will have none", e)
+        return None
+    return gen
 
 
 def _write_entry(merger: "_LiveMerger", e: LiveEntry, group, w: ShardWriter, out_dtype, quant4, q4_names) -> None:

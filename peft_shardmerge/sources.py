@@ -182,7 +182,8 @@ def open_checkpoint(location: str) -> CheckpointSource:
             )
         raise NotFoundError(f"base {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "unknown")
+        qc = config["quantization_config"]
+        method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else type(qc).__name__
         raise InputError(
             f"base {folder} is a pre-quantized checkpoint (quant_method={method!r}); "
             "merge into the original 16-bit checkpoint instead (its model id is usually the name without the "

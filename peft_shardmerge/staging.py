@@ -99,19 +99,28 @@ def output_lock(out_dir: str) -> Iterator[None]:
     """
     path = _sidecar(out_dir, "lock")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        except (ValueError, UnicodeDecodeError):
-            holder = {}
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+            except (ValueError, UnicodeDecodeError):
+                holder = {}
+            os.close(fd)
+            raise OutputLockedError(
+                f"another merge is writing {out_dir}: pid {holder.get('pid', '?')} on {holder.get('host', '?')}, "
+                f"started {holder.get('started', '?')}; wait for it to finish or choose another output folder"
+            ) from None
+        # the holder before us unlinks the file on release: make sure we locked the file that is still there
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
         os.close(fd)
-        raise OutputLockedError(
-            f"another merge is writing {out_dir}: pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
-            f"{holder.get('started', '?')}; wait for it to finish or choose another output folder"
-        ) from None
     previous = os.pread(fd, 4096, 0)
     if previous:
         log.info("taking over a stale lock on %s (%s)", out_dir, previous.decode(errors="replace").strip())
@@ -151,6 +160,7 @@ class Staging:
         self.fingerprint = fingerprint
         self.done: dict[str, dict] = {}
         self.resumed: list[str] = []
+        self.committed = False
 
     def open(self) -> None:
         """Create the staging folder, or reuse the verified finished shards of a matching earlier run."""
@@ -220,9 +230,14 @@ class Staging:
             except BaseException:
                 os.rename(old, self.out_dir)
                 raise
-            shutil.rmtree(old, ignore_errors=True)
+            self.committed = True
+            try:  # the new output is in place: removing the old one is best effort, even when interrupted
+                shutil.rmtree(old)
+            except BaseException as e:  # noqa: BLE001
+                log.warning("the previous output was replaced but %s could not be removed (%s); delete it", old, e)
         else:
             os.rename(self.path, self.out_dir)
+            self.committed = True
         _fsync_dir(parent)
 
     def discard(self) -> None:
@@ -244,7 +259,7 @@ def _fsync_dir(path: str) -> None:
 
 
 @contextmanager
-def staged_output(out_dir: str, *, fingerprint: str | None = None) -> Iterator[Staging]:
+def staged_output(out_dir: str, *, fingerprint: str | None = None, overwrite: bool = True) -> Iterator[Staging]:
     """Lock ``out_dir``, yield its :class:`Staging`, and move it into place when the block succeeds.
 
     On any exception (KeyboardInterrupt and SIGTERM included) the staging folder is removed and ``out_dir`` is
@@ -253,12 +268,15 @@ def staged_output(out_dir: str, *, fingerprint: str | None = None) -> Iterator[S
     Args:
         out_dir: the final folder.
         fingerprint: identity of the merge, for resuming; None starts fresh every time.
+        overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the lock, in case another
+            merge finished in between).
 
     Returns:
         A context manager yielding the :class:`Staging` (its ``path`` is where to write).
 
     Raises:
         OutputLockedError: another merge is writing ``out_dir``.
+        InputError: ``out_dir`` became non-empty and ``overwrite`` is False.
         OSError: the parent folder cannot be created or written.
 
     Example:
@@ -266,13 +284,19 @@ def staged_output(out_dir: str, *, fingerprint: str | None = None) -> Iterator[S
         ...     open(os.path.join(st.path, "config.json"), "w").write("{}")
     """
     with output_lock(out_dir):
+        if not overwrite and os.path.isdir(out_dir) and os.listdir(out_dir):
+            from .errors import InputError
+
+            raise InputError(f"output folder {out_dir} is not empty (another merge finished there meanwhile); "
+                             "pass --overwrite (overwrite=True) to replace it")
         staging = Staging(out_dir, fingerprint)
         staging.open()
         try:
             yield staging
             staging.commit()
         except BaseException:
-            staging.discard()
+            if not staging.committed:
+                staging.discard()
             raise
 
 

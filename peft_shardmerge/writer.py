@@ -49,7 +49,11 @@ class ShardWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
         self._thread.start()
-        self._write_all(memoryview(build_header(entries, meta)))
+        try:
+            self._write_all(memoryview(build_header(entries, meta)))
+        except BaseException:
+            self.abort()
+            raise
 
     def _drain(self) -> None:
         while True:

@@ -166,6 +166,12 @@ def _prequantized(c: Ctx):
     return b, c.adapter, {}
 
 
+def _prequantized_str(c: Ctx):
+    b = c.copy(c.base)
+    _edit_json(os.path.join(b, "config.json"), quantization_config="bnb")
+    return b, c.adapter, {}
+
+
 def _truncate(folder_attr: str, name: str):
     def make(c: Ctx):
         folder = c.copy(getattr(c, folder_attr))
@@ -194,6 +200,14 @@ def _symlink_into_base(c: Ctx, b: str, a: str) -> str:
     link = os.path.join(c.root, "link-out")
     os.symlink(os.path.join(b, "sub"), link)
     os.mkdir(os.path.join(b, "sub"))
+    return link
+
+
+def _symlink_elsewhere(c: Ctx, b: str, a: str) -> str:
+    target = os.path.join(c.root, "real-out")
+    os.mkdir(target)
+    link = os.path.join(c.root, "link-out")
+    os.symlink(target, link)
     return link
 
 
@@ -238,6 +252,14 @@ CASES = [
     ("config-alpha-negative", adapter_config(lora_alpha=-16), InputError, r"'lora_alpha' must be a positive number"),
     ("config-rank-pattern-list", adapter_config(rank_pattern=["q_proj"]), InputError,
      r"'rank_pattern' must be an object, got list"),
+    ("pissa-residual-base", adapter_config(init_lora_weights="pissa_niter_4"), UnsupportedError,
+     r"init_lora_weights='pissa_niter_4' trains against a residual base"),
+    ("rank-pattern-none-value", adapter_config(rank_pattern={"q_proj": None}), InputError,
+     r"rank_pattern\['q_proj'\] must be a positive int, got None"),
+    ("alpha-pattern-string-value", adapter_config(alpha_pattern={"v_proj": "3"}), InputError,
+     r"alpha_pattern\['v_proj'\] must be a positive number, got '3'"),
+    ("pattern-bad-regex", adapter_config(rank_pattern={"q_proj(": 4}), InputError,
+     r"rank_pattern key 'q_proj\(' is not a valid pattern"),
     ("config-not-json", raw_file("adapter", "adapter_config.json", b"{r: 8"), CorruptFileError,
      r"adapter_config\.json is not valid JSON"),
     ("config-not-object", raw_file("adapter", "adapter_config.json", b"[1, 2]"), CorruptFileError,
@@ -254,6 +276,7 @@ CASES = [
     ("base-without-config", _no_config, NotFoundError, r"has none of config\.json"),
     ("base-only-pickle", _only_bin_base, InputError, r"has only pickle weights \(pytorch_model\.bin\)"),
     ("base-prequantized", _prequantized, InputError, r"is a pre-quantized checkpoint \(quant_method='bitsandbytes'\)"),
+    ("base-quantization-config-string", _prequantized_str, InputError, r"is a pre-quantized checkpoint"),
     ("base-config-not-json", raw_file("base", "config.json", b"{oops"), CorruptFileError,
      r"base config\.json is not valid JSON"),
     ("header-length-beyond-file", bad_base_shard(b"{}", length=10**9), CorruptFileError,
@@ -299,6 +322,7 @@ CASES = [
     ("base-inside-out", out_at(lambda c, b, a: c.root, overwrite=True), InputError,
      r"the base folder .* is inside the output folder"),
     ("symlink-out-into-base", out_at(_symlink_into_base), InputError, r"is inside the base folder"),
+    ("symlink-out-elsewhere", out_at(_symlink_elsewhere), InputError, r"is a symlink; .* pass the real path"),
 ]
 
 CLI_FLAGS = {"dtype": "--dtype", "max_shard_size": "--max-shard-size", "base_precision": "--base-precision",

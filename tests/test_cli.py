@@ -62,5 +62,5 @@ def test_tokenizer_files_travel(make_base, make_adapter, tmp_path):
     r = _cli("merge", str(base), str(adapter), str(out))
     assert r.returncode == 0, r.stderr
     assert (out / "tokenizer_config.json").read_text() == '{"from": "adapter"}'
-    assert (out / "special_tokens_map.json").exists()
+    assert not (out / "special_tokens_map.json").exists()  # the adapter's tokenizer replaces the base's wholly
     assert "tokenizer files taken from the adapter folder" in r.stdout

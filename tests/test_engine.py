@@ -312,3 +312,20 @@ def test_resized_vocabulary_without_the_new_head_rows_is_refused(make_base, tmp_
     peft_model.save_pretrained(adapter, save_embedding_layers=True)
     with pytest.raises(InputError, match=r"resizes the vocabulary to 576 rows but has no 'lm_head\.weight' of that size"):
         merge_checkpoint(base, adapter, str(tmp_path / "m"), progress=False)
+
+
+def test_float16_overflow_is_refused(make_base, make_adapter, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from peft_shardmerge import MergeCheckError
+
+    base = shutil.copytree(make_base("llama"), tmp_path / "base")
+    tensors = load_file(str(base / "model.safetensors"))
+    tensors["model.norm.weight"][0] = 1e6
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MergeCheckError, match=r"'model\.norm\.weight' has values beyond float16's range"):
+        merge_checkpoint(str(base), make_adapter("llama", "default"), str(tmp_path / "m"), dtype="float16",
+                         progress=False)
+    assert not (tmp_path / "m").exists()

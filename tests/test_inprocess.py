@@ -474,3 +474,44 @@ def test_accelerate_disk_offload(make_base, tmp_path):
     with torch.no_grad():
         got = reloaded(input_ids=ids).logits
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_olora_init_rewrote_the_base_so_auto_uses_it(make_base, tmp_path):
+    """OLoRA (like PiSSA, CorDA, LoftQ) subtracts the initial LoRA from the base in memory: merging into the
+    checkpoint on disk would be wrong, so 'auto' merges into the in-memory base and 'original' is refused."""
+    from peft_shardmerge import InputError
+
+    base = make_base("llama")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights="olora"))
+    train_one_step(model, model.config.vocab_size)
+    ids = token_ids(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    with pytest.raises(InputError, match=r"base_precision='original' cannot be used: the adapter was initialised "
+                                         r"with 'olora'"):
+        merge_and_save(model, str(tmp_path / "o"), base_precision="original", progress=False)
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", progress=False)
+    assert report.base_precision == "dequantized"
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_only_the_active_adapter_is_merged(make_base, tmp_path):
+    base = make_base("llama")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False), adapter_name="a")
+    model.add_adapter("b", LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False))
+    model.set_adapter("a")
+    ids = token_ids(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False)
+    assert report.lora_modules_merged == report.lora_modules_total == 2
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5

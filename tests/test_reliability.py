@@ -258,3 +258,69 @@ def test_output_on_another_filesystem_is_staged_there(other_fs, make_base, make_
                               progress=False)
     assert os.stat(out).st_dev == os.stat(small_fs).st_dev != os.stat(make_base("llama")).st_dev
     assert sorted(os.listdir(small_fs)) == ["out"] and report.bytes_written < 2**20
+
+
+def test_lock_holds_against_a_racing_opener(tmp_path, monkeypatch):
+    """B opens the lock file while A holds it and locks it only after A released (and unlinked) it; a third
+    merge C must still be refused while B holds the lock."""
+    import fcntl
+    import threading
+
+    import peft_shardmerge.staging as staging
+
+    out = str(tmp_path / "out")
+    real = fcntl.flock
+    go, b_has, release_b = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowFcntl:
+        LOCK_EX, LOCK_NB = fcntl.LOCK_EX, fcntl.LOCK_NB
+
+        @staticmethod
+        def flock(fd, op):
+            if threading.current_thread().name == "B":
+                go.wait()
+            return real(fd, op)
+
+    monkeypatch.setattr(staging, "fcntl", SlowFcntl)
+
+    def b():
+        with staging.output_lock(out):
+            b_has.set()
+            release_b.wait(10)
+
+    with staging.output_lock(out):
+        t = threading.Thread(target=b, name="B")
+        t.start()
+        time.sleep(0.2)
+    go.set()
+    assert b_has.wait(5)
+    with pytest.raises(OutputLockedError):
+        with staging.output_lock(out):
+            pass
+    release_b.set()
+    t.join()
+
+
+def test_interrupt_while_removing_the_old_output_keeps_the_new_one(make_base, make_adapter, tmp_path, monkeypatch):
+    import peft_shardmerge.staging as staging
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    real = shutil.rmtree
+
+    def interrupted(path, *a, **k):
+        if ".old-" in str(path):
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(staging.shutil, "rmtree", interrupted)
+    report = merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(out), overwrite=True,
+                              progress=False)
+    assert report.tensors_written and json.load(open(out / "config.json"))["model_type"] == "llama"
+
+
+def test_mount_point_output_is_refused(other_fs, make_base, make_adapter):
+    with pytest.raises(InputError, match="is a mount point"):
+        merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(other_fs), overwrite=True,
+                         progress=False)

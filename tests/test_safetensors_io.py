@@ -110,3 +110,23 @@ def test_too_short(tmp_path):
     path.write_bytes(b"")
     with pytest.raises(CorruptFileError, match="too short to be safetensors"):
         read_header(str(path))
+
+
+def test_writer_failing_on_its_header_leaves_no_thread_or_descriptor(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    path = str(tmp_path / "out.safetensors")
+    fds_before = len(os.listdir("/proc/self/fd"))
+    threads_before = threading.active_count()
+
+    def full(self, view):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ShardWriter, "_write_all", full)
+    for _ in range(3):
+        with pytest.raises(OSError, match="No space left"):
+            ShardWriter(path, [("w", "F32", (2,), 8)])
+        os.remove(path)
+    assert threading.active_count() == threads_before
+    assert len(os.listdir("/proc/self/fd")) == fds_before
