@@ -190,8 +190,7 @@ class _Merger:
             cast = merged.to(out_dtype)
             _check_range(t, cast, out_dtype)
             if factors and out_dtype != torch.float32:
-                c, s = swallowed(rows, merged, cast)
-                changed, lost = changed + c, lost + s
+                changed, lost = changed + cast.numel(), lost + swallowed(rows, cast)
             w.write(cast)
             self.bar.update((stop - start) * row_bytes)
         if changed:
@@ -319,7 +318,7 @@ def _precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> 
     changed = sum(c for c, _ in counts.values())
     lost = sum(s for _, s in counts.values())
     name = str(dtype).removeprefix("torch.")
-    notes = [f"{name} kept {100 * (1 - lost / changed):.1f}% of the entries the LoRA update changed "
+    notes = [f"{name} kept the LoRA update in {100 * (1 - lost / changed):.1f}% of the merged entries "
              f"({lost} of {changed} rounded back to the base value)"]
     worst = sorted((s / c, k) for k, (c, s) in counts.items() if s / c > SWALLOWED_WARNING)
     if worst:

@@ -10,30 +10,6 @@ import torch
 Factors = tuple[torch.Tensor, torch.Tensor, float]
 
 
-def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, *, transposed: bool) -> torch.Tensor:
-    """A LoRA module's whole weight delta in fp32, as PEFT's ``get_delta_weight`` computes it.
-
-    Args:
-        a: the A factor ``[r, n]``.
-        b: the B factor ``[m, r]``.
-        scaling: alpha / r (or alpha / sqrt(r) for rsLoRA).
-        transposed: the stored weight is ``[n, m]`` (GPT-2 Conv1D, embeddings).
-
-    Returns:
-        ``(B @ A) * scaling``, transposed when asked, in float32.
-
-    Raises:
-        RuntimeError: from torch, when the shapes do not fit.
-
-    Example:
-        >>> lora_delta(torch.ones(1, 3), torch.ones(2, 1), 0.5, transposed=False)
-        tensor([[0.5000, 0.5000, 0.5000],
-                [0.5000, 0.5000, 0.5000]])
-    """
-    d = (b.to(torch.float32) @ a.to(torch.float32)) * scaling
-    return d.T if transposed else d
-
-
 def merge_block(
     base_rows: torch.Tensor,
     factors: Sequence[Factors],
@@ -87,32 +63,27 @@ def merge_block(
     return out, err
 
 
-def swallowed(base_rows: torch.Tensor, merged32: torch.Tensor, cast: torch.Tensor) -> tuple[int, int]:
-    """How many entries the LoRA update changed, and how many of those the output dtype swallowed.
+def swallowed(base_rows: torch.Tensor, cast: torch.Tensor) -> int:
+    """How many entries of a merged block the output dtype rounded back to the base value.
 
-    An entry is swallowed when ``cast(W + dW) == cast(W)`` although ``dW != 0`` (in bf16, an update smaller
-    than about |w|/256 vanishes).
+    An entry is swallowed when ``cast(W + dW) == cast(W)``: in bf16, an update smaller than about |w|/256
+    vanishes. (Entries whose update is exactly zero count too; a trained LoRA leaves almost none.)
 
     Args:
         base_rows: the base rows as read (any dtype).
-        merged32: the merged rows in float32.
-        cast: ``merged32`` cast to the output dtype.
+        cast: the merged rows cast to the output dtype.
 
     Returns:
-        ``(changed, swallowed)`` counts.
+        The count.
 
     Raises:
         RuntimeError: from torch, when the shapes differ.
 
     Example:
-        >>> w = torch.tensor([1.0, 1.0])
-        >>> m = torch.tensor([1.0001, 1.5])
-        >>> swallowed(w, m, m.to(torch.bfloat16))
-        (2, 1)
+        >>> swallowed(torch.tensor([1.0, 1.0]), torch.tensor([1.0001, 1.5]).to(torch.bfloat16))
+        1
     """
-    changed = merged32 != base_rows
-    same = cast == base_rows.to(cast.dtype)
-    return int(changed.sum()), int((changed & same).sum())
+    return int((cast == base_rows.to(cast.dtype)).sum())
 
 
 def lora_probe(

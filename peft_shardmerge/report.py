@@ -30,8 +30,8 @@ class MergeReport:
         notes: things worth knowing about this merge.
         self_check_max_rel_err: the worst relative error of the per-block self-check, (W + dW) x against
             W x + lora(x) for random probe vectors x, in fp32 before casting.
-        swallowed: per merged tensor, the fraction of the entries the LoRA update changed that the output dtype
-            rounded back to the base value (16-bit outputs).
+        swallowed: per merged tensor, the fraction of its entries that the output dtype rounded back to the base
+            value, so that the LoRA update is lost there (16-bit outputs).
         dry_run: True when nothing was written.
         plan_text: the printed plan, for dry runs.
     """

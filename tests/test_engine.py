@@ -253,7 +253,7 @@ def test_precision_report(make_base, make_adapter, tmp_path, caplog):
     normal = merge_checkpoint(base, make_adapter("llama_bf16", "default"), str(tmp_path / "a"), progress=False)
     assert normal.swallowed and max(normal.swallowed.values()) < 0.5
     assert 0 < normal.self_check_max_rel_err < 1e-5
-    assert any(n.startswith("bfloat16 kept ") for n in normal.notes)
+    assert any(n.startswith("bfloat16 kept the LoRA update in ") for n in normal.notes)
 
     tiny = build_adapter(base, str(tmp_path / "tiny-adapter"), noise=1e-6)
     caplog.set_level(logging.WARNING)
