@@ -14,7 +14,7 @@ import torch
 
 from .budget import free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError
-from .maths import lora_bias_delta, merge_block, swallowed
+from .maths import lora_bias_delta, merge_block, probe_rows, swallowed
 from .plan import Plan, PlannedTensor
 from .quant import quantize_roundtrip
 from .report import MergeReport
@@ -189,8 +189,9 @@ class _Merger:
                 raise MergeCheckError(f"merged tensor {t.name!r} has NaN or Inf in rows {start}-{stop}")
             cast = merged.to(out_dtype)
             _check_range(t, cast, out_dtype)
-            if factors and out_dtype != torch.float32:
-                changed, lost = changed + cast.numel(), lost + swallowed(rows, cast)
+            if factors and out_dtype != torch.float32:  # estimated on the rows the self-check samples
+                sample = probe_rows(cast.shape[0])
+                changed, lost = changed + cast[sample].numel(), lost + swallowed(rows[sample], cast[sample])
             w.write(cast)
             self.bar.update((stop - start) * row_bytes)
         if changed:
@@ -319,7 +320,7 @@ def _precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> 
     lost = sum(s for _, s in counts.values())
     name = str(dtype).removeprefix("torch.")
     notes = [f"{name} kept the LoRA update in {100 * (1 - lost / changed):.1f}% of the merged entries "
-             f"({lost} of {changed} rounded back to the base value)"]
+             f"({lost} of {changed} sampled entries rounded back to the base value)"]
     worst = sorted((s / c, k) for k, (c, s) in counts.items() if s / c > SWALLOWED_WARNING)
     if worst:
         names = ", ".join(k for _, k in worst[-5:][::-1])

@@ -31,7 +31,7 @@ class MergeReport:
         self_check_max_rel_err: the worst relative error of the per-block self-check, (W + dW) x against
             W x + lora(x) for random probe vectors x, in fp32 before casting.
         swallowed: per merged tensor, the fraction of its entries that the output dtype rounded back to the base
-            value, so that the LoRA update is lost there (16-bit outputs).
+            value, so that the LoRA update is lost there (16-bit outputs; estimated on the self-check's rows).
         dry_run: True when nothing was written.
         plan_text: the printed plan, for dry runs.
     """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ from typing import Iterator
 
 from .errors import MergeCheckError, ShardMergeError
 from .safetensors_io import read_header
+from .writer import Crc32
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,13 @@ def partial_dir(out_dir: str) -> str:
 
 
 def file_digest(path: str) -> str:
-    """The BLAKE2b-128 hex digest of a file, read in 8 MiB pieces.
+    """The CRC-32 hex digest of a file, read in 8 MiB pieces (what :class:`ShardWriter` computes while writing).
 
     Args:
         path: the file.
 
     Returns:
-        32 hex characters.
+        8 hex characters.
 
     Raises:
         OSError: the file cannot be read.
@@ -68,7 +68,7 @@ def file_digest(path: str) -> str:
         >>> file_digest("model.safetensors")   # doctest: +SKIP
         '3f2a…'
     """
-    h = hashlib.blake2b(digest_size=16)
+    h = Crc32()
     with open(path, "rb") as f:
         while True:
             piece = f.read(_HASH_PIECE)
