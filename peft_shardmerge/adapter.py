@@ -26,7 +26,6 @@ _LORA_KEY = re.compile(
 )
 #: adapter_config.json options this version cannot merge, with what to do instead
 _UNSUPPORTED_OPTIONS = {
-    "use_dora": "DoRA adapters are not supported yet",
     "target_parameters": "LoRA on parameters (target_parameters, fused MoE experts) is not supported yet",
     "trainable_token_indices": "trainable tokens (trainable_token_indices) are not supported yet",
     "layer_replication": "layer_replication changes the layer structure and cannot be merged into the base layout",
@@ -61,6 +60,7 @@ class LoraModule:
         rank: r of this module (from ``rank_pattern`` or ``r``).
         alpha: lora_alpha of this module (from ``alpha_pattern`` or ``lora_alpha``).
         scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
+        magnitude: DoRA's ``lora_magnitude_vector`` (one value per output row), None for plain LoRA.
     """
 
     path: str
@@ -71,6 +71,7 @@ class LoraModule:
     rank: int
     alpha: float
     scaling: float
+    magnitude: AdapterTensor | None = None
 
 
 @dataclass
@@ -144,8 +145,6 @@ def load_adapter(location: str) -> AdapterSpec:
             spec.replacements[base_name] = t
             continue
         part = m.group("part") + ("." + m.group("leaf") if m.group("leaf") == "bias" else "")
-        if part == "lora_magnitude_vector":
-            raise UnsupportedError(f"adapter {folder} is a DoRA adapter ({name}); DoRA is not supported yet")
         parts.setdefault(m.group("module"), {})[part] = t
     r_default = config["r"]
     alpha_default = config["lora_alpha"]
@@ -175,7 +174,13 @@ def load_adapter(location: str) -> AdapterSpec:
             )
             continue
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
-        spec.modules[path] = LoraModule(path, kind, a, b, p.get("lora_B.bias"), rank, float(alpha), scaling)
+        magnitude = p.get("lora_magnitude_vector")
+        if bool(config.get("use_dora")) != (magnitude is not None):
+            problems.append(f"LoRA module {path!r}: use_dora={config.get('use_dora')!r} in adapter_config.json but "
+                            f"the weights {'have' if magnitude is not None else 'lack'} a lora_magnitude_vector")
+            continue
+        spec.modules[path] = LoraModule(path, kind, a, b, p.get("lora_B.bias"), rank, float(alpha), scaling,
+                                        magnitude)
     if problems:
         raise InputError(problems)
     if not spec.modules and not spec.replacements:

@@ -14,7 +14,7 @@ import torch
 
 from .budget import free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError
-from .maths import lora_bias_delta, merge_block, probe_rows, swallowed
+from .maths import dora_rescale_, lora_bias_delta, merge_block, probe_rows, swallowed
 from .plan import Plan, PlannedTensor
 from .quant import quantize_roundtrip
 from .report import MergeReport
@@ -166,6 +166,7 @@ class _Merger:
             return
         factors = [(m.a.load(self.reader).float(), m.b.load(self.reader).float(), m.scaling) for m in t.loras]
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
+        magnitudes = [m.magnitude.load(self.reader).float() for m in t.loras if m.magnitude is not None]
         whole = None
         if t.quantize:
             # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
@@ -185,6 +186,8 @@ class _Merger:
                     raise MergeCheckError(
                         f"self-check failed for {t.name!r} rows {start}-{stop}: merged weight times probe vectors "
                         f"differs from base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
+            for magnitude in magnitudes:  # DoRA: m * (W + dW) / ||W + dW||, norms per output row, as PEFT merges
+                dora_rescale_(merged, magnitude[start:stop])
             if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
                 raise MergeCheckError(f"merged tensor {t.name!r} has NaN or Inf in rows {start}-{stop}")
             cast = merged.to(out_dtype)

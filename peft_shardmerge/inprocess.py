@@ -19,7 +19,7 @@ from .errors import InputError, MergeCheckError, ShardMergeError, UnsupportedErr
 from .execute import current_rss_bytes, peak_rss_bytes
 from .staging import check_written, staged_output
 from .live import LiveEntry, LiveModel, dequantize, materialized, offload_owner, unwrap, walk
-from .maths import add_lora_
+from .maths import add_lora_, dora_rescale_
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
 from .report import MergeReport
 from .safetensors_io import DTYPES, row_blocks
@@ -327,8 +327,12 @@ class _LiveMerger:
                     factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), m.scaling[a]))
             embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
             transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
+            magnitudes = [m.lora_magnitude_vector[a].weight.detach() for a in entry.adapters
+                          if getattr(m, "use_dora", {}).get(a)]
             for start, stop in row_blocks(tuple(w.shape), _CHUNK_ELEMS):
                 add_lora_(w[start:stop], factors, start, stop, transposed=transposed)
+                for magnitude in magnitudes:  # DoRA, norms per output row
+                    dora_rescale_(w[start:stop], magnitude[start:stop])
             if entry.adapters:
                 self.applied[entry.name.rsplit(".", 1)[0]] += 1
         return w.T if entry.transpose_out else w

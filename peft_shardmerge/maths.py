@@ -214,3 +214,26 @@ def lora_bias_delta(bias_b: torch.Tensor, scaling: float) -> torch.Tensor:
         tensor([2., 2.])
     """
     return bias_b.to(torch.float32) * scaling
+
+
+def dora_rescale_(merged_rows: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """DoRA's merge of full rows of a Linear weight, in place: ``m * (W + dW) / ||W + dW||`` with the L2 norm of
+    each output row, as PEFT's ``DoraLinearLayer`` computes it.
+
+    Args:
+        merged_rows: float32 rows of ``W + dW`` (whole rows: the norm is per row); modified in place.
+        magnitude: the matching entries of ``lora_magnitude_vector``.
+
+    Returns:
+        ``merged_rows``.
+
+    Raises:
+        RuntimeError: from torch, when the shapes do not fit.
+
+    Example:
+        >>> dora_rescale_(torch.tensor([[3.0, 4.0]]), torch.tensor([10.0]))
+        tensor([[6., 8.]])
+    """
+    norm = torch.linalg.norm(merged_rows, dim=1)
+    merged_rows *= (magnitude.to(merged_rows.device, torch.float32) / norm).unsqueeze(1)
+    return merged_rows

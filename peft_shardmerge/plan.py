@@ -479,6 +479,15 @@ def build_plan(
                 f"{list(pt.shape)}; the adapter was trained on a different model"
             )
             continue
+        if mod.magnitude is not None:
+            if transposed:
+                problems.append(f"DoRA on {path!r} ({'an embedding' if mod.kind == 'embedding' else 'a Conv1D layer'}) "
+                                "is not supported yet; only on Linear layers")
+                continue
+            if tuple(mod.magnitude.shape) != (out_f,):
+                problems.append(f"DoRA module {path!r}: lora_magnitude_vector has shape {list(mod.magnitude.shape)}, "
+                                f"expected [{out_f}]")
+                continue
         pt.loras.append(mod)
         pt.transposed = transposed
         touched.add(wname)

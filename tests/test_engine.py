@@ -329,3 +329,30 @@ def test_float16_overflow_is_refused(make_base, make_adapter, tmp_path):
         merge_checkpoint(str(base), make_adapter("llama", "default"), str(tmp_path / "m"), dtype="float16",
                          progress=False)
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dora_on_linear_layers(dtype, make_base, make_adapter, peft_reference, tmp_path):
+    base = make_base("llama_sharded")
+    adapter = make_adapter("llama_sharded", "dora", use_dora=True, target_modules=["q_proj", "v_proj", "up_proj"])
+    out = str(tmp_path / "m")
+    report = merge_checkpoint(base, adapter, out, dtype=dtype, progress=False, chunk_elems=4096)
+    assert report.lora_modules_merged == 6
+    ref_state, ref_logits, ids = peft_reference(base, adapter)
+    got, _ = _read_output(out)
+    for name, t in got.items():
+        if dtype == "float32":
+            torch.testing.assert_close(t, ref_state[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    err = float((logits - ref_logits).abs().max() / ref_logits.abs().max())
+    assert err < (1e-5 if dtype == "float32" else 2e-2), err
+
+
+def test_dora_on_an_embedding_is_refused_by_name(make_base, make_adapter, tmp_path):
+    from peft_shardmerge import InputError
+
+    adapter = make_adapter("llama", "dora-embed", use_dora=True, target_modules=["q_proj", "embed_tokens"])
+    with pytest.raises(InputError, match=r"DoRA on 'model\.embed_tokens' \(an embedding\) is not supported yet"):
+        merge_checkpoint(make_base("llama"), adapter, str(tmp_path / "m"), progress=False)

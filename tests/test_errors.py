@@ -112,10 +112,10 @@ def test_unknown_peft_type(pair, tmp_path):
         merge_checkpoint(base, bad, str(tmp_path / "out"), progress=False)
 
 
-def test_dora_is_refused_by_name(pair, tmp_path):
+def test_dora_config_without_magnitudes(pair, tmp_path):
     base, adapter = pair
     bad = _edited_adapter(adapter, tmp_path / "a", use_dora=True)
-    with pytest.raises(UnsupportedError, match="DoRA adapters are not supported yet"):
+    with pytest.raises(InputError, match="use_dora=True in adapter_config.json but the weights lack"):
         merge_checkpoint(base, bad, str(tmp_path / "out"), progress=False)
 
 

@@ -515,3 +515,16 @@ def test_only_the_active_adapter_is_merged(make_base, tmp_path):
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("quant", ["nf4", "none"])
+def test_dora_in_process(quant, make_base, tmp_path):
+    model = qlora(make_base("llama"), "llama", quant, use_dora=True, target_modules=["q_proj", "v_proj", "up_proj"])
+    ids = token_ids(model.config.vocab_size, seed=3)
+    ref = reference_logits(model, ids)
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False)
+    assert report.lora_modules_merged == 6
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
