@@ -44,7 +44,10 @@ def _tree_bytes(folder) -> dict[str, bytes]:
 def _start_and_kill(cmd, out, rng, sig=signal.SIGKILL, window: float = 0.4) -> subprocess.Popen:
     """Start a merge, wait until it holds the output lock (planning is over and it is about to write), then
     signal it at a random moment within ``window`` seconds."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell that starts jobs in the background (nohup, CI runners) ignores SIGINT, and children inherit that;
+    # restore the default so that Ctrl-C reaches the merge as it does at a terminal
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lock = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.lock")
     deadline = time.time() + 120
     while proc.poll() is None and time.time() < deadline:
@@ -118,6 +121,8 @@ def test_sigterm_and_ctrl_c_clean_up(sig, code, word, medium, tmp_path):
         if not os.path.exists(out):
             break
         shutil.rmtree(out)  # the signal came after the commit; try again
+    else:
+        pytest.fail("every attempt finished before the signal")
     assert proc.returncode == code, (proc.returncode, proc.stderr_text)
     assert proc.stderr_text.strip().splitlines() == [f"peft-shardmerge: {word}; the partial output was removed and OUT "
                                                 "is unchanged"]
