@@ -56,3 +56,15 @@ def test_qlora_example_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("->  MATCH")
     assert "LoRA modules merged 14/14" in r.stdout and "base precision dequantized" in r.stdout
+
+
+def test_compare_bases_example_runs(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "compare_bases.py"), str(tmp_path),
+                        "--steps", "30"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    losses = [float(line.rsplit("|", 2)[1]) for line in r.stdout.splitlines() if line.startswith("| ") and
+              not line.startswith("| model")]
+    base_alone, trained, original, dequantized = losses
+    assert trained < base_alone
+    assert abs(dequantized - trained) < 0.05 and abs(original - trained) < 0.05
