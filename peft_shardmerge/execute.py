@@ -141,11 +141,15 @@ class _Merger:
         """Account for tensors of a shard kept from an interrupted run (already merged and verified)."""
         for t in tensors:
             self.replacements += t.from_adapter
-            for m in t.loras:
-                self.applied[m.path] += 1
-            for m in t.bias_loras:
-                self.applied[m.path + ".bias"] += 1
+            self._count(t)
             self.bar.update(t.nbytes)
+
+    def _count(self, t: PlannedTensor) -> None:
+        """Record that the LoRA modules (and ``lora_bias`` terms) of ``t`` were applied."""
+        for m in t.loras:
+            self.applied[m.path] += 1
+        for m in t.bias_loras:
+            self.applied[m.path + ".bias"] += 1
 
     def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         src = t.source
@@ -157,12 +161,13 @@ class _Merger:
             return
         out_dtype = DTYPES[t.out_dtype][0]
         blocks = row_blocks(t.shape, self.plan.chunk_elems)
+        row_bytes = t.nbytes // max(1, t.shape[0] if t.shape else 1)
         if t.op == "cast":
             for start, stop in blocks:
                 cast = self.reader.read_rows(src, start, stop).to(out_dtype)
                 _check_range(t, cast, out_dtype)
                 w.write(cast)
-                self.bar.update((stop - start) * (t.nbytes // max(1, t.shape[0] if t.shape else 1)))
+                self.bar.update((stop - start) * row_bytes)
             return
         factors = [(m.a.load(self.reader).float(), m.b.load(self.reader).float(), m.scaling) for m in t.loras]
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
@@ -173,7 +178,6 @@ class _Merger:
             weight = self.reader.read(src)
             whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.nf4)
             whole = whole.T.contiguous() if t.transposed else whole
-        row_bytes = t.nbytes // max(1, t.shape[0] if t.shape else 1)
         probes = _probes(t) if factors and len(t.shape) == 2 else None
         changed = lost = 0
         for start, stop in blocks:
@@ -199,10 +203,7 @@ class _Merger:
             self.bar.update((stop - start) * row_bytes)
         if changed:
             self.swallowed[t.name] = (changed, lost)
-        for m in t.loras:
-            self.applied[m.path] += 1
-        for m in t.bias_loras:
-            self.applied[m.path + ".bias"] += 1
+        self._count(t)
 
     def _merge_block(self, t, rows, factors, bias_deltas, start, stop, probes=None):
         if self.device.type != "cpu":

@@ -113,9 +113,10 @@ def merge_and_save(
         dtype: output dtype (``torch.bfloat16`` or ``"bfloat16"``, ``"float16"``, ``"float32"``); None keeps the
             model's 16-bit dtype.
         max_shard_size: largest shard (``"5GB"``, ``"500MB"`` or bytes).
-        maximum_memory_usage: fraction (0, 0.95] of the accelerator's memory (of host RAM on a CPU-only
-            machine) the process may occupy while merging. A module whose working set would go over it is
-            merged on the CPU; on out-of-memory it is retried on the CPU and counted in the report.
+        maximum_memory_usage: fraction (0, 0.95] of the accelerator's memory the process may occupy while
+            merging. A module whose working set would go over it is merged on the CPU; on out-of-memory it is
+            retried on the CPU and counted in the report. On the CPU, which is the last resort, a module over
+            the same fraction of host RAM is merged anyway, with a warning.
         base_precision: ``"original"`` merges into the 16-bit checkpoint the model was loaded from
             (``config._name_or_path``, a local folder or the offline cache), streamed from disk;
             ``"dequantized"`` merges into the dequantized weights in memory (what the adapter was trained
@@ -154,7 +155,13 @@ def merge_and_save(
     inner = unwrap(model)
     out_dtype = out_dtype or model_dtype(inner)
     original, reason = (None, "")
-    if base_precision in ("auto", "original"):
+    from peft import PeftModel
+
+    if base_precision in ("auto", "original") and not isinstance(model, PeftModel):
+        reason = "the model is not a PeftModel (the adapter cannot be saved on its own)"
+        if base_precision == "original":
+            problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
+    elif base_precision in ("auto", "original"):
         original, reason = find_original_checkpoint(inner)
         if original is None and base_precision == "original":
             problems.append(f"base_precision='original' needs the 16-bit checkpoint the model was loaded from: "
@@ -215,10 +222,6 @@ def _active_adapter_name(model: nn.Module) -> str:
 
 
 def _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite, progress, save_extra):
-    from peft import PeftModel
-
-    if not isinstance(model, PeftModel):
-        raise UnsupportedError("base_precision='original' needs a PeftModel; pass base_precision='dequantized'")
     adapter = _active_adapter_name(model)
     with tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-") as folder:
         save_adapter_untouched(model, adapter, folder)
@@ -271,28 +274,24 @@ class _LiveMerger:
         self.fallbacks = 0
         self.repacked: list[str] = []
 
-    def _offload_owner(self, entry: LiveEntry) -> nn.Module | None:
-        """The module whose accelerate hook holds this tensor's offloaded weights: its own module (accelerate
-        hooks leaves, which PEFT keeps as ``base_layer``), else an ancestor."""
-        hook = getattr(entry.holder, "_hf_hook", None)
-        if hook is not None and getattr(hook, "offload", False):
-            return entry.holder
-        return offload_owner(self.live.model, entry.name)
-
     def compute_device(self, entry: LiveEntry) -> torch.device:
         dev = entry.holder.weight.device if entry.kind in ("lora", "quantized") else torch.device("cpu")
         if dev.type == "meta":
-            hook = getattr(self._offload_owner(entry), "_hf_hook", None)
+            hook = getattr(offload_owner(self.live.model, entry.name, entry.holder), "_hf_hook", None)
             dev = torch.device(getattr(hook, "execution_device", None) or "cpu")
-        if dev.type != "cpu" and not self.budget.fits(entry.numel * 4 * 2, dev):
-            log.info("%s: over the memory budget on %s; merging it on the CPU", entry.name, dev)
-            return torch.device("cpu")
+        need = entry.numel * 4 * 2
+        if not self.budget.fits(need, dev):
+            if dev.type != "cpu":
+                log.info("%s: over the memory budget on %s; merging it on the CPU", entry.name, dev)
+                return torch.device("cpu")
+            # the CPU is the last resort: one module's fp32 copy is the least the merge can work with
+            log.warning("%s needs about %d MiB, which goes over maximum_memory_usage of host RAM; merging it "
+                        "anyway", entry.name, need >> 20)
         return dev
 
     def produce(self, entry: LiveEntry) -> torch.Tensor:
         """The tensor in the output layout (float32 for merged weights; as stored for plain tensors)."""
-        owner = self._offload_owner(entry)
-        with materialized(owner) if owner is not None else _null():
+        with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
             if entry.kind in ("plain", "saved"):
                 return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
                     entry.holder.state_dict(keep_vars=True)[entry.attr]
@@ -338,14 +337,6 @@ class _LiveMerger:
         return w.T if entry.transpose_out else w
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, quant4: dict | None = None
                 ) -> MergeReport:
     from tqdm.auto import tqdm
@@ -368,7 +359,8 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
     gen = _valid_generation_config(live.model)
     with torch.no_grad():
         groups = [headers(e) for e in live.entries]  # 4-bit entries are quantized once here to learn sizes
-    merger.applied.clear()
+    merger.applied.clear()  # the sizing pass merged (and counted) the 4-bit weights once already
+    merger.repacked.clear()
     sizes = [sum(h[3] for h in g) for g in groups]
     indices, names = assign_shards(sizes, limit)
     with staged_output(out_dir) as staging, torch.no_grad():

@@ -256,7 +256,8 @@ def materialized(module: nn.Module) -> Iterator[None]:
     """Bring an accelerate-offloaded module's weights onto its execution device for the duration.
 
     Args:
-        module: a module whose parameters may be on the meta device behind an accelerate hook.
+        module: a module whose parameters may be on the meta device behind an accelerate hook, or None (then
+            nothing happens).
 
     Returns:
         A context manager.
@@ -268,34 +269,50 @@ def materialized(module: nn.Module) -> Iterator[None]:
         >>> with materialized(layer):   # doctest: +SKIP
         ...     w = layer.weight.detach().clone()
     """
-    hook = getattr(module, "_hf_hook", None)
-    if hook is not None and getattr(hook, "offload", False):
+    if _offloads(module):
         from accelerate.utils import align_module_device
 
-        with align_module_device(module, getattr(hook, "execution_device", None)):
+        with align_module_device(module, getattr(module._hf_hook, "execution_device", None)):
             yield
     else:
         yield
 
 
-def offload_owner(model: nn.Module, name: str) -> nn.Module | None:
-    """The nearest module on the path to ``name`` whose accelerate hook offloads its weights, if any."""
-    owner = None
-    parts = name.split(".")
-    mod = model
-    for part in parts[:-1]:
-        hook = getattr(mod, "_hf_hook", None)
-        if hook is not None and getattr(hook, "offload", False):
-            owner = mod
-            break
-        if not hasattr(mod, part):
-            break
-        mod = getattr(mod, part)
-    else:
-        hook = getattr(mod, "_hf_hook", None)
-        if hook is not None and getattr(hook, "offload", False):
-            owner = mod
-    return owner
+def _offloads(module: nn.Module | None) -> bool:
+    hook = getattr(module, "_hf_hook", None)
+    return hook is not None and bool(getattr(hook, "offload", False))
+
+
+def offload_owner(model: nn.Module, name: str, holder: nn.Module | None = None) -> nn.Module | None:
+    """The module whose accelerate hook holds tensor ``name``'s offloaded weights, if any: the tensor's own
+    module first (accelerate hooks leaf modules, which PEFT keeps as ``base_layer``), else the outermost
+    offloading module on the path to it.
+
+    Args:
+        model: the transformers model.
+        name: the tensor's name in it.
+        holder: the module that owns the tensor, when it is not on the path (a LoRA layer's base layer).
+
+    Returns:
+        The module to materialize, or None.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> offload_owner(torch.nn.Linear(2, 2), "weight") is None
+        True
+    """
+    if _offloads(holder):
+        return holder
+    mod: nn.Module | None = model
+    for part in name.split(".")[:-1] + [None]:
+        if _offloads(mod):
+            return mod
+        mod = getattr(mod, part, None) if part is not None else None
+        if mod is None:
+            return None
+    return None
 
 
 def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None = None) -> torch.Tensor:
