@@ -528,3 +528,20 @@ def test_dora_in_process(quant, make_base, tmp_path):
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_transformers_model_with_add_adapter(make_base, tmp_path):
+    """A LoRA attached with transformers' add_adapter (no PeftModel): 'auto' merges the in-memory base."""
+    base = make_base("llama")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.add_adapter(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ids = token_ids(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", progress=False)
+    assert report.base_precision == "dequantized" and "not a PeftModel" in report.notes[0]
+    assert report.lora_modules_merged == 4
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
