@@ -38,12 +38,27 @@ def _check_range(t: PlannedTensor, cast: torch.Tensor, dtype: torch.dtype) -> No
         raise MergeCheckError(f"{t.name!r} has values beyond float16's range (65504); write bfloat16 or float32")
 
 
-def _probes(t: PlannedTensor) -> torch.Tensor:
-    """Reproducible random probe vectors for one tensor (seeded by its name)."""
+def probe_vectors(name: str, columns: int) -> torch.Tensor:
+    """Reproducible random probe vectors for the self-check of one tensor (seeded by its name).
+
+    Args:
+        name: the tensor's name.
+        columns: its number of columns (the length of each vector).
+
+    Returns:
+        A float32 tensor ``[columns, PROBES]``.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> probe_vectors("w", 3).shape
+        torch.Size([3, 2])
+    """
     import zlib
 
-    g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()))
-    return torch.randn(t.shape[1], PROBES, generator=g)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(columns, PROBES, generator=g)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -178,7 +193,7 @@ class _Merger:
             weight = self.reader.read(src)
             whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.nf4)
             whole = whole.T.contiguous() if t.transposed else whole
-        probes = _probes(t) if factors and len(t.shape) == 2 else None
+        probes = probe_vectors(t.name, t.shape[1]) if factors and len(t.shape) == 2 else None
         changed = lost = 0
         for start, stop in blocks:
             rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)
@@ -308,7 +323,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         device=str(dev),
         untied=list(plan.untied),
         notes=list(plan.notes) + ([f"resumed: {len(resumed)} shard(s) kept from an interrupted run"]
-                                  if resumed else []) + _precision_notes(merger.swallowed, plan.dtype),
+                                  if resumed else []) + precision_notes(merger.swallowed, plan.dtype),
         self_check_max_rel_err=merger.probe_err,
         swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()},
     )
@@ -316,8 +331,24 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     return report
 
 
-def _precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> list[str]:
-    """A note on how much of the LoRA update the output dtype kept, and a warning for the worst tensors."""
+def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> list[str]:
+    """A note on how much of the LoRA update the output dtype kept, and a warning (also logged) naming the
+    tensors where it swallowed more than :data:`SWALLOWED_WARNING` of it.
+
+    Args:
+        counts: per tensor, ``(sampled entries, entries rounded back to the base value)``.
+        dtype: the output dtype.
+
+    Returns:
+        Notes for the report (none when nothing was sampled).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> precision_notes({"w": (100, 1)}, torch.bfloat16)[0][:40]
+        'bfloat16 kept the LoRA update in 99.0% o'
+    """
     if not counts:
         return []
     changed = sum(c for c, _ in counts.values())

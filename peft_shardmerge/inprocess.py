@@ -16,10 +16,10 @@ from .api import check_out_dir, merge_checkpoint
 from .adapter import modifies_base
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError, ShardMergeError, UnsupportedError
-from .execute import current_rss_bytes, peak_rss_bytes
+from .execute import PROBE_TOLERANCE, current_rss_bytes, peak_rss_bytes, precision_notes, probe_vectors
 from .staging import check_written, staged_output
 from .live import LiveEntry, LiveModel, dequantize, materialized, offload_owner, unwrap, walk
-from .maths import add_lora_, dora_rescale_
+from .maths import add_lora_checked_, dora_rescale_, probe_rows, swallowed
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
 from .report import MergeReport
 from .safetensors_io import DTYPES, row_blocks
@@ -267,12 +267,15 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
 class _LiveMerger:
     """Produces each output tensor of a walked model, within the memory budget."""
 
-    def __init__(self, live: LiveModel, budget: MemoryBudget):
+    def __init__(self, live: LiveModel, budget: MemoryBudget, out_dtype: torch.dtype = torch.float32):
         self.live = live
         self.budget = budget
+        self.out_dtype = out_dtype
         self.applied: Counter[str] = Counter()
         self.fallbacks = 0
         self.repacked: list[str] = []
+        self.probe_err = 0.0
+        self.swallowed: dict[str, tuple[int, int]] = {}
 
     def compute_device(self, entry: LiveEntry) -> torch.device:
         dev = entry.holder.weight.device if entry.kind in ("lora", "quantized") else torch.device("cpu")
@@ -328,10 +331,25 @@ class _LiveMerger:
             transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
             magnitudes = [m.lora_magnitude_vector[a].weight.detach() for a in entry.adapters
                           if getattr(m, "use_dora", {}).get(a)]
+            probes = probe_vectors(entry.name, w.shape[1]) if factors and w.dim() == 2 else None
+            changed = lost = 0
             for start, stop in row_blocks(tuple(w.shape), _CHUNK_ELEMS):
-                add_lora_(w[start:stop], factors, start, stop, transposed=transposed)
+                block = w[start:stop]
+                sample = probe_rows(stop - start, block.device)
+                before = block[sample].clone() if probes is not None else None
+                err = add_lora_checked_(block, factors, start, stop, transposed=transposed, probes=probes)
+                self.probe_err = max(self.probe_err, err)
+                if err > PROBE_TOLERANCE:
+                    raise MergeCheckError(
+                        f"self-check failed for {entry.name!r} rows {start}-{stop}: merged weight times probe "
+                        f"vectors differs from base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
                 for magnitude in magnitudes:  # DoRA, norms per output row
-                    dora_rescale_(w[start:stop], magnitude[start:stop])
+                    dora_rescale_(block, magnitude[start:stop])
+                if before is not None and self.out_dtype != torch.float32:
+                    changed += before.numel()
+                    lost += swallowed(before, block[sample].to(self.out_dtype))
+            if changed:
+                self.swallowed[entry.name] = (changed, lost)
             if entry.adapters:
                 self.applied[entry.name.rsplit(".", 1)[0]] += 1
         return w.T if entry.transpose_out else w
@@ -344,7 +362,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
     t0 = time.perf_counter()
     baseline = current_rss_bytes()
     live = walk(model)
-    merger = _LiveMerger(live, budget)
+    merger = _LiveMerger(live, budget, out_dtype)
     out_st = TORCH_TO_ST[out_dtype]
     q4_names = live.info.linear_weights if quant4 is not None else set()
 
@@ -361,6 +379,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
         groups = [headers(e) for e in live.entries]  # 4-bit entries are quantized once here to learn sizes
     merger.applied.clear()  # the sizing pass merged (and counted) the 4-bit weights once already
     merger.repacked.clear()
+    merger.swallowed.clear()
     sizes = [sum(h[3] for h in g) for g in groups]
     indices, names = assign_shards(sizes, limit)
     with staged_output(out_dir) as staging, torch.no_grad():
@@ -423,7 +442,9 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
         cpu_fallbacks=merger.fallbacks,
         device=str(next((p.device for p in live.model.parameters()), "cpu")),
         untied=list(live.untied),
-        notes=notes,
+        notes=notes + precision_notes(merger.swallowed, out_dtype),
+        self_check_max_rel_err=merger.probe_err,
+        swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()},
     )
     log.info("%s", report.summary())
     return report
@@ -528,7 +549,7 @@ def merge_and_unload(
     inner = unwrap(model)
     out_dtype = out_dtype or model_dtype(inner)
     live = walk(model)
-    merger = _LiveMerger(live, budget)
+    merger = _LiveMerger(live, budget, out_dtype)
     by_module: dict[int, list[LiveEntry]] = {}
     order: list[LiveEntry] = []
     for e in live.entries:

@@ -52,17 +52,52 @@ def merge_block(
                 [3., 3., 3.]])
     """
     out = base_rows.to(torch.float32, copy=True)
-    if probes is not None:
-        probes = probes.to(out.device)
-        rows = probe_rows(out.shape[0], out.device)
-        want = out[rows] @ probes + lora_probe(probes, factors, start, stop, transposed=transposed, rows=rows)
-    add_lora_(out, factors, start, stop, transposed=transposed)
+    err = add_lora_checked_(out, factors, start, stop, transposed=transposed, probes=probes)
     for d in bias_deltas:
         out += d[start:stop].to(out.device)
-    if probes is None:
-        return out
-    err = float((out[rows] @ probes - want).abs().max() / want.abs().max().clamp_min(1e-30))
-    return out, err
+    return out if probes is None else (out, err)
+
+
+def add_lora_checked_(
+    rows32: torch.Tensor,
+    factors: Sequence[Factors],
+    start: int,
+    stop: int,
+    *,
+    transposed: bool,
+    probes: torch.Tensor | None,
+) -> float:
+    """:func:`add_lora_` with the self-check: on up to :data:`PROBE_ROWS` rows, ``(W + dW) @ x`` is compared
+    with ``W @ x + lora(x)`` computed from the factors without forming ``B @ A``.
+
+    Args:
+        rows32: float32 rows ``[start, stop)`` of the weight; modified in place.
+        factors: ``(A, B, scaling)`` of each LoRA module.
+        start: first row.
+        stop: one past the last row.
+        transposed: the stored weight is the transpose of ``B @ A``.
+        probes: float32 probe vectors ``[columns, k]``, or None to skip the check.
+
+    Returns:
+        The relative error ``max |(W + dW) x - (W x + lora(x))| / max |W x + lora(x)|`` (0.0 without probes).
+
+    Raises:
+        RuntimeError: from torch, when the shapes do not fit.
+
+    Example:
+        >>> w = torch.eye(2)
+        >>> add_lora_checked_(w, [(torch.ones(1, 2), torch.ones(2, 1), 1.0)], 0, 2, transposed=False,
+        ...                   probes=torch.ones(2, 1)) < 1e-6
+        True
+    """
+    if probes is None or not factors:
+        add_lora_(rows32, factors, start, stop, transposed=transposed)
+        return 0.0
+    probes = probes.to(rows32.device, torch.float32)
+    rows = probe_rows(rows32.shape[0], rows32.device)
+    want = rows32[rows] @ probes + lora_probe(probes, factors, start, stop, transposed=transposed, rows=rows)
+    add_lora_(rows32, factors, start, stop, transposed=transposed)
+    return float((rows32[rows] @ probes - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 #: rows of a block checked by the self-check and counted by the precision report

@@ -545,3 +545,26 @@ def test_transformers_model_with_add_adapter(make_base, tmp_path):
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_self_check_and_precision_report_in_process(make_base, tmp_path, monkeypatch):
+    import peft_shardmerge.maths as maths
+    from peft_shardmerge import MergeCheckError
+
+    model = qlora(make_base("llama"), "llama", "nf4")
+    report = merge_and_save(model, str(tmp_path / "a"), dtype="bfloat16", base_precision="dequantized",
+                            progress=False)
+    assert 0 < report.self_check_max_rel_err < 1e-5
+    assert len(report.swallowed) == 14 and max(report.swallowed.values()) < 0.5
+    assert any(n.startswith("bfloat16 kept the LoRA update in ") for n in report.notes)
+
+    real = maths.add_lora_
+
+    def doubled(rows32, factors, start, stop, *, transposed):
+        return real(rows32, [(a, b, 2 * s) for a, b, s in factors], start, stop, transposed=transposed)
+
+    monkeypatch.setattr(maths, "add_lora_", doubled)
+    out = tmp_path / "b"
+    with pytest.raises(MergeCheckError, match=r"self-check failed for 'model\.layers\.0\..*' rows 0-\d+"):
+        merge_and_save(model, str(out), base_precision="dequantized", progress=False)
+    assert not out.exists()
