@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .errors import CorruptFileError, InputError, NotFoundError, UnsupportedError
+from .maths import linear_factors
 from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from .sources import _read_json, resolve_folder
 
@@ -40,10 +41,13 @@ class AdapterTensor:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    info: TensorInfo
+    info: TensorInfo | None
+    data: torch.Tensor | None = None
 
     def load(self, reader: RowReader) -> torch.Tensor:
-        """Return the tensor's data as a fresh copy."""
+        """Return the tensor's data as a fresh copy (from the file, or from ``data`` for a computed tensor)."""
+        if self.data is not None:
+            return self.data.clone()
         return reader.read(self.info)
 
 
@@ -61,6 +65,7 @@ class LoraModule:
         alpha: lora_alpha of this module (from ``alpha_pattern`` or ``lora_alpha``).
         scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
         magnitude: DoRA's ``lora_magnitude_vector`` (one value per output row), None for plain LoRA.
+        key: a name unique within the spec (the path, or ``"<adapter>:<path>"`` in a combination).
     """
 
     path: str
@@ -72,6 +77,10 @@ class LoraModule:
     alpha: float
     scaling: float
     magnitude: AdapterTensor | None = None
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.path
 
 
 @dataclass
@@ -88,6 +97,9 @@ class AdapterSpec:
         tokenizer_files: tokenizer files saved beside the adapter.
         scratch: a temporary folder holding a legacy ``.bin`` adapter converted to safetensors (removed
             when the spec is garbage-collected).
+        folders: every adapter folder this spec was read from (several for a combination).
+        combination: how several adapters were combined (``"cat"``/``"linear"`` with their weights), or "".
+        parts: the adapters of a combination.
     """
 
     folder: str
@@ -97,6 +109,12 @@ class AdapterSpec:
     fan_in_fan_out: bool = False
     tokenizer_files: list[str] = field(default_factory=list)
     scratch: tempfile.TemporaryDirectory | None = None
+    folders: list[str] = field(default_factory=list)
+    combination: str = ""
+    parts: list["AdapterSpec"] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.folders = self.folders or [self.folder]
 
     @property
     def base_model_name(self) -> str | None:
@@ -196,6 +214,101 @@ def _pattern_key(pattern: dict, path: str) -> str | None:
 
     key = get_pattern_key(list(pattern.keys()), path)
     return key if key in pattern else None
+
+
+COMBINATIONS = ("cat", "linear")
+
+
+def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = None,
+                     combination: str = "cat") -> AdapterSpec:
+    """Several LoRA adapters as one: the weighted combination PEFT's ``add_weighted_adapter`` builds.
+
+    ``"cat"`` gives exactly ``sum_i w_i * scaling_i * B_i @ A_i`` on every module (each adapter's factors are
+    kept and applied with scaling ``w_i * scaling_i``; nothing is formed at full size). ``"linear"`` forms
+    PEFT's combined factors ``A = sum_i sign_i sqrt(|w_i s_i|) A_i`` and ``B = sum_i sqrt(|w_i s_i|) B_i`` with
+    scaling 1, which includes the cross terms ``B_i @ A_j``; it needs equal ranks. ``modules_to_save`` and other
+    whole-tensor replacements are taken from the one adapter that has them.
+
+    Args:
+        specs: the adapters (from :func:`load_adapter`), at least one.
+        weights: one weight per adapter; None means 1.0 each.
+        combination: ``"cat"`` or ``"linear"``.
+
+    Returns:
+        A spec whose modules carry keys ``"<index>:<path>"`` (the path alone for one adapter with weight 1).
+
+    Raises:
+        InputError: weights of the wrong length or not finite, an unknown combination, unequal ranks with
+            ``"linear"``, DoRA adapters, adapters that disagree on the layout (``fan_in_fan_out``), or two
+            adapters replacing the same tensor.
+
+    Example:
+        >>> spec = combine_adapters([load_adapter("a"), load_adapter("b")], [0.7, 0.3])   # doctest: +SKIP
+    """
+    problems: list[str] = []
+    if not specs:
+        raise InputError("no adapter given")
+    if weights is None:
+        weights = [1.0] * len(specs)
+    weights = list(weights)
+    if len(weights) != len(specs):
+        problems.append(f"{len(weights)} weight(s) given for {len(specs)} adapter(s); give one weight per adapter")
+    elif not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+        problems.append(f"adapter weights must be finite numbers, got {weights!r}")
+    if combination not in COMBINATIONS:
+        problems.append(f"combination must be one of {', '.join(COMBINATIONS)}, got {combination!r}")
+    if problems:
+        raise InputError(problems)
+    if len(specs) == 1 and weights[0] == 1.0:
+        return specs[0]
+    dora = [s.folder for s in specs if any(m.magnitude is not None for m in s.modules.values())]
+    if dora:
+        problems.append(f"DoRA adapters cannot be combined (their magnitudes do not add): {', '.join(dora)}")
+    if len({s.fan_in_fan_out for s in specs}) > 1:
+        problems.append("the adapters disagree on fan_in_fan_out; they were trained on different layouts")
+    if combination == "linear":
+        ranks = {m.rank for s in specs for m in s.modules.values()}
+        if len(ranks) > 1:
+            problems.append(f"combination 'linear' needs every adapter to have the same rank, got {sorted(ranks)}; "
+                            "use 'cat'")
+    out = AdapterSpec(specs[0].folder, dict(specs[0].config), fan_in_fan_out=specs[0].fan_in_fan_out,
+                      folders=[f for s in specs for f in s.folders],
+                      combination=f"{combination} " + ", ".join(f"{w:g}" for w in weights))
+    out.tokenizer_files = next((s.tokenizer_files for s in specs if s.tokenizer_files), [])
+    if out.tokenizer_files:
+        out.folder = next(s.folder for s in specs if s.tokenizer_files)
+    for i, s in enumerate(specs):
+        for name, t in s.replacements.items():
+            if name in out.replacements:
+                problems.append(f"two adapters replace {name!r} (modules_to_save or a trained bias); only one may")
+            out.replacements[name] = t
+    if problems:
+        raise InputError(problems)
+    out.parts = list(specs)  # keeps the parts' scratch folders (legacy .bin conversions) alive
+    if combination == "cat":
+        for i, (s, w) in enumerate(zip(specs, weights)):
+            for path, m in s.modules.items():
+                key = f"{i}:{path}"
+                out.modules[key] = LoraModule(m.path, m.kind, m.a, m.b, m.bias, m.rank, m.alpha, m.scaling * w,
+                                              key=key)
+        return out
+    with RowReader() as reader:
+        for path in sorted({p for s in specs for p in s.modules}):
+            members = [(s.modules[path], w) for s, w in zip(specs, weights) if path in s.modules]
+            first = members[0][0]
+            a, b, _ = linear_factors([(m.a.load(reader), m.b.load(reader), w * m.scaling) for m, w in members])
+            bias = None
+            for m, w in members:  # lora_bias terms add like the deltas: sum_i w_i * scaling_i * bias_i
+                if m.bias is not None:
+                    t = m.bias.load(reader).float() * (w * m.scaling)
+                    bias = t if bias is None else bias + t
+            if bias is not None:
+                bias = AdapterTensor(f"{path}.lora_B.bias", tuple(bias.shape), "F32", None, bias)
+            out.modules[path] = LoraModule(
+                path, first.kind, AdapterTensor(f"{path}.lora_A", tuple(a.shape), "F32", None, a),
+                AdapterTensor(f"{path}.lora_B", tuple(b.shape), "F32", None, b), bias, first.rank,
+                float(first.rank), 1.0)
+    return out
 
 
 def modifies_base(init_lora_weights: object) -> bool:

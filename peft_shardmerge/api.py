@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from .adapter import load_adapter
+from .adapter import combine_adapters, load_adapter
 from .errors import InputError
 from .execute import execute_plan, resolve_device
 from .model_info import inspect_model
@@ -68,9 +68,11 @@ def check_out_dir(out_dir: str, *, inputs: dict[str, str], overwrite: bool) -> l
 
 def plan_checkpoint_merge(
     base: str,
-    adapter: str,
+    adapter: str | Sequence[str],
     out_dir: str,
     *,
+    weights: Sequence[float] | None = None,
+    combination: str = "cat",
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     base_precision: str = "original",
@@ -85,8 +87,13 @@ def plan_checkpoint_merge(
 
     Args:
         base: base checkpoint folder, or a Hub id in the local cache.
-        adapter: PEFT LoRA adapter folder, or a Hub id in the local cache.
+        adapter: PEFT LoRA adapter folder, or a Hub id in the local cache; or a list of them, merged as the
+            weighted combination ``weights``/``combination`` describe.
         out_dir: the output folder.
+        weights: one weight per adapter (default 1.0 each).
+        combination: ``"cat"`` (exactly ``sum_i w_i * dW_i``, any ranks) or ``"linear"`` (PEFT's
+            ``add_weighted_adapter`` linear factors, equal ranks); see
+            :func:`~peft_shardmerge.adapter.combine_adapters`.
         dtype: output dtype (``"bfloat16"``, ``"float16"``, ``"float32"`` or a torch dtype); None keeps the base's.
         max_shard_size: largest output shard (``"5GB"``, ``"500MB"`` or bytes).
         base_precision: ``"original"`` merges into the checkpoint's weights; ``"nf4"`` merges into
@@ -120,8 +127,11 @@ def plan_checkpoint_merge(
         problems.append(f"chunk_elems must be a positive int, got {chunk_elems!r}")
         chunk_elems = DEFAULT_CHUNK_ELEMS
     src = open_checkpoint(base)
-    spec = load_adapter(adapter)
-    problems += check_out_dir(out_dir, inputs={"base": src.folder, "adapter": spec.folder}, overwrite=overwrite)
+    locations = [adapter] if isinstance(adapter, str) else list(adapter)
+    spec = combine_adapters([load_adapter(a) for a in locations], weights, combination)
+    inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
+                                     for i, f in enumerate(spec.folders)}}
+    problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
     info = inspect_model(src.folder)
     nf4 = Nf4Settings(nf4_quant_type, nf4_blocksize, nf4_double_quant) if base_precision == "nf4" else None
     plan = build_plan(
@@ -172,9 +182,11 @@ def check_space(out_dir: str, nbytes: int) -> list[str]:
 
 def merge_checkpoint(
     base: str,
-    adapter: str,
+    adapter: str | Sequence[str],
     out_dir: str,
     *,
+    weights: Sequence[float] | None = None,
+    combination: str = "cat",
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     base_precision: str = "original",
@@ -197,8 +209,10 @@ def merge_checkpoint(
 
     Args:
         base: base checkpoint folder, or a Hub id already in the local Hugging Face cache.
-        adapter: PEFT LoRA adapter folder, or a cached Hub id.
+        adapter: PEFT LoRA adapter folder, or a cached Hub id; or a list of them (a weighted combination).
         out_dir: the output folder.
+        weights: one weight per adapter (default 1.0 each).
+        combination: ``"cat"`` or ``"linear"`` (see :func:`plan_checkpoint_merge`).
         dtype: output dtype; None keeps the base's.
         max_shard_size: largest output shard (decimal units: ``"5GB"`` is 5e9 bytes).
         base_precision: ``"original"`` or ``"nf4"`` (see :func:`plan_checkpoint_merge`).
@@ -231,7 +245,7 @@ def merge_checkpoint(
         >>> print(report.summary())   # doctest: +SKIP
     """
     plan = plan_checkpoint_merge(
-        base, adapter, out_dir,
+        base, adapter, out_dir, weights=weights, combination=combination,
         dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
         nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize, nf4_double_quant=nf4_double_quant,
         device=device, overwrite=overwrite, chunk_elems=chunk_elems,
@@ -240,7 +254,7 @@ def merge_checkpoint(
         log.info("%s", note)
     if dry_run:
         return MergeReport(
-            out_dir=os.path.abspath(out_dir), base=plan.base.folder, adapter=plan.adapter.folder,
+            out_dir=os.path.abspath(out_dir), base=plan.base.folder, adapter=", ".join(plan.adapter.folders),
             dtype=str(plan.dtype).removeprefix("torch."), base_precision=plan.base_precision,
             tensors_written=0, lora_modules_total=len(plan.adapter.modules), shards=list(plan.shard_names),
             notes=list(plan.notes), dry_run=True, plan_text=plan.describe(),

@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("base", metavar="BASE", help="base checkpoint folder, or a Hub id in the local cache")
     m.add_argument("adapter", metavar="ADAPTER", help="PEFT LoRA adapter folder, or a Hub id in the local cache")
     m.add_argument("out", metavar="OUT", help="output folder (created; replaced only with --overwrite)")
+    m.add_argument("--add-adapter", action="append", default=[], metavar="FOLDER",
+                   help="another adapter to merge with ADAPTER (repeatable); see --weights and --combination")
+    m.add_argument("--weights", type=float, nargs="+", metavar="W",
+                   help="one weight per adapter, ADAPTER first (default 1.0 each)")
+    m.add_argument("--combination", choices=["cat", "linear"], default="cat",
+                   help="how several adapters combine: cat = exactly sum of w_i * delta_i (default); linear = "
+                        "PEFT add_weighted_adapter's 'linear' (equal ranks, cross terms included)")
     m.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="dtype written (default: the base's)")
     m.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
@@ -115,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        adapters = [args.adapter, *args.add_adapter]
         report = merge_checkpoint(
-            args.base, args.adapter, args.out,
+            args.base, adapters[0] if len(adapters) == 1 else adapters, args.out,
+            weights=args.weights, combination=args.combination,
             dtype=args.dtype, max_shard_size=args.max_shard_size, base_precision=args.base_precision,
             nf4_quant_type=args.nf4_quant_type, nf4_blocksize=args.nf4_blocksize,
             nf4_double_quant=args.nf4_double_quant, device=args.device, overwrite=args.overwrite,

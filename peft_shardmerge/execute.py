@@ -162,9 +162,9 @@ class _Merger:
     def _count(self, t: PlannedTensor) -> None:
         """Record that the LoRA modules (and ``lora_bias`` terms) of ``t`` were applied."""
         for m in t.loras:
-            self.applied[m.path] += 1
+            self.applied[m.key] += 1
         for m in t.bias_loras:
-            self.applied[m.path + ".bias"] += 1
+            self.applied[m.key + ".bias"] += 1
 
     def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         src = t.source
@@ -307,7 +307,8 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     report = MergeReport(
         out_dir=out_dir,
         base=plan.base.folder,
-        adapter=plan.adapter.folder,
+        adapter=", ".join(plan.adapter.folders) + (f" ({plan.adapter.combination})" if plan.adapter.combination
+                                                   else ""),
         dtype=str(plan.dtype).removeprefix("torch."),
         base_precision=plan.base_precision,
         tensors_written=len(plan.tensors),
@@ -379,10 +380,10 @@ def _copy_side_files(plan: Plan, tmp: str) -> None:
 
 
 def _check_counts(plan: Plan, merger: _Merger) -> None:
-    expected = Counter({p: 1 for p in plan.adapter.modules})
-    for p, m in plan.adapter.modules.items():
+    expected = Counter({m.key: 1 for m in plan.adapter.modules.values()})
+    for m in plan.adapter.modules.values():
         if m.bias is not None:
-            expected[p + ".bias"] = 1
+            expected[m.key + ".bias"] = 1
     if merger.applied != expected:
         missing = sorted(set(expected) - set(merger.applied))
         twice = sorted(k for k, v in merger.applied.items() if v > 1)

@@ -19,7 +19,7 @@ from .errors import InputError, MergeCheckError, ShardMergeError, UnsupportedErr
 from .execute import PROBE_TOLERANCE, current_rss_bytes, peak_rss_bytes, precision_notes, probe_vectors
 from .staging import check_written, staged_output
 from .live import LiveEntry, LiveModel, dequantize, materialized, offload_owner, unwrap, walk
-from .maths import add_lora_checked_, dora_rescale_, probe_rows, swallowed
+from .maths import add_lora_checked_, dora_rescale_, linear_factors, probe_rows, swallowed
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
 from .report import MergeReport
 from .safetensors_io import DTYPES, row_blocks
@@ -97,6 +97,9 @@ def merge_and_save(
     max_shard_size: int | str = "5GB",
     maximum_memory_usage: float = 0.9,
     base_precision: str = "auto",
+    adapter_names: list[str] | None = None,
+    weights: list[float] | None = None,
+    combination_type: str = "cat",
     overwrite: bool = False,
     progress: bool = True,
 ) -> MergeReport:
@@ -121,6 +124,10 @@ def merge_and_save(
             (``config._name_or_path``, a local folder or the offline cache), streamed from disk;
             ``"dequantized"`` merges into the dequantized weights in memory (what the adapter was trained
             against); ``"auto"`` uses the original when it is available locally, else the dequantized.
+        adapter_names: adapters of the model to merge together; None merges the active adapter(s).
+        weights: one weight per adapter of ``adapter_names`` (default 1.0 each).
+        combination_type: ``"cat"`` adds ``sum_i w_i * dW_i`` exactly (any ranks); ``"linear"`` merges the factors
+            PEFT's ``add_weighted_adapter(combination_type="linear")`` builds (equal ranks, cross terms included).
         overwrite: replace a non-empty ``out_dir`` (after the new output is complete).
         progress: show progress bars.
 
@@ -154,6 +161,8 @@ def merge_and_save(
         limit = 1
     inner = unwrap(model)
     out_dtype = out_dtype or model_dtype(inner)
+    names, weight_map, selection_problems = _selection(model, adapter_names, weights, combination_type)
+    problems += selection_problems
     original, reason = (None, "")
     from peft import PeftModel
 
@@ -180,14 +189,15 @@ def merge_and_save(
     save_extra = _side_saver(tokenizer)
     if original is not None:
         report = _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite,
-                                      progress, save_extra)
+                                      progress, save_extra, names, weight_map, combination_type)
         if base_precision == "auto":
             report.notes.insert(0, f"base precision 'auto': merged into the original checkpoint {original}")
         log.info("merged into the original 16-bit checkpoint %s", original)
         return report
     if base_precision == "auto":
         log.info("no original checkpoint available locally (%s); merging into the dequantized base", reason)
-    report = _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra)
+    report = _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra,
+                         selection=(names, weight_map, combination_type))
     if base_precision == "auto":
         report.notes.insert(0, f"base precision 'auto': no original checkpoint available locally ({reason}); "
                                "merged into the dequantized base")
@@ -221,14 +231,58 @@ def _active_adapter_name(model: nn.Module) -> str:
     return name or "default"
 
 
-def _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite, progress, save_extra):
-    adapter = _active_adapter_name(model)
+def _selection(model: nn.Module, adapter_names, weights, combination_type):
+    """Check ``adapter_names``/``weights``/``combination_type``: ``(names or None, weight per name, problems)``."""
+    from .adapter import COMBINATIONS
+
+    problems: list[str] = []
+    if combination_type not in COMBINATIONS:
+        problems.append(f"combination_type must be one of {', '.join(COMBINATIONS)}, got {combination_type!r}")
+    if adapter_names is None and weights is None:
+        return None, {}, problems
+    configs = getattr(model, "peft_config", None) or {}
+    if isinstance(adapter_names, str):
+        adapter_names = [adapter_names]
+    if adapter_names is None:
+        active = getattr(model, "active_adapters", None) or [_active_adapter_name(model)]
+        adapter_names = list(active() if callable(active) else active)
+    names = list(adapter_names)
+    unknown = [a for a in names if a not in configs]
+    if unknown or not names:
+        problems.append(f"adapter_names {names!r} must name loaded adapters; the model has {sorted(configs) or 'none'}")
+        return names, {}, problems
+    weights = [1.0] * len(names) if weights is None else list(weights)
+    if len(weights) != len(names):
+        problems.append(f"{len(weights)} weight(s) given for {len(names)} adapter(s); give one weight per adapter")
+        return names, {}, problems
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w == w and abs(w) != float("inf")
+               for w in weights):
+        problems.append(f"weights must be finite numbers, got {weights!r}")
+    dora = [a for a, w in zip(names, weights) if getattr(configs[a], "use_dora", False) and (len(names) > 1 or w != 1)]
+    if dora:
+        problems.append(f"DoRA adapters cannot be weighted or combined (their magnitudes do not add): {dora}")
+    if combination_type == "linear" and len(names) > 1:
+        ranks = {a: (configs[a].r, tuple(sorted((configs[a].rank_pattern or {}).items()))) for a in names}
+        if len(set(ranks.values())) > 1:
+            problems.append("combination_type 'linear' needs adapters of equal rank; use 'cat'")
+    return names, dict(zip(names, weights)), problems
+
+
+def _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite, progress, save_extra,
+                         names=None, weight_map=None, combination="cat"):
+    adapters = names or [_active_adapter_name(model)]
     with tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-") as folder:
-        save_adapter_untouched(model, adapter, folder)
+        folders = []
+        for i, adapter in enumerate(adapters):
+            folders.append(os.path.join(folder, str(i)))
+            save_adapter_untouched(model, adapter, folders[-1])
         device = "cuda" if any(p.is_cuda for p in inner.parameters()) else "cpu"
-        report = merge_checkpoint(original, folder, out_dir, dtype=out_dtype, max_shard_size=max_shard_size,
+        report = merge_checkpoint(original, folders[0] if len(folders) == 1 else folders, out_dir,
+                                  weights=[weight_map[a] for a in adapters] if weight_map else None,
+                                  combination=combination, dtype=out_dtype, max_shard_size=max_shard_size,
                                   device=device, overwrite=overwrite, progress=progress, before_commit=save_extra)
-    report.adapter = f"(in memory: adapter {adapter!r})"
+    report.adapter = "(in memory: " + ", ".join(
+        f"adapter {a!r}" + (f" x {weight_map[a]:g}" if weight_map else "") for a in adapters) + ")"
     return report
 
 
@@ -267,8 +321,11 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
 class _LiveMerger:
     """Produces each output tensor of a walked model, within the memory budget."""
 
-    def __init__(self, live: LiveModel, budget: MemoryBudget, out_dtype: torch.dtype = torch.float32):
+    def __init__(self, live: LiveModel, budget: MemoryBudget, out_dtype: torch.dtype = torch.float32,
+                 weights: dict[str, float] | None = None, combination: str = "cat"):
         self.live = live
+        self.weights = weights or {}
+        self.combination = combination
         self.budget = budget
         self.out_dtype = out_dtype
         self.applied: Counter[str] = Counter()
@@ -301,7 +358,8 @@ class _LiveMerger:
             if entry.kind == "lora_bias":
                 out = entry.holder.bias.detach().to(torch.float32, copy=True)
                 for a in entry.adapters:
-                    out += entry.module.lora_B[a].bias.detach().float().to(out.device) * entry.module.scaling[a]
+                    out += entry.module.lora_B[a].bias.detach().float().to(out.device) * (
+                        entry.module.scaling[a] * self.weights.get(a, 1.0))
                 return out
             dev = self.compute_device(entry)
             try:
@@ -323,10 +381,13 @@ class _LiveMerger:
             m = entry.module
             factors = []
             for a in entry.adapters:
+                scaling = m.scaling[a] * self.weights.get(a, 1.0)
                 if a in m.lora_A:
-                    factors.append((m.lora_A[a].weight.detach(), m.lora_B[a].weight.detach(), m.scaling[a]))
+                    factors.append((m.lora_A[a].weight.detach(), m.lora_B[a].weight.detach(), scaling))
                 else:
-                    factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), m.scaling[a]))
+                    factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), scaling))
+            if self.combination == "linear" and len(factors) > 1:
+                factors = [linear_factors([(a.to(device), b.to(device), s) for a, b, s in factors])]
             embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
             transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
             magnitudes = [m.lora_magnitude_vector[a].weight.detach() for a in entry.adapters
@@ -355,14 +416,15 @@ class _LiveMerger:
         return w.T if entry.transpose_out else w
 
 
-def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, quant4: dict | None = None
-                ) -> MergeReport:
+def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, quant4: dict | None = None,
+                selection: tuple = (None, {}, "cat")) -> MergeReport:
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
     baseline = current_rss_bytes()
-    live = walk(model)
-    merger = _LiveMerger(live, budget, out_dtype)
+    names, weight_map, combination = selection
+    live = walk(model, names)
+    merger = _LiveMerger(live, budget, out_dtype, weight_map, combination)
     out_st = TORCH_TO_ST[out_dtype]
     q4_names = live.info.linear_weights if quant4 is not None else set()
 
@@ -514,6 +576,9 @@ def merge_and_unload(
     *,
     maximum_memory_usage: float = 0.9,
     dtype: str | torch.dtype | None = None,
+    adapter_names: list[str] | None = None,
+    weights: list[float] | None = None,
+    combination_type: str = "cat",
 ) -> nn.Module:
     """Replace PEFT's ``merge_and_unload`` without re-quantizing: return a plain 16-bit transformers model.
 
@@ -529,6 +594,9 @@ def merge_and_unload(
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy; a module over it is
             merged on the CPU, and one that runs out of memory is retried there.
         dtype: dtype of the returned model; None keeps the model's 16-bit dtype.
+        adapter_names: adapters to merge together; None merges the active adapter(s).
+        weights: one weight per adapter of ``adapter_names`` (default 1.0 each).
+        combination_type: ``"cat"`` or ``"linear"``, as in :func:`merge_and_save`.
 
     Returns:
         The transformers model, with no PEFT or bitsandbytes layers and no ``quantization_config``.
@@ -548,8 +616,11 @@ def merge_and_unload(
     out_dtype = parse_dtype(dtype)
     inner = unwrap(model)
     out_dtype = out_dtype or model_dtype(inner)
-    live = walk(model)
-    merger = _LiveMerger(live, budget, out_dtype)
+    names, weight_map, problems = _selection(model, adapter_names, weights, combination_type)
+    if problems:
+        raise InputError(problems)
+    live = walk(model, names)
+    merger = _LiveMerger(live, budget, out_dtype, weight_map, combination_type)
     by_module: dict[int, list[LiveEntry]] = {}
     order: list[LiveEntry] = []
     for e in live.entries:

@@ -114,11 +114,12 @@ def _bnb_kind(param: torch.Tensor | None) -> str | None:
     return {"Params4bit": "4bit", "Int8Params": "8bit"}.get(name)
 
 
-def walk(model: nn.Module) -> LiveModel:
+def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
     """List every tensor the merged checkpoint will hold, without computing any of them.
 
     Args:
         model: a ``PeftModel`` with a LoRA adapter (base unquantized, bitsandbytes 4-bit or 8-bit).
+        adapter_names: the adapters to merge; None means the active one(s).
 
     Returns:
         The :class:`LiveModel`.
@@ -141,17 +142,29 @@ def walk(model: nn.Module) -> LiveModel:
     unsupported: list[str] = []
     lora_layers: list[str] = []
     skip: list[str] = []
+    known = set((getattr(model, "peft_config", None) or {}).keys())
+    if adapter_names is not None:
+        missing = [a for a in adapter_names if a not in known]
+        if missing or not adapter_names:
+            raise InputError(f"adapter_names {adapter_names!r} must name loaded adapters; the model has "
+                             f"{sorted(known) or 'none'}")
+        if len(set(adapter_names)) != len(adapter_names):
+            raise InputError(f"adapter_names {adapter_names!r} names an adapter twice")
     for name, module in inner.named_modules():
         if any(name.startswith(p + ".") for p in skip):
             continue
         prefix = f"{name}." if name else ""
         if _is_lora(module):
             skip.append(name)
-            adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+            wanted = adapter_names if adapter_names is not None else module.active_adapters
+            adapters = [a for a in wanted if a in module.lora_A or a in module.lora_embedding_A]
             if getattr(module, "merged", False):
                 problems.append(f"{name} has its adapter merged into the base already; call model.unmerge_adapter() "
                                 "first (merging into a 4-bit base re-quantizes it)")
                 continue
+            if len(adapters) > 1 and any(getattr(module, "use_dora", {}).get(a) for a in adapters):
+                unsupported.append(f"{name}: DoRA adapters cannot be combined with others (their magnitudes do "
+                                   "not add)")
             for a in adapters:
                 if getattr(module, "use_dora", {}).get(a):
                     if a in module.lora_embedding_A or getattr(module, "fan_in_fan_out", False):
@@ -177,9 +190,16 @@ def walk(model: nn.Module) -> LiveModel:
             continue
         if isinstance(module, ModulesToSaveWrapper):
             skip.append(name)
-            active = module.active_adapters
-            holder = module.modules_to_save[active[0]] if active and active[0] in module.modules_to_save \
-                else module.original_module
+            if adapter_names is None:
+                active = module.active_adapters
+                saved = [active[0]] if active and active[0] in module.modules_to_save else []
+            else:
+                saved = [a for a in adapter_names if a in module.modules_to_save]
+            if len(saved) > 1:
+                problems.append(f"{name} is a modules_to_save copy in several of the adapters merged "
+                                f"({', '.join(saved)}); these copies cannot be combined")
+                continue
+            holder = module.modules_to_save[saved[0]] if saved else module.original_module
             for pname, t in holder.state_dict(keep_vars=True).items():
                 entries.append(LiveEntry(prefix + pname, tuple(t.shape), t.is_floating_point(),
                                          "saved" if holder is not module.original_module else "plain",

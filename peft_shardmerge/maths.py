@@ -272,3 +272,32 @@ def dora_rescale_(merged_rows: torch.Tensor, magnitude: torch.Tensor) -> torch.T
     norm = torch.linalg.norm(merged_rows, dim=1)
     merged_rows *= (magnitude.to(merged_rows.device, torch.float32) / norm).unsqueeze(1)
     return merged_rows
+
+
+def linear_factors(factors: Sequence[Factors]) -> Factors:
+    """PEFT's ``add_weighted_adapter(combination_type="linear")`` factors: ``A = sum_i sign_i sqrt(|s_i|) A_i``,
+    ``B = sum_i sqrt(|s_i|) B_i`` with scaling 1, where ``s_i`` is each adapter's weight times its scaling. The
+    product includes the cross terms ``B_i @ A_j``; the ranks must be equal.
+
+    Args:
+        factors: ``(A, B, weight * scaling)`` of each adapter on one module.
+
+    Returns:
+        ``(A, B, 1.0)`` in float32.
+
+    Raises:
+        RuntimeError: from torch, when the ranks or shapes differ.
+
+    Example:
+        >>> a, b, s = linear_factors([(torch.ones(1, 2), torch.ones(2, 1), 4.0)])
+        >>> (b @ a * s).tolist()
+        [[4.0, 4.0], [4.0, 4.0]]
+    """
+    import math
+
+    a_sum = b_sum = None
+    for a, b, s in factors:
+        root = math.sqrt(abs(s))
+        a32, b32 = a.to(torch.float32) * math.copysign(root, s), b.to(torch.float32) * root
+        a_sum, b_sum = (a32, b32) if a_sum is None else (a_sum + a32, b_sum + b32)
+    return a_sum, b_sum, 1.0

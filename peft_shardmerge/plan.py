@@ -198,13 +198,14 @@ class Plan:
         data = {
             "version": __version__,
             "base": [self.base.folder, files(self.base.folder)],
-            "adapter": [self.adapter.folder, files(self.adapter.folder)],
+            "adapter": [[f, files(f)] for f in self.adapter.folders],
+            "combination": self.adapter.combination,
             "dtype": str(self.dtype),
             "base_precision": self.base_precision,
             "nf4": self.nf4.describe() if self.nf4 else None,
             "chunk_elems": self.chunk_elems,
             "shards": self.shard_names,
-            "tensors": [[t.name, t.out_dtype, t.shard, t.op, [m.path for m in t.loras]] for t in self.tensors],
+            "tensors": [[t.name, t.out_dtype, t.shard, t.op, [m.key for m in t.loras]] for t in self.tensors],
         }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -216,7 +217,8 @@ class Plan:
         """A human-readable plan: every tensor with shard, dtype, shape, bytes and operation, then totals."""
         lines = [
             f"base:            {self.base.folder}",
-            f"adapter:         {self.adapter.folder}",
+            f"adapter:         {', '.join(self.adapter.folders)}"
+            + (f" (combined: {self.adapter.combination})" if self.adapter.combination else ""),
             f"dtype:           {str(self.dtype).removeprefix('torch.')}",
             f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else ""),
             f"LoRA modules:    {len(self.adapter.modules)}",
@@ -459,7 +461,8 @@ def build_plan(
             new_vocab = rep.shape[0]
         pt.source, pt.from_adapter = rep.info, True
         touched.add(name)
-    for path, mod in sorted(adapter.modules.items()):
+    for _, mod in sorted(adapter.modules.items()):
+        path = mod.path
         wname = f"{path}.weight"
         pt = planned_for(wname)
         if pt is None:

@@ -1,0 +1,137 @@
+"""Adapter variants on both paths (disk engine and in-process), each checked against PEFT's own computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from peft_shardmerge import InputError, merge_checkpoint
+from peft_shardmerge.inprocess import merge_and_save
+from peft_shardmerge.tiny import build_adapter, token_ids
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def logits_of(folder: str, ids: torch.Tensor) -> torch.Tensor:
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+@pytest.fixture(scope="module")
+def two_adapters(make_base, tmp_path_factory):
+    """Two adapters on the tiny Llama: equal ranks (for 'linear') and a third of another rank."""
+    base = make_base("llama")
+    root = tmp_path_factory.mktemp("weighted")
+    a = build_adapter(base, str(root / "a"), seed=1, r=8, lora_alpha=16)
+    b = build_adapter(base, str(root / "b"), seed=2, r=8, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    c = build_adapter(base, str(root / "c"), seed=3, r=4, lora_alpha=4, use_rslora=True)
+    return base, a, b, c
+
+
+def peft_weighted(base: str, folders: list[str], weights: list[float], combination: str):
+    """Logits and merged state of PEFT's add_weighted_adapter combination, the reference."""
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(model, folders[0], adapter_name="a0")
+    for i, f in enumerate(folders[1:], 1):
+        peft_model.load_adapter(f, adapter_name=f"a{i}")
+    names = [f"a{i}" for i in range(len(folders))]
+    peft_model.add_weighted_adapter(names, weights, "mix", combination_type=combination)
+    peft_model.set_adapter("mix")
+    ids = token_ids(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        logits = peft_model.eval()(input_ids=ids).logits
+    return peft_model, logits, ids
+
+
+CASES = [("cat", ("a", "b", "c"), [0.7, -0.3, 1.5]), ("linear", ("a", "b"), [0.6, 0.4]), ("cat", ("a",), [0.5])]
+
+
+@pytest.mark.parametrize("combination,which,weights", CASES, ids=["cat3", "linear2", "cat1"])
+def test_weighted_adapters_on_disk_match_add_weighted_adapter(combination, which, weights, two_adapters, tmp_path):
+    base, *folders = two_adapters
+    chosen = [dict(zip("abc", folders))[k] for k in which]
+    _, ref, ids = peft_weighted(base, chosen, weights, combination)
+    out = str(tmp_path / "m")
+    report = merge_checkpoint(base, chosen, out, weights=weights, combination=combination, progress=False)
+    assert rel_err(logits_of(out, ids), ref) < 1e-5
+    assert report.self_check_max_rel_err < 1e-5
+
+
+def test_cat_is_the_weighted_sum_of_merges(two_adapters, tmp_path):
+    """'cat' is exactly sum_i w_i * dW_i: compare the merged weights with the single-adapter merges."""
+    from safetensors.torch import load_file
+
+    base, a, b, _ = two_adapters
+    merge_checkpoint(base, [a, b], str(tmp_path / "ab"), weights=[0.25, 2.0], progress=False)
+    merge_checkpoint(base, a, str(tmp_path / "a"), progress=False)
+    merge_checkpoint(base, b, str(tmp_path / "b"), progress=False)
+    w0, wa, wb, wab = (load_file(f"{p}/model.safetensors") for p in (base, tmp_path / "a", tmp_path / "b",
+                                                                     tmp_path / "ab"))
+    for k in w0:
+        want = w0[k] + 0.25 * (wa[k] - w0[k]) + 2.0 * (wb[k] - w0[k])
+        assert torch.allclose(wab[k], want, atol=1e-6), k
+
+
+@pytest.mark.parametrize("combination", ["cat", "linear"])
+@pytest.mark.parametrize("base_precision", ["dequantized", "original"])
+def test_weighted_adapters_in_process(combination, base_precision, two_adapters, tmp_path):
+    base, a, b, _ = two_adapters
+    peft_model, ref, ids = peft_weighted(base, [a, b], [0.6, 0.4], combination)
+    peft_model.set_adapter("a0")  # the selection, not the active adapter, decides
+    out = str(tmp_path / "m")
+    report = merge_and_save(peft_model, out, adapter_names=["a0", "a1"], weights=[0.6, 0.4],
+                            combination_type=combination, base_precision=base_precision, dtype="float32",
+                            progress=False)
+    assert report.base_precision == base_precision
+    assert rel_err(logits_of(out, ids), ref) < 1e-5
+
+
+def test_weighted_merge_and_unload(two_adapters):
+    from peft_shardmerge.inprocess import merge_and_unload
+
+    base, a, b, _ = two_adapters
+    peft_model, ref, ids = peft_weighted(base, [a, b], [1.0, -1.0], "cat")
+    plain = merge_and_unload(peft_model, adapter_names=["a0", "a1"], weights=[1.0, -1.0], dtype="float32")
+    with torch.no_grad():
+        assert rel_err(plain(input_ids=ids).logits, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(weights=[1.0]), r"1 weight\(s\) given for 2 adapter\(s\)"),
+    (dict(weights=[1.0, float("nan")]), "must be finite numbers"),
+    (dict(combination="sum"), "combination must be one of cat, linear"),
+])
+def test_bad_weighted_options_on_disk(kwargs, message, two_adapters, tmp_path):
+    base, a, b, _ = two_adapters
+    with pytest.raises(InputError, match=message):
+        merge_checkpoint(base, [a, b], str(tmp_path / "m"), progress=False, **kwargs)
+    assert not (tmp_path / "m").exists()
+
+
+def test_linear_needs_equal_ranks(two_adapters, tmp_path):
+    base, a, _, c = two_adapters
+    with pytest.raises(InputError, match=r"same rank, got \[4, 8\]; use 'cat'"):
+        merge_checkpoint(base, [a, c], str(tmp_path / "m"), combination="linear", progress=False)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), a, adapter_name="a")
+    model.load_adapter(c, adapter_name="c")
+    with pytest.raises(InputError, match="needs adapters of equal rank"):
+        merge_and_save(model, str(tmp_path / "m"), adapter_names=["a", "c"], combination_type="linear")
+    with pytest.raises(InputError, match=r"must name loaded adapters; the model has \['a', 'c'\]"):
+        merge_and_save(model, str(tmp_path / "m"), adapter_names=["a", "x"])
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_merges_several_adapters(two_adapters, tmp_path):
+    from peft_shardmerge.cli import main
+
+    base, a, b, _ = two_adapters
+    _, ref, ids = peft_weighted(base, [a, b], [0.7, 0.3], "cat")
+    out = str(tmp_path / "m")
+    assert main(["merge", base, a, out, "--add-adapter", b, "--weights", "0.7", "0.3", "-q"]) == 0
+    assert rel_err(logits_of(out, ids), ref) < 1e-5
