@@ -57,7 +57,8 @@ class LoraModule:
 
     Attributes:
         path: the module's name in the base model, e.g. ``model.layers.0.self_attn.q_proj``.
-        kind: ``"linear"`` (``lora_A``/``lora_B``) or ``"embedding"`` (``lora_embedding_A``/``_B``).
+        kind: ``"linear"`` (``lora_A``/``lora_B``), ``"conv"`` (``nn.Conv2d``/``Conv3d``: ``B @ A`` gives the weight
+            flattened to ``[out, in * kernel]``) or ``"embedding"`` (``lora_embedding_A``/``_B``).
         a: the A factor, ``[r, in_features]`` (embedding: ``[r, num_embeddings]``).
         b: the B factor, ``[out_features, r]`` (embedding: ``[embedding_dim, r]``).
         bias: ``lora_B.bias`` when the adapter was trained with ``lora_bias=True``.
@@ -177,10 +178,13 @@ def load_adapter(location: str) -> AdapterSpec:
         if a is None or b is None:
             problems.append(f"LoRA module {path!r} has only one of its A/B factors in the adapter weights")
             continue
-        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
+        if kind == "linear" and len(a.shape) in (4, 5) and len(b.shape) == len(a.shape):
+            kind = "conv"  # nn.Conv2d/Conv3d: A is [r, in, *kernel], B is [out, r, 1, ...]
+        ok = len(a.shape) == 2 and len(b.shape) == 2 if kind != "conv" else all(k == 1 for k in b.shape[2:])
+        if not ok or a.shape[0] != b.shape[1]:
             problems.append(
                 f"LoRA module {path!r}: A {list(a.shape)} and B {list(b.shape)} do not form a rank-r pair "
-                "(A is [r, in], B is [out, r])"
+                "(A is [r, in], B is [out, r]; for a convolution A is [r, in, *kernel], B is [out, r, 1, ...])"
             )
             continue
         rank = int(rank_pattern[_pattern_key(rank_pattern, path)]) if _pattern_key(rank_pattern, path) else r_default

@@ -61,6 +61,11 @@ def probe_vectors(name: str, columns: int) -> torch.Tensor:
     return torch.randn(columns, PROBES, generator=g)
 
 
+def _flat(factor: torch.Tensor) -> torch.Tensor:
+    """A LoRA factor as a float32 matrix (convolution factors ``[r, in, *kernel]`` become ``[r, in * kernel]``)."""
+    return factor.float().reshape(factor.shape[0], -1)
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """Turn ``"auto"``, ``"cpu"`` or ``"cuda"`` (``"cuda:N"``) into the device the merge maths runs on.
 
@@ -184,7 +189,7 @@ class _Merger:
                 w.write(cast)
                 self.bar.update((stop - start) * row_bytes)
             return
-        factors = [(m.a.load(self.reader).float(), m.b.load(self.reader).float(), m.scaling) for m in t.loras]
+        factors = [(_flat(m.a.load(self.reader)), _flat(m.b.load(self.reader)), m.scaling) for m in t.loras]
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
         magnitudes = [m.magnitude.load(self.reader).float() for m in t.loras if m.magnitude is not None]
         whole = None
@@ -193,10 +198,12 @@ class _Merger:
             weight = self.reader.read(src)
             whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.nf4)
             whole = whole.T.contiguous() if t.transposed else whole
-        probes = probe_vectors(t.name, t.shape[1]) if factors and len(t.shape) == 2 else None
+        probes = probe_vectors(t.name, src.numel // t.shape[0]) if factors and len(t.shape) >= 2 else None
         changed = lost = 0
         for start, stop in blocks:
             rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)
+            if rows.dim() > 2:  # a convolution: rows of the weight flattened to [out, in * kernel]
+                rows = rows.reshape(rows.shape[0], -1)
             merged = self._merge_block(t, rows, factors, bias_deltas, start, stop, probes)
             if probes is not None:
                 merged, err = merged
@@ -209,7 +216,8 @@ class _Merger:
                 dora_rescale_(merged, magnitude[start:stop])
             if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
                 raise MergeCheckError(f"merged tensor {t.name!r} has NaN or Inf in rows {start}-{stop}")
-            cast = merged.to(out_dtype)
+            cast = merged.to(out_dtype).reshape(stop - start, *t.shape[1:])
+            rows = rows.reshape(stop - start, *t.shape[1:])
             _check_range(t, cast, out_dtype)
             if factors and out_dtype != torch.float32:  # estimated on the rows the self-check samples
                 sample = probe_rows(cast.shape[0])

@@ -382,8 +382,9 @@ class _LiveMerger:
             factors = []
             for a in entry.adapters:
                 scaling = m.scaling[a] * self.weights.get(a, 1.0)
-                if a in m.lora_A:
-                    factors.append((m.lora_A[a].weight.detach(), m.lora_B[a].weight.detach(), scaling))
+                if a in m.lora_A:  # convolution factors [r, in, *kernel] flatten like the weight's rows
+                    factors.append((m.lora_A[a].weight.detach().flatten(1), m.lora_B[a].weight.detach().flatten(1),
+                                    scaling))
                 else:
                     factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), scaling))
             if self.combination == "linear" and len(factors) > 1:
@@ -392,10 +393,11 @@ class _LiveMerger:
             transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
             magnitudes = [m.lora_magnitude_vector[a].weight.detach() for a in entry.adapters
                           if getattr(m, "use_dora", {}).get(a)]
-            probes = probe_vectors(entry.name, w.shape[1]) if factors and w.dim() == 2 else None
+            flat = w.reshape(w.shape[0], -1)  # a view; convolution weights as [out, in * kernel]
+            probes = probe_vectors(entry.name, flat.shape[1]) if factors else None
             changed = lost = 0
-            for start, stop in row_blocks(tuple(w.shape), _CHUNK_ELEMS):
-                block = w[start:stop]
+            for start, stop in row_blocks(tuple(flat.shape), _CHUNK_ELEMS):
+                block = flat[start:stop]
                 sample = probe_rows(stop - start, block.device)
                 before = block[sample].clone() if probes is not None else None
                 err = add_lora_checked_(block, factors, start, stop, transposed=transposed, probes=probes)

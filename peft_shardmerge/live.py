@@ -136,7 +136,7 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
     inner = unwrap(model)
-    info = inspect_model(inner.config)
+    info = inspect_model(inner.config, type(inner))
     entries: list[LiveEntry] = []
     problems: list[str] = []
     unsupported: list[str] = []

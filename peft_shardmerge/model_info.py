@@ -36,9 +36,66 @@ class ModelInfo:
     state_names: set[str] = field(default_factory=set)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     tie_enabled: bool = False
+    conversions: tuple = ((), (), (), "")
+
+    def memory_names(self, file_keys: "list[str]") -> dict[str, tuple[str, bool]]:
+        """The in-memory name each checkpoint key loads into, as ``from_pretrained`` renames it (transformers'
+        conversion mappings: e.g. LLaVA's ``language_model.model.*`` -> ``model.language_model.*``).
+
+        Args:
+            file_keys: tensor names as stored in the checkpoint.
+
+        Returns:
+            ``{file key: (in-memory name, converted)}``; ``converted`` is True when the key is one part of a tensor
+            that loading builds from several (fused MoE experts and the like). Identity when the class is unknown.
+        """
+        renamings, converters, _, prefix = self.conversions
+        if not renamings and not converters:
+            return {k: (k, False) for k in file_keys}
+        from transformers.core_model_loading import rename_source_key
+
+        meta = dict.fromkeys(self.state_names, True)
+        out = {}
+        for key in file_keys:
+            name, pattern = rename_source_key(key, list(renamings), list(converters), prefix or None, meta)
+            out[key] = (name, pattern is not None)
+        return out
+
+    def file_name(self, memory_name: str) -> str:
+        """The name ``save_pretrained`` writes an in-memory tensor under (the reverse of :meth:`memory_names`).
+
+        Args:
+            memory_name: a ``state_dict`` name.
+
+        Returns:
+            The checkpoint key.
+        """
+        _, _, reverse, _ = self.conversions
+        if not reverse:
+            return memory_name
+        from transformers.core_model_loading import apply_renamings
+
+        return apply_renamings(memory_name, list(reverse))
 
 
-def inspect_model(folder: "str | object") -> ModelInfo:
+def _model_classes(config, model_class):
+    """Classes to try, best first: the given one, the config's ``architectures`` (transformers classes only),
+    then the Auto classes of causal LMs, seq2seq LMs, vision-language models and bare models."""
+    import transformers
+
+    out = [model_class] if model_class is not None else []
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if cls is not None and hasattr(cls, "_from_config"):
+            out.append(cls)
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageTextToText", "AutoModel"):
+        cls = getattr(transformers, auto, None)
+        if cls is not None:
+            out.append(cls)
+    return out
+
+
+def inspect_model(folder: "str | object", model_class: type | None = None) -> ModelInfo:
     """Build the checkpoint's model class on the meta device (no memory, no weights) and read its structure.
 
     Never runs code from the checkpoint (``trust_remote_code`` stays off): a custom architecture yields
@@ -46,6 +103,8 @@ def inspect_model(folder: "str | object") -> ModelInfo:
 
     Args:
         folder: a folder with ``config.json``, or a transformers config object.
+        model_class: the transformers class to build (a loaded model's class); by default the config's
+            ``architectures`` entry, else the first Auto class that knows the config.
 
     Returns:
         The :class:`ModelInfo`.
@@ -61,7 +120,7 @@ def inspect_model(folder: "str | object") -> ModelInfo:
     try:
         import torch
         from torch import nn
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        from transformers import AutoConfig
         from transformers.pytorch_utils import Conv1D
         from transformers.quantizers.base import get_keys_to_not_convert
 
@@ -75,12 +134,15 @@ def inspect_model(folder: "str | object") -> ModelInfo:
                 if sub is not None and getattr(sub, "quantization_config", None) is not None:
                     del sub.quantization_config
         model = None
-        for auto in (AutoModelForCausalLM, AutoModel):
+        for cls in _model_classes(config, model_class):
             try:
                 with torch.device("meta"):
-                    model = auto.from_config(config, trust_remote_code=False)
+                    if hasattr(cls, "from_config"):
+                        model = cls.from_config(config, trust_remote_code=False)
+                    else:
+                        model = cls._from_config(config)
                 break
-            except (ValueError, KeyError):
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue
         if model is None:
             raise ValueError(f"no Auto class knows {type(config).__name__}")
@@ -88,6 +150,7 @@ def inspect_model(folder: "str | object") -> ModelInfo:
         log.warning("could not build the model class for %s (%s); using the adapter config alone", folder, e)
         return ModelInfo()
     info = ModelInfo(available=True, architecture=type(model).__name__)
+    info.conversions = _conversions(model)
     state = model.state_dict()
     info.state_names = set(state.keys())
     info.shapes = {k: tuple(v.shape) for k, v in state.items()}
@@ -107,3 +170,23 @@ def inspect_model(folder: "str | object") -> ModelInfo:
     info.input_embedding = f"{names[id(emb_in)]}.weight" if emb_in is not None and id(emb_in) in names else None
     info.output_embedding = f"{names[id(emb_out)]}.weight" if emb_out is not None and id(emb_out) in names else None
     return info
+
+
+def _conversions(model) -> tuple:
+    """transformers' key renamings for this class: (load renamings, load converters, save renamings, prefix)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+    except ImportError:  # transformers < 5 renames nothing on load
+        return (), (), (), ""
+    try:
+        load = get_model_conversion_mapping(model)
+        save = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
+    except Exception as e:  # noqa: BLE001 - only the renaming hints are lost
+        log.warning("could not read transformers' key conversions for %s (%s)", type(model).__name__, e)
+        return (), (), (), ""
+    reverse = [t.reverse_transform() for t in save[::-1]]
+    return (tuple(t for t in load if isinstance(t, WeightRenaming)),
+            tuple(t for t in load if isinstance(t, WeightConverter)),
+            tuple(t for t in reverse if isinstance(t, WeightRenaming)),
+            getattr(model, "base_model_prefix", "") or "")

@@ -353,6 +353,46 @@ def output_config(config: dict, dtype: torch.dtype, *, untie: bool) -> dict:
     return out
 
 
+def in_file_names(info: ModelInfo, file_keys: list[str]):
+    """Translate the structure facts of ``info`` (in-memory names) into the checkpoint's own key names.
+
+    transformers renames some checkpoints' keys on load (LLaVA's ``language_model.model.*`` becomes
+    ``model.language_model.*``, Qwen2-VL's ``model.*`` becomes ``model.language_model.*``); adapters use the
+    in-memory names. The merged checkpoint keeps the base's names.
+
+    Args:
+        info: the model structure.
+        file_keys: the base checkpoint's tensor names.
+
+    Returns:
+        ``(info in file names, function in-memory name -> file name)``; names the checkpoint does not hold go
+        through the reverse renaming ``save_pretrained`` applies.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> info, to_file = in_file_names(ModelInfo(), ["w"])
+        >>> to_file("w")
+        'w'
+    """
+    if not info.available:
+        return info, lambda name: name
+    memory = info.memory_names(file_keys)
+    by_memory = {m: f for f, (m, _) in memory.items()}
+
+    def to_file(name: str) -> str:
+        return by_memory.get(name) or info.file_name(name)
+
+    out = copy.copy(info)
+    out.transposed = {to_file(n) for n in info.transposed}
+    out.linear_weights = {to_file(n) for n in info.linear_weights}
+    out.tied = {to_file(t): to_file(s) for t, s in info.tied.items()}
+    out.input_embedding = to_file(info.input_embedding) if info.input_embedding else None
+    out.output_embedding = to_file(info.output_embedding) if info.output_embedding else None
+    return out, to_file
+
+
 def build_plan(
     base: CheckpointSource,
     adapter: AdapterSpec,
@@ -389,6 +429,7 @@ def build_plan(
         >>> print(plan.describe())  # doctest: +SKIP
     """
     problems = list(problems or [])
+    info, to_file = in_file_names(info, list(base.by_name))
     try:
         out_torch = parse_dtype(dtype) or _base_dtype(base)
     except InputError as e:
@@ -442,7 +483,8 @@ def build_plan(
     touched: set[str] = set()
     embeddings = {n for n in (info.input_embedding, info.output_embedding) if n}
     new_vocab: int | None = None
-    for name, rep in sorted(adapter.replacements.items()):
+    for memory_name, rep in sorted(adapter.replacements.items()):
+        name = to_file(memory_name)
         pt = planned_for(name)
         if pt is None:
             problems.append(f"adapter tensor {name!r} (modules_to_save or a trained bias) has no counterpart in the base")
@@ -463,7 +505,7 @@ def build_plan(
         touched.add(name)
     for _, mod in sorted(adapter.modules.items()):
         path = mod.path
-        wname = f"{path}.weight"
+        wname = to_file(f"{path}.weight")
         pt = planned_for(wname)
         if pt is None:
             problems.append(f"LoRA target {path!r} does not exist in the base (no tensor {wname!r}); wrong base?")
@@ -476,6 +518,8 @@ def build_plan(
             transposed = adapter.fan_in_fan_out
         out_f, in_f = mod.b.shape[0], mod.a.shape[1]
         expected = (in_f, out_f) if transposed else (out_f, in_f)
+        if mod.kind == "conv":
+            expected = (out_f, in_f, *mod.a.shape[2:])
         if pt.shape != expected:
             problems.append(
                 f"LoRA module {path!r} gives a delta of shape {list(expected)} but the base weight {wname!r} is "
@@ -495,7 +539,7 @@ def build_plan(
         pt.transposed = transposed
         touched.add(wname)
         if mod.bias is not None:
-            bname = f"{path}.bias"
+            bname = to_file(f"{path}.bias")
             bt = planned_for(bname)
             if bt is None or bt.shape != (out_f,):
                 problems.append(f"LoRA module {path!r} has lora_B.bias but the base has no bias {bname!r} of shape [{out_f}]")
