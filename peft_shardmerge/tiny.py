@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 #: architectures with a tiny config; hidden sizes are multiples of 64 so bitsandbytes' CPU kernels apply
-ARCHITECTURES = ("llama", "qwen2", "gpt2")
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "bert", "t5", "llava", "qwen2_vl")
+#: the image placeholder token of the tiny vision-language configs
+IMAGE_TOKEN = 500
 
 def tiny_config(arch: str = "llama", **overrides):
     """A small transformers config of the given architecture.
@@ -38,6 +40,40 @@ def tiny_config(arch: str = "llama", **overrides):
     if arch == "gpt2":
         kw = dict(n_embd=128, n_layer=2, n_head=4, n_positions=256)
         return GPT2Config(**{**common, **kw, **overrides})
+    if arch == "bert":
+        from transformers import BertConfig
+
+        kw = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                  max_position_embeddings=128, architectures=["BertForMaskedLM"])
+        return BertConfig(**{**kw, **overrides})
+    if arch == "t5":
+        from transformers import T5Config
+
+        kw = dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                  decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, architectures=["T5ForConditionalGeneration"])
+        return T5Config(**{**kw, **overrides})
+    if arch == "llava":
+        from transformers import CLIPVisionConfig, LlavaConfig
+
+        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=32, patch_size=8, projection_dim=32)
+        text = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        kw = dict(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN, vision_feature_layer=-2,
+                  vision_feature_select_strategy="default", architectures=["LlavaForConditionalGeneration"])
+        return LlavaConfig(**{**kw, **overrides})
+    if arch == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256,
+                    rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]})
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        kw = dict(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=501,
+                  vision_start_token_id=502, vision_end_token_id=503,
+                  architectures=["Qwen2VLForConditionalGeneration"])
+        return Qwen2VLConfig(**{**kw, **overrides})
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
 
 def build_base(folder: str, arch: str = "llama", *, dtype: torch.dtype = torch.float32,
@@ -63,10 +99,9 @@ def build_base(folder: str, arch: str = "llama", *, dtype: torch.dtype = torch.f
         >>> build_base("/tmp/tiny-llama")   # doctest: +SKIP
         '/tmp/tiny-llama'
     """
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).to(dtype)
+    config = tiny_config(arch, **overrides)
+    model = model_class(config)(config).to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return folder
@@ -89,6 +124,14 @@ def default_targets(arch: str) -> list[str]:
     """
     if arch == "gpt2":
         return ["c_attn", "c_proj", "c_fc"]
+    if arch == "bert":
+        return ["query", "value", "intermediate.dense"]
+    if arch == "t5":
+        return ["q", "v", "wi", "wo"]
+    if arch == "llava":  # text and vision attention, the Conv2d patch embedding, the projector
+        return ["q_proj", "v_proj", "patch_embedding", "linear_1"]
+    if arch == "qwen2_vl":  # text attention, vision qkv, the Conv3d patch embedding
+        return ["q_proj", "v_proj", "qkv", "patch_embed.proj"]
     return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, seed: int = 1,
@@ -117,11 +160,12 @@ def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, see
         '/tmp/tiny-adapter'
     """
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    arch = arch or AutoConfig.from_pretrained(base_folder).model_type
+    config = AutoConfig.from_pretrained(base_folder)
+    arch = arch or config.model_type
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    model = model_class(config).from_pretrained(base_folder, dtype=torch.float32)
     kw = dict(r=8, lora_alpha=16, target_modules=default_targets(arch))
     kw.update(lora_kwargs)
     peft_model = get_peft_model(model, LoraConfig(**kw))
@@ -131,6 +175,78 @@ def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, see
                 p.add_(torch.randn_like(p) * noise)
     peft_model.save_pretrained(folder)
     return folder
+
+def model_class(config):
+    """The transformers class a config's checkpoint loads into: its ``architectures`` entry when transformers
+    has it, else the causal-LM, seq2seq or image-text-to-text Auto class that knows the config.
+
+    Args:
+        config: a transformers config.
+
+    Returns:
+        A class with ``from_pretrained``.
+
+    Raises:
+        ValueError: no class is known for the config.
+
+    Example:
+        >>> model_class(tiny_config("t5")).__name__
+        'T5ForConditionalGeneration'
+    """
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if cls is not None:
+            return cls
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageTextToText"):
+        cls = getattr(transformers, auto)
+        if type(config) in cls._model_mapping:
+            return cls
+    raise ValueError(f"no transformers class loads a {type(config).__name__}; set config.architectures")
+
+
+def model_inputs(config, *, seed: int = 0, images: bool = True) -> dict:
+    """Reproducible forward inputs for a tiny model: token ids, plus decoder ids for encoder-decoders and an
+    image for the vision-language configs of :func:`tiny_config`.
+
+    Args:
+        config: the model's config.
+        seed: random seed.
+        images: add pixel inputs for vision-language models (so LoRA on the vision tower counts).
+
+    Returns:
+        Keyword arguments for the model's forward.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> sorted(model_inputs(tiny_config("t5")))
+        ['decoder_input_ids', 'input_ids']
+    """
+    text = getattr(config, "get_text_config", lambda: config)()
+    vocab = min(text.vocab_size, IMAGE_TOKEN)
+    ids = token_ids(vocab, seed=seed)
+    if getattr(config, "is_encoder_decoder", False):
+        return {"input_ids": ids, "decoder_input_ids": token_ids(vocab, length=8, seed=seed + 1)}
+    g = torch.Generator().manual_seed(seed)
+    if images and config.model_type == "llava":
+        vision = config.vision_config
+        n = (vision.image_size // vision.patch_size) ** 2
+        ids = torch.cat([ids[:1, :3], torch.full((1, n), IMAGE_TOKEN), ids[:1, 3:]], dim=1)
+        pixels = torch.randn(1, 3, vision.image_size, vision.image_size, generator=g)
+        return {"input_ids": ids, "pixel_values": pixels}
+    if images and config.model_type == "qwen2_vl":
+        v = config.vision_config
+        t, h, w = 1, 4, 4
+        n = t * h * w // v.spatial_merge_size**2
+        ids = torch.cat([ids[:1, :3], torch.tensor([[502] + [IMAGE_TOKEN] * n + [503]]), ids[:1, 3:]], dim=1)
+        pixels = torch.randn(t * h * w, v.in_channels * v.temporal_patch_size * v.patch_size**2, generator=g)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
+                "image_grid_thw": torch.tensor([[t, h, w]]), "mm_token_type_ids": (ids == IMAGE_TOKEN).int()}
+    return {"input_ids": ids}
+
 
 def token_ids(vocab_size: int = 512, batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
     """Reproducible random token ids for comparing logits.
@@ -174,16 +290,17 @@ def compare_logits(base_folder: str, adapter_folder: str, merged_folder: str, *,
         True
     """
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    cls = model_class(AutoConfig.from_pretrained(base_folder))
+    base = cls.from_pretrained(base_folder, dtype=torch.float32)
     ref_model = PeftModel.from_pretrained(base, adapter_folder).eval()
-    merged = AutoModelForCausalLM.from_pretrained(merged_folder, dtype=torch.float32).eval()
-    ids = token_ids(merged.config.vocab_size, seed=seed)
+    merged = cls.from_pretrained(merged_folder, dtype=torch.float32).eval()
+    inputs = model_inputs(merged.config, seed=seed)
     with torch.no_grad():
-        ref = ref_model(ids).logits
-        got = merged(ids).logits
+        ref = ref_model(**inputs).logits
+        got = merged(**inputs).logits
     return float((ref - got).abs().max())
 
-__all__ = ["ARCHITECTURES", "tiny_config", "build_base", "build_adapter", "default_targets", "token_ids",
-           "compare_logits"]
+__all__ = ["ARCHITECTURES", "IMAGE_TOKEN", "tiny_config", "build_base", "build_adapter", "default_targets",
+           "model_class", "model_inputs", "token_ids", "compare_logits"]

@@ -1,0 +1,98 @@
+"""Encoder, encoder-decoder and vision-language models: both paths reload with their own Auto classes and key
+names and match the unmerged PeftModel (LoRA on text and vision layers, Conv2d/Conv3d patch embeddings)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors import safe_open
+
+from peft_shardmerge import merge_checkpoint
+from peft_shardmerge.inprocess import merge_and_save
+from peft_shardmerge.tiny import build_adapter, build_base, model_class, model_inputs
+
+ARCHS = ["bert", "t5", "llava", "qwen2_vl"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("archs")
+    cache = {}
+
+    def make(arch: str):
+        if arch not in cache:
+            base = build_base(str(root / f"base-{arch}"), arch)
+            adapter = build_adapter(base, str(root / f"adapter-{arch}"), r=4, lora_alpha=8)
+            cache[arch] = (base, adapter)
+        return cache[arch]
+
+    return make
+
+
+def reference(base: str, adapter: str):
+    from transformers import AutoConfig
+
+    cls = model_class(AutoConfig.from_pretrained(base))
+    peft_model = PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    inputs = model_inputs(peft_model.config)
+    with torch.no_grad():
+        return peft_model, peft_model(**inputs).logits, inputs, cls
+
+
+def keys(folder: str) -> set[str]:
+    out = set()
+    for f in os.listdir(folder):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), "pt") as h:
+                out |= set(h.keys())
+    return out
+
+
+def check(out: str, cls, inputs, ref) -> None:
+    merged, info = cls.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        got = merged.eval()(**inputs).logits
+    err = float((got - ref).abs().max() / ref.abs().max())
+    assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_disk_engine(arch, models, tmp_path):
+    base, adapter = models(arch)
+    _, ref, inputs, cls = reference(base, adapter)
+    out = str(tmp_path / "m")
+    report = merge_checkpoint(base, adapter, out, progress=False)
+    assert report.lora_modules_merged == report.lora_modules_total > 0
+    assert keys(out) == keys(base)  # the base's own key names (and tied-weight omissions) are kept
+    check(out, cls, inputs, ref)
+
+
+@pytest.mark.parametrize("base_precision", ["dequantized", "original"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_in_process(arch, base_precision, models, tmp_path):
+    base, adapter = models(arch)
+    peft_model, ref, inputs, cls = reference(base, adapter)
+    out = str(tmp_path / "m")
+    report = merge_and_save(peft_model, out, base_precision=base_precision, dtype="float32", progress=False)
+    assert report.base_precision == base_precision
+    assert report.lora_modules_merged == report.lora_modules_total > 0
+    check(out, cls, inputs, ref)
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == [cls.__name__]
+
+
+def test_vision_lora_changes_the_output(models):
+    """The reference really exercises the vision LoRA (patch embedding convolutions, vision attention)."""
+    for arch in ("llava", "qwen2_vl"):
+        base, adapter = models(arch)
+        peft_model, ref, inputs, _ = reference(base, adapter)
+        with peft_model.disable_adapter(), torch.no_grad():
+            plain = peft_model(**inputs).logits
+        assert float((plain - ref).abs().max()) > 1e-3
+        conv = [n for n, m in peft_model.named_modules() if type(m).__name__ in ("Conv2d", "Conv3d") and "lora_A" in n]
+        assert conv, arch
