@@ -28,7 +28,6 @@ _LORA_KEY = re.compile(
 #: adapter_config.json options this version cannot merge, with what to do instead
 _UNSUPPORTED_OPTIONS = {
     "target_parameters": "LoRA on parameters (target_parameters, fused MoE experts) is not supported yet",
-    "trainable_token_indices": "trainable tokens (trainable_token_indices) are not supported yet",
     "layer_replication": "layer_replication changes the layer structure and cannot be merged into the base layout",
     "use_qalora": "QA-LoRA adapters are not supported",
 }
@@ -85,6 +84,26 @@ class LoraModule:
 
 
 @dataclass
+class TokenRows:
+    """Trainable tokens of one embedding-like module: whole new rows (not deltas) for some token ids.
+
+    Attributes:
+        path: the module's name in the base model, e.g. ``model.embed_tokens``.
+        indices: the token ids, in the order of the rows of ``rows``.
+        rows: ``trainable_tokens_delta``, ``[len(indices), dim]``: the trained rows that replace the base's.
+        key: a name unique within the spec.
+    """
+
+    path: str
+    indices: list[int]
+    rows: AdapterTensor
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or f"tokens:{self.path}"
+
+
+@dataclass
 class AdapterSpec:
     """A LoRA adapter, read once: config, LoRA modules and whole-tensor replacements.
 
@@ -101,6 +120,7 @@ class AdapterSpec:
         folders: every adapter folder this spec was read from (several for a combination).
         combination: how several adapters were combined (``"cat"``/``"linear"`` with their weights), or "".
         parts: the adapters of a combination.
+        tokens: trainable-token rows by module path (``trainable_token_indices``).
     """
 
     folder: str
@@ -113,6 +133,7 @@ class AdapterSpec:
     folders: list[str] = field(default_factory=list)
     combination: str = ""
     parts: list["AdapterSpec"] = field(default_factory=list)
+    tokens: dict[str, TokenRows] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.folders = self.folders or [self.folder]
@@ -155,6 +176,17 @@ def load_adapter(location: str) -> AdapterSpec:
     problems: list[str] = []
     for name, t in tensors.items():
         key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+        if key.endswith(_TOKENS_SUFFIXES):
+            path = key.removesuffix(".trainable_tokens_delta").removesuffix(".token_adapter")
+            indices = _token_indices(config, path, spec)
+            if indices is None:
+                problems.append(f"adapter tensor {name!r} holds trainable tokens but adapter_config.json gives no "
+                                f"token indices for {path!r}")
+            elif len(t.shape) != 2 or t.shape[0] != len(indices):
+                problems.append(f"adapter tensor {name!r} has shape {list(t.shape)} but {len(indices)} token indices")
+            else:
+                spec.tokens[path] = TokenRows(path, indices, t)
+            continue
         m = _LORA_KEY.match(key)
         if m is None:
             if "lora_" in key:
@@ -165,8 +197,8 @@ def load_adapter(location: str) -> AdapterSpec:
             continue
         part = m.group("part") + ("." + m.group("leaf") if m.group("leaf") == "bias" else "")
         parts.setdefault(m.group("module"), {})[part] = t
-    r_default = config["r"]
-    alpha_default = config["lora_alpha"]
+    r_default = config.get("r")
+    alpha_default = config.get("lora_alpha")
     rslora = bool(config.get("use_rslora", False))
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
@@ -205,9 +237,33 @@ def load_adapter(location: str) -> AdapterSpec:
                                         magnitude)
     if problems:
         raise InputError(problems)
-    if not spec.modules and not spec.replacements:
+    if not spec.modules and not spec.replacements and not spec.tokens:
         raise InputError(f"adapter {folder} holds no LoRA weights; is it the right folder?")
     return spec
+
+
+_TOKENS_SUFFIXES = (".token_adapter.trainable_tokens_delta", ".trainable_tokens_delta")
+
+
+def _token_indices(config: dict, path: str, spec: "AdapterSpec") -> list[int] | None:
+    """The token ids of the trainable-token rows saved for module ``path``, from the adapter config.
+
+    ``trainable_token_indices`` is a list (for the input embedding) or ``{module name: ids}``; a standalone
+    trainable-tokens adapter has ``token_indices``.
+    """
+    given = config.get("trainable_token_indices")
+    if config.get("peft_type") == "TRAINABLE_TOKENS":
+        given = config.get("token_indices")
+    if isinstance(given, dict):
+        for name, ids in given.items():
+            if path == name or path.endswith("." + name):
+                given = ids
+                break
+        else:
+            return None
+    if not isinstance(given, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in given):
+        return None
+    return list(given)
 
 
 def _pattern_key(pattern: dict, path: str) -> str | None:
@@ -289,6 +345,13 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
     if problems:
         raise InputError(problems)
     out.parts = list(specs)  # keeps the parts' scratch folders (legacy .bin conversions) alive
+    for s in specs:
+        for path, tr in s.tokens.items():
+            if path in out.tokens:
+                problems.append(f"two adapters train tokens of {path!r}; their rows cannot be combined")
+            out.tokens[path] = tr
+    if problems:
+        raise InputError(problems)
     if combination == "cat":
         for i, (s, w) in enumerate(zip(specs, weights)):
             for path, m in s.modules.items():
@@ -337,9 +400,13 @@ def modifies_base(init_lora_weights: object) -> bool:
 
 def _check_config(config: dict, folder: str) -> None:
     peft_type = config.get("peft_type")
+    if peft_type == "TRAINABLE_TOKENS":
+        return
     if peft_type != "LORA":
         raise UnsupportedError(
-            f"adapter {folder} has peft_type={peft_type!r}; only LoRA adapters (peft_type 'LORA') can be merged"
+            f"adapter {folder} has peft_type={peft_type!r}; the disk engine merges LoRA (with DoRA, trainable "
+            "tokens and modules_to_save) and trainable-tokens adapters. Load it with PEFT and use "
+            "peft_shardmerge.merge_and_save, which merges LoHa, LoKr, VeRA and IA3 through PEFT's own layers"
         )
     unsupported = [msg + f" ({opt}={config[opt]!r})" for opt, msg in _UNSUPPORTED_OPTIONS.items() if config.get(opt)]
     init = config.get("init_lora_weights")

@@ -14,7 +14,7 @@ import torch
 
 from .budget import free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError
-from .maths import dora_rescale_, lora_bias_delta, merge_block, probe_rows, swallowed
+from .maths import dora_rescale_, lora_bias_delta, merge_block, probe_rows, replace_rows_, swallowed
 from .plan import Plan, PlannedTensor
 from .quant import quantize_roundtrip
 from .report import MergeReport
@@ -170,6 +170,8 @@ class _Merger:
             self.applied[m.key] += 1
         for m in t.bias_loras:
             self.applied[m.key + ".bias"] += 1
+        for r in t.token_rows:
+            self.applied[f"{r.key}@{t.name}"] += 1
 
     def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         src = t.source
@@ -192,6 +194,7 @@ class _Merger:
         factors = [(_flat(m.a.load(self.reader)), _flat(m.b.load(self.reader)), m.scaling) for m in t.loras]
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
         magnitudes = [m.magnitude.load(self.reader).float() for m in t.loras if m.magnitude is not None]
+        tokens = [(torch.tensor(r.indices), r.rows.load(self.reader).float()) for r in t.token_rows]
         whole = None
         if t.quantize:
             # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
@@ -204,6 +207,8 @@ class _Merger:
             rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)
             if rows.dim() > 2:  # a convolution: rows of the weight flattened to [out, in * kernel]
                 rows = rows.reshape(rows.shape[0], -1)
+            for index, new_rows in tokens:  # trainable tokens replace base rows; LoRA (outside them) adds on top
+                replace_rows_(rows, index, new_rows, start, stop)
             merged = self._merge_block(t, rows, factors, bias_deltas, start, stop, probes)
             if probes is not None:
                 merged, err = merged
@@ -320,7 +325,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         dtype=str(plan.dtype).removeprefix("torch."),
         base_precision=plan.base_precision,
         tensors_written=len(plan.tensors),
-        lora_modules_merged=sum(1 for k in merger.applied if not k.endswith(".bias")),
+        lora_modules_merged=sum(1 for k in merger.applied if not k.endswith(".bias") and not k.startswith("tokens:")),
         lora_modules_total=len(plan.adapter.modules),
         replacements_applied=merger.replacements,
         shards=list(plan.shard_names),
@@ -389,6 +394,7 @@ def _copy_side_files(plan: Plan, tmp: str) -> None:
 
 def _check_counts(plan: Plan, merger: _Merger) -> None:
     expected = Counter({m.key: 1 for m in plan.adapter.modules.values()})
+    expected.update({f"{r.key}@{t.name}": 1 for t in plan.tensors for r in t.token_rows})
     for m in plan.adapter.modules.values():
         if m.bias is not None:
             expected[m.key + ".bias"] = 1

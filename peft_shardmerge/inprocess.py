@@ -355,6 +355,14 @@ class _LiveMerger:
             if entry.kind in ("plain", "saved"):
                 return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
                     entry.holder.state_dict(keep_vars=True)[entry.attr]
+            if entry.kind == "tokens":
+                out = entry.holder.weight.detach().to(torch.float32, copy=True)
+                for a in entry.adapters:
+                    index = torch.tensor(entry.module.token_indices[a], device=out.device)
+                    out.index_copy_(0, index, entry.module.trainable_tokens_delta[a].detach().float().to(out.device))
+                if entry.module.tied_adapter is None:
+                    self.applied[entry.name.rsplit(".", 1)[0]] += 1
+                return out
             if entry.kind == "lora_bias":
                 out = entry.holder.bias.detach().to(torch.float32, copy=True)
                 for a in entry.adapters:

@@ -205,8 +205,23 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
                                          "saved" if holder is not module.original_module else "plain",
                                          module, pname, holder, numel=t.numel()))
             continue
+        tokens = _token_layer(module)
+        if tokens is not None:  # trainable tokens: trained rows replace the embedding's (or tied head's)
+            skip.append(name)
+            wanted = adapter_names if adapter_names is not None else (
+                module.active_adapters if isinstance(module, AuxiliaryTrainingWrapper) else tokens.active_adapters)
+            adapters = [a for a in wanted if a in tokens.token_indices]
+            base = tokens.get_base_layer()
+            entries.append(LiveEntry(f"{prefix}weight", tuple(base.weight.shape), True, "tokens" if adapters else
+                                     "plain", tokens, "weight", base, adapters, numel=base.weight.numel()))
+            if getattr(base, "bias", None) is not None:
+                entries.append(LiveEntry(f"{prefix}bias", tuple(base.bias.shape), True, "plain", base, "bias", base,
+                                         numel=base.bias.numel()))
+            if adapters and tokens.tied_adapter is None:
+                lora_layers.append(name)
+            continue
         if isinstance(module, AuxiliaryTrainingWrapper):
-            unsupported.append(f"{name}: {type(module).__name__} (trainable tokens) is not supported yet")
+            unsupported.append(f"{name}: {type(module).__name__} is not supported")
             skip.append(name)
             continue
         weight = getattr(module, "weight", None)
@@ -239,6 +254,17 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
     return LiveModel(inner, info, entries, untied, lora_layers, notes)
 
 
+def _token_layer(module: nn.Module):
+    """The ``TrainableTokensLayer`` of a trainable-tokens module (wrapped by LoRA's ``trainable_token_indices``
+    or injected by a trainable-tokens adapter), else None."""
+    try:
+        from peft.tuners.trainable_tokens import TrainableTokensLayer
+    except ImportError:  # pragma: no cover - older peft
+        return None
+    layer = getattr(module, "token_adapter", module)
+    return layer if isinstance(layer, TrainableTokensLayer) else None
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -264,6 +290,10 @@ def _resolve_ties(inner: nn.Module, info: ModelInfo, entries: list[LiveEntry]) -
         if target not in by_name or source not in by_name:
             continue
         touched = {by_name[n].kind for n in (target, source)} & {"lora", "saved"}
+        if by_name[target].kind == "tokens" and by_name[source].kind == "tokens" and \
+                by_name[target].module.tied_adapter is None:
+            raise UnsupportedError(f"trainable tokens are given for both tied weights {source} and {target}; tied "
+                                   "weights share one matrix, so train tokens on the input embedding only")
         if touched:
             untied += [target, source]
         else:

@@ -301,3 +301,31 @@ def linear_factors(factors: Sequence[Factors]) -> Factors:
         a32, b32 = a.to(torch.float32) * math.copysign(root, s), b.to(torch.float32) * root
         a_sum, b_sum = (a32, b32) if a_sum is None else (a_sum + a32, b_sum + b32)
     return a_sum, b_sum, 1.0
+
+
+def replace_rows_(rows: torch.Tensor, index: torch.Tensor, new_rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Trainable tokens' merge on rows ``[start, stop)`` of a weight, in place: row ``index[j]`` becomes
+    ``new_rows[j]`` (PEFT's ``TrainableTokensLayer.merge``, an ``index_copy``).
+
+    Args:
+        rows: rows ``[start, stop)`` of the weight; modified in place.
+        index: token ids (int64), one per row of ``new_rows``.
+        new_rows: the trained rows.
+        start: first row of the block.
+        stop: one past the last row.
+
+    Returns:
+        ``rows``.
+
+    Raises:
+        RuntimeError: from torch, when the widths differ.
+
+    Example:
+        >>> replace_rows_(torch.zeros(2, 2), torch.tensor([3, 0]), torch.ones(2, 2), 0, 2)
+        tensor([[1., 1.],
+                [0., 0.]])
+    """
+    inside = (index >= start) & (index < stop)
+    if bool(inside.any()):
+        rows[(index[inside] - start).to(rows.device)] = new_rows[inside].to(rows.device, rows.dtype)
+    return rows

@@ -97,6 +97,8 @@ class PlannedTensor:
             built transposed).
         quantize: replace the base by dequant(quantize_4bit(base)) before adding deltas.
         shard: index of the output shard.
+        token_rows: trainable-token rows (:class:`~peft_shardmerge.adapter.TokenRows`) that replace base rows
+            before LoRA deltas are added (PEFT nests the token layer inside the LoRA layer).
     """
 
     name: str
@@ -108,6 +110,7 @@ class PlannedTensor:
     transposed: bool = False
     quantize: bool = False
     shard: int = 0
+    token_rows: list = field(default_factory=list)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -120,7 +123,7 @@ class PlannedTensor:
     @property
     def op(self) -> str:
         """``"copy"`` (bytes unchanged), ``"cast"`` (dtype change only) or ``"merge"``."""
-        if self.loras or self.bias_loras or self.quantize:
+        if self.loras or self.bias_loras or self.quantize or self.token_rows:
             return "merge"
         return "copy" if self.out_dtype == self.source.dtype else "cast"
 
@@ -205,7 +208,8 @@ class Plan:
             "nf4": self.nf4.describe() if self.nf4 else None,
             "chunk_elems": self.chunk_elems,
             "shards": self.shard_names,
-            "tensors": [[t.name, t.out_dtype, t.shard, t.op, [m.key for m in t.loras]] for t in self.tensors],
+            "tensors": [[t.name, t.out_dtype, t.shard, t.op, [m.key for m in t.loras],
+                         [r.key for r in t.token_rows]] for t in self.tensors],
         }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -231,6 +235,8 @@ class Plan:
                 extra = " +" + ",".join(f"lora(r={m.rank})" for m in t.loras)
             if t.bias_loras:
                 extra += " +lora_bias"
+            if t.token_rows:
+                extra += " +" + ",".join(f"tokens({len(r.indices)})" for r in t.token_rows)
             if t.from_adapter:
                 extra += " (from adapter)"
             if t.quantize:
@@ -547,11 +553,31 @@ def build_plan(
             bt.bias_loras.append(mod)
             touched.add(bname)
 
+    with_tokens: set[str] = set()
+    for path, tr in sorted(adapter.tokens.items()):
+        wname = to_file(f"{path}.weight")
+        pt = planned_for(wname)
+        if pt is None:
+            problems.append(f"trainable tokens target {path!r} does not exist in the base (no tensor {wname!r})")
+            continue
+        rows = pt.source.shape[0] if pt.from_adapter else pt.shape[0]
+        if len(pt.shape) != 2 or tr.rows.shape[1] != pt.shape[1] or not all(0 <= i < rows for i in tr.indices):
+            problems.append(f"trainable tokens of {path!r} ({len(tr.indices)} rows of width {tr.rows.shape[1]}, "
+                            f"ids up to {max(tr.indices, default=0)}) do not fit {wname!r} {list(pt.shape)}")
+            continue
+        pt.token_rows.append(tr)
+        with_tokens.add(wname)
+
     untied: list[str] = []
     if tie_on:
         for target, src in info.tied.items():
+            if target in with_tokens and src in with_tokens:
+                problems.append(f"trainable tokens are given for both tied weights {src!r} and {target!r}; tied "
+                                "weights share one matrix, so train tokens on the input embedding only")
             if (target in touched or src in touched) and planned_for(target) and planned_for(src):
                 untied += [target, src]
+                if src in with_tokens and target not in with_tokens:  # the tied head had the same rows in PEFT
+                    planned[target].token_rows = list(planned[src].token_rows)
     # a tied target the checkpoint leaves out follows its source, also when the adapter replaced the source
     for target, src in info.tied.items():
         if target in virtual and target in planned and not planned[target].from_adapter and src in planned:

@@ -101,7 +101,8 @@ def build_base(folder: str, arch: str = "llama", *, dtype: torch.dtype = torch.f
     """
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
-    model = model_class(config)(config).to(dtype)
+    cls = model_class(config)
+    model = (cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)).to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return folder

@@ -135,3 +135,57 @@ def test_cli_merges_several_adapters(two_adapters, tmp_path):
     out = str(tmp_path / "m")
     assert main(["merge", base, a, out, "--add-adapter", b, "--weights", "0.7", "0.3", "-q"]) == 0
     assert rel_err(logits_of(out, ids), ref) < 1e-5
+
+
+TOKEN_CASES = {
+    "llama-list": ("llama", dict(trainable_token_indices=[1, 5, 7])),
+    "llama-dict": ("llama", dict(trainable_token_indices={"embed_tokens": [1, 5, 7], "lm_head": [2, 9]})),
+    "qwen2-tied": ("qwen2", dict(trainable_token_indices=[1, 5, 7])),
+    "qwen2-tied-lora-head": ("qwen2", dict(trainable_token_indices=[4, 8], target_modules=["q_proj", "lm_head"])),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
+def test_trainable_tokens(case, make_base, make_adapter, peft_reference, tmp_path):
+    base_name, kwargs = TOKEN_CASES[case]
+    base = make_base(base_name)
+    adapter = make_adapter(base_name, f"tokens-{case}", **kwargs)
+    state, ref, ids = peft_reference(base, adapter)
+    out = str(tmp_path / "disk")
+    report = merge_checkpoint(base, adapter, out, progress=False)
+    assert rel_err(logits_of(out, ids), ref) < 1e-5
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    # PEFT's merge_and_unload leaves a token layer nested in a LoRA layer unmerged (its keys keep
+    # 'token_adapter'); the unmerged logits above are the reference for those
+    compared = [k for k in state if "token_adapter" not in k]
+    assert "model.embed_tokens.weight" in compared
+    for k in compared:
+        assert torch.allclose(merged[k], state[k], atol=1e-6), k
+    tied = base_name == "qwen2" and "lm_head" not in str(kwargs.get("target_modules"))
+    assert ("tie_word_embeddings is set to false" in " ".join(report.notes)) == (base_name == "qwen2" and not tied)
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    for precision in ("dequantized", "original"):
+        out = str(tmp_path / precision)
+        merge_and_save(model, out, base_precision=precision, dtype="float32", progress=False)
+        assert rel_err(logits_of(out, ids), ref) < 1e-5, precision
+
+
+def test_standalone_trainable_tokens_adapter(make_base, tmp_path):
+    from peft import TrainableTokensConfig, get_peft_model
+
+    base = make_base("llama")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[3, 4, 11]))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    model.save_pretrained(str(tmp_path / "adapter"))
+    ids = token_ids(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = model.eval()(input_ids=ids).logits
+    merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    assert rel_err(logits_of(str(tmp_path / "disk"), ids), ref) < 1e-5
+    merge_and_save(model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
+    assert rel_err(logits_of(str(tmp_path / "live"), ids), ref) < 1e-5
