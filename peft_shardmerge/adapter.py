@@ -27,7 +27,9 @@ _LORA_KEY = re.compile(
 )
 #: adapter_config.json options this version cannot merge, with what to do instead
 _UNSUPPORTED_OPTIONS = {
-    "target_parameters": "LoRA on parameters (target_parameters, fused MoE experts) is not supported yet",
+    "target_parameters": "LoRA on parameters (target_parameters, fused MoE experts) is merged in process only "
+                         "(peft_shardmerge.merge_and_save on the loaded PeftModel); the checkpoint stores experts "
+                         "in another layout than the model",
     "layer_replication": "layer_replication changes the layer structure and cannot be merged into the base layout",
     "use_qalora": "QA-LoRA adapters are not supported",
 }

@@ -182,6 +182,12 @@ def merge_and_save(
         if base_precision == "original":
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
         original = None
+    memory_only = _memory_only(model)
+    if original is not None and memory_only:
+        reason = f"the model has a {memory_only}, which is merged in memory only"
+        if base_precision == "original":
+            problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
+        original = None
     inputs = {"base": original} if original else {}
     problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
     if problems:
@@ -229,6 +235,17 @@ def _active_adapter_name(model: nn.Module) -> str:
             raise UnsupportedError(f"several adapters are active ({', '.join(name)}); activate one with set_adapter")
         name = name[0]
     return name or "default"
+
+
+def _memory_only(model: nn.Module) -> str:
+    """The first adapter of ``model`` the disk engine cannot merge (named), or "" when there is none."""
+    for config in (getattr(model, "peft_config", None) or {}).values():
+        peft_type = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "")))
+        if peft_type not in ("LORA", "TRAINABLE_TOKENS"):
+            return f"{peft_type} adapter"
+        if getattr(config, "target_parameters", None):
+            return "LoRA on parameters (target_parameters)"
+    return ""
 
 
 def _selection(model: nn.Module, adapter_names, weights, combination_type):
@@ -355,6 +372,8 @@ class _LiveMerger:
             if entry.kind in ("plain", "saved"):
                 return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
                     entry.holder.state_dict(keep_vars=True)[entry.attr]
+            if entry.kind in ("delta", "ia3"):
+                return self._merge_peft_layer(entry)
             if entry.kind == "tokens":
                 out = entry.holder.weight.detach().to(torch.float32, copy=True)
                 for a in entry.adapters:
@@ -379,6 +398,27 @@ class _LiveMerger:
                 self.fallbacks += 1
                 log.warning("out of memory merging %s on %s; retrying on the CPU", entry.name, dev)
                 return self._merge_weight(entry, torch.device("cpu"))
+
+    def _merge_peft_layer(self, entry: LiveEntry) -> torch.Tensor:
+        """Base plus PEFT's own delta of a LoHa/LoKr/VeRA layer or LoRA on a parameter, or IA3's scaling."""
+        layer = entry.module
+        if entry.attr == "weight":
+            notes: list[str] = []
+            w = dequantize(entry.holder, entry.holder.weight.device, notes)
+        else:
+            w = getattr(entry.holder, entry.attr).detach().to(torch.float32, copy=True)
+        for a in entry.adapters:
+            if entry.kind == "ia3":
+                vec = layer.ia3_l[a].detach().float().to(w.device)
+                if entry.attr == "bias":
+                    w *= vec.reshape(w.shape)
+                else:
+                    w *= vec.T if getattr(layer, "fan_in_fan_out", False) else vec
+            else:
+                w += layer.get_delta_weight(a).detach().float().to(w.device) * self.weights.get(a, 1.0)
+        if entry.adapters and entry.attr == ("weight" if entry.kind == "ia3" else entry.attr):
+            self.applied[f"{entry.name.rsplit('.', 1)[0]}::{entry.attr}"] += 1
+        return w
 
     def _merge_weight(self, entry: LiveEntry, device: torch.device) -> torch.Tensor:
         notes: list[str] = []

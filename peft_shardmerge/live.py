@@ -30,7 +30,9 @@ class LiveEntry:
         shape: its shape in the output layout.
         floating: whether it is cast to the output dtype.
         kind: ``"lora"`` (base + LoRA deltas), ``"quantized"`` (a bitsandbytes weight, dequantized),
-            ``"saved"`` (a ``modules_to_save`` copy), ``"lora_bias"`` (a bias with ``lora_B.bias``) or ``"plain"``.
+            ``"saved"`` (a ``modules_to_save`` copy), ``"lora_bias"`` (a bias with ``lora_B.bias``), ``"tokens"``
+            (trainable-token rows), ``"delta"`` (base + PEFT's ``get_delta_weight``: LoHa, LoKr, VeRA, LoRA on
+            parameters), ``"ia3"`` (base scaled by IA3's vector) or ``"plain"``.
         module: the module holding the tensor (the LoRA layer for ``"lora"``/``"lora_bias"``).
         attr: the tensor's attribute name on the module it lives on.
         holder: the module the attribute belongs to (base layer, ModulesToSaveWrapper copy, ...).
@@ -154,6 +156,31 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
         if any(name.startswith(p + ".") for p in skip):
             continue
         prefix = f"{name}." if name else ""
+        if _delta_layer(module):  # LoHa, LoKr, VeRA, IA3, LoRA on parameters: PEFT computes each delta
+            skip.append(name)
+            chain = [module]
+            while _delta_layer(getattr(chain[-1], "base_layer", None)):
+                chain.append(chain[-1].base_layer)
+            real = chain[-1].get_base_layer()
+            wanted = adapter_names if adapter_names is not None else module.active_adapters
+            if any(getattr(m, "merged", False) for m in chain):
+                problems.append(f"{name} has its adapter merged into the base already; call model.unmerge_adapter() "
+                                "first")
+                continue
+            by_param = {getattr(m, "parameter_name", None) or "weight": m for m in chain}
+            for pname, t in list(real.named_parameters(recurse=False)) + [
+                    (b, t) for b, t in real.named_buffers(recurse=False) if b not in real._non_persistent_buffers_set]:
+                layer = by_param.get(pname)
+                if layer is None and pname == "bias" and _is_ia3(module) and not module.is_feedforward:
+                    layer = module  # IA3 scales a non-feedforward layer's bias with its outputs
+                adapters = [a for a in wanted if layer is not None and a in _adapter_keys(layer)]
+                kind = ("ia3" if _is_ia3(layer) else "delta") if adapters else "plain"
+                shape = _logical_shape(real, t) if pname == "weight" else tuple(t.shape)
+                entries.append(LiveEntry(prefix + pname, shape, t.is_floating_point(), kind, layer or real, pname,
+                                         real, adapters, numel=_numel(shape)))
+                if adapters and kind == "delta" or kind == "ia3" and pname != "bias":
+                    lora_layers.append(f"{name}::{pname}")
+            continue
         if _is_lora(module):
             skip.append(name)
             wanted = adapter_names if adapter_names is not None else module.active_adapters
@@ -252,6 +279,34 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
         notes.append(f"the adapter changes tied weights ({', '.join(untied)}); both are written and "
                      "tie_word_embeddings is set to false")
     return LiveModel(inner, info, entries, untied, lora_layers, notes)
+
+
+def _delta_layer(module: nn.Module | None) -> bool:
+    """Whether a module is a PEFT layer merged through PEFT's own delta (or scaling): LoHa, LoKr, VeRA, IA3, and
+    LoRA on parameters (``target_parameters``)."""
+    if module is None:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if not isinstance(module, BaseTunerLayer) or _token_layer(module) is not None:
+        return False
+    if _is_lora(module):
+        return type(module).__name__ == "ParamWrapper"
+    return hasattr(module, "get_delta_weight") or _is_ia3(module)
+
+
+def _is_ia3(module: nn.Module | None) -> bool:
+    return module is not None and hasattr(module, "ia3_l")
+
+
+def _adapter_keys(layer: nn.Module) -> set[str]:
+    """Adapter names a PEFT layer holds weights for."""
+    names: set[str] = set()
+    for attr in getattr(layer, "adapter_layer_names", ()):
+        store = getattr(layer, attr, None)
+        if hasattr(store, "keys"):
+            names |= set(store.keys())
+    return names
 
 
 def _token_layer(module: nn.Module):

@@ -189,3 +189,82 @@ def test_standalone_trainable_tokens_adapter(make_base, tmp_path):
     assert rel_err(logits_of(str(tmp_path / "disk"), ids), ref) < 1e-5
     merge_and_save(model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
     assert rel_err(logits_of(str(tmp_path / "live"), ids), ref) < 1e-5
+
+
+def _other_configs():
+    from peft import IA3Config, LoHaConfig, LoKrConfig, VeraConfig
+
+    return {
+        "loha": LoHaConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_weights=False),
+        "lokr": LoKrConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_weights=False),
+        "vera": VeraConfig(r=8, target_modules=["q_proj", "v_proj"], init_weights=False),
+        "ia3": IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
+                         init_ia3_weights=False),
+    }
+
+
+# PEFT's LoHa and LoKr layers do not run on bitsandbytes 4-bit bases; VeRA and IA3 do
+@pytest.mark.parametrize("kind,quant", [("loha", "none"), ("lokr", "none"), ("vera", "none"), ("ia3", "none"),
+                                        ("vera", "nf4"), ("ia3", "nf4")])
+def test_other_peft_types_in_process(kind, quant, make_base, tmp_path):
+    """LoHa, LoKr, VeRA and IA3 merge in process through PEFT's own delta; the disk engine refuses them by name."""
+    from peft import get_peft_model
+
+    from peft_shardmerge import UnsupportedError
+    from tests.test_inprocess import load_quantized, no_cpu_repack, reference_logits
+
+    base = make_base("llama")
+    model = load_quantized(base, quant)
+    no_cpu_repack(model)
+    model = get_peft_model(model, _other_configs()[kind])
+    if kind == "ia3":
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.1)
+    ids = token_ids(model.config.vocab_size, seed=3)
+    ref = reference_logits(model.eval(), ids)
+    with torch.no_grad(), model.disable_adapter():
+        plain = model(input_ids=ids).logits
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, base_precision="dequantized", dtype="float32", progress=False)
+    assert report.lora_modules_merged == report.lora_modules_total == (4 if kind == "vera" else 6)
+    assert rel_err(logits_of(out, ids), ref) < 1e-5
+    model.save_pretrained(str(tmp_path / "adapter"))
+    with pytest.raises(UnsupportedError, match=f"peft_type='{kind.upper()}'.*merge_and_save"):
+        merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    assert float((plain - ref).abs().max()) > 1e-4  # the adapter really changes the output
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_lora_on_fused_moe_experts_in_process(arch, tmp_path):
+    """target_parameters on fused 3-D expert weights: in process through PEFT's delta; refused on disk by name."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    from peft_shardmerge import UnsupportedError
+
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_local_experts=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    config = Qwen3MoeConfig(moe_intermediate_size=32, intermediate_size=128, **common) if arch == "qwen3_moe" \
+        else MixtralConfig(intermediate_size=64, **common)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "base"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+    lora = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = get_peft_model(model, lora).eval()
+    ids = token_ids(256, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, base_precision="dequantized", dtype="float32", progress=False)
+    assert report.lora_modules_merged == report.lora_modules_total == 6
+    assert rel_err(logits_of(out, ids), ref) < 1e-5
+    model.save_pretrained(str(tmp_path / "adapter"))
+    with pytest.raises(UnsupportedError, match="target_parameters.*merged in process only"):
+        merge_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    with pytest.raises(InputError, match=r"'original' cannot be used: the model has a LoRA on parameters"):
+        merge_and_save(model, str(tmp_path / "o"), base_precision="original", progress=False)
+    report = merge_and_save(model, str(tmp_path / "auto"), dtype="float32", progress=False)
+    assert report.base_precision == "dequantized" and "merged in memory only" in report.notes[0]
