@@ -187,19 +187,23 @@ def _check_names_and_config(folder, config, tensors, report):
     expected = set(info.state_names)
     if info.tie_enabled:
         expected -= set(info.tied)
-    present = set(tensors)
-    quantized = {n for n in present if any(n.startswith(w + ".") for w in info.linear_weights)}
-    missing = sorted(expected - present)
-    unexpected = sorted(present - info.state_names - quantized)
+    # names as transformers loads them (e.g. LLaVA's language_model.model.* -> model.language_model.*)
+    memory = info.memory_names(list(tensors))
+    present = {m: n for n, (m, converted) in memory.items() if not converted}
+    built = {m for m, converted in memory.values() if converted}  # e.g. fused experts built from per-expert keys
+    quantized = {m for m in present if any(m.startswith(w + ".") for w in info.linear_weights)}
+    missing = sorted(expected - set(present) - built)
+    unexpected = sorted(present[m] for m in set(present) - info.state_names - quantized)
     if missing:
         report.problems.append(f"{len(missing)} tensor(s) the model expects are missing: {', '.join(missing[:5])}")
     if unexpected:
         report.problems.append(f"{len(unexpected)} tensor(s) the model does not know: {', '.join(unexpected[:5])}")
-    for name in sorted(present & info.state_names):
+    for name in sorted(set(present) & info.state_names):
         if name in info.linear_weights and quantized:
             continue
-        if tuple(tensors[name].shape) != tuple(info.shapes.get(name, tensors[name].shape)):
-            report.problems.append(f"{name} has shape {list(tensors[name].shape)}, the config implies "
+        shape = tuple(tensors[present[name]].shape)
+        if shape != tuple(info.shapes.get(name, shape)):
+            report.problems.append(f"{present[name]} has shape {list(shape)}, the config implies "
                                    f"{list(info.shapes[name])}")
     if info.tie_enabled and info.tied and any(t in present for t in info.tied):
         report.problems.append("tie_word_embeddings is true but the tied output weights are stored separately; "
@@ -209,27 +213,33 @@ def _check_names_and_config(folder, config, tensors, report):
 
 def _check_logits(folder, base, adapter, prompts, tolerance, config, report):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from .tiny import token_ids
+    from .tiny import model_class, model_inputs
 
-    merged = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    cls = model_class(AutoConfig.from_pretrained(folder))
+    merged = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), adapter).eval()
     if prompts:
         from transformers import AutoTokenizer
 
         tok_dir = folder if os.path.exists(os.path.join(folder, "tokenizer_config.json")) else base
         tok = AutoTokenizer.from_pretrained(tok_dir)
-        batches = [tok(p, return_tensors="pt")["input_ids"] for p in prompts]
+        batches = []
+        for p in prompts:
+            ids = tok(p, return_tensors="pt")["input_ids"]
+            extra = model_inputs(merged.config, images=False)  # decoder ids of an encoder-decoder
+            extra["input_ids"] = ids
+            batches.append(extra)
         what = f"{len(prompts)} prompt(s)"
     else:
-        batches = [token_ids(merged.config.vocab_size, batch=2, length=24, seed=s) for s in range(2)]
-        what = "4 random token sequences"
+        batches = [model_inputs(merged.config, seed=s) for s in range(2)]
+        what = "2 random inputs" + (" (with an image)" if "pixel_values" in batches[0] else "")
     worst = 0.0
     with torch.no_grad():
-        for ids in batches:
-            want = ref(input_ids=ids).logits
-            got = merged(input_ids=ids).logits
+        for inputs in batches:
+            want = ref(**inputs).logits
+            got = merged(**inputs).logits
             worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)))
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     tol = tolerance if tolerance is not None else (1e-4 if dtype == "float32" else 3e-2)

@@ -70,6 +70,10 @@ def test_disk_engine(arch, models, tmp_path):
     assert report.lora_modules_merged == report.lora_modules_total > 0
     assert keys(out) == keys(base)  # the base's own key names (and tied-weight omissions) are kept
     check(out, cls, inputs, ref)
+    from peft_shardmerge.verify import verify_checkpoint
+
+    verdict = verify_checkpoint(out, base=base, adapter=adapter)
+    assert verdict.ok and verdict.logits_max_rel_err < 1e-5, verdict.summary()
 
 
 @pytest.mark.parametrize("base_precision", ["dequantized", "original"])
