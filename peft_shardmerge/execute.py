@@ -193,7 +193,7 @@ class _Merger:
             return
         factors = [(_flat(m.a.load(self.reader)), _flat(m.b.load(self.reader)), m.scaling) for m in t.loras]
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
-        magnitudes = [m.magnitude.load(self.reader).float() for m in t.loras if m.magnitude is not None]
+        magnitudes = [m.magnitude.load(self.reader).float().reshape(-1) for m in t.loras if m.magnitude is not None]
         tokens = [(torch.tensor(r.indices), r.rows.load(self.reader).float()) for r in t.token_rows]
         whole = None
         if t.quantize:
@@ -202,13 +202,27 @@ class _Merger:
             whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.nf4)
             whole = whole.T.contiguous() if t.transposed else whole
         probes = probe_vectors(t.name, src.numel // t.shape[0]) if factors and len(t.shape) >= 2 else None
-        changed = lost = 0
-        for start, stop in blocks:
+
+        def base_rows(start: int, stop: int) -> torch.Tensor:
             rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)
             if rows.dim() > 2:  # a convolution: rows of the weight flattened to [out, in * kernel]
                 rows = rows.reshape(rows.shape[0], -1)
             for index, new_rows in tokens:  # trainable tokens replace base rows; LoRA (outside them) adds on top
                 replace_rows_(rows, index, new_rows, start, stop)
+            return rows
+
+        columns = None
+        if magnitudes and t.transposed:
+            # DoRA on a Conv1D or an embedding: PEFT's norms run over the stored rows (one per column), so a
+            # first pass accumulates them block by block, and the second pass scales each column
+            sumsq = torch.zeros(src.numel // t.shape[0], dtype=torch.float64)
+            for start, stop in blocks:
+                merged = self._merge_block(t, base_rows(start, stop), factors, bias_deltas, start, stop)
+                sumsq += merged.double().pow(2).sum(0)
+            columns = magnitudes[0] / sumsq.sqrt().float()
+        changed = lost = 0
+        for start, stop in blocks:
+            rows = base_rows(start, stop)
             merged = self._merge_block(t, rows, factors, bias_deltas, start, stop, probes)
             if probes is not None:
                 merged, err = merged
@@ -217,8 +231,11 @@ class _Merger:
                     raise MergeCheckError(
                         f"self-check failed for {t.name!r} rows {start}-{stop}: merged weight times probe vectors "
                         f"differs from base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
-            for magnitude in magnitudes:  # DoRA: m * (W + dW) / ||W + dW||, norms per output row, as PEFT merges
-                dora_rescale_(merged, magnitude[start:stop])
+            if columns is not None:
+                merged *= columns.unsqueeze(0)
+            else:
+                for magnitude in magnitudes:  # DoRA: m * (W + dW) / ||W + dW||, norms per output row, as PEFT merges
+                    dora_rescale_(merged, magnitude[start:stop])
             if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
                 raise MergeCheckError(f"merged tensor {t.name!r} has NaN or Inf in rows {start}-{stop}")
             cast = merged.to(out_dtype).reshape(stop - start, *t.shape[1:])

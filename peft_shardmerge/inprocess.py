@@ -439,8 +439,9 @@ class _LiveMerger:
                 factors = [linear_factors([(a.to(device), b.to(device), s) for a, b, s in factors])]
             embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
             transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
-            magnitudes = [m.lora_magnitude_vector[a].weight.detach() for a in entry.adapters
+            magnitudes = [m.lora_magnitude_vector[a].weight.detach().reshape(-1) for a in entry.adapters
                           if getattr(m, "use_dora", {}).get(a)]
+            by_column = transposed  # DoRA on an embedding or Conv1D: one norm per stored column
             flat = w.reshape(w.shape[0], -1)  # a view; convolution weights as [out, in * kernel]
             probes = probe_vectors(entry.name, flat.shape[1]) if factors else None
             changed = lost = 0
@@ -454,11 +455,13 @@ class _LiveMerger:
                     raise MergeCheckError(
                         f"self-check failed for {entry.name!r} rows {start}-{stop}: merged weight times probe "
                         f"vectors differs from base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
-                for magnitude in magnitudes:  # DoRA, norms per output row
+                for magnitude in magnitudes if not by_column else ():  # DoRA, norms per output row
                     dora_rescale_(block, magnitude[start:stop])
                 if before is not None and self.out_dtype != torch.float32:
                     changed += before.numel()
                     lost += swallowed(before, block[sample].to(self.out_dtype))
+            for magnitude in magnitudes if by_column else ():
+                flat *= (magnitude.to(flat.device, torch.float32) / torch.linalg.norm(flat, dim=0)).unsqueeze(0)
             if changed:
                 self.swallowed[entry.name] = (changed, lost)
             if entry.adapters:

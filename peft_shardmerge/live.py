@@ -194,8 +194,7 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
                                    "not add)")
             for a in adapters:
                 if getattr(module, "use_dora", {}).get(a):
-                    if a in module.lora_embedding_A or getattr(module, "fan_in_fan_out", False):
-                        unsupported.append(f"{name}: DoRA on an embedding or Conv1D layer is not supported yet")
+                    pass
                 elif getattr(module, "lora_variant", {}).get(a) is not None:
                     unsupported.append(f"{name}: LoRA variant {type(module.lora_variant[a]).__name__} is not supported")
             base = module.get_base_layer()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -533,11 +534,7 @@ def build_plan(
             )
             continue
         if mod.magnitude is not None:
-            if transposed:
-                problems.append(f"DoRA on {path!r} ({'an embedding' if mod.kind == 'embedding' else 'a Conv1D layer'}) "
-                                "is not supported yet; only on Linear layers")
-                continue
-            if tuple(mod.magnitude.shape) != (out_f,):
+            if math.prod(mod.magnitude.shape) != out_f:
                 problems.append(f"DoRA module {path!r}: lora_magnitude_vector has shape {list(mod.magnitude.shape)}, "
                                 f"expected [{out_f}]")
                 continue

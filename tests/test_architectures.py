@@ -100,3 +100,66 @@ def test_vision_lora_changes_the_output(models):
         assert float((plain - ref).abs().max()) > 1e-3
         conv = [n for n, m in peft_model.named_modules() if type(m).__name__ in ("Conv2d", "Conv3d") and "lora_A" in n]
         assert conv, arch
+
+
+SAVED = {"bert": ["transform.dense"], "t5": ["final_layer_norm"], "llava": ["lm_head"], "qwen2_vl": ["lm_head"]}
+VARIANTS = {
+    "dora": lambda arch: dict(use_dora=True),
+    "rslora-patterns": lambda arch: dict(use_rslora=True, rank_pattern={"v_proj": 2, "value": 2, "v": 2},
+                                          alpha_pattern={"v_proj": 3, "value": 3, "v": 3}),
+    "modules_to_save": lambda arch: dict(modules_to_save=SAVED[arch]),
+    "lora_bias": lambda arch: dict(lora_bias=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_variant_matrix(arch, variant, models, tmp_path):
+    """Each architecture x each variant, on both paths, against the unmerged PeftModel."""
+    base, _ = models(arch)
+    adapter = build_adapter(base, str(tmp_path / "adapter"), r=4, lora_alpha=8, **VARIANTS[variant](arch))
+    if variant == "lora_bias" and arch != "bert":  # no bias to add lora_B.bias to (PEFT cannot merge it either)
+        from peft_shardmerge import InputError
+
+        with pytest.raises(InputError, match="has lora_B.bias but the base has no bias"):
+            merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False)
+        return
+    peft_model, ref, inputs, cls = reference(base, adapter)
+    merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False, chunk_elems=1024)
+    check(str(tmp_path / "disk"), cls, inputs, ref)
+    merge_and_save(peft_model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
+    check(str(tmp_path / "live"), cls, inputs, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_weighted_combination_matrix(arch, models, tmp_path):
+    base, first = models(arch)
+    second = build_adapter(base, str(tmp_path / "second"), seed=5, r=4, lora_alpha=8)
+    from transformers import AutoConfig
+
+    cls = model_class(AutoConfig.from_pretrained(base))
+    peft_model = PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), first, adapter_name="a")
+    peft_model.load_adapter(second, adapter_name="b")
+    peft_model.add_weighted_adapter(["a", "b"], [0.8, -0.5], "mix", combination_type="cat")
+    peft_model.set_adapter("mix")
+    inputs = model_inputs(peft_model.config)
+    with torch.no_grad():
+        ref = peft_model.eval()(**inputs).logits
+    merge_checkpoint(base, [first, second], str(tmp_path / "disk"), weights=[0.8, -0.5], progress=False)
+    check(str(tmp_path / "disk"), cls, inputs, ref)
+    merge_and_save(peft_model, str(tmp_path / "live"), adapter_names=["a", "b"], weights=[0.8, -0.5],
+                   base_precision="dequantized", dtype="float32", progress=False)
+    check(str(tmp_path / "live"), cls, inputs, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_output_within_rounding(arch, models, tmp_path):
+    """bf16 output: logits within bf16 rounding of the fp32 reference (the merge itself is done in fp32)."""
+    base, adapter = models(arch)
+    _, ref, inputs, cls = reference(base, adapter)
+    out = str(tmp_path / "m")
+    merge_checkpoint(base, adapter, out, dtype="bfloat16", progress=False)
+    merged = cls.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = merged(**inputs).logits
+    assert float((got - ref).abs().max() / ref.abs().max()) < 3e-2

@@ -350,9 +350,31 @@ def test_dora_on_linear_layers(dtype, make_base, make_adapter, peft_reference, t
     assert err < (1e-5 if dtype == "float32" else 2e-2), err
 
 
-def test_dora_on_an_embedding_is_refused_by_name(make_base, make_adapter, tmp_path):
-    from peft_shardmerge import InputError
+DORA_LAYOUTS = {
+    "embedding": ("llama", ["q_proj", "embed_tokens"], {}),
+    "conv1d": ("gpt2", ["c_attn", "c_fc"], {"fan_in_fan_out": True}),
+}
 
-    adapter = make_adapter("llama", "dora-embed", use_dora=True, target_modules=["q_proj", "embed_tokens"])
-    with pytest.raises(InputError, match=r"DoRA on 'model\.embed_tokens' \(an embedding\) is not supported yet"):
-        merge_checkpoint(make_base("llama"), adapter, str(tmp_path / "m"), progress=False)
+
+@pytest.mark.parametrize("layout", list(DORA_LAYOUTS))
+def test_dora_on_embeddings_and_conv1d(layout, make_base, make_adapter, peft_reference, tmp_path):
+    """DoRA norms run over stored columns here: two passes over row blocks (tiny blocks force several)."""
+    from peft import PeftModel
+
+    from peft_shardmerge.inprocess import merge_and_save
+
+    arch, targets, extra = DORA_LAYOUTS[layout]
+    base = make_base(arch)
+    adapter = make_adapter(arch, f"dora-{layout}", use_dora=True, target_modules=targets, **extra)
+    ref_state, ref_logits, ids = peft_reference(base, adapter)
+    out = str(tmp_path / "m")
+    merge_checkpoint(base, adapter, out, progress=False, chunk_elems=2048)
+    got, _ = _read_output(out)
+    for name, t in got.items():
+        torch.testing.assert_close(t, ref_state[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    merge_and_save(model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
+    for out_dir in (out, str(tmp_path / "live")):
+        with torch.no_grad():
+            logits = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()(ids).logits
+        assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) < 1e-5, out_dir
