@@ -13,6 +13,7 @@ import torch
 
 from .errors import CorruptFileError, InputError, NotFoundError, UnsupportedError
 from .maths import linear_factors
+from .peft_deltas import DELTA_TYPES
 from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from .sources import _read_json, resolve_folder
 
@@ -123,6 +124,9 @@ class AdapterSpec:
         combination: how several adapters were combined (``"cat"``/``"linear"`` with their weights), or "".
         parts: the adapters of a combination.
         tokens: trainable-token rows by module path (``trainable_token_indices``).
+        peft_type: the config's ``peft_type`` (``"LORA"``, ``"TRAINABLE_TOKENS"``, ``"LOHA"``, ...).
+        layers: for LoHa/LoKr/VeRA/IA3, the layers PEFT rebuilt (set by the planner,
+            :func:`~peft_shardmerge.peft_deltas.rebuild`).
     """
 
     folder: str
@@ -136,6 +140,8 @@ class AdapterSpec:
     combination: str = ""
     parts: list["AdapterSpec"] = field(default_factory=list)
     tokens: dict[str, TokenRows] = field(default_factory=dict)
+    peft_type: str = "LORA"
+    layers: Any = None
 
     def __post_init__(self) -> None:
         self.folders = self.folders or [self.folder]
@@ -172,8 +178,17 @@ def load_adapter(location: str) -> AdapterSpec:
     config = _read_json(os.path.join(folder, ADAPTER_CONFIG), "adapter_config.json")
     _check_config(config, folder)
     tensors, scratch = _read_adapter_tensors(folder)
-    spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)), scratch=scratch)
+    spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)), scratch=scratch,
+                       peft_type=str(config.get("peft_type")))
     spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    if spec.peft_type in DELTA_TYPES:  # their tensors are loaded into PEFT's own layers by the planner
+        for name, t in tensors.items():
+            key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+            if ".modules_to_save." in key:
+                spec.replacements[key.replace(".modules_to_save.", ".")] = t
+        if scratch is not None:
+            raise UnsupportedError(f"adapter {folder}: a {spec.peft_type} adapter must be saved as safetensors")
+        return spec
     parts: dict[str, dict[str, AdapterTensor]] = {}
     problems: list[str] = []
     for name, t in tensors.items():
@@ -237,6 +252,9 @@ def load_adapter(location: str) -> AdapterSpec:
             continue
         spec.modules[path] = LoraModule(path, kind, a, b, p.get("lora_B.bias"), rank, float(alpha), scaling,
                                         magnitude)
+    if (config.get("trainable_token_indices") or config.get("peft_type") == "TRAINABLE_TOKENS") and not spec.tokens:
+        problems.append("adapter_config.json asks for trainable tokens but the weights hold no "
+                        "trainable_tokens_delta; the config does not belong to these weights")
     if problems:
         raise InputError(problems)
     if not spec.modules and not spec.replacements and not spec.tokens:
@@ -323,6 +341,9 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
         raise InputError(problems)
     if len(specs) == 1 and weights[0] == 1.0:
         return specs[0]
+    others = [f"{s.folder} ({s.peft_type})" for s in specs if s.peft_type in DELTA_TYPES]
+    if others:
+        problems.append(f"only LoRA adapters can be combined on disk: {', '.join(others)}")
     dora = [s.folder for s in specs if any(m.magnitude is not None for m in s.modules.values())]
     if dora:
         problems.append(f"DoRA adapters cannot be combined (their magnitudes do not add): {', '.join(dora)}")
@@ -402,13 +423,13 @@ def modifies_base(init_lora_weights: object) -> bool:
 
 def _check_config(config: dict, folder: str) -> None:
     peft_type = config.get("peft_type")
-    if peft_type == "TRAINABLE_TOKENS":
+    if peft_type in ("TRAINABLE_TOKENS", *DELTA_TYPES):
         return
     if peft_type != "LORA":
         raise UnsupportedError(
             f"adapter {folder} has peft_type={peft_type!r}; the disk engine merges LoRA (with DoRA, trainable "
-            "tokens and modules_to_save) and trainable-tokens adapters. Load it with PEFT and use "
-            "peft_shardmerge.merge_and_save, which merges LoHa, LoKr, VeRA and IA3 through PEFT's own layers"
+            f"tokens and modules_to_save), trainable tokens and {', '.join(DELTA_TYPES)} adapters. Load it with PEFT "
+            "and use peft_shardmerge.merge_and_save if PEFT's layer for it computes a weight delta"
         )
     unsupported = [msg + f" ({opt}={config[opt]!r})" for opt, msg in _UNSUPPORTED_OPTIONS.items() if config.get(opt)]
     init = config.get("init_lora_weights")

@@ -172,6 +172,8 @@ class _Merger:
             self.applied[m.key + ".bias"] += 1
         for r in t.token_rows:
             self.applied[f"{r.key}@{t.name}"] += 1
+        for o in t.peft_ops:
+            self.applied[o.key] += 1
 
     def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         src = t.source
@@ -195,6 +197,9 @@ class _Merger:
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
         magnitudes = [m.magnitude.load(self.reader).float().reshape(-1) for m in t.loras if m.magnitude is not None]
         tokens = [(torch.tensor(r.indices), r.rows.load(self.reader).float()) for r in t.token_rows]
+        # LoHa/LoKr/VeRA: PEFT's whole delta, once per tensor; IA3: its multiplier
+        peft_ops = [(o.kind, o.delta().reshape(t.shape[0], -1) if o.kind == "delta" else o.scale(t.shape))
+                    for o in t.peft_ops]
         whole = None
         if t.quantize:
             # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
@@ -231,6 +236,11 @@ class _Merger:
                     raise MergeCheckError(
                         f"self-check failed for {t.name!r} rows {start}-{stop}: merged weight times probe vectors "
                         f"differs from base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
+            for kind, data in peft_ops:
+                if kind == "delta":
+                    merged += data[start:stop]
+                else:  # a multiplier: per row (sliced with the block) or per column (whole)
+                    merged *= data[start:stop] if data.dim() and data.shape[0] == t.shape[0] > 1 else data
             if columns is not None:
                 merged *= columns.unsqueeze(0)
             else:
@@ -342,8 +352,10 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         dtype=str(plan.dtype).removeprefix("torch."),
         base_precision=plan.base_precision,
         tensors_written=len(plan.tensors),
-        lora_modules_merged=sum(1 for k in merger.applied if not k.endswith(".bias") and not k.startswith("tokens:")),
-        lora_modules_total=len(plan.adapter.modules),
+        lora_modules_merged=sum(1 for k in merger.applied
+                                if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")),
+        lora_modules_total=len(plan.adapter.modules) + sum(o.key.endswith("::weight") for o in (
+            plan.adapter.layers.ops.values() if plan.adapter.layers is not None else ())),
         replacements_applied=merger.replacements,
         shards=list(plan.shard_names),
         bytes_written=plan.total_size,
@@ -412,6 +424,7 @@ def _copy_side_files(plan: Plan, tmp: str) -> None:
 def _check_counts(plan: Plan, merger: _Merger) -> None:
     expected = Counter({m.key: 1 for m in plan.adapter.modules.values()})
     expected.update({f"{r.key}@{t.name}": 1 for t in plan.tensors for r in t.token_rows})
+    expected.update({o.key: 1 for o in (plan.adapter.layers.ops.values() if plan.adapter.layers is not None else ())})
     for m in plan.adapter.modules.values():
         if m.bias is not None:
             expected[m.key + ".bias"] = 1

@@ -14,6 +14,7 @@ from torch import nn
 
 from .api import check_out_dir, merge_checkpoint
 from .adapter import modifies_base
+from .peft_deltas import DELTA_TYPES
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError, ShardMergeError, UnsupportedError
 from .execute import PROBE_TOLERANCE, current_rss_bytes, peak_rss_bytes, precision_notes, probe_vectors
@@ -241,8 +242,10 @@ def _memory_only(model: nn.Module) -> str:
     """The first adapter of ``model`` the disk engine cannot merge (named), or "" when there is none."""
     for config in (getattr(model, "peft_config", None) or {}).values():
         peft_type = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "")))
-        if peft_type not in ("LORA", "TRAINABLE_TOKENS"):
+        if peft_type not in ("LORA", "TRAINABLE_TOKENS", *DELTA_TYPES):
             return f"{peft_type} adapter"
+        if peft_type == "VERA" and not getattr(config, "save_projection", True):
+            return "VeRA adapter without saved projections"
         if getattr(config, "target_parameters", None):
             return "LoRA on parameters (target_parameters)"
     return ""
@@ -326,8 +329,8 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    state = dict(model.named_parameters())
-    state.update(dict(model.named_buffers()))
+    state = dict(model.named_parameters(remove_duplicate=False))  # shared tensors (VeRA) under every name
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
     adapter_state = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
     os.makedirs(folder, exist_ok=True)
     save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter_state.items()},

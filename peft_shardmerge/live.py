@@ -173,7 +173,7 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
                 layer = by_param.get(pname)
                 if layer is None and pname == "bias" and _is_ia3(module) and not module.is_feedforward:
                     layer = module  # IA3 scales a non-feedforward layer's bias with its outputs
-                adapters = [a for a in wanted if layer is not None and a in _adapter_keys(layer)]
+                adapters = [a for a in wanted if layer is not None and a in adapter_keys(layer)]
                 kind = ("ia3" if _is_ia3(layer) else "delta") if adapters else "plain"
                 shape = _logical_shape(real, t) if pname == "weight" else tuple(t.shape)
                 entries.append(LiveEntry(prefix + pname, shape, t.is_floating_point(), kind, layer or real, pname,
@@ -298,8 +298,22 @@ def _is_ia3(module: nn.Module | None) -> bool:
     return module is not None and hasattr(module, "ia3_l")
 
 
-def _adapter_keys(layer: nn.Module) -> set[str]:
-    """Adapter names a PEFT layer holds weights for."""
+def adapter_keys(layer: nn.Module) -> set[str]:
+    """The adapter names a PEFT layer holds weights for.
+
+    Args:
+        layer: a PEFT tuner layer.
+
+    Returns:
+        The names (e.g. ``{"default"}``).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> adapter_keys(torch.nn.Linear(1, 1))
+        set()
+    """
     names: set[str] = set()
     for attr in getattr(layer, "adapter_layer_names", ()):
         store = getattr(layer, attr, None)

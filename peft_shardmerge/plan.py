@@ -100,6 +100,7 @@ class PlannedTensor:
         shard: index of the output shard.
         token_rows: trainable-token rows (:class:`~peft_shardmerge.adapter.TokenRows`) that replace base rows
             before LoRA deltas are added (PEFT nests the token layer inside the LoRA layer).
+        peft_ops: LoHa/LoKr/VeRA deltas and IA3 scalings (:class:`~peft_shardmerge.peft_deltas.PeftOp`).
     """
 
     name: str
@@ -112,6 +113,7 @@ class PlannedTensor:
     quantize: bool = False
     shard: int = 0
     token_rows: list = field(default_factory=list)
+    peft_ops: list = field(default_factory=list)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -124,7 +126,7 @@ class PlannedTensor:
     @property
     def op(self) -> str:
         """``"copy"`` (bytes unchanged), ``"cast"`` (dtype change only) or ``"merge"``."""
-        if self.loras or self.bias_loras or self.quantize or self.token_rows:
+        if self.loras or self.bias_loras or self.quantize or self.token_rows or self.peft_ops:
             return "merge"
         return "copy" if self.out_dtype == self.source.dtype else "cast"
 
@@ -210,7 +212,7 @@ class Plan:
             "chunk_elems": self.chunk_elems,
             "shards": self.shard_names,
             "tensors": [[t.name, t.out_dtype, t.shard, t.op, [m.key for m in t.loras],
-                         [r.key for r in t.token_rows]] for t in self.tensors],
+                         [r.key for r in t.token_rows], [o.key for o in t.peft_ops]] for t in self.tensors],
         }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -226,7 +228,8 @@ class Plan:
             + (f" (combined: {self.adapter.combination})" if self.adapter.combination else ""),
             f"dtype:           {str(self.dtype).removeprefix('torch.')}",
             f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else ""),
-            f"LoRA modules:    {len(self.adapter.modules)}",
+            f"LoRA modules:    {len(self.adapter.modules)}" if self.adapter.layers is None else
+            f"{self.adapter.peft_type} layers: {len(self.adapter.layers.ops)}",
             "",
             f"{'shard':<36} {'tensor':<56} {'dtype':<5} {'shape':<16} {'bytes':>12}  op",
         ]
@@ -238,6 +241,8 @@ class Plan:
                 extra += " +lora_bias"
             if t.token_rows:
                 extra += " +" + ",".join(f"tokens({len(r.indices)})" for r in t.token_rows)
+            for o in t.peft_ops:
+                extra += f" +{self.adapter.peft_type.lower()}({o.kind})"
             if t.from_adapter:
                 extra += " (from adapter)"
             if t.quantize:
@@ -549,6 +554,18 @@ def build_plan(
                 continue
             bt.bias_loras.append(mod)
             touched.add(bname)
+
+    for memory_name, op in sorted((adapter.layers.ops if adapter.layers is not None else {}).items()):
+        name = to_file(memory_name)
+        pt = planned_for(name)
+        base_t = getattr(op.layer.get_base_layer(), op.attr, None)
+        if pt is None or base_t is None or tuple(base_t.shape) != pt.shape:
+            problems.append(f"{adapter.peft_type} layer {op.path!r} does not fit the base tensor {name!r}"
+                            f"{'' if pt is None else ' ' + str(list(pt.shape))}; the adapter was trained on a "
+                            "different model")
+            continue
+        pt.peft_ops.append(op)
+        touched.add(name)
 
     with_tokens: set[str] = set()
     for path, tr in sorted(adapter.tokens.items()):

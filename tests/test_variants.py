@@ -207,10 +207,9 @@ def _other_configs():
 @pytest.mark.parametrize("kind,quant", [("loha", "none"), ("lokr", "none"), ("vera", "none"), ("ia3", "none"),
                                         ("vera", "nf4"), ("ia3", "nf4")])
 def test_other_peft_types_in_process(kind, quant, make_base, tmp_path):
-    """LoHa, LoKr, VeRA and IA3 merge in process through PEFT's own delta; the disk engine refuses them by name."""
+    """LoHa, LoKr, VeRA and IA3 merge through PEFT's own layers, in process and from disk."""
     from peft import get_peft_model
 
-    from peft_shardmerge import UnsupportedError
     from tests.test_inprocess import load_quantized, no_cpu_repack, reference_logits
 
     base = make_base("llama")
@@ -230,10 +229,21 @@ def test_other_peft_types_in_process(kind, quant, make_base, tmp_path):
     report = merge_and_save(model, out, base_precision="dequantized", dtype="float32", progress=False)
     assert report.lora_modules_merged == report.lora_modules_total == (4 if kind == "vera" else 6)
     assert rel_err(logits_of(out, ids), ref) < 1e-5
-    model.save_pretrained(str(tmp_path / "adapter"))
-    with pytest.raises(UnsupportedError, match=f"peft_type='{kind.upper()}'.*merge_and_save"):
-        merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
     assert float((plain - ref).abs().max()) > 1e-4  # the adapter really changes the output
+    if quant == "none":  # the same adapter from disk: PEFT's layers rebuilt on a meta-device model
+        model.save_pretrained(str(tmp_path / "adapter"))
+        disk = merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False,
+                                chunk_elems=2048)
+        assert disk.lora_modules_merged == disk.lora_modules_total == report.lora_modules_total
+        assert rel_err(logits_of(str(tmp_path / "disk"), ids), ref) < 1e-5
+        auto = merge_and_save(model, str(tmp_path / "auto"), dtype="float32", progress=False)
+        assert auto.base_precision == "original"
+        assert rel_err(logits_of(str(tmp_path / "auto"), ids), ref) < 1e-5
+        ref_state = model.merge_and_unload().state_dict()
+        from safetensors.torch import load_file
+
+        for k, v in load_file(str(tmp_path / "disk" / "model.safetensors")).items():
+            torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])

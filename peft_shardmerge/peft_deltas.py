@@ -1,0 +1,143 @@
+"""Non-LoRA PEFT adapters on disk (LoHa, LoKr, VeRA, IA3): their layers rebuilt by PEFT on a meta-device model."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InputError, UnsupportedError
+
+log = logging.getLogger(__name__)
+
+ADAPTER = "default"
+#: PEFT types merged from disk through PEFT's own layers
+DELTA_TYPES = ("LOHA", "LOKR", "VERA", "IA3")
+
+
+@dataclass
+class PeftOp:
+    """One change a PEFT layer makes to one base tensor.
+
+    Attributes:
+        key: a unique name (``"<module>::<attribute>"``), used by the count check.
+        path: the module's in-memory name, e.g. ``model.layers.0.self_attn.q_proj``.
+        attr: ``"weight"`` or ``"bias"``.
+        kind: ``"delta"`` (add PEFT's ``get_delta_weight``) or ``"scale"`` (IA3: multiply by its vector).
+        layer: the PEFT layer holding the adapter's tensors (its base layer is on the meta device).
+    """
+
+    key: str
+    path: str
+    attr: str
+    kind: str
+    layer: torch.nn.Module
+
+    def delta(self) -> torch.Tensor:
+        """PEFT's weight delta in the stored layout, float32 (``kind == "delta"``)."""
+        return self.layer.get_delta_weight(ADAPTER).detach().float()
+
+    def scale(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """IA3's multiplier, broadcastable to a tensor of ``shape`` in the stored layout (``kind == "scale"``)."""
+        vec = self.layer.ia3_l[ADAPTER].detach().float()
+        if self.attr == "bias":
+            return vec.reshape(shape)
+        return vec.T if getattr(self.layer, "fan_in_fan_out", False) else vec
+
+
+@dataclass
+class PeftLayers:
+    """The layers of a non-LoRA adapter, rebuilt without the base weights.
+
+    Attributes:
+        peft_type: ``"LOHA"``, ``"LOKR"``, ``"VERA"`` or ``"IA3"``.
+        ops: every change to a base tensor, by in-memory tensor name.
+        model: the meta-device model carrying the layers (kept alive for them).
+    """
+
+    peft_type: str
+    ops: dict[str, PeftOp] = field(default_factory=dict)
+    model: object = None
+
+
+def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, model_class: type | None) -> PeftLayers:
+    """Rebuild a LoHa, LoKr, VeRA or IA3 adapter's layers with PEFT on a meta-device copy of the base model and
+    load the adapter's tensors into them (on the CPU); the base weights are never read.
+
+    Args:
+        adapter_folder: the adapter folder (``adapter_config.json``, ``adapter_model.safetensors``).
+        adapter_config: its parsed config.
+        base_config: the base model's transformers config.
+        model_class: the transformers class of the base (None: the config's Auto class).
+
+    Returns:
+        The :class:`PeftLayers`.
+
+    Raises:
+        UnsupportedError: a type or option PEFT cannot rebuild without the base (named), e.g. VeRA saved with
+            ``save_projection=False``.
+        InputError: the adapter's tensors do not fit the layers PEFT builds (wrong base).
+
+    Example:
+        >>> layers = rebuild("loha-adapter", config, AutoConfig.from_pretrained("base"), None)  # doctest: +SKIP
+        >>> sorted(layers.ops)[:1]   # doctest: +SKIP
+        ['model.layers.0.self_attn.q_proj.weight']
+    """
+    from peft import PeftConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from safetensors.torch import load_file
+
+    peft_type = str(adapter_config.get("peft_type"))
+    if peft_type == "VERA" and not adapter_config.get("save_projection", True):
+        raise UnsupportedError("the VeRA adapter was saved with save_projection=False: its shared projections are "
+                               "not in the folder; merge it in process with peft_shardmerge.merge_and_save")
+    config = PeftConfig.from_pretrained(adapter_folder)
+    from .live import adapter_keys
+    from .model_info import _model_classes
+
+    model = None
+    for cls in _model_classes(base_config, model_class):
+        try:
+            with torch.device("meta"):
+                model = cls.from_config(base_config) if hasattr(cls, "from_config") else cls._from_config(base_config)
+            break
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    if model is None:
+        raise UnsupportedError(f"the base model class for {type(base_config).__name__} cannot be built, so the "
+                               f"{peft_type} layers cannot be rebuilt; merge in process with merge_and_save")
+    peft_model = get_peft_model(model, config, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+    names = {_without_adapter(k): k for k in peft_model.state_dict()}
+    state = load_file(os.path.join(adapter_folder, "adapter_model.safetensors"))
+    unknown = [k for k in state if k not in names]
+    if unknown:
+        raise InputError(f"adapter tensors {unknown[:3]} have no place in the {peft_type} layers PEFT builds on this "
+                         "base; the adapter was trained on a different model")
+    peft_model.load_state_dict({names[k]: v for k, v in state.items()}, strict=False, assign=True)  # stay on CPU
+    missing = sorted(k for k, v in peft_model.state_dict().items() if ADAPTER in k.split(".") and v.is_meta)
+    if missing:
+        raise InputError(f"the adapter lacks {missing[:3]}; is adapter_model.safetensors complete?")
+    out = PeftLayers(peft_type, model=peft_model)
+    inner = peft_model.base_model.model
+    for path, module in inner.named_modules():
+        if not isinstance(module, BaseTunerLayer) or ADAPTER not in adapter_keys(module):
+            continue
+        if hasattr(module, "ia3_l"):
+            out.ops[f"{path}.weight"] = PeftOp(f"{path}::weight", path, "weight", "scale", module)
+            if not module.is_feedforward and getattr(module.get_base_layer(), "bias", None) is not None:
+                out.ops[f"{path}.bias"] = PeftOp(f"{path}::bias", path, "bias", "scale", module)
+        elif hasattr(module, "get_delta_weight"):
+            out.ops[f"{path}.weight"] = PeftOp(f"{path}::weight", path, "weight", "delta", module)
+    if not out.ops:
+        raise InputError(f"the {peft_type} adapter in {adapter_folder} changes no layer of this base")
+    log.debug("rebuilt %d %s layer(s) on the meta device", len(out.ops), peft_type)
+    return out
+
+
+def _without_adapter(key: str) -> str:
+    parts = key.split(".")
+    return ".".join(p for p in parts if p != ADAPTER)
+
+
