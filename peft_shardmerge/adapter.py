@@ -28,9 +28,6 @@ _LORA_KEY = re.compile(
 )
 #: adapter_config.json options this version cannot merge, with what to do instead
 _UNSUPPORTED_OPTIONS = {
-    "target_parameters": "LoRA on parameters (target_parameters, fused MoE experts) is merged in process only "
-                         "(peft_shardmerge.merge_and_save on the loaded PeftModel); the checkpoint stores experts "
-                         "in another layout than the model",
     "layer_replication": "layer_replication changes the layer structure and cannot be merged into the base layout",
     "use_qalora": "QA-LoRA adapters are not supported",
 }
@@ -147,6 +144,11 @@ class AdapterSpec:
         self.folders = self.folders or [self.folder]
 
     @property
+    def needs_layers(self) -> bool:
+        """Whether the merge goes through PEFT's rebuilt layers (LoHa/LoKr/VeRA/IA3, LoRA on parameters)."""
+        return self.peft_type in DELTA_TYPES or bool(self.config.get("target_parameters"))
+
+    @property
     def base_model_name(self) -> str | None:
         return self.config.get("base_model_name_or_path")
 
@@ -181,13 +183,14 @@ def load_adapter(location: str) -> AdapterSpec:
     spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)), scratch=scratch,
                        peft_type=str(config.get("peft_type")))
     spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
-    if spec.peft_type in DELTA_TYPES:  # their tensors are loaded into PEFT's own layers by the planner
+    if spec.needs_layers:  # their tensors are loaded into PEFT's own layers by the planner
         for name, t in tensors.items():
             key = name[len(PREFIX):] if name.startswith(PREFIX) else name
             if ".modules_to_save." in key:
                 spec.replacements[key.replace(".modules_to_save.", ".")] = t
         if scratch is not None:
-            raise UnsupportedError(f"adapter {folder}: a {spec.peft_type} adapter must be saved as safetensors")
+            raise UnsupportedError(f"adapter {folder}: a {spec.peft_type} adapter on PEFT's own layers must be saved "
+                                   "as safetensors")
         return spec
     parts: dict[str, dict[str, AdapterTensor]] = {}
     problems: list[str] = []
@@ -341,7 +344,7 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
         raise InputError(problems)
     if len(specs) == 1 and weights[0] == 1.0:
         return specs[0]
-    others = [f"{s.folder} ({s.peft_type})" for s in specs if s.peft_type in DELTA_TYPES]
+    others = [f"{s.folder} ({s.peft_type})" for s in specs if s.needs_layers]
     if others:
         problems.append(f"only LoRA adapters can be combined on disk: {', '.join(others)}")
     dora = [s.folder for s in specs if any(m.magnitude is not None for m in s.modules.values())]

@@ -13,7 +13,7 @@ from .adapter import combine_adapters, load_adapter
 from .errors import InputError
 from .execute import execute_plan, resolve_device
 from .model_info import inspect_model
-from .peft_deltas import DELTA_TYPES, rebuild
+from .peft_deltas import rebuild
 from .plan import DEFAULT_CHUNK_ELEMS, Plan, build_plan
 from .quant import Nf4Settings
 from .report import MergeReport
@@ -134,7 +134,7 @@ def plan_checkpoint_merge(
                                      for i, f in enumerate(spec.folders)}}
     problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
     info = inspect_model(src.folder)
-    if spec.peft_type in DELTA_TYPES:
+    if spec.needs_layers:
         from transformers import AutoConfig
 
         spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None)

@@ -151,6 +151,7 @@ class _Merger:
         self.fallbacks = 0
         self.probe_err = 0.0
         self.swallowed: dict[str, tuple[int, int]] = {}
+        self.parts: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
         self.bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress)
 
     def close(self) -> None:
@@ -198,7 +199,8 @@ class _Merger:
         magnitudes = [m.magnitude.load(self.reader).float().reshape(-1) for m in t.loras if m.magnitude is not None]
         tokens = [(torch.tensor(r.indices), r.rows.load(self.reader).float()) for r in t.token_rows]
         # LoHa/LoKr/VeRA: PEFT's whole delta, once per tensor; IA3: its multiplier
-        peft_ops = [(o.kind, o.delta().reshape(t.shape[0], -1) if o.kind == "delta" else o.scale(t.shape))
+        peft_ops = [("delta", self._part(o).reshape(t.shape[0], -1)) if o.kind == "part" else
+                    (o.kind, o.delta().reshape(t.shape[0], -1) if o.kind == "delta" else o.scale(t.shape))
                     for o in t.peft_ops]
         whole = None
         if t.quantize:
@@ -259,6 +261,19 @@ class _Merger:
         if changed:
             self.swallowed[t.name] = (changed, lost)
         self._count(t)
+
+    def _part(self, part) -> torch.Tensor:
+        """One checkpoint key's slice of a delta the checkpoint stores in parts; the whole delta is computed and cut
+        once, and dropped when its last part is written."""
+        if part.memory_name not in self.parts:
+            delta = part.op.delta()
+            self.parts[part.memory_name] = (self.plan.adapter.layers.split(part.memory_name, delta), part.count)
+        pieces, left = self.parts[part.memory_name]
+        if left == 1:
+            del self.parts[part.memory_name]
+        else:
+            self.parts[part.memory_name] = (pieces, left - 1)
+        return pieces[part.file_name].float()
 
     def _merge_block(self, t, rows, factors, bias_deltas, start, stop, probes=None):
         if self.device.type != "cpu":
@@ -352,9 +367,9 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         dtype=str(plan.dtype).removeprefix("torch."),
         base_precision=plan.base_precision,
         tensors_written=len(plan.tensors),
-        lora_modules_merged=sum(1 for k in merger.applied
-                                if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")),
-        lora_modules_total=len(plan.adapter.modules) + sum(o.key.endswith("::weight") for o in (
+        lora_modules_merged=len({k.split("@")[0] for k in merger.applied
+                                 if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")}),
+        lora_modules_total=len(plan.adapter.modules) + sum(o.attr != "bias" for o in (
             plan.adapter.layers.ops.values() if plan.adapter.layers is not None else ())),
         replacements_applied=merger.replacements,
         shards=list(plan.shard_names),
@@ -424,7 +439,7 @@ def _copy_side_files(plan: Plan, tmp: str) -> None:
 def _check_counts(plan: Plan, merger: _Merger) -> None:
     expected = Counter({m.key: 1 for m in plan.adapter.modules.values()})
     expected.update({f"{r.key}@{t.name}": 1 for t in plan.tensors for r in t.token_rows})
-    expected.update({o.key: 1 for o in (plan.adapter.layers.ops.values() if plan.adapter.layers is not None else ())})
+    expected.update({o.key: 1 for t in plan.tensors for o in t.peft_ops})
     for m in plan.adapter.modules.values():
         if m.bias is not None:
             expected[m.key + ".bias"] = 1

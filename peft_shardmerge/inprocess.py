@@ -246,8 +246,6 @@ def _memory_only(model: nn.Module) -> str:
             return f"{peft_type} adapter"
         if peft_type == "VERA" and not getattr(config, "save_projection", True):
             return "VeRA adapter without saved projections"
-        if getattr(config, "target_parameters", None):
-            return "LoRA on parameters (target_parameters)"
     return ""
 
 

@@ -1,4 +1,5 @@
-"""Non-LoRA PEFT adapters on disk (LoHa, LoKr, VeRA, IA3): their layers rebuilt by PEFT on a meta-device model."""
+"""PEFT adapters merged from disk through PEFT's own layers (LoHa, LoKr, VeRA, IA3, LoRA on parameters), rebuilt on a
+meta-device model."""
 
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ class PeftOp:
     layer: torch.nn.Module
 
     def delta(self) -> torch.Tensor:
-        """PEFT's weight delta in the stored layout, float32 (``kind == "delta"``)."""
+        """PEFT's weight delta in the layout of the in-memory tensor, float32 (``kind == "delta"``)."""
+        if type(self.layer).__name__ == "ParamWrapper":  # its get_delta_weight moves the result to the meta device
+            lhs, rhs, scaling = self.layer.get_delta_factors(ADAPTER)
+            return (lhs.float() @ rhs.float()) * scaling
         return self.layer.get_delta_weight(ADAPTER).detach().float()
 
     def scale(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -52,14 +56,32 @@ class PeftLayers:
     """The layers of a non-LoRA adapter, rebuilt without the base weights.
 
     Attributes:
-        peft_type: ``"LOHA"``, ``"LOKR"``, ``"VERA"`` or ``"IA3"``.
+        peft_type: ``"LOHA"``, ``"LOKR"``, ``"VERA"``, ``"IA3"`` or ``"LORA"`` (with ``target_parameters``).
         ops: every change to a base tensor, by in-memory tensor name.
-        model: the meta-device model carrying the layers (kept alive for them).
+        model: the meta-device PeftModel carrying the layers (kept alive for them).
     """
 
     peft_type: str
     ops: dict[str, PeftOp] = field(default_factory=dict)
     model: object = None
+
+    def split(self, memory_name: str, delta: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A delta of an in-memory tensor that the checkpoint stores in parts (fused MoE experts stored per expert),
+        cut into those parts by transformers' own reverse conversion (what ``save_pretrained`` does).
+
+        Args:
+            memory_name: the in-memory tensor name, e.g. ``model.layers.0.mlp.experts.gate_up_proj``.
+            delta: its delta.
+
+        Returns:
+            The delta of each checkpoint key.
+
+        Raises:
+            Nothing of its own.
+        """
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.model.base_model.model, {memory_name: delta})
 
 
 def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, model_class: type | None) -> PeftLayers:
@@ -108,7 +130,11 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
     if model is None:
         raise UnsupportedError(f"the base model class for {type(base_config).__name__} cannot be built, so the "
                                f"{peft_type} layers cannot be rebuilt; merge in process with merge_and_save")
-    peft_model = get_peft_model(model, config, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+    try:
+        peft_model = get_peft_model(model, config, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+    except (ValueError, RuntimeError, TypeError, KeyError) as e:
+        raise InputError(f"PEFT cannot build the {peft_type} layers of {adapter_folder} on this base "
+                         f"({str(e).splitlines()[0]}); the adapter was trained on a different model") from e
     names = {_without_adapter(k): k for k in peft_model.state_dict()}
     state = load_file(os.path.join(adapter_folder, "adapter_model.safetensors"))
     unknown = [k for k in state if k not in names]
@@ -124,7 +150,13 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
     for path, module in inner.named_modules():
         if not isinstance(module, BaseTunerLayer) or ADAPTER not in adapter_keys(module):
             continue
-        if hasattr(module, "ia3_l"):
+        if type(module).__name__ == "ParamWrapper":  # LoRA on a parameter; nested wrappers share the module
+            real = path
+            while real.endswith(".base_layer"):
+                real = real.removesuffix(".base_layer")
+            name = f"{real}.{module.parameter_name}"
+            out.ops[name] = PeftOp(f"{real}::{module.parameter_name}", real, module.parameter_name, "delta", module)
+        elif hasattr(module, "ia3_l"):
             out.ops[f"{path}.weight"] = PeftOp(f"{path}::weight", path, "weight", "scale", module)
             if not module.is_feedforward and getattr(module.get_base_layer(), "bias", None) is not None:
                 out.ops[f"{path}.bias"] = PeftOp(f"{path}::bias", path, "bias", "scale", module)

@@ -84,6 +84,31 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 @dataclass
+class PartOp:
+    """A PEFT delta of an in-memory tensor, for one of the checkpoint keys that store it.
+
+    Attributes:
+        op: the PEFT layer's change (:class:`~peft_shardmerge.peft_deltas.PeftOp`).
+        memory_name: the in-memory tensor, e.g. ``model.layers.0.mlp.experts.gate_up_proj``.
+        file_name: the checkpoint key this part is written to.
+        count: how many checkpoint keys share the delta.
+    """
+
+    op: object
+    memory_name: str
+    file_name: str
+    count: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.op.key}@{self.file_name}"
+
+    @property
+    def kind(self) -> str:
+        return "part"
+
+
+@dataclass
 class PlannedTensor:
     """One output tensor and how to make it.
 
@@ -377,21 +402,26 @@ def in_file_names(info: ModelInfo, file_keys: list[str]):
         file_keys: the base checkpoint's tensor names.
 
     Returns:
-        ``(info in file names, function in-memory name -> file name)``; names the checkpoint does not hold go
-        through the reverse renaming ``save_pretrained`` applies.
+        ``(info in file names, function in-memory name -> file name, parts)``; names the checkpoint does not hold
+        go through the reverse renaming ``save_pretrained`` applies; ``parts`` maps an in-memory tensor that the
+        checkpoint stores as several keys (fused MoE experts stored per expert) to those keys.
 
     Raises:
         Nothing.
 
     Example:
-        >>> info, to_file = in_file_names(ModelInfo(), ["w"])
-        >>> to_file("w")
-        'w'
+        >>> info, to_file, parts = in_file_names(ModelInfo(), ["w"])
+        >>> to_file("w"), parts
+        ('w', {})
     """
     if not info.available:
-        return info, lambda name: name
+        return info, lambda name: name, {}
     memory = info.memory_names(file_keys)
-    by_memory = {m: f for f, (m, _) in memory.items()}
+    by_memory = {m: f for f, (m, converted) in memory.items() if not converted}
+    parts: dict[str, list[str]] = {}
+    for f, (m, converted) in memory.items():
+        if converted:
+            parts.setdefault(m, []).append(f)
 
     def to_file(name: str) -> str:
         return by_memory.get(name) or info.file_name(name)
@@ -402,7 +432,7 @@ def in_file_names(info: ModelInfo, file_keys: list[str]):
     out.tied = {to_file(t): to_file(s) for t, s in info.tied.items()}
     out.input_embedding = to_file(info.input_embedding) if info.input_embedding else None
     out.output_embedding = to_file(info.output_embedding) if info.output_embedding else None
-    return out, to_file
+    return out, to_file, parts
 
 
 def build_plan(
@@ -441,7 +471,7 @@ def build_plan(
         >>> print(plan.describe())  # doctest: +SKIP
     """
     problems = list(problems or [])
-    info, to_file = in_file_names(info, list(base.by_name))
+    info, to_file, parts = in_file_names(info, list(base.by_name))
     try:
         out_torch = parse_dtype(dtype) or _base_dtype(base)
     except InputError as e:
@@ -556,6 +586,11 @@ def build_plan(
             touched.add(bname)
 
     for memory_name, op in sorted((adapter.layers.ops if adapter.layers is not None else {}).items()):
+        if memory_name in parts:  # stored in parts: each gets its slice of the delta, cut by transformers
+            for name in parts[memory_name]:
+                planned_for(name).peft_ops.append(PartOp(op, memory_name, name, len(parts[memory_name])))
+                touched.add(name)
+            continue
         name = to_file(memory_name)
         pt = planned_for(name)
         base_t = getattr(op.layer.get_base_layer(), op.attr, None)

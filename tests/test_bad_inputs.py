@@ -246,8 +246,9 @@ CASES = [
     ("peft-type-missing", adapter_config(peft_type=_DROP), UnsupportedError, r"peft_type=None; the disk engine"),
     ("dora-config-without-magnitudes", adapter_config(use_dora=True), InputError,
      r"use_dora=True in adapter_config\.json but the weights lack a lora_magnitude_vector"),
-    ("target-parameters", adapter_config(target_parameters=["experts.gate_up_proj"]), UnsupportedError,
-     r"target_parameters"),
+    ("target-parameters-missing", adapter_config(target_parameters=["mlp.experts.gate_up_proj"], target_modules=[]),
+     InputError, r"PEFT cannot build the LORA layers of .* on this base \(.*\); the adapter was trained on a "
+                 r"different model"),
     ("trainable-tokens-without-rows", adapter_config(trainable_token_indices=[1, 2]), InputError,
      r"asks for trainable tokens but the weights hold no trainable_tokens_delta"),
     ("layer-replication", adapter_config(layer_replication=[[0, 2]]), UnsupportedError, r"layer_replication"),

@@ -247,12 +247,11 @@ def test_other_peft_types_in_process(kind, quant, make_base, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_lora_on_fused_moe_experts_in_process(arch, tmp_path):
-    """target_parameters on fused 3-D expert weights: in process through PEFT's delta; refused on disk by name."""
+def test_lora_on_fused_moe_experts(arch, tmp_path):
+    """target_parameters on fused 3-D expert weights, through PEFT's delta: in process, and from a checkpoint that
+    stores the experts one by one."""
     from peft import LoraConfig, get_peft_model
     from transformers import MixtralConfig, Qwen3MoeConfig
-
-    from peft_shardmerge import UnsupportedError
 
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   num_local_experts=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
@@ -271,10 +270,12 @@ def test_lora_on_fused_moe_experts_in_process(arch, tmp_path):
     report = merge_and_save(model, out, base_precision="dequantized", dtype="float32", progress=False)
     assert report.lora_modules_merged == report.lora_modules_total == 6
     assert rel_err(logits_of(out, ids), ref) < 1e-5
+    # from disk: the checkpoint stores experts one by one; each gets its slice of PEFT's fused delta
     model.save_pretrained(str(tmp_path / "adapter"))
-    with pytest.raises(UnsupportedError, match="target_parameters.*merged in process only"):
-        merge_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
-    with pytest.raises(InputError, match=r"'original' cannot be used: the model has a LoRA on parameters"):
-        merge_and_save(model, str(tmp_path / "o"), base_precision="original", progress=False)
+    disk = merge_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "disk"),
+                            progress=False)
+    assert disk.lora_modules_merged == disk.lora_modules_total == 6
+    assert rel_err(logits_of(str(tmp_path / "disk"), ids), ref) < 1e-5
     report = merge_and_save(model, str(tmp_path / "auto"), dtype="float32", progress=False)
-    assert report.base_precision == "dequantized" and "merged in memory only" in report.notes[0]
+    assert report.base_precision == "original"
+    assert rel_err(logits_of(str(tmp_path / "auto"), ids), ref) < 1e-5
