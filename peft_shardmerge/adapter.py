@@ -124,6 +124,7 @@ class AdapterSpec:
         peft_type: the config's ``peft_type`` (``"LORA"``, ``"TRAINABLE_TOKENS"``, ``"LOHA"``, ...).
         layers: for LoHa/LoKr/VeRA/IA3, the layers PEFT rebuilt (set by the planner,
             :func:`~peft_shardmerge.peft_deltas.rebuild`).
+        layer_skip: adapter tensor names the rebuilt layers do not take (saved modules, token rows).
     """
 
     folder: str
@@ -139,6 +140,7 @@ class AdapterSpec:
     tokens: dict[str, TokenRows] = field(default_factory=dict)
     peft_type: str = "LORA"
     layers: Any = None
+    layer_skip: set = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.folders = self.folders or [self.folder]
@@ -183,40 +185,40 @@ def load_adapter(location: str) -> AdapterSpec:
     spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)), scratch=scratch,
                        peft_type=str(config.get("peft_type")))
     spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
-    if spec.needs_layers:  # their tensors are loaded into PEFT's own layers by the planner
-        for name, t in tensors.items():
-            key = name[len(PREFIX):] if name.startswith(PREFIX) else name
-            if ".modules_to_save." in key:
-                spec.replacements[key.replace(".modules_to_save.", ".")] = t
-        if scratch is not None:
-            raise UnsupportedError(f"adapter {folder}: a {spec.peft_type} adapter on PEFT's own layers must be saved "
-                                   "as safetensors")
-        return spec
     parts: dict[str, dict[str, AdapterTensor]] = {}
     problems: list[str] = []
+    saved_modules = config.get("modules_to_save") or []
     for name, t in tensors.items():
         key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+        if key.endswith(".trainable_tokens_original"):
+            continue  # the rows before training, kept by PEFT for unmerging
         if key.endswith(_TOKENS_SUFFIXES):
-            path = key.removesuffix(".trainable_tokens_delta").removesuffix(".token_adapter")
-            indices = _token_indices(config, path, spec)
-            if indices is None:
-                problems.append(f"adapter tensor {name!r} holds trainable tokens but adapter_config.json gives no "
-                                f"token indices for {path!r}")
-            elif len(t.shape) != 2 or t.shape[0] != len(indices):
-                problems.append(f"adapter tensor {name!r} has shape {list(t.shape)} but {len(indices)} token indices")
-            else:
-                spec.tokens[path] = TokenRows(path, indices, t)
+            _add_token_rows(spec, name, key, t, problems)
+            spec.layer_skip.add(name)
+            continue
+        base_name = key.replace(".token_adapter.", ".").replace(".base_layer.", ".").replace(".modules_to_save.", ".")
+        if spec.needs_layers:  # the rest is loaded into PEFT's own layers by the planner, except saved modules
+            module = base_name.rsplit(".", 1)[0]
+            if ".modules_to_save." in key or any(module == m or module.endswith("." + m) for m in saved_modules):
+                spec.replacements[base_name] = t
+                spec.layer_skip.add(name)
             continue
         m = _LORA_KEY.match(key)
         if m is None:
             if "lora_" in key:
                 problems.append(f"adapter tensor {name!r} is not a LoRA tensor this version knows")
                 continue
-            base_name = key.replace(".base_layer.", ".").replace(".modules_to_save.", ".")
             spec.replacements[base_name] = t
             continue
         part = m.group("part") + ("." + m.group("leaf") if m.group("leaf") == "bias" else "")
         parts.setdefault(m.group("module"), {})[part] = t
+    if spec.needs_layers:
+        if scratch is not None:
+            problems.append(f"adapter {folder}: a {spec.peft_type} adapter on PEFT's own layers must be saved as "
+                            "safetensors")
+        if problems:
+            raise InputError(problems)
+        return spec
     r_default = config.get("r")
     alpha_default = config.get("lora_alpha")
     rslora = bool(config.get("use_rslora", False))
@@ -266,6 +268,19 @@ def load_adapter(location: str) -> AdapterSpec:
 
 
 _TOKENS_SUFFIXES = (".token_adapter.trainable_tokens_delta", ".trainable_tokens_delta")
+
+
+def _add_token_rows(spec: "AdapterSpec", name: str, key: str, t: AdapterTensor, problems: list[str]) -> None:
+    """Record an adapter's trainable-token rows for their module, or the problem with them."""
+    path = key.removesuffix(".trainable_tokens_delta").removesuffix(".token_adapter")
+    indices = _token_indices(spec.config, path, spec)
+    if indices is None:
+        problems.append(f"adapter tensor {name!r} holds trainable tokens but adapter_config.json gives no "
+                        f"token indices for {path!r}")
+    elif len(t.shape) != 2 or t.shape[0] != len(indices):
+        problems.append(f"adapter tensor {name!r} has shape {list(t.shape)} but {len(indices)} token indices")
+    else:
+        spec.tokens[path] = TokenRows(path, indices, t)
 
 
 def _token_indices(config: dict, path: str, spec: "AdapterSpec") -> list[int] | None:

@@ -137,7 +137,8 @@ def plan_checkpoint_merge(
     if spec.needs_layers:
         from transformers import AutoConfig
 
-        spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None)
+        spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
+                              skip=spec.layer_skip)
     nf4 = Nf4Settings(nf4_quant_type, nf4_blocksize, nf4_double_quant) if base_precision == "nf4" else None
     plan = build_plan(
         src, spec, info,
@@ -261,7 +262,7 @@ def merge_checkpoint(
         return MergeReport(
             out_dir=os.path.abspath(out_dir), base=plan.base.folder, adapter=", ".join(plan.adapter.folders),
             dtype=str(plan.dtype).removeprefix("torch."), base_precision=plan.base_precision,
-            tensors_written=0, lora_modules_total=len(plan.adapter.modules), shards=list(plan.shard_names),
+            tensors_written=0, lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
             notes=list(plan.notes), dry_run=True, plan_text=plan.describe(),
         )
     return execute_plan(plan, out_dir, device=device, progress=progress, before_commit=before_commit, resume=resume,

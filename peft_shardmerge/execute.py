@@ -214,7 +214,9 @@ class _Merger:
             rows = whole[start:stop] if whole is not None else self.reader.read_rows(src, start, stop)
             if rows.dim() > 2:  # a convolution: rows of the weight flattened to [out, in * kernel]
                 rows = rows.reshape(rows.shape[0], -1)
-            for index, new_rows in tokens:  # trainable tokens replace base rows; LoRA (outside them) adds on top
+            if tokens:  # trainable tokens replace base rows (in fp32); LoRA (outside them) adds on top
+                rows = rows.float()
+            for index, new_rows in tokens:
                 replace_rows_(rows, index, new_rows, start, stop)
             return rows
 
@@ -241,8 +243,9 @@ class _Merger:
             for kind, data in peft_ops:
                 if kind == "delta":
                     merged += data[start:stop]
-                else:  # a multiplier: per row (sliced with the block) or per column (whole)
-                    merged *= data[start:stop] if data.dim() and data.shape[0] == t.shape[0] > 1 else data
+                else:  # IA3's multiplier: per row (sliced with the block) or per column (whole)
+                    mult, per_row = data
+                    merged *= mult[start:stop] if per_row else mult
             if columns is not None:
                 merged *= columns.unsqueeze(0)
             else:
@@ -369,8 +372,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         tensors_written=len(plan.tensors),
         lora_modules_merged=len({k.split("@")[0] for k in merger.applied
                                  if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")}),
-        lora_modules_total=len(plan.adapter.modules) + sum(o.attr != "bias" for o in (
-            plan.adapter.layers.ops.values() if plan.adapter.layers is not None else ())),
+        lora_modules_total=plan.layer_count,
         replacements_applied=merger.replacements,
         shards=list(plan.shard_names),
         bytes_written=plan.total_size,

@@ -19,8 +19,8 @@ from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError, ShardMergeError, UnsupportedError
 from .execute import PROBE_TOLERANCE, current_rss_bytes, peak_rss_bytes, precision_notes, probe_vectors
 from .staging import check_written, staged_output
-from .live import LiveEntry, LiveModel, dequantize, materialized, offload_owner, unwrap, walk
-from .maths import add_lora_checked_, dora_rescale_, linear_factors, probe_rows, swallowed
+from .live import LiveEntry, LiveModel, _bnb_kind, dequantize, materialized, offload_owner, unwrap, walk
+from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_factors, probe_rows, swallowed
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
 from .report import MergeReport
 from .safetensors_io import DTYPES, row_blocks
@@ -183,7 +183,7 @@ def merge_and_save(
         if base_precision == "original":
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
         original = None
-    memory_only = _memory_only(model)
+    memory_only = _memory_only(model, names or _active_adapter_names(model), weight_map)
     if original is not None and memory_only:
         reason = f"the model has a {memory_only}, which is merged in memory only"
         if base_precision == "original":
@@ -227,25 +227,36 @@ def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
     return save
 
 
-def _active_adapter_name(model: nn.Module) -> str:
-    name = getattr(model, "active_adapter", None)
-    if callable(name):
-        name = name()
-    if isinstance(name, (list, tuple)):
-        if len(name) != 1:
-            raise UnsupportedError(f"several adapters are active ({', '.join(name)}); activate one with set_adapter")
-        name = name[0]
-    return name or "default"
+def _active_adapter_names(model: nn.Module) -> list[str]:
+    """The adapters a model computes with now (several after ``base_model.set_adapter([...])``)."""
+    names = getattr(model, "active_adapters", None)
+    if callable(names):
+        names = names()
+    if not names:
+        names = getattr(model, "active_adapter", None)
+        names = names() if callable(names) else names
+    if isinstance(names, str):
+        names = [names]
+    return list(names or ["default"])
 
 
-def _memory_only(model: nn.Module) -> str:
-    """The first adapter of ``model`` the disk engine cannot merge (named), or "" when there is none."""
-    for config in (getattr(model, "peft_config", None) or {}).values():
-        peft_type = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "")))
+def _peft_type(config) -> str:
+    return str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "")))
+
+
+def _memory_only(model: nn.Module, names: list[str], weight_map: dict[str, float]) -> str:
+    """What, among the adapters to merge, the disk engine cannot merge (named), or "" when there is none."""
+    configs = getattr(model, "peft_config", None) or {}
+    combined = len(names) > 1 or any(w != 1 for w in weight_map.values())
+    for name in names:
+        config = configs.get(name)
+        peft_type = _peft_type(config)
         if peft_type not in ("LORA", "TRAINABLE_TOKENS", *DELTA_TYPES):
             return f"{peft_type} adapter"
         if peft_type == "VERA" and not getattr(config, "save_projection", True):
             return "VeRA adapter without saved projections"
+        if combined and (peft_type != "LORA" or getattr(config, "target_parameters", None)):
+            return f"weighted combination with the {peft_type} adapter {name!r}"
     return ""
 
 
@@ -262,8 +273,7 @@ def _selection(model: nn.Module, adapter_names, weights, combination_type):
     if isinstance(adapter_names, str):
         adapter_names = [adapter_names]
     if adapter_names is None:
-        active = getattr(model, "active_adapters", None) or [_active_adapter_name(model)]
-        adapter_names = list(active() if callable(active) else active)
+        adapter_names = _active_adapter_names(model)
     names = list(adapter_names)
     unknown = [a for a in names if a not in configs]
     if unknown or not names:
@@ -276,9 +286,13 @@ def _selection(model: nn.Module, adapter_names, weights, combination_type):
     if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w == w and abs(w) != float("inf")
                for w in weights):
         problems.append(f"weights must be finite numbers, got {weights!r}")
-    dora = [a for a, w in zip(names, weights) if getattr(configs[a], "use_dora", False) and (len(names) > 1 or w != 1)]
+    combined = len(names) > 1 or any(w != 1 for w in weights)
+    dora = [a for a in names if getattr(configs[a], "use_dora", False) and combined]
     if dora:
         problems.append(f"DoRA adapters cannot be weighted or combined (their magnitudes do not add): {dora}")
+    ia3 = [a for a in names if _peft_type(configs[a]) == "IA3" and combined]
+    if ia3:
+        problems.append(f"IA3 adapters cannot be weighted or combined (their scalings multiply): {ia3}")
     if combination_type == "linear" and len(names) > 1:
         ranks = {a: (configs[a].r, tuple(sorted((configs[a].rank_pattern or {}).items()))) for a in names}
         if len(set(ranks.values())) > 1:
@@ -288,7 +302,7 @@ def _selection(model: nn.Module, adapter_names, weights, combination_type):
 
 def _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite, progress, save_extra,
                          names=None, weight_map=None, combination="cat"):
-    adapters = names or [_active_adapter_name(model)]
+    adapters = names or _active_adapter_names(model)
     with tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-") as folder:
         folders = []
         for i, adapter in enumerate(adapters):
@@ -331,7 +345,7 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
     state.update(dict(model.named_buffers(remove_duplicate=False)))
     adapter_state = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
     os.makedirs(folder, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in adapter_state.items()},
+    save_file({k: v.detach().to("cpu").clone() for k, v in adapter_state.items()},  # tied aliases apart
               os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
     model.peft_config[adapter].save_pretrained(folder)
 
@@ -410,11 +424,10 @@ class _LiveMerger:
             w = getattr(entry.holder, entry.attr).detach().to(torch.float32, copy=True)
         for a in entry.adapters:
             if entry.kind == "ia3":
-                vec = layer.ia3_l[a].detach().float().to(w.device)
-                if entry.attr == "bias":
-                    w *= vec.reshape(w.shape)
-                else:
-                    w *= vec.T if getattr(layer, "fan_in_fan_out", False) else vec
+                mult, _ = ia3_multiplier(layer.ia3_l[a].detach(), tuple(w.shape), feedforward=layer.is_feedforward,
+                                         fan_in_fan_out=getattr(layer, "fan_in_fan_out", False),
+                                         bias=entry.attr == "bias")
+                w.reshape(w.shape[0], -1).mul_(mult.to(w.device).reshape(-1, 1) if w.dim() == 1 else mult.to(w.device))
             else:
                 w += layer.get_delta_weight(a).detach().float().to(w.device) * self.weights.get(a, 1.0)
         if entry.adapters and entry.attr == ("weight" if entry.kind == "ia3" else entry.attr):
@@ -657,7 +670,7 @@ def merge_and_unload(
 
     Raises:
         InputError: bad options, no adapter, or an adapter already merged.
-        UnsupportedError: DoRA and other variants (named).
+        UnsupportedError: an adapter feature that cannot be merged (named).
 
     Example:
         >>> from peft_shardmerge import merge_and_unload
@@ -675,9 +688,18 @@ def merge_and_unload(
         raise InputError(problems)
     live = walk(model, names)
     merger = _LiveMerger(live, budget, out_dtype, weight_map, combination_type)
+    by_path: dict[str, list[LiveEntry]] = {}  # PEFT-computed deltas, IA3, trainable tokens: by module path
+    for e in live.entries:
+        if e.kind in ("delta", "ia3", "tokens"):
+            by_path.setdefault(e.name.rsplit(".", 1)[0], [])
+    for e in live.entries:
+        if e.name.rsplit(".", 1)[0] in by_path:
+            by_path[e.name.rsplit(".", 1)[0]].append(e)
     by_module: dict[int, list[LiveEntry]] = {}
     order: list[LiveEntry] = []
     for e in live.entries:
+        if e.name.rsplit(".", 1)[0] in by_path:
+            continue
         if e.kind in ("lora", "quantized") or (e.kind == "saved" and e.holder is not e.module):
             if id(e.module) not in by_module:
                 order.append(e)
@@ -701,6 +723,18 @@ def merge_and_unload(
                 new = _plain_module(weight, w, b, out_dtype, device, Conv1D, live)
                 del w, b
             _set_submodule(inner, name, new)
+        for path, group in by_path.items():
+            real = group[0].holder  # the plain layer under the PEFT layers
+            values = {e.attr: merger.produce(e) for e in group}
+            if _bnb_kind(getattr(real, "weight", None)) is not None:
+                weight = next(e for e in group if e.attr == "weight")
+                new = _plain_module(weight, values["weight"], values.get("bias"), out_dtype, _param_device(real),
+                                    Conv1D, live)
+            else:
+                for attr, value in values.items():
+                    setattr(real, attr, nn.Parameter(value.detach().to(out_dtype), requires_grad=False))
+                new = real
+            _set_submodule(inner, path, new)
         expected = Counter({n: 1 for n in live.lora_layers})
         if merger.applied != expected:
             raise MergeCheckError(f"LoRA layers not applied exactly once: {sorted(set(expected) - set(merger.applied))}")
@@ -720,6 +754,14 @@ def _plain_module(entry: LiveEntry, w: torch.Tensor, b: torch.Tensor | None, dty
     """A plain module of the model class's kind holding merged weights (output layout)."""
     base = entry.holder
     w = w.to(device=device, dtype=dtype)
+    plain = isinstance(base, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)) or type(base) is conv1d_cls
+    if plain and _bnb_kind(base.weight) is None and getattr(base, "_hf_hook", None) is None and \
+            base.weight.device.type != "meta":
+        # a plain torch layer (Linear, Conv1D, Embedding, Conv2d/3d ...): keep it, with the merged tensors
+        base.weight = nn.Parameter(w, requires_grad=False)
+        if b is not None:
+            base.bias = nn.Parameter(b.to(device=device, dtype=dtype), requires_grad=False)
+        return base
     if isinstance(base, nn.Embedding):
         new = nn.Embedding(w.shape[0], w.shape[1], padding_idx=base.padding_idx, max_norm=base.max_norm,
                            norm_type=base.norm_type, scale_grad_by_freq=base.scale_grad_by_freq,

@@ -237,6 +237,9 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
             wanted = adapter_names if adapter_names is not None else (
                 module.active_adapters if isinstance(module, AuxiliaryTrainingWrapper) else tokens.active_adapters)
             adapters = [a for a in wanted if a in tokens.token_indices]
+            if len(adapters) > 1:
+                problems.append(f"{name}: several adapters train tokens here ({', '.join(adapters)}); their rows "
+                                "cannot be combined")
             base = tokens.get_base_layer()
             entries.append(LiveEntry(f"{prefix}weight", tuple(base.weight.shape), True, "tokens" if adapters else
                                      "plain", tokens, "weight", base, adapters, numel=base.weight.numel()))

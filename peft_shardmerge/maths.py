@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -329,3 +330,37 @@ def replace_rows_(rows: torch.Tensor, index: torch.Tensor, new_rows: torch.Tenso
     if bool(inside.any()):
         rows[(index[inside] - start).to(rows.device)] = new_rows[inside].to(rows.device, rows.dtype)
     return rows
+
+
+def ia3_multiplier(vec: torch.Tensor, shape: tuple[int, ...], *, feedforward: bool, fan_in_fan_out: bool = False,
+                   bias: bool = False) -> tuple[torch.Tensor, bool]:
+    """IA3's merge as a multiplier of the weight's rows (flattened to ``[rows, -1]``), as PEFT's ``merge`` scales
+    it: a non-feedforward layer scales its outputs (and its bias), a feedforward one its inputs.
+
+    Args:
+        vec: ``ia3_l`` (any shape holding one value per output or input).
+        shape: the stored tensor's shape (``[out, in]``; ``[in, out]`` with ``fan_in_fan_out``;
+            ``[out, in, *kernel]`` for a convolution; ``[out]`` for a bias).
+        feedforward: the layer is one of the config's ``feedforward_modules``.
+        fan_in_fan_out: the weight is stored ``[in, out]`` (GPT-2 Conv1D).
+        bias: ``shape`` is the bias.
+
+    Returns:
+        ``(multiplier, per_row)``: when ``per_row`` the multiplier is ``[rows, 1]`` (or ``[rows]`` for a bias) and
+        is sliced with the row block; otherwise it is ``[1, columns]`` and applies to every block whole.
+
+    Raises:
+        RuntimeError: from torch, when the sizes do not fit.
+
+    Example:
+        >>> ia3_multiplier(torch.tensor([[2.0], [3.0]]), (2, 4), feedforward=False)[0].tolist()
+        [[2.0], [3.0]]
+    """
+    v = vec.reshape(-1).to(torch.float32)
+    if bias:
+        return v, True
+    if len(shape) > 2:  # a convolution: rows are output channels, columns in-channel major then kernel
+        kernel = math.prod(shape[2:])
+        return (v.reshape(-1, 1), True) if not feedforward else (v.repeat_interleave(kernel).reshape(1, -1), False)
+    along_rows = (not feedforward) != fan_in_fan_out
+    return (v.reshape(-1, 1), True) if along_rows else (v.reshape(1, -1), False)

@@ -43,12 +43,13 @@ class PeftOp:
             return (lhs.float() @ rhs.float()) * scaling
         return self.layer.get_delta_weight(ADAPTER).detach().float()
 
-    def scale(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """IA3's multiplier, broadcastable to a tensor of ``shape`` in the stored layout (``kind == "scale"``)."""
-        vec = self.layer.ia3_l[ADAPTER].detach().float()
-        if self.attr == "bias":
-            return vec.reshape(shape)
-        return vec.T if getattr(self.layer, "fan_in_fan_out", False) else vec
+    def scale(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
+        """IA3's multiplier for the stored tensor of ``shape`` (``kind == "scale"``); see
+        :func:`~peft_shardmerge.maths.ia3_multiplier`."""
+        from .maths import ia3_multiplier
+
+        return ia3_multiplier(self.layer.ia3_l[ADAPTER].detach(), shape, feedforward=self.layer.is_feedforward,
+                              fan_in_fan_out=getattr(self.layer, "fan_in_fan_out", False), bias=self.attr == "bias")
 
 
 @dataclass
@@ -84,7 +85,8 @@ class PeftLayers:
         return revert_weight_conversion(self.model.base_model.model, {memory_name: delta})
 
 
-def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, model_class: type | None) -> PeftLayers:
+def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, model_class: type | None,
+            skip: "set[str] | frozenset[str]" = frozenset()) -> PeftLayers:
     """Rebuild a LoHa, LoKr, VeRA or IA3 adapter's layers with PEFT on a meta-device copy of the base model and
     load the adapter's tensors into them (on the CPU); the base weights are never read.
 
@@ -93,6 +95,7 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
         adapter_config: its parsed config.
         base_config: the base model's transformers config.
         model_class: the transformers class of the base (None: the config's Auto class).
+        skip: adapter tensor names merged another way (``modules_to_save`` copies, trainable-token rows).
 
     Returns:
         The :class:`PeftLayers`.
@@ -136,13 +139,15 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
         raise InputError(f"PEFT cannot build the {peft_type} layers of {adapter_folder} on this base "
                          f"({str(e).splitlines()[0]}); the adapter was trained on a different model") from e
     names = {_without_adapter(k): k for k in peft_model.state_dict()}
-    state = load_file(os.path.join(adapter_folder, "adapter_model.safetensors"))
+    state = {k: v for k, v in load_file(os.path.join(adapter_folder, "adapter_model.safetensors")).items()
+             if k not in skip}
     unknown = [k for k in state if k not in names]
     if unknown:
         raise InputError(f"adapter tensors {unknown[:3]} have no place in the {peft_type} layers PEFT builds on this "
                          "base; the adapter was trained on a different model")
     peft_model.load_state_dict({names[k]: v for k, v in state.items()}, strict=False, assign=True)  # stay on CPU
-    missing = sorted(k for k, v in peft_model.state_dict().items() if ADAPTER in k.split(".") and v.is_meta)
+    missing = sorted(k for k, v in peft_model.state_dict().items() if ADAPTER in k.split(".") and v.is_meta
+                     and "modules_to_save" not in k and "token_adapter" not in k and "trainable_tokens" not in k)
     if missing:
         raise InputError(f"the adapter lacks {missing[:3]}; is adapter_model.safetensors complete?")
     out = PeftLayers(peft_type, model=peft_model)
@@ -162,6 +167,9 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
                 out.ops[f"{path}.bias"] = PeftOp(f"{path}::bias", path, "bias", "scale", module)
         elif hasattr(module, "get_delta_weight"):
             out.ops[f"{path}.weight"] = PeftOp(f"{path}::weight", path, "weight", "delta", module)
+        elif type(module).__name__ != "TrainableTokensLayer":  # token rows are merged from the adapter's tensors
+            raise UnsupportedError(f"{type(module).__name__} at {path!r} has no weight delta PEFT can compute; "
+                                   "this adapter cannot be merged")
     if not out.ops:
         raise InputError(f"the {peft_type} adapter in {adapter_folder} changes no layer of this base")
     log.debug("rebuilt %d %s layer(s) on the meta device", len(out.ops), peft_type)

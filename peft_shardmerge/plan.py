@@ -194,6 +194,12 @@ class Plan:
     def total_parameters(self) -> int:
         return sum(t.source.numel for t in self.tensors)
 
+    @property
+    def layer_count(self) -> int:
+        """LoRA modules plus PEFT layers (and LoRA-on-parameter wrappers) whose weights change."""
+        ops = self.adapter.layers.ops.values() if self.adapter.layers is not None else ()
+        return len(self.adapter.modules) + sum(o.attr != "bias" for o in ops)
+
     def shard_tensors(self, i: int) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.shard == i]
 
@@ -388,6 +394,16 @@ def output_config(config: dict, dtype: torch.dtype, *, untie: bool) -> dict:
             elif untie and "tie_word_embeddings" in sub:
                 sub["tie_word_embeddings"] = False
     return out
+
+
+def _same_rows(a: PlannedTensor, b: PlannedTensor) -> bool:
+    """Whether two tensors get the same trainable-token rows (PEFT saves them for both sides of a tie)."""
+    from .safetensors_io import RowReader
+
+    if [r.indices for r in a.token_rows] != [r.indices for r in b.token_rows]:
+        return False
+    with RowReader() as reader:
+        return all(torch.equal(x.rows.load(reader), y.rows.load(reader)) for x, y in zip(a.token_rows, b.token_rows))
 
 
 def in_file_names(info: ModelInfo, file_keys: list[str]):
@@ -620,7 +636,7 @@ def build_plan(
     untied: list[str] = []
     if tie_on:
         for target, src in info.tied.items():
-            if target in with_tokens and src in with_tokens:
+            if target in with_tokens and src in with_tokens and not _same_rows(planned[target], planned[src]):
                 problems.append(f"trainable tokens are given for both tied weights {src!r} and {target!r}; tied "
                                 "weights share one matrix, so train tokens on the input embedding only")
             if (target in touched or src in touched) and planned_for(target) and planned_for(src):

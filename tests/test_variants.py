@@ -279,3 +279,148 @@ def test_lora_on_fused_moe_experts(arch, tmp_path):
     report = merge_and_save(model, str(tmp_path / "auto"), dtype="float32", progress=False)
     assert report.base_precision == "original"
     assert rel_err(logits_of(str(tmp_path / "auto"), ids), ref) < 1e-5
+
+
+# --- corner cases found in review: each was wrong or crashed once ---
+
+
+@pytest.mark.parametrize("feedforward", [False, True])
+def test_ia3_on_a_convolution(feedforward, tmp_path):
+    """IA3 on LLaVA's Conv2d patch embedding: outputs (rows) or, as a feedforward module, input channels."""
+    from peft import IA3Config, get_peft_model
+
+    from peft_shardmerge.tiny import build_base, model_inputs
+
+    base = build_base(str(tmp_path / "base"), "llava")
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+    model = get_peft_model(model, IA3Config(target_modules=["patch_embedding"], init_ia3_weights=False,
+                                            feedforward_modules=["patch_embedding"] if feedforward else []))
+    inputs = model_inputs(model.config)
+    with torch.no_grad():
+        ref = model.eval()(**inputs).logits
+    model.save_pretrained(str(tmp_path / "adapter"))
+    merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False, chunk_elems=64)
+    merge_and_save(model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
+    for out in ("disk", "live"):
+        merged = LlavaForConditionalGeneration.from_pretrained(str(tmp_path / out), dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert rel_err(merged(**inputs).logits, ref) < 1e-5, out
+
+
+def test_merge_and_unload_takes_every_kind(make_base):
+    """merge_and_unload replaces LoHa, IA3, trainable-token and LoRA-on-convolution layers too."""
+    from peft import IA3Config, LoHaConfig, LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from peft_shardmerge.inprocess import merge_and_unload
+
+    base = make_base("llama")
+    for config in (LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),
+                   IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"],
+                             init_ia3_weights=False),
+                   LoraConfig(target_modules=["q_proj"], trainable_token_indices=[3, 9], init_lora_weights=False)):
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.1)
+        ids = token_ids(512, seed=3)
+        with torch.no_grad():
+            ref = model.eval()(input_ids=ids).logits
+        plain = merge_and_unload(model, dtype="float32")
+        assert not [m for m in plain.modules() if isinstance(m, BaseTunerLayer)]
+        with torch.no_grad():
+            assert rel_err(plain(input_ids=ids).logits, ref) < 1e-5, type(config).__name__
+
+
+def test_resized_vocabulary_with_trainable_tokens_on_a_tied_model(make_base, tmp_path):
+    """PEFT saves the token rows (and the resized matrix) for both sides of the tie; both paths merge them."""
+    from peft import LoraConfig, get_peft_model
+
+    base = make_base("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.resize_token_embeddings(520)
+    model = get_peft_model(model, LoraConfig(target_modules=["q_proj"], trainable_token_indices=[512, 519],
+                                             init_lora_weights=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    ids = torch.tensor([[5, 512, 7, 519, 9]])
+    with torch.no_grad():
+        ref = model.eval()(input_ids=ids).logits
+    report = merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    assert any("520 rows" in n for n in report.notes)
+    assert rel_err(logits_of(str(tmp_path / "disk"), ids), ref) < 1e-5
+    merge_and_save(model, str(tmp_path / "orig"), base_precision="original", dtype="float32", progress=False)
+    assert rel_err(logits_of(str(tmp_path / "orig"), ids), ref) < 1e-5
+
+
+def test_trainable_token_rows_are_exact_in_fp32_output_of_a_bf16_base(make_base, make_adapter, tmp_path):
+    from safetensors import safe_open
+
+    base = make_base("llama_bf16")
+    adapter = make_adapter("llama_bf16", "tokens", trainable_token_indices=[4, 6])
+    merge_checkpoint(base, adapter, str(tmp_path / "m"), dtype="float32", progress=False)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    want = model.merge_and_unload().model.embed_tokens.weight[[4, 6]]
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:  # fp32 tiny model: one file
+        assert torch.equal(f.get_tensor("model.embed_tokens.weight")[[4, 6]], want)
+
+
+def test_several_active_adapters_are_all_merged_by_default(two_adapters, tmp_path):
+    base, a, b, _ = two_adapters
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), a,
+                                      adapter_name="a")
+    model.load_adapter(b, adapter_name="b")
+    model.base_model.set_adapter(["a", "b"])
+    ids = token_ids(512, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    for precision in ("original", "dequantized"):
+        merge_and_save(model, str(tmp_path / precision), base_precision=precision, dtype="float32", progress=False)
+        assert rel_err(logits_of(str(tmp_path / precision), ids), ref) < 1e-5, precision
+
+
+def test_other_types_weighted_in_process(make_base, tmp_path):
+    """LoHa deltas scale with their weight (merged in memory: the disk engine combines LoRA only); IA3 refuses."""
+    from peft import IA3Config, LoHaConfig, get_peft_model
+
+    base = make_base("llama")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False))
+    ids = token_ids(512, seed=3)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        with model.disable_adapter():
+            plain = model(input_ids=ids).logits
+    report = merge_and_save(model, str(tmp_path / "zero"), weights=[0.0], dtype="float32", progress=False)
+    assert report.base_precision == "dequantized" and "weighted combination" in report.notes[0]
+    assert rel_err(logits_of(str(tmp_path / "zero"), ids), plain) < 1e-6
+    assert rel_err(plain, full) > 1e-4
+    ia3 = get_peft_model(AutoModelForCausalLM.from_pretrained(base), IA3Config(target_modules=["k_proj"]))
+    with pytest.raises(InputError, match="IA3 adapters cannot be weighted or combined"):
+        merge_and_save(ia3, str(tmp_path / "ia3"), weights=[0.5])
+
+
+def test_loha_with_modules_to_save_from_disk(make_base, tmp_path):
+    from peft import LoHaConfig, get_peft_model
+
+    base = make_base("llama")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoHaConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                      init_weights=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    ids = token_ids(512, seed=3)
+    with torch.no_grad():
+        ref = model.eval()(input_ids=ids).logits
+    report = merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    assert report.replacements_applied == 1
+    assert rel_err(logits_of(str(tmp_path / "disk"), ids), ref) < 1e-5
