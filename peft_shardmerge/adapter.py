@@ -125,6 +125,8 @@ class AdapterSpec:
         layers: for LoHa/LoKr/VeRA/IA3, the layers PEFT rebuilt (set by the planner,
             :func:`~peft_shardmerge.peft_deltas.rebuild`).
         layer_skip: adapter tensor names the rebuilt layers do not take (saved modules, token rows).
+        saved_copies: replacements that are ``modules_to_save`` copies (the adapter model's tied partner keeps
+            the base's weights), as opposed to embedding layers saved after a resize (which stay tied).
     """
 
     folder: str
@@ -141,6 +143,7 @@ class AdapterSpec:
     peft_type: str = "LORA"
     layers: Any = None
     layer_skip: set = field(default_factory=set)
+    saved_copies: set = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.folders = self.folders or [self.folder]
@@ -197,9 +200,11 @@ def load_adapter(location: str) -> AdapterSpec:
             spec.layer_skip.add(name)
             continue
         base_name = key.replace(".token_adapter.", ".").replace(".base_layer.", ".").replace(".modules_to_save.", ".")
+        module = base_name.rsplit(".", 1)[0]
+        if ".modules_to_save." in key or any(module == m or module.endswith("." + m) for m in saved_modules):
+            spec.saved_copies.add(base_name)  # a trained copy: in the adapter model it is tied to nothing
         if spec.needs_layers:  # the rest is loaded into PEFT's own layers by the planner, except saved modules
-            module = base_name.rsplit(".", 1)[0]
-            if ".modules_to_save." in key or any(module == m or module.endswith("." + m) for m in saved_modules):
+            if base_name in spec.saved_copies:
                 spec.replacements[base_name] = t
                 spec.layer_skip.add(name)
             continue
@@ -387,6 +392,7 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
         raise InputError(problems)
     out.parts = list(specs)  # keeps the parts' scratch folders (legacy .bin conversions) alive
     for s in specs:
+        out.saved_copies |= s.saved_copies
         for path, tr in s.tokens.items():
             if path in out.tokens:
                 problems.append(f"two adapters train tokens of {path!r}; their rows cannot be combined")

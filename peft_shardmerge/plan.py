@@ -529,8 +529,9 @@ def build_plan(
         info_t = sources.get(name) or virtual.get(name)
         if info_t is None:
             return None
-        if name in virtual and info.tied.get(name) in planned:  # follow a source the adapter replaced
-            info_t = planned[info.tied[name]].source
+        src = info.tied.get(name)
+        if name in virtual and src in planned and src not in adapter.saved_copies:
+            info_t = planned[src].source  # follow a source the adapter resized (a modules_to_save copy is untied)
         out_dtype = out_st if info_t.dtype in FLOAT_DTYPES else info_t.dtype
         planned[name] = PlannedTensor(name, out_dtype, info_t)
         return planned[name]
@@ -643,9 +644,11 @@ def build_plan(
                 untied += [target, src]
                 if src in with_tokens and target not in with_tokens:  # the tied head had the same rows in PEFT
                     planned[target].token_rows = list(planned[src].token_rows)
-    # a tied target the checkpoint leaves out follows its source, also when the adapter replaced the source
+    # a tied target the checkpoint leaves out follows its source, also when the adapter saved a resized source;
+    # a modules_to_save copy of the source is a new module in the adapter model: the target keeps the base's
     for target, src in info.tied.items():
-        if target in virtual and target in planned and not planned[target].from_adapter and src in planned:
+        if target in virtual and target in planned and not planned[target].from_adapter and src in planned \
+                and src not in adapter.saved_copies:
             planned[target].source = planned[src].source
     if new_vocab is not None:
         for name in embeddings:

@@ -163,3 +163,26 @@ def test_bfloat16_output_within_rounding(arch, models, tmp_path):
     with torch.no_grad():
         got = merged(**inputs).logits
     assert float((got - ref).abs().max() / ref.abs().max()) < 3e-2
+
+
+TIED_CASES = {
+    "qwen2-embed-copy": ("qwen2", dict(modules_to_save=["embed_tokens"], target_modules=["q_proj"])),
+    "t5-shared-copy": ("t5", dict(modules_to_save=["shared"])),
+    "t5-head-copy": ("t5", dict(modules_to_save=["lm_head"])),
+    "t5-lora-head": ("t5", dict(target_modules=["q", "lm_head"])),
+}
+
+
+@pytest.mark.parametrize("case", list(TIED_CASES))
+def test_tied_partners_of_a_trained_copy(case, tmp_path):
+    """A modules_to_save copy of one side of a tie is a new module in the adapter model: the other side keeps
+    the base's weights (both written, tie off); LoRA on one side changes that side only."""
+    arch, kwargs = TIED_CASES[case]
+    base = build_base(str(tmp_path / "base"), arch)
+    adapter = build_adapter(base, str(tmp_path / "adapter"), r=4, lora_alpha=8, **kwargs)
+    peft_model, ref, inputs, cls = reference(base, adapter)
+    report = merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False)
+    assert report.untied
+    check(str(tmp_path / "disk"), cls, inputs, ref)
+    merge_and_save(peft_model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
+    check(str(tmp_path / "live"), cls, inputs, ref)
