@@ -80,3 +80,30 @@ def test_original_and_nf4_differ_by_quantization_error(make_base, make_adapter, 
     rel = float((wa - wb).norm() / wa.norm())
     assert 0.01 < rel < 0.2, rel  # 4-bit quantization error, nothing more
     assert torch.equal(ea, eb)
+
+
+def test_dora_merged_into_the_nf4_base_matches_the_4bit_adapter_model(make_base, make_adapter, tmp_path):
+    """DoRA's norms are taken on the base chosen: with --base-precision nf4, on dequant(NF4(W)) + dW, as the
+    4-bit adapter model (loaded in the checkpoint's bf16) computes them; checked against the in-process merge
+    of that model, whose DoRA merge is checked against its logits elsewhere."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from peft_shardmerge.inprocess import merge_and_save
+
+    base = make_base("llama_bf16")
+    adapter = make_adapter("llama_bf16", "dora", use_dora=True, target_modules=["q_proj", "v_proj", "up_proj"])
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu")
+    peft_model = PeftModel.from_pretrained(model, adapter)
+    merge_and_save(peft_model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32",
+                   max_shard_size="1GB", progress=False)
+    merge_checkpoint(base, adapter, str(tmp_path / "disk"), dtype="float32", base_precision="nf4",
+                     max_shard_size="1GB", progress=False)
+    live = load_file(str(tmp_path / "live" / "model.safetensors"))
+    disk = load_file(str(tmp_path / "disk" / "model.safetensors"))
+    assert live.keys() == disk.keys()
+    for name in live:
+        torch.testing.assert_close(disk[name], live[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
