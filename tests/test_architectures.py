@@ -186,3 +186,27 @@ def test_tied_partners_of_a_trained_copy(case, tmp_path):
     check(str(tmp_path / "disk"), cls, inputs, ref)
     merge_and_save(peft_model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
     check(str(tmp_path / "live"), cls, inputs, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_in_process_on_a_4bit_base(arch, models, tmp_path):
+    """QLoRA on every architecture: bitsandbytes NF4 layers dequantized and merged, against the 4-bit model."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import AutoConfig, BitsAndBytesConfig
+
+    base, adapter = models(arch)
+    cls = model_class(AutoConfig.from_pretrained(base))
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    model = cls.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=torch.float32)
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert quantized
+    for m in quantized:
+        m.support_avx512bf16_for_cpu = False
+    peft_model = PeftModel.from_pretrained(model, adapter).eval()
+    inputs = model_inputs(peft_model.config)
+    with torch.no_grad():
+        ref = peft_model(**inputs).logits
+    out = str(tmp_path / "m")
+    report = merge_and_save(peft_model, out, base_precision="dequantized", dtype="float32", progress=False)
+    assert report.lora_modules_merged == report.lora_modules_total > 0
+    check(out, cls, inputs, ref)
