@@ -266,8 +266,12 @@ class _Merger:
         self._count(t)
 
     def _part(self, part) -> torch.Tensor:
-        """One checkpoint key's slice of a delta the checkpoint stores in parts; the whole delta is computed and cut
-        once, and dropped when its last part is written."""
+        """One checkpoint key's slice of a delta the checkpoint stores in parts: from that expert's factors alone
+        when the layout allows, else the whole delta is computed and cut once, and dropped when its last part is
+        written."""
+        own = self.plan.adapter.layers.part_delta(part.op, part.memory_name, part.file_name)
+        if own is not None:
+            return own
         if part.memory_name not in self.parts:
             delta = part.op.delta()
             self.parts[part.memory_name] = (self.plan.adapter.layers.split(part.memory_name, delta), part.count)

@@ -65,6 +65,7 @@ class PeftLayers:
     peft_type: str
     ops: dict[str, PeftOp] = field(default_factory=dict)
     model: object = None
+    _rows: dict = field(default_factory=dict, repr=False)
 
     def split(self, memory_name: str, delta: torch.Tensor) -> dict[str, torch.Tensor]:
         """A delta of an in-memory tensor that the checkpoint stores in parts (fused MoE experts stored per expert),
@@ -83,6 +84,55 @@ class PeftLayers:
         from transformers.core_model_loading import revert_weight_conversion
 
         return revert_weight_conversion(self.model.base_model.model, {memory_name: delta})
+
+    def part_delta(self, op: PeftOp, memory_name: str, file_key: str) -> torch.Tensor | None:
+        """One checkpoint key's delta of a fused expert parameter, computed from that expert's LoRA factors alone.
+
+        Which expert and which rows a key holds is learned once per parameter by running transformers' reverse
+        conversion on a small stand-in (one value per expert row). When the conversion does more than pick
+        experts and rows (e.g. transposes), None is returned and the caller cuts the whole delta instead.
+
+        Args:
+            op: the LoRA-on-parameter change.
+            memory_name: the fused parameter's in-memory name.
+            file_key: the checkpoint key.
+
+        Returns:
+            The float32 delta of ``file_key``, or None.
+
+        Raises:
+            Nothing of its own.
+        """
+        if type(op.layer).__name__ != "ParamWrapper":
+            return None
+        if memory_name not in self._rows:
+            self._rows[memory_name] = self._expert_rows(op.layer.get_param().shape, memory_name)
+        rows = self._rows[memory_name]
+        if rows is None or file_key not in rows:
+            return None
+        expert, index = rows[file_key]
+        lhs, rhs, scaling = op.layer.get_delta_factors(ADAPTER)
+        return (lhs[expert][index].float() @ rhs[expert].float()) * scaling
+
+    def _expert_rows(self, shape: torch.Size, memory_name: str) -> dict[str, tuple[int, torch.Tensor]] | None:
+        if len(shape) != 3:
+            return None
+        experts, rows = shape[0], shape[1]
+        stand_in = torch.arange(experts * rows, dtype=torch.float64).reshape(experts, rows, 1)
+        try:
+            pieces = self.split(memory_name, stand_in)
+        except Exception:  # noqa: BLE001 - the whole-delta route remains
+            return None
+        out = {}
+        for key, piece in pieces.items():
+            if piece.dim() != 2 or piece.shape[1] != 1:
+                return None
+            ids = piece.reshape(-1).long()
+            expert = ids // rows
+            if not bool((expert == expert[0]).all()):
+                return None
+            out[key] = (int(expert[0]), ids % rows)
+        return out
 
 
 def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, model_class: type | None,

@@ -276,6 +276,16 @@ def test_lora_on_fused_moe_experts(arch, tmp_path):
                             progress=False)
     assert disk.lora_modules_merged == disk.lora_modules_total == 6
     assert rel_err(logits_of(str(tmp_path / "disk"), ids), ref) < 1e-5
+    # each per-expert key's delta comes from its expert's factors alone, equal to the cut of the whole delta
+    from peft_shardmerge import plan_checkpoint_merge
+
+    plan = plan_checkpoint_merge(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "plan"))
+    parts = [o for t in plan.tensors for o in t.peft_ops if o.kind == "part"]
+    assert len(parts) == 2 * 3 * 4  # layers x (gate, up, down) x experts
+    for part in parts[:6]:
+        own = plan.adapter.layers.part_delta(part.op, part.memory_name, part.file_name)
+        whole = plan.adapter.layers.split(part.memory_name, part.op.delta())[part.file_name]
+        assert own is not None and torch.allclose(own, whole, atol=1e-7)
     report = merge_and_save(model, str(tmp_path / "auto"), dtype="float32", progress=False)
     assert report.base_precision == "original"
     assert rel_err(logits_of(str(tmp_path / "auto"), ids), ref) < 1e-5
