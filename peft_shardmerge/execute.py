@@ -166,7 +166,8 @@ class _Merger:
             self.bar.update(t.nbytes)
 
     def _count(self, t: PlannedTensor) -> None:
-        """Record that the LoRA modules (and ``lora_bias`` terms) of ``t`` were applied."""
+        """Record that the changes of ``t`` (LoRA modules, ``lora_bias`` terms, token rows, PEFT layers) were
+        applied."""
         for m in t.loras:
             self.applied[m.key] += 1
         for m in t.bias_loras:
@@ -198,10 +199,7 @@ class _Merger:
         bias_deltas = [lora_bias_delta(m.bias.load(self.reader), m.scaling) for m in t.bias_loras if m.bias]
         magnitudes = [m.magnitude.load(self.reader).float().reshape(-1) for m in t.loras if m.magnitude is not None]
         tokens = [(torch.tensor(r.indices), r.rows.load(self.reader).float()) for r in t.token_rows]
-        # LoHa/LoKr/VeRA: PEFT's whole delta, once per tensor; IA3: its multiplier
-        peft_ops = [("delta", self._part(o).reshape(t.shape[0], -1)) if o.kind == "part" else
-                    (o.kind, o.delta().reshape(t.shape[0], -1) if o.kind == "delta" else o.scale(t.shape))
-                    for o in t.peft_ops]
+        peft_ops = [self._peft_change(o, t) for o in t.peft_ops]
         whole = None
         if t.quantize:
             # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
@@ -236,15 +234,11 @@ class _Merger:
             if probes is not None:
                 merged, err = merged
                 self.probe_err = max(self.probe_err, err)
-                if err > PROBE_TOLERANCE:
-                    raise MergeCheckError(
-                        f"self-check failed for {t.name!r} rows {start}-{stop}: merged weight times probe vectors "
-                        f"differs from base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
-            for kind, data in peft_ops:
-                if kind == "delta":
-                    merged += data[start:stop]
+                check_probe_error(t.name, start, stop, err)
+            for delta, (mult, per_row) in peft_ops:
+                if delta is not None:
+                    merged += delta[start:stop]
                 else:  # IA3's multiplier: per row (sliced with the block) or per column (whole)
-                    mult, per_row = data
                     merged *= mult[start:stop] if per_row else mult
             if columns is not None:
                 merged *= columns.unsqueeze(0)
@@ -264,6 +258,14 @@ class _Merger:
         if changed:
             self.swallowed[t.name] = (changed, lost)
         self._count(t)
+
+    def _peft_change(self, o, t: PlannedTensor) -> tuple[torch.Tensor | None, tuple]:
+        """``(delta as [rows, -1], (None, False))`` for LoHa/LoKr/VeRA/LoRA-on-parameter changes (the whole tensor's
+        delta, once), or ``(None, (multiplier, per_row))`` for IA3."""
+        if o.kind == "scale":
+            return None, o.scale(t.shape)
+        delta = self._part(o) if o.kind == "part" else o.delta()
+        return delta.reshape(t.shape[0], -1), (None, False)
 
     def _part(self, part) -> torch.Tensor:
         """One checkpoint key's slice of a delta the checkpoint stores in parts: from that expert's factors alone
@@ -443,15 +445,57 @@ def _copy_side_files(plan: Plan, tmp: str) -> None:
 
 
 def _check_counts(plan: Plan, merger: _Merger) -> None:
-    expected = Counter({m.key: 1 for m in plan.adapter.modules.values()})
-    expected.update({f"{r.key}@{t.name}": 1 for t in plan.tensors for r in t.token_rows})
-    expected.update({o.key: 1 for t in plan.tensors for o in t.peft_ops})
-    for m in plan.adapter.modules.values():
-        if m.bias is not None:
-            expected[m.key + ".bias"] = 1
-    if merger.applied != expected:
-        missing = sorted(set(expected) - set(merger.applied))
-        twice = sorted(k for k, v in merger.applied.items() if v > 1)
+    expected = [m.key for m in plan.adapter.modules.values()]
+    expected += [m.key + ".bias" for m in plan.adapter.modules.values() if m.bias is not None]
+    expected += [f"{r.key}@{t.name}" for t in plan.tensors for r in t.token_rows]
+    expected += [o.key for t in plan.tensors for o in t.peft_ops]
+    check_applied(expected, merger.applied)
+
+
+def check_applied(expected: list[str], applied: Counter) -> None:
+    """The count check of every merge: each adapter change (LoRA module, ``lora_bias``, token rows, PEFT layer)
+    applied exactly once.
+
+    Args:
+        expected: the keys of every change that must be applied.
+        applied: how often each key was applied.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: naming what was never applied and what was applied more than once.
+
+    Example:
+        >>> check_applied(["a"], Counter({"a": 1}))
+    """
+    if applied != Counter(expected):
+        missing = sorted(set(expected) - set(applied))
+        twice = sorted(k for k, v in applied.items() if v > 1)
         raise MergeCheckError(
-            f"LoRA modules not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}"
-        )
+            f"adapter changes not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}")
+
+
+def check_probe_error(name: str, start: int, stop: int, err: float) -> None:
+    """Fail the self-check of rows ``[start, stop)`` of tensor ``name`` when the probe error is over
+    :data:`PROBE_TOLERANCE`.
+
+    Args:
+        name: the tensor.
+        start: first row of the block.
+        stop: one past the last row.
+        err: the relative error from :func:`~peft_shardmerge.maths.add_lora_checked_`.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: the error is over the tolerance.
+
+    Example:
+        >>> check_probe_error("w", 0, 4, 1e-7)
+    """
+    if err > PROBE_TOLERANCE:
+        raise MergeCheckError(
+            f"self-check failed for {name!r} rows {start}-{stop}: merged weight times probe vectors differs from "
+            f"base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")

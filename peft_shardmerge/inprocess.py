@@ -16,10 +16,11 @@ from .api import check_out_dir, merge_checkpoint
 from .adapter import modifies_base
 from .peft_deltas import DELTA_TYPES
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
-from .errors import InputError, MergeCheckError, ShardMergeError, UnsupportedError
-from .execute import PROBE_TOLERANCE, current_rss_bytes, peak_rss_bytes, precision_notes, probe_vectors
+from .errors import InputError, MergeCheckError, ShardMergeError
+from .execute import (check_applied, check_probe_error, current_rss_bytes, peak_rss_bytes, precision_notes,
+                      probe_vectors)
 from .staging import check_written, staged_output
-from .live import LiveEntry, LiveModel, _bnb_kind, dequantize, materialized, offload_owner, unwrap, walk
+from .live import LiveEntry, LiveModel, change_key, dequantize, materialized, offload_owner, unwrap, walk
 from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_factors, probe_rows, swallowed
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
 from .report import MergeReport
@@ -164,31 +165,11 @@ def merge_and_save(
     out_dtype = out_dtype or model_dtype(inner)
     names, weight_map, selection_problems = _selection(model, adapter_names, weights, combination_type)
     problems += selection_problems
-    original, reason = (None, "")
-    from peft import PeftModel
-
-    if base_precision in ("auto", "original") and not isinstance(model, PeftModel):
-        reason = "the model is not a PeftModel (the adapter cannot be saved on its own)"
-        if base_precision == "original":
-            problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
-    elif base_precision in ("auto", "original"):
-        original, reason = find_original_checkpoint(inner)
+    original, reason = None, ""
+    if base_precision in ("auto", "original"):
+        original, reason = _original_checkpoint(model, inner, names or _active_adapter_names(model), weight_map)
         if original is None and base_precision == "original":
-            problems.append(f"base_precision='original' needs the 16-bit checkpoint the model was loaded from: "
-                            f"{reason}; use base_precision='dequantized'")
-    inits = [getattr(c, "init_lora_weights", True) for c in (getattr(model, "peft_config", None) or {}).values()]
-    if original is not None and any(modifies_base(i) for i in inits):
-        reason = (f"the adapter was initialised with {next(i for i in inits if modifies_base(i))!r}, which rewrote "
-                  "the base in memory")
-        if base_precision == "original":
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
-        original = None
-    memory_only = _memory_only(model, names or _active_adapter_names(model), weight_map)
-    if original is not None and memory_only:
-        reason = f"the model has a {memory_only}, which is merged in memory only"
-        if base_precision == "original":
-            problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
-        original = None
     inputs = {"base": original} if original else {}
     problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
     if problems:
@@ -202,13 +183,32 @@ def merge_and_save(
         log.info("merged into the original 16-bit checkpoint %s", original)
         return report
     if base_precision == "auto":
-        log.info("no original checkpoint available locally (%s); merging into the dequantized base", reason)
+        log.info("merging into the dequantized base: %s", reason)
     report = _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra,
                          selection=(names, weight_map, combination_type))
     if base_precision == "auto":
-        report.notes.insert(0, f"base precision 'auto': no original checkpoint available locally ({reason}); "
-                               "merged into the dequantized base")
+        report.notes.insert(0, f"base precision 'auto': merged into the dequantized base ({reason})")
     return report
+
+
+def _original_checkpoint(model: nn.Module, inner: nn.Module, names: list[str], weight_map: dict[str, float]
+                         ) -> tuple[str | None, str]:
+    """The 16-bit checkpoint to merge into from disk, ``(folder, "")``, or ``(None, why it cannot be used)``."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return None, "the model is not a PeftModel (the adapter cannot be saved on its own)"
+    original, reason = find_original_checkpoint(inner)
+    if original is None:
+        return None, f"the 16-bit checkpoint the model was loaded from is not available locally ({reason})"
+    inits = [getattr(c, "init_lora_weights", True) for c in (getattr(model, "peft_config", None) or {}).values()]
+    rewritten = next((i for i in inits if modifies_base(i)), None)
+    if rewritten is not None:
+        return None, f"the adapter was initialised with {rewritten!r}, which rewrote the base in memory"
+    memory_only = _memory_only(model, names, weight_map)
+    if memory_only:
+        return None, f"the model has a {memory_only}, which is merged in memory only"
+    return original, ""
 
 
 def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
@@ -367,7 +367,9 @@ class _LiveMerger:
         self.swallowed: dict[str, tuple[int, int]] = {}
 
     def compute_device(self, entry: LiveEntry) -> torch.device:
-        dev = entry.holder.weight.device if entry.kind in ("lora", "quantized") else torch.device("cpu")
+        tensor = getattr(entry.holder, entry.attr, None)
+        dev = tensor.device if tensor is not None and entry.kind in ("lora", "quantized", "delta", "ia3") \
+            else torch.device("cpu")
         if dev.type == "meta":
             hook = getattr(offload_owner(self.live.model, entry.name, entry.holder), "_hf_hook", None)
             dev = torch.device(getattr(hook, "execution_device", None) or "cpu")
@@ -387,15 +389,13 @@ class _LiveMerger:
             if entry.kind in ("plain", "saved"):
                 return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
                     entry.holder.state_dict(keep_vars=True)[entry.attr]
-            if entry.kind in ("delta", "ia3"):
-                return self._merge_peft_layer(entry)
             if entry.kind == "tokens":
                 out = entry.holder.weight.detach().to(torch.float32, copy=True)
                 for a in entry.adapters:
                     index = torch.tensor(entry.module.token_indices[a], device=out.device)
                     out.index_copy_(0, index, entry.module.trainable_tokens_delta[a].detach().float().to(out.device))
                 if entry.module.tied_adapter is None:
-                    self.applied[entry.name.rsplit(".", 1)[0]] += 1
+                    self.applied[change_key(entry)] += 1
                 return out
             if entry.kind == "lora_bias":
                 out = entry.holder.bias.detach().to(torch.float32, copy=True)
@@ -414,31 +414,31 @@ class _LiveMerger:
                 log.warning("out of memory merging %s on %s; retrying on the CPU", entry.name, dev)
                 return self._merge_weight(entry, torch.device("cpu"))
 
-    def _merge_peft_layer(self, entry: LiveEntry) -> torch.Tensor:
-        """Base plus PEFT's own delta of a LoHa/LoKr/VeRA layer or LoRA on a parameter, or IA3's scaling."""
+    def _add_peft_change(self, entry: LiveEntry, w: torch.Tensor) -> None:
+        """Add PEFT's own delta of a LoHa/LoKr/VeRA layer or LoRA on a parameter to ``w``, or apply IA3's scaling."""
         layer = entry.module
-        if entry.attr == "weight":
-            notes: list[str] = []
-            w = dequantize(entry.holder, entry.holder.weight.device, notes)
-        else:
-            w = getattr(entry.holder, entry.attr).detach().to(torch.float32, copy=True)
+        flat = w.reshape(w.shape[0], -1)  # a view: rows, as ia3_multiplier counts them
         for a in entry.adapters:
             if entry.kind == "ia3":
-                mult, _ = ia3_multiplier(layer.ia3_l[a].detach(), tuple(w.shape), feedforward=layer.is_feedforward,
-                                         fan_in_fan_out=getattr(layer, "fan_in_fan_out", False),
-                                         bias=entry.attr == "bias")
-                w.reshape(w.shape[0], -1).mul_(mult.to(w.device).reshape(-1, 1) if w.dim() == 1 else mult.to(w.device))
+                mult, per_row = ia3_multiplier(layer.ia3_l[a].detach(), tuple(w.shape), feedforward=layer.is_feedforward,
+                                               fan_in_fan_out=getattr(layer, "fan_in_fan_out", False),
+                                               bias=entry.attr == "bias")
+                flat *= (mult.reshape(flat.shape[0], -1) if per_row else mult).to(w.device)
             else:
                 w += layer.get_delta_weight(a).detach().float().to(w.device) * self.weights.get(a, 1.0)
-        if entry.adapters and entry.attr == ("weight" if entry.kind == "ia3" else entry.attr):
-            self.applied[f"{entry.name.rsplit('.', 1)[0]}::{entry.attr}"] += 1
-        return w
+        if entry.adapters and not (entry.kind == "ia3" and entry.attr == "bias"):
+            self.applied[change_key(entry)] += 1
 
     def _merge_weight(self, entry: LiveEntry, device: torch.device) -> torch.Tensor:
-        notes: list[str] = []
-        w = dequantize(entry.holder, device, notes)
-        if notes:
-            self.repacked.append(entry.name)
+        if entry.attr == "weight":
+            notes: list[str] = []
+            w = dequantize(entry.holder, device, notes)
+            if notes:
+                self.repacked.append(entry.name)
+        else:  # a bias, or a parameter such as fused experts' gate_up_proj
+            w = getattr(entry.holder, entry.attr).detach().to(device=device, dtype=torch.float32, copy=True)
+        if entry.kind in ("delta", "ia3"):
+            self._add_peft_change(entry, w)
         if entry.kind == "lora":
             m = entry.module
             factors = []
@@ -465,10 +465,7 @@ class _LiveMerger:
                 before = block[sample].clone() if probes is not None else None
                 err = add_lora_checked_(block, factors, start, stop, transposed=transposed, probes=probes)
                 self.probe_err = max(self.probe_err, err)
-                if err > PROBE_TOLERANCE:
-                    raise MergeCheckError(
-                        f"self-check failed for {entry.name!r} rows {start}-{stop}: merged weight times probe "
-                        f"vectors differs from base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
+                check_probe_error(entry.name, start, stop, err)
                 for magnitude in magnitudes if not by_column else ():  # DoRA, norms per output row
                     dora_rescale_(block, magnitude[start:stop])
                 if before is not None and self.out_dtype != torch.float32:
@@ -479,7 +476,7 @@ class _LiveMerger:
             if changed:
                 self.swallowed[entry.name] = (changed, lost)
             if entry.adapters:
-                self.applied[entry.name.rsplit(".", 1)[0]] += 1
+                self.applied[change_key(entry)] += 1
         return w.T if entry.transpose_out else w
 
 
@@ -489,8 +486,8 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
 
     t0 = time.perf_counter()
     baseline = current_rss_bytes()
-    names, weight_map, combination = selection
-    live = walk(model, names)
+    adapter_names, weight_map, combination = selection
+    live = walk(model, adapter_names)
     merger = _LiveMerger(live, budget, out_dtype, weight_map, combination)
     out_st = TORCH_TO_ST[out_dtype]
     q4_names = live.info.linear_weights if quant4 is not None else set()
@@ -540,10 +537,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
             gen.save_pretrained(tmp)
         if save_extra is not None:
             save_extra(tmp)
-        expected = Counter({name: 1 for name in live.lora_layers})
-        if merger.applied != expected:
-            missing = sorted(set(expected) - set(merger.applied))
-            raise MergeCheckError(f"LoRA layers not applied exactly once: {missing[:10]}")
+        check_applied(live.lora_layers, merger.applied)
         check_written(tmp, plan_headers)
     notes = list(live.notes)
     if merger.repacked:
@@ -688,84 +682,44 @@ def merge_and_unload(
         raise InputError(problems)
     live = walk(model, names)
     merger = _LiveMerger(live, budget, out_dtype, weight_map, combination_type)
-    by_path: dict[str, list[LiveEntry]] = {}  # PEFT-computed deltas, IA3, trainable tokens: by module path
+    groups: dict[str, list[LiveEntry]] = {}  # the tensors of each PEFT or bitsandbytes module, by its path
     for e in live.entries:
-        if e.kind in ("delta", "ia3", "tokens"):
-            by_path.setdefault(e.name.rsplit(".", 1)[0], [])
-    for e in live.entries:
-        if e.name.rsplit(".", 1)[0] in by_path:
-            by_path[e.name.rsplit(".", 1)[0]].append(e)
-    by_module: dict[int, list[LiveEntry]] = {}
-    order: list[LiveEntry] = []
-    for e in live.entries:
-        if e.name.rsplit(".", 1)[0] in by_path:
-            continue
-        if e.kind in ("lora", "quantized") or (e.kind == "saved" and e.holder is not e.module):
-            if id(e.module) not in by_module:
-                order.append(e)
-                by_module[id(e.module)] = []
-    for e in live.entries:  # biases (and other tensors) of the replaced modules go with them
-        if id(e.module) in by_module:
-            by_module[id(e.module)].append(e)
-    names = {id(m): n for n, m in inner.named_modules()}
+        if e.owner:
+            groups.setdefault(e.owner, []).append(e)
     with torch.no_grad():
-        for first in order:
-            group = by_module[id(first.module)]
-            name = names[id(first.module)]
-            if first.kind == "saved":
-                new = first.holder
-            else:
-                weight = next(e for e in group if e.attr == "weight")
-                bias = next((e for e in group if e.attr == "bias"), None)
-                w = merger.produce(weight)
-                b = merger.produce(bias) if bias is not None else None
-                device = _param_device(weight.holder)
-                new = _plain_module(weight, w, b, out_dtype, device, Conv1D, live)
-                del w, b
-            _set_submodule(inner, name, new)
-        for path, group in by_path.items():
-            real = group[0].holder  # the plain layer under the PEFT layers
-            values = {e.attr: merger.produce(e) for e in group}
-            if _bnb_kind(getattr(real, "weight", None)) is not None:
-                weight = next(e for e in group if e.attr == "weight")
-                new = _plain_module(weight, values["weight"], values.get("bias"), out_dtype, _param_device(real),
-                                    Conv1D, live)
-            else:
-                for attr, value in values.items():
-                    setattr(real, attr, nn.Parameter(value.detach().to(out_dtype), requires_grad=False))
-                new = real
-            _set_submodule(inner, path, new)
-        expected = Counter({n: 1 for n in live.lora_layers})
-        if merger.applied != expected:
-            raise MergeCheckError(f"LoRA layers not applied exactly once: {sorted(set(expected) - set(merger.applied))}")
+        for path, group in groups.items():
+            _set_submodule(inner, path, _replacement(group, merger, out_dtype, Conv1D, live))
+        check_applied(live.lora_layers, merger.applied)
     free_accelerator_cache()
     _drop_quantization(inner, untie=bool(live.untied))
     inner.to(out_dtype)
     return inner
 
 
-def _param_device(holder: nn.Module) -> torch.device:
-    dev = holder.weight.device
-    return torch.device("cpu") if dev.type == "meta" else dev
-
-
-def _plain_module(entry: LiveEntry, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype,
-                  device: torch.device, conv1d_cls, live: LiveModel) -> nn.Module:
-    """A plain module of the model class's kind holding merged weights (output layout)."""
-    base = entry.holder
-    w = w.to(device=device, dtype=dtype)
-    plain = isinstance(base, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)) or type(base) is conv1d_cls
-    if plain and _bnb_kind(base.weight) is None and getattr(base, "_hf_hook", None) is None and \
-            base.weight.device.type != "meta":
-        # a plain torch layer (Linear, Conv1D, Embedding, Conv2d/3d ...): keep it, with the merged tensors
-        base.weight = nn.Parameter(w, requires_grad=False)
-        if b is not None:
-            base.bias = nn.Parameter(b.to(device=device, dtype=dtype), requires_grad=False)
-        return base
-    if isinstance(base, nn.Embedding):
-        new = nn.Embedding(w.shape[0], w.shape[1], padding_idx=base.padding_idx, max_norm=base.max_norm,
-                           norm_type=base.norm_type, scale_grad_by_freq=base.scale_grad_by_freq,
-                           sparse=base.sparse, device="meta")
+def _replacement(group: list[LiveEntry], merger: "_LiveMerger", dtype: torch.dtype, conv1d_cls,
+                 live: LiveModel) -> nn.Module:
+    """The plain module that takes the place of a PEFT or bitsandbytes module, holding its merged tensors."""
+    holder = group[0].holder
+    changed = {e.attr: merger.produce(e) for e in group if e.kind not in ("plain", "saved")}
+    if not changed:  # a modules_to_save copy, an original module, a layer without an active adapter
+        return holder
+    params = list(holder.parameters())
+    device = next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
+    reusable = not type(holder).__module__.startswith(("peft.", "bitsandbytes.")) and \
+        getattr(holder, "_hf_hook", None) is None and not any(p.is_meta for p in params)
+    if reusable:  # a plain torch layer (Linear, Conv1D, Embedding, Conv2d/3d, fused experts): keep it
+        for attr, value in changed.items():
+            setattr(holder, attr, nn.Parameter(value.detach().to(device=device, dtype=dtype), requires_grad=False))
+        return holder
+    # bitsandbytes, accelerate-offloaded or PEFT-wrapped: a new Linear / Conv1D / Embedding
+    entry = next(e for e in group if e.attr == "weight")
+    w = changed["weight"].to(device=device, dtype=dtype)
+    bias = next((e for e in group if e.attr == "bias"), None)
+    b = (changed.get("bias") if "bias" in changed else merger.produce(bias)) if bias is not None else None
+    if isinstance(holder, nn.Embedding):
+        new = nn.Embedding(w.shape[0], w.shape[1], padding_idx=holder.padding_idx, max_norm=holder.max_norm,
+                           norm_type=holder.norm_type, scale_grad_by_freq=holder.scale_grad_by_freq,
+                           sparse=holder.sparse, device="meta")
     elif entry.name in live.info.transposed:
         new = conv1d_cls(w.shape[1], w.shape[0])
         new.to("meta")
@@ -773,7 +727,7 @@ def _plain_module(entry: LiveEntry, w: torch.Tensor, b: torch.Tensor | None, dty
         new = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
     new.weight = nn.Parameter(w, requires_grad=False)
     if b is not None:
-        new.bias = nn.Parameter(b.to(device=device, dtype=dtype), requires_grad=False)
+        new.bias = nn.Parameter(b.detach().to(device=device, dtype=dtype), requires_grad=False)
     elif getattr(new, "bias", None) is not None:
         new.bias = None
     return new

@@ -39,6 +39,8 @@ class LiveEntry:
         adapters: active adapter names whose deltas are added.
         transpose_out: the output layout is the transpose of the holder's (Conv1D replaced by bnb Linear).
         numel: elements.
+        owner: the path of the PEFT (or bitsandbytes) module this tensor belongs to, the module
+            ``merge_and_unload`` replaces; "" for tensors of plain modules.
     """
 
     name: str
@@ -51,6 +53,7 @@ class LiveEntry:
     adapters: list[str] = field(default_factory=list)
     transpose_out: bool = False
     numel: int = 0
+    owner: str = ""
 
 
 @dataclass
@@ -111,7 +114,22 @@ def _is_lora(module: nn.Module) -> bool:
     return isinstance(module, LoraLayer)
 
 
-def _bnb_kind(param: torch.Tensor | None) -> str | None:
+def bnb_kind(param: torch.Tensor | None) -> str | None:
+    """Whether a parameter is a bitsandbytes quantized one.
+
+    Args:
+        param: a parameter, or None.
+
+    Returns:
+        ``"4bit"`` (``Params4bit``), ``"8bit"`` (``Int8Params``) or None.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> bnb_kind(torch.nn.Linear(1, 1).weight) is None
+        True
+    """
     name = type(param).__name__ if param is not None else ""
     return {"Params4bit": "4bit", "Int8Params": "8bit"}.get(name)
 
@@ -144,14 +162,10 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
     unsupported: list[str] = []
     lora_layers: list[str] = []
     skip: list[str] = []
-    known = set((getattr(model, "peft_config", None) or {}).keys())
     if adapter_names is not None:
-        missing = [a for a in adapter_names if a not in known]
-        if missing or not adapter_names:
-            raise InputError(f"adapter_names {adapter_names!r} must name loaded adapters; the model has "
-                             f"{sorted(known) or 'none'}")
-        if len(set(adapter_names)) != len(adapter_names):
-            raise InputError(f"adapter_names {adapter_names!r} names an adapter twice")
+        name_problems = check_adapter_names(model, adapter_names)
+        if name_problems:
+            raise InputError(name_problems)
     for name, module in inner.named_modules():
         if any(name.startswith(p + ".") for p in skip):
             continue
@@ -174,12 +188,13 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
                 if layer is None and pname == "bias" and _is_ia3(module) and not module.is_feedforward:
                     layer = module  # IA3 scales a non-feedforward layer's bias with its outputs
                 adapters = [a for a in wanted if layer is not None and a in adapter_keys(layer)]
-                kind = ("ia3" if _is_ia3(layer) else "delta") if adapters else "plain"
+                kind = ("ia3" if _is_ia3(layer) else "delta") if adapters else \
+                    "quantized" if bnb_kind(t) is not None else "plain"  # an inactive layer over a 4-bit base
                 shape = _logical_shape(real, t) if pname == "weight" else tuple(t.shape)
                 entries.append(LiveEntry(prefix + pname, shape, t.is_floating_point(), kind, layer or real, pname,
-                                         real, adapters, numel=_numel(shape)))
+                                         real, adapters, numel=_numel(shape), owner=name))
                 if adapters and kind == "delta" or kind == "ia3" and pname != "bias":
-                    lora_layers.append(f"{name}::{pname}")
+                    lora_layers.append(change_key(entries[-1]))
             continue
         if _is_lora(module):
             skip.append(name)
@@ -189,30 +204,29 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
                 problems.append(f"{name} has its adapter merged into the base already; call model.unmerge_adapter() "
                                 "first (merging into a 4-bit base re-quantizes it)")
                 continue
-            if len(adapters) > 1 and any(getattr(module, "use_dora", {}).get(a) for a in adapters):
+            dora = [a for a in adapters if getattr(module, "use_dora", {}).get(a)]
+            if dora and len(adapters) > 1:
                 unsupported.append(f"{name}: DoRA adapters cannot be combined with others (their magnitudes do "
                                    "not add)")
-            for a in adapters:
-                if getattr(module, "use_dora", {}).get(a):
-                    pass
-                elif getattr(module, "lora_variant", {}).get(a) is not None:
+            for a in set(adapters) - set(dora):
+                if getattr(module, "lora_variant", {}).get(a) is not None:
                     unsupported.append(f"{name}: LoRA variant {type(module.lora_variant[a]).__name__} is not supported")
             base = module.get_base_layer()
             weight = base.weight
             wname = f"{prefix}weight"
-            transpose_out = _bnb_kind(weight) is not None and wname in info.transposed
+            transpose_out = bnb_kind(weight) is not None and wname in info.transposed
             shape = _logical_shape(base, weight)
             if transpose_out:
                 shape = shape[::-1]
             entries.append(LiveEntry(wname, shape, True, "lora", module, "weight", base, adapters, transpose_out,
-                                     _numel(shape)))
+                                     _numel(shape), owner=name))
             if adapters:
-                lora_layers.append(name)
+                lora_layers.append(change_key(entries[-1]))
             if getattr(base, "bias", None) is not None:
                 with_bias = [a for a in adapters if getattr(module, "lora_bias", {}).get(a)]
                 entries.append(LiveEntry(f"{prefix}bias", tuple(base.bias.shape), True,
                                          "lora_bias" if with_bias else "plain", module, "bias", base, with_bias,
-                                         numel=base.bias.numel()))
+                                         numel=base.bias.numel(), owner=name))
             continue
         if isinstance(module, ModulesToSaveWrapper):
             skip.append(name)
@@ -229,7 +243,7 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
             for pname, t in holder.state_dict(keep_vars=True).items():
                 entries.append(LiveEntry(prefix + pname, tuple(t.shape), t.is_floating_point(),
                                          "saved" if holder is not module.original_module else "plain",
-                                         module, pname, holder, numel=t.numel()))
+                                         module, pname, holder, numel=t.numel(), owner=name))
             continue
         tokens = _token_layer(module)
         if tokens is not None:  # trainable tokens: trained rows replace the embedding's (or tied head's)
@@ -242,29 +256,29 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
                                 "cannot be combined")
             base = tokens.get_base_layer()
             entries.append(LiveEntry(f"{prefix}weight", tuple(base.weight.shape), True, "tokens" if adapters else
-                                     "plain", tokens, "weight", base, adapters, numel=base.weight.numel()))
+                                     "plain", tokens, "weight", base, adapters, numel=base.weight.numel(), owner=name))
+            if adapters and tokens.tied_adapter is None:  # a tied head shares the embedding's rows
+                lora_layers.append(change_key(entries[-1]))
             if getattr(base, "bias", None) is not None:
                 entries.append(LiveEntry(f"{prefix}bias", tuple(base.bias.shape), True, "plain", base, "bias", base,
-                                         numel=base.bias.numel()))
-            if adapters and tokens.tied_adapter is None:
-                lora_layers.append(name)
+                                         numel=base.bias.numel(), owner=name))
             continue
         if isinstance(module, AuxiliaryTrainingWrapper):
             unsupported.append(f"{name}: {type(module).__name__} is not supported")
             skip.append(name)
             continue
         weight = getattr(module, "weight", None)
-        if _bnb_kind(weight) is not None:
+        if bnb_kind(weight) is not None:
             skip.append(name)
             shape = _logical_shape(module, weight)
             transpose_out = f"{prefix}weight" in info.transposed
             if transpose_out:
                 shape = shape[::-1]
             entries.append(LiveEntry(f"{prefix}weight", shape, True, "quantized", module, "weight", module,
-                                     transpose_out=transpose_out, numel=_numel(shape)))
+                                     transpose_out=transpose_out, numel=_numel(shape), owner=name))
             if getattr(module, "bias", None) is not None:
                 entries.append(LiveEntry(f"{prefix}bias", tuple(module.bias.shape), True, "plain", module, "bias",
-                                         module, numel=module.bias.numel()))
+                                         module, numel=module.bias.numel(), owner=name))
             continue
         for pname, t in list(module.named_parameters(recurse=False)) + [
             (b, t) for b, t in module.named_buffers(recurse=False) if b not in module._non_persistent_buffers_set
@@ -281,6 +295,51 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
         notes.append(f"the adapter changes tied weights ({', '.join(untied)}); both are written and "
                      "tie_word_embeddings is set to false")
     return LiveModel(inner, info, entries, untied, lora_layers, notes)
+
+
+def check_adapter_names(model: nn.Module, adapter_names: list[str]) -> list[str]:
+    """What is wrong with a selection of adapters by name: empty, unknown names, a name twice.
+
+    Args:
+        model: the PeftModel.
+        adapter_names: the names.
+
+    Returns:
+        The problems (none when the selection is good).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> check_adapter_names(torch.nn.Linear(1, 1), ["a"])
+        ["adapter_names ['a'] must name loaded adapters; the model has none"]
+    """
+    known = set((getattr(model, "peft_config", None) or {}).keys())
+    if not adapter_names or any(a not in known for a in adapter_names):
+        return [f"adapter_names {list(adapter_names)!r} must name loaded adapters; the model has {sorted(known) or 'none'}"]
+    if len(set(adapter_names)) != len(adapter_names):
+        return [f"adapter_names {list(adapter_names)!r} names an adapter twice"]
+    return []
+
+
+def change_key(entry: LiveEntry) -> str:
+    """The count-check key of the adapter change an entry receives: its module's path, with the parameter for
+    PEFT layers merged through their own deltas (``"<module>::<parameter>"``).
+
+    Args:
+        entry: a ``"lora"``, ``"tokens"``, ``"delta"`` or ``"ia3"`` entry.
+
+    Returns:
+        The key.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> change_key(LiveEntry("m.weight", (1,), True, "lora", None, "weight", None, owner="m"))
+        'm'
+    """
+    return f"{entry.owner}::{entry.attr}" if entry.kind in ("delta", "ia3") else entry.owner
 
 
 def _delta_layer(module: nn.Module | None) -> bool:
@@ -460,7 +519,7 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
         torch.float32
     """
     weight = holder.weight
-    kind = _bnb_kind(weight)
+    kind = bnb_kind(weight)
     if kind is None:
         return weight.detach().to(device=device, dtype=torch.float32, copy=True)
     from .quant import require_bitsandbytes
@@ -504,4 +563,4 @@ def _unpack_cpu_format(packed: torch.Tensor, qs):
 
 
 __all__ = ["LiveEntry", "LiveModel", "unwrap", "walk", "materialized", "offload_owner", "dequantize",
-           "REPACK_ABSMAX_REL_ERROR"]
+           "adapter_keys", "bnb_kind", "change_key", "check_adapter_names", "REPACK_ABSMAX_REL_ERROR"]

@@ -266,10 +266,11 @@ def test_original_requested_but_missing(make_base, tmp_path):
 
     model = qlora(make_base("llama"), "llama", "nf4")
     model.base_model.model.config._name_or_path = str(tmp_path / "gone")
-    with pytest.raises(InputError, match=r"base_precision='original' needs the 16-bit checkpoint .*gone"):
+    with pytest.raises(InputError, match=r"base_precision='original' cannot be used: the 16-bit checkpoint the "
+                                         r"model was loaded from is not available locally \(.*gone"):
         merge_and_save(model, str(tmp_path / "m"), base_precision="original", progress=False)
     report = merge_and_save(model, str(tmp_path / "m"), progress=False)
-    assert report.base_precision == "dequantized" and "no original checkpoint" in report.notes[0]
+    assert report.base_precision == "dequantized" and "is not available locally" in report.notes[0]
 
 
 @pytest.mark.parametrize("value", [0, 0.99, -1, "0.5", True])
