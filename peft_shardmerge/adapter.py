@@ -322,6 +322,37 @@ def _pattern_key(pattern: dict, path: str) -> str | None:
 COMBINATIONS = ("cat", "linear")
 
 
+def check_weights(count: int, weights: "list[float] | None", combination: str, *, option: str = "combination"
+                  ) -> tuple[list[float], list[str]]:
+    """Check the weights and combination of ``count`` adapters merged together (both paths use it).
+
+    Args:
+        count: how many adapters.
+        weights: one weight per adapter, or None for 1.0 each.
+        combination: ``"cat"`` or ``"linear"``.
+        option: the option's name in messages (``combination_type`` in process).
+
+    Returns:
+        ``(weights as a list, problems)``.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> check_weights(2, None, "cat")
+        ([1.0, 1.0], [])
+    """
+    problems = []
+    weights = [1.0] * count if weights is None else list(weights)
+    if len(weights) != count:
+        problems.append(f"{len(weights)} weight(s) given for {count} adapter(s); give one weight per adapter")
+    elif not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+        problems.append(f"adapter weights must be finite numbers, got {weights!r}")
+    if combination not in COMBINATIONS:
+        problems.append(f"{option} must be one of {', '.join(COMBINATIONS)}, got {combination!r}")
+    return weights, problems
+
+
 def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = None,
                      combination: str = "cat") -> AdapterSpec:
     """Several LoRA adapters as one: the weighted combination PEFT's ``add_weighted_adapter`` builds.
@@ -348,18 +379,9 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
     Example:
         >>> spec = combine_adapters([load_adapter("a"), load_adapter("b")], [0.7, 0.3])   # doctest: +SKIP
     """
-    problems: list[str] = []
     if not specs:
         raise InputError("no adapter given")
-    if weights is None:
-        weights = [1.0] * len(specs)
-    weights = list(weights)
-    if len(weights) != len(specs):
-        problems.append(f"{len(weights)} weight(s) given for {len(specs)} adapter(s); give one weight per adapter")
-    elif not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
-        problems.append(f"adapter weights must be finite numbers, got {weights!r}")
-    if combination not in COMBINATIONS:
-        problems.append(f"combination must be one of {', '.join(COMBINATIONS)}, got {combination!r}")
+    weights, problems = check_weights(len(specs), weights, combination)
     if problems:
         raise InputError(problems)
     if len(specs) == 1 and weights[0] == 1.0:
@@ -383,16 +405,13 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
     out.tokenizer_files = next((s.tokenizer_files for s in specs if s.tokenizer_files), [])
     if out.tokenizer_files:
         out.folder = next(s.folder for s in specs if s.tokenizer_files)
-    for i, s in enumerate(specs):
+    out.parts = list(specs)  # keeps the parts' scratch folders (legacy .bin conversions) alive
+    for s in specs:
+        out.saved_copies |= s.saved_copies
         for name, t in s.replacements.items():
             if name in out.replacements:
                 problems.append(f"two adapters replace {name!r} (modules_to_save or a trained bias); only one may")
             out.replacements[name] = t
-    if problems:
-        raise InputError(problems)
-    out.parts = list(specs)  # keeps the parts' scratch folders (legacy .bin conversions) alive
-    for s in specs:
-        out.saved_copies |= s.saved_copies
         for path, tr in s.tokens.items():
             if path in out.tokens:
                 problems.append(f"two adapters train tokens of {path!r}; their rows cannot be combined")

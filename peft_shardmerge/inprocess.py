@@ -13,14 +13,15 @@ import torch
 from torch import nn
 
 from .api import check_out_dir, merge_checkpoint
-from .adapter import modifies_base
+from .adapter import check_weights, modifies_base
 from .peft_deltas import DELTA_TYPES
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError, ShardMergeError
 from .execute import (check_applied, check_probe_error, current_rss_bytes, peak_rss_bytes, precision_notes,
                       probe_vectors)
 from .staging import check_written, staged_output
-from .live import LiveEntry, LiveModel, change_key, dequantize, materialized, offload_owner, unwrap, walk
+from .live import (LiveEntry, LiveModel, change_key, check_adapter_names, dequantize, materialized, offload_owner,
+                   unwrap, walk)
 from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_factors, probe_rows, swallowed
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
 from .report import MergeReport
@@ -262,30 +263,18 @@ def _memory_only(model: nn.Module, names: list[str], weight_map: dict[str, float
 
 def _selection(model: nn.Module, adapter_names, weights, combination_type):
     """Check ``adapter_names``/``weights``/``combination_type``: ``(names or None, weight per name, problems)``."""
-    from .adapter import COMBINATIONS
-
-    problems: list[str] = []
-    if combination_type not in COMBINATIONS:
-        problems.append(f"combination_type must be one of {', '.join(COMBINATIONS)}, got {combination_type!r}")
     if adapter_names is None and weights is None:
-        return None, {}, problems
+        return None, {}, check_weights(0, None, combination_type, option="combination_type")[1]
     configs = getattr(model, "peft_config", None) or {}
-    if isinstance(adapter_names, str):
-        adapter_names = [adapter_names]
     if adapter_names is None:
         adapter_names = _active_adapter_names(model)
-    names = list(adapter_names)
-    unknown = [a for a in names if a not in configs]
-    if unknown or not names:
-        problems.append(f"adapter_names {names!r} must name loaded adapters; the model has {sorted(configs) or 'none'}")
+    names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+    problems = check_adapter_names(model, names)
+    if problems:
         return names, {}, problems
-    weights = [1.0] * len(names) if weights is None else list(weights)
+    weights, problems = check_weights(len(names), weights, combination_type, option="combination_type")
     if len(weights) != len(names):
-        problems.append(f"{len(weights)} weight(s) given for {len(names)} adapter(s); give one weight per adapter")
         return names, {}, problems
-    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w == w and abs(w) != float("inf")
-               for w in weights):
-        problems.append(f"weights must be finite numbers, got {weights!r}")
     combined = len(names) > 1 or any(w != 1 for w in weights)
     dora = [a for a in names if getattr(configs[a], "use_dora", False) and combined]
     if dora:
@@ -420,9 +409,9 @@ class _LiveMerger:
         flat = w.reshape(w.shape[0], -1)  # a view: rows, as ia3_multiplier counts them
         for a in entry.adapters:
             if entry.kind == "ia3":
-                mult, per_row = ia3_multiplier(layer.ia3_l[a].detach(), tuple(w.shape), feedforward=layer.is_feedforward,
-                                               fan_in_fan_out=getattr(layer, "fan_in_fan_out", False),
-                                               bias=entry.attr == "bias")
+                mult, per_row = ia3_multiplier(layer.ia3_l[a].detach(), tuple(w.shape),
+                                               feedforward=layer.is_feedforward, bias=entry.attr == "bias",
+                                               fan_in_fan_out=getattr(layer, "fan_in_fan_out", False))
                 flat *= (mult.reshape(flat.shape[0], -1) if per_row else mult).to(w.device)
             else:
                 w += layer.get_delta_weight(a).detach().float().to(w.device) * self.weights.get(a, 1.0)

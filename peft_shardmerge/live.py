@@ -316,7 +316,8 @@ def check_adapter_names(model: nn.Module, adapter_names: list[str]) -> list[str]
     """
     known = set((getattr(model, "peft_config", None) or {}).keys())
     if not adapter_names or any(a not in known for a in adapter_names):
-        return [f"adapter_names {list(adapter_names)!r} must name loaded adapters; the model has {sorted(known) or 'none'}"]
+        return [f"adapter_names {list(adapter_names)!r} must name loaded adapters; the model has "
+                f"{sorted(known) or 'none'}"]
     if len(set(adapter_names)) != len(adapter_names):
         return [f"adapter_names {list(adapter_names)!r} names an adapter twice"]
     return []

@@ -304,7 +304,8 @@ def linear_factors(factors: Sequence[Factors]) -> Factors:
     return a_sum, b_sum, 1.0
 
 
-def replace_rows_(rows: torch.Tensor, index: torch.Tensor, new_rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+def replace_rows_(rows: torch.Tensor, index: torch.Tensor, new_rows: torch.Tensor, start: int, stop: int
+                  ) -> torch.Tensor:
     """Trainable tokens' merge on rows ``[start, stop)`` of a weight, in place: row ``index[j]`` becomes
     ``new_rows[j]`` (PEFT's ``TrainableTokensLayer.merge``, an ``index_copy``).
 

@@ -529,9 +529,12 @@ def build_plan(
         info_t = sources.get(name) or virtual.get(name)
         if info_t is None:
             return None
+        # a tied target the checkpoint leaves out follows its source, also a source the adapter saved resized (the
+        # replacements are planned before any target); a modules_to_save copy of the source is a new module in the
+        # adapter model, so the target keeps the base's weights
         src = info.tied.get(name)
         if name in virtual and src in planned and src not in adapter.saved_copies:
-            info_t = planned[src].source  # follow a source the adapter resized (a modules_to_save copy is untied)
+            info_t = planned[src].source
         out_dtype = out_st if info_t.dtype in FLOAT_DTYPES else info_t.dtype
         planned[name] = PlannedTensor(name, out_dtype, info_t)
         return planned[name]
@@ -546,7 +549,8 @@ def build_plan(
         name = to_file(memory_name)
         pt = planned_for(name)
         if pt is None:
-            problems.append(f"adapter tensor {name!r} (modules_to_save or a trained bias) has no counterpart in the base")
+            problems.append(f"adapter tensor {name!r} (modules_to_save or a trained bias) has no counterpart in the "
+                            "base")
             continue
         resized = (name in embeddings and len(rep.shape) == 2 and len(pt.shape) == 2 and rep.shape[1] == pt.shape[1]
                    and rep.shape[0] != pt.shape[0])
@@ -597,7 +601,8 @@ def build_plan(
             bname = to_file(f"{path}.bias")
             bt = planned_for(bname)
             if bt is None or bt.shape != (out_f,):
-                problems.append(f"LoRA module {path!r} has lora_B.bias but the base has no bias {bname!r} of shape [{out_f}]")
+                problems.append(f"LoRA module {path!r} has lora_B.bias but the base has no bias {bname!r} of shape "
+                                f"[{out_f}]")
                 continue
             bt.bias_loras.append(mod)
             touched.add(bname)
@@ -644,12 +649,6 @@ def build_plan(
                 untied += [target, src]
                 if src in with_tokens and target not in with_tokens:  # the tied head had the same rows in PEFT
                     planned[target].token_rows = list(planned[src].token_rows)
-    # a tied target the checkpoint leaves out follows its source, also when the adapter saved a resized source;
-    # a modules_to_save copy of the source is a new module in the adapter model: the target keeps the base's
-    for target, src in info.tied.items():
-        if target in virtual and target in planned and not planned[target].from_adapter and src in planned \
-                and src not in adapter.saved_copies:
-            planned[target].source = planned[src].source
     if new_vocab is not None:
         for name in embeddings:
             pt = planned.get(name)
