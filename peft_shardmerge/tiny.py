@@ -170,10 +170,7 @@ def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, see
     kw = dict(r=8, lora_alpha=16, target_modules=default_targets(arch))
     kw.update(lora_kwargs)
     peft_model = get_peft_model(model, LoraConfig(**kw))
-    with torch.no_grad():
-        for _, p in peft_model.named_parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * noise)
+    perturb_trainable(peft_model, noise)
     peft_model.save_pretrained(folder)
     return folder
 
@@ -249,6 +246,31 @@ def model_inputs(config, *, seed: int = 0, images: bool = True) -> dict:
     return {"input_ids": ids}
 
 
+def perturb_trainable(model, noise: float = 0.1) -> None:
+    """Move every trainable tensor of a model off its initial value, as training would (LoRA B starts at zero,
+    IA3 at one, trainable-token rows at the base rows).
+
+    Args:
+        model: a PEFT model.
+        noise: standard deviation of the change.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2); before = lin.weight.clone(); perturb_trainable(lin)
+        >>> bool((lin.weight != before).any())
+        True
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * noise)
+
+
 def token_ids(vocab_size: int = 512, batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
     """Reproducible random token ids for comparing logits.
 
@@ -304,4 +326,4 @@ def compare_logits(base_folder: str, adapter_folder: str, merged_folder: str, *,
     return float((ref - got).abs().max())
 
 __all__ = ["ARCHITECTURES", "IMAGE_TOKEN", "tiny_config", "build_base", "build_adapter", "default_targets",
-           "model_class", "model_inputs", "token_ids", "compare_logits"]
+           "model_class", "model_inputs", "perturb_trainable", "token_ids", "compare_logits"]

@@ -9,18 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import InputError, merge_checkpoint
 from peft_shardmerge.inprocess import merge_and_save
-from peft_shardmerge.tiny import build_adapter, token_ids
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).abs().max() / ref.abs().max())
-
-
-def logits_of(folder: str, ids: torch.Tensor) -> torch.Tensor:
-    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    with torch.no_grad():
-        return model.eval()(input_ids=ids).logits
+from peft_shardmerge.tiny import build_adapter, perturb_trainable, token_ids
+from tests.helpers import logits_of, rel_err
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +167,7 @@ def test_standalone_trainable_tokens_adapter(make_base, tmp_path):
     base = make_base("llama")
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                            TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[3, 4, 11]))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p))
+    perturb_trainable(model, 1.0)
     model.save_pretrained(str(tmp_path / "adapter"))
     ids = token_ids(model.config.vocab_size, seed=3)
     with torch.no_grad():
@@ -217,10 +204,7 @@ def test_other_peft_types_in_process(kind, quant, make_base, tmp_path):
     no_cpu_repack(model)
     model = get_peft_model(model, _other_configs()[kind])
     if kind == "ia3":
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn_like(p) * 0.1)
+        perturb_trainable(model)
     ids = token_ids(model.config.vocab_size, seed=3)
     ref = reference_logits(model.eval(), ids)
     with torch.no_grad(), model.disable_adapter():
@@ -332,10 +316,7 @@ def test_merge_and_unload_takes_every_kind(make_base):
                              init_ia3_weights=False),
                    LoraConfig(target_modules=["q_proj"], trainable_token_indices=[3, 9], init_lora_weights=False)):
         model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn_like(p) * 0.1)
+        perturb_trainable(model)
         ids = token_ids(512, seed=3)
         with torch.no_grad():
             ref = model.eval()(input_ids=ids).logits
@@ -354,10 +335,7 @@ def test_resized_vocabulary_with_trainable_tokens_on_a_tied_model(make_base, tmp
     model.resize_token_embeddings(520)
     model = get_peft_model(model, LoraConfig(target_modules=["q_proj"], trainable_token_indices=[512, 519],
                                              init_lora_weights=False))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_trainable(model)
     model.save_pretrained(str(tmp_path / "adapter"))
     ids = torch.tensor([[5, 512, 7, 519, 9]])
     with torch.no_grad():
@@ -423,10 +401,7 @@ def test_loha_with_modules_to_save_from_disk(make_base, tmp_path):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                            LoHaConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
                                       init_weights=False))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.1)
+    perturb_trainable(model)
     model.save_pretrained(str(tmp_path / "adapter"))
     ids = token_ids(512, seed=3)
     with torch.no_grad():
