@@ -78,9 +78,26 @@ class ModelInfo:
         return apply_renamings(memory_name, list(reverse))
 
 
-def _model_classes(config, model_class):
-    """Classes to try, best first: the given one, the config's ``architectures`` (transformers classes only),
-    then the Auto classes of causal LMs, seq2seq LMs, vision-language models and bare models."""
+def model_classes(config, model_class: type | None = None) -> list[type]:
+    """The transformers classes a config's checkpoint can be built as, best first: the given one, the config's
+    ``architectures`` (transformers classes only, never remote code), then the Auto classes of causal LMs,
+    seq2seq LMs and vision-language models that know the config, then ``AutoModel``.
+
+    Args:
+        config: a transformers config.
+        model_class: a class to try first (a loaded model's own).
+
+    Returns:
+        The classes.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> from transformers import GPT2Config
+        >>> model_classes(GPT2Config())[0].__name__
+        'AutoModelForCausalLM'
+    """
     import transformers
 
     out = [model_class] if model_class is not None else []
@@ -88,11 +105,44 @@ def _model_classes(config, model_class):
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
         if cls is not None and hasattr(cls, "_from_config"):
             out.append(cls)
-    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageTextToText", "AutoModel"):
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageTextToText"):
         cls = getattr(transformers, auto, None)
-        if cls is not None:
+        if cls is not None and type(config) in cls._model_mapping:
             out.append(cls)
+    out.append(transformers.AutoModel)
     return out
+
+
+def build_on_meta(config, model_class: type | None = None):
+    """The checkpoint's model built on the meta device (no memory, no weights), as the first of
+    :func:`model_classes` that accepts the config.
+
+    Args:
+        config: a transformers config (without ``quantization_config``).
+        model_class: a class to try first.
+
+    Returns:
+        The model, or None when no class accepts the config.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> from transformers import GPT2Config
+        >>> type(build_on_meta(GPT2Config(n_layer=1))).__name__
+        'GPT2LMHeadModel'
+    """
+    import torch
+
+    for cls in model_classes(config, model_class):
+        try:
+            with torch.device("meta"):
+                if cls.__name__.startswith("Auto"):
+                    return cls.from_config(config, trust_remote_code=False)
+                return cls._from_config(config)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return None
 
 
 def inspect_model(folder: "str | object", model_class: type | None = None) -> ModelInfo:
@@ -118,7 +168,6 @@ def inspect_model(folder: "str | object", model_class: type | None = None) -> Mo
         True
     """
     try:
-        import torch
         from torch import nn
         from transformers import AutoConfig
         from transformers.pytorch_utils import Conv1D
@@ -133,17 +182,7 @@ def inspect_model(folder: "str | object", model_class: type | None = None) -> Mo
             for sub in (config, getattr(config, "text_config", None)):
                 if sub is not None and getattr(sub, "quantization_config", None) is not None:
                     del sub.quantization_config
-        model = None
-        for cls in _model_classes(config, model_class):
-            try:
-                with torch.device("meta"):
-                    if hasattr(cls, "from_config"):
-                        model = cls.from_config(config, trust_remote_code=False)
-                    else:
-                        model = cls._from_config(config)
-                break
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
+        model = build_on_meta(config, model_class)
         if model is None:
             raise ValueError(f"no Auto class knows {type(config).__name__}")
     except Exception as e:  # noqa: BLE001 - any failure only disables the structural hints

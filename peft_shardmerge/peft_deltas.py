@@ -170,16 +170,9 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
                                "not in the folder; merge it in process with peft_shardmerge.merge_and_save")
     config = PeftConfig.from_pretrained(adapter_folder)
     from .live import adapter_keys
-    from .model_info import _model_classes
+    from .model_info import build_on_meta
 
-    model = None
-    for cls in _model_classes(base_config, model_class):
-        try:
-            with torch.device("meta"):
-                model = cls.from_config(base_config) if hasattr(cls, "from_config") else cls._from_config(base_config)
-            break
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
+    model = build_on_meta(base_config, model_class)
     if model is None:
         raise UnsupportedError(f"the base model class for {type(base_config).__name__} cannot be built, so the "
                                f"{peft_type} layers cannot be rebuilt; merge in process with merge_and_save")

@@ -176,7 +176,8 @@ def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, see
 
 def model_class(config):
     """The transformers class a config's checkpoint loads into: its ``architectures`` entry when transformers
-    has it, else the causal-LM, seq2seq or image-text-to-text Auto class that knows the config.
+    has it, else the causal-LM, seq2seq or image-text-to-text Auto class that knows the config, else
+    ``AutoModel`` (see :func:`~peft_shardmerge.model_info.model_classes`).
 
     Args:
         config: a transformers config.
@@ -185,23 +186,15 @@ def model_class(config):
         A class with ``from_pretrained``.
 
     Raises:
-        ValueError: no class is known for the config.
+        Nothing.
 
     Example:
         >>> model_class(tiny_config("t5")).__name__
         'T5ForConditionalGeneration'
     """
-    import transformers
+    from .model_info import model_classes
 
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None) if isinstance(name, str) else None
-        if cls is not None:
-            return cls
-    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageTextToText"):
-        cls = getattr(transformers, auto)
-        if type(config) in cls._model_mapping:
-            return cls
-    raise ValueError(f"no transformers class loads a {type(config).__name__}; set config.architectures")
+    return model_classes(config)[0]  # AutoModel, last, always knows a transformers config
 
 
 def model_inputs(config, *, seed: int = 0, images: bool = True) -> dict:
