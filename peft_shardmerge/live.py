@@ -325,7 +325,8 @@ def check_adapter_names(model: nn.Module, adapter_names: list[str]) -> list[str]
 
 def change_key(entry: LiveEntry) -> str:
     """The count-check key of the adapter change an entry receives: its module's path, with the parameter for
-    PEFT layers merged through their own deltas (``"<module>::<parameter>"``).
+    PEFT layers merged through their own deltas (``"<module>::<parameter>"``), ``"tokens:<module>"`` for
+    trainable-token rows.
 
     Args:
         entry: a ``"lora"``, ``"tokens"``, ``"delta"`` or ``"ia3"`` entry.
@@ -340,6 +341,8 @@ def change_key(entry: LiveEntry) -> str:
         >>> change_key(LiveEntry("m.weight", (1,), True, "lora", None, "weight", None, owner="m"))
         'm'
     """
+    if entry.kind == "tokens":
+        return f"tokens:{entry.owner}"  # token rows are counted, not reported as LoRA modules (as on disk)
     return f"{entry.owner}::{entry.attr}" if entry.kind in ("delta", "ia3") else entry.owner
 
 

@@ -219,6 +219,8 @@ def test_other_peft_types_in_process(kind, quant, make_base, tmp_path):
         disk = merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False,
                                 chunk_elems=2048)
         assert disk.lora_modules_merged == disk.lora_modules_total == report.lora_modules_total
+        dry = merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "dry"), dry_run=True, progress=False)
+        assert dry.lora_modules_total == report.lora_modules_total
         assert rel_err(logits_of(str(tmp_path / "disk"), ids), ref) < 1e-5
         auto = merge_and_save(model, str(tmp_path / "auto"), dtype="float32", progress=False)
         assert auto.base_precision == "original"
@@ -273,6 +275,46 @@ def test_lora_on_fused_moe_experts(arch, tmp_path):
     report = merge_and_save(model, str(tmp_path / "auto"), dtype="float32", progress=False)
     assert report.base_precision == "original"
     assert rel_err(logits_of(str(tmp_path / "auto"), ids), ref) < 1e-5
+
+
+def test_trainable_tokens_with_lora_on_fused_experts(tmp_path):
+    """Token rows of an adapter merged through PEFT's rebuilt layers (target_parameters) are kept on both paths."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            intermediate_size=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "base"))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32),
+                           LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"],
+                                      trainable_token_indices=[1, 5, 7], init_lora_weights=False))
+    perturb_trainable(model)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 20, 30, 40]])
+    with torch.no_grad():
+        ref = model.eval()(input_ids=ids).logits
+    model.save_pretrained(str(tmp_path / "adapter"))
+    disk = merge_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "disk"),
+                            progress=False)
+    live = merge_and_save(model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32",
+                          progress=False)
+    assert disk.lora_modules_merged == live.lora_modules_merged == 4  # q_proj and experts, 2 layers; tokens apart
+    for out in ("disk", "live"):
+        assert rel_err(logits_of(str(tmp_path / out), ids), ref) < 1e-5, out
+
+
+def test_two_adapters_training_the_same_tokens_are_refused(make_base, tmp_path):
+    base = make_base("llama")
+    a = build_adapter(base, str(tmp_path / "a"), seed=1, target_modules=["q_proj"], trainable_token_indices=[3])
+    b = build_adapter(base, str(tmp_path / "b"), seed=2, target_modules=["v_proj"], trainable_token_indices=[4])
+    with pytest.raises(InputError, match="two adapters train tokens of 'model.embed_tokens'"):
+        merge_checkpoint(base, [a, b], str(tmp_path / "disk"), progress=False)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), a, adapter_name="a")
+    model.load_adapter(b, adapter_name="b")
+    with pytest.raises(InputError, match="several adapters train tokens here"):
+        merge_and_save(model, str(tmp_path / "live"), adapter_names=["a", "b"], base_precision="dequantized")
+    assert not (tmp_path / "disk").exists() and not (tmp_path / "live").exists()
 
 
 # --- corner cases found in review: each was wrong or crashed once ---
