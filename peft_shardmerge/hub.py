@@ -1,11 +1,11 @@
-"""Publishing a merged folder to the Hugging Face Hub: the model card and the one network call."""
+"""Publishing a merged folder to the Hugging Face Hub: access checks, the model card and the upload call."""
 
 from __future__ import annotations
 
 import logging
 import os
 
-from .errors import MissingDependencyError, ShardMergeError
+from .errors import InputError, MissingDependencyError, ShardMergeError
 
 log = logging.getLogger(__name__)
 
@@ -14,18 +14,101 @@ LARGE_FOLDER_BYTES = 20 * 10**9
 
 
 class HubUploadError(ShardMergeError, RuntimeError):
-    """The upload to the Hub failed; the message never contains the token."""
+    """The Hub could not be reached, refused the repository, or the upload failed; never contains the token."""
 
 
-def model_card(*, repo_id: str, base_model: str | None, adapter: str | None, settings: dict, tags=None) -> str:
-    """A README.md for a merged model, with ``base_model`` metadata and the merge settings.
+def _hf_api(token: str | None):
+    try:
+        from huggingface_hub import HfApi
+    except ImportError as e:  # pragma: no cover - a dependency of transformers
+        raise MissingDependencyError("pushing needs huggingface_hub: pip install huggingface_hub") from e
+    return HfApi(token=token)
+
+
+def _masked(e: BaseException, token: str | None) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text.replace(token, "***") if token else text
+
+
+def prepare_repo(repo_id: str, *, token: str | None = None, private: bool | None = None) -> str:
+    """Check that the Hub can be reached and the repository created or written, before any merge work.
+
+    Creates the repository when it does not exist (``exist_ok``), which proves the token may write to the
+    namespace. A bare name (``"my-model"``) goes to the token owner's namespace, as in huggingface_hub.
+
+    Args:
+        repo_id: ``"user/name"`` or a bare ``"name"``.
+        token: a Hub token; None uses the locally saved one.
+        private: create the repository private (an existing repository keeps its visibility).
+
+    Returns:
+        The full repository id, ``"user/name"``.
+
+    Raises:
+        InputError: offline mode (``HF_HUB_OFFLINE``) is on, or ``repo_id`` is not a repository name.
+        HubUploadError: the Hub cannot be reached or refuses the repository (the token is masked).
+
+    Example:
+        >>> prepare_repo("my-merged-model")   # doctest: +SKIP
+        'me/my-merged-model'
+    """
+    import huggingface_hub.constants as hc
+
+    problems = []
+    if not isinstance(repo_id, str) or not repo_id.strip("/") or repo_id.strip("/").count("/") > 1 \
+            or os.path.isabs(repo_id) or repo_id.startswith((".", "~")):
+        problems.append(f"repo_id must be 'name' or 'user/name', got {repo_id!r}")
+    if hc.HF_HUB_OFFLINE:
+        problems.append("the Hub cannot be reached in offline mode (HF_HUB_OFFLINE=1); unset HF_HUB_OFFLINE to push, "
+                        "or save locally with save_pretrained_merged(model, 'folder') and upload later with "
+                        "`hf upload`")
+    if problems:
+        raise InputError(problems)
+    api = _hf_api(token)
+    try:
+        url = api.create_repo(repo_id.strip("/"), private=private, exist_ok=True, repo_type="model")
+    except Exception as e:  # noqa: BLE001 - any failure is reported, without the token, before merging
+        raise HubUploadError(f"cannot create or write the Hub repository {repo_id!r} at {api.endpoint} "
+                             f"({_masked(e, token)}); nothing was merged. Check the token (`hf auth login`) and "
+                             "the repository name") from None
+    return getattr(url, "repo_id", None) or repo_id.strip("/")
+
+
+def _summarise_targets(targets) -> str:
+    """``q_proj, v_proj`` from a target list; layer paths are cut to their last name, each named once."""
+    if targets is None:
+        return ""
+    if isinstance(targets, str):
+        return targets if len(targets) <= 80 else targets[:77] + "..."
+    names = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
+    return ", ".join(names[:12]) + (f", ... ({len(names)} names)" if len(names) > 12 else "")
+
+
+def _hub_id(name: str | None) -> str | None:
+    """``name`` when it looks like a Hub id (``org/name``), never a local path."""
+    if not name or os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") != 1 \
+            or os.path.exists(name):
+        return None
+    return name
+
+
+def model_card(*, repo_id: str, base_model: str | None, adapter: str | None = None, settings: dict,
+               tags=None, target_modules=None) -> str:
+    """A README.md for a merged model, built with huggingface_hub's ``ModelCard``/``ModelCardData``.
+
+    The metadata carries ``base_model`` (only when it is a Hub id: a local path is never written),
+    ``base_model_relation: finetune`` (a LoRA merged into its base is a fine-tune of that base; the Hub
+    keeps ``merge`` for several models merged together and ``adapter`` for adapter-only repositories),
+    ``library_name: transformers`` and tags. The body lists the merge settings and the target module names
+    once each, not every layer path.
 
     Args:
         repo_id: the target repository.
-        base_model: the base model's Hub id or path (``base_model`` metadata when it looks like a Hub id).
-        adapter: where the adapter came from.
+        base_model: the base model's Hub id (or a local path, which is left out).
+        adapter: a short description of the adapter (its PEFT type).
         settings: merge settings to list (dtype, base precision, shards, ...).
         tags: extra tags.
+        target_modules: the adapter's target modules (a list or PEFT's regex string), summarised.
 
     Returns:
         The Markdown text with YAML front matter.
@@ -34,32 +117,34 @@ def model_card(*, repo_id: str, base_model: str | None, adapter: str | None, set
         Nothing.
 
     Example:
-        >>> print(model_card(repo_id="me/m", base_model="org/base", adapter="run-1", settings={"dtype": "bfloat16"}))
+        >>> print(model_card(repo_id="me/m", base_model="org/base", settings={"dtype": "bfloat16"}))
         ... # doctest: +ELLIPSIS
         ---
         base_model: org/base
+        library_name: transformers
+        ...
+        base_model_relation: finetune
+        ---
         ...
     """
-    hub_like = bool(base_model) and base_model.count("/") == 1 and not base_model.startswith((".", "/", "~"))
-    meta = ["---"]
-    if hub_like:
-        meta.append(f"base_model: {base_model}")
-    meta += ["library_name: transformers", "tags:", "- peft-shardmerge", "- merged-lora"]
-    meta += [f"- {t}" for t in (tags or [])]
-    meta.append("---")
-    rows = "\n".join(f"| {k} | {v} |" for k, v in settings.items())
-    body = f"""
-# {repo_id.split('/')[-1]}
+    from huggingface_hub import ModelCard, ModelCardData
 
-This model is {base_model or 'a base model'} with a LoRA adapter ({adapter or 'in memory'}) merged into its
-weights by [peft-shardmerge](https://pypi.org/project/peft-shardmerge/). It loads with
-`AutoModelForCausalLM.from_pretrained("{repo_id}")`; no PEFT or bitsandbytes is needed.
-
-| merge setting | value |
-|---|---|
-{rows}
-"""
-    return "\n".join(meta) + "\n" + body
+    hub_base = _hub_id(base_model)
+    data = ModelCardData(base_model=hub_base, library_name="transformers",
+                         tags=["peft-shardmerge", "merged-lora", *[t for t in (tags or []) if t]],
+                         **({"base_model_relation": "finetune"} if hub_base else {}))
+    rows = dict(settings)
+    targets = _summarise_targets(target_modules)
+    if targets:
+        rows["target modules"] = targets
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows.items())
+    origin = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else "The base model"
+    name = repo_id.split("/")[-1]
+    body = (f"\n# {name}\n\n{origin} with a {adapter or 'LoRA'} adapter merged into its weights by "
+            "[peft-shardmerge](https://pypi.org/project/peft-shardmerge/). It loads with "
+            f"`AutoModelForCausalLM.from_pretrained(\"{repo_id}\")`; no PEFT or bitsandbytes is needed.\n\n"
+            f"| merge setting | value |\n|---|---|\n{table}\n")
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
 def upload_folder(folder: str, repo_id: str, *, token: str | None = None, private: bool | None = None,
@@ -90,12 +175,8 @@ def upload_folder(folder: str, repo_id: str, *, token: str | None = None, privat
         >>> upload_folder("merged", "me/llama-merged", private=True)   # doctest: +SKIP
         'https://huggingface.co/me/llama-merged/commit/…'
     """
-    try:
-        from huggingface_hub import HfApi
-    except ImportError as e:  # pragma: no cover - a dependency of transformers
-        raise MissingDependencyError("pushing needs huggingface_hub: pip install huggingface_hub") from e
     size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
-    api = HfApi(token=token)
+    api = _hf_api(token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if size > LARGE_FOLDER_BYTES and not create_pr:
@@ -107,7 +188,4 @@ def upload_folder(folder: str, repo_id: str, *, token: str | None = None, privat
                                  revision=revision, create_pr=create_pr, repo_type="model")
         return str(getattr(info, "commit_url", info))
     except Exception as e:  # noqa: BLE001 - any failure is reported without the token
-        text = f"{type(e).__name__}: {e}"
-        if token:
-            text = text.replace(token, "***")
-        raise HubUploadError(f"upload of {folder} to {repo_id} failed: {text}") from None
+        raise HubUploadError(f"upload to {repo_id} failed: {_masked(e, token)}") from None
