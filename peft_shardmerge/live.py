@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .errors import InputError, UnsupportedError
+from .model_check import adapter_keys
 from .model_info import ModelInfo, inspect_model
 from .plan import _tie_enabled
 
@@ -362,30 +363,6 @@ def _delta_layer(module: nn.Module | None) -> bool:
 
 def _is_ia3(module: nn.Module | None) -> bool:
     return module is not None and hasattr(module, "ia3_l")
-
-
-def adapter_keys(layer: nn.Module) -> set[str]:
-    """The adapter names a PEFT layer holds weights for.
-
-    Args:
-        layer: a PEFT tuner layer.
-
-    Returns:
-        The names (e.g. ``{"default"}``).
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> adapter_keys(torch.nn.Linear(1, 1))
-        set()
-    """
-    names: set[str] = set()
-    for attr in getattr(layer, "adapter_layer_names", ()):
-        store = getattr(layer, attr, None)
-        if hasattr(store, "keys"):
-            names |= set(store.keys())
-    return names
 
 
 def _token_layer(module: nn.Module):

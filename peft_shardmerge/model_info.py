@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from .support import layer_kind
+
 log = logging.getLogger(__name__)
 
 
@@ -24,6 +26,8 @@ class ModelInfo:
         state_names: every parameter/buffer name the class expects.
         shapes: the expected shape of each of them.
         tie_enabled: whether the config ties the output embedding to the input embedding.
+        layers: the allowlist's kind of each module that holds parameters (``{"model.layers.0.mlp.up_proj":
+            "Linear"}``; see :func:`~peft_shardmerge.support.layer_kind`).
     """
 
     available: bool = False
@@ -37,6 +41,7 @@ class ModelInfo:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     tie_enabled: bool = False
     conversions: tuple = ((), (), (), "")
+    layers: dict[str, str] = field(default_factory=dict)
 
     def memory_names(self, file_keys: "list[str]") -> dict[str, tuple[str, bool]]:
         """The in-memory name each checkpoint key loads into, as ``from_pretrained`` renames it (transformers'
@@ -197,6 +202,8 @@ def inspect_model(folder: "str | object", model_class: type | None = None) -> Mo
     info.tie_enabled = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
     skip = set(get_keys_to_not_convert(model))
     for name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            info.layers[name] = layer_kind(module)
         if isinstance(module, Conv1D):
             info.transposed.add(f"{name}.weight")
         if (isinstance(module, Conv1D) or type(module) is nn.Linear) and not any(

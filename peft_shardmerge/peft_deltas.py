@@ -39,7 +39,10 @@ class PeftOp:
     def delta(self) -> torch.Tensor:
         """PEFT's weight delta in the layout of the in-memory tensor, float32 (``kind == "delta"``)."""
         if type(self.layer).__name__ == "ParamWrapper":  # its get_delta_weight moves the result to the meta device
-            lhs, rhs, scaling = self.layer.get_delta_factors(ADAPTER)
+            if self.layer.num_experts == 1:  # a 2-D parameter: PEFT's delta is B @ A, in the weight's [out, in]
+                a, b = self.layer.lora_A[ADAPTER].weight, self.layer.lora_B[ADAPTER].weight
+                return (b.float() @ a.float()) * self.layer.scaling[ADAPTER]
+            lhs, rhs, scaling = self.layer.get_delta_factors(ADAPTER)  # [experts, ...], as the fused parameter
             return (lhs.float() @ rhs.float()) * scaling
         return self.layer.get_delta_weight(ADAPTER).detach().float()
 
@@ -169,7 +172,7 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
         raise UnsupportedError("the VeRA adapter was saved with save_projection=False: its shared projections are "
                                "not in the folder; merge it in process with peft_shardmerge.merge_and_save")
     config = PeftConfig.from_pretrained(adapter_folder)
-    from .live import adapter_keys
+    from .model_check import adapter_keys
     from .model_info import build_on_meta
 
     model = build_on_meta(base_config, model_class)

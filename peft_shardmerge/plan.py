@@ -11,10 +11,13 @@ import torch
 
 from .adapter import AdapterSpec, LoraModule
 from .errors import InputError
+from .model_check import check_model, no_bias_problem
 from .model_info import ModelInfo
 from .quant import Nf4Settings
+from .reading_rules import unmergeable_targets
 from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, TensorInfo, row_blocks
 from .sources import CheckpointSource
+from .support import DISK, check_layers, config_variants, raise_if_any
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 BASE_PRECISIONS = ("original", "nf4")
@@ -451,6 +454,40 @@ def in_file_names(info: ModelInfo, file_keys: list[str]):
     return out, to_file, parts
 
 
+def disk_layer_problems(adapter: AdapterSpec, info: ModelInfo) -> list[str]:
+    """What the allowlist refuses among the layers an adapter folder changes (the disk path).
+
+    Args:
+        adapter: the adapter, with PEFT's rebuilt layers for types merged through them.
+        info: the base model's structure (layer kinds by module name).
+
+    Returns:
+        The refusals (empty when every layer is claimed for the disk path).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> disk_layer_problems(load_adapter("adapter"), inspect_model("base"))  # doctest: +SKIP
+        []
+    """
+    per_layer, _ = config_variants(adapter.config)
+    uses = []
+    for path, mod in sorted(adapter.modules.items()):
+        kind = info.layers.get(path) or {"embedding": "Embedding", "conv": f"Conv{len(mod.a.shape) - 2}d"}.get(
+            mod.kind, "Conv1D" if adapter.fan_in_fan_out else "Linear")
+        variants = per_layer + ["DoRA"] * (mod.magnitude is not None) + ["lora_bias"] * (mod.bias is not None)
+        uses.append((path, "LORA", kind, variants))
+    problems = check_layers(uses, path=DISK)
+    no_bias = [p for p, m in sorted(adapter.modules.items()) if m.bias is not None and info.available
+               and f"{p}.bias" not in info.state_names]
+    if no_bias:
+        problems.append(no_bias_problem(no_bias))
+    if adapter.layers is not None and adapter.layers.model is not None:
+        problems += check_model(adapter.layers.model, ["default"], path=DISK, values=False)[0]
+    return problems
+
+
 def build_plan(
     base: CheckpointSource,
     adapter: AdapterSpec,
@@ -672,8 +709,8 @@ def build_plan(
 
     if adapter.tokenizer_files:
         notes.append("tokenizer files taken from the adapter folder (they replace the base's)")
-    if problems:
-        raise InputError(problems)
+    problems += unmergeable_targets(list(planned.values()))  # integer / float8 tensors cannot take a delta
+    raise_if_any(disk_layer_problems(adapter, info), problems)
 
     order = list(base.by_name) + [n for n in virtual if n in untied]
     tensors = [planned[n] for n in order]

@@ -1,0 +1,407 @@
+"""What peft-shardmerge merges: the allowlist (PEFT type x layer x variant x path, as data) and the one check of it
+that every API runs before anything is written or any module replaced."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .errors import InputError, UnsupportedError
+
+DISK, IN_PROCESS = "disk", "in_process"
+PATHS = (DISK, IN_PROCESS)
+#: the pseudo-layer of options that concern a whole adapter rather than one layer
+ADAPTER = "(adapter)"
+
+_LORA_VARIANTS = ("plain", "rsLoRA", "rank/alpha pattern", "DoRA", "lora_bias")
+#: (PEFT type, layers, variants, paths, doc): every combination listed is claimed and tested; nothing else is
+_SPEC: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], str], ...] = (
+    ("LORA", ("Linear", "Conv1D", "Conv2d", "Conv3d"), _LORA_VARIANTS, PATHS, "variants-layers.md"),
+    ("LORA", ("Embedding",), ("plain", "rsLoRA", "rank/alpha pattern", "DoRA"), PATHS, "variants-layers.md"),
+    ("LORA", ("Linear4bit", "Linear8bitLt"), ("plain", "rsLoRA", "rank/alpha pattern", "DoRA"), (IN_PROCESS,),
+     "after-training.md"),
+    ("LORA", ("parameter 2-D", "parameter 3-D"), ("plain", "rsLoRA", "rank/alpha pattern"), PATHS,
+     "variants-layers.md"),
+    ("LORA", (ADAPTER,), ("modules_to_save", "bias='all'/'lora_only'", "trainable_token_indices",
+                          "several adapters"), PATHS, "variants-several-adapters.md"),
+    ("LORA", (ADAPTER,), ("residual init (PiSSA, OLoRA, CorDA, LoftQ)",), (IN_PROCESS,), "choosing-the-base.md"),
+    ("TRAINABLE_TOKENS", ("Embedding", "Linear"), ("plain",), PATHS, "variants-vocabulary.md"),
+    ("LOHA", ("Linear",), ("plain", "rank/alpha pattern"), PATHS, "variants-other-peft.md"),
+    ("LOKR", ("Linear",), ("plain", "rank/alpha pattern"), PATHS, "variants-other-peft.md"),
+    ("VERA", ("Linear",), ("plain",), PATHS, "variants-other-peft.md"),
+    ("VERA", ("Linear4bit",), ("plain",), (IN_PROCESS,), "variants-other-peft.md"),
+    ("IA3", ("Linear", "Conv2d"), ("plain", "feedforward"), PATHS, "variants-other-peft.md"),
+    ("IA3", ("Linear4bit",), ("plain", "feedforward"), (IN_PROCESS,), "variants-other-peft.md"),
+    ("LOHA", (ADAPTER,), ("modules_to_save",), PATHS, "variants-other-peft.md"),
+    ("LOKR", (ADAPTER,), ("modules_to_save",), PATHS, "variants-other-peft.md"),
+    ("LOHA", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-other-peft.md"),
+    ("LOKR", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-other-peft.md"),
+    ("VERA", (ADAPTER,), ("several adapters", "projections not saved"), (IN_PROCESS,), "variants-other-peft.md"),
+)
+
+#: every claimed ``(peft_type, layer, variant, path)``: the allowlist as data
+CLAIMS: frozenset[tuple[str, str, str, str]] = frozenset(
+    (t, layer, v, p) for t, layers, variants, paths, _ in _SPEC for layer in layers for v in variants for p in paths)
+#: the PEFT types with at least one claim
+PEFT_TYPES: tuple[str, ...] = tuple(dict.fromkeys(t for t, *_ in _SPEC))
+
+#: config fields that do not change the merged weights (metadata, target selection, training-only settings)
+_INERT = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+          "inference_mode", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern",
+          "lora_dropout", "rank_dropout", "module_dropout", "rank_dropout_scale", "vera_dropout", "runtime_config",
+          "megatron_core", "qalora_group_size", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+          "init_weights",
+          "init_ia3_weights", "d_initial", "projection_prng_key"}
+#: config fields whose values the merge takes into account, per PEFT type
+_HANDLED = {
+    "LORA": {"r", "lora_alpha", "fan_in_fan_out", "bias", "use_rslora", "modules_to_save", "init_lora_weights",
+             "rank_pattern", "alpha_pattern", "trainable_token_indices", "use_dora", "lora_bias",
+             "target_parameters"},
+    "LOHA": {"r", "alpha", "rank_pattern", "alpha_pattern", "use_effective_conv2d", "modules_to_save"},
+    "LOKR": {"r", "alpha", "rank_pattern", "alpha_pattern", "use_effective_conv2d", "decompose_both",
+             "decompose_factor", "modules_to_save"},
+    "VERA": {"r", "save_projection", "fan_in_fan_out", "bias", "modules_to_save"},
+    "IA3": {"feedforward_modules", "fan_in_fan_out", "modules_to_save"},
+    "TRAINABLE_TOKENS": {"token_indices"},
+}
+#: config fields that change the forward in a way no path merges, refused when set, with what to do instead
+_REFUSED = {
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) applies the adapter only after the "
+                               "invocation tokens; a merged model applies it everywhere, so it is not the aLoRA model",
+    "use_qalora": "QA-LoRA (use_qalora) pools the inputs of a quantized layer; its delta is not a weight delta",
+    "layer_replication": "layer_replication changes the layer structure and cannot be merged into the base layout",
+    "megatron_config": "megatron_config builds Megatron parallel layers; merge a regular (non-Megatron) adapter",
+    "arrow_config": "Arrow routing (arrow_config) mixes adapters per token; there is no single weight delta",
+    "velora_config": "VeLoRA (velora_config) is not supported",
+    "monteclora_config": "MonteCLoRA (monteclora_config) is not supported",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+    "kasa_config": "KaSA (kasa_config) is not supported",
+    "ensure_weight_tying": "ensure_weight_tying ties adapter layers across tied modules, which is not supported",
+}
+#: init_lora_weights values that leave the base as it was (the merge ignores how A and B started)
+_PLAIN_INITS = {True, False, "gaussian", "eva", "orthogonal"}
+_RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq")
+_PROMPT_TYPES = {"PROMPT_TUNING", "MULTITASK_PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "ADAPTION_PROMPT", "CPT",
+                 "CARTRIDGE"}
+_INSTEAD = ("for it, load the base unquantized in fp32, use PEFT's own merge_and_unload() if PEFT can merge it, and "
+            "save_pretrained() the result")
+
+
+def is_claimed(peft_type: str, layer: str, variant: str = "plain", path: str = IN_PROCESS) -> bool:
+    """Whether one combination is in the allowlist.
+
+    Args:
+        peft_type: PEFT's type name, e.g. ``"LORA"``.
+        layer: a layer kind from :func:`layer_kind` (``"Linear"``, ``"Conv1D"``, ``"parameter 3-D"``, ...) or
+            ``"(adapter)"`` for adapter-wide options.
+        variant: ``"plain"``, ``"DoRA"``, ``"rsLoRA"``, ``"lora_bias"``, ...
+        path: ``"disk"`` (merge_checkpoint) or ``"in_process"`` (merge_and_save, merge_and_unload, ...).
+
+    Returns:
+        True when claimed (and tested).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> is_claimed("LORA", "Linear", "DoRA", "disk"), is_claimed("OFT", "Linear")
+        (True, False)
+    """
+    return (peft_type, layer, variant, path) in CLAIMS
+
+
+def support_table() -> str:
+    """The README's "What is supported" table of adapters, generated from the allowlist.
+
+    Returns:
+        Markdown: one row per PEFT type, layers and variants, with the paths that merge them.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> support_table().splitlines()[0]
+        '| PEFT type | layers | variants | paths | details |'
+    """
+    names = {DISK: "disk", IN_PROCESS: "in process"}
+    rows = ["| PEFT type | layers | variants | paths | details |", "|---|---|---|---|---|"]
+    for peft_type, layers, variants, paths, doc in _SPEC:
+        shown = [v for v in variants if v != "plain"]
+        layer_text = "adapter options" if layers == (ADAPTER,) else ", ".join(f"`{x}`" for x in layers)
+        rows.append(f"| {peft_type} | {layer_text} | {', '.join(shown) or '—'} | "
+                    f"{' and '.join(names[p] for p in paths)} | [docs/{doc}](docs/{doc}) |")
+    return "\n".join(rows)
+
+
+def layer_kind(module: nn.Module) -> str:
+    """The allowlist's name for the kind of a base layer.
+
+    Args:
+        module: a base layer (what a PEFT layer wraps), or PEFT's ``ParamWrapper``.
+
+    Returns:
+        ``"Linear"``, ``"Conv1D"`` (transformers), ``"Embedding"``, ``"Conv2d"``, ``"Conv2d (groups=4)"``,
+        ``"MultiheadAttention"``, ``"Linear4bit"``, ``"parameter 3-D"`` (``target_parameters``), or the class name.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> layer_kind(torch.nn.Conv2d(4, 4, 3, groups=2)), layer_kind(torch.nn.Linear(2, 2))
+        ('Conv2d (groups=2)', 'Linear')
+    """
+    name = type(module).__name__
+    if name == "ParamWrapper":
+        return f"parameter {module.get_param().dim()}-D"
+    if name in ("Linear4bit", "Linear8bitLt"):
+        return name
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        Conv1D = ()
+    if Conv1D and isinstance(module, Conv1D):
+        return "Conv1D"
+    if isinstance(module, nn.MultiheadAttention):
+        return "MultiheadAttention"
+    for cls in (nn.Linear, nn.Embedding):
+        if isinstance(module, cls):
+            return cls.__name__
+    for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        if isinstance(module, cls):
+            return cls.__name__ if module.groups == 1 else f"{cls.__name__} (groups={module.groups})"
+    return name
+
+
+def _as_dict(config: Any) -> dict:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if dataclasses.is_dataclass(config):
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return dict(vars(config))
+
+
+def peft_type_of(config: Any) -> str:
+    """A PEFT config's type as a string (``"LORA"``), from a ``PeftConfig`` or an ``adapter_config.json`` dict.
+
+    Args:
+        config: the config.
+
+    Returns:
+        The type name, "" when the config has none.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> peft_type_of({"peft_type": "LORA"})
+        'LORA'
+    """
+    value = _as_dict(config).get("peft_type")
+    return str(getattr(value, "value", value) or "")
+
+
+def residual_init(init: object) -> bool:
+    """Whether ``init_lora_weights`` rewrote the base in memory (PiSSA, OLoRA, CorDA, LoftQ).
+
+    Args:
+        init: the ``init_lora_weights`` value.
+
+    Returns:
+        True for those methods.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> residual_init("pissa_niter_4"), residual_init(True)
+        (True, False)
+    """
+    return isinstance(init, str) and init.lower().startswith(_RESIDUAL_INITS)
+
+
+def config_variants(config: Any) -> tuple[list[str], list[str]]:
+    """The variants a config asks for: ``(per-layer variants, adapter-wide variants)``.
+
+    Args:
+        config: a ``PeftConfig`` or an ``adapter_config.json`` dict.
+
+    Returns:
+        Two lists of allowlist variant names.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> config_variants({"peft_type": "LORA", "use_rslora": True, "modules_to_save": ["lm_head"]})
+        (['rsLoRA'], ['modules_to_save'])
+    """
+    c = _as_dict(config)
+    layer, adapter = [], []
+    if c.get("use_rslora"):
+        layer.append("rsLoRA")
+    if c.get("rank_pattern") or c.get("alpha_pattern"):
+        layer.append("rank/alpha pattern")
+    if c.get("modules_to_save"):
+        adapter.append("modules_to_save")
+    if c.get("bias") not in (None, "none"):
+        adapter.append("bias='all'/'lora_only'")
+    if c.get("trainable_token_indices"):
+        adapter.append("trainable_token_indices")
+    if residual_init(c.get("init_lora_weights")):
+        adapter.append("residual init (PiSSA, OLoRA, CorDA, LoftQ)")
+    if peft_type_of(c) == "VERA" and not c.get("save_projection", True):
+        adapter.append("projections not saved")
+    return layer, adapter
+
+
+def check_config(config: Any, *, where: str, path: str, combined: bool = False) -> list[str]:
+    """Every reason the allowlist refuses one adapter's config on one path: an unclaimed PEFT type, a field that
+    changes the forward and that no path merges, an unknown field set to a non-default value, an unclaimed
+    adapter-wide variant.
+
+    Args:
+        config: a ``PeftConfig`` or an ``adapter_config.json`` dict.
+        where: how to name the adapter in messages (its folder or ``adapter 'default'``).
+        path: ``"disk"`` or ``"in_process"``.
+        combined: the adapter is merged together with others or with a weight.
+
+    Returns:
+        The problems (empty when supported).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> check_config({"peft_type": "OFT"}, where="adapter x", path="disk")[0][:60]
+        "adapter x has peft_type='OFT'; the disk engine merges LORA, "
+    """
+    c = _as_dict(config)
+    peft_type = peft_type_of(c)
+    if peft_type not in PEFT_TYPES:
+        why = ("it has no weight delta (it adds virtual tokens or prefixes), so there is nothing to merge into a "
+               "checkpoint; serve it with PEFT" if peft_type in _PROMPT_TYPES else _INSTEAD)
+        engine = "disk engine" if path == DISK else "in-process merge"
+        return [f"{where} has peft_type={peft_type or None!r}; the {engine} merges {', '.join(PEFT_TYPES)} "
+                f"adapters only. {why[0].upper() + why[1:]}"]
+    problems = [f"{where}: {msg} ({key}={c[key]!r})" for key, msg in _REFUSED.items() if c.get(key)]
+    handled = _HANDLED[peft_type] | _INERT
+    unknown = sorted(k for k, v in c.items() if k not in handled and k not in _REFUSED and v not in (None, False, "",
+                                                                                                  [], {}, 0))
+    if unknown:
+        problems.append(f"{where}: {peft_type} config option(s) {', '.join(f'{k}={c[k]!r}' for k in unknown)} are not "
+                        f"supported (this version does not know how they change the model); {_INSTEAD}")
+    init = c.get("init_lora_weights", True)
+    if peft_type == "LORA" and not residual_init(init) and not any(init is x or init == x for x in _PLAIN_INITS):
+        problems.append(f"{where}: init_lora_weights={init!r} is not supported; {_INSTEAD}")
+    if peft_type in ("LORA", "VERA") and c.get("bias") not in (None, "none", "all", "lora_only"):
+        problems.append(f"{where}: bias={c.get('bias')!r} is not one of 'none', 'all', 'lora_only'")
+    if peft_type == "VERA" and c.get("bias") not in (None, "none"):
+        problems.append(f"{where}: VeRA with bias={c.get('bias')!r} is not supported; {_INSTEAD}")
+    _, adapter_wide = config_variants(c)
+    if path == DISK and residual_init(init):
+        adapter_wide.remove("residual init (PiSSA, OLoRA, CorDA, LoftQ)")
+        problems.append(f"{where}: init_lora_weights={init!r} trains against a residual base (W minus the initial "
+                        "LoRA), not the checkpoint's W; save the adapter with save_pretrained(..., "
+                        "path_initial_model_for_weight_conversion=...) to convert it to a plain LoRA first, or merge "
+                        "the model in process with merge_and_save")
+    for variant in adapter_wide + (["several adapters"] if combined else []):
+        if not is_claimed(peft_type, ADAPTER, variant, path):
+            problems.append(_variant_problem(where, peft_type, ADAPTER, variant, path))
+    return problems
+
+
+def _variant_problem(where: str, peft_type: str, layer: str, variant: str, path: str) -> str:
+    other = IN_PROCESS if path == DISK else DISK
+    on = "" if layer == ADAPTER else f" on {layer}"
+    if is_claimed(peft_type, layer, variant, other):
+        fix = ("merge it in process with peft_shardmerge.merge_and_save / merge_and_unload" if path == DISK else
+               "save the adapter and merge it from disk with peft_shardmerge.merge_checkpoint")
+        return f"{where}: {peft_type} {variant}{on} is supported only {other.replace('_', ' ')}; {fix}"
+    if variant == "plain":
+        layers = sorted({x for t, x, v, p in CLAIMS if t == peft_type and p == path and x != ADAPTER})
+        return (f"{where}: {peft_type} on a {layer} layer is not supported (supported: {', '.join(layers)}); "
+                f"{_INSTEAD}")
+    return f"{where}: {peft_type} {variant}{on} is not supported; {_INSTEAD}"
+
+
+def check_layers(uses: Iterable[tuple[str, str, str, Iterable[str]]], *, path: str) -> list[str]:
+    """Every reason the allowlist refuses some adapted layers, one line per kind of refusal with the layers named.
+
+    Args:
+        uses: ``(layer name, PEFT type, layer kind, variants)`` for each adapted layer.
+        path: ``"disk"`` or ``"in_process"``.
+
+    Returns:
+        The problems (empty when every layer is supported).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> check_layers([("attn", "LORA", "MultiheadAttention", [])], path="in_process")[0][:45]
+        'attn: LORA on a MultiheadAttention layer is n'
+    """
+    grouped: dict[str, list[str]] = {}
+    for name, peft_type, kind, variants in uses:
+        for variant in ("plain", *variants):
+            if not is_claimed(peft_type, kind, variant, path):
+                grouped.setdefault(_variant_problem("{names}", peft_type, kind, variant, path), []).append(name)
+                break
+    out = []
+    for message, names in grouped.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        out.append(message.replace("{names}", shown, 1))
+    return out
+
+
+def raise_if_any(unsupported: list[str], bad: list[str] | None = None) -> None:
+    """Raise the refusals: :class:`UnsupportedError` when anything is unsupported, else :class:`InputError` for
+    bad input, else nothing.
+
+    Args:
+        unsupported: allowlist refusals.
+        bad: other problems with the inputs (non-finite adapter weights, ...).
+
+    Returns:
+        None.
+
+    Raises:
+        UnsupportedError: ``unsupported`` is not empty (every problem in the message).
+        InputError: only ``bad`` problems.
+
+    Example:
+        >>> raise_if_any([], [])
+    """
+    if unsupported:
+        lines = unsupported + list(bad or [])
+        raise UnsupportedError(f"{len(lines)} problem{'s' if len(lines) != 1 else ''} found before writing "
+                               "anything (see README 'What is supported'):\n" + "\n".join(f"  - {p}" for p in lines))
+    if bad:
+        raise InputError(bad)
+
+
+def nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of floating-point tensors holding NaN or Inf (meta tensors skipped).
+
+    Args:
+        tensors: ``(name, tensor)`` pairs.
+
+    Returns:
+        The names.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> nonfinite([("a", torch.tensor([1.0, float("nan")])), ("b", torch.ones(2))])
+        ['a']
+    """
+    return [n for n, t in tensors if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all())]
+
+
+__all__ = ["CLAIMS", "PEFT_TYPES", "DISK", "IN_PROCESS", "ADAPTER", "is_claimed", "support_table", "layer_kind",
+           "peft_type_of", "residual_init", "config_variants", "check_config", "check_layers", "raise_if_any",
+           "nonfinite"]

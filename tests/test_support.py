@@ -1,0 +1,190 @@
+"""The allowlist: what is claimed is merged equal to PEFT on every API, everything else is refused by name on every
+API before anything is written or any module replaced."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from peft_shardmerge import InputError, UnsupportedError, merge_and_save, merge_checkpoint
+from peft_shardmerge.inprocess import merge_and_unload
+from peft_shardmerge.support import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
+from peft_shardmerge.tiny import perturb_trainable, token_ids
+from tests.helpers import logits_of, rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _peft(base: str, config, *, perturb: bool = True):
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config)
+    if perturb:
+        perturb_trainable(model, 0.05)
+    return model.eval()
+
+
+def _every_path_refuses(base: str, config, tmp_path, error, match: str) -> None:
+    """merge_and_save (both base precisions), merge_and_unload and merge_checkpoint all refuse, write nothing and
+    leave the model as it was."""
+    model = _peft(base, config)
+    adapter = str(tmp_path / "adapter")
+    model.save_pretrained(adapter)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for precision in ("auto", "dequantized"):
+        with pytest.raises(error, match=match):
+            merge_and_save(model, str(tmp_path / f"live-{precision}"), base_precision=precision, progress=False)
+        assert not os.path.exists(tmp_path / f"live-{precision}")
+    with pytest.raises(error, match=match):
+        merge_and_unload(model)
+    with pytest.raises(error, match=match):
+        merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False)
+    assert not os.path.exists(tmp_path / "disk")
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+# --- the allowlist as data, and the documents generated from it ---
+
+
+def test_allowlist_is_data_and_names_types_layers_variants_paths():
+    assert {"LORA", "LOHA", "LOKR", "VERA", "IA3", "TRAINABLE_TOKENS"} == set(PEFT_TYPES)
+    assert all(len(c) == 4 and c[3] in ("disk", "in_process") for c in CLAIMS)
+    assert is_claimed("LORA", "Conv1D", "DoRA", "disk") and is_claimed("LORA", "Linear4bit", "DoRA", "in_process")
+    assert not is_claimed("LORA", "Linear4bit", "plain", "disk")  # a 4-bit layer exists only in memory
+    assert not is_claimed("LORA", "parameter 2-D", "DoRA", "in_process")
+    assert not is_claimed("LORA", "MultiheadAttention") and not is_claimed("LORA", "Conv2d (groups=2)")
+    assert not is_claimed("OFT", "Linear") and not is_claimed("ADALORA", "Linear")
+
+
+def test_readme_table_is_the_allowlist():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert support_table() in readme
+
+
+@pytest.mark.parametrize("module,kind", [
+    (nn.Linear(4, 4), "Linear"), (nn.Embedding(4, 4), "Embedding"), (nn.Conv2d(4, 4, 3), "Conv2d"),
+    (nn.Conv2d(4, 4, 3, groups=2), "Conv2d (groups=2)"), (nn.Conv3d(2, 2, 1), "Conv3d"),
+    (nn.MultiheadAttention(8, 2), "MultiheadAttention"), (nn.Conv1d(4, 4, 3), "Conv1d")])
+def test_layer_kinds(module, kind):
+    assert layer_kind(module) == kind
+
+
+# --- silently wrong once: now equal to PEFT on every path ---
+
+
+def test_lora_on_a_2d_parameter_matches_peft_on_every_path(make_base, tmp_path):
+    """target_parameters on 2-D weights (non-square up_proj): PEFT's delta B @ A in the weight's own layout."""
+    base = make_base("llama")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
+                        target_parameters=["self_attn.q_proj.weight", "mlp.up_proj.weight"])
+    model = _peft(base, config)
+    ids = token_ids(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        plain = model.get_base_model()(input_ids=ids).logits if False else None
+    adapter = str(tmp_path / "adapter")
+    model.save_pretrained(adapter)
+    outs = {"disk": merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False, chunk_elems=64)}
+    for precision in ("auto", "dequantized"):
+        outs[precision] = merge_and_save(model, str(tmp_path / precision), base_precision=precision,
+                                         dtype="float32", progress=False)
+    assert outs["auto"].base_precision == "original"
+    peft_state = _peft(base, config).merge_and_unload().state_dict()
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert peft_state[up].shape[0] != peft_state[up].shape[1]
+    for name in ("disk", "auto", "dequantized"):
+        got = load_file(str(tmp_path / name / "model.safetensors"))
+        for key in (up, "model.layers.1.self_attn.q_proj.weight"):
+            torch.testing.assert_close(got[key], peft_state[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert rel_err(logits_of(str(tmp_path / name), ids), ref) < 1e-5, name
+    unloaded = merge_and_unload(model, dtype="float32")
+    with torch.no_grad():
+        assert rel_err(unloaded(input_ids=ids).logits, ref) < 1e-5
+    del plain
+
+
+# --- refused by name on every path ---
+
+
+def test_lora_bias_on_a_layer_without_bias_is_refused_everywhere(make_base, tmp_path):
+    config = LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True, init_lora_weights=False)
+    _every_path_refuses(make_base("llama"), config, tmp_path, UnsupportedError, r"lora_bias=True on a layer whose "
+                        r"base has no bias.*q_proj|q_proj.*lora_bias=True on a layer whose base has no bias")
+
+
+def test_activated_lora_is_refused_everywhere(make_base, tmp_path):
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5, 6],
+                        task_type="CAUSAL_LM", init_lora_weights=False)
+    _every_path_refuses(make_base("llama"), config, tmp_path, UnsupportedError,
+                        r"activated LoRA \(alora_invocation_tokens\).*not the aLoRA model")
+
+
+def _other_types():
+    import peft
+
+    return {
+        "OFT": lambda: peft.OFTConfig(r=4, oft_block_size=0, target_modules=["q_proj"]),
+        "HRA": lambda: peft.HRAConfig(r=4, target_modules=["q_proj"]),
+        "BOFT": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj"]),
+        "ADALORA": lambda: peft.AdaLoraConfig(r=4, target_modules=["q_proj"], total_step=10),
+        "LN_TUNING": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
+        "MISS": lambda: peft.MissConfig(r=4, target_modules=["q_proj"]),
+        "PROMPT_TUNING": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    }
+
+
+@pytest.mark.parametrize("peft_type", sorted(_other_types()))
+def test_unclaimed_peft_types_are_refused_by_name_everywhere(peft_type, make_base, tmp_path):
+    _every_path_refuses(make_base("llama"), _other_types()[peft_type](), tmp_path, UnsupportedError,
+                        rf"peft_type='{peft_type}'; the (disk engine|in-process merge) merges LORA, ")
+
+
+def test_nan_adapter_is_refused_before_the_model_changes(make_base, tmp_path):
+    model = _peft(make_base("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        model.base_model.model.model.layers[1].self_attn.v_proj.lora_B["default"].weight[0, 0] = float("nan")
+    for call in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "o"), progress=False,
+                                                                         base_precision="dequantized")):
+        with pytest.raises(InputError, match=r"NaN or Inf: .*layers\.1\.self_attn\.v_proj\.lora_B"):
+            call()
+    from peft.tuners.lora import LoraLayer
+
+    assert sum(isinstance(m, LoraLayer) for m in model.modules()) == 4  # nothing was replaced
+
+
+class _Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.conv = nn.Conv2d(4, 4, 3, groups=2)
+        self.attn = nn.MultiheadAttention(8, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("targets", [["lin"], ["conv"], ["attn"]])
+def test_a_plain_torch_module_is_refused_not_crashed(targets, tmp_path):
+    model = get_peft_model(_Plain(), LoraConfig(r=2, target_modules=targets))
+    for call in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "o"), progress=False)):
+        with pytest.raises(UnsupportedError, match=r"wraps a plain torch module \(_Plain\), not a transformers model"):
+            call()
+
+
+@pytest.mark.parametrize("kind,path,message", [
+    ("MultiheadAttention", "in_process", r"m: LORA on a MultiheadAttention layer is not supported \(supported: "),
+    ("Conv2d (groups=2)", "disk", r"m: LORA on a Conv2d \(groups=2\) layer is not supported"),
+    ("Linear4bit", "disk", r"m: LORA plain on Linear4bit is supported only in process"),
+])
+def test_layer_refusals_name_the_layer_and_the_fix(kind, path, message):
+    from peft_shardmerge.support import check_layers
+
+    problems = check_layers([("m", "LORA", kind, [])], path=path)
+    assert len(problems) == 1 and re.match(message, problems[0]), problems
