@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Merge LoRA adapters into 16-bit checkpoints with flat memory.",
     )
     p.add_argument("--version", action="version", version=f"peft-shardmerge {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command")
     m = sub.add_parser(
         "merge",
         help="merge a base checkpoint and a LoRA adapter folder into a new checkpoint",
@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--combination", choices=["cat", "linear"], default="cat",
                    help="how several adapters combine: cat = exactly sum of w_i * delta_i (default); linear = "
                         "PEFT add_weighted_adapter's 'linear' (equal ranks, cross terms included)")
-    m.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="dtype written (default: the base's)")
+    m.add_argument("--dtype", type=_dtype_arg, default=None, metavar="{bfloat16,float16,float32,auto}",
+                   help="dtype written (bf16, fp16, fp32 too; default or 'auto': the base's)")
     m.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
     m.add_argument("--base-precision", choices=["original", "nf4"], default="original",
                    help="merge into the original weights (default) or into dequant(nf4(W)), "
@@ -76,13 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     v = sub.add_parser(
         "verify",
-        help="check a merged checkpoint (files, values, config; logits against base + adapter when given)",
-        description="Check OUT: every indexed tensor present once, headers, sizes, format metadata, no NaN/Inf, "
-                    "names and shapes, config consistency; with --base and --adapter, logits against base + adapter.",
+        help="check a merged checkpoint (every byte against its merge record; with --base/--adapter, every tensor "
+             "recomputed and the logits)",
+        description="Check OUT: every byte against the SHA-256 digests in merge_manifest.json, headers, index, "
+                    "format metadata, no NaN/Inf, names and shapes, config consistency; with --base and --adapter, "
+                    "every tensor recomputed from base + adapter and the logits. Exit 0 OK, 1 FAILED, 3 UNCHECKED "
+                    "(no merge record and no --base/--adapter), 2 OUT is not a checkpoint.",
     )
     v.add_argument("out", metavar="OUT", help="the merged checkpoint folder")
     v.add_argument("--base", help="the base checkpoint the merge came from")
-    v.add_argument("--adapter", help="the adapter that was merged")
+    v.add_argument("--adapter", action="append", help="the adapter that was merged (repeat it, in order, for a "
+                                                      "combination of several)")
     v.add_argument("--prompts", help="a text file, one prompt a line, to compare logits on (default: random ids)")
     v.add_argument("--tolerance", type=float, help="largest accepted relative logits error")
     verbosity = m.add_mutually_exclusive_group()
@@ -111,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `peft-shardmerge`: say what it does rather than fail on a missing argument
+        parser.print_help()
+        return 0
     if args.command == "verify":
         return _verify(args, parser)
     level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
@@ -118,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
-    from .api import merge_checkpoint
-
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        from .api import merge_checkpoint  # inside: a Ctrl-C while torch is imported is an interrupt like any other
+
         adapters = [args.adapter, *args.add_adapter]
         report = merge_checkpoint(
             args.base, adapters[0] if len(adapters) == 1 else adapters, args.out,
@@ -135,17 +142,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peft-shardmerge: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("peft-shardmerge: interrupted; the partial output was removed and OUT is unchanged", file=sys.stderr)
+        print(f"peft-shardmerge: interrupted; {_out_state(args.out)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Terminated:
-        print("peft-shardmerge: terminated; the partial output was removed and OUT is unchanged", file=sys.stderr)
+        print(f"peft-shardmerge: terminated; {_out_state(args.out)}", file=sys.stderr)
         return EXIT_TERMINATED
     except OSError as e:
-        print(f"peft-shardmerge: error: {e.strerror or e} ({e.filename or 'output'}); the partial output was "
-              "removed and OUT is unchanged", file=sys.stderr)
+        print(f"peft-shardmerge: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(args.out)}",
+              file=sys.stderr)
         return EXIT_USER_ERROR
-    print(report.summary())
+    if args.dry_run or not args.quiet:  # a dry run's plan is its output; -q silences the summary
+        print(report.summary())
     return 0
+
+
+def _out_state(out: str) -> str:
+    """What became of OUT (``staging.outcome``); nothing was written when the staging module was never loaded."""
+    staging = sys.modules.get("peft_shardmerge.staging")
+    return staging.outcome(out) if staging is not None else "nothing was written and OUT is unchanged"
+
+
+def _dtype_arg(value: str) -> str | None:
+    """``--dtype``: the names the Python API accepts (``bf16``, ``torch.bfloat16``, ...); ``auto`` is the default."""
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    name = aliases.get(value.lower().removeprefix("torch."), value.lower().removeprefix("torch."))
+    if name == "auto":
+        return None
+    if name not in ("bfloat16", "float16", "float32"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a dtype written here; use bfloat16, float16 or float32")
+    return name
 
 
 def _verify(args, parser) -> int:
@@ -167,7 +192,7 @@ def _verify(args, parser) -> int:
         print(f"peft-shardmerge: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     print(report.summary())
-    return 0 if report.ok else 1
+    return report.exit_code  # 0 OK, 1 FAILED, 3 UNCHECKED (no merge record and no --base/--adapter)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,20 +1,28 @@
-"""Checking a merged checkpoint on disk: files, index, values, config, and logits against base + adapter."""
+"""Checking a merged checkpoint on disk: its bytes against the merge record, files, index, values, config, and,
+with base + adapter, every tensor recomputed and the logits."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import NotFoundError, ShardMergeError
 from .model_info import inspect_model
+from .record import RECORD_FILE, check_integrity
+from .recompute import merge_settings, recompute_and_compare
 from .safetensors_io import DTYPES, FLOAT_DTYPES, RowReader, read_header, row_blocks
 from .sources import INDEX_FILE, SINGLE_FILE, safe_shard_name
 
 log = logging.getLogger(__name__)
+
+#: exit status of ``peft-shardmerge verify`` for each verdict
+EXIT_CODES = {"OK": 0, "FAILED": 1, "UNCHECKED": 3}
 
 
 @dataclass
@@ -23,20 +31,36 @@ class VerifyReport:
 
     Attributes:
         folder: the checked folder.
-        ok: True when no problem was found.
+        status: ``"OK"`` (no problem, and the bytes were checked against the merge record or recomputed from
+            base + adapter), ``"FAILED"`` (at least one problem) or ``"UNCHECKED"`` (no problem found, but
+            nothing to check the bytes against: no merge record and no base + adapter).
+        ok: True when ``status`` is ``"OK"``.
         problems: every problem found, each a sentence.
         checks: what was checked, one line each.
+        notes: limits of the checks and files not covered, one line each.
         tensors: tensors found.
+        integrity: True when every byte matched the merge record, False when it did not, None without a record.
+        recomputed: True when every tensor was recomputed from base + adapter and matched, False when one did
+            not, None when not recomputed.
         logits_max_rel_err: max |logits(merged) - logits(base + adapter)| / max |logits(base + adapter)|,
             when base and adapter were given.
     """
 
     folder: str
+    status: str = "OK"
     ok: bool = True
     problems: list[str] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     tensors: int = 0
+    integrity: bool | None = None
+    recomputed: bool | None = None
     logits_max_rel_err: float | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit status: 0 OK, 1 FAILED, 3 UNCHECKED."""
+        return EXIT_CODES[self.status]
 
     def summary(self) -> str:
         """The verdict and what was checked.
@@ -45,7 +69,7 @@ class VerifyReport:
             None.
 
         Returns:
-            Several lines of text; the first is ``OK: …`` or ``FAILED: …``.
+            Several lines of text; the first is ``OK: …``, ``FAILED: …`` or ``UNCHECKED: …``.
 
         Raises:
             Nothing.
@@ -54,58 +78,174 @@ class VerifyReport:
             >>> print(VerifyReport("merged").summary())
             OK: merged
         """
-        head = f"{'OK' if self.ok else 'FAILED'}: {self.folder}"
-        return "\n".join([head] + [f"  checked: {c}" for c in self.checks] + [f"  problem: {p}" for p in self.problems])
+        return "\n".join([f"{self.status}: {self.folder}"] + [f"  checked: {c}" for c in self.checks]
+                         + [f"  note: {n}" for n in self.notes] + [f"  problem: {p}" for p in self.problems])
 
 
 def verify_checkpoint(
     folder: str,
     *,
     base: str | None = None,
-    adapter: str | None = None,
+    adapter: str | list[str] | None = None,
     prompts: list[str] | None = None,
     tolerance: float | None = None,
+    device: str = "cpu",
 ) -> VerifyReport:
-    """Check a merged checkpoint: every indexed tensor present once with a valid header, sizes, ``format``
-    metadata, no NaN/Inf, names and shapes the model class expects, config consistency (dtype, vocabulary,
-    tied embeddings), and, with ``base`` and ``adapter``, logits against base + adapter.
+    """Check a merged checkpoint.
 
-    Tensor values are read in row blocks, so the file checks need little memory; the logits check loads the
-    merged model and base + adapter in fp32 (models that fit the machine).
+    Without inputs: every byte against the SHA-256 digests of ``merge_manifest.json`` (written with the output:
+    each tensor, each shard's header and size, ``config.json``, the index and every other file), shards or weight
+    files missing or added; then every indexed tensor present once with a valid header, ``format`` metadata,
+    no NaN/Inf, names and shapes the model class expects, and config consistency (dtype, vocabulary, tied
+    embeddings). A folder without a record gets these structural checks only, and the verdict ``UNCHECKED``.
+
+    With ``base`` and ``adapter``: every tensor is recomputed by the disk engine's own plan and merge code, one
+    row block at a time, into the base precision the record names (original, nf4, or the dequantized 4-bit base
+    of an in-process merge), and compared byte for byte, or within one rounding where the result can differ;
+    then the logits of the merged model against base + adapter (loaded in 4-bit when the merge used a 4-bit base).
 
     Args:
         folder: the merged checkpoint.
         base: the base checkpoint the merge came from.
-        adapter: the adapter that was merged.
+        adapter: the adapter that was merged, or the adapters of a combination in their order.
         prompts: texts to compare logits on (needs a tokenizer in ``folder`` or ``base``); random token ids
             when None.
         tolerance: largest accepted relative logits error; default 1e-4 for fp32 checkpoints, 3e-2 for 16-bit.
+        device: where the recomputation runs (``"cpu"``, ``"cuda"`` or ``"auto"``).
 
     Returns:
-        The :class:`VerifyReport` (``ok`` is False when anything is wrong).
+        The :class:`VerifyReport`: ``status`` ``"OK"``, ``"FAILED"`` (each problem listed) or ``"UNCHECKED"``.
 
     Raises:
-        NotFoundError: ``folder`` has no ``config.json`` or no weights.
+        NotFoundError: ``folder`` is not a folder or has no ``config.json``.
 
     Example:
         >>> print(verify_checkpoint("merged", base="base", adapter="adapter").summary())   # doctest: +SKIP
         OK: merged
     """
     report = VerifyReport(os.path.abspath(folder))
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
+    if not os.path.isfile(os.path.join(folder, "config.json")):
         raise NotFoundError(f"{folder} has no config.json; is it a checkpoint folder?")
-    config = json.load(open(config_path))
-    tensors = _check_files(folder, report)
-    if tensors is None:
-        report.ok = False
-        return report
-    _check_values(tensors, report)
-    _check_names_and_config(folder, config, tensors, report)
-    if base is not None and adapter is not None:
-        _check_logits(folder, base, adapter, prompts, tolerance, config, report)
-    report.ok = not report.problems
+    adapters = [adapter] if isinstance(adapter, str) else list(adapter or [])
+    with _quiet():
+        _stage(report, "the merge record", _check_record, folder, report)
+        config = _stage(report, "config.json", _read_config, folder, report)
+        tensors = _stage(report, "the shards", _check_files, folder, report)
+        if tensors and report.integrity is None:
+            _stage(report, "the values", _check_values, tensors, report)
+        if tensors and config is not None:
+            _stage(report, "names and config", _check_names_and_config, folder, config, tensors, report)
+        if base is not None and adapters and tensors:
+            record = _record_merge(folder)
+            done = _stage(report, "the recomputation", _check_recompute, tensors, base, adapters, record, device,
+                          report)
+            if done:
+                _stage(report, "the logits", _check_logits, folder, base, adapters, prompts, tolerance, config or {},
+                       record, report)
+    if report.problems:
+        report.status = "FAILED"
+    elif report.integrity or report.recomputed:
+        report.status = "OK"
+    else:
+        report.status = "UNCHECKED"
+        report.notes.append(f"the bytes were not checked: there is no {RECORD_FILE} (the folder was not written "
+                            "by this version of peft-shardmerge); give --base and --adapter to recompute them")
+    report.ok = report.status == "OK"
     return report
+
+
+@contextmanager
+def _quiet():
+    """transformers, huggingface_hub and PEFT without progress bars, warnings or info logs, restored after."""
+    import transformers
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    level = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    hub_bars = are_progress_bars_disabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+        if not hub_bars:
+            enable_progress_bars()
+
+
+def _stage(report: VerifyReport, what: str, fn, *args):
+    """Run one check; an error it did not foresee becomes a problem naming the check, never a traceback."""
+    try:
+        return fn(*args)
+    except ShardMergeError as e:
+        report.problems.append(f"{what}: {_first_line(e)}")
+    except Exception as e:  # noqa: BLE001 - a verifier reports what it cannot check
+        report.problems.append(f"{what} could not be checked: {type(e).__name__}: {_first_line(e)}")
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else type(e).__name__
+    if getattr(e, "problems", None) and len(e.problems) == 1:
+        text = e.problems[0]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _check_record(folder: str, report: VerifyReport) -> None:
+    result = check_integrity(folder)
+    report.problems += result.problems
+    report.checks += result.checks
+    report.notes += result.notes
+    if result.record is not None:
+        report.integrity = not result.problems
+        if result.nonfinite:
+            report.problems.append(f"NaN or Inf in {len(result.nonfinite)} tensor(s): "
+                                   f"{', '.join(result.nonfinite[:5])}")
+        report.checks.append("no NaN/Inf in any floating-point tensor" if not result.nonfinite else
+                             "NaN/Inf scan of every floating-point tensor")
+        merge = result.record.get("merge") or {}
+        tool = result.record.get("tool") or {}
+        report.checks.append(f"written by {tool.get('name')} {tool.get('version')}: {merge.get('path')} merge, base "
+                             f"precision {merge.get('base_precision')}, dtype {merge.get('dtype')}")
+    elif result.problems:
+        report.integrity = False
+
+
+def _record_merge(folder: str) -> dict | None:
+    from .record import read_record
+
+    record, _ = read_record(folder)
+    return None if record is None else record.get("merge")
+
+
+def _read_config(folder: str, report: VerifyReport) -> dict | None:
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, RecursionError) as e:
+        report.problems.append(f"config.json is not valid JSON ({type(e).__name__}); from_pretrained cannot read it")
+        return None
+    if not isinstance(config, dict):
+        report.problems.append("config.json is not a JSON object; from_pretrained cannot read it")
+        return None
+    return config
+
+
+def _check_recompute(tensors, base, adapters, record, device, report) -> bool:
+    result = recompute_and_compare(tensors, base, adapters, record, device=device)
+    report.problems += result.problems
+    report.checks += result.checks
+    report.notes += result.notes
+    if result.checks:
+        report.recomputed = result.complete
+    return not result.problems
 
 
 def _check_files(folder, report):
@@ -113,8 +253,17 @@ def _check_files(folder, report):
     tensors = {}
     try:
         if os.path.exists(index_path):
-            index = json.load(open(index_path))
-            wmap = index.get("weight_map")
+            try:
+                with open(index_path, encoding="utf-8") as f:
+                    index = json.load(f)
+            except (ValueError, RecursionError) as e:
+                report.problems.append(f"{INDEX_FILE} is not valid JSON ({type(e).__name__}); from_pretrained cannot "
+                                       "read it")
+                return None
+            wmap = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wmap, dict) or not wmap:
+                report.problems.append(f"{INDEX_FILE} has no weight_map object; from_pretrained cannot read it")
+                return None
             if not isinstance(index.get("metadata"), dict) or "total_size" not in index["metadata"]:
                 report.problems.append(f"{INDEX_FILE} has no metadata.total_size (from_pretrained needs it)")
             files = sorted({safe_shard_name(folder, f) for f in wmap.values()})
@@ -129,7 +278,11 @@ def _check_files(folder, report):
             if not os.path.isfile(path):
                 report.problems.append(f"shard {os.path.basename(path)} named by the index is missing")
                 continue
-            infos, meta = read_header(path)
+            try:
+                infos, meta = read_header(path)
+            except ShardMergeError as e:
+                report.problems.append(_first_line(e))
+                continue
             if meta.get("format") != "pt":
                 report.problems.append(f"{os.path.basename(path)} lacks {{'format': 'pt'}} metadata")
             for t in infos:
@@ -150,7 +303,7 @@ def _check_files(folder, report):
             if isinstance(index.get("metadata"), dict) and index["metadata"].get("total_size") not in (None, total):
                 report.problems.append(f"index total_size {index['metadata']['total_size']} != {total} tensor bytes")
     except ShardMergeError as e:
-        report.problems.append(str(e))
+        report.problems.append(_first_line(e))
         return None
     report.tensors = len(tensors)
     report.checks.append(f"{len(tensors)} tensors in {len(files)} file(s): headers, offsets, index, format metadata")
@@ -211,15 +364,20 @@ def _check_names_and_config(folder, config, tensors, report):
     report.checks.append(f"names and shapes match {info.architecture}; config dtype, vocabulary and tying")
 
 
-def _check_logits(folder, base, adapter, prompts, tolerance, config, report):
-    from peft import PeftModel
+def _check_logits(folder, base, adapters, prompts, tolerance, config, record, report):
     from transformers import AutoConfig
 
     from .tiny import model_class, model_inputs
 
+    options, _ = merge_settings(record, None)
+    if options is None:
+        return
+    if len(adapters) > 1 or (options["weights"] or [1.0]) != [1.0]:
+        report.notes.append("logits not compared: the merge combined weighted adapters (the recomputation covers it)")
+        return
     cls = model_class(AutoConfig.from_pretrained(folder))
     merged = cls.from_pretrained(folder, dtype=torch.float32).eval()
-    ref = PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    ref = _reference(cls, base, adapters[0], options)
     if prompts:
         from transformers import AutoTokenizer
 
@@ -235,15 +393,42 @@ def _check_logits(folder, base, adapter, prompts, tolerance, config, report):
     else:
         batches = [model_inputs(merged.config, seed=s) for s in range(2)]
         what = "2 random inputs" + (" (with an image)" if "pixel_values" in batches[0] else "")
-    worst = 0.0
+    errors = []
     with torch.no_grad():
         for inputs in batches:
-            want = ref(**inputs).logits
-            got = merged(**inputs).logits
-            worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)))
+            want = ref(**inputs).logits.float()
+            got = merged(**inputs).logits.float()
+            errors.append(float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)))
+    worst = max(errors) if all(e == e for e in errors) else float("nan")  # max() would drop a NaN
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     tol = tolerance if tolerance is not None else (1e-4 if dtype == "float32" else 3e-2)
+    against = "base + adapter" + (" (4-bit base)" if options["base_precision"] == "nf4" else "")
     report.logits_max_rel_err = worst
-    report.checks.append(f"logits vs base + adapter on {what}: max relative error {worst:.2e} (tolerance {tol:g})")
-    if worst > tol:
-        report.problems.append(f"logits differ from base + adapter: max relative error {worst:.2e} > {tol:g}")
+    report.checks.append(f"logits vs {against} on {what}: max relative error {worst:.2e} (tolerance {tol:g})")
+    if not worst <= tol:  # a NaN error fails too
+        report.problems.append(f"logits differ from {against}: max relative error {worst:.2e} > {tol:g}")
+
+
+def _reference(cls, base: str, adapter: str, options: dict):
+    """PeftModel(base, adapter) in fp32, over the 4-bit base (bitsandbytes, CPU) when the merge used one."""
+    from peft import PeftModel
+
+    kwargs = {"dtype": torch.float32}
+    if options["base_precision"] == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        from .quant import require_bitsandbytes
+
+        require_bitsandbytes()
+        nf4 = options["nf4"] or {}
+        held = options["held"]
+        kwargs = {"dtype": getattr(torch, held) if held else torch.float32, "device_map": "cpu",
+                  "quantization_config": BitsAndBytesConfig(
+                      load_in_4bit=True, bnb_4bit_quant_type=nf4.get("quant_type", "nf4"),
+                      bnb_4bit_use_double_quant=bool(nf4.get("double_quant", True)),
+                      bnb_4bit_compute_dtype=torch.float32)}
+    model = cls.from_pretrained(base, **kwargs)
+    for module in model.modules():  # bitsandbytes' bf16 CPU kernel would round the 4-bit scales to bf16
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return PeftModel.from_pretrained(model, adapter).eval()

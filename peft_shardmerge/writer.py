@@ -1,8 +1,10 @@
-"""Streaming safetensors output: the header first, then tensor bytes as they are produced, then the index."""
+"""Streaming safetensors output: the header first, then tensor bytes as they are produced (with a SHA-256 per
+tensor and of the header, recorded while writing), then the index."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import queue
@@ -39,6 +41,59 @@ class Crc32:
         return f"{self.value:08x}"
 
 
+class TensorDigests:
+    """SHA-256 of each tensor's bytes in a stream of consecutive tensors, split at the tensors' boundaries.
+
+    Args:
+        entries: ``(name, nbytes)`` of every tensor, in the order their bytes arrive.
+
+    Example:
+        >>> d = TensorDigests([("a", 2), ("b", 1)]); d.update(b"xyz"); d.digests()["b"][:8]
+        '594e519a'
+    """
+
+    def __init__(self, entries: list[tuple[str, int]]):
+        self._entries = list(entries)
+        self._done: dict[str, str] = {}
+        self._i = 0
+        self._left = 0
+        self._hash = None
+        self._next()
+
+    def _next(self) -> None:
+        """Start the next tensor with bytes to come (finishing any empty ones on the way)."""
+        while self._i < len(self._entries):
+            name, nbytes = self._entries[self._i]
+            if nbytes > 0:
+                self._hash, self._left = hashlib.sha256(), nbytes
+                return
+            self._done[name] = hashlib.sha256().hexdigest()
+            self._i += 1
+        self._hash, self._left = None, 0
+
+    def update(self, data) -> None:
+        """Add the next bytes of the stream.
+
+        Raises:
+            ValueError: more bytes than the entries announced.
+        """
+        view = memoryview(data).cast("B")
+        while view:
+            if self._hash is None:
+                raise ValueError(f"{len(view)} bytes beyond the last tensor")
+            take = min(self._left, len(view))
+            self._hash.update(view[:take])
+            view, self._left = view[take:], self._left - take
+            if self._left == 0:
+                self._done[self._entries[self._i][0]] = self._hash.hexdigest()
+                self._i += 1
+                self._next()
+
+    def digests(self) -> dict[str, str]:
+        """Hex SHA-256 per finished tensor, in stream order (complete once every byte has arrived)."""
+        return dict(self._done)
+
+
 class ShardWriter:
     """Writes one safetensors file whose header is known before any data.
 
@@ -67,11 +122,15 @@ class ShardWriter:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._error: BaseException | None = None
         self._hash = Crc32()
+        self._entries = [(e[0], e[3]) for e in entries]
+        self._tensors = TensorDigests(self._entries)
+        header = build_header(entries, meta)
+        self._header = (len(header), hashlib.sha256(header).hexdigest())
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
         self._thread.start()
         try:
-            self._write_all(memoryview(build_header(entries, meta)))
+            self._write_all(memoryview(header), data=False)
         except BaseException:
             self.abort()
             raise
@@ -93,8 +152,10 @@ class ShardWriter:
             raise self._error
         self._queue.put(job)
 
-    def _write_all(self, view: memoryview) -> None:
+    def _write_all(self, view: memoryview, data: bool = True) -> None:
         self._hash.update(view)
+        if data:
+            self._tensors.update(view)
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
@@ -153,7 +214,9 @@ class ShardWriter:
                 n = len(data)
             else:  # copied in the kernel: read the same bytes back from the page cache for the digest
                 for pos in range(0, n, _FALLBACK_PIECE):
-                    self._hash.update(os.pread(fd, min(_FALLBACK_PIECE, n - pos), offset + done + pos))
+                    piece = os.pread(fd, min(_FALLBACK_PIECE, n - pos), offset + done + pos)
+                    self._hash.update(piece)
+                    self._tensors.update(piece)
             done += n
 
     def digest(self) -> str:
@@ -163,6 +226,28 @@ class ShardWriter:
             8 hex characters; complete only after :meth:`close`.
         """
         return self._hash.hexdigest()
+
+    def record(self) -> dict:
+        """What the merge record (``merge_manifest.json``) keeps of this shard: its size, the header's length and
+        SHA-256, and each tensor's byte range (relative to the data, as in the header) and SHA-256, all
+        computed from the bytes as they were written.
+
+        Returns:
+            ``{"size", "header": {"size", "sha256"}, "tensors": {name: {"offsets": [begin, end], "sha256"}}}``;
+            complete only after :meth:`close`.
+
+        Raises:
+            MergeCheckError: called before every tensor's bytes were written.
+        """
+        digests = self._tensors.digests()
+        if len(digests) != len(self._entries):
+            raise MergeCheckError(f"{self.path}: digests asked for before every tensor was written")
+        tensors, begin = {}, 0
+        for name, nbytes in self._entries:
+            tensors[name] = {"offsets": [begin, begin + nbytes], "sha256": digests[name]}
+            begin += nbytes
+        size, sha = self._header
+        return {"size": size + begin, "header": {"size": size, "sha256": sha}, "tensors": tensors}
 
     def _stop(self) -> None:
         if self._thread.is_alive():
