@@ -22,12 +22,13 @@ _SPEC: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], str],
     ("LORA", ("Linear", "Conv1D", "Conv2d", "Conv3d"), _LORA_VARIANTS, PATHS, "variants-layers.md"),
     ("LORA", ("Embedding",), ("plain", "rsLoRA", "rank/alpha pattern", "DoRA"), PATHS, "variants-layers.md"),
     ("LORA", ("Linear4bit", "Linear8bitLt"), ("plain", "rsLoRA", "rank/alpha pattern", "DoRA"), (IN_PROCESS,),
-     "after-training.md"),
+     "variants-layers.md"),
     ("LORA", ("parameter 2-D", "parameter 3-D"), ("plain", "rsLoRA", "rank/alpha pattern"), PATHS,
      "variants-layers.md"),
-    ("LORA", (ADAPTER,), ("modules_to_save", "bias='all'/'lora_only'", "trainable_token_indices",
-                          "several adapters"), PATHS, "variants-several-adapters.md"),
-    ("LORA", (ADAPTER,), ("residual init (PiSSA, OLoRA, CorDA, LoftQ)",), (IN_PROCESS,), "choosing-the-base.md"),
+    ("LORA", (ADAPTER,), ("modules_to_save", "bias='all'/'lora_only'"), PATHS, "variants-layers.md"),
+    ("LORA", (ADAPTER,), ("residual init (PiSSA, OLoRA, CorDA, LoftQ)",), (IN_PROCESS,), "variants-layers.md"),
+    ("LORA", (ADAPTER,), ("trainable_token_indices",), PATHS, "variants-vocabulary.md"),
+    ("LORA", (ADAPTER,), ("several adapters",), PATHS, "variants-several-adapters.md"),
     ("TRAINABLE_TOKENS", ("Embedding", "Linear"), ("plain",), PATHS, "variants-vocabulary.md"),
     ("LOHA", ("Linear",), ("plain", "rank/alpha pattern"), PATHS, "variants-other-peft.md"),
     ("LOKR", ("Linear",), ("plain", "rank/alpha pattern"), PATHS, "variants-other-peft.md"),
@@ -37,9 +38,10 @@ _SPEC: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], str],
     ("IA3", ("Linear4bit",), ("plain", "feedforward"), (IN_PROCESS,), "variants-other-peft.md"),
     ("LOHA", (ADAPTER,), ("modules_to_save",), PATHS, "variants-other-peft.md"),
     ("LOKR", (ADAPTER,), ("modules_to_save",), PATHS, "variants-other-peft.md"),
-    ("LOHA", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-other-peft.md"),
-    ("LOKR", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-other-peft.md"),
-    ("VERA", (ADAPTER,), ("several adapters", "projections not saved"), (IN_PROCESS,), "variants-other-peft.md"),
+    ("LOHA", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
+    ("LOKR", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
+    ("VERA", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
+    ("VERA", (ADAPTER,), ("projections not saved",), (IN_PROCESS,), "variants-other-peft.md"),
 )
 
 #: every claimed ``(peft_type, layer, variant, path)``: the allowlist as data
@@ -113,11 +115,15 @@ def is_claimed(peft_type: str, layer: str, variant: str = "plain", path: str = I
     return (peft_type, layer, variant, path) in CLAIMS
 
 
-def support_table() -> str:
-    """The README's "What is supported" table of adapters, generated from the allowlist.
+def support_table(doc: str | None = None) -> str:
+    """The "What is supported" table, generated from the allowlist: the README's (every row, with links), or the
+    rows one ``docs/`` page details (without links).
+
+    Args:
+        doc: a page of ``docs/`` (``"variants-layers.md"``); None for the README's table.
 
     Returns:
-        Markdown: one row per PEFT type, layers and variants, with the paths that merge them.
+        Markdown: one row per PEFT type and group of layers, with the variants and the paths that merge them.
 
     Raises:
         Nothing.
@@ -125,15 +131,21 @@ def support_table() -> str:
     Example:
         >>> support_table().splitlines()[0]
         '| PEFT type | layers | variants | paths | details |'
+        >>> support_table("variants-dora.md").splitlines()[0]
+        '| PEFT type | layers | variants | paths |'
     """
     names = {DISK: "disk", IN_PROCESS: "in process"}
-    rows = ["| PEFT type | layers | variants | paths | details |", "|---|---|---|---|---|"]
-    for peft_type, layers, variants, paths, doc in _SPEC:
+    head = ["| PEFT type | layers | variants | paths | details |", "|---|---|---|---|---|"] if doc is None else \
+        ["| PEFT type | layers | variants | paths |", "|---|---|---|---|"]
+    rows = []
+    for peft_type, layers, variants, paths, page in _SPEC:
+        if doc is not None and page != doc:
+            continue
         shown = [v for v in variants if v != "plain"]
         layer_text = "adapter options" if layers == (ADAPTER,) else ", ".join(f"`{x}`" for x in layers)
-        rows.append(f"| {peft_type} | {layer_text} | {', '.join(shown) or '—'} | "
-                    f"{' and '.join(names[p] for p in paths)} | [docs/{doc}](docs/{doc}) |")
-    return "\n".join(rows)
+        row = f"| {peft_type} | {layer_text} | {', '.join(shown) or '—'} | {' and '.join(names[p] for p in paths)} |"
+        rows.append(row + (f" [docs/{page}](docs/{page}) |" if doc is None else ""))
+    return "\n".join(head + rows)
 
 
 def layer_kind(module: nn.Module) -> str:

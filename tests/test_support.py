@@ -63,9 +63,15 @@ def test_allowlist_is_data_and_names_types_layers_variants_paths():
     assert not is_claimed("OFT", "Linear") and not is_claimed("ADALORA", "Linear")
 
 
-def test_readme_table_is_the_allowlist():
+def test_readme_and_docs_tables_are_the_allowlist():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     assert support_table() in readme
+    pages = sorted({re.search(r"docs/([\w-]+\.md)", row).group(1) for row in support_table().splitlines()[2:]})
+    assert pages == ["variants-layers.md", "variants-other-peft.md", "variants-several-adapters.md",
+                     "variants-vocabulary.md"]
+    for page in pages:
+        text = open(os.path.join(ROOT, "docs", page), encoding="utf-8").read()
+        assert support_table(page) in text, page
 
 
 @pytest.mark.parametrize("module,kind", [
