@@ -1,0 +1,39 @@
+"""PEFT's merge test matrix run through every merge API: each check must equal PEFT's merge (and the unmerged
+model's outputs) or be refused by name before anything is written. A seeded sample runs by default; the rest is
+marked ``matrix`` (``make test-all`` runs it all)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from conformance_cases import all_checks, sample_ids
+from conformance_harness import GOOD, NotBuildable, run_check
+from support_view import is_claimed
+
+_CHECKS = all_checks()
+_SAMPLE = sample_ids(_CHECKS)
+
+
+def _params():
+    for case, path in _CHECKS:
+        check_id = f"{case.id}|{path}"
+        marks = () if check_id in _SAMPLE else (pytest.mark.matrix,)
+        yield pytest.param(case, path, id=check_id, marks=marks)
+
+
+@pytest.mark.parametrize("case,path", list(_params()))
+def test_merge_matches_peft_or_refuses(conformance_env, record_outcome, case, path):
+    check_id = f"{case.id}|{path}"
+    try:
+        ref = conformance_env.reference(case)
+    except NotBuildable as exc:
+        record_outcome(check_id, "peft-cannot-build", str(exc))
+        pytest.skip(str(exc))  # PEFT's own limitation on this model: nothing of ours to check
+    configs = [cls(**copy.deepcopy(kw)) for cls, kw in case.configs]
+    claimed = case.arch is not None and is_claimed(configs, ref.layer_kinds, path, len(configs) > 1,
+                                                   ref.merged is not None)
+    outcome = run_check(conformance_env, case, path, claimed=claimed)
+    record_outcome(check_id, outcome.kind, outcome.detail)
+    assert outcome.kind in GOOD, f"{outcome.kind}: {outcome.detail}"
