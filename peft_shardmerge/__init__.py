@@ -1,9 +1,12 @@
 """peft-shardmerge: merge LoRA adapters into clean 16-bit checkpoints, one row block at a time."""
 
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from .api import check_out_dir, merge_checkpoint, plan_checkpoint_merge  # noqa: E402
-from .errors import (  # noqa: E402
+from .errors import (  # noqa: E402 - light: no torch, so that `peft-shardmerge --help` starts at once
     CorruptFileError,
     InputError,
     MergeCheckError,
@@ -12,15 +15,23 @@ from .errors import (  # noqa: E402
     ShardMergeError,
     UnsupportedError,
 )
-from .inprocess import (  # noqa: E402
-    merge_and_save,
-    merge_and_unload,
-    patch_peft,
-    push_to_hub_merged,
-    save_pretrained_merged,
-)
-from .plan import Plan, parse_dtype, parse_size  # noqa: E402
-from .report import MergeReport  # noqa: E402
+
+#: public names imported on first use (PEP 562), each from the module that owns it: importing torch,
+#: transformers and peft takes seconds, which the command line's --help and error paths should not pay
+_LAZY = {
+    "merge_and_save": "inprocess",
+    "merge_and_unload": "dropins",
+    "save_pretrained_merged": "dropins",
+    "push_to_hub_merged": "dropins",
+    "patch_peft": "dropins",
+    "merge_checkpoint": "api",
+    "plan_checkpoint_merge": "api",
+    "check_out_dir": "api",
+    "MergeReport": "report",
+    "Plan": "plan",
+    "parse_size": "plan",
+    "parse_dtype": "plan",
+}
 
 __all__ = [
     "merge_and_save",
@@ -43,3 +54,15 @@ __all__ = [
     "MissingDependencyError",
     "MergeCheckError",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

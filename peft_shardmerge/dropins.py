@@ -17,7 +17,7 @@ from .inprocess import merge_and_save, save_merged_4bit
 from .inprocess import merge_and_unload as _merge_and_unload
 from .live import unwrap
 from .report import MergeReport
-from .sources import EXTRA_FILES, TOKENIZER_FILES
+from .sources import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +34,25 @@ REFUSED_METHODS = {
              "(a bf16 checkpoint that vLLM and transformers load as is)",
 }
 
-#: files a save of ours writes; a folder holding only these (and safetensors shards) is an earlier save to replace
-_OWN_FILES = {"config.json", "README.md", "model.safetensors", "model.safetensors.index.json",
-              "adapter_config.json", "adapter_model.safetensors", *TOKENIZER_FILES, *EXTRA_FILES}
+#: the files of an adapter-only save (``save_method="lora"``)
+_LORA_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors", *TOKENIZER_FILES}
 
 
 def _own_output(folder: str) -> bool:
-    """Whether ``folder`` holds only what a save writes: weights, configs, tokenizer and model card files."""
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        shard = name.startswith("model-") and name.endswith(".safetensors")
-        if os.path.islink(path) or not os.path.isfile(path) or not (name in _OWN_FILES or shard):
-            return False
-    return True
+    """Whether ``folder`` holds an earlier save: a merged checkpoint with our merge record, or only the files of an
+    adapter-only save."""
+    import json
+
+    from .record import RECORD_FILE, RECORD_FORMAT
+
+    try:
+        with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
+            if json.load(f).get("format") == RECORD_FORMAT:
+                return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    return all(name in _LORA_FILES and os.path.isfile(os.path.join(folder, name)) and
+               not os.path.islink(os.path.join(folder, name)) for name in os.listdir(folder))
 
 
 def _model_folders(model: nn.Module) -> dict[str, str]:
@@ -69,9 +75,10 @@ def _replace_problems(save_directory: str, model: nn.Module, any_content: bool =
     problems = check_out_dir(save_directory, inputs=_model_folders(model), overwrite=True)
     if not problems and not any_content and os.path.isdir(save_directory) and os.listdir(save_directory) \
             and not _own_output(save_directory):
-        extra = sorted(n for n in os.listdir(save_directory) if n not in _OWN_FILES)[:5]
-        problems.append(f"{save_directory} holds files that a save does not write ({', '.join(extra)}); it is "
-                        "replaced only when it holds an earlier save: choose an empty or new folder (or pass overwrite=True)")
+        extra = sorted(n for n in os.listdir(save_directory) if n not in _LORA_FILES)[:5]
+        problems.append(f"{save_directory} is not an earlier save (it holds {', '.join(extra)}); a folder is "
+                        "replaced only when it holds an earlier save: choose an empty or new folder (or pass "
+                        "overwrite=True)")
     return problems
 
 
@@ -345,16 +352,34 @@ def merge_and_unload(
         The transformers model, with no PEFT or bitsandbytes layers.
 
     Raises:
-        InputError: the model has no adapter (a ``ValueError``, as PEFT raises), or bad options; the model is
-            left as it was, with no ``peft_config`` attribute added.
+        InputError: the model has no adapter (a ``ValueError``, as PEFT raises), bad options, or modules offloaded
+            by accelerate (use :func:`merge_and_save`); the model is left as it was, with no ``peft_config``
+            attribute added.
 
     Example:
         >>> from peft_shardmerge import merge_and_unload
         >>> plain = merge_and_unload(model, progressbar=True, safe_merge=True)   # doctest: +SKIP
     """
     del progressbar, safe_merge  # see the docstring
+    offloaded = _offloaded_modules(unwrap(model))
+    if offloaded:
+        shown = ", ".join(offloaded[:5]) + (f" and {len(offloaded) - 5} more" if len(offloaded) > 5 else "")
+        raise InputError(f"merge_and_unload returns a model in memory, but these modules are offloaded by accelerate "
+                         f"({shown}; device_map with 'disk' or 'cpu' parts): nothing was changed. Use "
+                         "merge_and_save(model, out_dir), which brings each offloaded module in for its turn, then "
+                         "load out_dir with from_pretrained(..., device_map=...)")
     return _merge_and_unload(model, maximum_memory_usage=maximum_memory_usage, dtype=dtype,
                              adapter_names=adapter_names, weights=weights, combination_type=combination_type)
+
+
+def _offloaded_modules(inner: nn.Module) -> list[str]:
+    """The outermost modules whose weights accelerate keeps off the execution device (disk or CPU offload)."""
+    found: list[str] = []
+    for name, module in inner.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        if hook is not None and getattr(hook, "offload", False) and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+    return found
 
 
 def patch_peft() -> None:

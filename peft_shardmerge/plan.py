@@ -63,7 +63,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """Parse an output dtype: ``None``, a ``torch.dtype`` or its name.
 
     Args:
-        dtype: ``None`` (keep the base's), ``"bfloat16"``/``"float16"``/``"float32"`` (``"bf16"``, ``"fp16"``,
+        dtype: ``None`` or ``"auto"`` (keep the base's), ``"bfloat16"``/``"float16"``/``"float32"`` (``"bf16"``, ``"fp16"``,
             ``"fp32"``, ``"torch.bfloat16"`` too) or the torch dtype.
 
     Returns:
@@ -78,6 +78,8 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """
     if dtype is None or isinstance(dtype, torch.dtype) and dtype in OUTPUT_DTYPES.values():
         return dtype
+    if dtype == "auto":  # transformers' spelling of "the checkpoint's own"
+        return None
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     name = str(dtype).removeprefix("torch.")
     name = aliases.get(name, name)

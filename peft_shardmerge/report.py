@@ -34,6 +34,7 @@ class MergeReport:
             value, so that the LoRA update is lost there (16-bit outputs; estimated on the self-check's rows).
         dry_run: True when nothing was written.
         plan_text: the printed plan, for dry runs.
+        reproduces: what the written model reproduces (the trained model, or the original base + adapter).
     """
 
     out_dir: str
@@ -58,6 +59,20 @@ class MergeReport:
     swallowed: dict[str, float] = field(default_factory=dict)
     dry_run: bool = False
     plan_text: str = ""
+    reproduces: str = ""
+
+    def __repr__(self) -> str:
+        """A one-line repr (a notebook cell that ends with a save shows this, not every field).
+
+        Example:
+            >>> MergeReport("out", "base", "adapter", "bfloat16", "original", shards=["model.safetensors"])
+            MergeReport(out_dir='out', dtype='bfloat16', base_precision='original', LoRA modules 0/0, 1 shard(s), 0 bytes)
+        """
+        if self.dry_run:
+            return f"MergeReport(dry run, out_dir={self.out_dir!r})"
+        return (f"MergeReport(out_dir={self.out_dir!r}, dtype={self.dtype!r}, base_precision={self.base_precision!r}, "
+                f"LoRA modules {self.lora_modules_merged}/{self.lora_modules_total}, {len(self.shards)} shard(s), "
+                f"{self.bytes_written} bytes)")
 
     def summary(self) -> str:
         """A one-screen summary of the merge.
@@ -81,6 +96,7 @@ class MergeReport:
         lines = [
             f"merged {self.base} + {self.adapter} -> {self.out_dir}",
             f"  dtype {self.dtype}, base precision {self.base_precision}, device {self.device}",
+            *([f"  reproduces {self.reproduces}"] if self.reproduces else []),
             f"  tensors {self.tensors_written}, LoRA modules merged {self.lora_modules_merged}/"
             f"{self.lora_modules_total}, tensors from adapter {self.replacements_applied}",
             f"  shards {len(self.shards)}, {self.bytes_written} bytes ({gb:.3f} GB)",

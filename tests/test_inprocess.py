@@ -248,7 +248,7 @@ def test_oom_on_one_module_is_retried_on_cpu(make_base, tmp_path, monkeypatch):
     assert all(torch.equal(ga[k], gb[k]) for k in gb)
 
 
-def test_auto_uses_the_original_checkpoint(make_base, tmp_path):
+def test_original_uses_the_original_checkpoint(make_base, tmp_path):
     from peft_shardmerge.tiny import compare_logits
 
     base = make_base("llama")
@@ -256,7 +256,7 @@ def test_auto_uses_the_original_checkpoint(make_base, tmp_path):
     adapter = str(tmp_path / "adapter")
     model.save_pretrained(adapter)
     out = str(tmp_path / "m")
-    report = merge_and_save(model, out, dtype="float32", progress=False)
+    report = merge_and_save(model, out, dtype="float32", base_precision="original", progress=False)
     assert report.base_precision == "original"
     assert any("merged into the original checkpoint" in n for n in report.notes)
     assert compare_logits(base, adapter, out) < 1e-4
@@ -342,7 +342,7 @@ def test_push_to_hub_merged_uploads_the_merged_folder(make_base, tmp_path, fake_
     assert len(shards) > 1 and "model.safetensors.index.json" in files and "config.json" in files
     assert fake_hub.repos["me/tiny-merged"]["visibility"] == "private"
     card = files["README.md"].decode()
-    assert card.startswith("---\n") and "| base precision | original |" in card and "| dtype | bfloat16 |" in card
+    assert card.startswith("---\n") and "| base precision | dequantized |" in card and "| dtype | bfloat16 |" in card
     assert all(a == f"Bearer {secret}" for a in fake_hub.auth)
     assert secret not in caplog.text and secret not in card
     # what was uploaded loads and equals a local merge
@@ -391,7 +391,7 @@ def test_auto_on_a_repacked_model_leaves_it_untouched(make_base, tmp_path):
         model(input_ids=token_ids(model.config.vocab_size))
     before = snapshot(model)
     out = str(tmp_path / "m")
-    report = merge_and_save(model, out, dtype="float32", progress=False)
+    report = merge_and_save(model, out, dtype="float32", base_precision="original", progress=False)
     assert report.base_precision == "original"
     assert_unchanged(before, model)
     adapter = str(tmp_path / "adapter")

@@ -1,0 +1,279 @@
+"""The first hour of a QLoRA user: each test does what a user following PEFT's, Unsloth's or TRL's documentation did.
+
+Tiny random Llama / Qwen2 models on the CPU; 4-bit through transformers' BitsAndBytesConfig with the real
+bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+
+import peft_shardmerge  # noqa: E402
+from peft_shardmerge import InputError, merge_and_save, merge_and_unload, save_pretrained_merged  # noqa: E402
+from peft_shardmerge.tiny import build_base, token_ids  # noqa: E402
+from tests.helpers import logits_of, rel_err  # noqa: E402
+from tests.test_inprocess import reference_logits, train_one_step  # noqa: E402
+
+NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+           bnb_4bit_compute_dtype=torch.float32)
+
+
+def peft_qlora(base: str, **load) -> PeftModel:
+    """PEFT's QLoRA recipe: BitsAndBytesConfig, prepare_model_for_kbit_training, get_peft_model, a few steps.
+
+    Loaded in float32 so that the unmerged model computes in float32 too and can serve as the reference to 1e-5
+    (a bf16-loaded 4-bit layer dequantizes to bf16 on the CPU, a rounding of ~3e-3 in the logits)."""
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(**NF4),
+                                                 **{"dtype": torch.float32, **load})
+    for m in model.modules():  # keep the CPU from repacking the weights (see docs/after-training.md)
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0,
+                                             task_type="CAUSAL_LM"))
+    train_one_step(model, model.config.vocab_size)
+    return model
+
+
+@pytest.fixture(scope="module")
+def bf16_base(tmp_path_factory):
+    return build_base(str(tmp_path_factory.mktemp("first-hour") / "tiny-llama"), "llama", dtype=torch.bfloat16)
+
+
+# --- trust: what the default reproduces -----------------------------------------------------------------------
+
+
+def test_default_reproduces_the_trained_4bit_model_however_the_adapter_was_attached(bf16_base, tmp_path):
+    """PeftModel (get_peft_model) and transformers' add_adapter get the same default, and it is the trained model."""
+    ids = token_ids(512, seed=3)
+    model = peft_qlora(bf16_base)
+    ref = reference_logits(model, ids)
+    report = merge_and_save(model, str(tmp_path / "peft"), dtype="float32", progress=False)
+    assert report.base_precision == "dequantized"
+    assert report.reproduces.startswith("the trained model")
+    assert "'original' would merge into" in report.notes[0] and "% from the trained model's" in report.notes[0]
+    assert rel_err(logits_of(str(tmp_path / "peft"), ids), ref) < 1e-5
+    assert "reproduces the trained model" in report.summary()
+
+    plain = AutoModelForCausalLM.from_pretrained(bf16_base, quantization_config=BitsAndBytesConfig(**NF4),
+                                                 dtype=torch.float32)
+    for m in plain.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    plain.add_adapter(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ref = reference_logits(plain, ids)
+    report = merge_and_save(plain, str(tmp_path / "add_adapter"), dtype="float32", progress=False)
+    assert report.base_precision == "dequantized" and report.reproduces.startswith("the trained model")
+    assert rel_err(logits_of(str(tmp_path / "add_adapter"), ids), ref) < 1e-5
+
+
+def test_original_says_it_is_not_the_trained_model_and_how_far(bf16_base, tmp_path):
+    model = peft_qlora(bf16_base)
+    report = merge_and_save(model, str(tmp_path / "m"), base_precision="original", progress=False)
+    assert report.base_precision == "original"
+    assert "NOT the trained 4-bit model" in report.reproduces
+    far = float(report.notes[0].split("by about ")[1].split("%")[0])
+    assert 1 < far < 50, report.notes[0]  # NF4's error on a random base, per layer; measured, not zero
+
+
+def _hub_cache(tmp_path, bases: dict[str, str], main: str):
+    """A Hugging Face cache holding ``org/tiny`` at several revisions (branch name -> checkpoint folder)."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    for i, (branch, folder) in enumerate(bases.items()):
+        sha = f"{i + 1:x}" * 40
+        shutil.copytree(folder, repo / "snapshots" / sha)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / branch).write_text(sha)
+    (repo / "refs" / "main").write_text((repo / "refs" / main).read_text())
+    return str(tmp_path / "hub")
+
+
+def test_auto_merges_into_the_revision_the_model_was_loaded_from(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hc
+
+    v1 = build_base(str(tmp_path / "v1"), "llama", seed=1)
+    v2 = build_base(str(tmp_path / "v2"), "llama", seed=2)
+    cache = _hub_cache(tmp_path, {"v1": v1, "v2": v2}, main="v2")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", cache)
+    model = AutoModelForCausalLM.from_pretrained("org/tiny", revision="v1", cache_dir=cache, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights=False))
+    ids = token_ids(512, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    report = merge_and_save(model, str(tmp_path / "m"), dtype="float32", progress=False)
+    assert report.base_precision == "original" and "1" * 40 in report.notes[0]  # v1's snapshot, not refs/main's
+    assert rel_err(logits_of(str(tmp_path / "m"), ids), ref) < 1e-5
+
+
+def test_a_base_folder_changed_after_loading_is_not_used(tmp_path):
+    base = build_base(str(tmp_path / "base"), "llama", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights=False))
+    build_base(base, "llama", seed=5)  # the folder is rewritten after loading
+    ids = token_ids(512, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    with pytest.raises(InputError, match=r"base_precision='original' cannot be used: the checkpoint on disk is not "
+                                         r"the one in memory \(.*model\.embed_tokens\.weight differs"):
+        merge_and_save(model, str(tmp_path / "o"), dtype="float32", base_precision="original", progress=False)
+    report = merge_and_save(model, str(tmp_path / "m"), dtype="float32", progress=False)
+    assert report.base_precision == "dequantized" and "changed after loading" in report.notes[0]
+    assert rel_err(logits_of(str(tmp_path / "m"), ids), ref) < 1e-5
+
+
+# --- dtype ----------------------------------------------------------------------------------------------------
+
+
+def test_a_model_loaded_in_fp32_is_written_in_the_checkpoints_own_dtype(bf16_base, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(bf16_base, dtype=torch.float32)  # as many CPU tutorials do
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights=False))
+    report = merge_and_save(model, str(tmp_path / "m"), progress=False)
+    assert report.dtype == "bfloat16" and any("the checkpoint's own" in n for n in report.notes)
+    assert json.load(open(tmp_path / "m" / "config.json"))["dtype"] == "bfloat16"
+
+    fp32 = build_base(str(tmp_path / "fp32"), "llama", dtype=torch.float32)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32),
+                           LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False))
+    report = merge_and_save(model, str(tmp_path / "n"), progress=False)
+    assert report.dtype == "bfloat16" and any("pass dtype='float32' to keep float32" in n for n in report.notes)
+    assert merge_and_save(model, str(tmp_path / "a"), dtype="auto", progress=False).dtype == "bfloat16"
+
+
+# --- Unsloth's call sites -------------------------------------------------------------------------------------
+
+
+def test_unsloth_save_methods_and_rerunning_the_cell(bf16_base, tmp_path, caplog):
+    peft_shardmerge.patch_peft()
+    model = peft_qlora(bf16_base)
+    out = str(tmp_path / "model")
+    model.save_pretrained_merged(out, None, save_method="merged_16bit", progress=False)
+    first = os.path.getmtime(os.path.join(out, "config.json"))
+    report = model.save_pretrained_merged(out, None, save_method="merged_16bit", progress=False)  # re-run the cell
+    assert report.lora_modules_merged == 14 and os.path.getmtime(os.path.join(out, "config.json")) >= first
+    model.save_pretrained_merged(out, None, save_method="lora")  # the same folder, another method
+    assert sorted(os.listdir(out)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    caplog.set_level(logging.WARNING)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save_pretrained_merged(out, None, save_method="merged_4bit_forced", progress=False)
+    assert len([w for w in caught if "re-quantizes" in str(w.message)]) == 1
+    assert "re-quantizes" not in caplog.text  # once, as a warning, not again as a log record
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["quantization_config"]["load_in_4bit"] is True
+
+    with pytest.raises(InputError, match=r"save_method='mxfp4' .* use save_method='merged_16bit'"):
+        model.save_pretrained_merged(str(tmp_path / "x"), None, save_method="mxfp4")
+    busy = tmp_path / "trainer-output"
+    busy.mkdir()
+    (busy / "training_args.bin").write_bytes(b"x")
+    with pytest.raises(InputError, match=r"is not an earlier save \(it holds training_args.bin\)"):
+        model.save_pretrained_merged(str(busy), None, progress=False)
+    with pytest.raises(InputError, match=r"is the base folder"):
+        save_pretrained_merged(model, bf16_base, None, progress=False)
+    assert not (tmp_path / "x").exists() and os.listdir(busy) == ["training_args.bin"]
+
+
+# --- PEFT's merge_and_unload ----------------------------------------------------------------------------------
+
+
+def test_merge_and_unload_takes_peft_parameters(bf16_base, tmp_path):
+    model = peft_qlora(bf16_base)
+    ids = token_ids(512, seed=3)
+    ref = reference_logits(model, ids)
+    plain = merge_and_unload(model, progressbar=True, safe_merge=True, adapter_names=["default"], dtype="float32")
+    assert not any(type(m).__module__.startswith(("peft.", "bitsandbytes.")) for m in plain.modules())
+    with torch.no_grad():
+        assert rel_err(plain(input_ids=ids).logits, ref) < 1e-5
+
+
+def test_merge_and_unload_on_a_model_without_adapter_raises_and_leaves_it_clean(bf16_base):
+    model = AutoModelForCausalLM.from_pretrained(bf16_base)
+    with pytest.raises(ValueError, match="has no LoRA adapter"):
+        merge_and_unload(model)
+    assert not hasattr(model, "peft_config")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        get_peft_model(model, LoraConfig(target_modules=["q_proj"]))
+    assert not [w for w in caught if "peft_config" in str(w.message)]
+
+
+def test_merge_and_unload_on_an_offloaded_model_refuses_before_changing_it(bf16_base, tmp_path):
+    device_map = {"model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "disk"}
+    model = AutoModelForCausalLM.from_pretrained(bf16_base, device_map=device_map, dtype=torch.float32,
+                                                 offload_folder=str(tmp_path / "offload"))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights=False))
+    before = {k: v.detach().clone() for k, v in model.named_parameters() if not v.is_meta}
+    kinds = [type(m) for m in model.modules()]
+    with pytest.raises(InputError, match=r"(?s)offloaded by accelerate \(model.embed_tokens, lm_head;.*nothing was changed.*merge_and_save"):
+        merge_and_unload(model)
+    after = {k: v for k, v in model.named_parameters() if not v.is_meta}
+    assert kinds == [type(m) for m in model.modules()] and before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    report = merge_and_save(model, str(tmp_path / "m"), dtype="float32", progress=False)  # still works
+    assert report.lora_modules_merged == 4
+
+
+# --- messages -------------------------------------------------------------------------------------------------
+
+
+def test_every_problem_at_once_in_python(bf16_base, tmp_path):
+    model = peft_qlora(bf16_base)
+    with pytest.raises(InputError) as e:
+        merge_and_save(model, str(tmp_path / "m"), dtype="int3", max_shard_size="huge", base_precision="best",
+                       maximum_memory_usage=2.0, progress=False)
+    assert len(e.value.problems) == 4, e.value.problems
+    assert not any("--" in p for p in e.value.problems)  # Python callers are not told about CLI flags
+    assert not (tmp_path / "m").exists()
+
+
+def test_merge_report_repr_is_short(bf16_base, tmp_path):
+    model = peft_qlora(bf16_base)
+    report = save_pretrained_merged(model, str(tmp_path / "m"), max_shard_size="200KB", progress=False)
+    assert len(repr(report)) < 200 and repr(report).startswith("MergeReport(out_dir=")
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "peft_shardmerge", *args], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+
+
+def test_cli_summary_once_quiet_dtype_aliases_and_bare_help(tmp_path):
+    base = build_base(str(tmp_path / "base"), "llama")
+    from peft_shardmerge.tiny import build_adapter
+
+    adapter = build_adapter(base, str(tmp_path / "adapter"), arch="llama")
+    r = _cli("merge", base, adapter, str(tmp_path / "a"), "--dtype", "bf16")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("LoRA modules merged 14/14") == 1 and "LoRA modules merged" not in r.stderr
+    assert json.load(open(tmp_path / "a" / "config.json"))["dtype"] == "bfloat16"
+    r = _cli("merge", base, adapter, str(tmp_path / "b"), "-q")
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
+    r = _cli()
+    assert r.returncode == 0 and r.stdout.startswith("usage: peft-shardmerge") and "merge" in r.stdout
+
+
+def test_help_does_not_import_torch():
+    """`peft-shardmerge --help` took 2.3 s importing torch, transformers and peft; it now imports none."""
+    code = "import sys, peft_shardmerge.cli as c, peft_shardmerge as p; print(sorted({'torch', 'transformers', " \
+           "'peft'} & set(sys.modules)))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
