@@ -15,6 +15,7 @@ from .errors import CorruptFileError, InputError, NotFoundError, UnsupportedErro
 from .maths import linear_factors
 from .peft_deltas import DELTA_TYPES
 from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
+from .reading_rules import positive_number, stored_key_problems
 from .sources import _read_json, resolve_folder
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -185,6 +186,9 @@ def load_adapter(location: str) -> AdapterSpec:
     config = _read_json(os.path.join(folder, ADAPTER_CONFIG), "adapter_config.json")
     _check_config(config, folder)
     tensors, scratch = _read_adapter_tensors(folder)
+    key_problems = stored_key_problems(list(tensors))  # keys PeftModel.from_pretrained would not load
+    if key_problems:
+        raise InputError(key_problems)
     spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)), scratch=scratch,
                        peft_type=str(config.get("peft_type")))
     spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
@@ -485,11 +489,11 @@ def _check_config(config: dict, folder: str) -> None:
     if unsupported:
         raise UnsupportedError(f"adapter {folder} uses options that cannot be merged: " + "; ".join(unsupported))
     problems = []
-    for key, types in (("r", int), ("lora_alpha", (int, float))):
+    for key in ("r", "lora_alpha"):
         if key not in config:
             problems.append(f"adapter_config.json lacks {key!r}")
-        elif isinstance(config[key], bool) or not isinstance(config[key], types) or config[key] <= 0:
-            problems.append(f"adapter_config.json {key!r} must be a positive number, got {config[key]!r}")
+        elif not positive_number(config[key], integer=key == "r"):
+            problems.append(f"adapter_config.json {key!r} must be a positive finite number, got {config[key]!r}")
     for key in ("rank_pattern", "alpha_pattern"):
         pattern = config.get(key)
         if pattern is None:
@@ -498,10 +502,10 @@ def _check_config(config: dict, folder: str) -> None:
             problems.append(f"adapter_config.json {key!r} must be an object, got {type(pattern).__name__}")
             continue
         for k, v in pattern.items():
-            if key == "rank_pattern" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            if key == "rank_pattern" and not positive_number(v, integer=True):
                 problems.append(f"adapter_config.json rank_pattern[{k!r}] must be a positive int, got {v!r}")
-            if key == "alpha_pattern" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-                problems.append(f"adapter_config.json alpha_pattern[{k!r}] must be a positive number, got {v!r}")
+            if key == "alpha_pattern" and not positive_number(v):
+                problems.append(f"adapter_config.json alpha_pattern[{k!r}] must be a positive finite number, got {v!r}")
             try:
                 re.compile(rf"(.*\.)?({k})$")
             except re.error as e:

@@ -16,6 +16,7 @@ from .model_info import inspect_model
 from .peft_deltas import rebuild
 from .plan import DEFAULT_CHUNK_ELEMS, Plan, build_plan
 from .quant import Nf4Settings
+from .reading_rules import adapter_load_problems
 from .report import MergeReport
 from .sources import open_checkpoint
 
@@ -134,6 +135,7 @@ def plan_checkpoint_merge(
                                      for i, f in enumerate(spec.folders)}}
     problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
     info = inspect_model(src.folder)
+    problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
     if spec.needs_layers:
         from transformers import AutoConfig
 

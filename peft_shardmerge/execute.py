@@ -19,6 +19,7 @@ from .plan import Plan, PlannedTensor
 from .quant import quantize_roundtrip
 from .report import MergeReport
 from .safetensors_io import DTYPES, RowReader, row_blocks
+from .side_files import copy_side_files
 from .staging import check_written, staged_output
 from .writer import ShardWriter, write_json
 
@@ -433,13 +434,13 @@ def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> l
 
 
 def _copy_side_files(plan: Plan, tmp: str) -> None:
+    """Carry every non-weight file of the base into the output (tokenizer, sentence-transformers pipeline, README,
+    ...), then the adapter's tokenizer files, which replace the base's tokenizer as a whole."""
     from .sources import TOKENIZER_FILES
 
-    adapter_has_tokenizer = bool(plan.adapter.tokenizer_files)
-    for fname in plan.base.extra_files:
-        if adapter_has_tokenizer and fname in TOKENIZER_FILES:
-            continue  # the adapter's tokenizer replaces the base's as a whole
-        shutil.copyfile(os.path.join(plan.base.folder, fname), os.path.join(tmp, fname))
+    skip = TOKENIZER_FILES if plan.adapter.tokenizer_files else ()
+    written = set(plan.shard_names) | {"model.safetensors.index.json"}
+    copy_side_files(plan.base.folder, tmp, [n for n in plan.base.extra_files if n not in written], skip=skip)
     for fname in plan.adapter.tokenizer_files:
         shutil.copyfile(os.path.join(plan.adapter.folder, fname), os.path.join(tmp, fname))
 
@@ -490,12 +491,15 @@ def check_probe_error(name: str, start: int, stop: int, err: float) -> None:
         None.
 
     Raises:
-        MergeCheckError: the error is over the tolerance.
+        MergeCheckError: the error is over the tolerance, or not a number.
 
     Example:
         >>> check_probe_error("w", 0, 4, 1e-7)
+        >>> check_probe_error("w", 0, 4, float("nan"))
+        Traceback (most recent call last):
+        peft_shardmerge.errors.MergeCheckError: self-check failed for 'w' rows 0-4: merged weight times probe vectors differs from base + LoRA by nan (relative) > 0.001
     """
-    if err > PROBE_TOLERANCE:
+    if not err <= PROBE_TOLERANCE:  # also a NaN error, which no comparison with ">" would catch
         raise MergeCheckError(
             f"self-check failed for {name!r} rows {start}-{stop}: merged weight times probe vectors differs from "
             f"base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")

@@ -26,6 +26,7 @@ from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_fact
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
 from .report import MergeReport
 from .safetensors_io import DTYPES, row_blocks
+from .sources import copy_base_side_files
 from .writer import ShardWriter, write_json
 
 log = logging.getLogger(__name__)
@@ -522,6 +523,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
         if quant4 is not None:
             config["quantization_config"] = quant4
         write_json(os.path.join(tmp, "config.json"), config)
+        copy_base_side_files(getattr(live.model.config, "_name_or_path", "") or "", tmp)  # tokenizer, pipeline, ...
         if gen is not None:
             gen.save_pretrained(tmp)
         if save_extra is not None:

@@ -25,12 +25,16 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "U8": (torch.uint8, 1),
     "BOOL": (torch.bool, 1),
 }
-for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+for _name, _attr, _size in (("F8_E4M3", "float8_e4m3fn", 1), ("F8_E5M2", "float8_e5m2", 1),
+                            ("F8_E8M0", "float8_e8m0fnu", 1), ("U16", "uint16", 2), ("U32", "uint32", 4),
+                            ("U64", "uint64", 8)):
     if hasattr(torch, _attr):
-        DTYPES[_name] = (getattr(torch, _attr), 1)
+        DTYPES[_name] = (getattr(torch, _attr), _size)
 
 TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+#: the largest dimension torch can represent (safetensors accepts up to 2**64 - 1, torch cannot read that)
+MAX_DIM = 2**63 - 1
 
 #: largest JSON header we accept (safetensors itself caps it at 100 MB)
 MAX_HEADER_BYTES = 100_000_000
@@ -79,7 +83,9 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
         ``__metadata__`` string map (empty when absent).
 
     Raises:
-        CorruptFileError: the header length, JSON, dtypes, shapes or offsets are invalid.
+        CorruptFileError: the header length, JSON, dtypes, shapes or offsets are invalid, bytes follow the last
+            tensor's data, or ``safetensors.safe_open`` itself refuses the file (every file read is also opened by
+            safetensors, so nothing it rejects is ever merged).
         FileNotFoundError: the file does not exist.
 
     Example:
@@ -107,22 +113,25 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
         raise CorruptFileError(f"{path}: header is not a JSON object; the file is corrupted")
     data_start = 8 + hlen
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CorruptFileError(f"{path}: __metadata__ is not an object")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptFileError(f"{path}: __metadata__ is not an object of strings; the file is corrupted")
     tensors: list[TensorInfo] = []
     for name, entry in header.items():
         try:
-            dtype = entry["dtype"]
-            shape = tuple(int(s) for s in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (TypeError, KeyError, ValueError, OverflowError) as e:
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (TypeError, KeyError) as e:
             raise CorruptFileError(f"{path}: entry {name!r} lacks dtype/shape/data_offsets") from e
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CorruptFileError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-        if any(s < 0 for s in shape):
-            raise CorruptFileError(f"{path}: tensor {name!r} has a negative dimension {shape}")
+        if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+            raise CorruptFileError(f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of integers "
+                                   "from 0 to 2**63 - 1")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
+            raise CorruptFileError(f"{path}: tensor {name!r} has data_offsets {offsets!r}; they are two integers "
+                                   "from 0 to 2**63 - 1")
+        shape, (begin, end) = tuple(shape), offsets
         info = TensorInfo(name, dtype, shape, path, data_start + begin, end - begin)
-        if begin < 0 or end < begin or info.nbytes != info.numel * DTYPES[dtype][1]:
+        if end < begin or info.nbytes != info.numel * DTYPES[dtype][1]:
             raise CorruptFileError(
                 f"{path}: tensor {name!r} offsets [{begin}, {end}) do not fit its dtype {dtype} and shape {list(shape)}"
             )
@@ -135,7 +144,29 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
         if t.offset != pos:
             raise CorruptFileError(f"{path}: tensor {t.name!r} overlaps another or leaves a gap in the data")
         pos += t.nbytes
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    if pos != size:
+        raise CorruptFileError(f"{path}: {size - pos} byte(s) follow the last tensor's data; safetensors refuses "
+                               "such a file (the file is corrupted or was appended to)")
+    _check_with_safetensors(path)
+    return tensors, dict(metadata)
+
+
+def _is_count(x: object) -> bool:
+    """A JSON value safetensors reads as a size and torch can represent: an int (not a bool) in [0, 2**63)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_DIM
+
+
+def _check_with_safetensors(path: str) -> None:
+    """Open the file with safetensors itself, which validates the header the way every reader of the checkpoint
+    will; anything it refuses is refused here too."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, "pt"):
+            pass
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CorruptFileError(f"{path}: safetensors refuses the file ({str(e).splitlines()[0]}); the file is "
+                               "corrupted; re-save it") from e
 
 
 class RowReader:
@@ -249,7 +280,8 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata:
 def row_blocks(shape: tuple[int, ...], max_elems: int) -> list[tuple[int, int]]:
     """Split dimension 0 of ``shape`` into ``(start, stop)`` blocks of at most ``max_elems`` elements.
 
-    A block always holds at least one row, so a single row larger than ``max_elems`` is its own block.
+    A block always holds at least one row, so a single row larger than ``max_elems`` is its own block. A tensor
+    with no elements (any dimension 0) is one empty block, whatever its number of rows.
 
     Args:
         shape: the tensor shape; a scalar counts as one row.
@@ -264,6 +296,8 @@ def row_blocks(shape: tuple[int, ...], max_elems: int) -> list[tuple[int, int]]:
     Example:
         >>> row_blocks((10, 4), 16)
         [(0, 4), (4, 8), (8, 10)]
+        >>> row_blocks((2**62, 0), 16)   # zero bytes: one empty block, not 2**58 of them
+        [(0, 4611686018427387904)]
     """
     if not shape:
         return [(0, 1)]
@@ -271,5 +305,7 @@ def row_blocks(shape: tuple[int, ...], max_elems: int) -> list[tuple[int, int]]:
     per_row = 1
     for s in shape[1:]:
         per_row *= s
-    step = max(1, max_elems // max(1, per_row))
-    return [(r, min(rows, r + step)) for r in range(0, rows, step)] or [(0, 0)]
+    if rows == 0 or per_row == 0:  # no data at all, however many rows are declared: one empty block
+        return [(0, rows)]
+    step = max(1, max_elems // per_row)
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from .errors import CorruptFileError, InputError, NotFoundError
 from .safetensors_io import TensorInfo, read_header
+from .side_files import list_side_files
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,7 +58,7 @@ def resolve_folder(location: str, *, what: str, must_have: tuple[str, ...]) -> s
         if cached is None:
             raise NotFoundError(
                 f"{what} {location!r} is not a folder, nor a Hub id in the local Hugging Face cache; "
-                f"pass a local folder, or download it first (huggingface-cli download {location})"
+                f"pass a local folder, or download it first (hf download {location})"
             )
         path = cached
     if not any(os.path.exists(os.path.join(path, name)) for name in must_have):
@@ -120,7 +121,8 @@ class CheckpointSource:
         config: the parsed ``config.json``.
         tensors: every tensor, in checkpoint order (index order of shards, then file order).
         by_name: the same, by name.
-        extra_files: names of tokenizer / generation files present in the folder.
+        extra_files: the folder's other files, carried into the output (paths relative to ``folder``,
+            :func:`~peft_shardmerge.side_files.list_side_files`).
     """
 
     folder: str
@@ -139,7 +141,8 @@ def open_checkpoint(location: str) -> CheckpointSource:
 
     Args:
         location: a folder with ``config.json`` and ``model.safetensors`` or a sharded index, or a Hub
-            id in the local cache.
+            id in the local cache. The weights are those transformers reads (:func:`weights_entry`), and every
+            file is validated as safetensors validates it.
 
     Returns:
         The :class:`CheckpointSource`.
@@ -156,9 +159,12 @@ def open_checkpoint(location: str) -> CheckpointSource:
     """
     folder = resolve_folder(location, what="base", must_have=("config.json",))
     config = _read_json(os.path.join(folder, "config.json"), "base config.json")
+    entry, problem = weights_entry(folder, config)
     index_path = os.path.join(folder, INDEX_FILE)
-    single = os.path.join(folder, SINGLE_FILE)
-    if os.path.exists(index_path):
+    if problem:
+        raise CorruptFileError(problem)
+    if entry is not None and entry.endswith(".index.json"):
+        index_path = os.path.join(folder, entry)
         index = _read_json(index_path, "base index")
         wmap = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wmap, dict) or not wmap:
@@ -171,8 +177,8 @@ def open_checkpoint(location: str) -> CheckpointSource:
         missing = [os.path.basename(p) for p in files if not os.path.isfile(p)]
         if missing:
             raise NotFoundError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
-    elif os.path.exists(single):
-        files, wmap = [single], None
+    elif entry is not None:
+        files, wmap = [os.path.join(folder, entry)], None
     else:
         bins = [n for n in os.listdir(folder) if n.endswith(".bin") and n.startswith("pytorch_model")]
         if bins:
@@ -210,8 +216,45 @@ def open_checkpoint(location: str) -> CheckpointSource:
         absent = sorted(set(wmap) - set(by_name))
         if absent:
             raise CorruptFileError(f"{index_path}: names tensors no shard holds: {', '.join(absent[:5])}")
-    extra = [n for n in EXTRA_FILES + TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
-    return CheckpointSource(folder, config, tensors, by_name, extra)
+    return CheckpointSource(folder, config, tensors, by_name, list_side_files(folder))
+
+
+def weights_entry(folder: str, config: dict) -> tuple[str | None, str]:
+    """The weights file transformers' ``from_pretrained`` reads in a local folder: ``config.transformers_weights``
+    when set, else ``model.safetensors`` when it is a file, else ``model.safetensors.index.json`` (so a folder
+    holding both reads the single file and ignores the index, as transformers does).
+
+    Args:
+        folder: the checkpoint folder.
+        config: its parsed ``config.json``.
+
+    Returns:
+        ``(name, "")`` with the file name relative to ``folder``, ``(None, "")`` when there is none, or
+        ``(None, problem)`` when ``transformers_weights`` names a file transformers refuses.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> weights_entry("/nonexistent", {})
+        (None, '')
+    """
+    explicit = config.get("transformers_weights")
+    if explicit is not None:
+        where = f"{os.path.join(folder, 'config.json')}: transformers_weights={explicit!r}"
+        if not isinstance(explicit, str) or not explicit.endswith((".safetensors", ".safetensors.index.json")):
+            return None, f"{where} is neither a .safetensors file nor a .safetensors.index.json; fix config.json"
+        root = os.path.abspath(folder)
+        target = os.path.abspath(os.path.join(folder, explicit))
+        if os.path.commonpath([root, target]) != root:
+            return None, f"{where} leads out of the folder; transformers refuses it too"
+        if not os.path.isfile(target):
+            return None, f"{where} names a file that does not exist"
+        return os.path.relpath(target, root), ""
+    for name in (SINGLE_FILE, INDEX_FILE):
+        if os.path.isfile(os.path.join(folder, name)):
+            return name, ""
+    return None, ""
 
 
 def _read_json(path: str, what: str) -> dict:
@@ -225,3 +268,33 @@ def _read_json(path: str, what: str) -> dict:
     if not isinstance(data, dict):
         raise CorruptFileError(f"{path}: {what} is not a JSON object")
     return data
+
+
+def copy_base_side_files(name_or_path: str, dest: str, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Carry the side files of the folder a model was loaded from (``config._name_or_path``: a local folder or a
+    Hub id in the local cache) into ``dest``, as the disk path does (:func:`~peft_shardmerge.side_files.list_side_files`).
+
+    Args:
+        name_or_path: the model's ``config._name_or_path``.
+        dest: the output (staging) folder.
+        skip: top-level names not to copy.
+
+    Returns:
+        The relative paths copied; empty when the folder cannot be found (nothing is downloaded).
+
+    Raises:
+        OSError: a file could not be read or written.
+
+    Example:
+        >>> copy_base_side_files("", "/tmp/out")
+        []
+    """
+    from .side_files import copy_side_files
+
+    if not name_or_path:
+        return []
+    try:
+        folder = resolve_folder(name_or_path, what="base", must_have=("config.json",))
+    except NotFoundError:
+        return []
+    return copy_side_files(folder, dest, skip=skip)

@@ -224,6 +224,64 @@ def _out_not_empty(c: Ctx, b: str, a: str) -> str:
     return p
 
 
+def _base_file_edit(edit: Callable[[bytes], bytes], sharded: bool = False):
+    """Rewrite the base's (last) weights file with ``edit`` applied to its bytes."""
+    def make(c: Ctx):
+        b = c.copy(c.sharded if sharded else c.base)
+        names = sorted(n for n in os.listdir(b) if n.endswith(".safetensors"))
+        path = os.path.join(b, names[-1])
+        data = open(path, "rb").read()
+        open(path, "wb").write(edit(data))
+        return b, c.sharded_adapter if sharded else c.adapter, {}
+    return make
+
+
+def _header_edit(change: Callable[[dict], None]):
+    """Change the JSON header of the base's model.safetensors (data left as is)."""
+    def edit(data: bytes) -> bytes:
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + n])
+        change(header)
+        raw = json.dumps(header).encode()
+        return struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+    return edit
+
+
+def _first_tensor(header: dict) -> dict:
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+def _base_dtype(name: str, dtype: torch.dtype):
+    """The base with one tensor stored in another dtype."""
+    def make(c: Ctx):
+        b = c.copy(c.base)
+        path = os.path.join(b, "model.safetensors")
+        w = load_file(path)
+        w[name] = (w[name] * 50).to(dtype)
+        save_file(w, path, metadata={"format": "pt"})
+        return b, c.adapter, {}
+    return make
+
+
+def _base_config(**changes):
+    def make(c: Ctx):
+        b = c.copy(c.base)
+        _edit_json(os.path.join(b, "config.json"), **changes)
+        return b, c.adapter, {}
+    return make
+
+
+def _rename_keys(match: str, old: str, new: str, keep: bool = False):
+    def edit(w):
+        for k in [k for k in w if match in k]:
+            w[k.replace(old, new)] = w[k] * 2 if keep else w.pop(k)
+    return edit
+
+
+_Q0 = "layers.0.self_attn.q_proj"
+_NAN, _INF = float("nan"), float("inf")
+
+
 # (id, builder, exception, message regex)
 CASES = [
     ("adapter-other-architecture", lambda c: (c.base, c.other_arch_adapter, {}), InputError,
@@ -253,8 +311,8 @@ CASES = [
      r"asks for trainable tokens but the weights hold no trainable_tokens_delta"),
     ("layer-replication", adapter_config(layer_replication=[[0, 2]]), UnsupportedError, r"layer_replication"),
     ("config-missing-r", adapter_config(r=_DROP), InputError, r"adapter_config\.json lacks 'r'"),
-    ("config-r-string", adapter_config(r="8"), InputError, r"'r' must be a positive number, got '8'"),
-    ("config-alpha-negative", adapter_config(lora_alpha=-16), InputError, r"'lora_alpha' must be a positive number"),
+    ("config-r-string", adapter_config(r="8"), InputError, r"'r' must be a positive finite number, got '8'"),
+    ("config-alpha-negative", adapter_config(lora_alpha=-16), InputError, r"'lora_alpha' must be a positive finite number"),
     ("config-rank-pattern-list", adapter_config(rank_pattern=["q_proj"]), InputError,
      r"'rank_pattern' must be an object, got list"),
     ("pissa-residual-base", adapter_config(init_lora_weights="pissa_niter_4"), UnsupportedError,
@@ -262,7 +320,7 @@ CASES = [
     ("rank-pattern-none-value", adapter_config(rank_pattern={"q_proj": None}), InputError,
      r"rank_pattern\['q_proj'\] must be a positive int, got None"),
     ("alpha-pattern-string-value", adapter_config(alpha_pattern={"v_proj": "3"}), InputError,
-     r"alpha_pattern\['v_proj'\] must be a positive number, got '3'"),
+     r"alpha_pattern\['v_proj'\] must be a positive finite number, got '3'"),
     ("pattern-bad-regex", adapter_config(rank_pattern={"q_proj(": 4}), InputError,
      r"rank_pattern key 'q_proj\(' is not a valid pattern"),
     ("config-not-json", raw_file("adapter", "adapter_config.json", b"{r: 8"), CorruptFileError,
@@ -328,6 +386,79 @@ CASES = [
      r"the base folder .* is inside the output folder"),
     ("symlink-out-into-base", out_at(_symlink_into_base), InputError, r"is inside the base folder"),
     ("symlink-out-elsewhere", out_at(_symlink_elsewhere), InputError, r"is a symlink; .* pass the real path"),
+    # numbers NaN and infinities cannot slip through
+    ("alpha-nan", adapter_config(lora_alpha=_NAN), InputError, r"'lora_alpha' must be a positive finite number, got nan"),
+    ("alpha-inf", adapter_config(lora_alpha=_INF), InputError, r"'lora_alpha' must be a positive finite number, got inf"),
+    ("alpha-minus-inf", adapter_config(lora_alpha=-_INF), InputError, r"'lora_alpha' must be a positive finite number"),
+    ("alpha-zero", adapter_config(lora_alpha=0), InputError, r"'lora_alpha' must be a positive finite number, got 0"),
+    ("r-zero", adapter_config(r=0), InputError, r"'r' must be a positive finite number, got 0"),
+    ("r-negative", adapter_config(r=-8), InputError, r"'r' must be a positive finite number, got -8"),
+    ("r-nan", adapter_config(r=_NAN), InputError, r"'r' must be a positive finite number, got nan"),
+    ("r-fraction", adapter_config(r=8.5), InputError, r"'r' must be a positive finite number, got 8\.5"),
+    ("rank-pattern-nan", adapter_config(rank_pattern={"q_proj": _NAN}), InputError,
+     r"rank_pattern\['q_proj'\] must be a positive int, got nan"),
+    ("rank-pattern-zero", adapter_config(rank_pattern={"q_proj": 0}), InputError,
+     r"rank_pattern\['q_proj'\] must be a positive int, got 0"),
+    ("alpha-pattern-nan", adapter_config(alpha_pattern={"q_proj": _NAN}), InputError,
+     r"alpha_pattern\['q_proj'\] must be a positive finite number, got nan"),
+    ("alpha-pattern-inf", adapter_config(alpha_pattern={"q_proj": _INF}), InputError,
+     r"alpha_pattern\['q_proj'\] must be a positive finite number, got inf"),
+    ("alpha-pattern-minus-inf", adapter_config(alpha_pattern={"v_proj": -_INF}), InputError,
+     r"alpha_pattern\['v_proj'\] must be a positive finite number, got -inf"),
+    ("alpha-pattern-zero", adapter_config(alpha_pattern={"v_proj": 0.0}), InputError,
+     r"alpha_pattern\['v_proj'\] must be a positive finite number, got 0\.0"),
+    # base files safetensors itself refuses
+    ("base-trailing-bytes", _base_file_edit(lambda d: d + b"\0" * 8), CorruptFileError,
+     r"8 byte\(s\) follow the last tensor's data"),
+    ("base-trailing-byte-last-shard", _base_file_edit(lambda d: d + b"x", sharded=True), CorruptFileError,
+     r"model-(\d+)-of-\1\.safetensors: 1 byte\(s\) follow the last tensor's data"),
+    ("base-shape-float", _base_file_edit(_header_edit(lambda h: _first_tensor(h).update(
+        shape=[float(x) for x in _first_tensor(h)["shape"]]))), CorruptFileError, r"a shape is a list of integers"),
+    ("base-shape-string", _base_file_edit(_header_edit(lambda h: _first_tensor(h).update(
+        shape=[str(x) for x in _first_tensor(h)["shape"]]))), CorruptFileError, r"a shape is a list of integers"),
+    ("base-shape-negative", _base_file_edit(_header_edit(lambda h: _first_tensor(h).update(
+        shape=[-x for x in _first_tensor(h)["shape"]]))), CorruptFileError, r"a shape is a list of integers"),
+    ("base-shape-2**63", _base_file_edit(_header_edit(lambda h: h.update(
+        {"extra.huge": {"dtype": "F32", "shape": [2**63, 0], "data_offsets": [0, 0]}}))), CorruptFileError,
+     r"'extra\.huge' has shape \[9223372036854775808, 0\]"),
+    ("base-offsets-float", _base_file_edit(_header_edit(lambda h: _first_tensor(h).update(
+        data_offsets=[float(x) for x in _first_tensor(h)["data_offsets"]]))), CorruptFileError,
+     r"has data_offsets .* they are two integers"),
+    ("base-metadata-not-string", _base_file_edit(_header_edit(lambda h: h.update(__metadata__={"format": 1}))),
+     CorruptFileError, r"__metadata__ is not an object of strings"),
+    ("base-explicit-weights-outside", _base_config(transformers_weights="../model.safetensors"), CorruptFileError,
+     r"transformers_weights='\.\./model\.safetensors' leads out of the folder"),
+    ("base-explicit-weights-missing", _base_config(transformers_weights="other.safetensors"), CorruptFileError,
+     r"transformers_weights='other\.safetensors' names a file that does not exist"),
+    ("base-explicit-weights-bin", _base_config(transformers_weights="pytorch_model.bin"), CorruptFileError,
+     r"is neither a \.safetensors file nor a \.safetensors\.index\.json"),
+    # adapter tensors PeftModel.from_pretrained would not load
+    ("adapter-keys-without-prefix", adapter_weights(_rename_keys("base_model.model.", "base_model.model.", "")),
+     InputError, r"28 of 28 adapter tensor\(s\) lack the 'base_model\.model\.' prefix .* PEFT loads none of them"),
+    ("adapter-one-module-without-prefix", adapter_weights(_rename_keys(_Q0, "base_model.model.", "")), InputError,
+     r"2 of 28 adapter tensor\(s\) lack the 'base_model\.model\.' prefix"),
+    ("adapter-two-adapters-in-one-file", adapter_weights(_rename_keys(_Q0, ".weight", ".other.weight", keep=True)),
+     InputError, r"belong to another adapter than 'default' \(other: .*PEFT loads a folder as 'default'"),
+    ("adapter-only-another-adapter", adapter_weights(_rename_keys(_Q0, ".weight", ".second.weight")), InputError,
+     r"belong to another adapter than 'default' \(second"),
+    ("adapter-factor-stored-twice", adapter_weights(_rename_keys(_Q0, ".weight", ".default.weight", keep=True)),
+     InputError, r"stored twice, with and without the adapter name"),
+    ("adapter-base-weight-of-lora-module", adapter_weights(lambda w: w.update(
+        {f"base_model.model.model.{_Q0}.weight": torch.ones(128, 128)})), InputError,
+     r"1 adapter tensor\(s\) would not be loaded by PEFT onto this base \(base_model\.model\.model\.layers\.0\."
+     r"self_attn\.q_proj\.weight\)"),
+    ("adapter-bias-the-base-lacks", adapter_weights(lambda w: w.update(
+        {f"base_model.model.model.{_Q0}.base_layer.bias": torch.ones(128)})), InputError,
+     r"would not be loaded by PEFT onto this base"),
+    # tensors that cannot take a delta
+    ("target-stored-int8", _base_dtype("model.layers.0.self_attn.q_proj.weight", torch.int8), InputError,
+     r"integers or float8: model\.layers\.0\.self_attn\.q_proj\.weight \(I8\)"),
+    ("target-stored-uint8", _base_dtype("model.layers.1.self_attn.v_proj.weight", torch.uint8), InputError,
+     r"integers or float8: model\.layers\.1\.self_attn\.v_proj\.weight \(U8\)"),
+    ("target-stored-float8-e4m3", _base_dtype("model.layers.0.self_attn.q_proj.weight", torch.float8_e4m3fn),
+     InputError, r"model\.layers\.0\.self_attn\.q_proj\.weight \(F8_E4M3\)"),
+    ("target-stored-float8-e5m2", _base_dtype("model.layers.0.self_attn.q_proj.weight", torch.float8_e5m2),
+     InputError, r"model\.layers\.0\.self_attn\.q_proj\.weight \(F8_E5M2\)"),
 ]
 
 CLI_FLAGS = {"dtype": "--dtype", "max_shard_size": "--max-shard-size", "base_precision": "--base-precision",

@@ -1,0 +1,183 @@
+"""The base folder's files other than its weights (tokenizer, pipeline, README, ...): which are carried into the
+output, and the copy that never follows a link out of the base folder."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+log = logging.getLogger(__name__)
+
+#: weight files and exports of the base model: the merge writes its own weights, so these are never copied
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx", ".ot",
+                   ".onnx_data", ".pdparams", ".npz")
+#: index files of sharded weights (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``, ...)
+_INDEX = re.compile(r".*\.(safetensors|bin|pt|pth|h5|msgpack)\.index\.json$")
+#: files that describe a quantization of the base, not the merged model
+QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json", "quantization_config.json")
+#: folders holding exports of the base's weights in other runtimes (stale once the adapter is merged)
+EXPORT_FOLDERS = ("onnx", "openvino")
+#: files the merge writes itself: a base file of the same name at the top of the folder is not copied
+WRITTEN = ("config.json", "merge_manifest.json", "manifest.json", "manifest.json.tmp")
+#: the Hub cache keeps a snapshot's files as links into the repository's ``blobs`` folder
+_HUB_SNAPSHOT = re.compile(r"^(?P<repo>.*)/snapshots/[^/]+$")
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether a file name is a weight file or a weight index (never carried into the output).
+
+    Args:
+        name: a file name (or a path; only its last part is looked at).
+
+    Returns:
+        True for ``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf`` (and other weight formats) and
+        their ``*.index.json`` files.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> is_weight_file("model-00001-of-00002.safetensors"), is_weight_file("tokenizer.json")
+        (True, False)
+        >>> is_weight_file("pytorch_model.bin.index.json")
+        True
+    """
+    base = os.path.basename(name)
+    return base.lower().endswith(WEIGHT_SUFFIXES) or bool(_INDEX.match(base))
+
+
+def _pipeline_folders(folder: str) -> set[str]:
+    """Sub-folders a sentence-transformers ``modules.json`` names as modules: their own weights belong to the
+    pipeline (a ``2_Dense`` layer), which the adapter does not change, so they are carried over."""
+    import json
+
+    try:
+        with open(os.path.join(folder, "modules.json"), encoding="utf-8") as f:
+            modules = json.load(f)
+    except (OSError, ValueError):
+        return set()
+    out = set()
+    for m in modules if isinstance(modules, list) else []:
+        path = m.get("path") if isinstance(m, dict) else None
+        if isinstance(path, str) and path and not os.path.isabs(path) and ".." not in path.split("/"):
+            out.add(os.path.normpath(path))
+    return out
+
+
+def _allowed_roots(folder: str) -> list[str]:
+    """Where a link inside ``folder`` may point: the folder itself, and for a Hub cache snapshot its repository's
+    ``blobs`` folder (the cache stores every file of a snapshot as such a link)."""
+    real = os.path.realpath(folder)
+    roots = [real]
+    m = _HUB_SNAPSHOT.match(real)
+    if m:
+        roots.append(os.path.join(m.group("repo"), "blobs"))
+    return roots
+
+
+def _inside(path: str, roots: list[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == r or real.startswith(r + os.sep) for r in roots)
+
+
+def list_side_files(folder: str) -> list[str]:
+    """Every file of a base folder that the merged output carries over, as paths relative to ``folder``.
+
+    Everything except: weight files and their indexes (:func:`is_weight_file`; weights inside a
+    sentence-transformers module folder named by ``modules.json``, such as ``2_Dense/``, are kept), files
+    describing a quantization, exports in ``onnx/``/``openvino/``, hidden files and folders, ``config.json`` (the
+    merge writes its own), anything that is not a regular file, and every link that leads out of the folder (for a
+    Hub cache snapshot: out of its repository's ``blobs``).
+
+    Args:
+        folder: the base folder.
+
+    Returns:
+        Relative paths (``/``-separated), sorted.
+
+    Raises:
+        Nothing: unreadable folders are skipped.
+
+    Example:
+        >>> list_side_files("./all-MiniLM-L6-v2")   # doctest: +SKIP
+        ['1_Pooling/config.json', 'README.md', 'config_sentence_transformers.json', 'modules.json', ...]
+    """
+    roots = _allowed_roots(folder)
+    pipeline = _pipeline_folders(folder)
+    out: list[str] = []
+    skipped: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        rel_dir = os.path.relpath(dirpath, folder)
+        rel_dir = "" if rel_dir == "." else rel_dir
+        keep_dirs = []
+        for d in sorted(dirnames):
+            p = os.path.join(dirpath, d)
+            rel = os.path.join(rel_dir, d)
+            if d.startswith(".") or (not rel_dir and d in EXPORT_FOLDERS):
+                continue
+            if os.path.islink(p):  # os.walk does not descend into links: a link to a folder inside is listed here
+                if _inside(p, roots) and os.path.isdir(p):
+                    out += [os.path.join(rel, r) for r in list_side_files(p)
+                            if _inside(os.path.join(p, r), roots)]
+                else:
+                    skipped.append(rel)
+                continue
+            keep_dirs.append(d)
+        dirnames[:] = keep_dirs
+        in_pipeline = any(rel_dir == p or rel_dir.startswith(p + os.sep) for p in pipeline)
+        for name in sorted(filenames):
+            p = os.path.join(dirpath, name)
+            rel = os.path.join(rel_dir, name)
+            if name.startswith("."):
+                continue
+            if not rel_dir and (name in WRITTEN or name in QUANTIZATION_FILES):
+                continue
+            if is_weight_file(name) and not in_pipeline:
+                continue
+            if not _inside(p, roots) or not os.path.isfile(p):
+                skipped.append(rel)
+                continue
+            out.append(rel)
+    if skipped:
+        log.warning("not copied from %s (links leading out of the folder, or not regular files): %s", folder,
+                    ", ".join(sorted(skipped)[:10]))
+    return sorted(p.replace(os.sep, "/") for p in out)
+
+
+def copy_side_files(folder: str, dest: str, names: list[str] | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy a base folder's side files (:func:`list_side_files`) into ``dest``, sub-folders included.
+
+    Contents are copied (never links); a file whose path leaves ``folder`` when resolved is not read.
+
+    Args:
+        folder: the base folder.
+        dest: the output (staging) folder.
+        names: the relative paths to copy (default: :func:`list_side_files` of ``folder``).
+        skip: top-level names not to copy (e.g. the base's tokenizer files when another tokenizer replaces them).
+
+    Returns:
+        The relative paths copied.
+
+    Raises:
+        OSError: a file could not be read or written.
+
+    Example:
+        >>> copy_side_files("./base", "./staging")   # doctest: +SKIP
+        ['README.md', 'modules.json', '1_Pooling/config.json', 'tokenizer.json']
+    """
+    roots = _allowed_roots(folder)
+    copied = []
+    for rel in list_side_files(folder) if names is None else names:
+        if rel in skip:
+            continue
+        src = os.path.join(folder, rel)
+        if not _inside(src, roots):  # checked again at copy time: the folder may have changed since the listing
+            log.warning("not copied: %s leads out of %s", rel, folder)
+            continue
+        dst = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copyfile(os.path.realpath(src), dst)
+        copied.append(rel)
+    return copied
