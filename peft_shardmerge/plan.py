@@ -15,7 +15,6 @@ from .model_check import check_model, no_bias_problem
 from .model_info import ModelInfo
 from .quant import Nf4Settings
 from .reading_rules import unmergeable_targets
-from .reading_rules import unmergeable_targets
 from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, TensorInfo, row_blocks
 from .sources import CheckpointSource
 from .support import DISK, check_layers, config_variants, raise_if_any
@@ -712,7 +711,6 @@ def build_plan(
 
     if adapter.tokenizer_files:
         notes.append("tokenizer files taken from the adapter folder (they replace the base's)")
-    problems += unmergeable_targets(list(planned.values()))  # integer / float8 tensors cannot take a delta
     problems += unmergeable_targets(list(planned.values()))  # integer / float8 tensors cannot take a delta
     raise_if_any(disk_layer_problems(adapter, info), problems)
 
