@@ -164,7 +164,7 @@ def _check_with_safetensors(path: str) -> None:
     try:
         with safe_open(path, "pt"):
             pass
-    except (SafetensorError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError, TypeError, OverflowError) as e:
         raise CorruptFileError(f"{path}: safetensors refuses the file ({str(e).splitlines()[0]}); the file is "
                                "corrupted; re-save it") from e
 

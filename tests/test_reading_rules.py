@@ -568,3 +568,18 @@ def test_side_files_rules(tmp_path):
     got = set(list_side_files(str(base)))
     want = {rel for rel, keep in files.items() if keep and rel != "config.json"} | {"README.link.md"}
     assert got == want
+
+
+def test_side_files_of_a_hub_cache_snapshot_follow_links_into_blobs_only(tmp_path):
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    (snap / "1_Pooling").mkdir(parents=True)
+    for name, blob in [("tokenizer.json", "b1"), ("modules.json", "b2"), ("1_Pooling/config.json", "b3"),
+                       ("model.safetensors", "b4")]:
+        (repo / "blobs" / blob).write_text(blob)
+        depth = "../" * (name.count("/") + 2)
+        os.symlink(f"{depth}blobs/{blob}", snap / name)
+    (tmp_path / "elsewhere.txt").write_text("no")
+    os.symlink(tmp_path / "elsewhere.txt", snap / "stray.txt")
+    assert list_side_files(str(snap)) == ["1_Pooling/config.json", "modules.json", "tokenizer.json"]
