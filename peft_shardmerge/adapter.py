@@ -17,6 +17,7 @@ from .peft_deltas import DELTA_TYPES
 from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from .reading_rules import positive_number, stored_key_problems
 from .sources import _read_json, resolve_folder
+from .support import DISK, check_config, raise_if_any
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -27,11 +28,6 @@ _LORA_KEY = re.compile(
     r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
     r"(?:\.(?!weight$|bias$)[^.]+)?(?:\.(?P<leaf>weight|bias))?$"
 )
-#: adapter_config.json options this version cannot merge, with what to do instead
-_UNSUPPORTED_OPTIONS = {
-    "layer_replication": "layer_replication changes the layer structure and cannot be merged into the base layout",
-    "use_qalora": "QA-LoRA adapters are not supported",
-}
 
 
 @dataclass
@@ -203,6 +199,8 @@ def load_adapter(location: str) -> AdapterSpec:
             _add_token_rows(spec, name, key, t, problems)
             spec.layer_skip.add(name)
             continue
+        if ".original_module." in key:
+            continue  # the layer as it was before training, kept by PEFT beside its modules_to_save copy
         base_name = key.replace(".token_adapter.", ".").replace(".base_layer.", ".").replace(".modules_to_save.", ".")
         module = base_name.rsplit(".", 1)[0]
         if ".modules_to_save." in key or any(module == m or module.endswith("." + m) for m in saved_modules):
@@ -217,7 +215,8 @@ def load_adapter(location: str) -> AdapterSpec:
             if "lora_" in key:
                 problems.append(f"adapter tensor {name!r} is not a LoRA tensor this version knows")
                 continue
-            spec.replacements[base_name] = t
+            if ".modules_to_save." not in key or base_name not in spec.replacements:  # PEFT 0.21 saves a layer of
+                spec.replacements[base_name] = t  # modules_to_save as X.weight and X.modules_to_save.weight, loads X.weight
             continue
         part = m.group("part") + ("." + m.group("leaf") if m.group("leaf") == "bias" else "")
         parts.setdefault(m.group("module"), {})[part] = t
@@ -469,25 +468,9 @@ def modifies_base(init_lora_weights: object) -> bool:
 
 
 def _check_config(config: dict, folder: str) -> None:
-    peft_type = config.get("peft_type")
-    if peft_type in ("TRAINABLE_TOKENS", *DELTA_TYPES):
+    raise_if_any(check_config(config, where=f"adapter {folder}", path=DISK))  # the allowlist (support.py)
+    if config.get("peft_type") in ("TRAINABLE_TOKENS", *DELTA_TYPES):
         return
-    if peft_type != "LORA":
-        raise UnsupportedError(
-            f"adapter {folder} has peft_type={peft_type!r}; the disk engine merges LoRA (with DoRA, trainable "
-            f"tokens and modules_to_save), trainable tokens and {', '.join(DELTA_TYPES)} adapters. Load it with PEFT "
-            "and use peft_shardmerge.merge_and_save if PEFT's layer for it computes a weight delta"
-        )
-    unsupported = [msg + f" ({opt}={config[opt]!r})" for opt, msg in _UNSUPPORTED_OPTIONS.items() if config.get(opt)]
-    init = config.get("init_lora_weights")
-    if modifies_base(init):
-        unsupported.append(
-            f"init_lora_weights={init!r} trains against a residual base (W minus the initial LoRA), not the "
-            "checkpoint's W; save the adapter with save_pretrained(..., path_initial_model_for_weight_conversion=...) "
-            "to convert it to a plain LoRA first"
-        )
-    if unsupported:
-        raise UnsupportedError(f"adapter {folder} uses options that cannot be merged: " + "; ".join(unsupported))
     problems = []
     for key in ("r", "lora_alpha"):
         if key not in config:

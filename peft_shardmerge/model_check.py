@@ -78,9 +78,9 @@ def layer_uses(model: nn.Module, names: list[str]) -> Iterator[tuple[str, str, s
             continue
         cls = type(module).__name__
         if cls == "TrainableTokensLayer":
-            yield name, "TRAINABLE_TOKENS", layer_kind(module.get_base_layer()), [], module
+            yield name, "TRAINABLE_TOKENS", layer_kind(_real_base(module)), [], module
             continue
-        kind = layer_kind(module) if cls == "ParamWrapper" else layer_kind(module.get_base_layer())
+        kind = layer_kind(module) if cls == "ParamWrapper" else layer_kind(_real_base(module))
         by_type: dict[str, set[str]] = {}
         for a in held:
             config = configs.get(a)
@@ -123,15 +123,22 @@ def adapter_keys(layer: nn.Module) -> set[str]:
     return names
 
 
+def _real_base(layer: nn.Module) -> nn.Module:
+    """The torch layer under a PEFT layer, through a trainable-tokens wrapper it may wrap (LoRA on a tied head)."""
+    base = layer.get_base_layer()
+    while getattr(base, "token_adapter", None) is not None:
+        base = base.token_adapter.get_base_layer()
+    return base
+
+
 def check_model(model: nn.Module, adapter_names: list[str] | None = None, *, path: str = IN_PROCESS,
-                combined: bool = False, values: bool = True) -> tuple[list[str], list[str]]:
+                values: bool = True) -> tuple[list[str], list[str]]:
     """Everything the allowlist refuses in a model's selected adapters, and bad adapter values.
 
     Args:
         model: a ``PeftModel``, a transformers model after ``add_adapter``, or a meta-device model PEFT rebuilt.
         adapter_names: the adapters merged; None: the active one(s).
         path: ``"in_process"`` or ``"disk"``.
-        combined: the adapters are merged together or weighted.
         values: also look for NaN/Inf in the adapters' tensors.
 
     Returns:
@@ -149,7 +156,7 @@ def check_model(model: nn.Module, adapter_names: list[str] | None = None, *, pat
     unsupported: list[str] = []
     for a in names:
         if a in configs:
-            unsupported += check_config(configs[a], where=f"adapter {a!r}", path=path, combined=combined)
+            unsupported += check_config(configs[a], where=f"adapter {a!r}", path=path)
     if unsupported:  # a type or option outside the allowlist: its layers are not looked at
         return unsupported, []
     inner = _inner(model)
@@ -163,7 +170,7 @@ def check_model(model: nn.Module, adapter_names: list[str] | None = None, *, pat
     uses = list(layer_uses(model, names))
     unsupported += check_layers([u[:4] for u in uses], path=path)
     no_bias = [n for n, t, _, v, m in uses if t == "LORA" and "lora_bias" in v
-               and getattr(m.get_base_layer(), "bias", None) is None]
+               and getattr(_real_base(m), "bias", None) is None]
     if no_bias:
         unsupported.append(no_bias_problem(no_bias))
     bad: list[str] = []
@@ -207,14 +214,13 @@ def _adapter_tensors(model: nn.Module, names: list[str]):
 
 
 def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
-                      weights: dict[str, float] | None = None, problems: list[str] | None = None) -> list[str]:
+                      problems: list[str] | None = None) -> list[str]:
     """Refuse, before anything is written or replaced, a loaded model whose selected adapters the allowlist does not
     claim for the in-process path; every API of the in-process path calls this first.
 
     Args:
         model: the PeftModel.
         adapter_names: the adapters merged; None: the active one(s).
-        weights: the weight of each adapter, when weighted.
         problems: problems the caller found already, reported together with the refusals.
 
     Returns:
@@ -228,9 +234,7 @@ def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
         >>> require_supported(peft_model)   # doctest: +SKIP
         []
     """
-    names = selected_adapters(model, adapter_names)
-    combined = len(names) > 1 or any(w != 1 for w in (weights or {}).values())
-    unsupported, bad = check_model(model, names, combined=combined)
+    unsupported, bad = check_model(model, selected_adapters(model, adapter_names))
     if unsupported:
         raise_if_any(unsupported, list(problems or []) + bad)
     return list(problems or []) + bad

@@ -269,7 +269,7 @@ def config_variants(config: Any) -> tuple[list[str], list[str]]:
     return layer, adapter
 
 
-def check_config(config: Any, *, where: str, path: str, combined: bool = False) -> list[str]:
+def check_config(config: Any, *, where: str, path: str) -> list[str]:
     """Every reason the allowlist refuses one adapter's config on one path: an unclaimed PEFT type, a field that
     changes the forward and that no path merges, an unknown field set to a non-default value, an unclaimed
     adapter-wide variant.
@@ -278,7 +278,6 @@ def check_config(config: Any, *, where: str, path: str, combined: bool = False) 
         config: a ``PeftConfig`` or an ``adapter_config.json`` dict.
         where: how to name the adapter in messages (its folder or ``adapter 'default'``).
         path: ``"disk"`` or ``"in_process"``.
-        combined: the adapter is merged together with others or with a weight.
 
     Returns:
         The problems (empty when supported).
@@ -300,8 +299,9 @@ def check_config(config: Any, *, where: str, path: str, combined: bool = False) 
                 f"adapters only. {why[0].upper() + why[1:]}"]
     problems = [f"{where}: {msg} ({key}={c[key]!r})" for key, msg in _REFUSED.items() if c.get(key)]
     handled = _HANDLED[peft_type] | _INERT
-    unknown = sorted(k for k, v in c.items() if k not in handled and k not in _REFUSED and v not in (None, False, "",
-                                                                                                  [], {}, 0))
+    own = _peft_fields(peft_type)  # PEFT ignores (with a warning) the keys its config class does not have
+    unknown = sorted(k for k, v in c.items() if k not in handled and k not in _REFUSED and (own is None or k in own)
+                     and v not in (None, False, "", [], {}, 0))
     if unknown:
         problems.append(f"{where}: {peft_type} config option(s) {', '.join(f'{k}={c[k]!r}' for k in unknown)} are not "
                         f"supported (this version does not know how they change the model); {_INSTEAD}")
@@ -319,10 +319,22 @@ def check_config(config: Any, *, where: str, path: str, combined: bool = False) 
                         "LoRA), not the checkpoint's W; save the adapter with save_pretrained(..., "
                         "path_initial_model_for_weight_conversion=...) to convert it to a plain LoRA first, or merge "
                         "the model in process with merge_and_save")
-    for variant in adapter_wide + (["several adapters"] if combined else []):
+    # "several adapters" is enforced where adapters are combined (their own messages: DoRA and IA3 cannot be
+    # weighted, the disk engine combines LoRA only); the rows here document it
+    for variant in adapter_wide:
         if not is_claimed(peft_type, ADAPTER, variant, path):
             problems.append(_variant_problem(where, peft_type, ADAPTER, variant, path))
     return problems
+
+
+def _peft_fields(peft_type: str) -> set[str] | None:
+    """The fields of PEFT's config class for a type (None when PEFT does not know the type)."""
+    try:
+        from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return None
+    cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type)
+    return {f.name for f in dataclasses.fields(cls)} if cls is not None and dataclasses.is_dataclass(cls) else None
 
 
 def _variant_problem(where: str, peft_type: str, layer: str, variant: str, path: str) -> str:

@@ -194,3 +194,111 @@ def test_layer_refusals_name_the_layer_and_the_fix(kind, path, message):
 
     problems = check_layers([("m", "LORA", kind, [])], path=path)
     assert len(problems) == 1 and re.match(message, problems[0]), problems
+
+
+# --- merge_and_unload returns a plain transformers model that saves and reloads as it computes ---
+
+
+def _no_peft_modules(model) -> None:
+    left = [n for n, m in model.named_modules() if type(m).__module__.startswith("peft.")]
+    assert not left, left
+
+
+def test_tokens_on_a_tied_model_unload_leaves_no_wrapper(make_base, tmp_path):
+    """LoRA + trainable_token_indices on Qwen2 (tied head): the head's TrainableTokensWrapper is gone, the head is
+    the merged embedding again, and save_pretrained / from_pretrained give the same model."""
+    model = _peft(make_base("qwen2"), LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 9],
+                                                 init_lora_weights=False))
+    ids = token_ids(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    plain = merge_and_unload(model, dtype="float32")
+    _no_peft_modules(plain)
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight and plain.config.tie_word_embeddings
+    with torch.no_grad():
+        assert rel_err(plain(input_ids=ids).logits, ref) < 1e-5
+    plain.save_pretrained(str(tmp_path / "saved"))
+    assert rel_err(logits_of(str(tmp_path / "saved"), ids), ref) < 1e-5
+
+
+def test_lora_on_t5_shared_and_lm_head_survives_save_pretrained(tmp_path):
+    """T5 ties encoder/decoder embed_tokens and lm_head to shared; LoRA on shared changes none of its partners in
+    PEFT's model. Every tied tensor is saved apart so that from_pretrained gives back the same model."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from peft_shardmerge.tiny import build_base, model_inputs
+
+    base = build_base(str(tmp_path / "base"), "t5")
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForSeq2SeqLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=["shared", "lm_head", "q"], init_lora_weights=False))
+    perturb_trainable(model, 0.05)
+    model.eval()
+    inputs = model_inputs(model.config)
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    model.save_pretrained(str(tmp_path / "adapter"))
+    merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    merge_and_save(model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
+    plain = merge_and_unload(model, dtype="float32")
+    _no_peft_modules(plain)
+    plain.save_pretrained(str(tmp_path / "unloaded"))
+    for out in ("disk", "live", "unloaded"):
+        reloaded = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / out), dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert rel_err(reloaded(**inputs).logits, ref) < 1e-5, out
+
+
+def test_unloading_a_4bit_model_gives_a_plain_model(make_base, tmp_path):
+    """No quantization left: .to(dtype), .half(), .float() work and the saved folder reloads unquantized."""
+    pytest.importorskip("bitsandbytes")
+    from tests.test_inprocess import load_quantized, no_cpu_repack, reference_logits
+
+    model = load_quantized(make_base("llama"), "nf4")
+    no_cpu_repack(model)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "up_proj"], init_lora_weights=False))
+    ids = token_ids(model.config.vocab_size, seed=3)
+    ref = reference_logits(model.eval(), ids)
+    plain = merge_and_unload(model, dtype="float32")
+    assert not getattr(plain, "is_quantized", False) and getattr(plain, "hf_quantizer", None) is None
+    assert getattr(plain, "quantization_method", None) is None
+    assert getattr(plain.config, "quantization_config", None) is None
+    with torch.no_grad():
+        assert rel_err(plain(input_ids=ids).logits, ref) < 1e-4
+    plain.save_pretrained(str(tmp_path / "saved"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert getattr(reloaded.config, "quantization_config", None) is None
+    assert not getattr(reloaded, "is_quantized", False)
+    assert rel_err(logits_of(str(tmp_path / "saved"), ids), ref) < 1e-4
+    plain.half()
+    plain.float()
+    plain.to(torch.float16)
+    assert plain.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+
+
+def test_every_field_of_the_claimed_peft_configs_is_classified():
+    """A PEFT upgrade that adds a config field fails here until the field is handled, marked inert or refused."""
+    import dataclasses
+
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    from peft_shardmerge import support
+
+    for peft_type in PEFT_TYPES:
+        fields = {f.name for f in dataclasses.fields(PEFT_TYPE_TO_CONFIG_MAPPING[peft_type])}
+        known = support._HANDLED[peft_type] | support._INERT | set(support._REFUSED)
+        assert fields <= known, (peft_type, sorted(fields - known))
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(use_qalora=True), r"QA-LoRA"), (dict(layer_replication=[[0, 1]]), r"layer_replication"),
+    (dict(ensure_weight_tying=True), r"ensure_weight_tying"), (dict(init_lora_weights="mica"), r"'mica' is not sup"),
+    (dict(use_bdlora={"nblocks": 2}), r"block-diagonal"), (dict(megatron_config={"a": 1}), r"Megatron"),
+])
+def test_config_options_that_change_the_forward_are_refused_on_both_paths(options, message):
+    from peft_shardmerge.support import check_config
+
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, **options}
+    for path in ("disk", "in_process"):
+        problems = check_config(config, where="adapter a", path=path)
+        assert len(problems) == 1 and re.search(message, problems[0]), problems
