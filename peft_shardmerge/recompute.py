@@ -28,6 +28,8 @@ class RecomputeResult:
         compared: tensors compared.
         bitwise: tensors equal byte for byte.
         complete: every tensor of the output was recomputed and compared.
+        fits: False when base + adapter do not give the checkpoint's tensors (they cannot be planned, or names,
+            dtypes or shapes differ); None when not recomputed.
     """
 
     problems: list[str] = field(default_factory=list)
@@ -36,6 +38,7 @@ class RecomputeResult:
     compared: int = 0
     bitwise: int = 0
     complete: bool = False
+    fits: bool | None = None
 
 
 def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -267,12 +270,14 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
     if record is not None and record.get("path") == "disk" and n_recorded != len(adapters):
         result.problems.append(f"the merge combined {n_recorded} adapter(s), {len(adapters)} given: give each "
                                "one, in the order they were merged")
+        result.fits = False
         return result
     try:
         plan = _plan(base, adapters, options)
     except ShardMergeError as e:
         lines = getattr(e, "problems", None) or [str(e)]
         result.problems += [f"base + adapter cannot be planned: {p}" for p in lines]
+        result.fits = False
         return result
     why = _reproducible(options["held"], plan)
     if why:
@@ -294,6 +299,7 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
                                f"give {planned[n].out_dtype} {list(planned[n].shape)}")
     if len(shapes) > 5:
         result.problems.append(f"... and {len(shapes) - 5} more tensor(s) of another dtype or shape")
+    result.fits = not (missing or extra or shapes)
     todo = [t for t in plan.tensors if t.name in stored and t.name not in shapes]
     sink = _Compare(stored)
     try:
