@@ -277,3 +277,53 @@ def test_help_does_not_import_torch():
            "'peft'} & set(sys.modules)))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+# --- adding chat tokens ---------------------------------------------------------------------------------------
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", pad_token="w1", eos_token="w2")
+
+
+@pytest.mark.parametrize("quant", ["4bit", "none"])
+def test_adding_chat_tokens_merges_on_every_path(quant, tmp_path):
+    """add_special_tokens, resize_token_embeddings, modules_to_save=["embed_tokens", "lm_head"], train, merge."""
+    base = build_base(str(tmp_path / "base"), "llama")
+    tokenizer = _word_tokenizer()
+    load = {"quantization_config": BitsAndBytesConfig(**NF4)} if quant == "4bit" else {}
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **load)
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    model.resize_token_embeddings(len(tokenizer))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                             modules_to_save=["embed_tokens", "lm_head"]))
+    train_one_step(model, len(tokenizer))
+    ids = torch.cat([token_ids(512, batch=2, length=8, seed=3), torch.tensor([[512, 513]] * 2)], dim=1)
+    ref = reference_logits(model, ids)
+    outs = {"default": merge_and_save(model, str(tmp_path / "default"), tokenizer=tokenizer, dtype="float32",
+                                      progress=False)}
+    if quant == "none":
+        outs["original"] = merge_and_save(model, str(tmp_path / "original"), dtype="float32",
+                                          base_precision="original", progress=False)
+    for name, report in outs.items():
+        assert report.replacements_applied >= 2, name
+        got = logits_of(str(tmp_path / name), ids)
+        assert got.shape[-1] == 514 and rel_err(got, ref) < 1e-5, name
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path / "default"))) == 514
+
+    model.save_pretrained(str(tmp_path / "adapter"))  # PEFT 0.21: X.weight, X.modules_to_save.weight, X.original_module.weight
+    r = _cli("merge", base, str(tmp_path / "adapter"), str(tmp_path / "cli"), "--dtype", "float32", "-q")
+    assert r.returncode == 0, r.stderr
+    assert json.load(open(tmp_path / "cli" / "config.json"))["vocab_size"] == 514
+    if quant == "none":  # from disk the base is the original one: the same model as the unquantized one trained
+        assert rel_err(logits_of(str(tmp_path / "cli"), ids), ref) < 1e-5
