@@ -24,6 +24,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "I8": (torch.int8, 1),
     "U8": (torch.uint8, 1),
     "BOOL": (torch.bool, 1),
+    "C64": (torch.complex64, 8),
 }
 for _name, _attr, _size in (("F8_E4M3", "float8_e4m3fn", 1), ("F8_E5M2", "float8_e5m2", 1),
                             ("F8_E8M0", "float8_e8m0fnu", 1), ("U16", "uint16", 2), ("U32", "uint32", 4),
@@ -33,6 +34,8 @@ for _name, _attr, _size in (("F8_E4M3", "float8_e4m3fn", 1), ("F8_E5M2", "float8
 
 TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+#: dtypes safetensors knows that this version cannot read (sub-byte floats)
+UNREADABLE_DTYPES = ("F4", "F6_E2M3", "F6_E3M2")
 #: the largest dimension torch can represent (safetensors accepts up to 2**64 - 1, torch cannot read that)
 MAX_DIM = 2**63 - 1
 
@@ -84,7 +87,8 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
 
     Raises:
         CorruptFileError: the header length, JSON, dtypes, shapes or offsets are invalid, bytes follow the last
-            tensor's data, or ``safetensors.safe_open`` itself refuses the file (every file read is also opened by
+            tensor's data, a tensor is stored in a sub-byte dtype this version cannot read (``F4``, ``F6_*``), or
+            ``safetensors.safe_open`` itself refuses the file (every file read is also opened by
             safetensors, so nothing it rejects is ever merged).
         FileNotFoundError: the file does not exist.
 
@@ -121,6 +125,9 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
             dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (TypeError, KeyError) as e:
             raise CorruptFileError(f"{path}: entry {name!r} lacks dtype/shape/data_offsets") from e
+        if dtype in UNREADABLE_DTYPES:
+            raise CorruptFileError(f"{path}: tensor {name!r} is stored as {dtype} (sub-byte floats), which this "
+                                   "version cannot read; merge into a 16-bit checkpoint of the model")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CorruptFileError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_count(s) for s in shape):

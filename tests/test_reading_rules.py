@@ -78,6 +78,7 @@ ST_CASES = {
     "valid-extra-entry-field": ({"w": {**_f32([2], [0, 8]), "note": 1}}, b"\0" * 8),
     "valid-bf16": ({"w": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}}, b"\5" * 8),
     "valid-i8": ({"w": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]}}, b"\7" * 3),
+    "valid-c64": ({"w": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\x09" * 8),
     "valid-f8": ({"w": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}}, b"\x11" * 4),
     "trailing-byte": ({"w": _f32([2], [0, 8])}, b"\0" * 9),
     "trailing-8-bytes": ({"w": _f32([2], [0, 8])}, b"\0" * 16),
@@ -108,6 +109,13 @@ ST_CASES = {
     "header-not-json": (b"{oops", b""),
     "entry-not-object": ({"w": [1, 2]}, b""),
 }
+
+
+@pytest.mark.parametrize("dtype", ["F4", "F6_E2M3", "F6_E3M2"])
+def test_sub_byte_dtypes_are_refused_by_name(dtype, tmp_path):
+    path = _write(str(tmp_path / "x.safetensors"), {"w": {"dtype": dtype, "shape": [2], "data_offsets": [0, 1]}}, b"\0")
+    with pytest.raises(CorruptFileError, match=f"stored as {dtype} .*cannot read"):
+        read_header(path)
 
 
 @pytest.mark.parametrize("case", sorted(ST_CASES))
