@@ -3,13 +3,13 @@ its adapters' configs, every adapted layer, the adapters' values and the model c
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
-from .support import (DISK, IN_PROCESS, check_config, check_layers, config_variants, layer_kind, nonfinite,
-                      peft_type_of, raise_if_any)
+from .support import (DISK, IN_PROCESS, check_config, check_layers, config_variants, layer_kind, peft_type_of,
+                      raise_if_any)
 
 
 def selected_adapters(model: nn.Module, adapter_names: list[str] | None = None) -> list[str]:
@@ -203,6 +203,25 @@ def no_bias_problem(layers: list[str]) -> str:
             "refuses to merge it too). Train with lora_bias=False, or on a base with biases")
 
 
+def nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of floating-point tensors holding NaN or Inf (meta tensors skipped).
+
+    Args:
+        tensors: ``(name, tensor)`` pairs.
+
+    Returns:
+        The names.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> nonfinite([("a", torch.tensor([1.0, float("nan")])), ("b", torch.ones(2))])
+        ['a']
+    """
+    return [n for n, t in tensors if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all())]
+
+
 def _adapter_tensors(model: nn.Module, names: list[str]):
     """The trained tensors of the selected adapters (LoRA factors, copies, token rows, shared projections)."""
     wanted = set(names)
@@ -240,4 +259,4 @@ def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
     return list(problems or []) + bad
 
 
-__all__ = ["selected_adapters", "layer_uses", "check_model", "require_supported", "adapter_keys", "no_bias_problem", "DISK", "IN_PROCESS"]
+__all__ = ["selected_adapters", "layer_uses", "check_model", "require_supported", "adapter_keys", "no_bias_problem", "nonfinite", "DISK", "IN_PROCESS"]

@@ -271,8 +271,9 @@ def config_variants(config: Any) -> tuple[list[str], list[str]]:
 
 def check_config(config: Any, *, where: str, path: str) -> list[str]:
     """Every reason the allowlist refuses one adapter's config on one path: an unclaimed PEFT type, a field that
-    changes the forward and that no path merges, an unknown field set to a non-default value, an unclaimed
-    adapter-wide variant.
+    changes the forward and that no path merges, a field of PEFT's config class that this version has not
+    classified set to a non-default value (keys PEFT's class does not have are ignored, as PEFT ignores them), an
+    unclaimed ``init_lora_weights`` or adapter-wide variant.
 
     Args:
         config: a ``PeftConfig`` or an ``adapter_config.json`` dict.
@@ -407,25 +408,5 @@ def raise_if_any(unsupported: list[str], bad: list[str] | None = None) -> None:
         raise InputError(bad)
 
 
-def nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of floating-point tensors holding NaN or Inf (meta tensors skipped).
-
-    Args:
-        tensors: ``(name, tensor)`` pairs.
-
-    Returns:
-        The names.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> nonfinite([("a", torch.tensor([1.0, float("nan")])), ("b", torch.ones(2))])
-        ['a']
-    """
-    return [n for n, t in tensors if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all())]
-
-
 __all__ = ["CLAIMS", "PEFT_TYPES", "DISK", "IN_PROCESS", "ADAPTER", "is_claimed", "support_table", "layer_kind",
-           "peft_type_of", "residual_init", "config_variants", "check_config", "check_layers", "raise_if_any",
-           "nonfinite"]
+           "peft_type_of", "residual_init", "config_variants", "check_config", "check_layers", "raise_if_any"]
