@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from peft_shardmerge import InputError, UnsupportedError, merge_and_save, merge_checkpoint
+from peft_shardmerge import InputError, UnsupportedError, merge_and_save, merge_checkpoint, save_pretrained_merged
 from peft_shardmerge.inprocess import merge_and_unload
 from peft_shardmerge.support import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
 from peft_shardmerge.tiny import perturb_trainable, token_ids
@@ -41,6 +41,10 @@ def _every_path_refuses(base: str, config, tmp_path, error, match: str) -> None:
         with pytest.raises(error, match=match):
             merge_and_save(model, str(tmp_path / f"live-{precision}"), base_precision=precision, progress=False)
         assert not os.path.exists(tmp_path / f"live-{precision}")
+    for method in ("merged_16bit", "merged_4bit"):  # the drop-ins
+        with pytest.raises(error, match=match):
+            save_pretrained_merged(model, str(tmp_path / method), save_method=method, progress=False)
+        assert not os.path.exists(tmp_path / method)
     with pytest.raises(error, match=match):
         merge_and_unload(model)
     with pytest.raises(error, match=match):
@@ -179,7 +183,8 @@ class _Plain(nn.Module):
 @pytest.mark.parametrize("targets", [["lin"], ["conv"], ["attn"]])
 def test_a_plain_torch_module_is_refused_not_crashed(targets, tmp_path):
     model = get_peft_model(_Plain(), LoraConfig(r=2, target_modules=targets))
-    for call in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "o"), progress=False)):
+    for call in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "o"), progress=False),
+                 lambda: save_pretrained_merged(model, str(tmp_path / "o"), save_method="merged_4bit")):
         with pytest.raises(UnsupportedError, match=r"wraps a plain torch module \(_Plain\), not a transformers model"):
             call()
 
