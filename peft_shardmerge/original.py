@@ -186,20 +186,46 @@ def find_original(live: LiveModel) -> OriginalCheck:
     if not folders:
         return OriginalCheck(None, f"the 16-bit checkpoint the model was loaded from is not available locally "
                                    f"({name!r} is neither a local folder nor a Hub id in the local cache)")
-    mismatches = []
+    mismatches, unusable = [], []
     for folder in folders:
         try:
             problem, compared, errors = _compare(live, folder)
-        except ShardMergeError as e:
-            problem, compared, errors = str(e).splitlines()[0], (), []
+        except ShardMergeError as e:  # e.g. a pre-quantized checkpoint: not a base to merge into from disk
+            unusable.append(f"{folder}: {inner_problems(e)}")
+            continue
         except Exception as e:  # noqa: BLE001 - a candidate that cannot be read is not used
-            problem, compared, errors = f"{type(e).__name__}: {e}", (), []
+            unusable.append(f"{folder}: {type(e).__name__}: {e}")
+            continue
         if not problem:
             return OriginalCheck(folder, "", compared, sum(errors) / len(errors) if errors else None)
         mismatches.append(f"{folder}: {problem}")
+    if not mismatches:
+        return OriginalCheck(None, "the checkpoint the model was loaded from cannot be merged into from disk ("
+                                   + "; ".join(unusable[:3]) + ")")
     where = "; ".join(mismatches[:3]) + (f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
     return OriginalCheck(None, f"the checkpoint on disk is not the one in memory ({where}): it changed after "
                                "loading, or the model was loaded from another revision")
+
+
+def inner_problems(error: BaseException) -> str:
+    """The problems an error lists, on one line (not its header, "1 problem found before writing anything:").
+
+    Args:
+        error: an :class:`~peft_shardmerge.errors.InputError` (or any exception).
+
+    Returns:
+        Its problems joined with "; ", or its message.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> from peft_shardmerge.errors import InputError
+        >>> inner_problems(InputError(["a is wrong", "b too"]))
+        'a is wrong; b too'
+    """
+    problems = getattr(error, "problems", None)
+    return "; ".join(problems) if problems else str(error).strip()
 
 
 def is_quantized(inner: torch.nn.Module) -> bool:

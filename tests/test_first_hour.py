@@ -327,3 +327,78 @@ def test_adding_chat_tokens_merges_on_every_path(quant, tmp_path):
     assert json.load(open(tmp_path / "cli" / "config.json"))["vocab_size"] == 514
     if quant == "none":  # from disk the base is the original one: the same model as the unquantized one trained
         assert rel_err(logits_of(str(tmp_path / "cli"), ids), ref) < 1e-5
+
+
+# --- pushing to the Hub ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_temp_left(tmp_path, monkeypatch):
+    """Temporary folders go under a folder of the test's, so that a test can tell whether a merge started."""
+    import tempfile
+
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_push_checks_offline_mode_and_hub_access_before_merging(bf16_base, tmp_path, monkeypatch, no_temp_left):
+    import huggingface_hub.constants as hc
+
+    from peft_shardmerge import push_to_hub_merged
+    from peft_shardmerge.hub import HubUploadError
+
+    model = peft_qlora(bf16_base)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    with pytest.raises(InputError, match="offline mode \\(HF_HUB_OFFLINE=1\\)"):
+        push_to_hub_merged(model, "me/tiny", token="hf_secret")
+    with pytest.raises(InputError, match="offline mode"):
+        save_pretrained_merged(model, "me/tiny", push_to_hub=True, token="hf_secret")
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hc, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(HubUploadError, match="nothing was merged") as e:
+        push_to_hub_merged(model, "me/tiny", token="hf_secret")
+    assert "hf_secret" not in str(e.value) and "peft-shardmerge-push-" not in str(e.value)
+    assert os.listdir(no_temp_left) == [] and not os.path.exists("me")
+
+
+def test_push_to_a_bare_repository_name_with_a_clean_model_card(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hc
+    from huggingface_hub import ModelCard
+
+    from hub_server import FakeHub
+    from peft_shardmerge import push_to_hub_merged
+
+    cache = _hub_cache(tmp_path, {"v1": build_base(str(tmp_path / "v1"), "llama")}, main="v1")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", cache)
+    model = AutoModelForCausalLM.from_pretrained("org/tiny", cache_dir=cache, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                             init_lora_weights=False))
+    with FakeHub() as hub:
+        monkeypatch.setattr(hc, "ENDPOINT", hub.url)
+        monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+        url = push_to_hub_merged(model, "tiny-merged", token="hf_secret", progress=False)  # no namespace
+        assert "/user/tiny-merged/commit/" in url
+        card = hub.files["user/tiny-merged"]["README.md"].decode()
+    data = ModelCard(card).data.to_dict()
+    assert data["base_model"] == "org/tiny" and data["base_model_relation"] == "finetune"
+    assert data["library_name"] == "transformers" and "merged-lora" in data["tags"]
+    assert str(tmp_path) not in card and "/tmp" not in card
+    assert "| target modules | down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj |" in card
+    assert "model.layers.0" not in card
+
+
+def test_a_pre_quantized_base_says_what_is_wrong_with_it(tmp_path):
+    """Unsloth's and TRL's examples often load an '-bnb-4bit' checkpoint: the reason names it, not a header line."""
+    base = build_base(str(tmp_path / "tiny"), "llama")
+    AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(**NF4), dtype=torch.float32
+                                         ).save_pretrained(str(tmp_path / "tiny-bnb-4bit"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tiny-bnb-4bit"), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False))
+    with pytest.raises(InputError, match=r"cannot be used: the checkpoint the model was loaded from cannot be merged "
+                                         r"into from disk \(.*tiny-bnb-4bit is a pre-quantized checkpoint"):
+        merge_and_save(model, str(tmp_path / "o"), base_precision="original", progress=False)
+    report = merge_and_save(model, str(tmp_path / "m"), progress=False)
+    assert report.base_precision == "dequantized" and "is a pre-quantized checkpoint" in report.notes[0]
+    assert "problem found before writing anything" not in report.notes[0]
