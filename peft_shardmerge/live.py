@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .errors import InputError, UnsupportedError
-from .model_check import adapter_keys
+from .model_check import adapter_keys, transformers_model
 from .model_info import ModelInfo, inspect_model
 from .plan import _tie_enabled
 
@@ -100,7 +100,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     except ImportError as e:  # pragma: no cover - peft is a dependency
         raise InputError("peft is not installed: pip install peft") from e
     if isinstance(model, PeftModel):
-        return model.base_model.model
+        return transformers_model(model)
     if getattr(model, "peft_config", None) or any(_is_lora(m) for m in model.modules()):
         return model
     raise InputError(

@@ -44,10 +44,32 @@ def selected_adapters(model: nn.Module, adapter_names: list[str] | None = None) 
     return list(names or ["default"])
 
 
-def _inner(model: nn.Module) -> nn.Module:
-    from peft import PeftModel
+def transformers_model(model: nn.Module) -> nn.Module:
+    """The model a ``PeftModel`` wraps: ``base_model.model`` for adapters injected into layers (LoRA, ...),
+    ``base_model`` itself for prompt learning (where there is no tuner in between); any other model as it is.
 
-    return model.base_model.model if isinstance(model, PeftModel) else model
+    Args:
+        model: a ``PeftModel`` or any module.
+
+    Returns:
+        The wrapped model.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> transformers_model(torch.nn.Linear(1, 1))
+        Linear(in_features=1, out_features=1, bias=True)
+    """
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    if not isinstance(model, PeftModel):
+        return model
+    return model.base_model.model if isinstance(model.base_model, BaseTuner) else model.base_model
+
+
+_inner = transformers_model
 
 
 def layer_uses(model: nn.Module, names: list[str]) -> Iterator[tuple[str, str, str, list[str], nn.Module]]:
@@ -259,4 +281,4 @@ def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
     return list(problems or []) + bad
 
 
-__all__ = ["selected_adapters", "layer_uses", "check_model", "require_supported", "adapter_keys", "no_bias_problem", "nonfinite", "DISK", "IN_PROCESS"]
+__all__ = ["transformers_model", "selected_adapters", "layer_uses", "check_model", "require_supported", "adapter_keys", "no_bias_problem", "nonfinite", "DISK", "IN_PROCESS"]

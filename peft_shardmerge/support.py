@@ -55,8 +55,7 @@ _INERT = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_
           "inference_mode", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern",
           "lora_dropout", "rank_dropout", "module_dropout", "rank_dropout_scale", "vera_dropout", "runtime_config",
           "megatron_core", "qalora_group_size", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
-          "init_weights",
-          "init_ia3_weights", "d_initial", "projection_prng_key"}
+          "init_weights", "init_ia3_weights", "d_initial", "projection_prng_key"}
 #: config fields whose values the merge takes into account, per PEFT type
 _HANDLED = {
     "LORA": {"r", "lora_alpha", "fan_in_fan_out", "bias", "use_rslora", "modules_to_save", "init_lora_weights",

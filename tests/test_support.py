@@ -307,3 +307,15 @@ def test_config_options_that_change_the_forward_are_refused_on_both_paths(option
     for path in ("disk", "in_process"):
         problems = check_config(config, where="adapter a", path=path)
         assert len(problems) == 1 and re.search(message, problems[0]), problems
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_prompt_learning_is_refused_by_name_on_any_architecture(arch, make_base, tmp_path):
+    """Prompt-learning PeftModels have no tuner between them and the transformers model (GPT-2 has no '.model')."""
+    import peft
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(make_base(arch)),
+                           peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    for call in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "o"), progress=False)):
+        with pytest.raises(UnsupportedError, match=r"peft_type=.PREFIX_TUNING.*It has no weight delta"):
+            call()
