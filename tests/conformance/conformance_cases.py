@@ -3,11 +3,14 @@ module names mapped, crossed with our four merge paths; and the seeded sample th
 
 A check is ``(case, path)``. Case sources:
 
-- ``custom``: a row of PEFT's ``TEST_CASES`` on a tiny transformers model with the same layer kinds;
+- ``custom``: a row of PEFT's ``TEST_CASES`` on tiny transformers models with the same layer kinds
+  (see :data:`BROAD_TYPES`);
 - ``module``: the same row on PEFT's own small ``nn.Module`` (in-process paths only: there is no checkpoint);
 - ``multi``: a row of ``MULTIPLE_ACTIVE_ADAPTERS_TEST_CASES``, both adapters active;
 - ``decoder`` / ``encdec``: a row of ``ALL_CONFIGS`` of PEFT's decoder / encoder-decoder tests, on each of the
   architectures those tests use;
+- ``weighted``: PEFT's ``add_weighted_adapter`` calls (``testing_common.py``) against our ``adapter_names`` /
+  ``weights`` / ``combination_type`` (``merge_checkpoint``: a list of adapters, ``weights``, ``combination``);
 - ``nan``: PEFT's NaN-merge test (``_test_merge_layers_nan``): a LoRA holding a NaN, which must be refused.
 """
 
@@ -28,7 +31,10 @@ PATHS = ("merge_and_unload", "merge_and_save:original", "merge_and_save:dequanti
 MODULE_PATHS = PATHS[:3]
 #: seed of the ``make test`` sample and its size
 SAMPLE_SEED = 20261123
-SAMPLE_SIZE = 80
+SAMPLE_SIZE = 100
+#: config classes of the PEFT types the README names as merged: their custom cases run on every architecture with
+#: the layer kinds of PEFT's model; every other type's case runs on one of them, in turn
+BROAD_TYPES = ("LoraConfig", "LoHaConfig", "LoKrConfig", "IA3Config", "VeraConfig", "TrainableTokensConfig")
 #: PEFT's module names in its small test models
 CUSTOM_NAMES = ("lin0", "lin1", "lin2", "emb", "conv1d", "conv2d", "conv3d", "mha", "layernorm0", "layernorm1")
 
@@ -48,6 +54,8 @@ class Case:
     model_id: str | None
     configs: tuple = field(compare=False)
     nan: bool = False
+    #: (indices of the adapters combined, weights, combination_type, density) of an add_weighted_adapter case
+    weighted: tuple | None = None
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -119,8 +127,9 @@ def all_cases() -> list[Case]:
     out = []
     for i, (name, model_id, cls, kwargs) in enumerate(tables.CUSTOM_CASES):
         archs = MODEL_ARCHS[model_id]
-        if archs:
-            arch = archs[i % len(archs)]
+        if archs and cls.__name__ not in BROAD_TYPES:
+            archs = archs[i % len(archs):][:1]
+        for arch in archs:
             mapped = map_names(kwargs, ARCH_NAMES[arch])
             out.append(Case(f"custom{i:03d}-{_slug(name)}@{arch}", "custom", name, arch, model_id,
                             ((cls, mapped),)))
@@ -139,6 +148,15 @@ def all_cases() -> list[Case]:
                 name = f"{cls.__name__} {i}"
                 out.append(Case(f"{source}{i:03d}-{_slug(cls.__name__)}@{arch}", source, name, arch, None,
                                 ((cls, copy.deepcopy(kwargs)),)))
+    lora = (tables.LoraConfig, {"task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 32, "lora_dropout": 0.05})
+    r20 = (tables.LoraConfig, {**lora[1], "r": 20})
+    for i, (name, picked, combination, density) in enumerate(tables.WEIGHTED_CASES):
+        for j, weights in enumerate(tables.WEIGHT_LISTS):
+            arch = ("llama", "opt")[(i + j) % 2]
+            sign = "negative" if j else "positive"
+            out.append(Case(f"weighted{i:02d}-{_slug(name)}-{sign}@{arch}", "weighted", f"{name} ({sign})", arch,
+                            None, (lora, lora, r20),
+                            weighted=(tuple(picked), tuple(weights[k] for k in picked), combination, density)))
     for arch, target in (("llama", "q_proj"), ("gpt2", "c_attn"), ("t5", "q")):
         out.append(Case(f"nan-lora@{arch}", "nan", "LoRA holding a NaN (PEFT's _test_merge_layers_nan)", arch, None,
                         ((tables.LoraConfig, {"target_modules": [target]}),), nan=True))
@@ -178,7 +196,7 @@ def sample_ids(checks: list[tuple[Case, str]], size: int = SAMPLE_SIZE, seed: in
 
     Example:
         >>> ids = sample_ids(all_checks()); len(ids)
-        80
+        100
     """
     rng = random.Random(seed)
     order = list(checks)

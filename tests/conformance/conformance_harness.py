@@ -1,26 +1,22 @@
-"""Runs one conformance check: builds PEFT's reference for a case (PEFT's own merge of an fp32 base and the
-unmerged model's outputs), runs one of our merge paths, and classifies what it did against the invariant:
-equal to PEFT's merge and to the unmerged outputs, or refused by name before writing anything."""
+"""Runs one conformance check: one of our merge paths on a case, classified against the invariant: equal to
+PEFT's merge and to the unmerged outputs, or refused by name before writing anything, with the model and the
+input folders unchanged."""
 
 from __future__ import annotations
 
 import copy
 import hashlib
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from conformance_cases import Case
-from conformance_models import CustomModel, build_arch, arch_config, custom_input
-from peft_shardmerge.tiny import model_class, model_inputs, perturb_trainable
-from support_view import base_layer_kind
+from conformance_models import CustomModel, arch_config
+from conformance_reference import OUTPUT_TOL, WEIGHT_TOL, Env, Reference, forward, load_peft, output_err
+from peft_shardmerge.tiny import model_class
 
-#: largest relative error of a merged tensor against PEFT's merge (fp32)
-WEIGHT_TOL = 1e-5
-#: largest difference of the merged model's outputs from the unmerged model's, relative to max(1, |outputs|)
-OUTPUT_TOL = 1e-4
 #: outcomes that satisfy the invariant ("match-unmerged": PEFT's own merge changes the model's outputs, so the
 #: merge is held to the unmerged model's outputs alone)
 GOOD = ("match", "match-unmerged", "refused")
@@ -29,170 +25,15 @@ _PLAIN_FIELDS = {"target_modules", "task_type", "r", "lora_alpha", "lora_dropout
                  "bias", "feedforward_modules"}
 
 
-class NotBuildable(Exception):
-    """PEFT itself cannot build, save or run this case on this model (no check of ours is possible)."""
-
-
-@dataclass
-class Reference:
-    """What PEFT computes for one case."""
-
-    case: Case
-    base: str | None                      # saved base folder (None for PEFT's nn.Module models)
-    adapters: list[tuple[str, str]]       # (adapter name, folder)
-    inputs: dict
-    outputs: torch.Tensor                 # the unmerged PeftModel's outputs
-    merged: dict | None                   # PEFT's merge_and_unload state dict, fp32; None when PEFT refuses
-    peft_refusal: str = ""                # why PEFT's own merge failed
-    peft_inconsistent: str = ""           # how PEFT's own merge differs from its unmerged model
-    module_model: object = None           # the PeftModel over PEFT's nn.Module (source "module")
-    layer_kinds: set = field(default_factory=set)
-
 
 @dataclass
 class Outcome:
-    """The classified result of one check: ``kind`` in match, refused, wrong, raw, partial, unnamed, changed,
-    claimed-refused; ``detail`` says what was seen."""
+    """The classified result of one check: ``kind`` in match, match-unmerged, refused (the invariant holds), or
+    wrong, raw, partial (a refusal that wrote files), leftover (files beside a finished output), unnamed, changed
+    (the input model or folders modified), claimed-refused; ``detail`` says what was seen."""
 
     kind: str
     detail: str = ""
-
-
-def _logits(out) -> torch.Tensor:
-    return out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
-
-
-class Env:
-    """The matrix's working folder: tiny bases built once per architecture, references built once per case."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self._bases: dict[str, str] = {}
-        self._refs: dict[str, Reference] = {}
-
-    def base(self, arch: str) -> str:
-        if arch not in self._bases:
-            self._bases[arch] = build_arch(str(self.root / f"base-{arch}"), arch)
-        return self._bases[arch]
-
-    def reference(self, case: Case) -> Reference:
-        if case.id not in self._refs:
-            if len(self._refs) > 4:  # checks come case by case; keep memory flat
-                self._refs.pop(next(iter(self._refs)))
-            self._refs[case.id] = build_reference(self, case)
-        return self._refs[case.id]
-
-
-def _seed(case: Case) -> int:
-    return int(hashlib.sha1(case.id.encode()).hexdigest()[:8], 16)
-
-
-def _make_peft(base_model, case: Case):
-    """get_peft_model with every adapter of the case, each moved off its initial value (as after training)."""
-    from peft import get_peft_model
-
-    names = [f"adapter{i}" if len(case.configs) > 1 else "default" for i in range(len(case.configs))]
-    configs = [cls(**copy.deepcopy(kw)) for cls, kw in case.configs]
-    pm = get_peft_model(base_model, configs[0], adapter_name=names[0])
-    perturb_trainable(pm, 0.05)
-    for name, cfg in zip(names[1:], configs[1:]):
-        pm.add_adapter(name, cfg)
-        pm.set_adapter(name)
-        perturb_trainable(pm, 0.05)
-    if case.nan:
-        with torch.no_grad():
-            next(p for n, p in pm.named_parameters() if "lora_B" in n).view(-1)[0] = float("nan")
-    return pm, names
-
-
-def load_peft(ref: Reference):
-    """A fresh ``PeftModel`` of the case: the saved base in fp32 plus the saved adapters, all of them active.
-
-    Args:
-        ref: the case's reference.
-
-    Returns:
-        The PeftModel, in eval mode (for PEFT's nn.Module models: a deep copy of the reference's).
-
-    Raises:
-        Exception: whatever PEFT raises.
-
-    Example:
-        >>> load_peft(ref)   # doctest: +SKIP
-    """
-    from peft import PeftModel
-
-    if ref.base is None:
-        return copy.deepcopy(ref.module_model)
-    cls = model_class(arch_config(ref.case.arch))
-    model = cls.from_pretrained(ref.base, dtype=torch.float32)
-    (name0, dir0), *rest = ref.adapters
-    pm = PeftModel.from_pretrained(model, dir0, adapter_name=name0)
-    for name, folder in rest:
-        pm.load_adapter(folder, adapter_name=name)
-    if rest:
-        pm.base_model.set_adapter([n for n, _ in ref.adapters])
-    return pm.eval()
-
-
-def _forward(model, inputs) -> torch.Tensor:
-    with torch.no_grad():
-        return _logits(model(**inputs)).detach().float().clone()
-
-
-def build_reference(env: Env, case: Case) -> Reference:
-    """PEFT's reference for a case: the adapter built on the fp32 base (weights perturbed so every delta is
-    nonzero), saved with ``save_pretrained``, reloaded, its unmerged outputs and PEFT's ``merge_and_unload``.
-
-    Args:
-        env: the working folder.
-        case: the case.
-
-    Returns:
-        The reference.
-
-    Raises:
-        NotBuildable: PEFT cannot build, save, reload or run the case on this model.
-
-    Example:
-        >>> build_reference(env, case)   # doctest: +SKIP
-    """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    torch.manual_seed(_seed(case))
-    try:
-        if case.arch is None:
-            model = CustomModel(case.model_id).eval()
-            pm, names = _make_peft(model, case)
-            pm.eval()
-            ref = Reference(case, None, [], {"X": custom_input(case.model_id)}, torch.empty(0), None,
-                            module_model=pm)
-        else:
-            base = env.base(case.arch)
-            config = arch_config(case.arch)
-            model = model_class(config).from_pretrained(base, dtype=torch.float32)
-            pm, names = _make_peft(model, case)
-            folder = env.root / f"adapter-{case.id}"
-            pm.save_pretrained(str(folder))
-            adapters = [(n, str(folder if n == "default" else folder / n)) for n in names]
-            ref = Reference(case, base, adapters, model_inputs(config), torch.empty(0), None)
-        fresh = load_peft(ref)
-        ref.outputs = _forward(fresh, ref.inputs)
-        ref.layer_kinds = {base_layer_kind(m) for m in fresh.modules() if isinstance(m, BaseTunerLayer)
-                           and (type(m).__name__ != "TrainableTokensLayer" or case.peft_type == "TRAINABLETOKENS")}
-    except Exception as exc:  # noqa: BLE001 - PEFT's own failure: the case cannot be checked here
-        raise NotBuildable(f"PEFT cannot build this case: {type(exc).__name__}: {str(exc)[:300]}") from exc
-    try:
-        merged = load_peft(ref).merge_and_unload(safe_merge=True)
-        if any(isinstance(m, BaseTunerLayer) for m in merged.modules()) or hasattr(merged, "peft_config"):
-            raise RuntimeError("PEFT's merge_and_unload left adapter layers in the model")
-        ref.merged = {k: v.detach().float().clone() for k, v in merged.state_dict().items()}
-        err = _output_err(_forward(merged, ref.inputs), ref.outputs)
-        if not err <= OUTPUT_TOL:
-            ref.peft_inconsistent = f"PEFT's merge_and_unload changes the outputs (rel err {err:.3g})"
-    except Exception as exc:  # noqa: BLE001 - PEFT refuses: only a refusal of ours is right
-        ref.peft_refusal = f"{type(exc).__name__}: {str(exc)[:200]}"
-    return ref
 
 
 def compare(state: dict, outputs: torch.Tensor | None, ref: Reference) -> str:
@@ -236,16 +77,10 @@ def compare(state: dict, outputs: torch.Tensor | None, ref: Reference) -> str:
     if ref.peft_inconsistent:  # PEFT's merge is not the unmerged model: the outputs alone decide
         problems = [p for p in problems if p.startswith("keys differ")]
     if outputs is not None:
-        err = _output_err(outputs, ref.outputs)
+        err = output_err(outputs, ref.outputs)
         if not err <= OUTPUT_TOL:
             problems.append(f"outputs differ from the unmerged model: rel err {err:.3g}")
     return "; ".join(problems)
-
-
-def _output_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    if got.shape != want.shape:
-        return float("inf")
-    return float((got - want).abs().max() / max(1.0, float(want.abs().max())))
 
 
 def _snapshot(model) -> tuple[dict, list]:
@@ -287,6 +122,8 @@ def _names_thing(message: str, ref: Reference, path: str) -> bool:
     words |= {k.lower().split(" (")[0] for k in ref.layer_kinds}
     if ref.case.nan:
         words |= {"nan", "finite", "inf"}
+    if ref.case.weighted is not None:
+        words |= {ref.case.weighted[2], "combination"}
     if path == "merge_and_save:original":  # the original checkpoint can be refused on its own account
         words |= {"base_precision"}
     if ref.base is None:  # PEFT's own nn.Module: the model itself is what is refused
@@ -327,14 +164,22 @@ def run_check(env: Env, case: Case, path: str, claimed: bool = False) -> Outcome
     model = None if path == "merge_checkpoint" else load_peft(ref)
     snap = _snapshot(model) if model is not None else None
     result = refusal = None
+    selection, adapters = {}, [d for _, d in ref.adapters]
+    if case.weighted is not None:
+        picked, weights, combination, _ = case.weighted
+        selection = dict(adapter_names=[ref.adapters[i][0] for i in picked], weights=list(weights),
+                         combination_type=combination)
+        adapters = [ref.adapters[i][1] for i in picked]
     try:
         if path == "merge_and_unload":
-            result = merge_and_unload(model, dtype=torch.float32)
+            result = merge_and_unload(model, dtype=torch.float32, **selection)
         elif path == "merge_checkpoint":
-            adapters = [d for _, d in ref.adapters]
-            merge_checkpoint(ref.base, adapters if len(adapters) > 1 else adapters[0], str(out), progress=False)
+            extra = dict(weights=selection["weights"], combination=selection["combination_type"]) if selection else {}
+            merge_checkpoint(ref.base, adapters if len(adapters) > 1 or selection else adapters[0], str(out),
+                             progress=False, **extra)
         else:
-            merge_and_save(model, str(out), dtype=torch.float32, base_precision=path.split(":")[1], progress=False)
+            merge_and_save(model, str(out), dtype=torch.float32, base_precision=path.split(":")[1], progress=False,
+                           **selection)
     except (UnsupportedError, InputError) as exc:
         refusal = exc
     except Exception as exc:  # noqa: BLE001 - the invariant allows no other exception
@@ -346,11 +191,14 @@ def run_check(env: Env, case: Case, path: str, claimed: bool = False) -> Outcome
     try:
         if path == "merge_and_unload":
             got = {k: v.detach().float() for k, v in result.state_dict().items()}
-            outputs = _forward(result, ref.inputs)
+            outputs = forward(result, ref.inputs)
         else:
             got, outputs = _reload(ref, out)
     except Exception as exc:  # noqa: BLE001 - a result that does not load or run is a wrong result
         return Outcome("wrong", f"the result does not load or run: {type(exc).__name__}: {str(exc)[:300]}")
+    left = sorted(p.name for p in work.iterdir() if p.name != "out")
+    if left:
+        return Outcome("leftover", f"files left beside the output: {left}")
     problem = compare(got, outputs, ref)
     if not problem and model is not None and path != "merge_and_unload":
         problem = _unchanged(model, snap)
@@ -384,13 +232,12 @@ def _reload(ref: Reference, out: Path) -> tuple[dict, torch.Tensor | None]:
             state.update(load_file(str(f)))
         model = CustomModel(ref.case.model_id)
         model.load_state_dict(state, strict=True)
-        return state, _forward(model.eval(), ref.inputs)
+        return state, forward(model.eval(), ref.inputs)
     cls = model_class(arch_config(ref.case.arch))
     model, info = cls.from_pretrained(str(out), dtype=torch.float32, output_loading_info=True)
     if info.get("missing_keys") or info.get("mismatched_keys"):
         raise ValueError(f"the written checkpoint lacks weights: {info}")
-    return ({k: v.detach().float() for k, v in model.state_dict().items()}, _forward(model.eval(), ref.inputs))
+    return ({k: v.detach().float() for k, v in model.state_dict().items()}, forward(model.eval(), ref.inputs))
 
 
-__all__ = ["Env", "Reference", "Outcome", "NotBuildable", "GOOD", "build_reference", "load_peft", "compare",
-           "run_check", "WEIGHT_TOL", "OUTPUT_TOL"]
+__all__ = ["GOOD", "Outcome", "compare", "run_check"]

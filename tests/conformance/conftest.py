@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conformance_harness import Env
+from conformance_reference import Env
 
 
 @pytest.fixture(scope="session")

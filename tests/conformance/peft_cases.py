@@ -10,6 +10,7 @@ Source: github.com/huggingface/peft at commit 5d602fdbff04c33c1c4de55cda9d4ae1d7
 - ``DECODER_CONFIGS``: ``tests/test_decoder_models.py`` ``ALL_CONFIGS`` -- (config class, kwargs); PEFT runs each
   on tiny OPT, GPT-2, GPT-J, Llama, Qwen2 and Gemma3 models (``target_modules: None`` means PEFT's default).
 - ``ENCODER_DECODER_CONFIGS``: ``tests/test_encoder_decoder_models.py`` ``ALL_CONFIGS``, run on T5 and BART.
+- ``WEIGHTED_CASES``: the ``add_weighted_adapter`` calls of ``tests/testing_common.py``.
 """
 
 from peft import (
@@ -504,4 +505,23 @@ ENCODER_DECODER_CONFIGS = [
     (OSFConfig, {'task_type': 'SEQ_2_SEQ_LM'}),
     (PsoftConfig, {'task_type': 'SEQ_2_SEQ_LM', 'r': 4, 'psoft_alpha': 4}),
     (AdamssConfig, {'target_modules': None, 'r': 8, 'task_type': 'SEQ_2_SEQ_LM'}),
+]
+
+#: ``tests/testing_common.py`` ``_test_weighted_combination_of_adapters_lora``: three LoRA adapters (the third with
+#: r=20), combined by ``add_weighted_adapter`` -- (name, indices of the adapters combined, combination_type,
+#: density); each runs with the weights of PEFT's positive and negative lists
+WEIGHT_LISTS = ([0.5, 1.5, 1.5], [-0.5, -0.8, -1.2])
+WEIGHTED_CASES = [
+    ('single adapter reweighting', [0], 'svd', None),
+    ('multi adapter svd reweighting', [1, 2], 'svd', None),
+    ('multi adapter ties_svd reweighting', [1, 2], 'ties_svd', 0.5),
+    ('multi adapter dare_linear_svd reweighting', [1, 2], 'dare_linear_svd', 0.5),
+    ('multi adapter dare_ties_svd reweighting', [1, 2], 'dare_ties_svd', 0.5),
+    ('multi adapter magnitude_prune_svd reweighting', [1, 2], 'magnitude_prune_svd', 0.5),
+    ('multi adapter cat reweighting', [1, 2], 'cat', None),
+    ('multi adapter linear reweighting', [0, 1], 'linear', None),
+    ('multi adapter ties reweighting', [0, 1], 'ties', 0.5),
+    ('multi adapter dare_linear reweighting', [0, 1], 'dare_linear', 0.5),
+    ('multi adapter dare_ties reweighting', [0, 1], 'dare_ties', 0.5),
+    ('multi adapter magnitude_prune reweighting', [0, 1], 'magnitude_prune', 0.5),
 ]
