@@ -116,6 +116,8 @@ def layer_uses(model: nn.Module, names: list[str]) -> Iterator[tuple[str, str, s
                 variants.add(type(variant).__name__.removesuffix("LinearVariant").removesuffix("Variant"))
             if getattr(module, "is_feedforward", False):
                 variants.add("feedforward")
+            if len(held) > 1:
+                variants.add("several adapters")
             by_type.setdefault(peft_type_of(config) if config is not None else "", set()).update(variants)
         for peft_type, variants in by_type.items():
             yield name, peft_type, kind, sorted(variants), module

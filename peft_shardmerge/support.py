@@ -29,6 +29,10 @@ _SPEC: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], str],
     ("LORA", (ADAPTER,), ("residual init (PiSSA, OLoRA, CorDA, LoftQ)",), (IN_PROCESS,), "variants-layers.md"),
     ("LORA", (ADAPTER,), ("trainable_token_indices",), PATHS, "variants-vocabulary.md"),
     ("LORA", (ADAPTER,), ("several adapters",), PATHS, "variants-several-adapters.md"),
+    ("LORA", ("Linear", "Conv1D", "Conv2d", "Conv3d", "Embedding"), ("several adapters",), PATHS,
+     "variants-several-adapters.md"),
+    ("LORA", ("Linear4bit", "Linear8bitLt", "parameter 2-D", "parameter 3-D"), ("several adapters",), (IN_PROCESS,),
+     "variants-several-adapters.md"),
     ("TRAINABLE_TOKENS", ("Embedding", "Linear"), ("plain",), PATHS, "variants-vocabulary.md"),
     ("LOHA", ("Linear",), ("plain", "rank/alpha pattern"), PATHS, "variants-other-peft.md"),
     ("LOKR", ("Linear",), ("plain", "rank/alpha pattern"), PATHS, "variants-other-peft.md"),
@@ -41,6 +45,9 @@ _SPEC: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], str],
     ("LOHA", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
     ("LOKR", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
     ("VERA", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
+    ("LOHA", ("Linear",), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
+    ("LOKR", ("Linear",), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
+    ("VERA", ("Linear",), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
     ("VERA", (ADAPTER,), ("projections not saved",), (IN_PROCESS,), "variants-other-peft.md"),
 )
 
@@ -319,8 +326,8 @@ def check_config(config: Any, *, where: str, path: str) -> list[str]:
                         "LoRA), not the checkpoint's W; save the adapter with save_pretrained(..., "
                         "path_initial_model_for_weight_conversion=...) to convert it to a plain LoRA first, or merge "
                         "the model in process with merge_and_save")
-    # "several adapters" is enforced where adapters are combined (their own messages: DoRA and IA3 cannot be
-    # weighted, the disk engine combines LoRA only); the rows here document it
+    # "several adapters" is checked per layer (a layer holding several of the merged adapters) and where adapters
+    # are combined (their own messages: DoRA and IA3 cannot be weighted, the disk engine combines LoRA only)
     for variant in adapter_wide:
         if not is_claimed(peft_type, ADAPTER, variant, path):
             problems.append(_variant_problem(where, peft_type, ADAPTER, variant, path))
