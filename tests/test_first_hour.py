@@ -402,3 +402,13 @@ def test_a_pre_quantized_base_says_what_is_wrong_with_it(tmp_path):
     report = merge_and_save(model, str(tmp_path / "m"), progress=False)
     assert report.base_precision == "dequantized" and "is a pre-quantized checkpoint" in report.notes[0]
     assert "problem found before writing anything" not in report.notes[0]
+
+
+def test_in_process_merges_write_the_base_config_with_only_the_needed_changes(bf16_base, tmp_path):
+    """TRL sets use_cache=False for training; the merged config.json must not carry that, nor a local path."""
+    model = peft_qlora(bf16_base)
+    model.config.use_cache = False
+    merge_and_save(model, str(tmp_path / "m"), progress=False)
+    disk = json.load(open(os.path.join(bf16_base, "config.json")))
+    written = json.load(open(tmp_path / "m" / "config.json"))
+    assert written == {**disk, "dtype": "bfloat16"}
