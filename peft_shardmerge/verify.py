@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import NotFoundError, ShardMergeError
+from .integrity import check_integrity, read_record
+from .logits import check_logits
 from .model_info import inspect_model
-from .record import RECORD_FILE, check_integrity
-from .recompute import merge_settings, recompute_and_compare
+from .record import RECORD_FILE
+from .recompute import recompute_and_compare
 from .safetensors_io import DTYPES, FLOAT_DTYPES, RowReader, read_header, row_blocks
 from .sources import INDEX_FILE, SINGLE_FILE, safe_shard_name
 
@@ -140,7 +142,7 @@ def verify_checkpoint(
             done = _stage(report, "the recomputation", _check_recompute, tensors, base, adapters, record, device,
                           report)
             if done:
-                _stage(report, "the logits", _check_logits, folder, base, adapters, prompts, tolerance, config or {},
+                _stage(report, "the logits", check_logits, folder, base, adapters, prompts, tolerance, config or {},
                        record, report)
     if report.problems:
         report.status = "FAILED"
@@ -220,8 +222,6 @@ def _check_record(folder: str, report: VerifyReport) -> None:
 
 
 def _record_merge(folder: str) -> dict | None:
-    from .record import read_record
-
     record, _ = read_record(folder)
     return None if record is None else record.get("merge")
 
@@ -364,73 +364,3 @@ def _check_names_and_config(folder, config, tensors, report):
         report.problems.append("tie_word_embeddings is true but the tied output weights are stored separately; "
                                "transformers would overwrite them with the input embeddings on load")
     report.checks.append(f"names and shapes match {info.architecture}; config dtype, vocabulary and tying")
-
-
-def _check_logits(folder, base, adapters, prompts, tolerance, config, record, report):
-    from transformers import AutoConfig
-
-    from .tiny import model_class, model_inputs
-
-    options, _ = merge_settings(record, None)
-    if options is None:
-        return
-    if len(adapters) > 1 or (options["weights"] or [1.0]) != [1.0]:
-        report.notes.append("logits not compared: the merge combined weighted adapters (the recomputation covers it)")
-        return
-    if options["nf4"] and options["nf4"].get("blocksize", 64) != 64:
-        report.notes.append("logits not compared: transformers loads 4-bit bases with blocksize 64 only (the "
-                            "recomputation covers it)")
-        return
-    cls = model_class(AutoConfig.from_pretrained(folder))
-    merged = cls.from_pretrained(folder, dtype=torch.float32).eval()
-    ref = _reference(cls, base, adapters[0], options)
-    if prompts:
-        from transformers import AutoTokenizer
-
-        tok_dir = folder if os.path.exists(os.path.join(folder, "tokenizer_config.json")) else base
-        tok = AutoTokenizer.from_pretrained(tok_dir)
-        batches = []
-        for p in prompts:
-            ids = tok(p, return_tensors="pt")["input_ids"]
-            extra = model_inputs(merged.config, images=False)  # decoder ids of an encoder-decoder
-            extra["input_ids"] = ids
-            batches.append(extra)
-        what = f"{len(prompts)} prompt(s)"
-    else:
-        batches = [model_inputs(merged.config, seed=s) for s in range(2)]
-        what = "2 random inputs" + (" (with an image)" if "pixel_values" in batches[0] else "")
-    errors = []
-    with torch.no_grad():
-        for inputs in batches:
-            want = ref(**inputs).logits.float()
-            got = merged(**inputs).logits.float()
-            errors.append(float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)))
-    worst = max(errors) if all(e == e for e in errors) else float("nan")  # max() would drop a NaN
-    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    tol = tolerance if tolerance is not None else (1e-4 if dtype == "float32" else 3e-2)
-    against = "base + adapter" + (" (4-bit base)" if options["base_precision"] == "nf4" else "")
-    report.logits_max_rel_err = worst
-    report.checks.append(f"logits vs {against} on {what}: max relative error {worst:.2e} (tolerance {tol:g})")
-    if not worst <= tol:  # a NaN error fails too
-        report.problems.append(f"logits differ from {against}: max relative error {worst:.2e} > {tol:g}")
-
-
-def _reference(cls, base: str, adapter: str, options: dict):
-    """PeftModel(base, adapter) in fp32; when the merge used a 4-bit base, the base is loaded in 4-bit by
-    transformers + bitsandbytes (from the dtype the merge quantized) and dequantized by transformers."""
-    from peft import PeftModel
-
-    if options["base_precision"] != "nf4":
-        return PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), adapter).eval()
-    from transformers import BitsAndBytesConfig
-
-    from .quant import require_bitsandbytes
-
-    require_bitsandbytes()
-    nf4, held = options["nf4"] or {}, options["held"]
-    quantized = cls.from_pretrained(base, device_map="cpu", dtype=getattr(torch, held) if held else "auto",
-                                    quantization_config=BitsAndBytesConfig(
-                                        load_in_4bit=True, bnb_4bit_quant_type=nf4.get("quant_type", "nf4"),
-                                        bnb_4bit_use_double_quant=bool(nf4.get("double_quant", True)),
-                                        bnb_4bit_compute_dtype=torch.float32))
-    return PeftModel.from_pretrained(quantized.dequantize().float(), adapter).eval()

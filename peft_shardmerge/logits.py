@@ -1,0 +1,120 @@
+"""Comparing a merged checkpoint's logits with base + adapter run by transformers and PEFT (``verify``'s extra
+check)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .recompute import merge_settings
+
+
+def check_logits(folder: str, base: str, adapters: list[str], prompts: list[str] | None, tolerance: float | None,
+                 config: dict, record: dict | None, report) -> None:
+    """Compare the merged model's logits with PeftModel(base, adapter) in fp32, over the 4-bit base (loaded by
+    transformers + bitsandbytes and dequantized by transformers) when the merge used one; add the result to
+    ``report``. A NaN error fails.
+
+    Args:
+        folder: the merged checkpoint.
+        base: the base checkpoint.
+        adapters: the adapters (compared only for a single adapter of weight 1).
+        prompts: texts to compare on (tokenizer from ``folder`` or ``base``); two random inputs when None.
+        tolerance: largest accepted relative error; default 1e-4 for fp32 checkpoints, 3e-2 for 16-bit.
+        config: the checkpoint's ``config.json``.
+        record: the ``merge`` section of its record, or None.
+        report: the :class:`~peft_shardmerge.verify.VerifyReport` to add checks, notes and problems to.
+
+    Returns:
+        None.
+
+    Raises:
+        Exception: transformers or PEFT cannot load the models (the caller lists it as a problem).
+
+    Example:
+        >>> check_logits("merged", "base", ["adapter"], None, None, {}, None, report)   # doctest: +SKIP
+    """
+    from transformers import AutoConfig
+
+    from .tiny import model_class, model_inputs
+
+    options, _ = merge_settings(record, None)
+    if options is None:
+        return
+    if len(adapters) > 1 or (options["weights"] or [1.0]) != [1.0]:
+        report.notes.append("logits not compared: the merge combined weighted adapters (the recomputation covers it)")
+        return
+    if options["nf4"] and options["nf4"].get("blocksize", 64) != 64:
+        report.notes.append("logits not compared: transformers loads 4-bit bases with blocksize 64 only (the "
+                            "recomputation covers it)")
+        return
+    cls = model_class(AutoConfig.from_pretrained(folder))
+    merged = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = reference_model(cls, base, adapters[0], options)
+    if prompts:
+        from transformers import AutoTokenizer
+
+        tok_dir = folder if os.path.exists(os.path.join(folder, "tokenizer_config.json")) else base
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        batches = []
+        for p in prompts:
+            ids = tok(p, return_tensors="pt")["input_ids"]
+            extra = model_inputs(merged.config, images=False)  # decoder ids of an encoder-decoder
+            extra["input_ids"] = ids
+            batches.append(extra)
+        what = f"{len(prompts)} prompt(s)"
+    else:
+        batches = [model_inputs(merged.config, seed=s) for s in range(2)]
+        what = "2 random inputs" + (" (with an image)" if "pixel_values" in batches[0] else "")
+    errors = []
+    with torch.no_grad():
+        for inputs in batches:
+            want = ref(**inputs).logits.float()
+            got = merged(**inputs).logits.float()
+            errors.append(float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)))
+    worst = max(errors) if all(e == e for e in errors) else float("nan")  # max() would drop a NaN
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    tol = tolerance if tolerance is not None else (1e-4 if dtype == "float32" else 3e-2)
+    against = "base + adapter" + (" (4-bit base)" if options["base_precision"] == "nf4" else "")
+    report.logits_max_rel_err = worst
+    report.checks.append(f"logits vs {against} on {what}: max relative error {worst:.2e} (tolerance {tol:g})")
+    if not worst <= tol:  # a NaN error fails too
+        report.problems.append(f"logits differ from {against}: max relative error {worst:.2e} > {tol:g}")
+
+
+def reference_model(cls, base: str, adapter: str, options: dict):
+    """PeftModel(base, adapter) in fp32; when the merge used a 4-bit base, the base is loaded in 4-bit by
+    transformers + bitsandbytes (from the dtype the merge quantized) and dequantized by transformers.
+
+    Args:
+        cls: the transformers model class.
+        base: the base checkpoint.
+        adapter: the adapter folder.
+        options: the merge's settings from :func:`~peft_shardmerge.recompute.merge_settings`.
+
+    Returns:
+        The PeftModel, in eval mode.
+
+    Raises:
+        MissingDependencyError: a 4-bit base is needed and bitsandbytes is not installed.
+
+    Example:
+        >>> ref = reference_model(LlamaForCausalLM, "base", "adapter", options)   # doctest: +SKIP
+    """
+    from peft import PeftModel
+
+    if options["base_precision"] != "nf4":
+        return PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    from transformers import BitsAndBytesConfig
+
+    from .quant import require_bitsandbytes
+
+    require_bitsandbytes()
+    nf4, held = options["nf4"] or {}, options["held"]
+    quantized = cls.from_pretrained(base, device_map="cpu", dtype=getattr(torch, held) if held else "auto",
+                                    quantization_config=BitsAndBytesConfig(
+                                        load_in_4bit=True, bnb_4bit_quant_type=nf4.get("quant_type", "nf4"),
+                                        bnb_4bit_use_double_quant=bool(nf4.get("double_quant", True)),
+                                        bnb_4bit_compute_dtype=torch.float32))
+    return PeftModel.from_pretrained(quantized.dequantize().float(), adapter).eval()
