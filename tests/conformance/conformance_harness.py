@@ -70,7 +70,7 @@ def compare(state: dict, outputs: torch.Tensor | None, ref: Reference) -> str:
         if b.numel() == 0:
             continue
         err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
-        if not err <= worst:  # NaN wins
+        if err != err or (worst == worst and err > worst):  # a NaN, once seen, stays the worst
             worst, where = err, key
     if not worst <= WEIGHT_TOL:
         problems.append(f"weights differ from PEFT's merge: max rel err {worst:.3g} at {where}")

@@ -8,8 +8,9 @@ import copy
 
 import pytest
 
+from conformance_cases import all_cases as _all_cases
 from conformance_cases import all_checks, sample_ids
-from conformance_harness import GOOD, run_check
+from conformance_harness import GOOD, compare, run_check
 from conformance_reference import NotBuildable
 from support_view import is_claimed
 
@@ -38,3 +39,20 @@ def test_merge_matches_peft_or_refuses(conformance_env, record_outcome, case, pa
     outcome = run_check(conformance_env, case, path, claimed=claimed)
     record_outcome(check_id, outcome.kind, outcome.detail)
     assert outcome.kind in GOOD, f"{outcome.kind}: {outcome.detail}"
+
+
+def test_the_comparison_catches_wrong_merges(conformance_env):
+    """The harness itself: PEFT's own merge passes; a 1e-4 relative change of one tensor, a NaN, a missing tensor
+    or outputs off by 1e-3 each fail."""
+    case = next(c for c in _all_cases() if c.name == "Vanilla MLP 4 LoRA" and c.arch == "llama")
+    ref = conformance_env.reference(case)
+    assert ref.merged is not None and not ref.peft_inconsistent
+    assert compare(ref.merged, ref.outputs, ref) == ""
+    key = next(k for k in ref.merged if k.endswith("mlp.down_proj.weight"))
+    off = dict(ref.merged, **{key: ref.merged[key] * (1 + 1e-4)})
+    assert "max rel err" in compare(off, ref.outputs, ref)
+    nan = dict(ref.merged, **{key: ref.merged[key].clone().fill_(float("nan"))})
+    assert "max rel err nan" in compare(nan, ref.outputs, ref)
+    missing = {k: v for k, v in ref.merged.items() if k != key}
+    assert "keys differ" in compare(missing, ref.outputs, ref)
+    assert "outputs differ" in compare(ref.merged, ref.outputs + 1e-3 * ref.outputs.abs().max().clamp_min(1), ref)
