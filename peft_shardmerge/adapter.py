@@ -17,7 +17,7 @@ from .peft_deltas import DELTA_TYPES
 from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from .reading_rules import positive_number, stored_key_problems
 from .sources import _read_json, resolve_folder
-from .support import DISK, check_config, raise_if_any
+from .support import DISK, check_config, check_layers, raise_if_any
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -190,6 +190,7 @@ def load_adapter(location: str) -> AdapterSpec:
     spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     parts: dict[str, dict[str, AdapterTensor]] = {}
     problems: list[str] = []
+    unsupported: list[str] = []  # the allowlist's refusals (support.py)
     saved_modules = config.get("modules_to_save") or []
     for name, t in tensors.items():
         key = name[len(PREFIX):] if name.startswith(PREFIX) else name
@@ -243,6 +244,10 @@ def load_adapter(location: str) -> AdapterSpec:
         if kind == "linear" and len(a.shape) in (4, 5) and len(b.shape) == len(a.shape):
             kind = "conv"  # nn.Conv2d/Conv3d: A is [r, in, *kernel], B is [out, r, 1, ...]
         ok = len(a.shape) == 2 and len(b.shape) == 2 if kind != "conv" else all(k == 1 for k in b.shape[2:])
+        if kind == "conv" and ok and b.shape[1] < a.shape[0] and a.shape[0] % b.shape[1] == 0:  # B [out, r/groups]
+            unsupported += check_layers([(path, "LORA", f"Conv{len(a.shape) - 2}d (groups={a.shape[0] // b.shape[1]})",
+                                          [])], path=DISK)
+            continue
         if not ok or a.shape[0] != b.shape[1]:
             problems.append(
                 f"LoRA module {path!r}: A {list(a.shape)} and B {list(b.shape)} do not form a rank-r pair "
@@ -268,8 +273,7 @@ def load_adapter(location: str) -> AdapterSpec:
     if (config.get("trainable_token_indices") or config.get("peft_type") == "TRAINABLE_TOKENS") and not spec.tokens:
         problems.append("adapter_config.json asks for trainable tokens but the weights hold no "
                         "trainable_tokens_delta; the config does not belong to these weights")
-    if problems:
-        raise InputError(problems)
+    raise_if_any(unsupported, problems)
     if not spec.modules and not spec.replacements and not spec.tokens:
         raise InputError(f"adapter {folder} holds no LoRA weights; is it the right folder?")
     return spec

@@ -319,3 +319,25 @@ def test_prompt_learning_is_refused_by_name_on_any_architecture(arch, make_base,
     for call in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "o"), progress=False)):
         with pytest.raises(UnsupportedError, match=r"peft_type=.PREFIX_TUNING.*It has no weight delta"):
             call()
+
+
+def test_lora_on_a_grouped_convolution_is_refused_on_every_path(tmp_path):
+    """ConvNeXt's depthwise convolutions (groups = channels): PEFT cannot merge LoRA on them; neither do we."""
+    from transformers import AutoModelForImageClassification, ConvNextConfig
+
+    config = ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=2,
+                            architectures=["ConvNextForImageClassification"])
+    torch.manual_seed(0)
+    base = str(tmp_path / "base")
+    AutoModelForImageClassification.from_config(config).save_pretrained(base)
+    model = get_peft_model(AutoModelForImageClassification.from_pretrained(base),
+                           LoraConfig(r=16, target_modules=["dwconv"], init_lora_weights=False))
+    model.save_pretrained(str(tmp_path / "adapter"))
+    message = r"LORA on a Conv2d \(groups=(8|16)\) layer is not supported"
+    with pytest.raises(UnsupportedError, match=message):
+        merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    for call in (lambda: merge_and_unload(model),
+                 lambda: merge_and_save(model, str(tmp_path / "o"), base_precision="dequantized", progress=False)):
+        with pytest.raises(UnsupportedError, match=message):
+            call()
+    assert not os.path.exists(tmp_path / "disk") and not os.path.exists(tmp_path / "o")
