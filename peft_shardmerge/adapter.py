@@ -393,9 +393,11 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
         raise InputError(problems)
     if len(specs) == 1 and weights[0] == 1.0:
         return specs[0]
-    others = [f"{s.folder} ({s.peft_type})" for s in specs if s.needs_layers]
+    others = [f"{s.folder} ({s.peft_type}{' on target_parameters' if s.peft_type == 'LORA' else ''})"
+              for s in specs if s.needs_layers]
     if others:
-        problems.append(f"only LoRA adapters can be combined on disk: {', '.join(others)}")
+        problems.append(f"only LoRA adapters on modules (not on target_parameters) can be combined on disk: "
+                        f"{', '.join(others)}; combine them in process with merge_and_save(adapter_names=...)")
     dora = [s.folder for s in specs if any(m.magnitude is not None for m in s.modules.values())]
     if dora:
         problems.append(f"DoRA adapters cannot be combined (their magnitudes do not add): {', '.join(dora)}")
