@@ -66,7 +66,7 @@ def stored_key_problems(names: list[str]) -> list[str]:
         "1 adapter tensor(s) belong to another adapter than 'default' ("
     """
     problems = []
-    bare = [n for n in names if not n.startswith(PREFIX)]
+    bare = [n for n in names if not n.startswith("base_model.")]  # model-level tensors (VeRA's) are base_model.*
     if bare:
         problems.append(
             f"{len(bare)} of {len(names)} adapter tensor(s) lack the '{PREFIX}' prefix ({', '.join(bare[:3])}); PEFT "
@@ -155,7 +155,9 @@ def peft_load_problems(folder: str, names: dict[str, tuple[int, ...]], base_conf
         return [f"PEFT cannot load the adapter in {folder} onto this base ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:300]}); the adapter does not belong to this base or its file is incomplete"]
     problems = []
-    ignored = sorted(result.unexpected_keys)
+    ignored = sorted(k for k in result.unexpected_keys if not _copy_of_loaded(k, names, result.unexpected_keys)
+                     and not _tied_token_rows(peft_model, k, names)
+                     and not k.endswith(".trainable_tokens_original"))  # rows before training: unused by both
     if ignored:
         problems.append(
             f"{len(ignored)} adapter tensor(s) would not be loaded by PEFT onto this base "
@@ -163,11 +165,35 @@ def peft_load_problems(folder: str, names: dict[str, tuple[int, ...]], base_conf
             "them, so merging them would give another model than PEFT's. Remove them from adapter_model.safetensors, "
             "or check that this is the base the adapter was trained on")
     filled = len(set(peft_model.state_dict()) - set(result.missing_keys))
-    if len(names) - len(ignored) > filled:  # several stored keys landed in one parameter: PEFT keeps one of them
+    loaded = len(names) - len(result.unexpected_keys)
+    if loaded > filled:  # several stored keys landed in one parameter: PEFT keeps one of them
         problems.append(
-            f"{len(names) - len(ignored) - filled} adapter tensor(s) in {folder} are loaded by PEFT into a parameter "
+            f"{loaded - filled} adapter tensor(s) in {folder} are loaded by PEFT into a parameter "
             "another stored tensor also fills (the same factor stored twice under different names); keep one copy")
     return problems
+
+
+def _copy_of_loaded(key: str, names: dict[str, tuple[int, ...]], ignored: list[str]) -> bool:
+    """Whether an ignored key is one of the copies PEFT (0.21) saves beside the plain ``X.weight`` it loads for a
+    ``modules_to_save`` layer: ``X.modules_to_save.weight`` (the trained copy again) or ``X.original_module.weight``
+    (the layer before training)."""
+    for infix in (".modules_to_save.", ".original_module."):
+        if infix in key:
+            plain = key.replace(infix, ".")
+            return plain in names and plain not in ignored and names[plain] == names[key]
+    return False
+
+
+def _tied_token_rows(peft_model, key: str, names: dict[str, tuple[int, ...]]) -> bool:
+    """Whether an unexpected key holds the trainable-token rows PEFT saves for the tied side of a tie (``lm_head``
+    tied to the input embedding): PEFT computes that side with its partner's rows, so the stored copy is not used
+    (the planner refuses the merge when the two copies differ)."""
+    if not key.endswith(".trainable_tokens_delta"):
+        return False
+    module = dict(peft_model.named_modules()).get(key.removesuffix(".trainable_tokens_delta"))
+    tied = getattr(module, "tied_adapter", None)
+    rows = getattr(tied, "trainable_tokens_delta", None)
+    return rows is not None and ADAPTER in rows and tuple(rows[ADAPTER].shape) == tuple(names[key])
 
 
 def _resize_like_adapter(model, names: dict[str, tuple[int, ...]]) -> None:
@@ -179,8 +205,8 @@ def _resize_like_adapter(model, names: dict[str, tuple[int, ...]]) -> None:
     if not path:
         return
     rows = [shape[0] for key, shape in names.items() if shape and key.endswith(".weight") and
-            key.removeprefix("base_model.model.").replace(".modules_to_save", "").replace(".original_module", "")
-            .replace(".default", "") == f"{path}.weight"]
+            re.sub(r"\.(modules_to_save|original_module|base_layer|token_adapter|default)(?=\.)", "",
+                   key.removeprefix("base_model.model.")) == f"{path}.weight"]
     if rows and max(rows) != embeddings.weight.shape[0]:
         model.resize_token_embeddings(max(rows), mean_resizing=False)
 

@@ -374,6 +374,8 @@ def test_adapter_keys_agree_with_peft(variant, make_base, make_adapter, tmp_path
     (["base_model.model.m.q.lora_A.default.weight", "base_model.model.m.q.lora_A.weight"], 1),
     (["x.lora_A.weight", "base_model.model.m.q.lora_A.other.weight"], 2),
     (["base_model.model.m.default.lora_A.weight"], 0),
+    (["base_model.vera_A", "base_model.vera_B", "base_model.model.m.q.vera_lambda_b"], 0),
+    (["vera_A"], 1),
 ])
 def test_stored_key_rules(names, expected):
     assert len(stored_key_problems(names)) == expected
