@@ -202,6 +202,8 @@ def run_check(env: Env, case: Case, path: str, claimed: bool = False) -> Outcome
     problem = compare(got, outputs, ref)
     if not problem and model is not None and path != "merge_and_unload":
         problem = _unchanged(model, snap)
+    if not problem and path == "merge_and_unload" and ref.base is not None:
+        problem = _roundtrip(result, ref, out)
     shutil.rmtree(work, ignore_errors=True)
     if problem:
         return Outcome("wrong", problem)
@@ -219,6 +221,18 @@ def _classify_refusal(exc: Exception, ref: Reference, path: str, work: Path, mod
     if not _names_thing(str(exc), ref, path):
         return Outcome("unnamed", message)
     return Outcome("claimed-refused" if claimed else "refused", message)
+
+
+def _roundtrip(model, ref: Reference, out: Path) -> str:
+    """As PEFT's merge test does: the model merge_and_unload returned must survive ``save_pretrained`` and
+    ``from_pretrained`` with the same outputs."""
+    try:
+        model.save_pretrained(str(out))
+        _, outputs = _reload(ref, out)
+    except Exception as exc:  # noqa: BLE001 - a returned model that cannot be saved and reloaded is wrong
+        return f"the returned model does not survive save_pretrained/from_pretrained: {type(exc).__name__}: {exc}"
+    err = output_err(outputs, ref.outputs)
+    return "" if err <= OUTPUT_TOL else f"after save_pretrained/from_pretrained the outputs differ: rel err {err:.3g}"
 
 
 def _reload(ref: Reference, out: Path) -> tuple[dict, torch.Tensor | None]:
