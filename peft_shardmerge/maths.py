@@ -150,6 +150,33 @@ def swallowed(base_rows: torch.Tensor, cast: torch.Tensor) -> int:
     return int((cast == base_rows.to(cast.dtype)).sum())
 
 
+def update_counts(base_rows: torch.Tensor, merged: torch.Tensor, cast: torch.Tensor) -> tuple[int, int]:
+    """How many entries of a merged block the adapter changed, and how many of those the output dtype rounded back
+    to the base value (so that the update is lost there). Entries the adapter left as they were count in neither:
+    an adapter with no update has nothing to lose.
+
+    Args:
+        base_rows: the base rows as read (any dtype).
+        merged: the merged rows in fp32, before casting.
+        cast: the merged rows cast to the output dtype.
+
+    Returns:
+        ``(changed, lost)``.
+
+    Raises:
+        RuntimeError: from torch, when the shapes differ.
+
+    Example:
+        >>> base = torch.tensor([1.0, 1.0, 1.0])
+        >>> merged = torch.tensor([1.0, 1.0001, 1.5])
+        >>> update_counts(base, merged, merged.to(torch.bfloat16))
+        (2, 1)
+    """
+    updated = merged != base_rows.to(merged.dtype)
+    kept_base = cast == base_rows.to(cast.dtype)
+    return int(updated.sum()), int((updated & kept_base).sum())
+
+
 def lora_probe(
     x: torch.Tensor,
     factors: Sequence[Factors],

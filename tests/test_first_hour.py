@@ -412,3 +412,17 @@ def test_in_process_merges_write_the_base_config_with_only_the_needed_changes(bf
     disk = json.load(open(os.path.join(bf16_base, "config.json")))
     written = json.load(open(tmp_path / "m" / "config.json"))
     assert written == {**disk, "dtype": "bfloat16"}
+
+
+def test_an_adapter_with_no_update_is_not_said_to_be_swallowed(bf16_base, tmp_path, caplog):
+    """get_peft_model's default init (B = 0), saved before training: nothing to keep, so nothing is lost."""
+    from peft_shardmerge import merge_checkpoint
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_base), LoraConfig(target_modules=["q_proj"]))
+    caplog.set_level(logging.WARNING)
+    report = merge_and_save(model, str(tmp_path / "m"), base_precision="dequantized", progress=False)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    disk = merge_checkpoint(bf16_base, str(tmp_path / "adapter"), str(tmp_path / "d"), progress=False)
+    for r in (report, disk):
+        assert not any("swallowed" in n for n in r.notes) and not any("kept the LoRA update" in n for n in r.notes)
+    assert "swallowed" not in caplog.text
