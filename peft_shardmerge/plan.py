@@ -365,6 +365,41 @@ def _tie_enabled(config: dict) -> bool:
     return True  # transformers' PretrainedConfig default
 
 
+def _adapter_of(adapter, mod) -> str:
+    """The folder a LoRA module comes from (the adapter of a combination its key names)."""
+    folders = getattr(adapter, "folders", None) or [adapter.folder]
+    index = mod.key.split(":", 1)[0] if ":" in mod.key else "0"
+    return folders[int(index)] if index.isdigit() and int(index) < len(folders) else folders[0]
+
+
+def shape_mismatch_problems(mismatches: dict[tuple, list[tuple[str, str]]]) -> list[str]:
+    """One problem per adapter and kind of module whose LoRA delta does not fit the base weight, naming the adapter
+    and the layers (a model of another size gives the same mismatch in every layer).
+
+    Args:
+        mismatches: ``(adapter folder, module path, delta shape, base weight name, base shape)``, layer numbers
+            written ``*``, -> the ``(module path, base weight name)`` pairs it stands for.
+
+    Returns:
+        The problems.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> shape_mismatch_problems({("a1", "model.layers.*.mlp.up_proj", (512, 128), "model.layers.*.mlp.up_proj.weight",
+        ...     (256, 128)): [("model.layers.0.mlp.up_proj", ""), ("model.layers.1.mlp.up_proj", "")]})[0][:77]
+        "adapter a1: LoRA module 'model.layers.*.mlp.up_proj' (2 layers) gives a delta"
+    """
+    out = []
+    for (folder, pattern, delta, wpattern, base), pairs in mismatches.items():
+        path, wname = (f"{pattern!r} ({len(pairs)} layers)", wpattern) if len(pairs) > 1 else (repr(pairs[0][0]),
+                                                                                                 pairs[0][1])
+        out.append(f"adapter {folder}: LoRA module {path} gives a delta of shape {list(delta)} but the base weight "
+                   f"{wname!r} is {list(base)}; the adapter was trained on a different model")
+    return out
+
+
 def output_config(config: dict, dtype: torch.dtype, *, untie: bool) -> dict:
     """The ``config.json`` of the merged checkpoint.
 
@@ -605,6 +640,7 @@ def build_plan(
             new_vocab = rep.shape[0]
         pt.source, pt.from_adapter = rep.info, True
         touched.add(name)
+    mismatches: dict[tuple, list[tuple[str, str]]] = {}  # one line per adapter and module kind, not per layer
     for _, mod in sorted(adapter.modules.items()):
         path = mod.path
         wname = to_file(f"{path}.weight")
@@ -623,10 +659,8 @@ def build_plan(
         if mod.kind == "conv":
             expected = (out_f, in_f, *mod.a.shape[2:])
         if pt.shape != expected:
-            problems.append(
-                f"LoRA module {path!r} gives a delta of shape {list(expected)} but the base weight {wname!r} is "
-                f"{list(pt.shape)}; the adapter was trained on a different model"
-            )
+            mismatches.setdefault((_adapter_of(adapter, mod), re.sub(r"\.\d+\.", ".*.", path), tuple(expected),
+                                   re.sub(r"\.\d+\.", ".*.", wname), pt.shape), []).append((path, wname))
             continue
         if mod.magnitude is not None:
             if math.prod(mod.magnitude.shape) != out_f:
@@ -646,6 +680,7 @@ def build_plan(
             bt.bias_loras.append(mod)
             touched.add(bname)
 
+    problems += shape_mismatch_problems(mismatches)
     for memory_name, op in sorted((adapter.layers.ops if adapter.layers is not None else {}).items()):
         if memory_name in parts:  # stored in parts: each gets its slice of the delta, cut by transformers
             for name in parts[memory_name]:

@@ -426,3 +426,20 @@ def test_an_adapter_with_no_update_is_not_said_to_be_swallowed(bf16_base, tmp_pa
     for r in (report, disk):
         assert not any("swallowed" in n for n in r.notes) and not any("kept the LoRA update" in n for n in r.notes)
     assert "swallowed" not in caplog.text
+
+
+def test_a_mismatched_adapter_among_several_is_named_once_per_module_kind(tmp_path):
+    from peft_shardmerge import merge_checkpoint
+    from peft_shardmerge.tiny import build_adapter
+
+    good_base = build_base(str(tmp_path / "base"), "llama")
+    wide_base = build_base(str(tmp_path / "wide"), "llama", intermediate_size=512)
+    good = build_adapter(good_base, str(tmp_path / "good"), arch="llama")
+    wrong = build_adapter(wide_base, str(tmp_path / "wrong"), arch="llama")
+    with pytest.raises(InputError) as e:
+        merge_checkpoint(good_base, [good, wrong], str(tmp_path / "m"), progress=False)
+    shapes = [p for p in e.value.problems if "gives a delta" in p]
+    assert len(shapes) == 3  # gate, up, down: one line each, not one per layer
+    assert all(p.startswith(f"adapter {wrong}: LoRA module 'model.layers.*.mlp.") and "(2 layers)" in p
+               for p in shapes)
+    assert not any(good + ":" in p or f"in {good} " in p for p in e.value.problems)
