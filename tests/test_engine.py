@@ -260,7 +260,7 @@ def test_precision_report(make_base, make_adapter, tmp_path, caplog):
     report = merge_checkpoint(base, tiny, str(tmp_path / "b"), progress=False)
     assert min(report.swallowed.values()) > 0.5
     assert "bfloat16 swallowed more than 50% of the LoRA update in 14 tensor(s)" in caplog.text
-    assert "write --dtype float32 (or float16) to keep it" in report.notes[-1]
+    assert "write float32 or float16 to keep it (dtype='float32' in Python" in report.notes[-1]
     kept = merge_checkpoint(base, tiny, str(tmp_path / "c"), dtype="float32", progress=False)
     assert kept.swallowed == {}
 
