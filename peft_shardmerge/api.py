@@ -10,25 +10,35 @@ from typing import Callable, Sequence
 import torch
 
 from .adapter import combine_adapters, load_adapter
-from .errors import InputError
+from .errors import InputError, ShardMergeError
 from .execute import execute_plan, resolve_device
 from .model_info import inspect_model
+from .outfiles import name_problems, sidecar_problems
 from .peft_deltas import rebuild
 from .plan import DEFAULT_CHUNK_ELEMS, Plan, build_plan
 from .quant import Nf4Settings
 from .reading_rules import adapter_load_problems
 from .report import MergeReport
 from .sources import open_checkpoint
+from .staging import NOTHING_WRITTEN, FileSystemError
 
 log = logging.getLogger(__name__)
 
 
-def check_out_dir(out_dir: str, *, inputs: dict[str, str], overwrite: bool) -> list[str]:
+def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.PathLike | None],
+                  overwrite: bool) -> list[str]:
     """Find every problem with an output folder, without touching anything.
 
+    ``out_dir`` is resolved once (a trailing slash changes nothing). Refused whatever ``overwrite`` says: an empty
+    path, the filesystem root, the current working folder or a folder holding it, the home folder or a folder
+    holding it, an input folder, a folder inside an input or holding one, a symlink, a mount point. Also named
+    here: a parent that is a file, a parent that cannot be written, a name too long for the staging folder and
+    lock beside it, and those names taken by something the merge did not make.
+
     Args:
-        out_dir: the output folder.
-        inputs: folders that must survive the merge, by role (``{"base": ..., "adapter": ...}``).
+        out_dir: the output folder (``str`` or ``os.PathLike``).
+        inputs: folders that must survive the merge, by role (``{"base": ..., "adapter": ...}``); None values
+            are skipped.
         overwrite: whether a non-empty ``out_dir`` may be replaced.
 
     Returns:
@@ -41,37 +51,153 @@ def check_out_dir(out_dir: str, *, inputs: dict[str, str], overwrite: bool) -> l
         >>> for p in check_out_dir("/tmp/base/merged", inputs={"base": "/tmp/base"}, overwrite=False):
         ...     print(p)
         output folder /tmp/base/merged is inside the base folder /tmp/base; choose a folder outside it
+        >>> check_out_dir("", inputs={}, overwrite=True)
+        ["output folder is an empty path (''); name the folder to create, e.g. ./merged"]
     """
-    problems = []
-    out = os.path.realpath(out_dir)
+    raw, problems = path_argument(out_dir, "output folder")
+    if raw is None:
+        return problems
+    if not raw.strip():
+        return [f"output folder is an empty path ({raw!r}); name the folder to create, e.g. ./merged"]
+    out = os.path.abspath(raw)
+    real = os.path.realpath(out)
+    if real == os.sep:
+        return [f"output folder {raw} is the filesystem root; name a new folder, e.g. {os.path.join(raw, 'merged')}"]
+    for what, folder in (("the current working folder", _here()), ("your home folder", os.path.expanduser("~"))):
+        folder = os.path.realpath(folder) if folder else None
+        if folder and (real == folder or folder.startswith(real.rstrip(os.sep) + os.sep)):
+            where = "is" if real == folder else "holds"
+            return [f"output folder {raw} ({real}) {where} {what}, which the merge would replace; name a new folder, "
+                    f"e.g. {os.path.join(raw, 'merged')}"]
+    seen = set()
     for role, folder in inputs.items():
-        src = os.path.realpath(folder)
-        if out == src or out.startswith(src + os.sep):
-            where = "is" if out == src else "is inside"
-            problems.append(f"output folder {out_dir} {where} the {role} folder {folder}; choose a folder outside it")
-        elif src.startswith(out + os.sep):
+        src = os.path.realpath(os.fspath(folder)) if folder is not None else None
+        if src is None or src in seen:
+            continue
+        seen.add(src)
+        if real == src or real.startswith(src.rstrip(os.sep) + os.sep):
+            where = "is" if real == src else "is inside"
+            problems.append(f"output folder {raw} {where} the {role} folder {os.fspath(folder)}; choose a folder "
+                            "outside it")
+        elif src.startswith(real.rstrip(os.sep) + os.sep):
             problems.append(
-                f"the {role} folder {folder} is inside the output folder {out_dir}; replacing it would destroy "
+                f"the {role} folder {os.fspath(folder)} is inside the output folder {raw}; replacing it would destroy "
                 f"the {role}; choose another output folder"
             )
-    if os.path.islink(out_dir) and not problems:
-        problems.append(f"output {out_dir} is a symlink; the output is staged beside it and renamed into place, "
-                        f"which would replace the link: pass the real path ({os.path.realpath(out_dir)})")
-    elif os.path.ismount(out_dir):
-        problems.append(f"output {out_dir} is a mount point; the output is staged beside it and renamed, which cannot "
+    problems += name_problems(out)
+    problems += _parent_problems(raw, out)
+    if os.path.islink(out):
+        if not problems:
+            problems.append(f"output {raw} is a symlink; the output is staged beside it and renamed into place, "
+                            f"which would replace the link: pass the real path ({real})")
+    elif os.path.ismount(out):
+        problems.append(f"output {raw} is a mount point; the output is staged beside it and renamed, which cannot "
                         "replace a mount point: choose a folder inside it")
-    if os.path.lexists(out_dir) and not os.path.islink(out_dir):
-        if not os.path.isdir(out_dir):
-            problems.append(f"output {out_dir} exists and is not a folder; remove it or choose another path")
-        elif os.listdir(out_dir) and not overwrite:
-            problems.append(f"output folder {out_dir} is not empty; pass --overwrite (overwrite=True) to replace it")
-    return problems
+    elif os.path.lexists(out):
+        if not os.path.isdir(out):
+            problems.append(f"output {raw} exists and is not a folder; remove it or choose another path")
+        elif not overwrite and _nonempty(out):
+            problems.append(f"output folder {raw} is not empty; pass --overwrite (overwrite=True) to replace it")
+    return problems + sidecar_problems(out)
+
+
+def path_argument(value, what: str) -> tuple[str | None, list[str]]:
+    """A path argument as ``str`` (``str``, ``bytes`` and ``os.PathLike`` accepted), or the problem with it.
+
+    Args:
+        value: the argument.
+        what: its role, for the message.
+
+    Returns:
+        ``(path, [])``, or ``(None, [problem])``.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> from pathlib import Path
+        >>> path_argument(Path("a/b"), "base")
+        ('a/b', [])
+    """
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        return None, [f"{what} must be a path (str or os.PathLike), got {type(value).__name__} {value!r:.60}"]
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if "\0" in path:
+        return None, [f"{what} {path!r} contains a NUL character; pass a valid path"]
+    return path, []
+
+
+def source_folders(model) -> dict[str, str]:
+    """The local folders a loaded model came from, which a save must never write over, into or around.
+
+    Args:
+        model: a transformers model or a PEFT model.
+
+    Returns:
+        ``{"model": folder}`` (``config._name_or_path``) and ``{"base of adapter 'name'": folder}`` (each adapter
+        config's ``base_model_name_or_path``), when they are local folders, and ``{"adapter 'name'": folder}``
+        where PEFT recorded one.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> source_folders(object())
+        {}
+    """
+    folders: dict[str, str] = {}
+    inner = model
+    for attr in ("base_model", "model"):  # PeftModel -> LoraModel -> transformers model
+        if hasattr(inner, "peft_config") and hasattr(inner, attr):
+            inner = getattr(inner, attr)
+    candidates = [("model", getattr(getattr(model, "config", None), "_name_or_path", None)),
+                  ("model", getattr(getattr(inner, "config", None), "_name_or_path", None))]
+    for name, cfg in (getattr(model, "peft_config", None) or {}).items():
+        candidates.append((f"base of adapter {name!r}", getattr(cfg, "base_model_name_or_path", None)))
+        for attr in ("adapter_path", "model_id"):
+            candidates.append((f"adapter {name!r}", getattr(cfg, attr, None)))
+    for role, folder in candidates:
+        if isinstance(folder, (str, os.PathLike)) and os.fspath(folder) and os.path.isdir(folder):
+            real = os.path.realpath(folder)
+            if real not in {os.path.realpath(f) for f in folders.values()}:
+                folders[role if role not in folders else f"{role} ({len(folders)})"] = os.fspath(folder)
+    return folders
+
+
+def _here() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # the working folder was deleted
+        return None
+
+
+def _nonempty(folder: str) -> bool:
+    try:
+        return bool(os.listdir(folder))
+    except OSError:
+        return True
+
+
+def _parent_problems(raw: str, out: str) -> list[str]:
+    """The nearest existing ancestor of ``out`` must be a folder this process can create entries in."""
+    existing = os.path.dirname(out)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return [f"cannot create {raw}: {existing} is a file, not a folder; choose another output path"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"cannot write in {existing} (read-only or no permission) to create {raw}; choose another output "
+                "folder"]
+    return []
 
 
 def plan_checkpoint_merge(
-    base: str,
-    adapter: str | Sequence[str],
-    out_dir: str,
+    base: str | os.PathLike,
+    adapter: str | os.PathLike | Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
     *,
     weights: Sequence[float] | None = None,
     combination: str = "cat",
@@ -120,7 +246,18 @@ def plan_checkpoint_merge(
         >>> plan = plan_checkpoint_merge("tiny-base", "tiny-adapter", "merged")   # doctest: +SKIP
         >>> print(plan.describe())   # doctest: +SKIP
     """
-    problems: list[str] = []
+    base, problems = path_argument(base, "base")
+    many = not isinstance(adapter, (str, bytes, os.PathLike)) and isinstance(adapter, Sequence)
+    locations = []
+    for i, a in enumerate(adapter if many else [adapter]):
+        a, bad = path_argument(a, f"adapter {i + 1}" if many else "adapter")
+        locations.append(a)
+        problems += bad
+    if not locations:
+        problems.append("adapter is an empty list; pass at least one adapter folder")
+    if problems:  # unreadable path arguments: nothing else can be checked
+        raise InputError(problems + check_out_dir(out_dir, inputs={}, overwrite=overwrite))
+    out_dir = os.fspath(out_dir) if isinstance(out_dir, os.PathLike) else out_dir
     try:
         resolve_device(device)
     except InputError as e:
@@ -129,7 +266,6 @@ def plan_checkpoint_merge(
         problems.append(f"chunk_elems must be a positive int, got {chunk_elems!r}")
         chunk_elems = DEFAULT_CHUNK_ELEMS
     src = open_checkpoint(base)
-    locations = [adapter] if isinstance(adapter, str) else list(adapter)
     spec = combine_adapters([load_adapter(a) for a in locations], weights, combination)
     inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
                                      for i, f in enumerate(spec.folders)}}
@@ -189,9 +325,9 @@ def check_space(out_dir: str, nbytes: int) -> list[str]:
 
 
 def merge_checkpoint(
-    base: str,
-    adapter: str | Sequence[str],
-    out_dir: str,
+    base: str | os.PathLike,
+    adapter: str | os.PathLike | Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
     *,
     weights: Sequence[float] | None = None,
     combination: str = "cat",
@@ -246,18 +382,29 @@ def merge_checkpoint(
         UnsupportedError: the adapter cannot be merged by this version.
         CorruptFileError: a file is malformed.
         MergeCheckError: a consistency check failed after writing; nothing was committed.
+        OutputLockedError: another merge is writing ``out_dir``.
+        OutputChangedError: ``out_dir`` changed while the merge ran; it was left as it is and the new output
+            kept in ``.<OUT>.partial`` (the message says so).
+        FileSystemError: the filesystem failed (disk full, I/O error); an ``OSError`` too, whose message says
+            what became of ``out_dir``.
 
     Example:
         >>> from peft_shardmerge import merge_checkpoint
         >>> report = merge_checkpoint("tiny-base", "tiny-adapter", "merged", dtype="bfloat16")  # doctest: +SKIP
         >>> print(report.summary())   # doctest: +SKIP
     """
-    plan = plan_checkpoint_merge(
-        base, adapter, out_dir, weights=weights, combination=combination,
-        dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
-        nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize, nf4_double_quant=nf4_double_quant,
-        device=device, overwrite=overwrite, chunk_elems=chunk_elems,
-    )
+    try:
+        plan = plan_checkpoint_merge(
+            base, adapter, out_dir, weights=weights, combination=combination,
+            dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
+            nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize, nf4_double_quant=nf4_double_quant,
+            device=device, overwrite=overwrite, chunk_elems=chunk_elems,
+        )
+    except OSError as e:  # the filesystem failed while reading the inputs: say so in the family, with OUT's state
+        if isinstance(e, ShardMergeError):
+            raise
+        raise FileSystemError(e, NOTHING_WRITTEN) from e
+    out_dir = os.path.abspath(os.fspath(out_dir))  # resolved once: every later step uses this path
     for note in plan.notes:
         log.info("%s", note)
     if dry_run:

@@ -1,35 +1,71 @@
-"""The output folder's life: the lock, the staging folder with its resume manifest, and the atomic commit."""
+"""The output folder's life: the lock, the staging folder with its resume manifest, the commit, and what became
+of OUT when a merge stops."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
+import secrets
 import shutil
-import socket
-import tempfile
-import time
+import stat
 from contextlib import contextmanager
 from typing import Iterator
 
-from .errors import MergeCheckError, ShardMergeError
+from .errors import InputError, MergeCheckError, ShardMergeError
+from .outfiles import (MADE_BY, MANIFEST, describe_change, held_signals, is_old_name, read_manifest, remove_checked,
+                       rename_noreplace, sidecar, sidecar_problems, snapshot)
+from .outlock import OutputLock, OutputLockedError, output_lock  # noqa: F401 - OutputLockedError, output_lock: public here too
 from .safetensors_io import read_header
 from .writer import Crc32
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 _HASH_PIECE = 8 << 20
+NOTHING_WRITTEN = "nothing was written and OUT is unchanged"
+REMOVED = "the partial output was removed and OUT is unchanged"
+#: what became of each output folder (by absolute path) in the last merge into it from this process
+_OUTCOME: dict[str, str] = {}
 
 
-class OutputLockedError(ShardMergeError, RuntimeError):
-    """Another merge is writing the same output folder right now."""
+class OutputChangedError(ShardMergeError, RuntimeError):
+    """OUT changed while the merge ran: it was left as it is, and the new output kept in the staging folder."""
 
 
-def _sidecar(out_dir: str, suffix: str) -> str:
-    parent, name = os.path.split(os.path.abspath(out_dir))
-    return os.path.join(parent, f".{name}.{suffix}")
+class FileSystemError(ShardMergeError, OSError):
+    """The filesystem failed during the merge (disk full, permissions, I/O error); the message says what became of
+    OUT. ``errno`` and ``filename`` are the original error's."""
+
+    def __init__(self, error: OSError, state: str):
+        where = error.filename or "the output"
+        super().__init__(error.errno, f"{error.strerror or error} ({where}); {state}")
+        self.filename = error.filename
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def outcome(out_dir: str) -> str:
+    """What became of ``out_dir`` in the last merge into it from this process: one true sentence for a message
+    after an error or an interrupt.
+
+    Args:
+        out_dir: the output folder as given.
+
+    Returns:
+        E.g. ``"the partial output was removed and OUT is unchanged"``.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> outcome("/nowhere/merged")
+        'nothing was written and OUT is unchanged'
+    """
+    try:
+        return _OUTCOME.get(os.path.abspath(os.fspath(out_dir)), NOTHING_WRITTEN)
+    except TypeError:
+        return NOTHING_WRITTEN
 
 
 def partial_dir(out_dir: str) -> str:
@@ -46,10 +82,10 @@ def partial_dir(out_dir: str) -> str:
         Nothing.
 
     Example:
-        >>> partial_dir("/data/merged")
+        >>> partial_dir("/data/merged/")
         '/data/.merged.partial'
     """
-    return _sidecar(out_dir, "partial")
+    return sidecar(out_dir, "partial")
 
 
 def file_digest(path: str) -> str:
@@ -77,76 +113,19 @@ def file_digest(path: str) -> str:
             h.update(piece)
 
 
-@contextmanager
-def output_lock(out_dir: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``out_dir`` (a ``flock`` on ``.<name>.lock`` beside it) for the block.
-
-    The kernel drops the lock when its holder dies, so a lock file left by a killed merge is taken over.
-
-    Args:
-        out_dir: the output folder.
-
-    Returns:
-        A context manager.
-
-    Raises:
-        OutputLockedError: another live process holds the lock; the message names it.
-        OSError: the lock file cannot be created (e.g. a read-only parent folder).
-
-    Example:
-        >>> with output_lock("merged"):   # doctest: +SKIP
-        ...     pass
-    """
-    path = _sidecar(out_dir, "lock")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-            except (ValueError, UnicodeDecodeError):
-                holder = {}
-            os.close(fd)
-            raise OutputLockedError(
-                f"another merge is writing {out_dir}: pid {holder.get('pid', '?')} on {holder.get('host', '?')}, "
-                f"started {holder.get('started', '?')}; wait for it to finish or choose another output folder"
-            ) from None
-        # the holder before us unlinks the file on release: make sure we locked the file that is still there
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    previous = os.pread(fd, 4096, 0)
-    if previous:
-        log.info("taking over a stale lock on %s (%s)", out_dir, previous.decode(errors="replace").strip())
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
-    try:
-        yield
-    finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-
-
 class Staging:
     """A staging folder for ``out_dir`` that remembers finished shards across a crash.
 
-    With a ``fingerprint`` (a digest of the inputs and options), shards recorded in ``manifest.json`` by an
-    earlier run that died (SIGKILL, power loss) are kept when their size and digest still match, and the
-    rest is redone. A different fingerprint, or none, starts from an empty folder.
+    The folder is created with ``mkdir`` and marked at once by ``manifest.json``; an existing one is reused only
+    when that manifest proves it ours (else the merge is refused). With a ``fingerprint`` and ``inputs`` (digests
+    of the input bytes each shard is computed from, :class:`~peft_shardmerge.resume.InputDigests`), shards
+    recorded by an earlier run that died are kept when their size, their digest and the digest of their inputs
+    still match; the rest is redone.
 
     Args:
         out_dir: the final folder.
         fingerprint: identity of the merge; None disables resuming.
+        inputs: digests of the inputs (``common()`` and ``shard(name)``); None disables resuming.
 
     Example:
         >>> with staged_output("merged", fingerprint="abc") as st:   # doctest: +SKIP
@@ -154,37 +133,46 @@ class Staging:
         False
     """
 
-    def __init__(self, out_dir: str, fingerprint: str | None):
-        self.out_dir = os.path.abspath(out_dir)
-        self.path = partial_dir(out_dir)
-        self.fingerprint = fingerprint
+    def __init__(self, out_dir: str, fingerprint: str | None, inputs=None):
+        self.out_dir = os.path.abspath(os.fspath(out_dir))
+        self.path = partial_dir(self.out_dir)
+        self.fingerprint = fingerprint if inputs is not None else None
+        self.inputs = inputs if fingerprint is not None else None
+        self.common = None
         self.done: dict[str, dict] = {}
         self.resumed: list[str] = []
-        self.committed = False
+        self.created = self.committed = self.keep = False
+        self.checked: dict | None = None  # OUT's snapshot when checked (None: it did not exist)
+        self.leftover: str | None = None
 
     def open(self) -> None:
         """Create the staging folder, or reuse the verified finished shards of a matching earlier run."""
         kept: dict[str, dict] = {}
-        if os.path.isdir(self.path) and self.fingerprint is not None:
-            try:
-                with open(os.path.join(self.path, MANIFEST)) as f:
-                    manifest = json.load(f)
-            except (OSError, ValueError):
-                manifest = {}
-            if manifest.get("fingerprint") == self.fingerprint:
+        st = _lstat(self.path)
+        if st is None:
+            os.mkdir(self.path, 0o755)
+        else:
+            manifest = read_manifest(self.path) if stat.S_ISDIR(st.st_mode) else None
+            if manifest is None and (not stat.S_ISDIR(st.st_mode) or os.listdir(self.path)):
+                raise InputError(sidecar_problems(self.out_dir) or [f"{self.path} is not a staging folder of ours"])
+            if self.inputs is not None:
+                self.common = self.inputs.common()
+            if manifest and self.fingerprint and manifest.get("fingerprint") == self.fingerprint \
+                    and manifest.get("inputs") == self.common:
                 for fname, meta in (manifest.get("shards") or {}).items():
                     p = os.path.join(self.path, os.path.basename(fname))
-                    if (os.path.isfile(p) and os.path.getsize(p) == meta.get("size")
-                            and file_digest(p) == meta.get("digest")):
+                    s = _lstat(p)
+                    if (s is not None and stat.S_ISREG(s.st_mode) and s.st_size == meta.get("size")
+                            and file_digest(p) == meta.get("digest") and meta.get("inputs") == self.inputs.shard(fname)):
                         kept[fname] = meta
-        if os.path.isdir(self.path):
-            for entry in os.listdir(self.path):
-                if entry not in kept:
+            for entry in os.listdir(self.path):  # the folder is ours (manifest checked): clear what is not kept
+                if entry not in kept and entry != MANIFEST:
                     p = os.path.join(self.path, entry)
-                    shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
-        else:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            os.mkdir(self.path)
+                    s = os.lstat(p)
+                    shutil.rmtree(p) if stat.S_ISDIR(s.st_mode) else os.unlink(p)
+        self.created = True
+        if self.inputs is not None and self.common is None:
+            self.common = self.inputs.common()
         self.done = kept
         self.resumed = sorted(kept)
         if kept:
@@ -192,57 +180,111 @@ class Staging:
         self._write_manifest()
 
     def is_done(self, fname: str) -> bool:
-        """Whether shard ``fname`` was finished and verified by an earlier run."""
+        """Whether shard ``fname`` was finished and verified by an earlier run, from the same input bytes."""
         return fname in self.done
 
     def record(self, fname: str, digest: str) -> None:
-        """Record a finished, fsynced shard in the manifest (written atomically)."""
+        """Record a finished, fsynced shard in the manifest (written atomically), with the digest of its inputs."""
         size = os.path.getsize(os.path.join(self.path, fname))
-        self.done[fname] = {"size": size, "digest": digest}
+        meta = {"size": size, "digest": digest}
+        if self.inputs is not None:
+            meta["inputs"] = self.inputs.shard(fname)
+        self.done[fname] = meta
         self._write_manifest()
 
     def _write_manifest(self) -> None:
-        if self.fingerprint is None:
-            return
         tmp = os.path.join(self.path, MANIFEST + ".tmp")
         with open(tmp, "w") as f:
-            json.dump({"fingerprint": self.fingerprint, "shards": self.done}, f)
+            json.dump({"made_by": MADE_BY, "fingerprint": self.fingerprint, "inputs": self.common,
+                       "shards": self.done if self.fingerprint else {}}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.path, MANIFEST))
         _fsync_dir(self.path)
 
-    def commit(self) -> None:
-        """Drop the manifest and move the staging folder into place (replacing an old ``out_dir`` only now)."""
-        for name in (MANIFEST, MANIFEST + ".tmp"):
-            try:
-                os.unlink(os.path.join(self.path, name))
-            except FileNotFoundError:
-                pass
-        _fsync_dir(self.path)
-        parent, name = os.path.split(self.out_dir)
-        if os.path.lexists(self.out_dir):
-            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-            os.rmdir(old)
-            os.rename(self.out_dir, old)
-            try:
-                os.rename(self.path, self.out_dir)
-            except BaseException:
-                os.rename(old, self.out_dir)
-                raise
-            self.committed = True
-            try:  # the new output is in place: removing the old one is best effort, even when interrupted
-                shutil.rmtree(old)
-            except BaseException as e:  # noqa: BLE001
-                log.warning("the previous output was replaced but %s could not be removed (%s); delete it", old, e)
-        else:
-            os.rename(self.path, self.out_dir)
-            self.committed = True
+    def commit(self, lock: OutputLock | None = None) -> None:
+        """Move the staging folder into place, replacing OUT only if it still holds exactly what was checked.
+
+        The previous OUT is renamed aside and then only the entries recorded when it was checked are deleted;
+        anything added meanwhile stays there and is named in a warning. With ``lock``, a journal of the commit in
+        the lock's record lets the next merge finish or undo a commit cut short by SIGKILL.
+
+        Raises:
+            OutputChangedError: OUT changed since it was checked; OUT is left as it is and the new output kept.
+        """
+        parent = os.path.dirname(self.out_dir)
+        st = _lstat(self.out_dir)
+        now = None
+        if st is not None and self.checked is not None and stat.S_ISDIR(st.st_mode):
+            now = snapshot(self.out_dir)
+        if (st is None) != (self.checked is None) or (self.checked is not None and now != self.checked):
+            self.keep = True
+            what = describe_change(self.checked or {}, now or {}) if st is not None and self.checked else \
+                "it appeared" if st is not None else "it was removed"
+            raise OutputChangedError(
+                f"{self.out_dir} changed while the merge ran ({what}); it was left exactly as it is and the new "
+                f"output is kept in {self.path}: move your files out of the way and run the same command again"
+                + (" (the finished shards are reused)" if self.fingerprint else "") + ", or choose another output folder")
+        old = sidecar(self.out_dir, f"old-{secrets.token_hex(4)}") if st is not None else None
+        if lock is not None:
+            journal = {"staging_ino": os.lstat(self.path).st_ino}
+            if old:
+                journal.update(old=os.path.basename(old), old_ino=st.st_ino, old_dev=st.st_dev, snapshot=self.checked)
+            lock.note(commit=journal)
+        if old:
+            rename_noreplace(self.out_dir, old)
+        try:
+            rename_noreplace(self.path, self.out_dir)
+        except BaseException:
+            if old:
+                rename_noreplace(old, self.out_dir)
+            raise
+        self.committed = True
+        _drop_manifest(self.out_dir)  # it travelled with the folder; the journal names it ours if we die here
         _fsync_dir(parent)
+        if old:
+            left = remove_checked(old, self.checked)
+            if left:
+                self.leftover = old
+                log.warning("the previous output was replaced; what was added to it during the merge (%s) is kept in "
+                            "%s", ", ".join(left[:5]), old)
+        if lock is not None:
+            lock.note(commit=None)
 
     def discard(self) -> None:
-        """Remove the staging folder."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Remove the staging folder (ours: created by this run, or proven ours by its manifest)."""
+        if self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def state(self) -> str:
+        """One true sentence on what became of OUT."""
+        if self.committed:
+            return "the merge had finished: OUT holds the new, complete output" + (
+                f" (what was added to the previous output during the merge is kept in {self.leftover})"
+                if self.leftover else "")
+        if self.keep:
+            return f"OUT was left as it is and the new output is kept in {self.path}"
+        if not self.created:
+            return NOTHING_WRITTEN
+        if os.path.lexists(self.path):
+            return f"the partial output could not all be removed ({self.path} is left) and OUT is unchanged"
+        return REMOVED
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _drop_manifest(folder: str) -> None:
+    for name in (MANIFEST, MANIFEST + ".tmp"):
+        try:
+            os.unlink(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+    _fsync_dir(folder)
 
 
 def _fsync_dir(path: str) -> None:
@@ -258,46 +300,105 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _recover(out: str, lock: OutputLock) -> None:
+    """Finish or undo a commit that a killed merge left half done, from the journal in its lock's record: the
+    previous output moved aside is put back (the new one never landed) or emptied of what was checked (it did),
+    and the staging manifest is dropped from a new output that landed with it. Nothing the journal does not
+    name, or whose inode differs, is touched."""
+    journal = lock.previous.get("commit")
+    if not isinstance(journal, dict):
+        return
+    st = _lstat(out)
+    if st is not None and stat.S_ISDIR(st.st_mode) and st.st_ino == journal.get("staging_ino") \
+            and read_manifest(out) is not None:  # the new output landed with its manifest still in it
+        _drop_manifest(out)
+    name = journal.get("old")
+    if isinstance(name, str) and is_old_name(out, name) and isinstance(journal.get("snapshot"), dict):
+        old = os.path.join(os.path.dirname(out), name)
+        st = _lstat(old)
+        if st is not None and stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (journal.get("old_ino"),
+                                                                                         journal.get("old_dev")):
+            if not os.path.lexists(out):
+                rename_noreplace(old, out)
+                log.warning("a merge killed while replacing %s had moved the previous output to %s; it was put back",
+                            out, old)
+            else:
+                left = remove_checked(old, journal["snapshot"])
+                log.warning("a merge killed just after replacing %s left the previous output in %s; %s", out, old,
+                            f"what was added to it during that merge is kept there ({', '.join(left[:5])})"
+                            if left else "it was removed")
+    lock.note(commit=None)
+
+
 @contextmanager
-def staged_output(out_dir: str, *, fingerprint: str | None = None, overwrite: bool = True) -> Iterator[Staging]:
+def staged_output(out_dir: str, *, fingerprint: str | None = None, overwrite: bool = True,
+                  inputs=None) -> Iterator[Staging]:
     """Lock ``out_dir``, yield its :class:`Staging`, and move it into place when the block succeeds.
 
     On any exception (KeyboardInterrupt and SIGTERM included) the staging folder is removed and ``out_dir`` is
-    left as it was. Only a process killed outright leaves the staging folder, for the next run to resume.
+    left as it was; SIGINT and SIGTERM are held back while the staging folder is made, removed or committed, so
+    that a second Ctrl-C cannot cut those steps in half. Only a process killed outright leaves the staging
+    folder, for the next run to resume (and a journal in the lock, for the next run to finish a cut commit).
+    :func:`outcome` then says what became of ``out_dir``.
 
     Args:
         out_dir: the final folder.
         fingerprint: identity of the merge, for resuming; None starts fresh every time.
         overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the lock, in case another
             merge finished in between).
+        inputs: digests of the inputs each shard is computed from (:class:`~peft_shardmerge.resume.InputDigests`);
+            resuming needs them.
 
     Returns:
         A context manager yielding the :class:`Staging` (its ``path`` is where to write).
 
     Raises:
         OutputLockedError: another merge is writing ``out_dir``.
-        InputError: ``out_dir`` became non-empty and ``overwrite`` is False.
-        OSError: the parent folder cannot be created or written.
+        OutputChangedError: ``out_dir`` changed while the merge ran; it was left as it is.
+        InputError: ``out_dir`` became non-empty and ``overwrite`` is False, or a name beside it is taken by
+            something we did not make.
+        FileSystemError: the filesystem failed (its message says what became of ``out_dir``).
 
     Example:
         >>> with staged_output("merged") as st:   # doctest: +SKIP
         ...     open(os.path.join(st.path, "config.json"), "w").write("{}")
     """
-    with output_lock(out_dir):
-        if not overwrite and os.path.isdir(out_dir) and os.listdir(out_dir):
-            from .errors import InputError
-
-            raise InputError(f"output folder {out_dir} is not empty (another merge finished there meanwhile); "
-                             "pass --overwrite (overwrite=True) to replace it")
-        staging = Staging(out_dir, fingerprint)
-        staging.open()
-        try:
-            yield staging
-            staging.commit()
-        except BaseException:
-            if not staging.committed:
+    out = os.path.abspath(os.fspath(out_dir))
+    _OUTCOME[out] = NOTHING_WRITTEN
+    lock = OutputLock(out)
+    staging = Staging(out, fingerprint, inputs)
+    try:
+        with held_signals():
+            lock.acquire()
+            _recover(out, lock)
+            problems = sidecar_problems(out)
+            st = _lstat(out)
+            if st is not None:
+                if not stat.S_ISDIR(st.st_mode):
+                    problems.append(f"output {out} appeared meanwhile and is not a folder; remove it or choose "
+                                    "another output folder")
+                elif not overwrite and os.listdir(out):
+                    problems.append(f"output folder {out} is not empty (it changed since it was checked); pass "
+                                    "--overwrite (overwrite=True) to replace it")
+            if problems:
+                raise InputError(problems)
+            staging.checked = snapshot(out) if st is not None else None
+            staging.open()
+        yield staging
+        with held_signals():
+            staging.commit(lock)
+            _OUTCOME[out] = staging.state()
+    except BaseException as e:
+        with held_signals():
+            if not staging.committed and not staging.keep:
                 staging.discard()
-            raise
+            _OUTCOME[out] = staging.state()
+            if isinstance(e, OSError) and not isinstance(e, ShardMergeError):
+                raise FileSystemError(e, _OUTCOME[out]) from e
+        raise
+    finally:
+        with held_signals():
+            lock.release()
 
 
 def check_written(folder: str, shards: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> None:

@@ -273,6 +273,7 @@ def test_lock_holds_against_a_racing_opener(tmp_path, monkeypatch):
     import fcntl
     import threading
 
+    import peft_shardmerge.outlock as outlock
     import peft_shardmerge.staging as staging
 
     out = str(tmp_path / "out")
@@ -288,7 +289,7 @@ def test_lock_holds_against_a_racing_opener(tmp_path, monkeypatch):
                 go.wait()
             return real(fd, op)
 
-    monkeypatch.setattr(staging, "fcntl", SlowFcntl)
+    monkeypatch.setattr(outlock, "fcntl", SlowFcntl)
 
     def b():
         with staging.output_lock(out):

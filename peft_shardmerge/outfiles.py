@@ -1,0 +1,374 @@
+"""Safe operations on the output folder and the names beside it: checks, snapshots, exclusive renames, removal of
+only what was checked, and signals held back during the steps that must not be cut in half."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import re
+import signal
+import stat
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+MADE_BY = "peft-shardmerge"
+MANIFEST = "manifest.json"
+#: the longest name put beside OUT: ``.<name>.old-`` and 8 hex digits
+_LONGEST_SUFFIX = len("..old-") + 8
+
+
+def sidecar(out_dir: str, suffix: str) -> str:
+    """The path ``.<name>.<suffix>`` beside ``out_dir`` (a trailing slash on ``out_dir`` changes nothing).
+
+    Args:
+        out_dir: the output folder.
+        suffix: ``"partial"``, ``"lock"`` or ``"old-<hex>"``.
+
+    Returns:
+        The absolute path.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> sidecar("/data/merged/", "lock")
+        '/data/.merged.lock'
+    """
+    parent, name = os.path.split(os.path.abspath(os.fspath(out_dir)))
+    return os.path.join(parent, f".{name}.{suffix}")
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:  # missing, a file as a parent, a name too long (named by name_problems)
+        return None
+
+
+def name_problems(out: str) -> list[str]:
+    """Whether the names the merge puts beside ``out`` fit the filesystem's limits.
+
+    Args:
+        out: the absolute output path.
+
+    Returns:
+        The problems, each with the fix.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> name_problems("/tmp/" + "x" * 250)[0][:24]
+        'output folder name xxxxx'
+    """
+    parent, name = os.path.split(out)
+    existing = parent
+    while existing and not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    try:
+        name_max = os.pathconf(existing or "/", "PC_NAME_MAX")
+        path_max = os.pathconf(existing or "/", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    longest = len(name.encode(errors="surrogateescape")) + _LONGEST_SUFFIX
+    if longest > name_max:
+        return [f"output folder name {name[:20]}... is {len(name.encode(errors='surrogateescape'))} bytes long: the "
+                f"staging folder and lock beside it (.{name[:10]}....partial) need {longest} bytes, more than this "
+                f"filesystem's {name_max}; choose a name of at most {name_max - _LONGEST_SUFFIX} bytes"]
+    if len(out.encode(errors="surrogateescape")) + _LONGEST_SUFFIX + 1 >= path_max:
+        return [f"output path {out[:40]}... is too long ({len(out)} bytes, the limit is {path_max}); choose a shorter "
+                "path"]
+    return []
+
+
+def read_manifest(folder: str) -> dict | None:
+    """The manifest of a staging folder, only when it is provably ours: a regular file (not a link) owned by
+    this user, holding JSON that names peft-shardmerge.
+
+    Args:
+        folder: the staging folder.
+
+    Returns:
+        The manifest, or None.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> read_manifest("/nonexistent") is None
+        True
+    """
+    try:
+        fd = os.open(os.path.join(folder, MANIFEST), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 64 << 20:
+            return None
+        data = b""
+        while len(data) < st.st_size:
+            piece = os.read(fd, st.st_size - len(data))
+            if not piece:
+                break
+            data += piece
+    finally:
+        os.close(fd)
+    try:
+        manifest = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("made_by") == MADE_BY else None
+
+
+def lock_record_is_ours(data: bytes) -> bool:
+    """Whether the bytes of an existing ``.<OUT>.lock`` were written by peft-shardmerge (or are empty: a lock
+    file just created by another merge that has not written its record yet)."""
+    if not data:
+        return True
+    if data.startswith(b'{"made_by": "' + MADE_BY.encode() + b'"'):
+        return True
+    try:
+        record = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(record, dict) and set(record) >= {"pid", "host", "started"}  # written by earlier versions
+
+
+def sidecar_problems(out: str) -> list[str]:
+    """What stands in the way of the staging folder and the lock beside ``out``, without touching anything.
+
+    A symlink, a non-folder, or a folder we cannot prove we made (no manifest of ours inside, not empty) under
+    the staging folder's name, and a link, non-regular, hard-linked or foreign file under the lock's name, are
+    refused: the merge never follows, empties or deletes them.
+
+    Args:
+        out: the absolute output path.
+
+    Returns:
+        The problems, each with the fix.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> sidecar_problems("/nonexistent/merged")
+        []
+    """
+    problems = []
+    partial, lock = sidecar(out, "partial"), sidecar(out, "lock")
+    st = _lstat(partial)
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            problems.append(f"{partial} is a symlink (to {os.readlink(partial)}); the merge stages its output under "
+                            "that name and never follows a link it did not make: remove the link or choose another "
+                            "output folder")
+        elif not stat.S_ISDIR(st.st_mode):
+            problems.append(f"{partial} exists and is not a folder; the merge stages its output under that name: "
+                            "remove it or choose another output folder")
+        elif read_manifest(partial) is None and _nonempty(partial):
+            problems.append(f"{partial} exists, is not empty and was not made by peft-shardmerge (no manifest of "
+                            "ours inside); the merge never deletes what it did not make: move it away or choose "
+                            "another output folder")
+    st = _lstat(lock)
+    if st is not None:
+        why = None
+        if stat.S_ISLNK(st.st_mode):
+            why = f"is a symlink (to {os.readlink(lock)})"
+        elif not stat.S_ISREG(st.st_mode):
+            why = "is not a regular file"
+        elif st.st_nlink != 1:
+            why = f"has {st.st_nlink} hard links"
+        elif st.st_uid != os.geteuid():
+            why = "belongs to another user"
+        else:
+            try:
+                with open(lock, "rb") as f:
+                    if not lock_record_is_ours(f.read(1 << 20)):
+                        why = "holds data that peft-shardmerge did not write"
+            except OSError as e:
+                why = f"cannot be read ({e.strerror})"
+        if why:
+            problems.append(f"{lock} {why}; the merge takes its lock under that name and never writes into a file "
+                            "it did not make: remove it or choose another output folder")
+    return problems
+
+
+def _nonempty(folder: str) -> bool:
+    try:
+        return bool(os.listdir(folder))
+    except OSError:
+        return True
+
+
+def snapshot(folder: str) -> dict[str, list[int]]:
+    """What a folder holds, without following links: relative path -> ``[mode, size, mtime_ns, inode]``
+    (``[mode, inode]`` for folders, whose times change with their entries).
+
+    Args:
+        folder: the folder (``"."`` in the result is the folder itself).
+
+    Returns:
+        The snapshot.
+
+    Raises:
+        OSError: the folder cannot be listed.
+
+    Example:
+        >>> snapshot("/nonexistent")   # doctest: +SKIP
+    """
+    out: dict[str, list[int]] = {}
+
+    def visit(rel: str) -> None:
+        path = os.path.join(folder, rel) if rel != "." else folder
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            out[rel] = [st.st_mode, st.st_ino]
+            for entry in sorted(os.listdir(path)):
+                visit(entry if rel == "." else os.path.join(rel, entry))
+        else:
+            out[rel] = [st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino]
+
+    visit(".")
+    return out
+
+
+def describe_change(before: dict, after: dict) -> str:
+    """A short account of how a folder changed between two snapshots (what was added, removed or modified)."""
+    added = sorted(set(after) - set(before))
+    removed = sorted(set(before) - set(after))
+    changed = sorted(k for k in set(before) & set(after) if before[k] != after[k] and k != ".")
+    parts = [f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+             for label, names in (("added", added), ("removed", removed), ("modified", changed)) if names]
+    return "; ".join(parts) or "replaced by another folder"
+
+
+def remove_checked(folder: str, snap: dict[str, list[int]]) -> list[str]:
+    """Delete what ``snap`` recorded in ``folder`` and nothing else: an entry is removed only while it is still
+    the same file (mode, size, time, inode), folders only once empty, links as links.
+
+    Args:
+        folder: the folder.
+        snap: its snapshot from :func:`snapshot`.
+
+    Returns:
+        What is left (relative paths), empty when the folder itself is gone.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> remove_checked("/nonexistent", {})
+        []
+    """
+    for rel in sorted(snap, key=lambda r: (r == ".", -r.count(os.sep), r), reverse=False):
+        path = folder if rel == "." else os.path.join(folder, rel)
+        st = _lstat(path)
+        if st is None:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            if [st.st_mode, st.st_ino] == snap[rel]:
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    pass
+        elif [st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino] == snap[rel]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if _lstat(folder) is None:
+        return []
+    try:
+        return sorted(snapshot(folder).keys() - {"."})
+    except OSError:
+        return ["."]
+
+
+_RENAME_NOREPLACE = 1
+_libc = None
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` only if ``dst`` does not exist (``renameat2(RENAME_NOREPLACE)`` where the kernel has
+    it, else a check just before ``rename``).
+
+    Args:
+        src: what to move.
+        dst: where.
+
+    Returns:
+        None.
+
+    Raises:
+        FileExistsError: ``dst`` exists (as anything, a link or an empty folder included).
+        OSError: the rename failed.
+
+    Example:
+        >>> rename_noreplace("/tmp/a", "/tmp/b")   # doctest: +SKIP
+    """
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.renameat2  # noqa: B018 - raises AttributeError where glibc lacks it
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        at_fdcwd = -100
+        if _libc.renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):  # the filesystem or kernel lacks the flag: fall back below
+            raise OSError(err, os.strerror(err), src, None, dst) if err != errno.EEXIST else \
+                FileExistsError(err, os.strerror(err), dst)
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst)
+
+
+_OLD_NAME = re.compile(r"\.(?P<name>.+)\.old-[0-9a-f]{8}$")
+
+
+def is_old_name(out: str, name: str) -> bool:
+    """Whether ``name`` is a name this package gives a previous output of ``out`` while replacing it."""
+    m = _OLD_NAME.fullmatch(name)
+    return bool(m) and m.group("name") == os.path.basename(out)
+
+
+@contextmanager
+def held_signals() -> Iterator[None]:
+    """Hold back SIGINT and SIGTERM for the block; a signal that arrives meanwhile is delivered at its end.
+
+    Only the main thread receives Python signal handlers, so elsewhere the block runs as is.
+
+    Returns:
+        A context manager.
+
+    Raises:
+        Whatever the held signal's handler raises (KeyboardInterrupt, ...), at the end of the block.
+
+    Example:
+        >>> with held_signals():
+        ...     pass
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
+        except (ValueError, OSError):
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if pending:
+            signal.raise_signal(pending[0])
