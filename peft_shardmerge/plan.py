@@ -673,6 +673,8 @@ def build_plan(
         if mod.bias is not None:
             bname = to_file(f"{path}.bias")
             bt = planned_for(bname)
+            if bt is None and info.available and f"{path}.bias" not in info.state_names:
+                continue  # refused by the allowlist (disk_layer_problems), which names the fix
             if bt is None or bt.shape != (out_f,):
                 problems.append(f"LoRA module {path!r} has lora_B.bias but the base has no bias {bname!r} of shape "
                                 f"[{out_f}]")

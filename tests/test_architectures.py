@@ -119,10 +119,13 @@ def test_variant_matrix(arch, variant, models, tmp_path):
     base, _ = models(arch)
     adapter = build_adapter(base, str(tmp_path / "adapter"), r=4, lora_alpha=8, **VARIANTS[variant](arch))
     if variant == "lora_bias" and arch != "bert":  # no bias to add lora_B.bias to (PEFT cannot merge it either)
-        from peft_shardmerge import InputError
+        from peft_shardmerge import UnsupportedError
 
-        with pytest.raises(InputError, match="has lora_B.bias but the base has no bias"):
+        with pytest.raises(UnsupportedError, match="lora_bias=True on a layer whose base has no bias"):
             merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False)
+        peft_model, *_ = reference(base, adapter)
+        with pytest.raises(UnsupportedError, match="lora_bias=True on a layer whose base has no bias"):
+            merge_and_save(peft_model, str(tmp_path / "live"), base_precision="dequantized", progress=False)
         return
     peft_model, ref, inputs, cls = reference(base, adapter)
     merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False, chunk_elems=1024)
