@@ -341,3 +341,26 @@ def test_lora_on_a_grouped_convolution_is_refused_on_every_path(tmp_path):
         with pytest.raises(UnsupportedError, match=message):
             call()
     assert not os.path.exists(tmp_path / "disk") and not os.path.exists(tmp_path / "o")
+
+
+def test_lora_on_multihead_attention_is_refused_on_every_path(tmp_path):
+    """SigLIP's pooling head is an nn.MultiheadAttention: refused by name, from disk and in process."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    config = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                image_size=16, patch_size=8, architectures=["SiglipVisionModel"])
+    torch.manual_seed(0)
+    base = str(tmp_path / "base")
+    SiglipVisionModel(config).save_pretrained(base)
+    model = get_peft_model(SiglipVisionModel.from_pretrained(base),
+                           LoraConfig(r=4, target_modules=["head.attention"], init_lora_weights=False))
+    assert any(layer_kind(m) == "MultiheadAttention" for m in model.modules())
+    model.save_pretrained(str(tmp_path / "adapter"))
+    message = r"head\.attention: LORA on a MultiheadAttention layer is not supported"
+    with pytest.raises(UnsupportedError, match=message):
+        merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    for call in (lambda: merge_and_unload(model),
+                 lambda: merge_and_save(model, str(tmp_path / "o"), base_precision="dequantized", progress=False)):
+        with pytest.raises(UnsupportedError, match=message):
+            call()
+    assert not os.path.exists(tmp_path / "disk") and not os.path.exists(tmp_path / "o")
