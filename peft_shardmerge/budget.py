@@ -63,8 +63,11 @@ class MemoryBudget:
     def fits(self, nbytes: int, device: torch.device) -> bool:
         """Whether ``nbytes`` more can be used on ``device`` without going over the budget.
 
-        On CUDA the process-wide use is ``total - free`` from ``torch.cuda.mem_get_info``; on the CPU it
-        is the host's used memory.
+        On CUDA the process-wide use is ``total - free`` from ``torch.cuda.mem_get_info``, which counts the
+        blocks torch's caching allocator keeps for reuse as used: when ``nbytes`` does not fit and the cache
+        holds such blocks, they are handed back (``torch.cuda.empty_cache``) and the use read again, so
+        that a module is not sent to the CPU for memory this process could reuse, and the device-wide use
+        stays within the budget. On the CPU it is the host's used memory.
 
         Args:
             nbytes: the working set about to be allocated.
@@ -77,6 +80,12 @@ class MemoryBudget:
             Nothing.
         """
         if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            if (total - free) + nbytes <= self.fraction * total:
+                return True
+            if torch.cuda.memory_reserved(device) <= torch.cuda.memory_allocated(device):
+                return False
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
             return (total - free) + nbytes <= self.fraction * total
         if device.type == "cpu":

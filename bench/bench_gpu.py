@@ -1,0 +1,476 @@
+"""Benchmark on a CUDA GPU: merge_and_save of a 4-bit QLoRA model under the memory budget and real out-of-memory.
+
+For each size, a random bf16 Llama-shaped base is written to ``--work`` (weights drawn on the GPU, one tensor
+at a time), loaded in 4-bit NF4 (double quant, bf16 compute) on the GPU, given a rank-16 LoRA on every linear
+layer with non-zero B, and merged into bf16 with ``merge_and_save(base_precision="dequantized")`` in
+these scenarios:
+
+- ``gpu``: ``maximum_memory_usage=0.9``;
+- ``cpu``: ``maximum_memory_usage=0.01``, below what the loaded model already occupies: every module over
+  the budget, merged on the CPU (the reference the others are compared with, tensor for tensor);
+- ``tight``: a budget of the GPU memory in use plus 1.5x the largest attention projection's working set,
+  so that attention projections fit and MLP projections do not;
+- ``cap``: budget 0.95, and ``torch.cuda.set_per_process_memory_fraction`` capping this process at what it
+  holds plus about half an MLP projection's working set; ``mem_get_info`` does not see the cap, so the budget
+  lets MLP projections onto the GPU, and torch raises real ``torch.OutOfMemoryError`` there;
+- ``other``: budget 0.95 while another process fills all but a sliver of the free GPU memory for 20 ms,
+  releases it for 10 ms, and so on: the budget sees it or not depending on the moment, and allocations that
+  meet it raise real out-of-memory errors.
+
+Then the disk engine (``peft-shardmerge merge``, the adapter saved from the same model) with
+``--device cuda`` and ``--device cpu``, and ``merge_and_unload`` on the GPU (generation, VRAM).
+
+Peak VRAM is ``torch.cuda.max_memory_allocated`` over the merge (this process's tensors) and the highest
+``total - free`` of ``torch.cuda.mem_get_info`` sampled every 2 ms (the whole device, as the budget reads
+it). Modules on the CPU are counted from the merge's log: "over the memory budget" (the budget's choice)
+and "out of memory merging" (retried after a real out-of-memory; also ``report.cpu_fallbacks``).
+
+    python bench/bench_gpu.py --sizes 1B,8B --work /tmp/gpubench --json gpu.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+SIZES = {
+    "tiny": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),
+    "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "3B": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, vocab_size=128256),
+    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+}
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda:0" if CUDA else "cpu")
+
+
+def emit(record: dict, path: str | None) -> None:
+    """Print one result and append it as a JSON line."""
+    print(json.dumps(record), flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def build_base(size: str, folder: str) -> tuple[str, float]:
+    """A random bf16 Llama of ``size`` in ``folder`` (2 GB shards); returns (folder, parameters in billions)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**SIZES[size], max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=2, dtype="bfloat16", architectures=["LlamaForCausalLM"])
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder, params / 1e9
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    shards, cur, nbytes = [], {}, 0
+    weight_map = {}
+
+    def flush() -> None:
+        name = f"part-{len(shards)}.safetensors"
+        save_file(cur, os.path.join(folder, name), metadata={"format": "pt"})
+        shards.append((name, list(cur)))
+        cur.clear()
+
+    for k, shape in shapes.items():
+        n = 2 * torch.Size(shape).numel()
+        if cur and nbytes + n > 2 * 10**9:
+            flush()
+            nbytes = 0
+        if k.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=g, device=DEV, dtype=torch.bfloat16) * 0.02).cpu()
+        cur[k] = t
+        nbytes += n
+    flush()
+    total = len(shards)
+    for i, (name, keys) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        os.rename(os.path.join(folder, name), os.path.join(folder, final))
+        weight_map.update({k: final for k in keys})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 2 * params}, "weight_map": weight_map}, f)
+    config.save_pretrained(folder)
+    return folder, params / 1e9
+
+
+def load_qlora(base: str):
+    """The base in 4-bit NF4 on the GPU with a rank-16 LoRA (random, non-zero B) on every linear layer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map=str(DEV),
+                                                 dtype=torch.bfloat16)
+    if not CUDA:
+        import bitsandbytes as bnb
+
+        for m in model.modules():
+            if isinstance(m, bnb.nn.Linear4bit):
+                m.support_avx512bf16_for_cpu = False
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                            init_lora_weights=False)).eval()
+
+
+class Counter(logging.Handler):
+    """Counts the merge's per-module device decisions from its log."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.budget_cpu = 0
+        self.oom_cpu = 0
+        self.oom_blocks = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        self.budget_cpu += "over the memory budget" in msg
+        self.oom_cpu += "out of memory merging" in msg
+        self.oom_blocks += "redoing them on the CPU" in msg
+
+
+class Sampler:
+    """The highest device-wide use (total - free) seen every 2 ms while active."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if CUDA:
+            free, total = torch.cuda.mem_get_info(DEV)
+            self.peak = total - free
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            free, total = torch.cuda.mem_get_info(DEV)
+            self.peak = max(self.peak, total - free)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            free, total = torch.cuda.mem_get_info(DEV)
+            self.peak = max(self.peak, total - free)
+
+
+def device_used() -> tuple[int, int]:
+    if not CUDA:
+        return 0, 1
+    free, total = torch.cuda.mem_get_info(DEV)
+    return total - free, total
+
+
+OTHER = r"""
+import os, sys, time, torch
+leave, stop = int(sys.argv[1]), sys.argv[2]
+torch.empty(1, device="cuda")
+open(stop + ".ready", "w").close()
+held = []
+while not os.path.exists(stop):
+    free, total = torch.cuda.mem_get_info()
+    try:
+        held.append(torch.empty(max(0, free - leave), dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError:
+        pass
+    time.sleep(0.02)
+    held.clear()
+    torch.cuda.empty_cache()
+    time.sleep(0.01)
+"""
+
+
+def start_other(leave: int, work: str):
+    """Another process that holds all but ``leave`` bytes of the free GPU memory, 20 ms on, 10 ms off."""
+    stop = os.path.join(work, "other.stop")
+    for p in (stop, stop + ".ready"):
+        if os.path.exists(p):
+            os.remove(p)
+    proc = subprocess.Popen([sys.executable, "-c", OTHER, str(leave), stop])
+    while not os.path.exists(stop + ".ready"):
+        if proc.poll() is not None:
+            raise RuntimeError("the memory-holding process ended")
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return proc, stop
+
+
+def compare(a: str, b: str) -> dict:
+    """Tensor for tensor: tensors compared, tensors equal, elements different, largest difference in bf16 ulps
+    (the merged weights' output dtype) and largest relative difference."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(b) if f.endswith(".safetensors"))
+    assert files == sorted(f for f in os.listdir(a) if f.endswith(".safetensors")), (a, b)
+    out = dict(tensors=0, equal=0, elements=0, differing=0, max_ulps=0, max_rel=0.0)
+    for f in files:
+        with safe_open(os.path.join(a, f), "pt", device=str(DEV)) as ha, \
+                safe_open(os.path.join(b, f), "pt", device=str(DEV)) as hb:
+            assert set(ha.keys()) == set(hb.keys()), f
+            for k in hb.keys():
+                x, y = ha.get_tensor(k), hb.get_tensor(k)
+                assert x.dtype == y.dtype and x.shape == y.shape, k
+                out["tensors"] += 1
+                out["elements"] += y.numel()
+                if torch.equal(x, y):
+                    out["equal"] += 1
+                    continue
+                ne = x != y
+                out["differing"] += int(ne.sum())
+                if y.dtype == torch.bfloat16:
+                    ulps = (x.view(torch.int16).int() - y.view(torch.int16).int()).abs().max()
+                    out["max_ulps"] = max(out["max_ulps"], int(ulps))
+                rel = float(((x.float() - y.float()).abs().max() / y.float().abs().max().clamp_min(1e-30)))
+                out["max_rel"] = max(out["max_rel"], rel)
+    return out
+
+
+def run_merge(model, out: str, fraction: float, ref: str | None, rec: dict, around=contextlib.nullcontext) -> dict:
+    """merge_and_save into ``out`` (inside the context ``around()``), measured; compared with ``ref`` after."""
+    from peft_shardmerge import merge_and_save
+
+    shutil.rmtree(out, ignore_errors=True)
+    counter = Counter()
+    lg = logging.getLogger("peft_shardmerge")
+    lg.addHandler(counter)
+    lg.setLevel(logging.INFO)
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(DEV)
+    alloc0 = torch.cuda.memory_allocated(DEV) if CUDA else 0
+    used0, total = device_used()
+    sync()
+    try:
+        with around(), Sampler() as s:
+            t0 = time.perf_counter()
+            report = merge_and_save(model, out, dtype="bfloat16", base_precision="dequantized",
+                                    maximum_memory_usage=fraction, progress=False)
+            sync()
+            wall = time.perf_counter() - t0
+    finally:
+        lg.removeHandler(counter)
+    peak_alloc = torch.cuda.max_memory_allocated(DEV) if CUDA else 0
+    peak_reserved = torch.cuda.max_memory_reserved(DEV) if CUDA else 0
+    modules = report.lora_modules_total
+    rec.update(
+        maximum_memory_usage=round(fraction, 5), budget_gib=fraction * total / 2**30, device_total_gib=total / 2**30,
+        used_before_gib=used0 / 2**30, peak_used_gib=s.peak / 2**30,
+        exceeded_budget=bool(s.peak > max(fraction * total, used0)),
+        max_allocated_gib=peak_alloc / 2**30, max_reserved_gib=peak_reserved / 2**30, merge_allocated_mib=(peak_alloc - alloc0) / 2**20,
+        modules=modules, modules_cpu_budget=counter.budget_cpu, modules_cpu_oom=counter.oom_cpu,
+        cpu_fallbacks=report.cpu_fallbacks, modules_gpu=modules - counter.budget_cpu - counter.oom_cpu,
+        merged=f"{report.lora_modules_merged}/{report.lora_modules_total}", wall_s=wall,
+        report_wall_s=report.wall_time_s, gb=report.bytes_written / 1e9, gb_per_s=report.bytes_written / 1e9 / wall,
+        self_check=report.self_check_max_rel_err,
+    )
+    if ref is not None:
+        t0 = time.perf_counter()
+        rec["vs_cpu"] = compare(out, ref)
+        rec["compare_s"] = time.perf_counter() - t0
+    return rec
+
+
+def disk_engine(base: str, adapter: str, out: str, device: str, ref: str | None, rec: dict) -> dict:
+    """``peft-shardmerge merge`` in a subprocess; wall time of the command and the report's."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--dtype", "bfloat16",
+           "--device", device, "-q"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    subprocess.run(["sync"])
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    assert done.returncode == 0, done.stderr[-3000:]
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
+    rec.update(command="peft-shardmerge merge BASE ADAPTER OUT --dtype bfloat16 --device " + device,
+               command_wall_s=wall, gb=size / 1e9, gb_per_s=size / 1e9 / wall)
+    m = re.search(r"wall time ([0-9.]+) s", done.stdout + done.stderr)
+    if m:
+        rec["report_wall_s"] = float(m.group(1))
+    if ref is not None:
+        rec["vs_cpu"] = compare(out, ref)
+    return rec
+
+
+def unload(model, rec: dict) -> dict:
+    """merge_and_unload on the model's device: VRAM before and after, logits against the 4-bit model, generate."""
+    from peft_shardmerge import merge_and_unload
+
+    ids = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1)).to(DEV)
+    with torch.no_grad():
+        before_logits = model(input_ids=ids).logits.float()
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(DEV)
+    alloc0 = torch.cuda.memory_allocated(DEV) if CUDA else 0
+    sync()
+    t0 = time.perf_counter()
+    plain = merge_and_unload(model, maximum_memory_usage=0.9)
+    sync()
+    wall = time.perf_counter() - t0
+    del model
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+    alloc1 = torch.cuda.memory_allocated(DEV) if CUDA else 0
+    peak = torch.cuda.max_memory_allocated(DEV) if CUDA else 0
+    with torch.no_grad():
+        after_logits = plain(input_ids=ids).logits.float()
+        gen = plain.generate(input_ids=ids[:, :8], max_new_tokens=16, do_sample=False, pad_token_id=0)
+    rel = float((after_logits - before_logits).abs().max() / before_logits.abs().max())
+    kinds = sorted({type(m).__name__ for m in plain.modules() if "Linear" in type(m).__name__})
+    rec.update(wall_s=wall, allocated_4bit_lora_gib=alloc0 / 2**30, allocated_after_gib=alloc1 / 2**30,
+               peak_allocated_gib=peak / 2**30, generated_tokens=int(gen.shape[1] - 8),
+               logits_rel_diff_vs_4bit=rel, linear_types=kinds,
+               weight_device=str(plain.model.layers[0].mlp.up_proj.weight.device),
+               weight_dtype=str(plain.model.layers[0].mlp.up_proj.weight.dtype))
+    return rec
+
+
+def bench_size(size: str, args) -> None:
+    work = os.path.join(args.work, size)
+    os.makedirs(work, exist_ok=True)
+    t0 = time.perf_counter()
+    base, params = build_base(size, os.path.join(work, "base"))
+    emit(dict(size=size, step="build", params_b=params, wall_s=time.perf_counter() - t0), args.json)
+    sync()
+    t0 = time.perf_counter()
+    model = load_qlora(base)
+    sync()
+    gc.collect()
+    alloc = torch.cuda.memory_allocated(DEV) if CUDA else 0
+    used, total = device_used()
+    emit(dict(size=size, step="load_4bit", wall_s=time.perf_counter() - t0, allocated_gib=alloc / 2**30,
+              device_used_gib=used / 2**30), args.json)
+
+    cfg = model.config
+    attn_need = cfg.hidden_size * cfg.hidden_size * 8  # the budget's working set: fp32 weight + one copy
+    mlp_numel = cfg.hidden_size * cfg.intermediate_size
+    ref = os.path.join(work, "out-cpu")
+    scenarios = args.scenarios.split(",")
+    if "cpu" in scenarios:
+        emit(run_merge(model, ref, 0.01, None, dict(size=size, step="merge_and_save", scenario="cpu")), args.json)
+    refarg = ref if os.path.exists(ref) else None
+    if "gpu" in scenarios:
+        emit(run_merge(model, os.path.join(work, "out"), 0.9, refarg,
+                       dict(size=size, step="merge_and_save", scenario="gpu")), args.json)
+    if "tight" in scenarios and CUDA:
+        gc.collect()
+        torch.cuda.empty_cache()
+        used, total = device_used()
+        emit(run_merge(model, os.path.join(work, "out"), (used + 1.5 * attn_need) / total, refarg,
+                       dict(size=size, step="merge_and_save", scenario="tight")), args.json)
+    if "cap" in scenarios and CUDA:
+        gc.collect()
+        torch.cuda.empty_cache()
+        cap_bytes = torch.cuda.memory_reserved(DEV) + 3 * mlp_numel  # dequantizing an MLP weight takes 6 bytes/element
+
+        @contextlib.contextmanager
+        def capped():
+            torch.cuda.set_per_process_memory_fraction(cap_bytes / total, DEV)
+            try:
+                yield
+            finally:
+                torch.cuda.set_per_process_memory_fraction(1.0, DEV)
+
+        rec = dict(size=size, step="merge_and_save", scenario="cap", cap_gib=cap_bytes / 2**30)
+        emit(run_merge(model, os.path.join(work, "out"), 0.95, refarg, rec, capped), args.json)
+    if "other" in scenarios and CUDA:
+        @contextlib.contextmanager
+        def other():
+            proc, stop = start_other(2 * mlp_numel, work)
+            try:
+                yield
+            finally:
+                open(stop, "w").close()
+                proc.wait()
+
+        rec = dict(size=size, step="merge_and_save", scenario="other", other_leaves_mib=2 * mlp_numel / 2**20)
+        emit(run_merge(model, os.path.join(work, "out"), 0.95, refarg, rec, other), args.json)
+    shutil.rmtree(os.path.join(work, "out"), ignore_errors=True)
+    shutil.rmtree(ref, ignore_errors=True)
+
+    if "disk" in scenarios:
+        adapter = os.path.join(work, "adapter")
+        shutil.rmtree(adapter, ignore_errors=True)
+        model.save_pretrained(adapter)
+        dref = os.path.join(work, "disk-cpu")
+        emit(disk_engine(base, adapter, dref, "cpu", None, dict(size=size, step="disk", device="cpu")), args.json)
+        if CUDA:
+            emit(disk_engine(base, adapter, os.path.join(work, "disk-cuda"), "cuda", dref,
+                             dict(size=size, step="disk", device="cuda")), args.json)
+        shutil.rmtree(dref, ignore_errors=True)
+        shutil.rmtree(os.path.join(work, "disk-cuda"), ignore_errors=True)
+    if "unload" in scenarios:
+        emit(unload(model, dict(size=size, step="merge_and_unload")), args.json)
+    del model
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="1B,8B", help="comma-separated: " + ", ".join(SIZES))
+    p.add_argument("--work", default="/tmp/gpubench", help="folder for bases and outputs (tens of GB for 8B)")
+    p.add_argument("--json", help="append one JSON line per result to this file")
+    p.add_argument("--scenarios", default="cpu,gpu,tight,cap,other,disk,unload")
+    p.add_argument("--keep", action="store_true", help="keep the bases")
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import bitsandbytes
+    import peft
+    import transformers
+
+    machine = dict(step="machine", torch=torch.__version__, transformers=transformers.__version__,
+                   peft=peft.__version__, bitsandbytes=bitsandbytes.__version__, python=sys.version.split()[0],
+                   cpus=os.cpu_count())
+    if CUDA:
+        props = torch.cuda.get_device_properties(DEV)
+        machine.update(gpu=props.name, gpu_total_gib=props.total_memory / 2**30, cuda=torch.version.cuda)
+        try:
+            machine["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                               capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    emit(machine, args.json)
+    for size in args.sizes.split(","):
+        bench_size(size, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""On a CUDA GPU: the memory budget against the caching allocator, real out-of-memory fallbacks, both engines."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from peft_shardmerge.tiny import build_adapter, build_base, default_targets, token_ids
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+HIDDEN, INTER, LAYERS = 1024, 4096, 2
+#: the budget's working set of one projection (fp32 weight and one copy), as _LiveMerger reckons it
+ATTN_NEED, MLP_NEED = HIDDEN * HIDDEN * 8, HIDDEN * INTER * 8
+DEV = torch.device("cuda:0")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A bf16 Llama whose projections are large next to the allocator's 2 MiB blocks (MLP weights 16 MiB in fp32)."""
+    folder = str(tmp_path_factory.mktemp("cuda") / "base")
+    return build_base(folder, "llama", dtype=torch.bfloat16, hidden_size=HIDDEN, intermediate_size=INTER,
+                      num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4)
+
+
+def qlora_on_cuda(base: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cuda:0",
+                                                 dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=default_targets("llama"),
+                                            init_lora_weights=False)).eval()
+
+
+def read_all(out: str) -> dict[str, torch.Tensor]:
+    got = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(out, f), "pt") as h:
+                got.update({k: h.get_tensor(k) for k in h.keys()})
+    return got
+
+
+def assert_same(a: str, b: str, exact: bool) -> None:
+    ga, gb = read_all(a), read_all(b)
+    assert ga.keys() == gb.keys() and len(gb) > 0
+    for k in gb:
+        if exact:
+            assert torch.equal(ga[k], gb[k]), k
+        else:
+            torch.testing.assert_close(ga[k], gb[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def sent_to_cpu(caplog) -> list[str]:
+    """Modules the budget merged on the CPU, from the merge's log."""
+    return [r.getMessage().split(":")[0] for r in caplog.records if "over the memory budget" in r.getMessage()]
+
+
+def used_now() -> int:
+    gc.collect()  # models of earlier tests (reference cycles) must not be freed in the middle of a measured merge
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(DEV)
+    return total - free
+
+
+@contextlib.contextmanager
+def capped(extra: int):
+    """Cap this process's CUDA allocator at what it holds now plus ``extra`` bytes (mem_get_info does not see it)."""
+    total = torch.cuda.mem_get_info(DEV)[1]
+    gc.collect()  # a model of an earlier test freed under the cap would leave room the cap did not mean to give
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(DEV) + extra) / total, DEV)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, DEV)
+        torch.cuda.empty_cache()
+
+
+def test_budget_hands_back_cached_blocks_before_refusing():
+    from peft_shardmerge.budget import MemoryBudget
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    x = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    del x  # 256 MiB now sits in torch's cache, counted as used by mem_get_info
+    free, total = torch.cuda.mem_get_info(DEV)
+    assert torch.cuda.memory_reserved(DEV) - torch.cuda.memory_allocated(DEV) >= 256 << 20
+    budget = MemoryBudget(((total - free) - (256 << 20) + (200 << 20)) / total)
+    assert budget.fits(128 << 20, DEV)
+    assert torch.cuda.memory_reserved(DEV) - torch.cuda.memory_allocated(DEV) < 256 << 20
+    assert not budget.fits(512 << 20, DEV)
+
+
+def test_tight_budget_keeps_same_sized_modules_on_the_gpu(base, tmp_path, caplog):
+    """A budget with room for one MLP projection's working set merges every MLP projection on the GPU (the
+    blocks the previous one left in torch's cache are reused), and one with room only for attention
+    projections sends exactly the MLP projections to the CPU; all results equal the unconstrained merge."""
+    from peft_shardmerge import merge_and_save
+
+    model = qlora_on_cuda(base)
+    ref = str(tmp_path / "ref")
+    merge_and_save(model, ref, dtype="float32", base_precision="dequantized", progress=False)  # warms cuBLAS too
+    total = torch.cuda.mem_get_info(DEV)[1]
+    caplog.set_level(logging.INFO, logger="peft_shardmerge")
+
+    roomy = str(tmp_path / "roomy")
+    merge_and_save(model, roomy, dtype="float32", base_precision="dequantized", progress=False,
+                   maximum_memory_usage=(used_now() + 1.5 * MLP_NEED) / total)
+    assert sent_to_cpu(caplog) == []
+    assert_same(roomy, ref, exact=True)
+
+    caplog.clear()
+    tight = str(tmp_path / "tight")
+    report = merge_and_save(model, tight, dtype="float32", base_precision="dequantized", progress=False,
+                            maximum_memory_usage=(used_now() + 1.5 * ATTN_NEED) / total)
+    cpu = sent_to_cpu(caplog)
+    assert sorted(cpu) == sorted(f"model.layers.{i}.mlp.{p}.weight" for i in range(LAYERS)
+                                 for p in ("gate_proj", "up_proj", "down_proj"))
+    assert report.cpu_fallbacks == 0 and report.lora_modules_merged == report.lora_modules_total == 7 * LAYERS
+    assert_same(tight, ref, exact=False)
+
+
+def test_real_out_of_memory_is_retried_on_the_cpu(base, tmp_path, caplog):
+    """With the allocator capped at about half an MLP projection's dequantization over what the model holds,
+    torch raises real OutOfMemoryErrors on the MLP projections; each is merged on the CPU instead, the
+    attention projections stay on the GPU, and the output equals the unconstrained merge."""
+    from peft_shardmerge import merge_and_save
+
+    model = qlora_on_cuda(base)
+    ref = str(tmp_path / "ref")
+    merge_and_save(model, ref, dtype="float32", base_precision="dequantized", progress=False)
+    caplog.set_level(logging.INFO, logger="peft_shardmerge")
+    out = str(tmp_path / "capped")
+    with capped(3 * HIDDEN * INTER):  # dequantizing takes 6 bytes per element (bf16 result + fp32 copy)
+        report = merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False,
+                                maximum_memory_usage=0.95)
+    oom = [r.getMessage() for r in caplog.records if "out of memory merging" in r.getMessage()]
+    assert report.cpu_fallbacks == len(oom) == 3 * LAYERS, oom
+    assert all(".mlp." in m for m in oom) and sent_to_cpu(caplog) == []
+    assert_same(out, ref, exact=False)
+
+
+def test_disk_engine_on_cuda_redoes_out_of_memory_blocks_on_the_cpu(base, tmp_path):
+    from peft_shardmerge import merge_checkpoint
+
+    adapter = build_adapter(base, str(tmp_path / "adapter"), arch="llama")
+    cpu, gpu, oom = (str(tmp_path / n) for n in ("cpu", "gpu", "oom"))
+    merge_checkpoint(base, adapter, cpu, dtype="float32", device="cpu", progress=False)
+    report = merge_checkpoint(base, adapter, gpu, dtype="float32", device="cuda", progress=False)
+    assert report.device.startswith("cuda") and report.cpu_fallbacks == 0
+    assert_same(gpu, cpu, exact=False)
+
+    with capped(1 << 20):
+        report = merge_checkpoint(base, adapter, oom, dtype="float32", device="cuda", progress=False)
+    assert report.cpu_fallbacks > 0
+    assert_same(oom, cpu, exact=True)  # every block that ran out of memory was computed on the CPU
+
+
+def test_auto_from_a_cuda_model_merges_the_original_on_the_gpu(base, tmp_path):
+    from peft_shardmerge import merge_and_save, merge_checkpoint
+
+    model = qlora_on_cuda(base)
+    adapter = str(tmp_path / "adapter")
+    model.save_pretrained(adapter)
+    out, cpu = str(tmp_path / "auto"), str(tmp_path / "cpu")
+    report = merge_and_save(model, out, dtype="float32", base_precision="original", progress=False)
+    assert report.base_precision == "original" and report.device.startswith("cuda")
+    merge_checkpoint(base, adapter, cpu, dtype="float32", device="cpu", progress=False)
+    assert_same(out, cpu, exact=False)
+
+
+def test_merge_and_unload_on_cuda_returns_a_16bit_model_that_generates(base, tmp_path):
+    import bitsandbytes as bnb
+
+    from peft_shardmerge import merge_and_save, merge_and_unload
+
+    model = qlora_on_cuda(base)
+    saved = str(tmp_path / "saved")
+    merge_and_save(model, saved, dtype="bfloat16", base_precision="dequantized", progress=False)
+    ids = token_ids(model.config.vocab_size).to(DEV)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits.float()
+    plain = merge_and_unload(model)
+    assert not any(isinstance(m, (bnb.nn.Linear4bit,)) or "lora" in type(m).__name__.lower()
+                   for m in plain.modules())
+    params = dict(plain.named_parameters())
+    assert all(p.device == DEV and p.dtype == torch.bfloat16 for p in params.values())
+    state = plain.state_dict()
+    for k, v in read_all(saved).items():  # the same merged weights as merge_and_save wrote
+        assert torch.equal(state[k].cpu(), v), k
+    with torch.no_grad():
+        after = plain(input_ids=ids).logits.float()
+        gen = plain.generate(input_ids=ids[:1, :4], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.isfinite(after).all() and gen.shape == (1, 12)
+    assert float((after - before).abs().max() / before.abs().max()) < 0.05
