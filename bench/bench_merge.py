@@ -211,8 +211,13 @@ def main() -> int:
     table = format_table(rows, args, inproc)
     print(table)
     if args.write:
+        kept = ""  # the GPU section (bench/bench_gpu.py, measured on another machine) is kept as it is
+        if os.path.exists(args.write):
+            old = open(args.write).read()
+            if "\n## On a CUDA GPU" in old:
+                kept = old[old.index("\n## On a CUDA GPU"):]
         with open(args.write, "w") as f:
-            f.write(table)
+            f.write(table.rstrip("\n") + "\n" + kept)
     if not args.keep:
         shutil.rmtree(WORK, ignore_errors=True)
     return 0
