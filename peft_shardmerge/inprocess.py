@@ -1,4 +1,4 @@
-"""After training, in the same process: merge_and_save, merge_and_unload, save_pretrained_merged, push_to_hub_merged."""
+"""After training, in the same process: merge_and_save, merge_and_unload and the 4-bit re-quantized save."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .api import check_out_dir, merge_checkpoint
+from .api import check_out_dir, merge_checkpoint, source_folders
 from .adapter import check_weights, modifies_base
 from .peft_deltas import DELTA_TYPES
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
@@ -22,17 +22,21 @@ from .execute import (check_applied, check_probe_error, current_rss_bytes, peak_
 from .staging import check_written, staged_output
 from .live import (LiveEntry, LiveModel, change_key, check_adapter_names, dequantize, materialized, offload_owner,
                    unwrap, walk)
-from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_factors, probe_rows, swallowed
+from .model_check import require_supported
+from .unload import finish_unload
+from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_factors, probe_rows, update_counts
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
+from .original import (OriginalCheck, base_config, default_dtype, describe_base, find_original, inner_problems,
+                       is_quantized)
 from .report import MergeReport
 from .safetensors_io import DTYPES, row_blocks
 from .sources import copy_base_side_files
+from .record import live_merge_info, write_merge_record
 from .writer import ShardWriter, write_json
 
 log = logging.getLogger(__name__)
 
 BASE_PRECISIONS = ("auto", "original", "dequantized")
-SAVE_METHODS = ("merged_16bit", "merged_4bit", "lora")
 _CHUNK_ELEMS = 1 << 22
 
 
@@ -149,8 +153,11 @@ def merge_and_save(
         >>> report = merge_and_save(model, "merged", tokenizer=tokenizer)   # doctest: +SKIP
         >>> print(report.summary())                                        # doctest: +SKIP
     """
-    budget = MemoryBudget(maximum_memory_usage)
     problems: list[str] = []
+    try:
+        budget = MemoryBudget(maximum_memory_usage)
+    except InputError as e:  # reported with every other problem
+        problems += e.problems
     if base_precision not in BASE_PRECISIONS:
         problems.append(f"base_precision must be one of {', '.join(BASE_PRECISIONS)}, got {base_precision!r}")
     try:
@@ -164,15 +171,18 @@ def merge_and_save(
         problems += e.problems
         limit = 1
     inner = unwrap(model)
-    out_dtype = out_dtype or model_dtype(inner)
     names, weight_map, selection_problems = _selection(model, adapter_names, weights, combination_type)
-    problems += selection_problems
-    original, reason = None, ""
+    problems = require_supported(model, names, problems + selection_problems)
+    dtype_note = ""
+    if out_dtype is None:
+        out_dtype, dtype_note = default_dtype(inner, model_dtype(inner))
+    original, reason, check = None, "base_precision='dequantized'", OriginalCheck(None)
     if base_precision in ("auto", "original"):
-        original, reason = _original_checkpoint(model, inner, names or _active_adapter_names(model), weight_map)
+        original, reason, check = _original_checkpoint(model, inner, names or _active_adapter_names(model),
+                                                       weight_map, base_precision)
         if original is None and base_precision == "original":
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
-    inputs = {"base": original} if original else {}
+    inputs = {**source_folders(model), **({"base": original} if original else {})}
     problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
     if problems:
         raise InputError(problems)
@@ -180,37 +190,43 @@ def merge_and_save(
     if original is not None:
         report = _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite,
                                       progress, save_extra, names, weight_map, combination_type)
-        if base_precision == "auto":
-            report.notes.insert(0, f"base precision 'auto': merged into the original checkpoint {original}")
-        log.info("merged into the original 16-bit checkpoint %s", original)
-        return report
-    if base_precision == "auto":
-        log.info("merging into the dequantized base: %s", reason)
-    report = _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra,
-                         selection=(names, weight_map, combination_type))
-    if base_precision == "auto":
-        report.notes.insert(0, f"base precision 'auto': merged into the dequantized base ({reason})")
+    else:
+        report = _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra,
+                             selection=(names, weight_map, combination_type))
+    report.reproduces, note = describe_base(original, check, is_quantized(inner), reason)
+    report.notes[:0] = [f"base precision {base_precision!r}: {note}"] + ([dtype_note] if dtype_note else [])
     return report
 
 
-def _original_checkpoint(model: nn.Module, inner: nn.Module, names: list[str], weight_map: dict[str, float]
-                         ) -> tuple[str | None, str]:
-    """The 16-bit checkpoint to merge into from disk, ``(folder, "")``, or ``(None, why it cannot be used)``."""
+def _original_checkpoint(model: nn.Module, inner: nn.Module, names: list[str], weight_map: dict[str, float],
+                         base_precision: str = "original") -> tuple[str | None, str, OriginalCheck]:
+    """The 16-bit checkpoint to merge into from disk, ``(folder, "", check)``, or ``(None, why not, check)``.
+
+    The checkpoint is used only when a sample of its tensors equals the model in memory (any cached revision,
+    :func:`~peft_shardmerge.original.find_original`). ``"auto"`` reproduces the trained model: it takes the
+    checkpoint only for an unquantized model (the same numbers as in memory), never for a quantized one.
+    """
     from peft import PeftModel
 
+    try:
+        check = find_original(walk(model, names))
+    except ShardMergeError as e:
+        check = OriginalCheck(None, inner_problems(e))
     if not isinstance(model, PeftModel):
-        return None, "the model is not a PeftModel (the adapter cannot be saved on its own)"
-    original, reason = find_original_checkpoint(inner)
-    if original is None:
-        return None, f"the 16-bit checkpoint the model was loaded from is not available locally ({reason})"
+        return None, "the model is not a PeftModel (the adapter cannot be saved on its own)", check
     inits = [getattr(c, "init_lora_weights", True) for c in (getattr(model, "peft_config", None) or {}).values()]
     rewritten = next((i for i in inits if modifies_base(i)), None)
     if rewritten is not None:
-        return None, f"the adapter was initialised with {rewritten!r}, which rewrote the base in memory"
+        return None, f"the adapter was initialised with {rewritten!r}, which rewrote the base in memory", check
     memory_only = _memory_only(model, names, weight_map)
     if memory_only:
-        return None, f"the model has a {memory_only}, which is merged in memory only"
-    return original, ""
+        return None, f"the model has a {memory_only}, which is merged in memory only", check
+    if check.folder is None:
+        return None, check.reason, check
+    if base_precision == "auto" and is_quantized(inner):
+        return None, ("'auto' reproduces the trained model, whose base is the quantized one; pass "
+                      "base_precision='original' to merge into the 16-bit checkpoint"), check
+    return check.folder, "", check
 
 
 def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
@@ -459,8 +475,8 @@ class _LiveMerger:
                 for magnitude in magnitudes if not by_column else ():  # DoRA, norms per output row
                     dora_rescale_(block, magnitude[start:stop])
                 if before is not None and self.out_dtype != torch.float32:
-                    changed += before.numel()
-                    lost += swallowed(before, block[sample].to(self.out_dtype))
+                    c, lo = update_counts(before, block[sample], block[sample].to(self.out_dtype))
+                    changed, lost = changed + c, lost + lo
             for magnitude in magnitudes if by_column else ():
                 flat *= (magnitude.to(flat.device, torch.float32) / torch.linalg.norm(flat, dim=0)).unsqueeze(0)
             if changed:
@@ -503,6 +519,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
         bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="merging", disable=not progress)
         try:
             plan_headers = []
+            records = {}
             for i, fname in enumerate(names):
                 members = [j for j in range(len(groups)) if indices[j] == i]
                 entries = [h for j in members for h in groups[j]]
@@ -511,6 +528,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
                     for j in members:
                         _write_entry(merger, live.entries[j], groups[j], w, out_dtype, quant4, q4_names)
                         bar.update(sizes[j])
+                records[fname] = w.record()
         finally:
             bar.close()
         all_tensors = [(h[0], names[i]) for g, i in zip(groups, indices) for h in g]
@@ -519,7 +537,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
                 "metadata": {"total_parameters": sum(e.numel for e in live.entries), "total_size": sum(sizes)},
                 "weight_map": dict(all_tensors),
             })
-        config = output_config(live.model.config.to_dict(), out_dtype, untie=bool(live.untied))
+        config = output_config(base_config(live.model), out_dtype, untie=bool(live.untied))
         if quant4 is not None:
             config["quantization_config"] = quant4
         write_json(os.path.join(tmp, "config.json"), config)
@@ -528,6 +546,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
             gen.save_pretrained(tmp)
         if save_extra is not None:
             save_extra(tmp)
+        write_merge_record(tmp, records, live_merge_info(live.model, out_dtype, adapter_names, quant4))
         check_applied(live.lora_layers, merger.applied)
         check_written(tmp, plan_headers)
     notes = list(live.notes)
@@ -667,8 +686,9 @@ def merge_and_unload(
     budget = MemoryBudget(maximum_memory_usage)
     out_dtype = parse_dtype(dtype)
     inner = unwrap(model)
-    out_dtype = out_dtype or model_dtype(inner)
     names, weight_map, problems = _selection(model, adapter_names, weights, combination_type)
+    problems = require_supported(model, names, problems)
+    out_dtype = out_dtype or model_dtype(inner)
     if problems:
         raise InputError(problems)
     live = walk(model, names)
@@ -682,7 +702,7 @@ def merge_and_unload(
             _set_submodule(inner, path, _replacement(group, merger, out_dtype, Conv1D, live))
         check_applied(live.lora_layers, merger.applied)
     free_accelerator_cache()
-    _drop_quantization(inner, untie=bool(live.untied))
+    finish_unload(inner, untied=live.untied)
     inner.to(out_dtype)
     return inner
 
@@ -730,214 +750,41 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _drop_quantization(inner: nn.Module, *, untie: bool) -> None:
-    """Make a formerly quantized transformers model a plain one (flags, quantizer, config)."""
-    for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit"):
-        if hasattr(inner, attr):
-            setattr(inner, attr, False)
-    if hasattr(inner, "hf_quantizer"):
-        inner.hf_quantizer = None
-    if getattr(inner, "quantization_method", None) is not None:
-        inner.quantization_method = None
-    for cfg in (inner.config, getattr(inner.config, "text_config", None)):
-        if cfg is None:
-            continue
-        for attr in ("quantization_config", "_pre_quantization_dtype"):
-            if hasattr(cfg, attr):
-                delattr(cfg, attr)
-        if untie and hasattr(cfg, "tie_word_embeddings"):
-            cfg.tie_word_embeddings = False
-    if hasattr(inner, "_hf_peft_config_loaded"):
-        inner._hf_peft_config_loaded = False
+def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, dtype: str | torch.dtype | None = None,
+                     max_shard_size: int | str = "5GB", maximum_memory_usage: float = 0.9, overwrite: bool = False,
+                     progress: bool = True) -> MergeReport:
+    """Merge in fp32 as :func:`merge_and_save` does, then store every weight bitsandbytes quantizes in 4-bit again.
 
-
-def save_pretrained_merged(
-    model: nn.Module,
-    save_directory: str,
-    tokenizer: Any = None,
-    save_method: str = "merged_16bit",
-    push_to_hub: bool = False,
-    token: str | None = None,
-    is_main_process: bool = True,
-    state_dict: dict | None = None,
-    save_function: Callable | None = None,
-    max_shard_size: int | str = "5GB",
-    safe_serialization: bool = True,
-    variant: str | None = None,
-    save_peft_format: bool = True,
-    tags: list[str] | None = None,
-    temporary_location: str | None = None,
-    maximum_memory_usage: float = 0.9,
-    private: bool | None = None,
-    *,
-    dtype: str | torch.dtype | None = None,
-    base_precision: str = "auto",
-    overwrite: bool = False,
-    progress: bool = True,
-) -> MergeReport | None:
-    """Unsloth-style ``save_pretrained_merged``: same parameter names, flat memory, honoured shard size and budget.
+    Warns once (``UserWarning``): the result is not the trained model, each weight moves by its 4-bit error.
 
     Args:
         model: the trained ``PeftModel``.
-        save_directory: the output folder (for ``push_to_hub=True``, also the repository id when it has the
-            form ``user/name`` and does not exist locally).
+        out_dir: the output folder.
         tokenizer: saved with the model when given.
-        save_method: ``"merged_16bit"`` (merged 16-bit safetensors, the default), ``"merged_4bit"`` (the merged
-            weights re-quantized to bitsandbytes 4-bit with the model's settings, with a warning: lossy) or
-            ``"lora"`` (the adapter only, as ``model.save_pretrained``).
-        push_to_hub: upload the folder to ``save_directory`` on the Hub afterwards.
-        token: Hub token for the upload (never logged).
-        is_main_process: when False nothing is done (distributed training).
-        state_dict: not supported (the merge reads the model itself); must be None.
-        save_function: ignored (safetensors are written directly).
-        max_shard_size: largest shard (``"5GB"``).
-        safe_serialization: must be True (only safetensors are written).
-        variant: not supported; must be None.
-        save_peft_format: ignored (kept for compatibility).
-        tags: extra model card tags when pushing.
-        temporary_location: ignored (output is staged beside ``save_directory``).
-        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
-        private: create the Hub repository private.
-        dtype: output dtype; None keeps the model's 16-bit dtype.
-        base_precision: ``"auto"``, ``"original"`` or ``"dequantized"`` (see :func:`merge_and_save`).
-        overwrite: replace a non-empty ``save_directory``.
-        progress: show progress bars.
-
-    Returns:
-        The :class:`MergeReport` for merged methods, None for ``"lora"`` or when not the main process.
-
-    Raises:
-        InputError: unknown ``save_method`` or unsupported compatibility options (named), plus everything
-            :func:`merge_and_save` raises.
-        HubUploadError: the upload failed.
-
-    Example:
-        >>> save_pretrained_merged(model, "outputs/merged", tokenizer, save_method="merged_16bit")  # doctest: +SKIP
-    """
-    if not is_main_process:
-        return None
-    _check_compat(save_method, state_dict, safe_serialization, variant)
-    repo_id = save_directory.strip("/")
-    if push_to_hub and (repo_id.count("/") != 1 or not all(repo_id.split("/"))):
-        raise InputError(
-            f"with push_to_hub=True, save_directory is also the Hub repository id 'user/name'; got {save_directory!r}"
-            " (use push_to_hub_merged(model, 'user/name') to push without keeping a local folder)"
-        )
-    if save_method == "lora":
-        _save_lora(model, save_directory, tokenizer)
-        report = None
-    elif save_method == "merged_4bit":
-        report = _save_merged_4bit(model, save_directory, tokenizer=tokenizer, dtype=dtype,
-                                   max_shard_size=max_shard_size, maximum_memory_usage=maximum_memory_usage,
-                                   overwrite=overwrite, progress=progress)
-    else:
-        report = merge_and_save(model, save_directory, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
-                                maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
-                                overwrite=overwrite, progress=progress)
-    if push_to_hub:
-        _push(save_directory, repo_id, model, report, save_method, token=token, private=private, tags=tags)
-    return report
-
-
-def push_to_hub_merged(
-    model: nn.Module,
-    repo_id: str,
-    tokenizer: Any = None,
-    save_method: str = "merged_16bit",
-    use_temp_dir: bool | None = None,
-    commit_message: str | None = "Trained with peft-shardmerge",
-    private: bool | None = None,
-    token: str | None = None,
-    max_shard_size: int | str = "5GB",
-    create_pr: bool = False,
-    safe_serialization: bool = True,
-    revision: str | None = None,
-    commit_description: str | None = None,
-    tags: list[str] | None = None,
-    temporary_location: str | None = None,
-    maximum_memory_usage: float = 0.9,
-    *,
-    dtype: str | torch.dtype | None = None,
-    base_precision: str = "auto",
-    progress: bool = True,
-) -> str:
-    """Unsloth-style ``push_to_hub_merged``: merge into a temporary folder, add a model card, upload it.
-
-    Args:
-        model: the trained ``PeftModel``.
-        repo_id: ``"user/name"``.
-        tokenizer: uploaded with the model when given.
-        save_method: ``"merged_16bit"``, ``"merged_4bit"`` or ``"lora"``.
-        use_temp_dir: ignored (always a temporary folder).
-        commit_message: the commit title.
-        private: create the repository private.
-        token: Hub token (never logged).
+        dtype: the compute dtype recorded for the 4-bit layers (a 16-bit dtype; fp32 becomes bf16).
         max_shard_size: largest shard.
-        create_pr: open a pull request.
-        safe_serialization: must be True.
-        revision: branch to push to.
-        commit_description: ignored.
-        tags: extra model card tags.
-        temporary_location: ignored.
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
-        dtype: output dtype; None keeps the model's 16-bit dtype.
-        base_precision: ``"auto"``, ``"original"`` or ``"dequantized"``.
+        overwrite: replace a non-empty ``out_dir``.
         progress: show progress bars.
 
     Returns:
-        The URL of the commit.
+        The :class:`MergeReport`; its first note names the 4-bit settings.
 
     Raises:
-        InputError: bad options (all named).
-        HubUploadError: the upload failed (the token is never in the message).
+        InputError: bad options or output folder.
 
     Example:
-        >>> push_to_hub_merged(model, "me/llama-merged", tokenizer, token=os.environ["HF_TOKEN"])   # doctest: +SKIP
+        >>> save_merged_4bit(model, "merged-4bit")   # doctest: +SKIP
     """
-    _check_compat(save_method, None, safe_serialization, None)
-    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise InputError(f"repo_id must look like 'user/name', got {repo_id!r}")
-    with tempfile.TemporaryDirectory(prefix="peft-shardmerge-push-") as tmp:
-        folder = os.path.join(tmp, repo_id.split("/")[1])
-        report = None
-        if save_method == "lora":
-            _save_lora(model, folder, tokenizer)
-        elif save_method == "merged_4bit":
-            report = _save_merged_4bit(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
-                                       maximum_memory_usage=maximum_memory_usage, progress=progress)
-        else:
-            report = merge_and_save(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
-                                    maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
-                                    progress=progress)
-        return _push(folder, repo_id, model, report, save_method, token=token, private=private, tags=tags,
-                     commit_message=commit_message or "Upload merged model", revision=revision, create_pr=create_pr)
-
-
-def _check_compat(save_method, state_dict, safe_serialization, variant) -> None:
-    problems = []
-    if save_method not in SAVE_METHODS:
-        problems.append(f"save_method must be one of {', '.join(SAVE_METHODS)}, got {save_method!r}")
-    if state_dict is not None:
-        problems.append("state_dict is not supported: the merge reads the model itself; leave it None")
-    if not safe_serialization:
-        problems.append("safe_serialization=False is not supported: only safetensors are written")
-    if variant is not None:
-        problems.append("variant is not supported; leave it None")
-    if problems:
-        raise InputError(problems)
-
-
-def _save_merged_4bit(model, out_dir, *, tokenizer, dtype, max_shard_size, maximum_memory_usage, overwrite=False,
-                      progress=True) -> MergeReport:
-    """Merge in fp32 as merge_and_save does, then store every weight bitsandbytes quantizes in 4-bit again."""
     import warnings
 
     from transformers import BitsAndBytesConfig
 
     budget = MemoryBudget(maximum_memory_usage)
     inner = unwrap(model)
+    problems = require_supported(model, None, check_out_dir(out_dir, inputs=source_folders(model),
+                                                                overwrite=overwrite))
     out_dtype = parse_dtype(dtype) or model_dtype(inner)
-    problems = check_out_dir(out_dir, inputs={}, overwrite=overwrite)
     if out_dtype == torch.float32:
         out_dtype = torch.bfloat16
     limit = parse_size(max_shard_size)
@@ -953,68 +800,8 @@ def _save_merged_4bit(model, out_dir, *, tokenizer, dtype, max_shard_size, maxim
     ).to_dict()
     message = ("save_method='merged_4bit' re-quantizes the merged weights to 4-bit: the result is not the model "
                "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy")
-    warnings.warn(message, UserWarning, stacklevel=3)
-    log.warning("%s", message)
+    warnings.warn(message, UserWarning, stacklevel=3)  # once: a log record as well would show it twice
     report = _merge_live(model, out_dir, out_dtype, limit, budget, progress, _side_saver(tokenizer), quant4=quant4)
     report.notes.insert(0, f"weights re-quantized to 4-bit ({quant4['bnb_4bit_quant_type']}, "
                            f"{'double quant' if quant4['bnb_4bit_use_double_quant'] else 'no double quant'})")
     return report
-
-
-def _save_lora(model: nn.Module, folder: str, tokenizer: Any) -> None:
-    model.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-
-
-def _push(folder, repo_id, model, report, save_method, *, token, private, tags, commit_message="Upload merged model",
-          revision=None, create_pr=False) -> str:
-    from . import __version__
-    from .hub import model_card, upload_folder
-
-    inner = unwrap(model)
-    base = getattr(inner.config, "_name_or_path", None)
-    settings = {"save method": save_method, "peft-shardmerge": __version__}
-    if report is not None:
-        settings.update({"dtype": report.dtype, "base precision": report.base_precision,
-                         "LoRA layers merged": f"{report.lora_modules_merged}/{report.lora_modules_total}",
-                         "shards": len(report.shards), "bytes": report.bytes_written})
-    peft_cfg = getattr(model, "peft_config", {}) or {}
-    cfg = next(iter(peft_cfg.values()), None)
-    if cfg is not None:
-        settings.update({"r": getattr(cfg, "r", ""), "lora_alpha": getattr(cfg, "lora_alpha", ""),
-                         "target_modules": ", ".join(sorted(getattr(cfg, "target_modules", None) or []))})
-    adapter = f"{type(cfg).__name__}" if cfg is not None else None
-    with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
-        f.write(model_card(repo_id=repo_id, base_model=base, adapter=adapter, settings=settings, tags=tags))
-    return upload_folder(folder, repo_id, token=token, private=private, commit_message=commit_message,
-                         revision=revision, create_pr=create_pr)
-
-
-def patch_peft() -> None:
-    """Opt in to ``model.save_pretrained_merged(...)``, ``model.push_to_hub_merged(...)`` and
-    ``model.merge_and_save(...)`` on every ``PeftModel``, as in Unsloth.
-
-    PEFT's own ``merge_and_unload`` is left alone; call :func:`merge_and_unload` for the lossless one.
-
-    Args:
-        None.
-
-    Returns:
-        None.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> import peft_shardmerge
-        >>> peft_shardmerge.patch_peft()
-        >>> from peft import PeftModel
-        >>> hasattr(PeftModel, "save_pretrained_merged")
-        True
-    """
-    from peft import PeftModel
-
-    PeftModel.save_pretrained_merged = save_pretrained_merged
-    PeftModel.push_to_hub_merged = push_to_hub_merged
-    PeftModel.merge_and_save = merge_and_save
