@@ -369,6 +369,7 @@ def held_signals() -> Iterator[None]:
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # None: a handler installed from C, which Python cannot reinstall; the default is the nearest
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         if pending:
             signal.raise_signal(pending[0])
