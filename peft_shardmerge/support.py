@@ -21,8 +21,8 @@ _LORA_VARIANTS = ("plain", "rsLoRA", "rank/alpha pattern", "DoRA", "lora_bias")
 _SPEC: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], str], ...] = (
     ("LORA", ("Linear", "Conv1D", "Conv2d", "Conv3d"), _LORA_VARIANTS, PATHS, "variants-layers.md"),
     ("LORA", ("Embedding",), ("plain", "rsLoRA", "rank/alpha pattern", "DoRA"), PATHS, "variants-layers.md"),
-    ("LORA", ("Linear4bit", "Linear8bitLt"), ("plain", "rsLoRA", "rank/alpha pattern", "DoRA"), (IN_PROCESS,),
-     "variants-layers.md"),
+    ("LORA", ("Linear4bit",), ("plain", "rsLoRA", "rank/alpha pattern", "DoRA"), (IN_PROCESS,), "variants-layers.md"),
+    ("LORA", ("Linear8bitLt",), ("plain", "rsLoRA", "rank/alpha pattern"), (IN_PROCESS,), "variants-layers.md"),
     ("LORA", ("parameter 2-D", "parameter 3-D"), ("plain", "rsLoRA", "rank/alpha pattern"), PATHS,
      "variants-layers.md"),
     ("LORA", (ADAPTER,), ("modules_to_save", "bias='all'/'lora_only'"), PATHS, "variants-layers.md"),
