@@ -38,9 +38,9 @@ REFUSED_METHODS = {
 _LORA_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors", *TOKENIZER_FILES}
 
 
-def _own_output(folder: str) -> bool:
-    """Whether ``folder`` holds an earlier save: a merged checkpoint with our merge record, or only the files of an
-    adapter-only save."""
+def _earlier_save(folder: str) -> str:
+    """What an existing non-empty folder holds: ``"merged"`` (a merged checkpoint with our merge record),
+    ``"adapter"`` (only the files of an adapter save) or ``""`` (anything else)."""
     import json
 
     from .record import RECORD_FILE, RECORD_FORMAT
@@ -48,11 +48,15 @@ def _own_output(folder: str) -> bool:
     try:
         with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
             if json.load(f).get("format") == RECORD_FORMAT:
-                return True
+                return "merged"
     except (OSError, ValueError, AttributeError):
         pass
-    return all(name in _LORA_FILES and os.path.isfile(os.path.join(folder, name)) and
-               not os.path.islink(os.path.join(folder, name)) for name in os.listdir(folder))
+    names = os.listdir(folder)
+    if "adapter_config.json" in names and all(
+            n in _LORA_FILES and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))
+            for n in names):
+        return "adapter"
+    return ""
 
 
 def _model_folders(model: nn.Module) -> dict[str, str]:
@@ -69,12 +73,20 @@ def _model_folders(model: nn.Module) -> dict[str, str]:
     return folders
 
 
-def _replace_problems(save_directory: str, model: nn.Module, any_content: bool = False) -> list[str]:
-    """Problems with saving into ``save_directory`` as Unsloth does: an earlier save there is replaced, an input
-    folder or a folder with other content never is."""
+def _replace_problems(save_directory: str, model: nn.Module, method: str | None, any_content: bool = False
+                      ) -> list[str]:
+    """Problems with saving into ``save_directory`` as Unsloth does: an earlier save there is replaced (a merged
+    checkpoint by any save, an adapter folder by an adapter save); an input folder, or a folder with other content,
+    never is."""
     problems = check_out_dir(save_directory, inputs=_model_folders(model), overwrite=True)
-    if not problems and not any_content and os.path.isdir(save_directory) and os.listdir(save_directory) \
-            and not _own_output(save_directory):
+    if problems or any_content or not os.path.isdir(save_directory) or not os.listdir(save_directory):
+        return problems
+    held = _earlier_save(save_directory)
+    if held == "adapter" and method not in (None, "lora"):
+        problems.append(f"{save_directory} holds an adapter (adapter_config.json), perhaps the one this model was "
+                        "loaded from; a merged save does not replace it: choose another folder (or pass "
+                        "overwrite=True)")
+    elif not held:
         extra = sorted(n for n in os.listdir(save_directory) if n not in _LORA_FILES)[:5]
         problems.append(f"{save_directory} is not an earlier save (it holds {', '.join(extra)}); a folder is "
                         "replaced only when it holds an earlier save: choose an empty or new folder (or pass "
@@ -159,8 +171,9 @@ def save_pretrained_merged(
 ) -> MergeReport | None:
     """Unsloth's ``save_pretrained_merged``: same parameters, flat memory, honoured shard size and budget.
 
-    Like Unsloth's, running it again replaces the earlier save in ``save_directory``; a folder the model was
-    loaded from, or one holding files a save does not write, is never replaced (the error says which files).
+    Like Unsloth's, running it again replaces the earlier save in ``save_directory`` (a merged checkpoint by any
+    ``save_method``, an adapter folder by ``"lora"``); a folder the model was loaded from, an adapter folder asked
+    to take a merged model, or a folder holding other files is never replaced (the error says which files).
 
     Args:
         model: the trained ``PeftModel``.
@@ -201,7 +214,8 @@ def save_pretrained_merged(
     if not is_main_process:
         return None
     problems = _check_compat(save_method, state_dict, safe_serialization, variant)
-    problems += _replace_problems(save_directory, model, any_content=overwrite)
+    method = SAVE_METHODS.get(save_method.lower().replace(" ", "_")) if isinstance(save_method, str) else None
+    problems += _replace_problems(save_directory, model, method, any_content=overwrite)
     repo_id = save_directory.strip("/")
     if push_to_hub and (repo_id.count("/") > 1 or os.path.isabs(save_directory) or not all(repo_id.split("/"))):
         problems.append(f"with push_to_hub=True, save_directory is also the Hub repository id ('name' or "
@@ -213,7 +227,7 @@ def save_pretrained_merged(
         from .hub import prepare_repo
 
         repo_id = prepare_repo(repo_id, token=token, private=private)
-    report = _save(model, save_directory, tokenizer, SAVE_METHODS[save_method.lower().replace(" ", "_")],
+    report = _save(model, save_directory, tokenizer, method,
                    dtype=dtype, max_shard_size=max_shard_size, maximum_memory_usage=maximum_memory_usage,
                    base_precision=base_precision, overwrite=True, progress=progress)
     if push_to_hub:

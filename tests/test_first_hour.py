@@ -167,16 +167,19 @@ def test_unsloth_save_methods_and_rerunning_the_cell(bf16_base, tmp_path, caplog
     first = os.path.getmtime(os.path.join(out, "config.json"))
     report = model.save_pretrained_merged(out, None, save_method="merged_16bit", progress=False)  # re-run the cell
     assert report.lora_modules_merged == 14 and os.path.getmtime(os.path.join(out, "config.json")) >= first
-    model.save_pretrained_merged(out, None, save_method="lora")  # the same folder, another method
-    assert sorted(os.listdir(out)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     caplog.set_level(logging.WARNING)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:  # the same folder, another method
         warnings.simplefilter("always")
         model.save_pretrained_merged(out, None, save_method="merged_4bit_forced", progress=False)
     assert len([w for w in caught if "re-quantizes" in str(w.message)]) == 1
     assert "re-quantizes" not in caplog.text  # once, as a warning, not again as a log record
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["quantization_config"]["load_in_4bit"] is True
+    model.save_pretrained_merged(out, None, save_method="lora")
+    model.save_pretrained_merged(out, None, save_method="lora")  # re-run
+    assert sorted(os.listdir(out)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    with pytest.raises(InputError, match="holds an adapter .* a merged save does not replace it"):
+        model.save_pretrained_merged(out, None, save_method="merged_16bit", progress=False)  # it may be an input
 
     with pytest.raises(InputError, match=r"save_method='mxfp4' .* use save_method='merged_16bit'"):
         model.save_pretrained_merged(str(tmp_path / "x"), None, save_method="mxfp4")
