@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
@@ -18,8 +17,6 @@ from .inprocess import merge_and_unload as _merge_and_unload
 from .live import unwrap
 from .report import MergeReport
 from .sources import TOKENIZER_FILES
-
-log = logging.getLogger(__name__)
 
 #: every ``save_method`` Unsloth documents, mapped to what is done here (None: refused, with the alternative)
 SAVE_METHODS = {
@@ -313,25 +310,13 @@ def push_to_hub_merged(
 
 def _push(folder, repo_id, model, report, save_method, *, token, private, tags, commit_message="Upload merged model",
           revision=None, create_pr=False) -> str:
-    from . import __version__
-    from .hub import model_card, upload_folder
+    from .hub import publish
 
-    inner = unwrap(model)
-    base = getattr(inner.config, "_name_or_path", None)
-    settings = {"save method": save_method, "peft-shardmerge": __version__}
-    if report is not None:
-        settings.update({"dtype": report.dtype, "base precision": report.base_precision,
-                         "LoRA layers merged": f"{report.lora_modules_merged}/{report.lora_modules_total}",
-                         "shards": len(report.shards), "bytes": report.bytes_written})
+    base = getattr(unwrap(model).config, "_name_or_path", None)
     cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
-    if cfg is not None:
-        settings.update({"r": getattr(cfg, "r", ""), "lora_alpha": getattr(cfg, "lora_alpha", "")})
-    peft_type = str(getattr(getattr(cfg, "peft_type", None), "value", "LoRA")).replace("LORA", "LoRA")
-    with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
-        f.write(model_card(repo_id=repo_id, base_model=base, adapter=peft_type, settings=settings, tags=tags,
-                           target_modules=getattr(cfg, "target_modules", None)))
-    return upload_folder(folder, repo_id, token=token, private=private, commit_message=commit_message,
-                         revision=revision, create_pr=create_pr)
+    return publish(folder, repo_id, base_model=base, peft_config=cfg, report=report, save_method=save_method,
+                   token=token, private=private, tags=tags, commit_message=commit_message, revision=revision,
+                   create_pr=create_pr)
 
 
 def merge_and_unload(

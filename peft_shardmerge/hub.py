@@ -147,6 +147,51 @@ def model_card(*, repo_id: str, base_model: str | None, adapter: str | None = No
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
+def publish(folder: str, repo_id: str, *, base_model: str | None, peft_config=None, report=None,
+            save_method: str = "merged_16bit", token: str | None = None, private: bool | None = None, tags=None,
+            commit_message: str = "Upload merged model", revision: str | None = None, create_pr: bool = False) -> str:
+    """Write the model card of a merged folder and upload the folder.
+
+    Args:
+        folder: the finished folder.
+        repo_id: ``"user/name"``.
+        base_model: the base's ``_name_or_path`` (written only when it is a Hub id).
+        peft_config: the adapter's PEFT config (rank, alpha, target modules), or None.
+        report: the merge's :class:`~peft_shardmerge.report.MergeReport`, or None for an adapter-only save.
+        save_method: how the folder was saved.
+        token: Hub token (never logged).
+        private: create the repository private.
+        tags: extra tags.
+        commit_message: the commit title.
+        revision: a branch to push to.
+        create_pr: open a pull request.
+
+    Returns:
+        The URL of the commit.
+
+    Raises:
+        HubUploadError: the upload failed (the token is masked).
+
+    Example:
+        >>> publish("merged", "me/llama-merged", base_model="meta-llama/Llama-3.2-1B")   # doctest: +SKIP
+    """
+    from . import __version__
+
+    settings = {"save method": save_method, "peft-shardmerge": __version__}
+    if report is not None:
+        settings.update({"dtype": report.dtype, "base precision": report.base_precision,
+                         "LoRA layers merged": f"{report.lora_modules_merged}/{report.lora_modules_total}",
+                         "shards": len(report.shards), "bytes": report.bytes_written})
+    if peft_config is not None:
+        settings.update({"r": getattr(peft_config, "r", ""), "lora_alpha": getattr(peft_config, "lora_alpha", "")})
+    peft_type = str(getattr(getattr(peft_config, "peft_type", None), "value", "LoRA")).replace("LORA", "LoRA")
+    with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+        f.write(model_card(repo_id=repo_id, base_model=base_model, adapter=peft_type, settings=settings, tags=tags,
+                           target_modules=getattr(peft_config, "target_modules", None)))
+    return upload_folder(folder, repo_id, token=token, private=private, commit_message=commit_message,
+                         revision=revision, create_pr=create_pr)
+
+
 def upload_folder(folder: str, repo_id: str, *, token: str | None = None, private: bool | None = None,
                   commit_message: str = "Upload merged model", revision: str | None = None,
                   create_pr: bool = False) -> str:
