@@ -8,8 +8,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from .support import (DISK, IN_PROCESS, check_config, check_layers, config_variants, layer_kind, peft_type_of,
-                      raise_if_any)
+from .support import DISK, IN_PROCESS, check_supported, config_variants, layer_kind, peft_type_of, raise_if_any
 
 
 def selected_adapters(model: nn.Module, adapter_names: list[str] | None = None) -> list[str]:
@@ -177,10 +176,7 @@ def check_model(model: nn.Module, adapter_names: list[str] | None = None, *, pat
     """
     configs = getattr(model, "peft_config", None) or {}
     names = selected_adapters(model, adapter_names)
-    unsupported: list[str] = []
-    for a in names:
-        if a in configs:
-            unsupported += check_config(configs[a], where=f"adapter {a!r}", path=path)
+    unsupported = check_supported({a: configs[a] for a in names if a in configs}, path=path)
     if unsupported:  # a type or option outside the allowlist: its layers are not looked at
         return unsupported, []
     inner = _inner(model)
@@ -192,7 +188,7 @@ def check_model(model: nn.Module, adapter_names: list[str] | None = None, *, pat
                     "peft-shardmerge writes and returns transformers checkpoints. Use PEFT's own merge_and_unload() "
                     "for it"], []
     uses = list(layer_uses(model, names))
-    unsupported += check_layers([u[:4] for u in uses], path=path)
+    unsupported += check_supported({}, [u[:4] for u in uses], path=path)
     no_bias = [n for n, t, _, v, m in uses if t == "LORA" and "lora_bias" in v
                and getattr(_real_base(m), "bias", None) is None]
     if no_bias:

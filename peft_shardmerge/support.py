@@ -388,6 +388,30 @@ def check_layers(uses: Iterable[tuple[str, str, str, Iterable[str]]], *, path: s
     return out
 
 
+def check_supported(configs: Mapping[str, Any], layers: Iterable[tuple[str, str, str, Iterable[str]]] = (), *,
+                    path: str) -> list[str]:
+    """The allowlist's one check: every refusal for some adapters' configs and the layers they change.
+
+    Args:
+        configs: adapter name (or folder) -> ``PeftConfig`` or ``adapter_config.json`` dict.
+        layers: ``(layer name, PEFT type, layer kind, variants)`` for each adapted layer (see :func:`check_layers`).
+        path: ``"disk"`` or ``"in_process"``.
+
+    Returns:
+        The problems, each naming what is refused, where, and what to do instead (empty when all is claimed).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> check_supported({"a": {"peft_type": "LORA", "r": 8, "lora_alpha": 16}},
+        ...                 [("q_proj", "LORA", "Linear", ["DoRA"])], path="disk")
+        []
+    """
+    problems = [p for name, c in configs.items() for p in check_config(c, where=f"adapter {name!r}", path=path)]
+    return problems + check_layers(layers, path=path)
+
+
 def raise_if_any(unsupported: list[str], bad: list[str] | None = None) -> None:
     """Raise the refusals: :class:`UnsupportedError` when anything is unsupported, else :class:`InputError` for
     bad input, else nothing.
@@ -415,4 +439,4 @@ def raise_if_any(unsupported: list[str], bad: list[str] | None = None) -> None:
 
 
 __all__ = ["CLAIMS", "PEFT_TYPES", "DISK", "IN_PROCESS", "ADAPTER", "is_claimed", "support_table", "layer_kind",
-           "peft_type_of", "residual_init", "config_variants", "check_config", "check_layers", "raise_if_any"]
+           "peft_type_of", "residual_init", "config_variants", "check_config", "check_layers", "check_supported", "raise_if_any"]
