@@ -232,6 +232,28 @@ def _plan(base: str, adapters: list[str], options: dict):
                       chunk_elems=options["chunk_elems"] or DEFAULT_CHUNK_ELEMS)
 
 
+def _identity_notes(record: dict | None, base: str, adapters: list[str]) -> list[str]:
+    """Notes where the given inputs are not the files the record says the merge read (the recomputation decides
+    whether that matters: another copy of the same weights gives the same tensors)."""
+    from .record import file_sha256
+
+    notes = []
+    wanted = [(base, (record or {}).get("base"), "the base")]
+    wanted += [(a, r, f"adapter {i + 1}") for i, (a, r) in enumerate(zip(adapters, (record or {}).get("adapters") or []))]
+    for folder, entry, what in wanted:
+        files = (entry or {}).get("files") or {}
+        if not os.path.isdir(folder):
+            continue
+        for name, meta in sorted(files.items(), key=lambda kv: not kv[0].endswith((".safetensors", ".bin"))):
+            if name == "README.md":
+                continue
+            path = os.path.join(folder, name)
+            if "sha256" in meta and os.path.isfile(path) and file_sha256(path) != meta["sha256"]:
+                notes.append(f"{what} given differs from the one merged: its {name} is not the file the merge read")
+                break
+    return notes
+
+
 def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: list[str], record: dict | None,
                           *, device: str = "cpu") -> RecomputeResult:
     """Recompute every tensor of a merged checkpoint from ``base`` + ``adapters`` with the disk engine (the plan
@@ -272,6 +294,7 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
                                "one, in the order they were merged")
         result.fits = False
         return result
+    result.notes += _identity_notes(record, base, adapters)
     try:
         plan = _plan(base, adapters, options)
     except ShardMergeError as e:

@@ -216,7 +216,8 @@ def _check_record(folder: str, report: VerifyReport) -> None:
         merge = result.record.get("merge") or {}
         tool = result.record.get("tool") or {}
         report.checks.append(f"written by {tool.get('name')} {tool.get('version')}: {merge.get('path')} merge, base "
-                             f"precision {merge.get('base_precision')}, dtype {merge.get('dtype')}")
+                             f"precision {merge.get('base_precision')}, dtype {merge.get('dtype')}"
+                             + (", re-quantized to 4-bit" if merge.get("output_quantization") else ""))
     elif result.problems:
         report.integrity = False
 

@@ -50,6 +50,7 @@ def test_wrong_adapter_fails_the_logits(merged, make_adapter):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stdout.startswith("FAILED: ") and "logits differ from base + adapter" in r.stdout
     assert "values beyond rounding differ from base + adapter" in r.stdout
+    assert "adapter 1 given differs from the one merged: its adapter_model.safetensors" in r.stdout
 
 
 def _first_shard(folder):
