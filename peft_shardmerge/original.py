@@ -103,16 +103,18 @@ def _samples(live: LiveModel) -> list:
 
 def _compare(live: LiveModel, folder: str) -> tuple[str, tuple[str, ...], list[float]]:
     """``(problem or "", names compared, per-layer quantization errors)`` for one candidate folder."""
+    from .plan import in_file_names
     from .quant import Nf4Settings, quantize_roundtrip
     from .safetensors_io import DTYPES, RowReader
     from .sources import open_checkpoint
 
     src = open_checkpoint(folder)
+    _, to_file, _ = in_file_names(live.info, list(src.by_name))  # the checkpoint's own key names (LLaVA, ...)
     reader = RowReader()
     compared, errors = [], []
     try:
         for e in _samples(live):
-            info = src.by_name.get(e.name)
+            info = src.by_name.get(e.name) or src.by_name.get(to_file(e.name))
             tensor = getattr(e.holder, e.attr, None)
             if info is None or tensor is None or tuple(info.shape) != tuple(e.shape):
                 if info is not None and tensor is not None:
