@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(noisy).setLevel(logging.ERROR)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        from .api import merge_checkpoint  # inside: a Ctrl-C while torch is imported is an interrupt like any other
+        from .outfiles import held_signals
+
+        with held_signals():  # Ctrl-C while torch loads would break the import; it is delivered once loaded
+            from .api import merge_checkpoint
 
         adapters = [args.adapter, *args.add_adapter]
         report = merge_checkpoint(
@@ -169,7 +172,8 @@ def _dtype_arg(value: str) -> str | None:
     if name == "auto":
         return None
     if name not in ("bfloat16", "float16", "float32"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a dtype written here; use bfloat16, float16 or float32")
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from bfloat16, float16, float32, or "
+                                         "bf16, fp16, fp32, auto)")
     return name
 
 
