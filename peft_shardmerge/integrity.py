@@ -101,7 +101,10 @@ def check_integrity(folder: str) -> IntegrityResult:
         tensors += _check_shard(folder, name, shard, result)
     for name, meta in sorted(record["files"].items()):
         path = os.path.join(folder, name)
-        if not os.path.isfile(path):
+        if not _inside(name) or not isinstance(meta, dict):
+            result.problems.append(f"{RECORD_FILE} names {name!r} in a malformed entry (outside the folder or not "
+                                   "an object)")
+        elif not os.path.isfile(path):
             result.problems.append(f"{name} is missing (the merge wrote it)")
         elif os.path.getsize(path) != meta.get("size") or file_sha256(path) != meta.get("sha256"):
             result.problems.append(f"{name} differs from what the merge wrote (SHA-256 mismatch)")
@@ -111,9 +114,15 @@ def check_integrity(folder: str) -> IntegrityResult:
     return result
 
 
+def _inside(name: str) -> bool:
+    """A relative ``/``-separated path that stays inside the folder."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and "\\" not in name and ".." not in parts and "" not in parts
+
+
 def _check_shard(folder: str, name: str, shard: dict, result: IntegrityResult) -> int:
     path = os.path.join(folder, name)
-    if "/" in name or name in (".", "..") or not os.path.isfile(path):
+    if "/" in name or not _inside(name) or not os.path.isfile(path):
         result.problems.append(f"shard {name} is missing (the merge wrote it)")
         return 0
     size = os.path.getsize(path)

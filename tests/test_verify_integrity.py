@@ -307,3 +307,21 @@ def test_tensor_digests_split_any_chunking():
         assert d.digests() == want
     with pytest.raises(ValueError):
         TensorDigests([("a", 1)]).update(b"xy")
+
+
+def test_crafted_record_with_a_valid_digest_is_handled(outputs, tmp_path):
+    """A record rewritten with a matching digest but hostile entries: problems, never a read outside OUT."""
+    from peft_shardmerge.record import record_digest
+
+    folder = _copy(outputs["fp32"], tmp_path)
+    path = os.path.join(folder, RECORD_FILE)
+    record = json.load(open(path))
+    record["files"]["../../etc/hostname"] = {"size": 1, "sha256": "0" * 64}
+    record["files"]["config.json"] = "not an object"
+    first = sorted(record["shards"])[0]
+    del record["shards"][first]["header"]
+    record["record_sha256"] = record_digest(record)
+    json.dump(record, open(path, "w"))
+    report = _failed(folder, "'../../etc/hostname' in a malformed entry", "'config.json' in a malformed entry",
+                     f"the entry of {first} is malformed")
+    assert not any("could not be checked" in p for p in report.problems)
