@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+#: what a merge from disk reproduces, by base precision (in process, the merge says it itself)
+_FROM_DISK = {
+    "original": "the original base + adapter (for a QLoRA adapter, not the 4-bit model it was trained on: "
+                "base precision nf4 reproduces that)",
+    "nf4": "the QLoRA-trained model (dequant(nf4(W)) + adapter)",
+}
+
+
 @dataclass
 class MergeReport:
     """What a merge wrote and how it went.
@@ -96,7 +104,8 @@ class MergeReport:
         lines = [
             f"merged {self.base} + {self.adapter} -> {self.out_dir}",
             f"  dtype {self.dtype}, base precision {self.base_precision}, device {self.device}",
-            *([f"  reproduces {self.reproduces}"] if self.reproduces else []),
+            *([f"  reproduces {self.reproduces or _FROM_DISK.get(self.base_precision)}"]
+              if self.reproduces or self.base_precision in _FROM_DISK else []),
             f"  tensors {self.tensors_written}, LoRA modules merged {self.lora_modules_merged}/"
             f"{self.lora_modules_total}, tensors from adapter {self.replacements_applied}",
             f"  shards {len(self.shards)}, {self.bytes_written} bytes ({gb:.3f} GB)",

@@ -267,6 +267,7 @@ def test_cli_summary_once_quiet_dtype_aliases_and_bare_help(tmp_path):
     r = _cli("merge", base, adapter, str(tmp_path / "a"), "--dtype", "bf16")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("LoRA modules merged 14/14") == 1 and "LoRA modules merged" not in r.stderr
+    assert "reproduces the original base + adapter (for a QLoRA adapter, not the 4-bit model" in r.stdout
     assert json.load(open(tmp_path / "a" / "config.json"))["dtype"] == "bfloat16"
     r = _cli("merge", base, adapter, str(tmp_path / "b"), "-q")
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
