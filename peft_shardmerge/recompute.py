@@ -289,7 +289,7 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
     if options is None:
         return result
     n_recorded = len((record or {}).get("adapters") or [])
-    if record is not None and record.get("path") == "disk" and n_recorded != len(adapters):
+    if n_recorded and n_recorded != len(adapters):
         result.problems.append(f"the merge combined {n_recorded} adapter(s), {len(adapters)} given: give each "
                                "one, in the order they were merged")
         result.fits = False

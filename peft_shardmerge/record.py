@@ -187,7 +187,8 @@ def disk_merge_info(plan) -> dict:
 
 
 def live_merge_info(model, out_dtype: torch.dtype, adapter_names: list[str] | None,
-                    quant4: dict | None = None) -> dict:
+                    quant4: dict | None = None, weights: dict[str, float] | None = None,
+                    combination: str = "cat") -> dict:
     """What an in-process merge into the weights in memory used, for the record: the model's quantization (the
     base the adapter saw is dequant(quantize(W)) with these settings), the dtype the weights were held in, the
     output dtype, and the adapters merged.
@@ -197,6 +198,8 @@ def live_merge_info(model, out_dtype: torch.dtype, adapter_names: list[str] | No
         out_dtype: the dtype written.
         adapter_names: the adapters merged (None: the active ones).
         quant4: the 4-bit settings the output was re-quantized with (``save_method="merged_4bit"``), if any.
+        weights: the weight of each adapter of a weighted combination, by name.
+        combination: how several adapters were combined (``"cat"`` or ``"linear"``).
 
     Returns:
         A JSON-ready dict (``base_precision`` is ``"dequantized"``).
@@ -237,6 +240,8 @@ def live_merge_info(model, out_dtype: torch.dtype, adapter_names: list[str] | No
         "output_quantization": quant4,
         "base": base,
         "adapters": [{"name": n} for n in (adapter_names or [])] or None,
+        "combination": combination if weights else None,
+        "weights": [float(weights[n]) for n in adapter_names or weights] if weights else None,
     }
 
 

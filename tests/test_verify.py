@@ -329,3 +329,24 @@ def test_combination_needs_every_adapter(make_base, make_adapter, tmp_path):
     assert r.returncode == 0 and "logits not compared" in r.stdout and "equal byte for byte" in r.stdout, r.stdout
     r = _run(out, "--base", base, "--adapter", a)
     assert r.returncode == 1 and "the merge combined 2 adapter(s), 1 given" in r.stdout, r.stdout
+
+
+def test_in_process_weighted_combination_passes(make_base, make_adapter, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge import merge_and_save
+
+    base = make_base("llama")
+    a, b = make_adapter("llama", "default"), make_adapter("llama", "second", seed=5)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), a)
+    model.load_adapter(b, adapter_name="second")
+    out = str(tmp_path / "m")
+    merge_and_save(model, out, dtype="float32", base_precision="dequantized", adapter_names=["default", "second"],
+                   weights=[0.7, 0.4], progress=False)
+    record = json.load(open(os.path.join(out, "merge_manifest.json")))["merge"]
+    assert record["weights"] == [0.7, 0.4] and record["combination"] == "cat"
+    report = verify_checkpoint(out, base=base, adapter=[a, b])
+    assert report.status == "OK" and report.recomputed, report.summary()
+    report = verify_checkpoint(out, base=base, adapter=a)
+    assert report.status == "FAILED" and "the merge combined 2 adapter(s), 1 given" in report.summary()
