@@ -17,7 +17,7 @@ from .peft_deltas import DELTA_TYPES
 from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from .reading_rules import positive_number, stored_key_problems
 from .sources import _read_json, resolve_folder
-from .support import DISK, check_config, check_layers, raise_if_any
+from .support import DISK, check_config, check_layers, raise_if_any, residual_init
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -469,8 +469,7 @@ def modifies_base(init_lora_weights: object) -> bool:
         >>> modifies_base("pissa_niter_4"), modifies_base(True)
         (True, False)
     """
-    return isinstance(init_lora_weights, str) and init_lora_weights.lower().startswith(
-        ("pissa", "olora", "corda", "loftq"))
+    return residual_init(init_lora_weights)  # one definition, the allowlist's
 
 
 def _check_config(config: dict, folder: str) -> None:
