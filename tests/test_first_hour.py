@@ -447,3 +447,11 @@ def test_a_mismatched_adapter_among_several_is_named_once_per_module_kind(tmp_pa
     assert all(p.startswith(f"adapter {wrong}: LoRA module 'model.layers.*.mlp.") and "(2 layers)" in p
                for p in shapes)
     assert not any(good + ":" in p or f"in {good} " in p for p in e.value.problems)
+
+
+def test_a_missing_hub_id_names_the_hf_command(tmp_path):
+    from peft_shardmerge import NotFoundError, merge_checkpoint
+
+    with pytest.raises(NotFoundError, match=r"download it first \(hf download org/not-cached\)") as e:
+        merge_checkpoint("org/not-cached", str(tmp_path), str(tmp_path / "m"), progress=False)
+    assert "huggingface-cli" not in str(e.value)
