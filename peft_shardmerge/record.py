@@ -230,7 +230,11 @@ def live_merge_info(model, out_dtype: torch.dtype, adapter_names: list[str] | No
         quantization = {"bits": 8}
     held = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     name = getattr(config, "_name_or_path", "") or type(model).__name__
-    base = _hub_identity(name) if os.path.isdir(name) else {"name": name}
+    if os.path.isdir(name):
+        base = _hub_identity(name)
+    else:  # a Hub id, or a local path that is gone: never record the path itself
+        local = os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+        base = {"name": os.path.basename(os.path.normpath(name)) if local else name}
     return {
         "path": "in-process",
         "base_precision": "dequantized",

@@ -159,6 +159,7 @@ def test_in_process_dequantized_merges_pass(quant, double_quant, dtype, make_bas
     record = json.load(open(os.path.join(out, "merge_manifest.json")))["merge"]
     assert record["path"] == "in-process" and record["base_precision"] == "dequantized"
     assert (record["quantization"] or {}).get("quant_type") == quant
+    assert record["base"] == {"name": os.path.basename(base)}  # never a local path
     report = verify_checkpoint(out, base=base, adapter=adapter)
     assert report.status == "OK" and report.recomputed and report.integrity, report.summary()
     assert any("equal byte for byte" in c for c in report.checks)
