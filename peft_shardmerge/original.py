@@ -86,11 +86,13 @@ def candidate_folders(name: str) -> list[str]:
 
 def _samples(live: LiveModel) -> list:
     """A few tensors to compare: the first and last plain matrices (embeddings, head) and quantized or LoRA base
-    weights spread over the depth of the model."""
+    weights of the smallest kind spread over the depth of the model."""
     plain = [e for e in live.entries if e.kind == "plain" and e.floating and len(e.shape) == 2]
     based = [e for e in live.entries if e.kind in ("lora", "quantized") and e.attr == "weight"]
     picked = plain[:1] + plain[-1:]
-    if based:
+    if based:  # the smallest kind (k_proj/v_proj with grouped-query attention): 4-bit ones are read whole
+        smallest = min(e.numel for e in based)
+        based = [e for e in based if e.numel == smallest]
         step = max(1, len(based) // (SAMPLES - len(picked) if SAMPLES > len(picked) else 1))
         picked += based[::step]
     seen, out = set(), []
