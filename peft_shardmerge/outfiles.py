@@ -86,7 +86,7 @@ def name_problems(out: str) -> list[str]:
 
 def read_manifest(folder: str) -> dict | None:
     """The manifest of a staging folder, only when it is provably ours: a regular file (not a link) owned by
-    this user, holding JSON that names peft-shardmerge.
+    this user, holding JSON that names peft-shardmerge (or has exactly the two keys earlier versions wrote).
 
     Args:
         folder: the staging folder.
@@ -121,7 +121,10 @@ def read_manifest(folder: str) -> dict | None:
         manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("made_by") == MADE_BY else None
+    if not isinstance(manifest, dict):
+        return None
+    ours = manifest.get("made_by") == MADE_BY or set(manifest) == {"fingerprint", "shards"}  # or an earlier version's
+    return manifest if ours else None
 
 
 def lock_record_is_ours(data: bytes) -> bool:

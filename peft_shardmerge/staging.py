@@ -219,8 +219,8 @@ class Staging:
             now = snapshot(self.out_dir)
         if (st is None) != (self.checked is None) or (self.checked is not None and now != self.checked):
             self.keep = True
-            what = describe_change(self.checked or {}, now or {}) if st is not None and self.checked else \
-                "it appeared" if st is not None else "it was removed"
+            what = ("it was removed" if st is None else "it appeared" if self.checked is None else
+                    "it is no longer a folder" if now is None else describe_change(self.checked, now))
             raise OutputChangedError(
                 f"{self.out_dir} changed while the merge ran ({what}); it was left exactly as it is and the new "
                 f"output is kept in {self.path}: move your files out of the way and run the same command again"
