@@ -68,34 +68,6 @@ def model_dtype(inner: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def find_original_checkpoint(inner: nn.Module) -> tuple[str | None, str]:
-    """Find the 16-bit checkpoint a loaded model came from (``config._name_or_path``) locally or in the offline
-    Hugging Face cache.
-
-    Args:
-        inner: the transformers model.
-
-    Returns:
-        ``(folder, "")`` when found and usable, else ``(None, reason)``.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> find_original_checkpoint(model)   # doctest: +SKIP
-        ('/home/me/llama', '')
-    """
-    from .sources import open_checkpoint
-
-    name = getattr(inner.config, "_name_or_path", "") or ""
-    if not name:
-        return None, "the model's config has no _name_or_path"
-    try:
-        return open_checkpoint(name).folder, ""
-    except ShardMergeError as e:
-        return None, str(e).splitlines()[0]
-
-
 def merge_and_save(
     model: nn.Module,
     out_dir: str,
@@ -121,17 +93,20 @@ def merge_and_save(
         model: a ``PeftModel`` (or a transformers model with a LoRA attached by ``add_adapter``).
         out_dir: the output folder; it appears only when complete.
         tokenizer: saved into ``out_dir`` when given.
-        dtype: output dtype (``torch.bfloat16`` or ``"bfloat16"``, ``"float16"``, ``"float32"``); None keeps the
-            model's 16-bit dtype.
+        dtype: output dtype (``torch.bfloat16`` or ``"bfloat16"``, ``"float16"``, ``"float32"``); None or ``"auto"``
+            writes the checkpoint's own 16-bit dtype, else the model's 16-bit dtype, else bfloat16 (a note says which).
         max_shard_size: largest shard (``"5GB"``, ``"500MB"`` or bytes).
         maximum_memory_usage: fraction (0, 0.95] of the accelerator's memory the process may occupy while
             merging. A module whose working set would go over it is merged on the CPU; on out-of-memory it is
             retried on the CPU and counted in the report. On the CPU, which is the last resort, a module over
             the same fraction of host RAM is merged anyway, with a warning.
-        base_precision: ``"original"`` merges into the 16-bit checkpoint the model was loaded from
-            (``config._name_or_path``, a local folder or the offline cache), streamed from disk;
-            ``"dequantized"`` merges into the dequantized weights in memory (what the adapter was trained
-            against); ``"auto"`` uses the original when it is available locally, else the dequantized.
+        base_precision: ``"auto"`` reproduces the trained model: the weights in memory (dequantized) for a
+            quantized model; for an unquantized one the original checkpoint when it holds the same weights, else
+            the weights in memory. ``"original"`` merges into the 16-bit checkpoint the model was loaded from
+            (``config._name_or_path``: a folder, or any revision of that Hub id in the offline cache), used only
+            when a sample of its tensors matches the model in memory; ``"dequantized"`` merges into the weights in
+            memory. The report's ``reproduces`` and first note say which, why, and how far the original merge of a
+            quantized model is from the trained one.
         adapter_names: adapters of the model to merge together; None merges the active adapter(s).
         weights: one weight per adapter of ``adapter_names`` (default 1.0 each).
         combination_type: ``"cat"`` adds ``sum_i w_i * dW_i`` exactly (any ranks); ``"linear"`` merges the factors
@@ -140,7 +115,8 @@ def merge_and_save(
         progress: show progress bars.
 
     Returns:
-        A :class:`~peft_shardmerge.report.MergeReport`; ``base_precision`` says which base was used.
+        A :class:`~peft_shardmerge.report.MergeReport`; ``base_precision`` says which base was used and
+        ``reproduces`` what the result reproduces.
 
     Raises:
         InputError: bad options, output folder problems, or ``base_precision="original"`` without a local
@@ -546,7 +522,8 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
             gen.save_pretrained(tmp)
         if save_extra is not None:
             save_extra(tmp)
-        write_merge_record(tmp, records, live_merge_info(live.model, out_dtype, adapter_names, quant4))
+        write_merge_record(tmp, records, live_merge_info(live.model, out_dtype, adapter_names, quant4,
+                                                           weight_map, combination))
         check_applied(live.lora_layers, merger.applied)
         check_written(tmp, plan_headers)
     notes = list(live.notes)
