@@ -209,8 +209,8 @@ class _Compare:
 
 
 def _plan(base: str, adapters: list[str], options: dict):
-    """The disk engine's plan for ``options``, built the way ``plan_checkpoint_merge`` builds it (without an
-    output folder)."""
+    """``(model info, plan)``: the disk engine's plan for ``options``, built the way ``plan_checkpoint_merge``
+    builds it (without an output folder)."""
     from .adapter import combine_adapters, load_adapter
     from .model_info import inspect_model
     from .peft_deltas import rebuild
@@ -227,9 +227,24 @@ def _plan(base: str, adapters: list[str], options: dict):
         spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
                               skip=spec.layer_skip)
     nf4 = Nf4Settings(**options["nf4"]) if options["nf4"] else None
-    return build_plan(src, spec, info, dtype=options["dtype"], max_shard_size=1 << 62,
+    return info, build_plan(src, spec, info, dtype=options["dtype"], max_shard_size=1 << 62,
                       base_precision=options["base_precision"], nf4=nf4,
                       chunk_elems=options["chunk_elems"] or DEFAULT_CHUNK_ELEMS)
+
+
+def _match_names(planned: dict, stored: dict[str, TensorInfo], info) -> dict[str, str]:
+    """Planned name (the base's checkpoint keys) -> stored name: the same key, or the name transformers loads it
+    under (an in-process merge writes in-memory names, e.g. LLaVA's ``model.language_model.*`` for the base's
+    ``language_model.model.*``). Keys that loading fuses with others (MoE experts) match only as themselves."""
+    target = {n: n for n in planned if n in stored}
+    rest = [n for n in planned if n not in stored]
+    if rest:
+        taken = set(target.values())
+        for name, (memory, converted) in info.memory_names(rest).items():
+            if not converted and memory in stored and memory not in taken:
+                target[name] = memory
+                taken.add(memory)
+    return target
 
 
 def _identity_notes(record: dict | None, base: str, adapters: list[str]) -> list[str]:
@@ -296,7 +311,7 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
         return result
     result.notes += _identity_notes(record, base, adapters)
     try:
-        plan = _plan(base, adapters, options)
+        info, plan = _plan(base, adapters, options)
     except ShardMergeError as e:
         lines = getattr(e, "problems", None) or [str(e)]
         result.problems += [f"base + adapter cannot be planned: {p}" for p in lines]
@@ -307,24 +322,26 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
         result.notes.append(why)
         return result
     planned = {t.name: t for t in plan.tensors}
-    missing = sorted(set(planned) - set(stored))
-    extra = sorted(set(stored) - set(planned))
+    target = _match_names(planned, stored, info)
+    missing = sorted(set(planned) - set(target))
+    extra = sorted(set(stored) - set(target.values()))
     if missing:
         result.problems.append(f"{len(missing)} tensor(s) that base + adapter give are not in the checkpoint: "
                                f"{', '.join(missing[:5])}")
     if extra:
         result.problems.append(f"{len(extra)} tensor(s) of the checkpoint do not come from base + adapter: "
                                f"{', '.join(extra[:5])}")
-    shapes = [n for n in sorted(set(planned) & set(stored))
-              if (planned[n].out_dtype, tuple(planned[n].shape)) != (stored[n].dtype, tuple(stored[n].shape))]
+    shapes = [n for n in sorted(target) if (planned[n].out_dtype, tuple(planned[n].shape))
+              != (stored[target[n]].dtype, tuple(stored[target[n]].shape))]
     for n in shapes[:5]:
-        result.problems.append(f"{n}: the checkpoint has {stored[n].dtype} {list(stored[n].shape)}, base + adapter "
+        got = stored[target[n]]
+        result.problems.append(f"{target[n]}: the checkpoint has {got.dtype} {list(got.shape)}, base + adapter "
                                f"give {planned[n].out_dtype} {list(planned[n].shape)}")
     if len(shapes) > 5:
         result.problems.append(f"... and {len(shapes) - 5} more tensor(s) of another dtype or shape")
     result.fits = not (missing or extra or shapes)
-    todo = [t for t in plan.tensors if t.name in stored and t.name not in shapes]
-    sink = _Compare(stored)
+    todo = [t for t in plan.tensors if t.name in target and t.name not in shapes]
+    sink = _Compare({n: stored[m] for n, m in target.items()})
     try:
         stream_tensors(plan, sink, todo, device=device)
         sink.finish()

@@ -351,3 +351,24 @@ def test_in_process_weighted_combination_passes(make_base, make_adapter, tmp_pat
     assert report.status == "OK" and report.recomputed, report.summary()
     report = verify_checkpoint(out, base=base, adapter=a)
     assert report.status == "FAILED" and "the merge combined 2 adapter(s), 1 given" in report.summary()
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_in_process_output_with_renamed_keys_is_recomputed(arch, tmp_path):
+    """In process, vision-language models are written under transformers' in-memory names; the recomputation
+    matches them to the base's checkpoint keys."""
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.tiny import build_adapter, build_base, model_class
+
+    base = build_base(str(tmp_path / "base"), arch)
+    adapter = build_adapter(base, str(tmp_path / "adapter"), r=4, lora_alpha=8)
+    cls = model_class(AutoConfig.from_pretrained(base))
+    model = PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), adapter)
+    out = str(tmp_path / "m")
+    merge_and_save(model, out, base_precision="dequantized", dtype="float32", progress=False)
+    report = verify_checkpoint(out, base=base, adapter=adapter)
+    assert report.status == "OK" and report.recomputed, report.summary()
+    assert any(f"recomputed {report.tensors} tensors" in c and "equal byte for byte" in c for c in report.checks)
