@@ -360,25 +360,8 @@ def merge_and_unload(
         >>> plain = merge_and_unload(model, progressbar=True, safe_merge=True)   # doctest: +SKIP
     """
     del progressbar, safe_merge  # see the docstring
-    offloaded = _offloaded_modules(unwrap(model))
-    if offloaded:
-        shown = ", ".join(offloaded[:5]) + (f" and {len(offloaded) - 5} more" if len(offloaded) > 5 else "")
-        raise InputError(f"merge_and_unload returns a model in memory, but these modules are offloaded by accelerate "
-                         f"({shown}; device_map with 'disk' or 'cpu' parts): nothing was changed. Use "
-                         "merge_and_save(model, out_dir), which brings each offloaded module in for its turn, then "
-                         "load out_dir with from_pretrained(..., device_map=...)")
     return _merge_and_unload(model, maximum_memory_usage=maximum_memory_usage, dtype=dtype,
                              adapter_names=adapter_names, weights=weights, combination_type=combination_type)
-
-
-def _offloaded_modules(inner: nn.Module) -> list[str]:
-    """The outermost modules whose weights accelerate keeps off the execution device (disk or CPU offload)."""
-    found: list[str] = []
-    for name, module in inner.named_modules():
-        hook = getattr(module, "_hf_hook", None)
-        if hook is not None and getattr(hook, "offload", False) and not any(name.startswith(f + ".") for f in found):
-            found.append(name)
-    return found
 
 
 def patch_peft() -> None:

@@ -21,7 +21,7 @@ from .execute import (check_applied, check_probe_error, current_rss_bytes, peak_
                       probe_vectors)
 from .staging import check_written, staged_output
 from .live import (LiveEntry, LiveModel, change_key, check_adapter_names, dequantize, materialized, offload_owner,
-                   unwrap, walk)
+                   offloaded_modules, unwrap, walk)
 from .model_check import require_supported
 from .unload import finish_unload
 from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_factors, probe_rows, update_counts
@@ -666,6 +666,13 @@ def merge_and_unload(
     names, weight_map, problems = _selection(model, adapter_names, weights, combination_type)
     problems = require_supported(model, names, problems)
     out_dtype = out_dtype or model_dtype(inner)
+    offloaded = offloaded_modules(inner)
+    if offloaded:  # the modules are replaced in place and the model cast as a whole: refuse before either
+        shown = ", ".join(offloaded[:5]) + (f" and {len(offloaded) - 5} more" if len(offloaded) > 5 else "")
+        problems.append(f"merge_and_unload returns a model in memory, but these modules are offloaded by accelerate "
+                        f"({shown}; device_map with 'disk' or 'cpu' parts): nothing was changed. Use "
+                        "merge_and_save(model, out_dir), which brings each offloaded module in for its turn, then "
+                        "load out_dir with from_pretrained(..., device_map=...)")
     if problems:
         raise InputError(problems)
     live = walk(model, names)

@@ -444,6 +444,29 @@ def _offloads(module: nn.Module | None) -> bool:
     return hook is not None and bool(getattr(hook, "offload", False))
 
 
+def offloaded_modules(model: nn.Module) -> list[str]:
+    """The outermost modules whose weights accelerate keeps off their execution device (disk or CPU offload).
+
+    Args:
+        model: a model, possibly dispatched by accelerate with a ``device_map``.
+
+    Returns:
+        Module names, outermost first; empty when nothing is offloaded.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> offloaded_modules(torch.nn.Linear(2, 2))
+        []
+    """
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if _offloads(module) and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+    return found
+
+
 def offload_owner(model: nn.Module, name: str, holder: nn.Module | None = None) -> nn.Module | None:
     """The module whose accelerate hook holds tensor ``name``'s offloaded weights, if any: the tensor's own
     module first (accelerate hooks leaf modules, which PEFT keeps as ``base_layer``), else the outermost

@@ -226,8 +226,12 @@ def test_merge_and_unload_on_an_offloaded_model_refuses_before_changing_it(bf16_
                                              init_lora_weights=False))
     before = {k: v.detach().clone() for k, v in model.named_parameters() if not v.is_meta}
     kinds = [type(m) for m in model.modules()]
-    with pytest.raises(InputError, match=r"(?s)offloaded by accelerate \(model.embed_tokens, lm_head;.*nothing was changed.*merge_and_save"):
-        merge_and_unload(model)
+    from peft_shardmerge import inprocess
+
+    for unload in (merge_and_unload, inprocess.merge_and_unload):
+        with pytest.raises(InputError, match=r"(?s)offloaded by accelerate \(model.embed_tokens, lm_head;.*nothing "
+                                             r"was changed.*merge_and_save"):
+            unload(model)
     after = {k: v for k, v in model.named_parameters() if not v.is_meta}
     assert kinds == [type(m) for m in model.modules()] and before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
