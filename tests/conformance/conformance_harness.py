@@ -17,8 +17,8 @@ from conformance_models import CustomModel, arch_config
 from conformance_reference import OUTPUT_TOL, WEIGHT_TOL, Env, Reference, forward, load_peft, output_err
 from peft_shardmerge.tiny import model_class
 
-#: outcomes that satisfy the invariant ("match-unmerged": PEFT's own merge changes the model's outputs, so the
-#: merge is held to the unmerged model's outputs alone)
+#: outcomes that satisfy the invariant ("match-unmerged": PEFT's own merge changes the model's outputs, so no
+#: result can equal both; the merge is held to the unmerged model's outputs alone)
 GOOD = ("match", "match-unmerged", "refused")
 #: config fields that describe the case but never name a refusal reason
 _PLAIN_FIELDS = {"target_modules", "task_type", "r", "lora_alpha", "lora_dropout", "init_lora_weights", "init_weights",
@@ -55,7 +55,7 @@ def compare(state: dict, outputs: torch.Tensor | None, ref: Reference) -> str:
         >>> compare(state, outputs, ref)   # doctest: +SKIP
         ''
     """
-    if ref.merged is None:
+    if ref.merged is None:  # where PEFT itself refuses, only a refusal is right
         return f"merged although PEFT refuses to merge this case ({ref.peft_refusal})"
     problems = []
     missing, extra = sorted(set(ref.merged) - set(state)), sorted(set(state) - set(ref.merged))

@@ -132,6 +132,22 @@ def _weighted(pm, case: Case):
 
 
 def forward(model, inputs) -> torch.Tensor:
+    """The model's logits (or first output) on ``inputs``, fp32, detached.
+
+    Args:
+        model: a transformers model, a PeftModel or one of PEFT's test modules.
+        inputs: keyword inputs.
+
+    Returns:
+        The outputs.
+
+    Raises:
+        Exception: whatever the forward raises.
+
+    Example:
+        >>> forward(torch.nn.Identity(), {"input": torch.ones(1)})
+        tensor([1.])
+    """
     with torch.no_grad():
         return _logits(model(**inputs)).detach().float().clone()
 
