@@ -232,19 +232,25 @@ def _plan(base: str, adapters: list[str], options: dict):
                       chunk_elems=options["chunk_elems"] or DEFAULT_CHUNK_ELEMS)
 
 
-def _match_names(planned: dict, stored: dict[str, TensorInfo], info) -> dict[str, str]:
-    """Planned name (the base's checkpoint keys) -> stored name: the same key, or the name transformers loads it
-    under (an in-process merge writes in-memory names, e.g. LLaVA's ``model.language_model.*`` for the base's
-    ``language_model.model.*``). Keys that loading fuses with others (MoE experts) match only as themselves."""
+def _match_names(planned: dict, stored: dict[str, TensorInfo], info) -> tuple[dict[str, str], set, set]:
+    """``(planned name -> stored name, fused planned names, fused stored names)``: each of the base's checkpoint keys
+    matches the same key, or the name transformers loads it under (an in-process merge writes in-memory names,
+    e.g. LLaVA's ``model.language_model.*`` for ``language_model.model.*``); keys that loading fuses into one
+    tensor (per-expert MoE weights into ``experts.gate_up_proj``) are returned apart, with the fused tensors."""
     target = {n: n for n in planned if n in stored}
     rest = [n for n in planned if n not in stored]
+    fused, fused_stored = set(), set()
     if rest:
         taken = set(target.values())
         for name, (memory, converted) in info.memory_names(rest).items():
-            if not converted and memory in stored and memory not in taken:
-                target[name] = memory
-                taken.add(memory)
-    return target
+            if memory in stored and memory not in taken:
+                if converted:
+                    fused.add(name)
+                    fused_stored.add(memory)
+                else:
+                    target[name] = memory
+                    taken.add(memory)
+    return target, fused, fused_stored
 
 
 def _identity_notes(record: dict | None, base: str, adapters: list[str]) -> list[str]:
@@ -322,9 +328,13 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
         result.notes.append(why)
         return result
     planned = {t.name: t for t in plan.tensors}
-    target = _match_names(planned, stored, info)
-    missing = sorted(set(planned) - set(target))
-    extra = sorted(set(stored) - set(target.values()))
+    target, fused, fused_stored = _match_names(planned, stored, info)
+    missing = sorted(set(planned) - set(target) - fused)
+    extra = sorted(set(stored) - set(target.values()) - fused_stored)
+    if fused:
+        result.notes.append(f"{len(fused_stored)} tensor(s) stored fused as transformers loads them (e.g. "
+                            f"{sorted(fused_stored)[0]}), built from {len(fused)} checkpoint keys: not recomputed "
+                            "(the logits cover them)")
     if missing:
         result.problems.append(f"{len(missing)} tensor(s) that base + adapter give are not in the checkpoint: "
                                f"{', '.join(missing[:5])}")

@@ -372,3 +372,28 @@ def test_in_process_output_with_renamed_keys_is_recomputed(arch, tmp_path):
     report = verify_checkpoint(out, base=base, adapter=adapter)
     assert report.status == "OK" and report.recomputed, report.summary()
     assert any(f"recomputed {report.tensors} tensors" in c and "equal byte for byte" in c for c in report.checks)
+
+
+def test_in_process_fused_experts_pass_with_a_note(tmp_path):
+    """LoRA on fused MoE experts merged in process: the fused tensors are not recomputed (named in a note), the rest
+    is, and the logits cover the experts."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from peft_shardmerge import merge_and_save
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            intermediate_size=128, max_position_embeddings=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "base"))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32),
+                           LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False,
+                                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    model.save_pretrained(str(tmp_path / "adapter"))
+    out = str(tmp_path / "m")
+    merge_and_save(model, out, base_precision="dequantized", dtype="float32", progress=False)
+    report = verify_checkpoint(out, base=str(tmp_path / "base"), adapter=str(tmp_path / "adapter"))
+    assert report.status == "OK" and report.recomputed is False and report.integrity, report.summary()
+    assert any("4 tensor(s) stored fused as transformers loads them" in n for n in report.notes)
+    assert report.logits_max_rel_err < 1e-4
