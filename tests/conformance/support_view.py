@@ -60,7 +60,8 @@ def is_claimed(configs: list, layer_kinds: set, path: str, several: bool, peft_m
     """
     if support is None or not peft_merges or not configs:
         return False
-    where = support.DISK if path == "merge_checkpoint" else support.IN_PROCESS
+    # merge_and_save(base_precision="original") merges from disk through merge_checkpoint: the disk claims apply
+    where = support.DISK if path in ("merge_checkpoint", "merge_and_save:original") else support.IN_PROCESS
     for config in configs:
         c = config.to_dict()
         if any(c.get(f) not in (None, False, [], {}) for f in _UNNAMED_FIELDS):
@@ -79,6 +80,7 @@ def is_claimed(configs: list, layer_kinds: set, path: str, several: bool, peft_m
             layer_variants.append("feedforward")
         if several:
             adapter_variants.append("several adapters")
+            layer_variants.append("several adapters")  # claimed per layer kind too (not on disk for parameters)
         for kind in layer_kinds:
             for variant in layer_variants or ["plain"]:
                 if not support.is_claimed(peft_type, kind, variant, where):
