@@ -14,13 +14,15 @@ import torch
 
 from .budget import free_accelerator_cache, is_out_of_memory
 from .errors import InputError, MergeCheckError
-from .maths import dora_rescale_, lora_bias_delta, merge_block, probe_rows, replace_rows_, swallowed
+from .maths import dora_rescale_, lora_bias_delta, merge_block, probe_rows, replace_rows_, update_counts
 from .plan import Plan, PlannedTensor
 from .quant import quantize_roundtrip
 from .report import MergeReport
+from .resume import InputDigests
 from .safetensors_io import DTYPES, RowReader, row_blocks
 from .side_files import copy_side_files
 from .staging import check_written, staged_output
+from .record import disk_merge_info, write_merge_record
 from .writer import ShardWriter, write_json
 
 log = logging.getLogger(__name__)
@@ -253,7 +255,8 @@ class _Merger:
             _check_range(t, cast, out_dtype)
             if factors and out_dtype != torch.float32:  # estimated on the rows the self-check samples
                 sample = probe_rows(cast.shape[0])
-                changed, lost = changed + cast[sample].numel(), lost + swallowed(rows[sample], cast[sample])
+                c, lo = update_counts(rows[sample], merged.reshape(cast.shape)[sample], cast[sample])
+                changed, lost = changed + c, lost + lo
             w.write(cast)
             self.bar.update((stop - start) * row_bytes)
         if changed:
@@ -343,8 +346,9 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     merger = _Merger(plan, dev, progress)
     try:
         with staged_output(out_dir, fingerprint=plan.fingerprint() if resume else None,
-                           overwrite=overwrite) as staging:
+                           overwrite=overwrite, inputs=InputDigests(plan) if resume else None) as staging:
             tmp = staging.path
+            records = {}
             with torch.no_grad():
                 for i, shard_name in enumerate(plan.shard_names):
                     tensors = plan.shard_tensors(i)
@@ -356,6 +360,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
                         for t in tensors:
                             merger.write_tensor(t, w)
                     staging.record(shard_name, w.digest())
+                    records[shard_name] = w.record()
             resumed = list(staging.resumed)
             if len(plan.shard_names) > 1:
                 write_json(os.path.join(tmp, "model.safetensors.index.json"), plan.index())
@@ -363,6 +368,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
             _copy_side_files(plan, tmp)
             if before_commit is not None:
                 before_commit(tmp)
+            write_merge_record(tmp, records, disk_merge_info(plan))
             _check_counts(plan, merger)
             check_written(tmp, [(plan.shard_names[i], [(t.name, t.out_dtype, t.shape) for t in plan.shard_tensors(i)])
                                 for i in range(len(plan.shard_names))])
@@ -394,8 +400,39 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         self_check_max_rel_err=merger.probe_err,
         swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()},
     )
-    log.info("%s", report.summary())
+    log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
     return report
+
+
+def stream_tensors(plan: Plan, sink, tensors: list[PlannedTensor] | None = None, *,
+                   device: str | torch.device = "cpu") -> None:
+    """Produce planned tensors with the very code :func:`execute_plan` writes them with, into ``sink`` instead of a
+    shard (``peft-shardmerge verify`` compares them with a merged checkpoint this way).
+
+    Args:
+        plan: the plan.
+        sink: an object with ``begin(t)`` (called before each tensor's bytes), ``write(tensor)`` and
+            ``copy_from(fd, offset, nbytes)`` (the calls a :class:`~peft_shardmerge.writer.ShardWriter` receives).
+        tensors: the planned tensors to produce (default: all, in write order).
+        device: where the maths runs.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: a merged value is not finite or the self-check fails.
+
+    Example:
+        >>> stream_tensors(plan, sink)   # doctest: +SKIP
+    """
+    merger = _Merger(plan, resolve_device(device), False)
+    try:
+        with torch.no_grad():
+            for t in plan.tensors if tensors is None else tensors:
+                sink.begin(t)
+                merger.write_tensor(t, sink)
+    finally:
+        merger.close()
 
 
 def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> list[str]:
@@ -427,7 +464,8 @@ def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> l
     if worst:
         names = ", ".join(k for _, k in worst[-5:][::-1])
         message = (f"{name} swallowed more than {SWALLOWED_WARNING:.0%} of the LoRA update in {len(worst)} tensor(s) "
-                   f"(worst: {names}); write --dtype float32 (or float16) to keep it")
+                   f"(worst: {names}); write float32 or float16 to keep it (dtype='float32' in Python, --dtype float32 "
+                   "on the command line)")
         log.warning("%s", message)
         notes.append(message)
     return notes
