@@ -80,3 +80,21 @@ def peft_reference():
         return cache[(base, adapter)]
 
     return ref
+
+
+def pytest_collection_modifyitems(config, items):
+    """For the conformance matrix (tests/conformance): ``CONFORMANCE_SHARD=i/n`` keeps the checks of every n-th conformance case from the i-th (to spread the
+    matrix over processes); other tests are kept by shard 0 only."""
+    shard = os.environ.get("CONFORMANCE_SHARD")
+    if not shard:
+        return
+    i, n = (int(x) for x in shard.split("/"))
+    keep, drop, cases = [], [], {}
+    for item in items:
+        if "conformance" in item.nodeid and "[" in item.nodeid:
+            case = item.nodeid.split("[", 1)[1].split("|", 1)[0]  # a case's paths stay together
+            (keep if cases.setdefault(case, len(cases)) % n == i else drop).append(item)
+        else:
+            (keep if i == 0 else drop).append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)

@@ -40,6 +40,8 @@ def tree(folder) -> dict[str, str]:
                 out[rel] = "link -> " + os.readlink(path)
             elif os.path.isdir(path):
                 out[rel] = "folder"
+            elif not os.path.isfile(path):  # a fifo or socket: opening it would block
+                out[rel] = f"special {os.lstat(path).st_mode:o}"
             else:
                 out[rel] = hashlib.sha256(open(path, "rb").read()).hexdigest()
     return out

@@ -5,14 +5,35 @@ marked ``matrix`` (``make test-all`` runs it all)."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 
 import pytest
 
 from conformance_cases import all_cases as _all_cases
 from conformance_cases import all_checks, sample_ids
 from conformance_harness import GOOD, compare, run_check
-from conformance_reference import NotBuildable
+from conformance_reference import Env, NotBuildable
 from support_view import is_claimed
+
+@pytest.fixture(scope="session")
+def conformance_env(tmp_path_factory):
+    """The matrix's working folder (:class:`conformance_harness.Env`)."""
+    return Env(tmp_path_factory.mktemp("conformance"))
+
+
+@pytest.fixture(scope="session")
+def record_outcome():
+    """Return a function (check id, outcome) that appends the outcome to ``$CONFORMANCE_LOG`` when set."""
+    log = os.environ.get("CONFORMANCE_LOG")
+
+    def record(check_id: str, kind: str, detail: str) -> None:
+        if log:
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"check": check_id, "kind": kind, "detail": detail}) + "\n")
+
+    return record
+
 
 _CHECKS = all_checks()
 _SAMPLE = sample_ids(_CHECKS)
