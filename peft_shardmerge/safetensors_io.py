@@ -145,7 +145,7 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
         if data_start + end > size:
             raise CorruptFileError(f"{path}: tensor {name!r} ends beyond the file; the file is truncated")
         tensors.append(info)
-    tensors.sort(key=lambda t: t.offset)
+    tensors.sort(key=lambda t: (t.offset, t.nbytes))  # safetensors orders by (begin, end): empty tensors first
     pos = data_start
     for t in tensors:
         if t.offset != pos:

@@ -49,7 +49,8 @@ def test_overwrite_replaces_only_after_success(pair, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("old")
     merge_checkpoint(base, adapter, str(out), overwrite=True, progress=False)
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "merge_manifest.json",
+                                      "model.safetensors"]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 
 

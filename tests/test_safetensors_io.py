@@ -120,7 +120,7 @@ def test_writer_failing_on_its_header_leaves_no_thread_or_descriptor(tmp_path, m
     fds_before = len(os.listdir("/proc/self/fd"))
     threads_before = threading.active_count()
 
-    def full(self, view):
+    def full(self, view, data=True):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ShardWriter, "_write_all", full)
