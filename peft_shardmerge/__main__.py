@@ -2,6 +2,10 @@
 
 import sys
 
-from .cli import main
+try:
+    from .cli import main
+except KeyboardInterrupt:  # Ctrl-C while the command itself is still loading: nothing has started
+    print("peft-shardmerge: interrupted; nothing was written and OUT is unchanged", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())
