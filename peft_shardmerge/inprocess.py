@@ -22,7 +22,7 @@ from .execute import (check_applied, check_probe_error, current_rss_bytes, peak_
 from .staging import check_written, staged_output
 from .live import (LiveEntry, LiveModel, change_key, check_adapter_names, dequantize, materialized, offload_owner,
                    offloaded_modules, unwrap, walk)
-from .model_check import require_supported
+from .model_check import require_supported, selected_adapters
 from .unload import finish_unload
 from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_factors, probe_rows, update_counts
 from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
@@ -154,7 +154,7 @@ def merge_and_save(
         out_dtype, dtype_note = default_dtype(inner, model_dtype(inner))
     original, reason, check = None, "base_precision='dequantized'", OriginalCheck(None)
     if base_precision in ("auto", "original"):
-        original, reason, check = _original_checkpoint(model, inner, names or _active_adapter_names(model),
+        original, reason, check = _original_checkpoint(model, inner, names or selected_adapters(model, None),
                                                        weight_map, base_precision)
         if original is None and base_precision == "original":
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
@@ -221,19 +221,6 @@ def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
     return save
 
 
-def _active_adapter_names(model: nn.Module) -> list[str]:
-    """The adapters a model computes with now (several after ``base_model.set_adapter([...])``)."""
-    names = getattr(model, "active_adapters", None)
-    if callable(names):
-        names = names()
-    if not names:
-        names = getattr(model, "active_adapter", None)
-        names = names() if callable(names) else names
-    if isinstance(names, str):
-        names = [names]
-    return list(names or ["default"])
-
-
 def _peft_type(config) -> str:
     return str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "")))
 
@@ -260,7 +247,7 @@ def _selection(model: nn.Module, adapter_names, weights, combination_type):
         return None, {}, check_weights(0, None, combination_type, option="combination_type")[1]
     configs = getattr(model, "peft_config", None) or {}
     if adapter_names is None:
-        adapter_names = _active_adapter_names(model)
+        adapter_names = selected_adapters(model, None)
     names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
     problems = check_adapter_names(model, names)
     if problems:
@@ -284,7 +271,7 @@ def _selection(model: nn.Module, adapter_names, weights, combination_type):
 
 def _merge_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite, progress, save_extra,
                          names=None, weight_map=None, combination="cat"):
-    adapters = names or _active_adapter_names(model)
+    adapters = names or selected_adapters(model, None)
     with tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-") as folder:
         folders = []
         for i, adapter in enumerate(adapters):
