@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .api import check_out_dir
+from .api import check_out_dir, source_folders
 from .errors import InputError
 from .inprocess import merge_and_save, save_merged_4bit
 from .inprocess import merge_and_unload as _merge_and_unload
@@ -56,26 +56,12 @@ def _earlier_save(folder: str) -> str:
     return ""
 
 
-def _model_folders(model: nn.Module) -> dict[str, str]:
-    """The local folders the model was loaded from (base, and where PEFT recorded it, the adapter's base)."""
-    inner = unwrap(model)
-    folders = {}
-    name = getattr(getattr(inner, "config", None), "_name_or_path", "") or ""
-    if name and os.path.isdir(name):
-        folders["base"] = name
-    for adapter, cfg in (getattr(model, "peft_config", None) or {}).items():
-        origin = getattr(cfg, "base_model_name_or_path", None)
-        if origin and os.path.isdir(origin):
-            folders.setdefault("base", origin)
-    return folders
-
-
 def _replace_problems(save_directory: str, model: nn.Module, method: str | None, any_content: bool = False
                       ) -> list[str]:
     """Problems with saving into ``save_directory`` as Unsloth does: an earlier save there is replaced (a merged
     checkpoint by any save, an adapter folder by an adapter save); an input folder, or a folder with other content,
     never is."""
-    problems = check_out_dir(save_directory, inputs=_model_folders(model), overwrite=True)
+    problems = check_out_dir(save_directory, inputs=source_folders(model), overwrite=True)
     if problems or any_content or not os.path.isdir(save_directory) or not os.listdir(save_directory):
         return problems
     held = _earlier_save(save_directory)
@@ -210,6 +196,8 @@ def save_pretrained_merged(
     """
     if not is_main_process:
         return None
+    if isinstance(save_directory, os.PathLike):
+        save_directory = os.fspath(save_directory)
     problems = _check_compat(save_method, state_dict, safe_serialization, variant)
     method = SAVE_METHODS.get(save_method.lower().replace(" ", "_")) if isinstance(save_method, str) else None
     problems += _replace_problems(save_directory, model, method, any_content=overwrite)

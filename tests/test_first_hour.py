@@ -163,7 +163,7 @@ def test_unsloth_save_methods_and_rerunning_the_cell(bf16_base, tmp_path, caplog
     peft_shardmerge.patch_peft()
     model = peft_qlora(bf16_base)
     out = str(tmp_path / "model")
-    model.save_pretrained_merged(out, None, save_method="merged_16bit", progress=False)
+    model.save_pretrained_merged(tmp_path / "model", None, save_method="merged_16bit", progress=False)  # a Path
     first = os.path.getmtime(os.path.join(out, "config.json"))
     report = model.save_pretrained_merged(out, None, save_method="merged_16bit", progress=False)  # re-run the cell
     assert report.lora_modules_merged == 14 and os.path.getmtime(os.path.join(out, "config.json")) >= first
@@ -188,7 +188,7 @@ def test_unsloth_save_methods_and_rerunning_the_cell(bf16_base, tmp_path, caplog
     (busy / "training_args.bin").write_bytes(b"x")
     with pytest.raises(InputError, match=r"is not an earlier save \(it holds training_args.bin\)"):
         model.save_pretrained_merged(str(busy), None, progress=False)
-    with pytest.raises(InputError, match=r"is the base folder"):
+    with pytest.raises(InputError, match=r"is the model folder"):
         save_pretrained_merged(model, bf16_base, None, progress=False)
     assert not (tmp_path / "x").exists() and os.listdir(busy) == ["training_args.bin"]
 
