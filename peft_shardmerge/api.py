@@ -61,6 +61,10 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
         return [f"output folder is an empty path ({raw!r}); name the folder to create, e.g. ./merged"]
     out = os.path.abspath(raw)
     real = os.path.realpath(out)
+    as_the_system_reads = os.path.realpath(os.path.join(_here() or os.sep, raw))
+    if ".." in raw.split(os.sep) and as_the_system_reads != real:
+        return [f"output folder {raw} has '..' after a symbolic link: the system reads it as {as_the_system_reads}, "
+                f"not {out}; pass the path without '..'"]
     if real == os.sep:
         return [f"output folder {raw} is the filesystem root; name a new folder, e.g. {os.path.join(raw, 'merged')}"]
     for what, folder in (("the current working folder", _here()), ("your home folder", os.path.expanduser("~"))):
@@ -69,8 +73,9 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
             where = "is" if real == folder else "holds"
             return [f"output folder {raw} ({real}) {where} {what}, which the merge would replace; name a new folder, "
                     f"e.g. {os.path.join(raw, 'merged')}"]
+    problems += _unresolved_input_problems(raw, real, inputs)
     seen = set()
-    for role, folder in inputs.items():
+    for role, folder in _with_link_targets(inputs):
         src = os.path.realpath(os.fspath(folder)) if folder is not None else None
         if src is None or src in seen:
             continue
@@ -160,11 +165,80 @@ def source_folders(model) -> dict[str, str]:
         for attr in ("adapter_path", "model_id"):
             candidates.append((f"adapter {name!r}", getattr(cfg, attr, None)))
     for role, folder in candidates:
-        if isinstance(folder, (str, os.PathLike)) and os.fspath(folder) and os.path.isdir(folder):
+        if (isinstance(folder, str) and folder and not os.path.isabs(folder) and not os.path.exists(folder)
+                and role not in folders):  # relative, loaded from another working folder (or a Hub id)
+            folders[role] = folder
+        elif isinstance(folder, (str, os.PathLike)) and os.fspath(folder) and os.path.isdir(folder):
             real = os.path.realpath(folder)
             if real not in {os.path.realpath(f) for f in folders.values()}:
                 folders[role if role not in folders else f"{role} ({len(folders)})"] = os.fspath(folder)
     return folders
+
+
+def foreign_model_problems(out_dir: str | os.PathLike) -> list[str]:
+    """Problems with replacing ``out_dir`` from a loaded model: a folder holding a model or an adapter that
+    peft-shardmerge did not write (no merge record) may be the one the model was loaded from, which PEFT does not
+    record for adapters, so it is never replaced, ``overwrite`` or not.
+
+    Args:
+        out_dir: the output folder.
+
+    Returns:
+        The problems, each a sentence with the fix; empty when ``out_dir`` holds no such files.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> foreign_model_problems("/nonexistent/merged")
+        []
+    """
+    folder = os.fspath(out_dir)
+    if not os.path.isdir(folder) or os.path.islink(folder) or os.path.isfile(os.path.join(folder, "merge_manifest.json")):
+        return []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    held = sorted(n for n in names if n == "adapter_config.json" or n.endswith((".safetensors", ".bin", ".pt", ".pth")))
+    if not held:
+        return []
+    return [f"output folder {folder} holds a model or adapter that peft-shardmerge did not write ({', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}); it may be the one this model was loaded from, so it is never "
+            "replaced: choose another folder, or remove it yourself first"]
+
+
+def _with_link_targets(inputs: dict) -> list[tuple[str, str]]:
+    """Each input folder, then the folders its linked files really live in (a Hub snapshot's ``blobs/``): replacing
+    those would destroy the input as surely as replacing the folder itself."""
+    pairs = []
+    for role, folder in inputs.items():
+        pairs.append((role, folder))
+        if folder is None or not os.path.isdir(folder):
+            continue
+        for root, dirs, files in os.walk(folder):
+            for name in dirs + files:
+                path = os.path.join(root, name)
+                if os.path.islink(path):
+                    pairs.append((f"{role} (the files its links point to)", os.path.dirname(os.path.realpath(path))))
+            if len(pairs) > 10_000:
+                break
+    return pairs
+
+
+def _unresolved_input_problems(raw: str, real: str, inputs: dict) -> list[str]:
+    """An input recorded as a relative path that no longer resolves (the working folder changed since the model was
+    loaded) may be the output folder under another spelling: refuse an OUT whose path ends with it."""
+    problems = []
+    for role, folder in inputs.items():
+        name = os.fspath(folder) if folder is not None else ""
+        if not name or os.path.isabs(name) or os.path.exists(name):
+            continue
+        tail = os.sep + os.path.normpath(name).strip(os.sep)
+        if (real + os.sep).find(tail + os.sep) >= 0:
+            problems.append(f"output folder {raw} may be the {role} folder, recorded as the relative path {name!r} "
+                            "when the model was loaded (the working folder has changed since); choose another folder")
+    return problems
 
 
 def _here() -> str | None:

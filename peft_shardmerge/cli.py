@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -155,8 +156,16 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USER_ERROR
     if args.dry_run or not args.quiet:  # a dry run's plan is its output; -q silences the summary
-        print(report.summary())
+        _print(report.summary())
     return 0
+
+
+def _print(text: str) -> None:
+    """Print to stdout; a reader that stopped early (``| head``) ends the output quietly, not with a traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
 
 
 def _out_state(out: str) -> str:
@@ -195,7 +204,7 @@ def _verify(args, parser) -> int:
     except (ShardMergeError, OSError) as e:
         print(f"peft-shardmerge: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    print(report.summary())
+    _print(report.summary())
     return report.exit_code  # 0 OK, 1 FAILED, 3 UNCHECKED (no merge record and no --base/--adapter)
 
 

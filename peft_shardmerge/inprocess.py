@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .api import check_out_dir, merge_checkpoint, source_folders
+from .api import check_out_dir, foreign_model_problems, merge_checkpoint, source_folders
 from .adapter import check_weights, modifies_base
 from .peft_deltas import DELTA_TYPES
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
@@ -159,7 +159,7 @@ def merge_and_save(
         if original is None and base_precision == "original":
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
     inputs = {**source_folders(model), **({"base": original} if original else {})}
-    problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
+    problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite) + foreign_model_problems(out_dir)
     if problems:
         raise InputError(problems)
     save_extra = _side_saver(tokenizer)
@@ -753,8 +753,8 @@ def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, d
 
     budget = MemoryBudget(maximum_memory_usage)
     inner = unwrap(model)
-    problems = require_supported(model, None, check_out_dir(out_dir, inputs=source_folders(model),
-                                                                overwrite=overwrite))
+    problems = require_supported(model, None, check_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite)
+                                 + foreign_model_problems(out_dir))
     out_dtype = parse_dtype(dtype) or model_dtype(inner)
     if out_dtype == torch.float32:
         out_dtype = torch.bfloat16
