@@ -26,11 +26,11 @@ _LAZY = {
     "patch_peft": "dropins",
     "merge_checkpoint": "api",
     "plan_checkpoint_merge": "api",
-    "check_out_dir": "api",
+    "check_out_dir": "outcheck",
     "MergeReport": "report",
-    "Plan": "plan",
-    "parse_size": "plan",
-    "parse_dtype": "plan",
+    "Plan": "plan_types",
+    "parse_size": "options",
+    "parse_dtype": "options",
 }
 
 __all__ = [

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptFileError, InputError, NotFoundError, UnsupportedError
+from .errors import CorruptFileError, InputError, NotFoundError
 from .maths import linear_factors
 from .peft_deltas import DELTA_TYPES
 from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks

@@ -10,10 +10,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .api import check_out_dir, source_folders
+from .outcheck import check_out_dir, source_folders
 from .errors import InputError
 from .inprocess import merge_and_save, save_merged_4bit
-from .inprocess import merge_and_unload as _merge_and_unload
+from .unload import merge_and_unload as _merge_and_unload
 from .live import unwrap
 from .report import MergeReport
 from .sources import TOKENIZER_FILES
@@ -323,7 +323,7 @@ def merge_and_unload(
     Takes PEFT's parameters in PEFT's order. Every merge here runs the checks PEFT's ``safe_merge=True`` asks for
     (each merged block checked finite and against the unmerged layer on probe vectors), so ``safe_merge`` only
     documents that; ``progressbar`` is accepted and ignored (the merge is module by module). The rest is
-    :func:`peft_shardmerge.inprocess.merge_and_unload`.
+    :func:`peft_shardmerge.unload.merge_and_unload`.
 
     Args:
         model: a ``PeftModel`` (or a transformers model after ``add_adapter``), base 4-bit, 8-bit or unquantized.

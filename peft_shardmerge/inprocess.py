@@ -6,26 +6,24 @@ import logging
 import os
 import tempfile
 import time
-from collections import Counter
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .api import check_out_dir, foreign_model_problems, merge_checkpoint, source_folders
+from .outcheck import check_out_dir, foreign_model_problems, source_folders
+from .api import merge_checkpoint
 from .adapter import check_weights, modifies_base
 from .peft_deltas import DELTA_TYPES
-from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
+from .budget import MemoryBudget
 from .errors import InputError, MergeCheckError, ShardMergeError
-from .execute import (check_applied, check_probe_error, current_rss_bytes, peak_rss_bytes, precision_notes,
-                      probe_vectors)
+from .execute import (check_applied, current_rss_bytes, peak_rss_bytes, precision_notes)
 from .staging import check_written, staged_output
-from .live import (LiveEntry, LiveModel, change_key, check_adapter_names, dequantize, materialized, offload_owner,
-                   offloaded_modules, unwrap, walk)
+from .live import (LiveEntry, LiveModel, check_adapter_names, unwrap, walk)
 from .model_check import require_supported, selected_adapters
-from .unload import finish_unload
-from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_factors, probe_rows, update_counts
-from .plan import TORCH_TO_ST, assign_shards, output_config, parse_dtype, parse_size
+from .plan import TORCH_TO_ST, output_config
+from .plan_types import assign_shards
+from .options import parse_dtype, parse_size
 from .original import (OriginalCheck, base_config, default_dtype, describe_base, find_original, inner_problems,
                        is_quantized)
 from .report import MergeReport
@@ -33,11 +31,12 @@ from .safetensors_io import DTYPES, row_blocks
 from .sources import copy_base_side_files
 from .record import live_merge_info, write_merge_record
 from .writer import ShardWriter, write_json
+from .live_merger import LiveMerger
+from .options import DEFAULT_CHUNK_ELEMS
 
 log = logging.getLogger(__name__)
 
 BASE_PRECISIONS = ("auto", "original", "dequantized")
-_CHUNK_ELEMS = 1 << 22
 
 
 def model_dtype(inner: nn.Module) -> torch.dtype:
@@ -147,7 +146,7 @@ def merge_and_save(
         problems += e.problems
         limit = 1
     inner = unwrap(model)
-    names, weight_map, selection_problems = _selection(model, adapter_names, weights, combination_type)
+    names, weight_map, selection_problems = adapter_selection(model, adapter_names, weights, combination_type)
     problems = require_supported(model, names, problems + selection_problems)
     dtype_note = ""
     if out_dtype is None:
@@ -241,7 +240,7 @@ def _memory_only(model: nn.Module, names: list[str], weight_map: dict[str, float
     return ""
 
 
-def _selection(model: nn.Module, adapter_names, weights, combination_type):
+def adapter_selection(model: nn.Module, adapter_names, weights, combination_type):
     """Check ``adapter_names``/``weights``/``combination_type``: ``(names or None, weight per name, problems)``."""
     if adapter_names is None and weights is None:
         return None, {}, check_weights(0, None, combination_type, option="combination_type")[1]
@@ -319,136 +318,6 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
     model.peft_config[adapter].save_pretrained(folder)
 
 
-class _LiveMerger:
-    """Produces each output tensor of a walked model, within the memory budget."""
-
-    def __init__(self, live: LiveModel, budget: MemoryBudget, out_dtype: torch.dtype = torch.float32,
-                 weights: dict[str, float] | None = None, combination: str = "cat"):
-        self.live = live
-        self.weights = weights or {}
-        self.combination = combination
-        self.budget = budget
-        self.out_dtype = out_dtype
-        self.applied: Counter[str] = Counter()
-        self.fallbacks = 0
-        self.repacked: list[str] = []
-        self.probe_err = 0.0
-        self.swallowed: dict[str, tuple[int, int]] = {}
-
-    def compute_device(self, entry: LiveEntry) -> torch.device:
-        tensor = getattr(entry.holder, entry.attr, None)
-        dev = tensor.device if tensor is not None and entry.kind in ("lora", "quantized", "delta", "ia3") \
-            else torch.device("cpu")
-        if dev.type == "meta":
-            hook = getattr(offload_owner(self.live.model, entry.name, entry.holder), "_hf_hook", None)
-            dev = torch.device(getattr(hook, "execution_device", None) or "cpu")
-        need = entry.numel * 4 * 2
-        if not self.budget.fits(need, dev):
-            if dev.type != "cpu":
-                log.info("%s: over the memory budget on %s; merging it on the CPU", entry.name, dev)
-                return torch.device("cpu")
-            # the CPU is the last resort: one module's fp32 copy is the least the merge can work with
-            log.warning("%s needs about %d MiB, which goes over maximum_memory_usage of host RAM; merging it "
-                        "anyway", entry.name, need >> 20)
-        return dev
-
-    def produce(self, entry: LiveEntry) -> torch.Tensor:
-        """The tensor in the output layout (float32 for merged weights; as stored for plain tensors)."""
-        with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
-            if entry.kind in ("plain", "saved"):
-                return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
-                    entry.holder.state_dict(keep_vars=True)[entry.attr]
-            if entry.kind == "tokens":
-                out = entry.holder.weight.detach().to(torch.float32, copy=True)
-                for a in entry.adapters:
-                    index = torch.tensor(entry.module.token_indices[a], device=out.device)
-                    out.index_copy_(0, index, entry.module.trainable_tokens_delta[a].detach().float().to(out.device))
-                if entry.module.tied_adapter is None:
-                    self.applied[change_key(entry)] += 1
-                return out
-            if entry.kind == "lora_bias":
-                out = entry.holder.bias.detach().to(torch.float32, copy=True)
-                for a in entry.adapters:
-                    out += entry.module.lora_B[a].bias.detach().float().to(out.device) * (
-                        entry.module.scaling[a] * self.weights.get(a, 1.0))
-                return out
-            dev = self.compute_device(entry)
-            try:
-                return self._merge_weight(entry, dev)
-            except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
-                if not is_out_of_memory(e):
-                    raise
-                free_accelerator_cache()
-                self.fallbacks += 1
-                log.warning("out of memory merging %s on %s; retrying on the CPU", entry.name, dev)
-                return self._merge_weight(entry, torch.device("cpu"))
-
-    def _add_peft_change(self, entry: LiveEntry, w: torch.Tensor) -> None:
-        """Add PEFT's own delta of a LoHa/LoKr/VeRA layer or LoRA on a parameter to ``w``, or apply IA3's scaling."""
-        layer = entry.module
-        flat = w.reshape(w.shape[0], -1)  # a view: rows, as ia3_multiplier counts them
-        for a in entry.adapters:
-            if entry.kind == "ia3":
-                mult, per_row = ia3_multiplier(layer.ia3_l[a].detach(), tuple(w.shape),
-                                               feedforward=layer.is_feedforward, bias=entry.attr == "bias",
-                                               fan_in_fan_out=getattr(layer, "fan_in_fan_out", False))
-                flat *= (mult.reshape(flat.shape[0], -1) if per_row else mult).to(w.device)
-            else:
-                w += layer.get_delta_weight(a).detach().float().to(w.device) * self.weights.get(a, 1.0)
-        if entry.adapters and not (entry.kind == "ia3" and entry.attr == "bias"):
-            self.applied[change_key(entry)] += 1
-
-    def _merge_weight(self, entry: LiveEntry, device: torch.device) -> torch.Tensor:
-        if entry.attr == "weight":
-            notes: list[str] = []
-            w = dequantize(entry.holder, device, notes)
-            if notes:
-                self.repacked.append(entry.name)
-        else:  # a bias, or a parameter such as fused experts' gate_up_proj
-            w = getattr(entry.holder, entry.attr).detach().to(device=device, dtype=torch.float32, copy=True)
-        if entry.kind in ("delta", "ia3"):
-            self._add_peft_change(entry, w)
-        if entry.kind == "lora":
-            m = entry.module
-            factors = []
-            for a in entry.adapters:
-                scaling = m.scaling[a] * self.weights.get(a, 1.0)
-                if a in m.lora_A:  # convolution factors [r, in, *kernel] flatten like the weight's rows
-                    factors.append((m.lora_A[a].weight.detach().flatten(1), m.lora_B[a].weight.detach().flatten(1),
-                                    scaling))
-                else:
-                    factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), scaling))
-            if self.combination == "linear" and len(factors) > 1:
-                factors = [linear_factors([(a.to(device), b.to(device), s) for a, b, s in factors])]
-            embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
-            transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
-            magnitudes = [m.lora_magnitude_vector[a].weight.detach().reshape(-1) for a in entry.adapters
-                          if getattr(m, "use_dora", {}).get(a)]
-            by_column = transposed  # DoRA on an embedding or Conv1D: one norm per stored column
-            flat = w.reshape(w.shape[0], -1)  # a view; convolution weights as [out, in * kernel]
-            probes = probe_vectors(entry.name, flat.shape[1]) if factors else None
-            changed = lost = 0
-            for start, stop in row_blocks(tuple(flat.shape), _CHUNK_ELEMS):
-                block = flat[start:stop]
-                sample = probe_rows(stop - start, block.device)
-                before = block[sample].clone() if probes is not None else None
-                err = add_lora_checked_(block, factors, start, stop, transposed=transposed, probes=probes)
-                self.probe_err = max(self.probe_err, err)
-                check_probe_error(entry.name, start, stop, err)
-                for magnitude in magnitudes if not by_column else ():  # DoRA, norms per output row
-                    dora_rescale_(block, magnitude[start:stop])
-                if before is not None and self.out_dtype != torch.float32:
-                    c, lo = update_counts(before, block[sample], block[sample].to(self.out_dtype))
-                    changed, lost = changed + c, lost + lo
-            for magnitude in magnitudes if by_column else ():
-                flat *= (magnitude.to(flat.device, torch.float32) / torch.linalg.norm(flat, dim=0)).unsqueeze(0)
-            if changed:
-                self.swallowed[entry.name] = (changed, lost)
-            if entry.adapters:
-                self.applied[change_key(entry)] += 1
-        return w.T if entry.transpose_out else w
-
-
 def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, quant4: dict | None = None,
                 selection: tuple = (None, {}, "cat")) -> MergeReport:
     from tqdm.auto import tqdm
@@ -457,7 +326,7 @@ def _merge_live(model, out_dir, out_dtype, limit, budget, progress, save_extra, 
     baseline = current_rss_bytes()
     adapter_names, weight_map, combination = selection
     live = walk(model, adapter_names)
-    merger = _LiveMerger(live, budget, out_dtype, weight_map, combination)
+    merger = LiveMerger(live, budget, out_dtype, weight_map, combination)
     out_st = TORCH_TO_ST[out_dtype]
     q4_names = live.info.linear_weights if quant4 is not None else set()
 
@@ -562,7 +431,7 @@ def _valid_generation_config(inner: nn.Module):
     return gen
 
 
-def _write_entry(merger: "_LiveMerger", e: LiveEntry, group, w: ShardWriter, out_dtype, quant4, q4_names) -> None:
+def _write_entry(merger: "LiveMerger", e: LiveEntry, group, w: ShardWriter, out_dtype, quant4, q4_names) -> None:
     if e.name in q4_names:
         for (name, t), (hname, _, shape, _) in zip(_quantize_entry(merger, e, out_dtype, quant4), group):
             if name != hname or tuple(t.shape) != tuple(shape):
@@ -576,11 +445,11 @@ def _write_entry(merger: "_LiveMerger", e: LiveEntry, group, w: ShardWriter, out
     if t.is_floating_point() and e.kind != "plain" and not torch.isfinite(t.sum()):
         raise MergeCheckError(f"merged tensor {e.name!r} has NaN or Inf")
     target = DTYPES[st][0]
-    for start, stop in row_blocks(e.shape, _CHUNK_ELEMS):
+    for start, stop in row_blocks(e.shape, DEFAULT_CHUNK_ELEMS):
         w.write(t[start:stop].detach().to(device="cpu", dtype=target))
 
 
-def _quantize_entry(merger: "_LiveMerger", e: LiveEntry, out_dtype: torch.dtype, quant4: dict):
+def _quantize_entry(merger: "LiveMerger", e: LiveEntry, out_dtype: torch.dtype, quant4: dict):
     """The merged weight quantized with bitsandbytes as transformers would store it: ``name`` (packed codes)
     and ``name.<quant state key>`` tensors, on the CPU."""
     from .quant import require_bitsandbytes
@@ -604,121 +473,6 @@ def _stored_dtype(live: LiveModel, e: LiveEntry) -> torch.dtype:
     if "." in e.attr:
         return e.holder.state_dict(keep_vars=True)[e.attr].dtype
     return getattr(e.holder, e.attr).dtype
-
-
-def merge_and_unload(
-    model: nn.Module,
-    *,
-    maximum_memory_usage: float = 0.9,
-    dtype: str | torch.dtype | None = None,
-    adapter_names: list[str] | None = None,
-    weights: list[float] | None = None,
-    combination_type: str = "cat",
-) -> nn.Module:
-    """Replace PEFT's ``merge_and_unload`` without re-quantizing: return a plain 16-bit transformers model.
-
-    Every LoRA layer and every bitsandbytes ``Linear4bit``/``Linear8bitLt`` is replaced, one module at a time,
-    by an ``nn.Linear`` (``Conv1D`` for GPT-2 style layers, ``nn.Embedding`` for embeddings) holding the
-    dequantized weight plus the LoRA delta (added in fp32, cast once); ``modules_to_save`` wrappers are
-    replaced by their trained copies. Each old module is released as soon as its replacement exists, so the
-    freed 4-bit storage is reused. The weights equal PEFT's merge on an fp32-dequantized base. Like PEFT's,
-    this consumes ``model``: use :func:`merge_and_save` to keep it.
-
-    Args:
-        model: a ``PeftModel`` (or transformers model with LoRA layers), base 4-bit, 8-bit or unquantized.
-        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy; a module over it is
-            merged on the CPU, and one that runs out of memory is retried there.
-        dtype: dtype of the returned model; None keeps the model's 16-bit dtype.
-        adapter_names: adapters to merge together; None merges the active adapter(s).
-        weights: one weight per adapter of ``adapter_names`` (default 1.0 each).
-        combination_type: ``"cat"`` or ``"linear"``, as in :func:`merge_and_save`.
-
-    Returns:
-        The transformers model, with no PEFT or bitsandbytes layers and no ``quantization_config``.
-
-    Raises:
-        InputError: bad options, no adapter, or an adapter already merged.
-        UnsupportedError: an adapter feature that cannot be merged (named).
-
-    Example:
-        >>> from peft_shardmerge import merge_and_unload
-        >>> plain = merge_and_unload(model)             # doctest: +SKIP
-        >>> plain.save_pretrained("merged")             # doctest: +SKIP
-    """
-    from transformers.pytorch_utils import Conv1D
-
-    budget = MemoryBudget(maximum_memory_usage)
-    out_dtype = parse_dtype(dtype)
-    inner = unwrap(model)
-    names, weight_map, problems = _selection(model, adapter_names, weights, combination_type)
-    problems = require_supported(model, names, problems)
-    out_dtype = out_dtype or model_dtype(inner)
-    offloaded = offloaded_modules(inner)
-    if offloaded:  # the modules are replaced in place and the model cast as a whole: refuse before either
-        shown = ", ".join(offloaded[:5]) + (f" and {len(offloaded) - 5} more" if len(offloaded) > 5 else "")
-        problems.append(f"merge_and_unload returns a model in memory, but these modules are offloaded by accelerate "
-                        f"({shown}; device_map with 'disk' or 'cpu' parts): nothing was changed. Use "
-                        "merge_and_save(model, out_dir), which brings each offloaded module in for its turn, then "
-                        "load out_dir with from_pretrained(..., device_map=...)")
-    if problems:
-        raise InputError(problems)
-    live = walk(model, names)
-    merger = _LiveMerger(live, budget, out_dtype, weight_map, combination_type)
-    groups: dict[str, list[LiveEntry]] = {}  # the tensors of each PEFT or bitsandbytes module, by its path
-    for e in live.entries:
-        if e.owner:
-            groups.setdefault(e.owner, []).append(e)
-    with torch.no_grad():
-        for path, group in groups.items():
-            _set_submodule(inner, path, _replacement(group, merger, out_dtype, Conv1D, live))
-        check_applied(live.lora_layers, merger.applied)
-    free_accelerator_cache()
-    finish_unload(inner, untied=live.untied)
-    inner.to(out_dtype)
-    return inner
-
-
-def _replacement(group: list[LiveEntry], merger: "_LiveMerger", dtype: torch.dtype, conv1d_cls,
-                 live: LiveModel) -> nn.Module:
-    """The plain module that takes the place of a PEFT or bitsandbytes module, holding its merged tensors."""
-    holder = group[0].holder
-    changed = {e.attr: merger.produce(e) for e in group if e.kind not in ("plain", "saved")}
-    if not changed:  # a modules_to_save copy, an original module, a layer without an active adapter
-        return holder
-    params = list(holder.parameters())
-    device = next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
-    reusable = not type(holder).__module__.startswith(("peft.", "bitsandbytes.")) and \
-        getattr(holder, "_hf_hook", None) is None and not any(p.is_meta for p in params)
-    if reusable:  # a plain torch layer (Linear, Conv1D, Embedding, Conv2d/3d, fused experts): keep it
-        for attr, value in changed.items():
-            setattr(holder, attr, nn.Parameter(value.detach().to(device=device, dtype=dtype), requires_grad=False))
-        return holder
-    # bitsandbytes, accelerate-offloaded or PEFT-wrapped: a new Linear / Conv1D / Embedding
-    entry = next(e for e in group if e.attr == "weight")
-    w = changed["weight"].to(device=device, dtype=dtype)
-    bias = next((e for e in group if e.attr == "bias"), None)
-    b = (changed.get("bias") if "bias" in changed else merger.produce(bias)) if bias is not None else None
-    if isinstance(holder, nn.Embedding):
-        new = nn.Embedding(w.shape[0], w.shape[1], padding_idx=holder.padding_idx, max_norm=holder.max_norm,
-                           norm_type=holder.norm_type, scale_grad_by_freq=holder.scale_grad_by_freq,
-                           sparse=holder.sparse, device="meta")
-    elif entry.name in live.info.transposed:
-        new = conv1d_cls(w.shape[1], w.shape[0])
-        new.to("meta")
-    else:
-        new = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
-    new.weight = nn.Parameter(w, requires_grad=False)
-    if b is not None:
-        new.bias = nn.Parameter(b.detach().to(device=device, dtype=dtype), requires_grad=False)
-    elif getattr(new, "bias", None) is not None:
-        new.bias = None
-    return new
-
-
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, new)
 
 
 def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, dtype: str | torch.dtype | None = None,

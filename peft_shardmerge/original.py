@@ -107,7 +107,7 @@ def _compare(live: LiveModel, folder: str) -> tuple[str, tuple[str, ...], list[f
     """``(problem or "", names compared, per-layer quantization errors)`` for one candidate folder."""
     from .plan import in_file_names
     from .quant import Nf4Settings, quantize_roundtrip
-    from .safetensors_io import DTYPES, RowReader
+    from .safetensors_io import RowReader
     from .sources import open_checkpoint
 
     src = open_checkpoint(folder)

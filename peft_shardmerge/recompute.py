@@ -214,7 +214,8 @@ def _plan(base: str, adapters: list[str], options: dict):
     from .adapter import combine_adapters, load_adapter
     from .model_info import inspect_model
     from .peft_deltas import rebuild
-    from .plan import DEFAULT_CHUNK_ELEMS, build_plan
+    from .options import DEFAULT_CHUNK_ELEMS
+    from .plan import build_plan
     from .quant import Nf4Settings
     from .sources import open_checkpoint
 

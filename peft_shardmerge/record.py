@@ -158,7 +158,7 @@ def disk_merge_info(plan) -> dict:
     the inputs' identity and the adapters' weights.
 
     Args:
-        plan: the :class:`~peft_shardmerge.plan.Plan` that was executed.
+        plan: the :class:`~peft_shardmerge.plan_types.Plan` that was executed.
 
     Returns:
         A JSON-ready dict.

@@ -67,7 +67,7 @@ class InputDigests:
     adapter) tensors that shard's tensors are read from. Content, not size and modification time, decides.
 
     Args:
-        plan: the :class:`~peft_shardmerge.plan.Plan`.
+        plan: the :class:`~peft_shardmerge.plan_types.Plan`.
 
     Example:
         >>> d = InputDigests(plan)             # doctest: +SKIP

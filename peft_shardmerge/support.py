@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Mapping
 
-import torch
 from torch import nn
 
 from .errors import InputError, UnsupportedError

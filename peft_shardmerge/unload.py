@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from .budget import MemoryBudget, free_accelerator_cache
+from .errors import InputError
+from .execute import (check_applied)
+from .live import (LiveEntry, LiveModel, offloaded_modules, unwrap, walk)
+from .model_check import require_supported
+from .options import parse_dtype
+from .inprocess import adapter_selection, model_dtype
+from .live_merger import LiveMerger
 
 
 def finish_unload(inner: nn.Module, *, untied: list[str] | tuple[str, ...] = ()) -> None:
@@ -161,3 +169,118 @@ def _configs(config) -> list:
         if hasattr(value, "to_dict") and hasattr(value, "model_type") and value is not config:
             out.append(value)
     return out
+
+
+def merge_and_unload(
+    model: nn.Module,
+    *,
+    maximum_memory_usage: float = 0.9,
+    dtype: str | torch.dtype | None = None,
+    adapter_names: list[str] | None = None,
+    weights: list[float] | None = None,
+    combination_type: str = "cat",
+) -> nn.Module:
+    """Replace PEFT's ``merge_and_unload`` without re-quantizing: return a plain 16-bit transformers model.
+
+    Every LoRA layer and every bitsandbytes ``Linear4bit``/``Linear8bitLt`` is replaced, one module at a time,
+    by an ``nn.Linear`` (``Conv1D`` for GPT-2 style layers, ``nn.Embedding`` for embeddings) holding the
+    dequantized weight plus the LoRA delta (added in fp32, cast once); ``modules_to_save`` wrappers are
+    replaced by their trained copies. Each old module is released as soon as its replacement exists, so the
+    freed 4-bit storage is reused. The weights equal PEFT's merge on an fp32-dequantized base. Like PEFT's,
+    this consumes ``model``: use :func:`merge_and_save` to keep it.
+
+    Args:
+        model: a ``PeftModel`` (or transformers model with LoRA layers), base 4-bit, 8-bit or unquantized.
+        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy; a module over it is
+            merged on the CPU, and one that runs out of memory is retried there.
+        dtype: dtype of the returned model; None keeps the model's 16-bit dtype.
+        adapter_names: adapters to merge together; None merges the active adapter(s).
+        weights: one weight per adapter of ``adapter_names`` (default 1.0 each).
+        combination_type: ``"cat"`` or ``"linear"``, as in :func:`merge_and_save`.
+
+    Returns:
+        The transformers model, with no PEFT or bitsandbytes layers and no ``quantization_config``.
+
+    Raises:
+        InputError: bad options, no adapter, or an adapter already merged.
+        UnsupportedError: an adapter feature that cannot be merged (named).
+
+    Example:
+        >>> from peft_shardmerge import merge_and_unload
+        >>> plain = merge_and_unload(model)             # doctest: +SKIP
+        >>> plain.save_pretrained("merged")             # doctest: +SKIP
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    budget = MemoryBudget(maximum_memory_usage)
+    out_dtype = parse_dtype(dtype)
+    inner = unwrap(model)
+    names, weight_map, problems = adapter_selection(model, adapter_names, weights, combination_type)
+    problems = require_supported(model, names, problems)
+    out_dtype = out_dtype or model_dtype(inner)
+    offloaded = offloaded_modules(inner)
+    if offloaded:  # the modules are replaced in place and the model cast as a whole: refuse before either
+        shown = ", ".join(offloaded[:5]) + (f" and {len(offloaded) - 5} more" if len(offloaded) > 5 else "")
+        problems.append(f"merge_and_unload returns a model in memory, but these modules are offloaded by accelerate "
+                        f"({shown}; device_map with 'disk' or 'cpu' parts): nothing was changed. Use "
+                        "merge_and_save(model, out_dir), which brings each offloaded module in for its turn, then "
+                        "load out_dir with from_pretrained(..., device_map=...)")
+    if problems:
+        raise InputError(problems)
+    live = walk(model, names)
+    merger = LiveMerger(live, budget, out_dtype, weight_map, combination_type)
+    groups: dict[str, list[LiveEntry]] = {}  # the tensors of each PEFT or bitsandbytes module, by its path
+    for e in live.entries:
+        if e.owner:
+            groups.setdefault(e.owner, []).append(e)
+    with torch.no_grad():
+        for path, group in groups.items():
+            _set_submodule(inner, path, _replacement(group, merger, out_dtype, Conv1D, live))
+        check_applied(live.lora_layers, merger.applied)
+    free_accelerator_cache()
+    finish_unload(inner, untied=live.untied)
+    inner.to(out_dtype)
+    return inner
+
+
+def _replacement(group: list[LiveEntry], merger: "LiveMerger", dtype: torch.dtype, conv1d_cls,
+                 live: LiveModel) -> nn.Module:
+    """The plain module that takes the place of a PEFT or bitsandbytes module, holding its merged tensors."""
+    holder = group[0].holder
+    changed = {e.attr: merger.produce(e) for e in group if e.kind not in ("plain", "saved")}
+    if not changed:  # a modules_to_save copy, an original module, a layer without an active adapter
+        return holder
+    params = list(holder.parameters())
+    device = next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
+    reusable = not type(holder).__module__.startswith(("peft.", "bitsandbytes.")) and \
+        getattr(holder, "_hf_hook", None) is None and not any(p.is_meta for p in params)
+    if reusable:  # a plain torch layer (Linear, Conv1D, Embedding, Conv2d/3d, fused experts): keep it
+        for attr, value in changed.items():
+            setattr(holder, attr, nn.Parameter(value.detach().to(device=device, dtype=dtype), requires_grad=False))
+        return holder
+    # bitsandbytes, accelerate-offloaded or PEFT-wrapped: a new Linear / Conv1D / Embedding
+    entry = next(e for e in group if e.attr == "weight")
+    w = changed["weight"].to(device=device, dtype=dtype)
+    bias = next((e for e in group if e.attr == "bias"), None)
+    b = (changed.get("bias") if "bias" in changed else merger.produce(bias)) if bias is not None else None
+    if isinstance(holder, nn.Embedding):
+        new = nn.Embedding(w.shape[0], w.shape[1], padding_idx=holder.padding_idx, max_norm=holder.max_norm,
+                           norm_type=holder.norm_type, scale_grad_by_freq=holder.scale_grad_by_freq,
+                           sparse=holder.sparse, device="meta")
+    elif entry.name in live.info.transposed:
+        new = conv1d_cls(w.shape[1], w.shape[0])
+        new.to("meta")
+    else:
+        new = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    new.weight = nn.Parameter(w, requires_grad=False)
+    if b is not None:
+        new.bias = nn.Parameter(b.detach().to(device=device, dtype=dtype), requires_grad=False)
+    elif getattr(new, "bias", None) is not None:
+        new.bias = None
+    return new
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)

@@ -16,7 +16,7 @@ from peft_shardmerge.tiny import build_adapter, build_base, default_targets, tok
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 HIDDEN, INTER, LAYERS = 1024, 4096, 2
-#: the budget's working set of one projection (fp32 weight and one copy), as _LiveMerger reckons it
+#: the budget's working set of one projection (fp32 weight and one copy), as LiveMerger reckons it
 ATTN_NEED, MLP_NEED = HIDDEN * HIDDEN * 8, HIDDEN * INTER * 8
 DEV = torch.device("cuda:0")
 

@@ -49,7 +49,7 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     that block is redone on the CPU, counted, and the output equals an all-CPU merge."""
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     victim = "model.layers.1.mlp.down_proj.weight"
-    real = execute._Merger._compute
+    real = execute.PlanMerger._compute
 
     def compute(t, rows, factors, bias_deltas, start, stop, device, probes=None):
         if device.type != "cpu":
@@ -58,7 +58,7 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
             device = torch.device("cpu")
         return real(t, rows, factors, bias_deltas, start, stop, device, probes)
 
-    monkeypatch.setattr(execute._Merger, "_compute", staticmethod(compute))
+    monkeypatch.setattr(execute.PlanMerger, "_compute", staticmethod(compute))
     # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
     plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="float32", device="cpu")
     report = execute.execute_plan(plan, str(tmp_path / "a"), device=torch.device("meta"), progress=False)

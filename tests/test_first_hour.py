@@ -226,9 +226,9 @@ def test_merge_and_unload_on_an_offloaded_model_refuses_before_changing_it(bf16_
                                              init_lora_weights=False))
     before = {k: v.detach().clone() for k, v in model.named_parameters() if not v.is_meta}
     kinds = [type(m) for m in model.modules()]
-    from peft_shardmerge import inprocess
+    from peft_shardmerge import unload as unload_module
 
-    for unload in (merge_and_unload, inprocess.merge_and_unload):
+    for unload in (merge_and_unload, unload_module.merge_and_unload):
         with pytest.raises(InputError, match=r"(?s)offloaded by accelerate \(model.embed_tokens, lm_head;.*nothing "
                                              r"was changed.*merge_and_save"):
             unload(model)

@@ -227,7 +227,7 @@ def test_oom_on_one_module_is_retried_on_cpu(make_base, tmp_path, monkeypatch):
     import peft_shardmerge.inprocess as inprocess
 
     model = qlora(make_base("llama"), "llama", "nf4")
-    real = inprocess._LiveMerger._merge_weight
+    real = inprocess.LiveMerger._merge_weight
     victim = "model.layers.0.mlp.up_proj.weight"
     calls = []
 
@@ -237,7 +237,7 @@ def test_oom_on_one_module_is_retried_on_cpu(make_base, tmp_path, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
         return real(self, entry, device)
 
-    monkeypatch.setattr(inprocess._LiveMerger, "_merge_weight", merge_weight)
+    monkeypatch.setattr(inprocess.LiveMerger, "_merge_weight", merge_weight)
     a = str(tmp_path / "a")
     report = merge_and_save(model, a, dtype="float32", base_precision="dequantized", progress=False)
     assert report.cpu_fallbacks == 1 and [c for c in calls if c[0] == victim] == [(victim, "cpu"), (victim, "cpu")]
@@ -287,7 +287,7 @@ def test_memory_budget_is_validated(value, make_base, tmp_path):
 @pytest.mark.parametrize("arch_base,quant", [("llama", "nf4"), ("qwen2", "nf4"), ("gpt2", "nf4"), ("llama", "8bit"),
                                              ("llama", "none")])
 def test_merge_and_unload_gives_a_plain_model(arch_base, quant, make_base, tmp_path):
-    from peft_shardmerge.inprocess import merge_and_unload
+    from peft_shardmerge.unload import merge_and_unload
 
     model = qlora(make_base(arch_base), arch_base, quant, target_modules=None if arch_base != "qwen2" else
                   ["q_proj", "v_proj", "embed_tokens"], **({"modules_to_save": ["lm_head"]} if arch_base == "qwen2" else {}))

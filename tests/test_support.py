@@ -14,7 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import InputError, UnsupportedError, merge_and_save, merge_checkpoint, save_pretrained_merged
-from peft_shardmerge.inprocess import merge_and_unload
+from peft_shardmerge.unload import merge_and_unload
 from peft_shardmerge.support import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
 from peft_shardmerge.tiny import perturb_trainable, token_ids
 from tests.helpers import logits_of, rel_err

@@ -83,7 +83,7 @@ def test_weighted_adapters_in_process(combination, base_precision, two_adapters,
 
 
 def test_weighted_merge_and_unload(two_adapters):
-    from peft_shardmerge.inprocess import merge_and_unload
+    from peft_shardmerge.unload import merge_and_unload
 
     base, a, b, _ = two_adapters
     peft_model, ref, ids = peft_weighted(base, [a, b], [1.0, -1.0], "cat")
@@ -350,7 +350,7 @@ def test_merge_and_unload_takes_every_kind(make_base):
     from peft import IA3Config, LoHaConfig, LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from peft_shardmerge.inprocess import merge_and_unload
+    from peft_shardmerge.unload import merge_and_unload
 
     base = make_base("llama")
     for config in (LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),
