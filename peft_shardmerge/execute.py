@@ -7,12 +7,11 @@ import os
 import resource
 import shutil
 import time
-from collections import Counter
 from typing import Callable
 
 import torch
 
-from .errors import InputError, MergeCheckError
+from .errors import InputError
 from .plan_types import Plan, PlannedTensor
 from .report import MergeReport
 from .resume import InputDigests
@@ -20,13 +19,11 @@ from .side_files import copy_side_files
 from .staging import check_written, staged_output
 from .record import disk_merge_info, write_merge_record
 from .writer import ShardWriter, write_json
-from .merger import PlanMerger
+from .merger import PlanMerger, check_counts, precision_notes
 
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
-#: above this fraction of swallowed updates a tensor is named in a warning
-SWALLOWED_WARNING = 0.5
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -159,7 +156,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
             if before_commit is not None:
                 before_commit(tmp)
             write_merge_record(tmp, records, disk_merge_info(plan))
-            _check_counts(plan, merger)
+            check_counts(plan, merger)
             check_written(tmp, [(plan.shard_names[i], [(t.name, t.out_dtype, t.shape) for t in plan.shard_tensors(i)])
                                 for i in range(len(plan.shard_names))])
     finally:
@@ -225,42 +222,6 @@ def stream_tensors(plan: Plan, sink, tensors: list[PlannedTensor] | None = None,
         merger.close()
 
 
-def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> list[str]:
-    """A note on how much of the LoRA update the output dtype kept, and a warning (also logged) naming the
-    tensors where it swallowed more than :data:`SWALLOWED_WARNING` of it.
-
-    Args:
-        counts: per tensor, ``(sampled entries, entries rounded back to the base value)``.
-        dtype: the output dtype.
-
-    Returns:
-        Notes for the report (none when nothing was sampled).
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> precision_notes({"w": (100, 1)}, torch.bfloat16)[0][:40]
-        'bfloat16 kept the LoRA update in 99.0% o'
-    """
-    if not counts:
-        return []
-    changed = sum(c for c, _ in counts.values())
-    lost = sum(s for _, s in counts.values())
-    name = str(dtype).removeprefix("torch.")
-    notes = [f"{name} kept the LoRA update in {100 * (1 - lost / changed):.1f}% of the merged entries "
-             f"({lost} of {changed} sampled entries rounded back to the base value)"]
-    worst = sorted((s / c, k) for k, (c, s) in counts.items() if s / c > SWALLOWED_WARNING)
-    if worst:
-        names = ", ".join(k for _, k in worst[-5:][::-1])
-        message = (f"{name} swallowed more than {SWALLOWED_WARNING:.0%} of the LoRA update in {len(worst)} tensor(s) "
-                   f"(worst: {names}); write float32 or float16 to keep it (dtype='float32' in Python, --dtype float32 "
-                   "on the command line)")
-        log.warning("%s", message)
-        notes.append(message)
-    return notes
-
-
 def _copy_side_files(plan: Plan, tmp: str) -> None:
     """Carry every non-weight file of the base into the output (tokenizer, sentence-transformers pipeline, README,
     ...), then the adapter's tokenizer files, which replace the base's tokenizer as a whole."""
@@ -271,37 +232,5 @@ def _copy_side_files(plan: Plan, tmp: str) -> None:
     copy_side_files(plan.base.folder, tmp, [n for n in plan.base.extra_files if n not in written], skip=skip)
     for fname in plan.adapter.tokenizer_files:
         shutil.copyfile(os.path.join(plan.adapter.folder, fname), os.path.join(tmp, fname))
-
-
-def _check_counts(plan: Plan, merger: PlanMerger) -> None:
-    expected = [m.key for m in plan.adapter.modules.values()]
-    expected += [m.key + ".bias" for m in plan.adapter.modules.values() if m.bias is not None]
-    expected += [f"{r.key}@{t.name}" for t in plan.tensors for r in t.token_rows]
-    expected += [o.key for t in plan.tensors for o in t.peft_ops]
-    check_applied(expected, merger.applied)
-
-
-def check_applied(expected: list[str], applied: Counter) -> None:
-    """The count check of every merge: each adapter change (LoRA module, ``lora_bias``, token rows, PEFT layer)
-    applied exactly once.
-
-    Args:
-        expected: the keys of every change that must be applied.
-        applied: how often each key was applied.
-
-    Returns:
-        None.
-
-    Raises:
-        MergeCheckError: naming what was never applied and what was applied more than once.
-
-    Example:
-        >>> check_applied(["a"], Counter({"a": 1}))
-    """
-    if applied != Counter(expected):
-        missing = sorted(set(expected) - set(applied))
-        twice = sorted(k for k, v in applied.items() if v > 1)
-        raise MergeCheckError(
-            f"adapter changes not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}")
 
 

@@ -17,7 +17,8 @@ from .adapter import check_weights, modifies_base
 from .peft_deltas import DELTA_TYPES
 from .budget import MemoryBudget
 from .errors import InputError, MergeCheckError, ShardMergeError
-from .execute import (check_applied, current_rss_bytes, peak_rss_bytes, precision_notes)
+from .execute import current_rss_bytes, peak_rss_bytes
+from .merger import check_applied, precision_notes
 from .staging import check_written, staged_output
 from .live import (LiveEntry, LiveModel, check_adapter_names, unwrap, walk)
 from .model_check import require_supported, selected_adapters

@@ -1,15 +1,32 @@
 """The in-process per-tensor merge: each output tensor of a walked model produced within the memory budget."""
 
 from __future__ import annotations
+
 import logging
 from collections import Counter
+
 import torch
+
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
+from .live import (
+    LiveEntry,
+    LiveModel,
+    change_key,
+    dequantize,
+    materialized,
+    offload_owner,
+)
+from .maths import (
+    add_lora_checked_,
+    dora_rescale_,
+    ia3_multiplier,
+    linear_factors,
+    probe_rows,
+    update_counts,
+)
 from .merger import check_probe_error, probe_vectors
-from .live import (LiveEntry, LiveModel, change_key, dequantize, materialized, offload_owner)
-from .maths import add_lora_checked_, dora_rescale_, ia3_multiplier, linear_factors, probe_rows, update_counts
-from .safetensors_io import row_blocks
 from .options import DEFAULT_CHUNK_ELEMS
+from .safetensors_io import row_blocks
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,12 @@
 """The option vocabulary shared by every API: output dtypes and sizes."""
 
 from __future__ import annotations
+
 import re
+
 import torch
+
 from .errors import InputError
-
-
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

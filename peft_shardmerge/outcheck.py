@@ -1,9 +1,11 @@
 """Which output folders a merge may write: never an input, a protected folder, or one holding a model we did not write."""
 
 from __future__ import annotations
+
 import logging
 import os
 import shutil
+
 from .outfiles import name_problems, sidecar_problems
 
 log = logging.getLogger(__name__)

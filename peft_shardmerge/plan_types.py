@@ -1,13 +1,15 @@
 """What a merge will write: the Plan, its planned tensors, their shards and the peak-memory estimate."""
 
 from __future__ import annotations
+
 from dataclasses import dataclass, field
+
 import torch
+
 from .adapter import AdapterSpec, LoraModule
 from .quant import Nf4Settings
 from .safetensors_io import DTYPES, TensorInfo, row_blocks
 from .sources import CheckpointSource
-
 
 
 @dataclass

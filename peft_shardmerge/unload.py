@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from .budget import MemoryBudget, free_accelerator_cache
 from .errors import InputError
-from .execute import (check_applied)
+from .merger import check_applied
 from .live import (LiveEntry, LiveModel, offloaded_modules, unwrap, walk)
 from .model_check import require_supported
 from .options import parse_dtype
