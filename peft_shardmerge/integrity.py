@@ -21,6 +21,7 @@ class IntegrityResult:
         checks: what was checked, one line each.
         notes: things worth knowing that are not problems (files added after the merge).
         nonfinite: tensors holding NaN or Inf.
+        unchecked: files added after the merge that a loader may read, which the record does not cover.
     """
 
     record: dict | None = None
@@ -28,6 +29,7 @@ class IntegrityResult:
     checks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     nonfinite: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
 
 
 def read_record(folder: str) -> tuple[dict | None, list[str]]:
@@ -94,8 +96,13 @@ def check_integrity(folder: str) -> IntegrityResult:
     for name in sorted(set(present) - set(record["shards"]) - set(record["files"])):
         if name.lower().endswith(WEIGHT_SUFFIXES):
             result.problems.append(f"{name} was not written by the merge (a loader may take weights from it)")
-        else:
+        elif _documentation(name):
             result.notes.append(f"{name} was added after the merge (not covered by {RECORD_FILE})")
+        else:
+            result.unchecked.append(name)
+            result.notes.append(f"{name} was added after the merge and was not checked: {RECORD_FILE} does not "
+                                "cover it, and a loader reads it; remove it, or write it with the merge (e.g. "
+                                "tokenizer=...) so that the record covers it")
     tensors = 0
     for name, shard in sorted(record["shards"].items()):
         tensors += _check_shard(folder, name, shard, result)
@@ -165,3 +172,10 @@ def _header_dtypes(path: str) -> dict[str, str]:
         return {t.name: t.dtype for t in read_header(path)[0]}
     except Exception:  # noqa: BLE001 - a damaged header is reported by its digest
         return {}
+
+
+def _documentation(name: str) -> bool:
+    """Whether an added file is documentation no loader reads (a README, a licence, an image)."""
+    base = name.rsplit("/", 1)[-1].lower()
+    return base.startswith(("readme", "license")) or base == ".gitattributes" or \
+        base.endswith((".md", ".png", ".jpg", ".jpeg", ".gif", ".svg"))

@@ -35,7 +35,8 @@ class VerifyReport:
         folder: the checked folder.
         status: ``"OK"`` (no problem, and the bytes were checked against the merge record or recomputed from
             base + adapter), ``"FAILED"`` (at least one problem) or ``"UNCHECKED"`` (no problem found, but
-            nothing to check the bytes against: no merge record and no base + adapter).
+            nothing to check the bytes against: no merge record and no base + adapter, or a file a loader reads
+            was added after the merge).
         ok: True when ``status`` is ``"OK"``.
         problems: every problem found, each a sentence.
         checks: what was checked, one line each.
@@ -44,6 +45,7 @@ class VerifyReport:
         integrity: True when every byte matched the merge record, False when it did not, None without a record.
         recomputed: True when every tensor was recomputed from base + adapter and matched, False when one did
             not, None when not recomputed.
+        unchecked_files: files added after the merge that a loader reads and no record covers.
         logits_max_rel_err: max |logits(merged) - logits(base + adapter)| / max |logits(base + adapter)|,
             when base and adapter were given.
     """
@@ -58,6 +60,7 @@ class VerifyReport:
     integrity: bool | None = None
     recomputed: bool | None = None
     logits_max_rel_err: float | None = None
+    unchecked_files: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -146,6 +149,8 @@ def verify_checkpoint(
                        record, report)
     if report.problems:
         report.status = "FAILED"
+    elif report.unchecked_files:
+        report.status = "UNCHECKED"
     elif report.integrity or report.recomputed:
         report.status = "OK"
     else:
@@ -204,6 +209,7 @@ def _check_record(folder: str, report: VerifyReport) -> None:
     report.problems += result.problems
     report.checks += result.checks
     report.notes += result.notes
+    report.unchecked_files += result.unchecked
     if result.record is not None:
         report.integrity = not result.problems
         if not report.integrity:
