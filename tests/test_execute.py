@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 import peft_shardmerge.execute as execute
+import peft_shardmerge.merger as merger
 from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
 
 
@@ -24,7 +25,7 @@ def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, t
         out.mkdir()
         (out / "model.safetensors").write_text("the previous output")
     calls = {"n": 0}
-    real = execute.merge_block
+    real = merger.merge_block
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -32,7 +33,7 @@ def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, t
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(execute, "merge_block", failing)
+    monkeypatch.setattr(merger, "merge_block", failing)
     with pytest.raises(OSError, match="No space left on device"):
         merge_checkpoint(base, adapter, str(out), overwrite=True, max_shard_size="200KB", progress=False)
     assert calls["n"] == 5
