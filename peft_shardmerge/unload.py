@@ -3,12 +3,15 @@ makes, and no trace of quantization."""
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 from torch import nn
 from .budget import MemoryBudget, free_accelerator_cache
 from .errors import InputError
 from .merger import check_applied
-from .live import (LiveEntry, LiveModel, offloaded_modules, unwrap, walk)
+from .live import (LiveEntry, LiveModel, unwrap, walk)
+from .live_weights import cast_offloaded, disk_folder, free_bytes, offloaded_modules, store_offloaded
 from .model_check import require_supported
 from .options import parse_dtype
 from .inprocess import adapter_selection, model_dtype
@@ -187,7 +190,10 @@ def merge_and_unload(
     dequantized weight plus the LoRA delta (added in fp32, cast once); ``modules_to_save`` wrappers are
     replaced by their trained copies. Each old module is released as soon as its replacement exists, so the
     freed 4-bit storage is reused. The weights equal PEFT's merge on an fp32-dequantized base. Like PEFT's,
-    this consumes ``model``: use :func:`merge_and_save` to keep it.
+    this consumes ``model``: use :func:`merge_and_save` to keep it. On a model offloaded by accelerate
+    (``device_map`` with ``"disk"``/``"cpu"`` parts) each offloaded layer is brought in for its turn and stays
+    offloaded: its merged weights are written where accelerate keeps them (a new folder inside the offload
+    folder, or CPU memory), and the model runs and saves with the same device map.
 
     Args:
         model: a ``PeftModel`` (or transformers model with LoRA layers), base 4-bit, 8-bit or unquantized.
@@ -202,7 +208,8 @@ def merge_and_unload(
         The transformers model, with no PEFT or bitsandbytes layers and no ``quantization_config``.
 
     Raises:
-        InputError: bad options, no adapter, or an adapter already merged.
+        InputError: bad options, no adapter, an adapter already merged, or accelerate-offloaded modules whose merged
+            weights cannot be written back where accelerate keeps them (the model is then unchanged).
         UnsupportedError: an adapter feature that cannot be merged (named).
 
     Example:
@@ -218,13 +225,6 @@ def merge_and_unload(
     names, weight_map, problems = adapter_selection(model, adapter_names, weights, combination_type)
     problems = require_supported(model, names, problems)
     out_dtype = out_dtype or model_dtype(inner)
-    offloaded = offloaded_modules(inner)
-    if offloaded:  # the modules are replaced in place and the model cast as a whole: refuse before either
-        shown = ", ".join(offloaded[:5]) + (f" and {len(offloaded) - 5} more" if len(offloaded) > 5 else "")
-        problems.append(f"merge_and_unload returns a model in memory, but these modules are offloaded by accelerate "
-                        f"({shown}; device_map with 'disk' or 'cpu' parts): nothing was changed. Use "
-                        "merge_and_save(model, out_dir), which brings each offloaded module in for its turn, then "
-                        "load out_dir with from_pretrained(..., device_map=...)")
     if problems:
         raise InputError(problems)
     live = walk(model, names)
@@ -233,22 +233,92 @@ def merge_and_unload(
     for e in live.entries:
         if e.owner:
             groups.setdefault(e.owner, []).append(e)
+    offloaded = bool(offloaded_modules(inner))
+    folders = _offload_folders(inner, groups, out_dtype) if offloaded else {}  # checks, before changing anything
     with torch.no_grad():
         for path, group in groups.items():
-            _set_submodule(inner, path, _replacement(group, merger, out_dtype, Conv1D, live))
+            _set_submodule(inner, path, _replacement(group, merger, out_dtype, Conv1D, live, folders.get(path)))
         check_applied(live.lora_layers, merger.applied)
     free_accelerator_cache()
     finish_unload(inner, untied=live.untied)
-    inner.to(out_dtype)
+    if offloaded:  # accelerate's model.to refuses offloaded models: each module is cast, each hook serves out_dtype
+        cast_offloaded(inner, out_dtype)
+        _keep_device_map(model, inner)
+    else:
+        inner.to(out_dtype)
     return inner
 
 
+def _changes(group: list[LiveEntry]) -> bool:
+    return any(e.kind not in ("plain", "saved") for e in group)
+
+
+def _offload_folders(inner: nn.Module, groups: dict[str, list[LiveEntry]], dtype: torch.dtype) -> dict[str, str | None]:
+    """Where the merged weights of each offloaded module go (a new folder inside accelerate's offload folder, or
+    None for CPU memory), after checking that every one can be written back there; nothing is changed on a
+    problem."""
+    problems: list[str] = []
+    disk: dict[str, list[str]] = {}
+    need: dict[str, int] = {}
+    for path, group in groups.items():
+        holder = group[0].holder
+        if not _changes(group):
+            continue
+        hooked = [n for n, m in inner.get_submodule(path).named_modules() if _hooked(m) and m is not holder]
+        above = [n for n in _ancestors(path) if _hooked(inner.get_submodule(n))]
+        if above or (_hooked(holder) and type(holder).__module__.startswith(("peft.", "bitsandbytes."))):
+            problems.append(f"{path} is offloaded by accelerate as part of {above[0] if above else path}, which "
+                            "merge_and_unload cannot write back; use merge_and_save(model, out_dir)")
+        elif hooked and not all(_is_factor(n) for n in hooked):
+            problems.append(f"{path}: offloaded modules {hooked} inside it cannot be written back")
+        elif _hooked(holder) and disk_folder(holder) is not None:
+            folder = disk_folder(holder)
+            disk.setdefault(folder, []).append(path)
+            need[folder] = need.get(folder, 0) + sum(e.numel for e in group) * dtype.itemsize
+    for folder, n in need.items():
+        if free_bytes(folder) < n + (64 << 20):
+            problems.append(f"the offload folder {folder} has {free_bytes(folder) >> 20} MiB free; the merged "
+                            f"offloaded weights need {n >> 20} MiB")
+    if problems:
+        raise InputError(["merge_and_unload cannot keep this accelerate-offloaded model offloaded; nothing was "
+                          "changed:"] + problems)
+    made = {folder: tempfile.mkdtemp(prefix="merged-", dir=folder) for folder in disk}
+    return {path: made[folder] for folder, paths in disk.items() for path in paths}
+
+
+def _hooked(module: nn.Module) -> bool:
+    hook = getattr(module, "_hf_hook", None)
+    return hook is not None and bool(getattr(hook, "offload", False))
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".")
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _is_factor(name: str) -> bool:
+    """Whether a module inside a PEFT layer holds adapter weights (dropped by the merge), not base weights."""
+    return name.split(".", 1)[0] != "base_layer" and name != ""
+
+
+def _keep_device_map(model: nn.Module, inner: nn.Module) -> None:
+    """Record the device map on the transformers model when accelerate dispatched the PeftModel around it, so
+    that ``save_pretrained`` fetches the offloaded weights."""
+    outer = getattr(model, "hf_device_map", None)
+    if outer and model is not inner and not getattr(inner, "hf_device_map", None):
+        inner.hf_device_map = {k.removeprefix("base_model.model."): v for k, v in outer.items()}
+
+
 def _replacement(group: list[LiveEntry], merger: "LiveMerger", dtype: torch.dtype, conv1d_cls,
-                 live: LiveModel) -> nn.Module:
-    """The plain module that takes the place of a PEFT or bitsandbytes module, holding its merged tensors."""
+                 live: LiveModel, folder: str | None = None) -> nn.Module:
+    """The plain module that takes the place of a PEFT or bitsandbytes module, holding its merged tensors (an
+    offloaded base layer stays, its merged weights served by its accelerate hook from ``folder`` or memory)."""
     holder = group[0].holder
     changed = {e.attr: merger.produce(e) for e in group if e.kind not in ("plain", "saved")}
     if not changed:  # a modules_to_save copy, an original module, a layer without an active adapter
+        return holder
+    if _hooked(holder):
+        store_offloaded(holder, group[0].owner, {a: v.detach().to(dtype) for a, v in changed.items()}, folder)
         return holder
     params = list(holder.parameters())
     device = next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))

@@ -217,26 +217,69 @@ def test_merge_and_unload_on_a_model_without_adapter_raises_and_leaves_it_clean(
     assert not [w for w in caught if "peft_config" in str(w.message)]
 
 
-def test_merge_and_unload_on_an_offloaded_model_refuses_before_changing_it(bf16_base, tmp_path):
-    device_map = {"model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                  "lm_head": "disk"}
-    model = AutoModelForCausalLM.from_pretrained(bf16_base, device_map=device_map, dtype=torch.float32,
-                                                 offload_folder=str(tmp_path / "offload"))
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                             init_lora_weights=False))
-    before = {k: v.detach().clone() for k, v in model.named_parameters() if not v.is_meta}
-    kinds = [type(m) for m in model.modules()]
-    from peft_shardmerge import unload as unload_module
+@pytest.mark.parametrize("how", ["from_pretrained", "dispatch_model"])
+def test_merge_and_unload_on_an_offloaded_model_keeps_it_offloaded(bf16_base, tmp_path, how):
+    """merge_and_unload on a model accelerate offloads to disk: each offloaded layer is merged in its turn and stays
+    offloaded (its merged weights in a new folder inside the offload folder, the checkpoint it was loaded from left
+    alone); the logits are PEFT's merge of a non-offloaded copy, and save_pretrained writes them.
 
-    for unload in (merge_and_unload, unload_module.merge_and_unload):
-        with pytest.raises(InputError, match=r"(?s)offloaded by accelerate \(model.embed_tokens, lm_head;.*nothing "
-                                             r"was changed.*merge_and_save"):
-            unload(model)
-    after = {k: v for k, v in model.named_parameters() if not v.is_meta}
-    assert kinds == [type(m) for m in model.modules()] and before.keys() == after.keys()
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    report = merge_and_save(model, str(tmp_path / "m"), dtype="float32", progress=False)  # still works
-    assert report.lora_modules_merged == 4
+    from_pretrained(device_map=...) is the issue's recipe: embeddings and head on disk, LoRA on the layers in
+    memory. PEFT cannot attach LoRA to a layer that is offloaded already (its factors stay on the meta device with
+    no weights): that is refused with the model unchanged. accelerate's dispatch_model of a PeftModel offloads the
+    LoRA layers of layer 0 themselves (base weights and factors)."""
+    import copy
+    import hashlib
+    from pathlib import Path
+
+    from accelerate import dispatch_model
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    from peft_shardmerge.live import offloaded_modules
+
+    def digest(folder):
+        return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_base, dtype=torch.float32), config)
+    ids = token_ids(512, seed=3)
+    with torch.no_grad():
+        unmerged = ref(input_ids=ids).logits
+    base_files = digest(Path(bf16_base))
+    offload = tmp_path / "offload"
+    on_disk = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "cpu", "model.norm": "cpu",
+               "model.rotary_emb": "cpu", "lm_head": "disk"}
+    if how == "from_pretrained":
+        load = dict(dtype=torch.float32, offload_folder=str(offload))
+        broken = get_peft_model(AutoModelForCausalLM.from_pretrained(
+            bf16_base, device_map={**on_disk, "model.layers.0": "disk"}, **load), copy.deepcopy(config))
+        kinds = [type(m) for m in broken.modules()]
+        with pytest.raises(InputError, match=r"model\.layers\.0\.self_attn\.q_proj: the LoRA factors of default are "
+                                             r"on the meta device with no weights"):
+            merge_and_unload(broken)
+        assert kinds == [type(m) for m in broken.modules()]
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_base, device_map=on_disk, **load),
+                               copy.deepcopy(config))
+        set_peft_model_state_dict(model, get_peft_model_state_dict(ref))
+    else:
+        device_map = {f"base_model.model.{k}": v for k, v in {**on_disk, "model.layers.0": "disk"}.items()}
+        model = dispatch_model(copy.deepcopy(ref), device_map=device_map, offload_dir=str(offload))
+    assert model.base_model.model.lm_head.weight.is_meta
+    merged = merge_and_unload(model, dtype="float32")
+    peft_merged = ref.merge_and_unload()
+    assert not any(type(m).__module__.startswith("peft.") for m in merged.modules())
+    assert "lm_head" in offloaded_modules(merged) and merged.lm_head.weight.is_meta
+    if how == "dispatch_model":  # a merged layer that stays offloaded, its weights in the offload folder
+        assert merged.model.layers[0].self_attn.q_proj.weight.is_meta
+        assert [f for f in os.listdir(offload) if f.startswith("merged-")]
+    assert digest(Path(bf16_base)) == base_files
+    with torch.no_grad():
+        got = merged(input_ids=ids).logits
+        want = peft_merged(input_ids=ids).logits
+    assert float((got - want).abs().max()) < 1e-5
+    assert float((got - unmerged).abs().max()) < 1e-4
+    merged.save_pretrained(str(tmp_path / "saved"))
+    assert float((logits_of(str(tmp_path / "saved"), ids) - got).abs().max()) < 1e-6
 
 
 # --- messages -------------------------------------------------------------------------------------------------
