@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .outcheck import check_out_dir, source_folders
+from .outcheck import check_out_dir, path_argument, source_folders
 from .errors import InputError
 from .inprocess import merge_and_save, save_merged_4bit
 from .unload import merge_and_unload as _merge_and_unload
@@ -196,10 +196,12 @@ def save_pretrained_merged(
     """
     if not is_main_process:
         return None
-    if isinstance(save_directory, os.PathLike):
-        save_directory = os.fspath(save_directory)
-    problems = _check_compat(save_method, state_dict, safe_serialization, variant)
+    path, problems = path_argument(save_directory, "output folder")  # str, bytes or os.PathLike
+    problems += _check_compat(save_method, state_dict, safe_serialization, variant)
     method = SAVE_METHODS.get(save_method.lower().replace(" ", "_")) if isinstance(save_method, str) else None
+    if path is None:
+        raise InputError(problems)
+    save_directory = path
     problems += _replace_problems(save_directory, model, method, any_content=overwrite)
     repo_id = save_directory.strip("/")
     if push_to_hub and (repo_id.count("/") > 1 or os.path.isabs(save_directory) or not all(repo_id.split("/"))):

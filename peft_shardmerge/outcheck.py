@@ -45,6 +45,9 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
         return problems
     if not raw.strip():
         return [f"output folder is an empty path ({raw!r}); name the folder to create, e.g. ./merged"]
+    bad_name = _not_utf8_problem(raw)
+    if bad_name:
+        return [bad_name]
     out = os.path.abspath(raw)
     real = os.path.realpath(out)
     as_the_system_reads = os.path.realpath(os.path.join(_here() or os.sep, raw))
@@ -225,6 +228,37 @@ def _unresolved_input_problems(raw: str, real: str, inputs: dict) -> list[str]:
             problems.append(f"output folder {raw} may be the {role} folder, recorded as the relative path {name!r} "
                             "when the model was loaded (the working folder has changed since); choose another folder")
     return problems
+
+
+def _not_utf8_problem(raw: str) -> str | None:
+    """An output path that is not valid UTF-8 (bytes such as ``b"out\\xff"``, or a ``str`` holding the surrogates
+    ``os.fsdecode`` makes of them) cannot be written: safetensors, ``config.json`` and the Hub take UTF-8 names only,
+    and the name cannot even be printed. Refused up front, with a UTF-8 name to use instead."""
+    full = os.path.join(_here() or os.sep, raw)
+    try:
+        encoded = os.fsencode(full)
+    except UnicodeEncodeError:  # a lone surrogate that no file name can hold
+        shown = raw.encode("utf-8", "backslashreplace").decode("utf-8")
+        return (f"output folder {shown} is not a valid file name (it holds a lone UTF-16 surrogate); pass the name "
+                "as UTF-8 text")
+    try:
+        encoded.decode("utf-8")
+    except UnicodeDecodeError:
+        shown = os.fsencode(raw).decode("utf-8", "backslashreplace")
+        where = "its name" if _utf8(raw) is None else "a folder above it (the working folder or a parent)"
+        fix = "".join("_" if "\udc80" <= c <= "\udcff" else c for c in raw) if _utf8(raw) is None else None
+        return (f"output folder {shown}: {where} is not valid UTF-8 (bytes shown as \\x..); safetensors, config.json "
+                "and the Hub need UTF-8 file names, so nothing can be written there; pass a UTF-8 name"
+                + (f", e.g. {fix}" if fix else ", in a folder whose path is UTF-8"))
+    return None
+
+
+def _utf8(raw: str) -> str | None:
+    """``raw`` when it is valid UTF-8 text, else None."""
+    try:
+        return os.fsencode(raw).decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return None
 
 
 def _here() -> str | None:
