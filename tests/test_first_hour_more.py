@@ -1,0 +1,130 @@
+"""More of the first hour of a QLoRA user, as the user did it: the cases of issue 14 that tests/test_first_hour.py
+covers another way (an unquantized model, a reachable Hub).
+
+Tiny random Llama on the CPU; 4-bit through transformers' BitsAndBytesConfig with the real bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes")
+
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+
+from peft_shardmerge import InputError, merge_and_save, save_pretrained_merged  # noqa: E402
+from peft_shardmerge.testing import build_base  # noqa: E402
+from tests.test_files_safety import tree  # noqa: E402
+from tests.test_first_hour import peft_qlora  # noqa: E402
+
+
+@pytest.fixture()
+def base_with_tokenizer(tmp_path) -> str:
+    """A bf16 tiny Llama folder holding its tokenizer, as a downloaded model does."""
+    folder = build_base(str(tmp_path / "tiny-llama"), "llama", dtype=torch.bfloat16)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w1",
+                            eos_token="w2").save_pretrained(folder)
+    return folder
+
+
+def test_a_qlora_merge_never_writes_over_the_folder_the_model_was_loaded_from(base_with_tokenizer, tmp_path):
+    """The issue's call: merge_and_save(model, <the folder it was loaded from>, base_precision="dequantized",
+    overwrite=True) on a 4-bit model replaced the base folder and deleted its tokenizer files."""
+    model = peft_qlora(base_with_tokenizer)
+    before = tree(tmp_path)
+    assert "tokenizer.json" in os.listdir(base_with_tokenizer)
+    for precision in ("dequantized", "auto", "original"):
+        with pytest.raises(InputError, match="is the model folder"):
+            merge_and_save(model, base_with_tokenizer, base_precision=precision, overwrite=True, progress=False)
+    with pytest.raises(InputError, match="is the model folder"):  # Unsloth's call, which replaces earlier saves
+        save_pretrained_merged(model, base_with_tokenizer, None, save_method="merged_16bit", overwrite=True)
+    with pytest.raises(InputError, match="is the model folder"):
+        save_pretrained_merged(model, base_with_tokenizer, None, save_method="merged_4bit_forced")
+    assert tree(tmp_path) == before  # the base, its tokenizer and everything beside it, byte for byte
+    report = merge_and_save(model, str(tmp_path / "merged"), base_precision="dequantized", progress=False)
+    assert report.base_precision == "dequantized"
+    assert json.load(open(tmp_path / "merged" / "config.json"))["model_type"] == "llama"
+
+
+class _RefusingHub:
+    """A Hub that refuses every repository creation: 401 for a bad token, 403 for another user's namespace."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _refuse(self) -> None:
+                hub.requests.append(f"{self.command} {self.path}")
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                bad_token = "hf_wrong" in self.headers.get("Authorization", "")
+                status, error = ((401, "Invalid credentials in Authorization header") if bad_token else
+                                 (403, "You don't have the rights to create a model under the namespace \"other\""))
+                raw = json.dumps({"error": error}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("X-Error-Message", error)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            do_POST = do_GET = do_PUT = _refuse  # noqa: N815
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_push_to_a_repository_that_cannot_be_created_fails_before_merging(bf16_base_tok, tmp_path, monkeypatch):
+    """A wrong token or another user's namespace: the Hub's answer within seconds, nothing merged, no temporary
+    folder left or named, the token masked."""
+    import tempfile
+
+    import huggingface_hub.constants as hc
+
+    from peft_shardmerge import push_to_hub_merged
+    from peft_shardmerge.errors import ShardMergeError
+
+    monkeypatch.chdir(tmp_path)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    model = peft_qlora(bf16_base_tok)
+    hub = _RefusingHub()
+    try:
+        monkeypatch.setattr(hc, "ENDPOINT", hub.url)
+        monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+        for token, repo, said in (("hf_wrong_secret", "me/tiny", "401"), ("hf_good_secret", "other/tiny", "403")):
+            with pytest.raises(ShardMergeError, match="nothing was merged") as e:
+                push_to_hub_merged(model, repo, token=token, progress=False)
+            assert type(e.value).__name__ == "HubUploadError"
+            assert said in str(e.value) and token not in str(e.value), str(e.value)
+            assert "peft-shardmerge-push-" not in str(e.value) and str(temp) not in str(e.value)
+            with pytest.raises(ShardMergeError, match="nothing was merged"):
+                save_pretrained_merged(model, repo, None, push_to_hub=True, token=token, progress=False)
+        assert "POST /api/repos/create" in hub.requests, hub.requests  # asked, and nothing sent for upload
+        assert not [r for r in hub.requests if "/preupload/" in r or "/commit/" in r], hub.requests
+    finally:
+        hub.close()
+    assert os.listdir(temp) == [] and not os.path.exists("me") and not os.path.exists("other")
+
+
+@pytest.fixture()
+def bf16_base_tok(base_with_tokenizer):
+    return base_with_tokenizer
