@@ -1,13 +1,12 @@
-"""The in-process per-tensor merge: each output tensor of a walked model produced within the memory budget."""
+"""The in-process side of the per-tensor merge: a walked model's base tensors and the changes read off its live
+PEFT modules, handed to the one row merge on a device chosen within the memory budget."""
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
-
 import torch
 
-from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
+from .budget import MemoryBudget
+from .changes import Changes, Scale, TokenRows, WholeDelta
 from .live import (
     LiveEntry,
     LiveModel,
@@ -16,146 +15,165 @@ from .live import (
     materialized,
     offload_owner,
 )
-from .maths import (
-    add_lora_checked_,
-    dora_rescale_,
-    ia3_multiplier,
-    linear_factors,
-    probe_rows,
-    update_counts,
-)
-from .merger import check_probe_error, probe_vectors
-from .options import DEFAULT_CHUNK_ELEMS
-from .safetensors_io import row_blocks
-
-log = logging.getLogger(__name__)
+from .maths import ia3_multiplier, linear_factors, lora_bias_delta
+from .row_merge import RowMerger, choose_device
 
 
-class LiveMerger:
-    """Produces each output tensor of a walked model, within the memory budget."""
+class LiveMerger(RowMerger):
+    """Produces each output tensor of a walked model, within the memory budget.
+
+    Attributes:
+        live: the walked model.
+        budget: the memory budget (``maximum_memory_usage``).
+        out_dtype: the dtype the tensors will be written in (range check, rounding count).
+        weights: per adapter, the weight its changes are multiplied by.
+        combination: ``"cat"`` or ``"linear"`` (PEFT's ``add_weighted_adapter`` combinations).
+        repacked: 4-bit weights bitsandbytes had repacked for its CPU kernel.
+
+    Example:
+        >>> merger = LiveMerger(walk(peft_model), MemoryBudget(0.9))   # doctest: +SKIP
+    """
 
     def __init__(self, live: LiveModel, budget: MemoryBudget, out_dtype: torch.dtype = torch.float32,
                  weights: dict[str, float] | None = None, combination: str = "cat"):
+        super().__init__()
         self.live = live
         self.weights = weights or {}
         self.combination = combination
         self.budget = budget
         self.out_dtype = out_dtype
-        self.applied: Counter[str] = Counter()
-        self.fallbacks = 0
         self.repacked: list[str] = []
-        self.probe_err = 0.0
-        self.swallowed: dict[str, tuple[int, int]] = {}
 
     def compute_device(self, entry: LiveEntry) -> torch.device:
+        """Where an entry is merged: where its weight lives (an offloaded one: its execution device) while its
+        working set (an fp32 copy and one more) fits the budget, else the CPU.
+
+        Args:
+            entry: the entry.
+
+        Returns:
+            The device.
+
+        Raises:
+            Nothing.
+
+        Example:
+            >>> merger.compute_device(live.entries[1])   # doctest: +SKIP
+            device(type='cuda', index=0)
+        """
         tensor = getattr(entry.holder, entry.attr, None)
         dev = tensor.device if tensor is not None and entry.kind in ("lora", "quantized", "delta", "ia3") \
             else torch.device("cpu")
         if dev.type == "meta":
             hook = getattr(offload_owner(self.live.model, entry.name, entry.holder), "_hf_hook", None)
             dev = torch.device(getattr(hook, "execution_device", None) or "cpu")
-        need = entry.numel * 4 * 2
-        if not self.budget.fits(need, dev):
-            if dev.type != "cpu":
-                log.info("%s: over the memory budget on %s; merging it on the CPU", entry.name, dev)
-                return torch.device("cpu")
-            # the CPU is the last resort: one module's fp32 copy is the least the merge can work with
-            log.warning("%s needs about %d MiB, which goes over maximum_memory_usage of host RAM; merging it "
-                        "anyway", entry.name, need >> 20)
-        return dev
+        return choose_device(entry.name, dev, entry.numel * 4 * 2, self.budget)
 
     def produce(self, entry: LiveEntry) -> torch.Tensor:
-        """The tensor in the output layout (float32 for merged weights; as stored for plain tensors)."""
+        """The tensor in the output layout (float32 for merged weights; as stored for plain tensors).
+
+        Args:
+            entry: the entry.
+
+        Returns:
+            The tensor, on the device it was merged on.
+
+        Raises:
+            MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
+
+        Example:
+            >>> merger.produce(live.entries[1]).dtype   # doctest: +SKIP
+            torch.float32
+        """
         with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
             if entry.kind in ("plain", "saved"):
                 return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
                     entry.holder.state_dict(keep_vars=True)[entry.attr]
-            if entry.kind == "tokens":
-                out = entry.holder.weight.detach().to(torch.float32, copy=True)
-                for a in entry.adapters:
-                    index = torch.tensor(entry.module.token_indices[a], device=out.device)
-                    out.index_copy_(0, index, entry.module.trainable_tokens_delta[a].detach().float().to(out.device))
-                if entry.module.tied_adapter is None:
-                    self.applied[change_key(entry)] += 1
-                return out
-            if entry.kind == "lora_bias":
-                out = entry.holder.bias.detach().to(torch.float32, copy=True)
-                for a in entry.adapters:
-                    out += entry.module.lora_B[a].bias.detach().float().to(out.device) * (
-                        entry.module.scaling[a] * self.weights.get(a, 1.0))
-                return out
-            dev = self.compute_device(entry)
-            try:
-                return self._merge_weight(entry, dev)
-            except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
-                if not is_out_of_memory(e):
-                    raise
-                free_accelerator_cache()
-                self.fallbacks += 1
-                log.warning("out of memory merging %s on %s; retrying on the CPU", entry.name, dev)
-                return self._merge_weight(entry, torch.device("cpu"))
-
-    def _add_peft_change(self, entry: LiveEntry, w: torch.Tensor) -> None:
-        """Add PEFT's own delta of a LoHa/LoKr/VeRA layer or LoRA on a parameter to ``w``, or apply IA3's scaling."""
-        layer = entry.module
-        flat = w.reshape(w.shape[0], -1)  # a view: rows, as ia3_multiplier counts them
-        for a in entry.adapters:
-            if entry.kind == "ia3":
-                mult, per_row = ia3_multiplier(layer.ia3_l[a].detach(), tuple(w.shape),
-                                               feedforward=layer.is_feedforward, bias=entry.attr == "bias",
-                                               fan_in_fan_out=getattr(layer, "fan_in_fan_out", False))
-                flat *= (mult.reshape(flat.shape[0], -1) if per_row else mult).to(w.device)
+            if entry.kind in ("tokens", "lora_bias"):  # merged where the tensor lives
+                dev = getattr(entry.holder, entry.attr).device
             else:
-                w += layer.get_delta_weight(a).detach().float().to(w.device) * self.weights.get(a, 1.0)
-        if entry.adapters and not (entry.kind == "ia3" and entry.attr == "bias"):
-            self.applied[change_key(entry)] += 1
+                dev = self.compute_device(entry)
+            return self.on_device(lambda d: self._merge_weight(entry, d), dev, entry.name)
 
     def _merge_weight(self, entry: LiveEntry, device: torch.device) -> torch.Tensor:
-        if entry.attr == "weight":
+        """One entry merged whole on ``device``: its base (dequantized) and its changes through the row merge."""
+        if entry.attr == "weight" and entry.kind != "tokens":
             notes: list[str] = []
             w = dequantize(entry.holder, device, notes)
             if notes:
                 self.repacked.append(entry.name)
-        else:  # a bias, or a parameter such as fused experts' gate_up_proj
+        else:  # a bias, trainable tokens' base, or a parameter such as fused experts' gate_up_proj
             w = getattr(entry.holder, entry.attr).detach().to(device=device, dtype=torch.float32, copy=True)
-        if entry.kind in ("delta", "ia3"):
-            self._add_peft_change(entry, w)
-        if entry.kind == "lora":
-            m = entry.module
-            factors = []
-            for a in entry.adapters:
-                scaling = m.scaling[a] * self.weights.get(a, 1.0)
-                if a in m.lora_A:  # convolution factors [r, in, *kernel] flatten like the weight's rows
-                    factors.append((m.lora_A[a].weight.detach().flatten(1), m.lora_B[a].weight.detach().flatten(1),
-                                    scaling))
-                else:
-                    factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), scaling))
-            if self.combination == "linear" and len(factors) > 1:
-                factors = [linear_factors([(a.to(device), b.to(device), s) for a, b, s in factors])]
-            embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
-            transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
-            magnitudes = [m.lora_magnitude_vector[a].weight.detach().reshape(-1) for a in entry.adapters
-                          if getattr(m, "use_dora", {}).get(a)]
-            by_column = transposed  # DoRA on an embedding or Conv1D: one norm per stored column
-            flat = w.reshape(w.shape[0], -1)  # a view; convolution weights as [out, in * kernel]
-            probes = probe_vectors(entry.name, flat.shape[1]) if factors else None
-            changed = lost = 0
-            for start, stop in row_blocks(tuple(flat.shape), DEFAULT_CHUNK_ELEMS):
-                block = flat[start:stop]
-                sample = probe_rows(stop - start, block.device)
-                before = block[sample].clone() if probes is not None else None
-                err = add_lora_checked_(block, factors, start, stop, transposed=transposed, probes=probes)
-                self.probe_err = max(self.probe_err, err)
-                check_probe_error(entry.name, start, stop, err)
-                for magnitude in magnitudes if not by_column else ():  # DoRA, norms per output row
-                    dora_rescale_(block, magnitude[start:stop])
-                if before is not None and self.out_dtype != torch.float32:
-                    c, lo = update_counts(before, block[sample], block[sample].to(self.out_dtype))
-                    changed, lost = changed + c, lost + lo
-            for magnitude in magnitudes if by_column else ():
-                flat *= (magnitude.to(flat.device, torch.float32) / torch.linalg.norm(flat, dim=0)).unsqueeze(0)
-            if changed:
-                self.swallowed[entry.name] = (changed, lost)
-            if entry.adapters:
-                self.applied[change_key(entry)] += 1
+        changes = self.changes(entry)
+        if not changes.empty or changes.keys:
+            flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w
+            for start, stop, merged, _ in self.merge_rows(entry.name, lambda a, b: flat[a:b], changes,
+                                                          tuple(w.shape), self.out_dtype, device):
+                flat[start:stop] = merged.reshape(flat[start:stop].shape)
         return w.T if entry.transpose_out else w
+
+    def changes(self, entry: LiveEntry) -> Changes:
+        """The changes of an entry, read off its live PEFT module (scaled by each adapter's weight).
+
+        Args:
+            entry: a ``"lora"``, ``"lora_bias"``, ``"tokens"``, ``"delta"``, ``"ia3"`` or ``"quantized"`` entry.
+
+        Returns:
+            The :class:`~peft_shardmerge.changes.Changes` (none for a quantized base without adapter).
+
+        Raises:
+            RuntimeError: from torch, when the adapters' ranks differ in a ``"linear"`` combination.
+
+        Example:
+            >>> merger.changes(live.entries[1]).keys   # doctest: +SKIP
+            ['model.layers.0.self_attn.q_proj']
+        """
+        m, adapters = entry.module, entry.adapters
+        counted = bool(adapters) and not (entry.kind == "ia3" and entry.attr == "bias") and \
+            not (entry.kind == "tokens" and m.tied_adapter is not None)  # a tied head shares the embedding's rows
+        keys = [change_key(entry)] if counted and entry.kind != "lora_bias" else []
+        if entry.kind == "tokens":
+            return Changes(tokens=[TokenRows(torch.tensor(m.token_indices[a]),
+                                             m.trainable_tokens_delta[a].detach().float()) for a in adapters],
+                           keys=keys)
+        if entry.kind == "lora_bias":
+            return Changes(bias_deltas=[lora_bias_delta(m.lora_B[a].bias.detach(), self._scaling(m, a))
+                                        for a in adapters])
+        if entry.kind in ("delta", "ia3"):
+            return Changes(peft=[self._peft_change(entry, a) for a in adapters], keys=keys)
+        if entry.kind != "lora":
+            return Changes()
+        return self._lora_changes(entry, keys)
+
+    def _scaling(self, module, adapter: str) -> float:
+        return module.scaling[adapter] * self.weights.get(adapter, 1.0)
+
+    def _peft_change(self, entry: LiveEntry, adapter: str) -> WholeDelta | Scale:
+        """PEFT's own delta of a LoHa/LoKr/VeRA layer or LoRA on a parameter, or IA3's scaling."""
+        layer = entry.module
+        shape = entry.shape[::-1] if entry.transpose_out else entry.shape  # as held (a 4-bit weight is packed)
+        if entry.kind == "ia3":
+            return Scale(*ia3_multiplier(layer.ia3_l[adapter].detach(), shape, feedforward=layer.is_feedforward,
+                                         bias=entry.attr == "bias",
+                                         fan_in_fan_out=getattr(layer, "fan_in_fan_out", False)))
+        delta = layer.get_delta_weight(adapter).detach().float() * self.weights.get(adapter, 1.0)
+        return WholeDelta(delta.reshape(shape[0], -1) if len(shape) > 1 else delta)
+
+    def _lora_changes(self, entry: LiveEntry, keys: list[str]) -> Changes:
+        """LoRA factors (convolution factors flattened like the weight's rows) and DoRA magnitudes."""
+        m = entry.module
+        factors = []
+        for a in entry.adapters:
+            if a in m.lora_A:
+                factors.append((m.lora_A[a].weight.detach().flatten(1), m.lora_B[a].weight.detach().flatten(1),
+                                self._scaling(m, a)))
+            else:
+                factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), self._scaling(m, a)))
+        if self.combination == "linear" and len(factors) > 1:
+            factors = [linear_factors(factors)]
+        embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
+        transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
+        magnitudes = [m.lora_magnitude_vector[a].weight.detach().reshape(-1) for a in entry.adapters
+                      if getattr(m, "use_dora", {}).get(a)]
+        return Changes(factors=factors, transposed=transposed, magnitudes=magnitudes, by_column=transposed,
+                       keys=keys)

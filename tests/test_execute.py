@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 import peft_shardmerge.execute as execute
-import peft_shardmerge.merger as merger
+import peft_shardmerge.row_merge as row_merge
 from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
 
 
@@ -25,7 +25,7 @@ def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, t
         out.mkdir()
         (out / "model.safetensors").write_text("the previous output")
     calls = {"n": 0}
-    real = merger.merge_block
+    real = row_merge.merge_block
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -33,7 +33,7 @@ def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, t
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(merger, "merge_block", failing)
+    monkeypatch.setattr(row_merge, "merge_block", failing)
     with pytest.raises(OSError, match="No space left on device"):
         merge_checkpoint(base, adapter, str(out), overwrite=True, max_shard_size="200KB", progress=False)
     assert calls["n"] == 5
@@ -50,16 +50,16 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     that block is redone on the CPU, counted, and the output equals an all-CPU merge."""
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     victim = "model.layers.1.mlp.down_proj.weight"
-    real = execute.PlanMerger._compute
+    real = execute.PlanMerger._lora_rows
 
-    def compute(t, rows, factors, bias_deltas, start, stop, device, probes=None):
+    def lora_rows(base_rows, changes, start, stop, device, probes):
         if device.type != "cpu":
-            if t.name == victim:
+            if victim.removesuffix(".weight") in changes.keys:  # the LoRA module of that weight
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             device = torch.device("cpu")
-        return real(t, rows, factors, bias_deltas, start, stop, device, probes)
+        return real(base_rows, changes, start, stop, device, probes)
 
-    monkeypatch.setattr(execute.PlanMerger, "_compute", staticmethod(compute))
+    monkeypatch.setattr(execute.PlanMerger, "_lora_rows", staticmethod(lora_rows))
     # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
     plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="float32", device="cpu")
     report = execute.execute_plan(plan, str(tmp_path / "a"), device=torch.device("meta"), progress=False)

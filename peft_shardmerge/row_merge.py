@@ -1,0 +1,286 @@
+"""The per-tensor merge of both paths: base rows in, adapter changes applied in fp32, checked, counted, cast."""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections import Counter
+from typing import Callable, Iterator, TypeVar
+
+import torch
+
+from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
+from .changes import Changes
+from .errors import MergeCheckError
+from .maths import dora_rescale_, merge_block, probe_rows, replace_rows_, update_counts
+from .options import DEFAULT_CHUNK_ELEMS
+from .safetensors_io import row_blocks
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: probe vectors per merged weight, and the largest relative error the self-check accepts
+PROBES = 2
+
+PROBE_TOLERANCE = 1e-3
+
+
+def probe_vectors(name: str, columns: int) -> torch.Tensor:
+    """Reproducible random probe vectors for the self-check of one tensor (seeded by its name).
+
+    Args:
+        name: the tensor's name.
+        columns: its number of columns (the length of each vector).
+
+    Returns:
+        A float32 tensor ``[columns, PROBES]``.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> probe_vectors("w", 3).shape
+        torch.Size([3, 2])
+    """
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(columns, PROBES, generator=g)
+
+
+def check_probe_error(name: str, start: int, stop: int, err: float) -> None:
+    """Fail the self-check of rows ``[start, stop)`` of tensor ``name`` when the probe error is over
+    :data:`PROBE_TOLERANCE`.
+
+    Args:
+        name: the tensor.
+        start: first row of the block.
+        stop: one past the last row.
+        err: the relative error from :func:`~peft_shardmerge.maths.add_lora_checked_`.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: the error is over the tolerance, or not a number.
+
+    Example:
+        >>> check_probe_error("w", 0, 4, 1e-7)
+        >>> check_probe_error("w", 0, 4, float("nan"))
+        Traceback (most recent call last):
+        peft_shardmerge.errors.MergeCheckError: self-check failed for 'w' rows 0-4: merged weight times probe vectors differs from base + LoRA by nan (relative) > 0.001
+    """
+    if not err <= PROBE_TOLERANCE:  # also a NaN error, which no comparison with ">" would catch
+        raise MergeCheckError(
+            f"self-check failed for {name!r} rows {start}-{stop}: merged weight times probe vectors differs from "
+            f"base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
+
+
+def check_range(name: str, cast: torch.Tensor, dtype: torch.dtype) -> None:
+    """float16 tops out at 65504: a larger value would be written as inf.
+
+    Args:
+        name: the tensor.
+        cast: rows of it in the output dtype.
+        dtype: the output dtype.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: a float16 output holds an infinity.
+
+    Example:
+        >>> check_range("w", torch.tensor([1.0]).half(), torch.float16)
+    """
+    if dtype == torch.float16 and bool(cast.isinf().any()):
+        raise MergeCheckError(f"{name!r} has values beyond float16's range (65504); write bfloat16 or float32")
+
+
+def choose_device(name: str, preferred: torch.device, nbytes: int, budget: MemoryBudget | None) -> torch.device:
+    """Where to merge a tensor whose working set is ``nbytes``: ``preferred`` while it fits the memory budget
+    (``maximum_memory_usage``), else the CPU; the CPU, the last resort, is used even over the budget.
+
+    Args:
+        name: the tensor (for the log).
+        preferred: where its data lives or the merge was asked to run.
+        nbytes: the working set.
+        budget: the budget; None means no limit.
+
+    Returns:
+        The device.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> choose_device("w", torch.device("cpu"), 4, None)
+        device(type='cpu')
+    """
+    if budget is None or budget.fits(nbytes, preferred):
+        return preferred
+    if preferred.type != "cpu":
+        log.info("%s: over the memory budget on %s; merging it on the CPU", name, preferred)
+        return torch.device("cpu")
+    log.warning("%s needs about %d MiB, which goes over maximum_memory_usage of host RAM; merging it anyway",
+                name, nbytes >> 20)
+    return preferred
+
+
+class RowMerger:
+    """The per-tensor merge both paths run, and what it counted.
+
+    Attributes:
+        chunk_elems: elements per row block.
+        applied: how often each change key was applied.
+        fallbacks: out-of-memory failures redone on the CPU.
+        probe_err: the largest self-check error seen.
+        swallowed: per tensor, ``(sampled entries the adapter changed, of those rounded back to the base value)``.
+
+    Example:
+        >>> from peft_shardmerge.changes import Changes
+        >>> m = RowMerger()
+        >>> changes = Changes(factors=[(torch.ones(1, 2), torch.ones(2, 1), 1.0)], keys=["q"])
+        >>> [c.tolist() for *_, c in m.merge_rows("w", lambda a, b: torch.zeros(b - a, 2), changes, (2, 2),
+        ...                                           torch.float32, torch.device("cpu"))]
+        [[[1.0, 1.0], [1.0, 1.0]]]
+        >>> m.applied
+        Counter({'q': 1})
+    """
+
+    def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+        self.chunk_elems = chunk_elems
+        self.applied: Counter[str] = Counter()
+        self.fallbacks = 0
+        self.probe_err = 0.0
+        self.swallowed: dict[str, tuple[int, int]] = {}
+
+    def on_device(self, step: Callable[[torch.device], T], device: torch.device, what: str) -> T:
+        """Run ``step(device)``; when it runs out of memory, free the accelerator's cache, count it, and run
+        ``step`` again on the CPU.
+
+        Args:
+            step: the work, given the device to run on.
+            device: where to try first.
+            what: what is computed (for the log).
+
+        Returns:
+            What ``step`` returned.
+
+        Raises:
+            Exception: whatever ``step`` raised other than an out-of-memory, or on its CPU retry.
+
+        Example:
+            >>> RowMerger().on_device(lambda device: device.type, torch.device("cpu"), "w")
+            'cpu'
+        """
+        try:
+            return step(device)
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
+            if not is_out_of_memory(e):
+                raise
+        free_accelerator_cache()
+        self.fallbacks += 1
+        log.warning("out of memory on %s for %s; redoing it on the CPU", device, what)
+        return step(torch.device("cpu"))
+
+    def merge_rows(self, name: str, rows: Callable[[int, int], torch.Tensor], changes: Changes,
+                   shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device
+                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Merge one tensor block by block: rows ``[start, stop)`` of the base, the changes added in fp32 on
+        ``device`` (an out-of-memory block redone on the CPU), the self-check, DoRA's rescale, the finite and
+        range checks and the rounding count (taken on the output values, after DoRA), then the cast. The changes'
+        keys are counted once the last block is out.
+
+        Args:
+            name: the tensor's name (probe seed, messages, rounding count).
+            rows: ``rows(start, stop)`` gives those base rows (any float dtype, any device; not modified).
+            changes: what the adapter changes.
+            shape: the stored tensor's shape.
+            out_dtype: the dtype written.
+            device: where the LoRA product is computed.
+
+        Yields:
+            ``(start, stop, merged float32 rows, the same cast to out_dtype)``, shaped ``[stop - start,
+            *shape[1:]]``, on the base rows' device.
+
+        Raises:
+            MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
+
+        Example:
+            >>> for start, stop, merged, cast in merger.merge_rows(name, rows, changes, shape, dtype, device):
+            ...     sink.write(cast)   # doctest: +SKIP
+        """
+        blocks = row_blocks(shape, self.chunk_elems)
+        width = math.prod(shape[1:]) if shape else 1
+        columns = self._column_scale(name, rows, changes, blocks, device) if changes.magnitudes and \
+            changes.by_column else None
+        probes = probe_vectors(name, width) if changes.factors and len(shape) >= 2 else None
+        changed = lost = 0
+        for start, stop in blocks:
+            base = _base_rows(rows(start, stop), changes, start, stop)
+            merged = self._changed_rows(name, base, changes, start, stop, device, probes)
+            if columns is not None:
+                merged *= columns.to(merged.device).unsqueeze(0)
+            else:
+                for magnitude in changes.magnitudes:  # m * (W + dW) / ||W + dW||, norms per output row, as PEFT
+                    dora_rescale_(merged, magnitude[start:stop])
+            if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
+                raise MergeCheckError(f"merged tensor {name!r} has NaN or Inf in rows {start}-{stop}")
+            merged = merged.reshape(stop - start, *shape[1:])
+            cast = merged.to(out_dtype)
+            check_range(name, cast, out_dtype)
+            if changes.factors and out_dtype != torch.float32:  # estimated on the rows the self-check samples
+                sample = probe_rows(cast.shape[0], cast.device)
+                c, lo = update_counts(base.reshape(cast.shape)[sample], merged[sample], cast[sample])
+                changed, lost = changed + c, lost + lo
+            yield start, stop, merged, cast
+        if changed:
+            self.swallowed[name] = (changed, lost)
+        self.applied.update(changes.keys)
+
+    def _column_scale(self, name, rows, changes: Changes, blocks, device) -> torch.Tensor:
+        """DoRA on a Conv1D or an embedding: PEFT's norms run over the stored rows (one per column), so a first
+        pass accumulates them block by block; the result scales each column."""
+        sumsq = None
+        for start, stop in blocks:
+            base = _base_rows(rows(start, stop), changes, start, stop)
+            merged = self._changed_rows(name, base, changes, start, stop, device, None)
+            part = merged.double().pow(2).sum(0)
+            sumsq = part if sumsq is None else sumsq + part
+        return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float()
+
+    def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes) -> torch.Tensor:
+        """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA."""
+        merged, err = self.on_device(
+            lambda dev: self._lora_rows(base, changes, start, stop, dev, probes), device, f"{name} rows {start}-{stop}")
+        merged = merged.to(base.device)
+        if probes is not None:
+            self.probe_err = max(self.probe_err, err)
+            check_probe_error(name, start, stop, err)
+        for change in changes.peft:
+            change.apply_(merged, start, stop)
+        return merged
+
+    @staticmethod
+    def _lora_rows(base, changes: Changes, start, stop, device, probes) -> tuple[torch.Tensor, float]:
+        """The step run on the accelerator: fp32 rows plus the LoRA products and bias deltas, and the self-check
+        error (0.0 without probes)."""
+        factors = changes.factors
+        if device.type != "cpu":  # LoRA factors are small next to a row block: move them with it
+            factors = [(a.to(device), b.to(device), s) for a, b, s in factors]
+        got = merge_block(base.to(device), factors, start, stop, transposed=changes.transposed,
+                          bias_deltas=changes.bias_deltas, probes=probes)
+        return got if probes is not None else (got, 0.0)
+
+
+def _base_rows(rows: torch.Tensor, changes: Changes, start: int, stop: int) -> torch.Tensor:
+    """Base rows as the merge works on them: convolutions flattened to ``[out, in * kernel]``, trainable-token
+    rows put in place (in fp32, on a copy)."""
+    if rows.dim() > 2:
+        rows = rows.reshape(rows.shape[0], -1)
+    if changes.tokens:
+        rows = rows.to(torch.float32, copy=True)
+    for t in changes.tokens:
+        replace_rows_(rows, t.index, t.rows, start, stop)
+    return rows

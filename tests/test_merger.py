@@ -1,0 +1,118 @@
+"""The one per-tensor merge: both paths give the same bytes and the same rounding counts, and an out-of-memory is
+redone on the CPU on both (a row block on disk, a whole module in process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import peft_shardmerge.execute as execute
+import peft_shardmerge.live_merger as live_merger
+from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
+from peft_shardmerge.inprocess import merge_and_save
+from peft_shardmerge.merger import PlanMerger
+
+#: the DoRA adapters of tests/test_engine.py (same tags, same settings: built once per session)
+DORA_LAYOUTS = {
+    "embedding": ("llama", ["q_proj", "embed_tokens"], {}),
+    "conv1d": ("gpt2", ["c_attn", "c_fc"], {"fan_in_fan_out": True}),
+}
+
+
+def read_all(folder) -> dict[str, torch.Tensor]:
+    import glob
+    import os
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
+        with safe_open(f, "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def live_model(base: str, adapter: str):
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+
+
+@pytest.mark.parametrize("layout", list(DORA_LAYOUTS))
+def test_dora_rounding_count_is_the_same_on_both_paths(layout, make_base, make_adapter, tmp_path):
+    """DoRA on Conv1D / embeddings rescales columns: the 'update lost to rounding' count is taken on the values
+    written (after the rescale) on both paths, so both report the same fractions, tensor by tensor."""
+    arch, targets, extra = DORA_LAYOUTS[layout]
+    base = make_base(arch)
+    adapter = make_adapter(arch, f"dora-{layout}", use_dora=True, target_modules=targets, **extra)
+    disk = merge_checkpoint(base, adapter, str(tmp_path / "disk"), dtype="bfloat16", progress=False)
+    live = merge_and_save(live_model(base, adapter), str(tmp_path / "live"), dtype="bfloat16",
+                          base_precision="dequantized", progress=False)
+    assert disk.swallowed and any(v > 0 for v in disk.swallowed.values())
+    assert live.swallowed == disk.swallowed
+    got_disk, got_live = read_all(tmp_path / "disk"), read_all(tmp_path / "live")
+    for name in disk.swallowed:
+        assert torch.equal(got_disk[name], got_live[name]), name
+
+
+def test_lora_bf16_is_byte_identical_on_both_paths(make_base, make_adapter, tmp_path):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    disk = merge_checkpoint(base, adapter, str(tmp_path / "disk"), dtype="bfloat16", progress=False)
+    live = merge_and_save(live_model(base, adapter), str(tmp_path / "live"), dtype="bfloat16",
+                          base_precision="dequantized", progress=False)
+    got_disk, got_live = read_all(tmp_path / "disk"), read_all(tmp_path / "live")
+    assert sorted(got_disk) == sorted(got_live)
+    for name, t in got_disk.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, got_live[name]), name
+    assert live.swallowed == disk.swallowed and disk.swallowed
+    assert live.self_check_max_rel_err == disk.self_check_max_rel_err
+
+
+def test_oom_in_a_disk_block_is_redone_on_the_cpu(make_base, make_adapter, tmp_path, monkeypatch):
+    """A real torch.OutOfMemoryError from the accelerator step of one row block: that block is redone on the CPU,
+    counted once, and the output equals an all-CPU merge."""
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    real = PlanMerger._lora_rows
+    calls = []
+
+    def lora_rows(base_rows, changes, start, stop, device, probes):
+        calls.append(device.type)
+        if device.type != "cpu":  # "meta" stands in for the accelerator
+            if calls.count("meta") == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            device = torch.device("cpu")
+        return real(base_rows, changes, start, stop, device, probes)
+
+    monkeypatch.setattr(PlanMerger, "_lora_rows", staticmethod(lora_rows))
+    plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="bfloat16", device="cpu")
+    report = execute.execute_plan(plan, str(tmp_path / "a"), device=torch.device("meta"), progress=False)
+    assert report.cpu_fallbacks == 1 and calls.count("cpu") == 1 and calls.count("meta") > 3
+    monkeypatch.undo()
+    merge_checkpoint(base, adapter, str(tmp_path / "b"), dtype="bfloat16", device="cpu", progress=False)
+    got_a, got_b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
+    assert all(torch.equal(got_a[k], got_b[k]) for k in got_b)
+
+
+def test_oom_on_a_whole_module_in_process_is_redone_on_the_cpu(make_base, make_adapter, tmp_path, monkeypatch):
+    """A real torch.OutOfMemoryError while one module's base is read whole: the module is merged again on the CPU,
+    counted once, and the output equals a merge without the failure."""
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    model = live_model(base, adapter)
+    real = live_merger.dequantize
+    victim = "model.layers.0.self_attn.q_proj"
+    calls = []
+
+    def dequantize(holder, device, notes=None):
+        if holder is model.get_submodule("base_model.model." + victim).get_base_layer():
+            calls.append(device.type)
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real(holder, device, notes)
+
+    monkeypatch.setattr(live_merger, "dequantize", dequantize)
+    a = merge_and_save(model, str(tmp_path / "a"), dtype="bfloat16", base_precision="dequantized", progress=False)
+    assert a.cpu_fallbacks == 1 and calls == ["cpu", "cpu"]
+    monkeypatch.undo()
+    b = merge_and_save(model, str(tmp_path / "b"), dtype="bfloat16", base_precision="dequantized", progress=False)
+    assert b.cpu_fallbacks == 0
+    got_a, got_b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
+    assert all(torch.equal(got_a[k], got_b[k]) for k in got_b)
