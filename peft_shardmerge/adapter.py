@@ -11,40 +11,26 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptFileError, InputError, NotFoundError
+from .adapter_files import (ADAPTER_BIN, ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENS_SUFFIXES, AdapterTensor, TokenRows,
+                            add_token_rows, check_adapter_config, pattern_key, read_adapter_tensors)
+from .combinations import COMBINATIONS, check_weights, combination_problems
+from .errors import CorruptFileError, InputError
 from .maths import linear_factors
 from .peft_deltas import DELTA_TYPES
-from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
-from .reading_rules import positive_number, stored_key_problems
-from .sources import _read_json, resolve_folder
-from .support import DISK, check_config, check_layers, raise_if_any, residual_init
+from .safetensors_io import RowReader
+from .reading_rules import stored_key_problems
+from .sources import read_json, resolve_folder
+from .support import DISK, check_layers, raise_if_any, residual_init
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_BIN = "adapter_model.bin"
+__all__ = ["ADAPTER_BIN", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "COMBINATIONS", "PREFIX", "AdapterSpec", "AdapterTensor",
+           "LoraModule", "TokenRows", "check_weights", "combine_adapters", "load_adapter", "modifies_base"]
+
 PREFIX = "base_model.model."
 
 _LORA_KEY = re.compile(
     r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
     r"(?:\.(?!weight$|bias$)[^.]+)?(?:\.(?P<leaf>weight|bias))?$"
 )
-
-
-@dataclass
-class AdapterTensor:
-    """One tensor of the adapter, in a safetensors file."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    info: TensorInfo | None
-    data: torch.Tensor | None = None
-
-    def load(self, reader: RowReader) -> torch.Tensor:
-        """Return the tensor's data as a fresh copy (from the file, or from ``data`` for a computed tensor)."""
-        if self.data is not None:
-            return self.data.clone()
-        return reader.read(self.info)
 
 
 @dataclass
@@ -81,26 +67,6 @@ class LoraModule:
 
 
 @dataclass
-class TokenRows:
-    """Trainable tokens of one embedding-like module: whole new rows (not deltas) for some token ids.
-
-    Attributes:
-        path: the module's name in the base model, e.g. ``model.embed_tokens``.
-        indices: the token ids, in the order of the rows of ``rows``.
-        rows: ``trainable_tokens_delta``, ``[len(indices), dim]``: the trained rows that replace the base's.
-        key: a name unique within the spec.
-    """
-
-    path: str
-    indices: list[int]
-    rows: AdapterTensor
-    key: str = ""
-
-    def __post_init__(self) -> None:
-        self.key = self.key or f"tokens:{self.path}"
-
-
-@dataclass
 class AdapterSpec:
     """A LoRA adapter, read once: config, LoRA modules and whole-tensor replacements.
 
@@ -112,15 +78,13 @@ class AdapterSpec:
             (``modules_to_save`` weights, trained biases, saved embedding layers).
         fan_in_fan_out: the config's flag (Conv1D layers store weights transposed).
         tokenizer_files: tokenizer files saved beside the adapter.
-        scratch: a temporary folder holding a legacy ``.bin`` adapter converted to safetensors (removed
-            when the spec is garbage-collected).
+        scratch: the folder of a legacy ``.bin`` converted to safetensors (removed with the spec).
         folders: every adapter folder this spec was read from (several for a combination).
         combination: how several adapters were combined (``"cat"``/``"linear"`` with their weights), or "".
         parts: the adapters of a combination.
         tokens: trainable-token rows by module path (``trainable_token_indices``).
         peft_type: the config's ``peft_type`` (``"LORA"``, ``"TRAINABLE_TOKENS"``, ``"LOHA"``, ...).
-        layers: for LoHa/LoKr/VeRA/IA3, the layers PEFT rebuilt (set by the planner,
-            :func:`~peft_shardmerge.peft_deltas.rebuild`).
+        layers: for LoHa/LoKr/VeRA/IA3, the layers PEFT rebuilt (:func:`~peft_shardmerge.peft_deltas.rebuild`).
         layer_skip: adapter tensor names the rebuilt layers do not take (saved modules, token rows).
         saved_copies: replacements that are ``modules_to_save`` copies (the adapter model's tied partner keeps
             the base's weights), as opposed to embedding layers saved after a resize (which stay tied).
@@ -179,25 +143,49 @@ def load_adapter(location: str) -> AdapterSpec:
     from .sources import TOKENIZER_FILES
 
     folder = resolve_folder(location, what="adapter", must_have=(ADAPTER_CONFIG,))
-    config = _read_json(os.path.join(folder, ADAPTER_CONFIG), "adapter_config.json")
-    _check_config(config, folder)
-    tensors, scratch = _read_adapter_tensors(folder)
+    config = read_json(os.path.join(folder, ADAPTER_CONFIG), "adapter_config.json")
+    check_adapter_config(config, folder)
+    tensors, scratch = _adapter_tensors(folder)
     key_problems = stored_key_problems(list(tensors))  # keys PeftModel.from_pretrained would not load
     if key_problems:
         raise InputError(key_problems)
     spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)), scratch=scratch,
                        peft_type=str(config.get("peft_type")))
     spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
-    parts: dict[str, dict[str, AdapterTensor]] = {}
     problems: list[str] = []
+    parts = _sort_tensors(spec, tensors, problems)
+    if spec.needs_layers:
+        if scratch is not None:
+            problems.append(f"adapter {folder}: a {spec.peft_type} adapter on PEFT's own layers must be saved as "
+                            "safetensors")
+        if problems:
+            raise InputError(problems)
+        return spec
     unsupported: list[str] = []  # the allowlist's refusals (support.py)
-    saved_modules = config.get("modules_to_save") or []
+    for path, p in sorted(parts.items()):
+        module = _lora_module(config, path, p, problems, unsupported)
+        if module is not None:
+            spec.modules[path] = module
+    if (config.get("trainable_token_indices") or config.get("peft_type") == "TRAINABLE_TOKENS") and not spec.tokens:
+        problems.append("adapter_config.json asks for trainable tokens but the weights hold no "
+                        "trainable_tokens_delta; the config does not belong to these weights")
+    raise_if_any(unsupported, problems)
+    if not spec.modules and not spec.replacements and not spec.tokens:
+        raise InputError(f"adapter {folder} holds no LoRA weights; is it the right folder?")
+    return spec
+
+
+def _sort_tensors(spec: AdapterSpec, tensors: dict[str, AdapterTensor], problems: list[str]
+                  ) -> dict[str, dict[str, AdapterTensor]]:
+    """File every adapter tensor: token rows and replacements into ``spec``; LoRA factors returned by module."""
+    parts: dict[str, dict[str, AdapterTensor]] = {}
+    saved_modules = spec.config.get("modules_to_save") or []
     for name, t in tensors.items():
         key = name[len(PREFIX):] if name.startswith(PREFIX) else name
         if key.endswith(".trainable_tokens_original"):
             continue  # the rows before training, kept by PEFT for unmerging
-        if key.endswith(_TOKENS_SUFFIXES):
-            _add_token_rows(spec, name, key, t, problems)
+        if key.endswith(TOKENS_SUFFIXES):
+            add_token_rows(spec, name, key, t, problems)
             spec.layer_skip.add(name)
             continue
         if ".original_module." in key:
@@ -221,143 +209,75 @@ def load_adapter(location: str) -> AdapterSpec:
             continue
         part = m.group("part") + ("." + m.group("leaf") if m.group("leaf") == "bias" else "")
         parts.setdefault(m.group("module"), {})[part] = t
-    if spec.needs_layers:
-        if scratch is not None:
-            problems.append(f"adapter {folder}: a {spec.peft_type} adapter on PEFT's own layers must be saved as "
-                            "safetensors")
-        if problems:
-            raise InputError(problems)
-        return spec
-    r_default = config.get("r")
-    alpha_default = config.get("lora_alpha")
-    rslora = bool(config.get("use_rslora", False))
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
-    for path, p in sorted(parts.items()):
-        if "lora_A" in p or "lora_B" in p:
-            kind, a, b = "linear", p.get("lora_A"), p.get("lora_B")
-        else:
-            kind, a, b = "embedding", p.get("lora_embedding_A"), p.get("lora_embedding_B")
-        if a is None or b is None:
-            problems.append(f"LoRA module {path!r} has only one of its A/B factors in the adapter weights")
-            continue
-        if kind == "linear" and len(a.shape) in (4, 5) and len(b.shape) == len(a.shape):
-            kind = "conv"  # nn.Conv2d/Conv3d: A is [r, in, *kernel], B is [out, r, 1, ...]
-        ok = len(a.shape) == 2 and len(b.shape) == 2 if kind != "conv" else all(k == 1 for k in b.shape[2:])
-        if kind == "conv" and ok and b.shape[1] < a.shape[0] and a.shape[0] % b.shape[1] == 0:  # B [out, r/groups]
-            unsupported += check_layers([(path, "LORA", f"Conv{len(a.shape) - 2}d (groups={a.shape[0] // b.shape[1]})",
-                                          [])], path=DISK)
-            continue
-        if not ok or a.shape[0] != b.shape[1]:
-            problems.append(
-                f"LoRA module {path!r}: A {list(a.shape)} and B {list(b.shape)} do not form a rank-r pair "
-                "(A is [r, in], B is [out, r]; for a convolution A is [r, in, *kernel], B is [out, r, 1, ...])"
-            )
-            continue
-        rank = int(rank_pattern[_pattern_key(rank_pattern, path)]) if _pattern_key(rank_pattern, path) else r_default
-        alpha = alpha_pattern[_pattern_key(alpha_pattern, path)] if _pattern_key(alpha_pattern, path) else alpha_default
-        if a.shape[0] != rank:
-            problems.append(
-                f"LoRA module {path!r} has rank {a.shape[0]} in its weights but adapter_config.json says "
-                f"r={rank}; the config does not belong to these weights"
-            )
-            continue
-        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
-        magnitude = p.get("lora_magnitude_vector")
-        if bool(config.get("use_dora")) != (magnitude is not None):
-            problems.append(f"LoRA module {path!r}: use_dora={config.get('use_dora')!r} in adapter_config.json but "
-                            f"the weights {'have' if magnitude is not None else 'lack'} a lora_magnitude_vector")
-            continue
-        spec.modules[path] = LoraModule(path, kind, a, b, p.get("lora_B.bias"), rank, float(alpha), scaling,
-                                        magnitude)
-    if (config.get("trainable_token_indices") or config.get("peft_type") == "TRAINABLE_TOKENS") and not spec.tokens:
-        problems.append("adapter_config.json asks for trainable tokens but the weights hold no "
-                        "trainable_tokens_delta; the config does not belong to these weights")
-    raise_if_any(unsupported, problems)
-    if not spec.modules and not spec.replacements and not spec.tokens:
-        raise InputError(f"adapter {folder} holds no LoRA weights; is it the right folder?")
-    return spec
+    return parts
 
 
-_TOKENS_SUFFIXES = (".token_adapter.trainable_tokens_delta", ".trainable_tokens_delta")
-
-
-def _add_token_rows(spec: "AdapterSpec", name: str, key: str, t: AdapterTensor, problems: list[str]) -> None:
-    """Record an adapter's trainable-token rows for their module, or the problem with them."""
-    path = key.removesuffix(".trainable_tokens_delta").removesuffix(".token_adapter")
-    indices = _token_indices(spec.config, path, spec)
-    if indices is None:
-        problems.append(f"adapter tensor {name!r} holds trainable tokens but adapter_config.json gives no "
-                        f"token indices for {path!r}")
-    elif len(t.shape) != 2 or t.shape[0] != len(indices):
-        problems.append(f"adapter tensor {name!r} has shape {list(t.shape)} but {len(indices)} token indices")
+def _lora_module(config: dict, path: str, p: dict[str, AdapterTensor], problems: list[str],
+                 unsupported: list[str]) -> LoraModule | None:
+    """The LoRA module of ``path`` from its factors, or None with the problem recorded."""
+    if "lora_A" in p or "lora_B" in p:
+        kind, a, b = "linear", p.get("lora_A"), p.get("lora_B")
     else:
-        spec.tokens[path] = TokenRows(path, indices, t)
-
-
-def _token_indices(config: dict, path: str, spec: "AdapterSpec") -> list[int] | None:
-    """The token ids of the trainable-token rows saved for module ``path``, from the adapter config.
-
-    ``trainable_token_indices`` is a list (for the input embedding) or ``{module name: ids}``; a standalone
-    trainable-tokens adapter has ``token_indices``.
-    """
-    given = config.get("trainable_token_indices")
-    if config.get("peft_type") == "TRAINABLE_TOKENS":
-        given = config.get("token_indices")
-    if isinstance(given, dict):
-        for name, ids in given.items():
-            if path == name or path.endswith("." + name):
-                given = ids
-                break
-        else:
-            return None
-    if not isinstance(given, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in given):
+        kind, a, b = "embedding", p.get("lora_embedding_A"), p.get("lora_embedding_B")
+    if a is None or b is None:
+        problems.append(f"LoRA module {path!r} has only one of its A/B factors in the adapter weights")
         return None
-    return list(given)
-
-
-def _pattern_key(pattern: dict, path: str) -> str | None:
-    """The key of ``rank_pattern``/``alpha_pattern`` that applies to ``path``, as PEFT matches it."""
-    if not pattern:
+    if kind == "linear" and len(a.shape) in (4, 5) and len(b.shape) == len(a.shape):
+        kind = "conv"  # nn.Conv2d/Conv3d: A is [r, in, *kernel], B is [out, r, 1, ...]
+    ok = len(a.shape) == 2 and len(b.shape) == 2 if kind != "conv" else all(k == 1 for k in b.shape[2:])
+    if kind == "conv" and ok and b.shape[1] < a.shape[0] and a.shape[0] % b.shape[1] == 0:  # B [out, r/groups]
+        unsupported += check_layers([(path, "LORA", f"Conv{len(a.shape) - 2}d (groups={a.shape[0] // b.shape[1]})",
+                                      [])], path=DISK)
         return None
-    from peft.utils.other import get_pattern_key
+    if not ok or a.shape[0] != b.shape[1]:
+        problems.append(
+            f"LoRA module {path!r}: A {list(a.shape)} and B {list(b.shape)} do not form a rank-r pair "
+            "(A is [r, in], B is [out, r]; for a convolution A is [r, in, *kernel], B is [out, r, 1, ...])"
+        )
+        return None
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    rank = int(rank_pattern[pattern_key(rank_pattern, path)]) if pattern_key(rank_pattern, path) else config.get("r")
+    alpha = (alpha_pattern[pattern_key(alpha_pattern, path)] if pattern_key(alpha_pattern, path)
+             else config.get("lora_alpha"))
+    if a.shape[0] != rank:
+        problems.append(
+            f"LoRA module {path!r} has rank {a.shape[0]} in its weights but adapter_config.json says "
+            f"r={rank}; the config does not belong to these weights"
+        )
+        return None
+    scaling = alpha / math.sqrt(rank) if bool(config.get("use_rslora", False)) else alpha / rank
+    magnitude = p.get("lora_magnitude_vector")
+    if bool(config.get("use_dora")) != (magnitude is not None):
+        problems.append(f"LoRA module {path!r}: use_dora={config.get('use_dora')!r} in adapter_config.json but "
+                        f"the weights {'have' if magnitude is not None else 'lack'} a lora_magnitude_vector")
+        return None
+    return LoraModule(path, kind, a, b, p.get("lora_B.bias"), rank, float(alpha), scaling, magnitude)
 
-    key = get_pattern_key(list(pattern.keys()), path)
-    return key if key in pattern else None
+
+def _adapter_tensors(folder: str) -> tuple[dict[str, AdapterTensor], tempfile.TemporaryDirectory | None]:
+    """The adapter's tensors, and the scratch folder holding a legacy ``.bin`` converted to safetensors."""
+    st_path, bin_path, scratch = os.path.join(folder, ADAPTER_WEIGHTS), os.path.join(folder, ADAPTER_BIN), None
+    if not os.path.isfile(st_path) and os.path.isfile(bin_path):
+        scratch = tempfile.TemporaryDirectory(prefix="peft-shardmerge-adapter-")
+        st_path = _bin_to_safetensors(bin_path, os.path.join(scratch.name, ADAPTER_WEIGHTS))
+    return read_adapter_tensors(folder, st_path), scratch
 
 
-COMBINATIONS = ("cat", "linear")
+def _bin_to_safetensors(bin_path: str, st_path: str) -> str:
+    """Read a legacy adapter_model.bin without unpickling code and write it as safetensors (adapters are small)."""
+    from safetensors.torch import save_file
 
-
-def check_weights(count: int, weights: "list[float] | None", combination: str, *, option: str = "combination"
-                  ) -> tuple[list[float], list[str]]:
-    """Check the weights and combination of ``count`` adapters merged together (both paths use it).
-
-    Args:
-        count: how many adapters.
-        weights: one weight per adapter, or None for 1.0 each.
-        combination: ``"cat"`` or ``"linear"``.
-        option: the option's name in messages (``combination_type`` in process).
-
-    Returns:
-        ``(weights as a list, problems)``.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> check_weights(2, None, "cat")
-        ([1.0, 1.0], [])
-    """
-    problems = []
-    weights = [1.0] * count if weights is None else list(weights)
-    if len(weights) != count:
-        problems.append(f"{len(weights)} weight(s) given for {count} adapter(s); give one weight per adapter")
-    elif not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
-        problems.append(f"adapter weights must be finite numbers, got {weights!r}")
-    if combination not in COMBINATIONS:
-        problems.append(f"{option} must be one of {', '.join(COMBINATIONS)}, got {combination!r}")
-    return weights, problems
+    try:
+        state: Any = torch.load(bin_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CorruptFileError(
+            f"{bin_path} cannot be read safely with torch.load(weights_only=True) ({e}); re-save the adapter "
+            "as safetensors"
+        ) from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CorruptFileError(f"{bin_path} is not a flat dict of tensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, st_path, metadata={"format": "pt"})
+    return st_path
 
 
 def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = None,
@@ -380,7 +300,8 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
 
     Raises:
         InputError: weights of the wrong length or not finite, an unknown combination, unequal ranks with
-            ``"linear"``, DoRA adapters, adapters that disagree on the layout (``fan_in_fan_out``), or two
+            ``"linear"``, DoRA or IA3 adapters (:func:`~peft_shardmerge.combinations.combination_problems`),
+            adapters that disagree on the layout (``fan_in_fan_out``), or two
             adapters replacing the same tensor.
 
     Example:
@@ -388,26 +309,19 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
     """
     if not specs:
         raise InputError("no adapter given")
-    weights, problems = check_weights(len(specs), weights, combination)
+    weights, problems = combination_problems([s.config for s in specs], [s.folder for s in specs], weights,
+                                             combination)
     if problems:
         raise InputError(problems)
     if len(specs) == 1 and weights[0] == 1.0:
         return specs[0]
     others = [f"{s.folder} ({s.peft_type}{' on target_parameters' if s.peft_type == 'LORA' else ''})"
-              for s in specs if s.needs_layers]
+              for s in specs if s.needs_layers and s.peft_type != "IA3"]  # IA3: refused above
     if others:
         problems.append(f"only LoRA adapters on modules (not on target_parameters) can be combined on disk: "
                         f"{', '.join(others)}; combine them in process with merge_and_save(adapter_names=...)")
-    dora = [s.folder for s in specs if any(m.magnitude is not None for m in s.modules.values())]
-    if dora:
-        problems.append(f"DoRA adapters cannot be combined (their magnitudes do not add): {', '.join(dora)}")
     if len({s.fan_in_fan_out for s in specs}) > 1:
         problems.append("the adapters disagree on fan_in_fan_out; they were trained on different layouts")
-    if combination == "linear":
-        ranks = {m.rank for s in specs for m in s.modules.values()}
-        if len(ranks) > 1:
-            problems.append(f"combination 'linear' needs every adapter to have the same rank, got {sorted(ranks)}; "
-                            "use 'cat'")
     out = AdapterSpec(specs[0].folder, dict(specs[0].config), fan_in_fan_out=specs[0].fan_in_fan_out,
                       folders=[f for s in specs for f in s.folders],
                       combination=f"{combination} " + ", ".join(f"{w:g}" for w in weights))
@@ -415,16 +329,7 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
     if out.tokenizer_files:
         out.folder = next(s.folder for s in specs if s.tokenizer_files)
     out.parts = list(specs)  # keeps the parts' scratch folders (legacy .bin conversions) alive
-    for s in specs:
-        out.saved_copies |= s.saved_copies
-        for name, t in s.replacements.items():
-            if name in out.replacements:
-                problems.append(f"two adapters replace {name!r} (modules_to_save or a trained bias); only one may")
-            out.replacements[name] = t
-        for path, tr in s.tokens.items():
-            if path in out.tokens:
-                problems.append(f"two adapters train tokens of {path!r}; their rows cannot be combined")
-            out.tokens[path] = tr
+    problems += _take_whole_tensors(out, specs)
     if problems:
         raise InputError(problems)
     if combination == "cat":
@@ -436,21 +341,41 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
         return out
     with RowReader() as reader:
         for path in sorted({p for s in specs for p in s.modules}):
-            members = [(s.modules[path], w) for s, w in zip(specs, weights) if path in s.modules]
-            first = members[0][0]
-            a, b, _ = linear_factors([(m.a.load(reader), m.b.load(reader), w * m.scaling) for m, w in members])
-            bias = None
-            for m, w in members:  # lora_bias terms add like the deltas: sum_i w_i * scaling_i * bias_i
-                if m.bias is not None:
-                    t = m.bias.load(reader).float() * (w * m.scaling)
-                    bias = t if bias is None else bias + t
-            if bias is not None:
-                bias = AdapterTensor(f"{path}.lora_B.bias", tuple(bias.shape), "F32", None, bias)
-            out.modules[path] = LoraModule(
-                path, first.kind, AdapterTensor(f"{path}.lora_A", tuple(a.shape), "F32", None, a),
-                AdapterTensor(f"{path}.lora_B", tuple(b.shape), "F32", None, b), bias, first.rank,
-                float(first.rank), 1.0)
+            out.modules[path] = _linear_module(reader, path, [(s.modules[path], w) for s, w in zip(specs, weights)
+                                                              if path in s.modules])
     return out
+
+
+def _take_whole_tensors(out: AdapterSpec, specs: list[AdapterSpec]) -> list[str]:
+    """Gather the replacements and token rows of every adapter into ``out``; two adapters may not share one."""
+    problems = []
+    for s in specs:
+        out.saved_copies |= s.saved_copies
+        for name, t in s.replacements.items():
+            if name in out.replacements:
+                problems.append(f"two adapters replace {name!r} (modules_to_save or a trained bias); only one may")
+            out.replacements[name] = t
+        for path, tr in s.tokens.items():
+            if path in out.tokens:
+                problems.append(f"two adapters train tokens of {path!r}; their rows cannot be combined")
+            out.tokens[path] = tr
+    return problems
+
+
+def _linear_module(reader: RowReader, path: str, members: list[tuple[LoraModule, float]]) -> LoraModule:
+    """PEFT's ``linear`` combination of one module's factors, with scaling 1."""
+    first = members[0][0]
+    a, b, _ = linear_factors([(m.a.load(reader), m.b.load(reader), w * m.scaling) for m, w in members])
+    bias = None
+    for m, w in members:  # lora_bias terms add like the deltas: sum_i w_i * scaling_i * bias_i
+        if m.bias is not None:
+            t = m.bias.load(reader).float() * (w * m.scaling)
+            bias = t if bias is None else bias + t
+    if bias is not None:
+        bias = AdapterTensor(f"{path}.lora_B.bias", tuple(bias.shape), "F32", None, bias)
+    return LoraModule(path, first.kind, AdapterTensor(f"{path}.lora_A", tuple(a.shape), "F32", None, a),
+                      AdapterTensor(f"{path}.lora_B", tuple(b.shape), "F32", None, b), bias, first.rank,
+                      float(first.rank), 1.0)
 
 
 def modifies_base(init_lora_weights: object) -> bool:
@@ -472,77 +397,3 @@ def modifies_base(init_lora_weights: object) -> bool:
     return residual_init(init_lora_weights)  # one definition, the allowlist's
 
 
-def _check_config(config: dict, folder: str) -> None:
-    raise_if_any(check_config(config, where=f"adapter {folder}", path=DISK))  # the allowlist (support.py)
-    if config.get("peft_type") in ("TRAINABLE_TOKENS", *DELTA_TYPES):
-        return
-    problems = []
-    for key in ("r", "lora_alpha"):
-        if key not in config:
-            problems.append(f"adapter_config.json lacks {key!r}")
-        elif not positive_number(config[key], integer=key == "r"):
-            problems.append(f"adapter_config.json {key!r} must be a positive finite number, got {config[key]!r}")
-    for key in ("rank_pattern", "alpha_pattern"):
-        pattern = config.get(key)
-        if pattern is None:
-            continue
-        if not isinstance(pattern, dict):
-            problems.append(f"adapter_config.json {key!r} must be an object, got {type(pattern).__name__}")
-            continue
-        for k, v in pattern.items():
-            if key == "rank_pattern" and not positive_number(v, integer=True):
-                problems.append(f"adapter_config.json rank_pattern[{k!r}] must be a positive int, got {v!r}")
-            if key == "alpha_pattern" and not positive_number(v):
-                problems.append(f"adapter_config.json alpha_pattern[{k!r}] must be a positive finite number, got {v!r}")
-            try:
-                re.compile(rf"(.*\.)?({k})$")
-            except re.error as e:
-                problems.append(f"adapter_config.json {key} key {k!r} is not a valid pattern ({e})")
-    if problems:
-        raise InputError(problems)
-
-
-def _read_adapter_tensors(folder: str) -> tuple[dict[str, AdapterTensor], tempfile.TemporaryDirectory | None]:
-    st_path = os.path.join(folder, ADAPTER_WEIGHTS)
-    bin_path = os.path.join(folder, ADAPTER_BIN)
-    scratch = None
-    if not os.path.isfile(st_path) and os.path.isfile(bin_path):
-        scratch = tempfile.TemporaryDirectory(prefix="peft-shardmerge-adapter-")
-        st_path = _bin_to_safetensors(bin_path, os.path.join(scratch.name, ADAPTER_WEIGHTS))
-    if os.path.isfile(st_path):
-        infos, _ = read_header(st_path)
-        out = {i.name: AdapterTensor(i.name, i.shape, i.dtype, info=i) for i in infos}
-        _check_finite_files(out)
-        return out, scratch
-    raise NotFoundError(f"adapter {folder} has neither {ADAPTER_WEIGHTS} nor {ADAPTER_BIN}")
-
-
-def _bin_to_safetensors(bin_path: str, st_path: str) -> str:
-    """Read a legacy adapter_model.bin without unpickling code and write it as safetensors (adapters are small)."""
-    from safetensors.torch import save_file
-
-    try:
-        state: Any = torch.load(bin_path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CorruptFileError(
-            f"{bin_path} cannot be read safely with torch.load(weights_only=True) ({e}); re-save the adapter "
-            "as safetensors"
-        ) from e
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CorruptFileError(f"{bin_path} is not a flat dict of tensors")
-    save_file({k: v.contiguous() for k, v in state.items()}, st_path, metadata={"format": "pt"})
-    return st_path
-
-
-def _check_finite_files(tensors: dict[str, AdapterTensor]) -> None:
-    bad = []
-    with RowReader() as reader:
-        for name, t in tensors.items():
-            if t.dtype not in FLOAT_DTYPES:
-                continue
-            for start, stop in row_blocks(t.shape, 1 << 22):
-                if not torch.isfinite(reader.read_rows(t.info, start, stop)).all():
-                    bad.append(name)
-                    break
-    if bad:
-        raise InputError(f"adapter weights contain NaN or Inf: {', '.join(bad[:5])}; the training diverged")

@@ -1,4 +1,4 @@
-"""The public disk-to-disk API: merge_checkpoint and plan_checkpoint_merge."""
+"""The public disk-to-disk API: merge_checkpoint and plan_checkpoint_merge, thin wrappers over MergeOptions."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from .errors import InputError, ShardMergeError
 from .execute import execute_plan, resolve_device
 from .model_info import inspect_model
 from .peft_deltas import rebuild
-from .options import DEFAULT_CHUNK_ELEMS
+from .options import DEFAULT_CHUNK_ELEMS, MergeOptions
 from .plan_types import Plan
 from .plan import build_plan
-from .quant import Nf4Settings
 from .reading_rules import adapter_load_problems
 from .report import MergeReport
 from .sources import open_checkpoint
-from .staging import NOTHING_WRITTEN, FileSystemError
+from .errors import FileSystemError
+from .staging import NOTHING_WRITTEN
 from .outcheck import check_out_dir, check_space, path_argument
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ def plan_checkpoint_merge(
     device: str = "auto",
     overwrite: bool = False,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    options: MergeOptions | None = None,
 ) -> Plan:
     """Check every input and decide the whole merge without reading tensor data (what ``--dry-run`` prints).
 
@@ -64,12 +65,16 @@ def plan_checkpoint_merge(
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         overwrite: allow replacing a non-empty ``out_dir``.
         chunk_elems: elements per row block (bounds peak memory).
+        options: the same knobs as one :class:`~peft_shardmerge.options.MergeOptions`; a keyword left at its
+            default defers to it, a keyword set to another value wins over a field left at its default, and a
+            keyword and a field set to different values are refused.
 
     Returns:
         The :class:`~peft_shardmerge.plan_types.Plan`; ``print(plan.describe())`` shows it.
 
     Raises:
-        InputError: every problem with the options, the output folder and the adapter/base pairing, at once.
+        InputError: every problem with the options (conflicts between keywords and ``options`` too), the output
+            folder and the adapter/base pairing, at once.
         NotFoundError: the base or adapter cannot be found.
         UnsupportedError: the adapter type or an adapter option cannot be merged.
         CorruptFileError: a checkpoint or adapter file is malformed.
@@ -78,30 +83,49 @@ def plan_checkpoint_merge(
         >>> plan = plan_checkpoint_merge("tiny-base", "tiny-adapter", "merged")   # doctest: +SKIP
         >>> print(plan.describe())   # doctest: +SKIP
     """
-    base, problems = path_argument(base, "base")
-    many = not isinstance(adapter, (str, bytes, os.PathLike)) and isinstance(adapter, Sequence)
-    locations = []
-    for i, a in enumerate(adapter if many else [adapter]):
-        a, bad = path_argument(a, f"adapter {i + 1}" if many else "adapter")
-        locations.append(a)
-        problems += bad
-    if not locations:
-        problems.append("adapter is an empty list; pass at least one adapter folder")
-    if problems:  # unreadable path arguments: nothing else can be checked
-        raise InputError(problems + check_out_dir(out_dir, inputs={}, overwrite=overwrite))
+    opts, problems = MergeOptions.merged(
+        options, weights=weights, combination=combination, dtype=dtype, max_shard_size=max_shard_size,
+        base_precision=base_precision, nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize,
+        nf4_double_quant=nf4_double_quant, device=device, overwrite=overwrite, chunk_elems=chunk_elems)
+    return plan_with_options(base, adapter, out_dir, opts, problems)
+
+
+def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequence[str | os.PathLike],
+                      out_dir: str | os.PathLike, opts: MergeOptions, problems: list[str] | None = None) -> Plan:
+    """:func:`plan_checkpoint_merge` with its knobs as one :class:`~peft_shardmerge.options.MergeOptions`.
+
+    Args:
+        base: base checkpoint folder, or a cached Hub id.
+        adapter: an adapter folder or cached Hub id, or a list of them.
+        out_dir: the output folder.
+        opts: the options (their problems are reported with the rest).
+        problems: problems found already (conflicts between keywords and ``options``), reported with the rest.
+
+    Returns:
+        The :class:`~peft_shardmerge.plan_types.Plan`.
+
+    Raises:
+        InputError, NotFoundError, UnsupportedError, CorruptFileError: as :func:`plan_checkpoint_merge`.
+
+    Example:
+        >>> opts = MergeOptions(dtype="bf16")
+        >>> plan = plan_with_options("tiny-base", "tiny-adapter", "merged", opts)  # doctest: +SKIP
+    """
+    problems = list(problems if problems is not None else opts.problems())
+    base, bad_base = path_argument(base, "base")
+    locations, bad = _adapter_locations(adapter)
+    if bad_base or bad:  # unreadable path arguments: nothing else can be checked
+        raise InputError(bad_base + bad + problems + check_out_dir(out_dir, inputs={}, overwrite=opts.overwrite))
     out_dir = os.fspath(out_dir) if isinstance(out_dir, os.PathLike) else out_dir
     try:
-        resolve_device(device)
+        resolve_device(opts.device)
     except InputError as e:
-        problems += e.problems
-    if not isinstance(chunk_elems, int) or chunk_elems <= 0:
-        problems.append(f"chunk_elems must be a positive int, got {chunk_elems!r}")
-        chunk_elems = DEFAULT_CHUNK_ELEMS
+        problems += [p for p in e.problems if p not in problems]
     src = open_checkpoint(base)
-    spec = combine_adapters([load_adapter(a) for a in locations], weights, combination)
+    spec = combine_adapters([load_adapter(a) for a in locations], _weights(opts), opts.combination)
     inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
                                      for i, f in enumerate(spec.folders)}}
-    problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite)
+    problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite)
     info = inspect_model(src.folder)
     problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
     if spec.needs_layers:
@@ -109,17 +133,32 @@ def plan_checkpoint_merge(
 
         spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
                               skip=spec.layer_skip)
-    nf4 = Nf4Settings(nf4_quant_type, nf4_blocksize, nf4_double_quant) if base_precision == "nf4" else None
-    plan = build_plan(
-        src, spec, info,
-        dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
-        nf4=nf4, chunk_elems=chunk_elems, problems=problems,
-    )
+    good_chunk = isinstance(opts.chunk_elems, int) and not isinstance(opts.chunk_elems, bool) and opts.chunk_elems > 0
+    chunk_elems = opts.chunk_elems if good_chunk else DEFAULT_CHUNK_ELEMS
+    plan = build_plan(src, spec, info, dtype=opts.dtype, max_shard_size=opts.max_shard_size,
+                      base_precision=opts.base_precision, nf4=opts.nf4, chunk_elems=chunk_elems, problems=problems)
     space = check_space(out_dir, plan.total_size + sum(
         os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files))
     if space:
         raise InputError(space)
     return plan
+
+
+def _adapter_locations(adapter) -> tuple[list, list[str]]:
+    """The adapter path arguments (one or a list), with the problems of unreadable ones."""
+    many = not isinstance(adapter, (str, bytes, os.PathLike)) and isinstance(adapter, Sequence)
+    locations, problems = [], []
+    for i, a in enumerate(adapter if many else [adapter]):
+        a, bad = path_argument(a, f"adapter {i + 1}" if many else "adapter")
+        locations.append(a)
+        problems += bad
+    if not locations:
+        problems.append("adapter is an empty list; pass at least one adapter folder")
+    return locations, problems
+
+
+def _weights(opts: MergeOptions) -> list | None:
+    return None if opts.weights is None else list(opts.weights)
 
 
 def merge_checkpoint(
@@ -142,6 +181,7 @@ def merge_checkpoint(
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     before_commit: Callable[[str], None] | None = None,
     resume: bool = True,
+    options: MergeOptions | None = None,
 ) -> MergeReport:
     """Merge a LoRA adapter into a base checkpoint on disk, streaming one row block at a time.
 
@@ -170,6 +210,8 @@ def merge_checkpoint(
             (to add files, e.g. ``tokenizer.save_pretrained``).
         resume: when an earlier run of the same merge (same inputs and options) was killed, keep its
             finished and verified shards (``.<OUT>.partial/manifest.json``) and redo the rest.
+        options: the knobs above as one :class:`~peft_shardmerge.options.MergeOptions` (all but ``dry_run`` and
+            ``before_commit``); the precedence of :func:`plan_checkpoint_merge` applies.
 
     Returns:
         A :class:`~peft_shardmerge.report.MergeReport` (``report.summary()`` for a one-screen summary).
@@ -191,13 +233,13 @@ def merge_checkpoint(
         >>> report = merge_checkpoint("tiny-base", "tiny-adapter", "merged", dtype="bfloat16")  # doctest: +SKIP
         >>> print(report.summary())   # doctest: +SKIP
     """
+    opts, problems = MergeOptions.merged(
+        options, weights=weights, combination=combination, dtype=dtype, max_shard_size=max_shard_size,
+        base_precision=base_precision, nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize,
+        nf4_double_quant=nf4_double_quant, device=device, overwrite=overwrite, progress=progress,
+        chunk_elems=chunk_elems, resume=resume)
     try:
-        plan = plan_checkpoint_merge(
-            base, adapter, out_dir, weights=weights, combination=combination,
-            dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
-            nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize, nf4_double_quant=nf4_double_quant,
-            device=device, overwrite=overwrite, chunk_elems=chunk_elems,
-        )
+        plan = plan_with_options(base, adapter, out_dir, opts, problems)
     except OSError as e:  # the filesystem failed while reading the inputs: say so in the family, with OUT's state
         if isinstance(e, ShardMergeError):
             raise
@@ -212,5 +254,5 @@ def merge_checkpoint(
             tensors_written=0, lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
             notes=list(plan.notes), dry_run=True, plan_text=plan.describe(),
         )
-    return execute_plan(plan, out_dir, device=device, progress=progress, before_commit=before_commit, resume=resume,
-                        overwrite=overwrite)
+    return execute_plan(plan, out_dir, device=opts.device, progress=opts.progress, before_commit=before_commit,
+                        resume=opts.resume, overwrite=opts.overwrite)

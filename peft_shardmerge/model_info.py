@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 
 from .support import layer_kind
+from .ties import tie_enabled
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +199,7 @@ def inspect_model(folder: "str | object", model_class: type | None = None) -> Mo
     state = model.state_dict()
     info.state_names = set(state.keys())
     info.shapes = {k: tuple(v.shape) for k, v in state.items()}
-    text = getattr(config, "get_text_config", lambda: config)()
-    info.tie_enabled = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+    info.tie_enabled = tie_enabled(config)  # the one tie policy (ties.py), also the plan's
     skip = set(get_keys_to_not_convert(model))
     for name, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is not None:

@@ -1,12 +1,17 @@
-"""The option vocabulary shared by every API: output dtypes and sizes."""
+"""The option vocabulary shared by every API: output dtypes, sizes and the frozen merge options."""
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass, fields
+from typing import Sequence
 
 import torch
 
+from .combinations import COMBINATIONS
 from .errors import InputError
+from .quant import Nf4Settings
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -80,3 +85,176 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 #: elements of one row block of a tensor (16 MiB in fp32)
 DEFAULT_CHUNK_ELEMS = 1 << 22
+
+
+#: where the merge maths may run (``"cuda:N"`` too)
+DEVICES = ("auto", "cpu", "cuda")
+
+#: what the disk path merges into: the checkpoint's weights, or their 4-bit round trip (QLoRA)
+BASE_PRECISIONS = ("original", "nf4")
+
+
+def _bool_problem(name: str, value) -> list[str]:
+    return [] if isinstance(value, bool) else [f"{name} must be True or False, got {value!r}"]
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """How a disk merge runs: one frozen value for every knob of :func:`~peft_shardmerge.api.merge_checkpoint` and
+    :func:`~peft_shardmerge.api.plan_checkpoint_merge` (their keywords of the same names build one).
+
+    Building one never raises; :meth:`problems` lists every problem at once and :meth:`check` raises them.
+
+    Attributes:
+        weights: one weight per adapter (None: 1.0 each); kept as a tuple.
+        combination: ``"cat"`` or ``"linear"``.
+        dtype: output dtype (``"bfloat16"``, ``"float16"``, ``"float32"``, a torch dtype), None keeps the base's.
+        max_shard_size: largest output shard, bytes or a string such as ``"5GB"``.
+        base_precision: ``"original"`` or ``"nf4"``.
+        nf4_quant_type: ``"nf4"`` or ``"fp4"`` (``base_precision="nf4"``).
+        nf4_blocksize: 4-bit block size used in training.
+        nf4_double_quant: whether training used double quantization.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        overwrite: allow replacing a non-empty output folder.
+        progress: show a progress bar.
+        chunk_elems: elements per row block (bounds peak memory).
+        resume: keep the verified shards of an interrupted run of the same merge.
+
+    Example:
+        >>> MergeOptions(dtype="bf16", chunk_elems=0).problems()
+        ['chunk_elems must be a positive int, got 0']
+    """
+
+    weights: Sequence[float] | None = None
+    combination: str = "cat"
+    dtype: str | torch.dtype | None = None
+    max_shard_size: int | str = "5GB"
+    base_precision: str = "original"
+    nf4_quant_type: str = "nf4"
+    nf4_blocksize: int = 64
+    nf4_double_quant: bool = True
+    device: str = "auto"
+    overwrite: bool = False
+    progress: bool = True
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        weights = self.weights
+        if weights is not None and not isinstance(weights, (str, bytes)) and hasattr(weights, "__iter__"):
+            object.__setattr__(self, "weights", tuple(self.weights))
+
+    @property
+    def nf4(self) -> Nf4Settings | None:
+        """The 4-bit settings for ``base_precision="nf4"``, else None."""
+        if self.base_precision != "nf4":
+            return None
+        return Nf4Settings(self.nf4_quant_type, self.nf4_blocksize, self.nf4_double_quant)
+
+    def problems(self) -> list[str]:
+        """Every problem with these options, at once (the number of weights is checked against the adapters later).
+
+        Args:
+            None.
+
+        Returns:
+            The problems (empty when the options are valid).
+
+        Raises:
+            Nothing.
+
+        Example:
+            >>> len(MergeOptions(dtype="int4", max_shard_size="lots", combination="sum").problems())
+            3
+        """
+        problems = []
+        if self.weights is not None and not (isinstance(self.weights, tuple) and all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.weights)):
+            problems.append(f"adapter weights must be finite numbers, got {self.weights!r}")
+        if self.combination not in COMBINATIONS:
+            problems.append(f"combination must be one of {', '.join(COMBINATIONS)}, got {self.combination!r}")
+        for parse, value in ((parse_dtype, self.dtype), (parse_size, self.max_shard_size)):
+            try:
+                parse(value)
+            except InputError as e:
+                problems += e.problems
+        if self.base_precision not in BASE_PRECISIONS:
+            problems.append(f"base_precision must be one of {', '.join(BASE_PRECISIONS)}, got {self.base_precision!r}")
+        elif self.nf4 is not None:
+            problems += self.nf4.validate()
+        if not isinstance(self.device, torch.device) and self.device not in DEVICES and not (
+                isinstance(self.device, str) and self.device.startswith("cuda:")):
+            problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not isinstance(self.chunk_elems, int) or isinstance(self.chunk_elems, bool) or self.chunk_elems <= 0:
+            problems.append(f"chunk_elems must be a positive int, got {self.chunk_elems!r}")
+        for name in ("nf4_double_quant", "overwrite", "progress", "resume"):
+            problems += _bool_problem(name, getattr(self, name))
+        return problems
+
+    def check(self) -> "MergeOptions":
+        """Raise every problem at once, or return the options.
+
+        Args:
+            None.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            InputError: the options have problems (all named).
+
+        Example:
+            >>> MergeOptions(dtype="bfloat16").check().dtype
+            'bfloat16'
+        """
+        problems = self.problems()
+        if problems:
+            raise InputError(problems)
+        return self
+
+    @classmethod
+    def merged(cls, options: "MergeOptions | None", **given) -> tuple["MergeOptions", list[str]]:
+        """The options of a call that takes both keywords and ``options=``.
+
+        Precedence, per option: a keyword left at its default defers to ``options``; a keyword set to another
+        value wins over an ``options`` field left at its default; a keyword and an ``options`` field both set,
+        to different values, are refused.
+
+        Args:
+            options: the ``options=`` argument, or None.
+            **given: the call's keywords, named as the fields.
+
+        Returns:
+            ``(the options, problems)``: every conflict, and every problem of the result, at once.
+
+        Raises:
+            InputError: ``options`` is not a :class:`MergeOptions`.
+
+        Example:
+            >>> MergeOptions.merged(MergeOptions(dtype="float16"), dtype="bfloat16")[1]
+            ["dtype='bfloat16' conflicts with options.dtype='float16'; give it in one place"]
+        """
+        if options is None:
+            out = cls(**given)
+            return out, out.problems()
+        if not isinstance(options, cls):
+            raise InputError(f"options must be a MergeOptions, got {type(options).__name__}")
+        values, conflicts = {}, []
+        for f in fields(cls):
+            mine, theirs = given.get(f.name, f.default), getattr(options, f.name)
+            if f.name == "weights" and mine is not None and hasattr(mine, "__iter__"):
+                mine = tuple(mine)
+            if _same(mine, f.default) or _same(mine, theirs):
+                values[f.name] = theirs
+            elif _same(theirs, f.default):
+                values[f.name] = mine
+            else:
+                conflicts.append(f"{f.name}={mine!r} conflicts with options.{f.name}={theirs!r}; give it in one place")
+                values[f.name] = theirs
+        out = cls(**values)
+        return out, conflicts + out.problems()
+
+
+def _same(a, b) -> bool:
+    """Equal, and of the same kind (``True`` is not ``1``)."""
+    return type(a) is type(b) and a == b

@@ -158,35 +158,8 @@ def open_checkpoint(location: str) -> CheckpointSource:
         (21, 'llama')
     """
     folder = resolve_folder(location, what="base", must_have=("config.json",))
-    config = _read_json(os.path.join(folder, "config.json"), "base config.json")
-    entry, problem = weights_entry(folder, config)
-    index_path = os.path.join(folder, INDEX_FILE)
-    if problem:
-        raise CorruptFileError(problem)
-    if entry is not None and entry.endswith(".index.json"):
-        index_path = os.path.join(folder, entry)
-        index = _read_json(index_path, "base index")
-        wmap = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wmap, dict) or not wmap:
-            raise CorruptFileError(f"{index_path}: has no 'weight_map' object; fix or regenerate the index")
-        files: list[str] = []
-        for shard in wmap.values():
-            path = safe_shard_name(folder, shard)
-            if path not in files:
-                files.append(path)
-        missing = [os.path.basename(p) for p in files if not os.path.isfile(p)]
-        if missing:
-            raise NotFoundError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
-    elif entry is not None:
-        files, wmap = [os.path.join(folder, entry)], None
-    else:
-        bins = [n for n in os.listdir(folder) if n.endswith(".bin") and n.startswith("pytorch_model")]
-        if bins:
-            raise InputError(
-                f"base {folder} has only pickle weights ({bins[0]}); convert it to safetensors first, e.g. "
-                "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path_out)"
-            )
-        raise NotFoundError(f"base {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    config = read_json(os.path.join(folder, "config.json"), "base config.json")
+    files, wmap, index_path = _weight_files(folder, config)
     if config.get("quantization_config"):
         qc = config["quantization_config"]
         method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else type(qc).__name__
@@ -217,6 +190,38 @@ def open_checkpoint(location: str) -> CheckpointSource:
         if absent:
             raise CorruptFileError(f"{index_path}: names tensors no shard holds: {', '.join(absent[:5])}")
     return CheckpointSource(folder, config, tensors, by_name, list_side_files(folder))
+
+
+def _weight_files(folder: str, config: dict) -> tuple[list[str], dict | None, str]:
+    """The weights files of a base folder, its index's weight map (None for one file) and the index path."""
+    entry, problem = weights_entry(folder, config)
+    index_path = os.path.join(folder, INDEX_FILE)
+    if problem:
+        raise CorruptFileError(problem)
+    if entry is not None and entry.endswith(".index.json"):
+        index_path = os.path.join(folder, entry)
+        index = read_json(index_path, "base index")
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wmap, dict) or not wmap:
+            raise CorruptFileError(f"{index_path}: has no 'weight_map' object; fix or regenerate the index")
+        files: list[str] = []
+        for shard in wmap.values():
+            path = safe_shard_name(folder, shard)
+            if path not in files:
+                files.append(path)
+        missing = [os.path.basename(p) for p in files if not os.path.isfile(p)]
+        if missing:
+            raise NotFoundError(f"{index_path} names shard(s) that do not exist: {', '.join(missing)}")
+        return files, wmap, index_path
+    if entry is not None:
+        return [os.path.join(folder, entry)], None, index_path
+    bins = [n for n in os.listdir(folder) if n.endswith(".bin") and n.startswith("pytorch_model")]
+    if bins:
+        raise InputError(
+            f"base {folder} has only pickle weights ({bins[0]}); convert it to safetensors first, e.g. "
+            "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path_out)"
+        )
+    raise NotFoundError(f"base {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
 def weights_entry(folder: str, config: dict) -> tuple[str | None, str]:
@@ -257,7 +262,26 @@ def weights_entry(folder: str, config: dict) -> tuple[str | None, str]:
     return None, ""
 
 
-def _read_json(path: str, what: str) -> dict:
+def read_json(path: str, what: str) -> dict:
+    """Read a JSON file that must hold an object.
+
+    Args:
+        path: the file.
+        what: what the file is, for messages (``"base config.json"``).
+
+    Returns:
+        The parsed object.
+
+    Raises:
+        NotFoundError: the file does not exist.
+        CorruptFileError: the file is not JSON, or not an object.
+
+    Example:
+        >>> read_json("/nonexistent/config.json", "base config.json")
+        Traceback (most recent call last):
+        ...
+        peft_shardmerge.errors.NotFoundError: base config.json not found: /nonexistent/config.json
+    """
     if not os.path.isfile(path):
         raise NotFoundError(f"{what} not found: {path}")
     try:
