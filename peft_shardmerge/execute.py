@@ -16,9 +16,8 @@ from .plan_types import Plan, PlannedTensor
 from .report import MergeReport
 from .resume import InputDigests
 from .side_files import copy_side_files
-from .staging import check_written, staged_output
-from .record import disk_merge_info, write_merge_record
-from .writer import ShardWriter, write_json
+from .record import disk_merge_info
+from .sinks import FolderFiles, ShardSink
 from .merger import PlanMerger, check_counts, precision_notes
 
 log = logging.getLogger(__name__)
@@ -131,36 +130,24 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     baseline = current_rss_bytes()
     dev = resolve_device(device)
     merger = PlanMerger(plan, dev, progress)
+    sink = ShardSink(out_dir, [(name, [(t.name, t.out_dtype, t.shape, t.nbytes) for t in plan.shard_tensors(i)])
+                               for i, name in enumerate(plan.shard_names)],
+                     overwrite=overwrite, fingerprint=plan.fingerprint() if resume else None,
+                     inputs=InputDigests(plan) if resume else None)
+
+    def produce(i: int, w) -> None:
+        for t in plan.shard_tensors(i):
+            merger.write_tensor(t, w)
+
+    files = FolderFiles(config=plan.config, index=plan.index(), side_files=lambda tmp: _copy_side_files(plan, tmp),
+                        before_commit=before_commit, merge_info=lambda: disk_merge_info(plan),
+                        checks=[lambda: check_counts(plan, merger)])
     try:
-        with staged_output(out_dir, fingerprint=plan.fingerprint() if resume else None,
-                           overwrite=overwrite, inputs=InputDigests(plan) if resume else None) as staging:
-            tmp = staging.path
-            records = {}
-            with torch.no_grad():
-                for i, shard_name in enumerate(plan.shard_names):
-                    tensors = plan.shard_tensors(i)
-                    if staging.is_done(shard_name):
-                        merger.skip(tensors)
-                        continue
-                    entries = [(t.name, t.out_dtype, t.shape, t.nbytes) for t in tensors]
-                    with ShardWriter(os.path.join(tmp, shard_name), entries) as w:
-                        for t in tensors:
-                            merger.write_tensor(t, w)
-                    staging.record(shard_name, w.digest())
-                    records[shard_name] = w.record()
-            resumed = list(staging.resumed)
-            if len(plan.shard_names) > 1:
-                write_json(os.path.join(tmp, "model.safetensors.index.json"), plan.index())
-            write_json(os.path.join(tmp, "config.json"), plan.config)
-            _copy_side_files(plan, tmp)
-            if before_commit is not None:
-                before_commit(tmp)
-            write_merge_record(tmp, records, disk_merge_info(plan))
-            check_counts(plan, merger)
-            check_written(tmp, [(plan.shard_names[i], [(t.name, t.out_dtype, t.shape) for t in plan.shard_tensors(i)])
-                                for i in range(len(plan.shard_names))])
+        with torch.no_grad():
+            sink.write(produce, files, skip=lambda i: merger.skip(plan.shard_tensors(i)))
     finally:
         merger.close()
+    resumed = sink.resumed
     out_dir = os.path.abspath(out_dir)
     report = MergeReport(
         out_dir=out_dir,

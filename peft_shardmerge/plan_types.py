@@ -55,6 +55,10 @@ class PlannedTensor:
         token_rows: trainable-token rows (:class:`~peft_shardmerge.adapter.TokenRows`) that replace base rows
             before LoRA deltas are added (PEFT nests the token layer inside the LoRA layer).
         peft_ops: LoHa/LoKr/VeRA deltas and IA3 scalings (:class:`~peft_shardmerge.peft_deltas.PeftOp`).
+        entry: for a merge of a loaded model, the :class:`~peft_shardmerge.live.LiveEntry` it is produced from
+            (``source`` then describes the output tensor itself: its stored dtype and output shape).
+        part: for a weight re-quantized to 4-bit, ``""`` for its packed codes, else the quant-state key it holds.
+        kind: the operation named by :attr:`op` when set (``"merge"``, ``"dequantize"``, ``"quantize4"``, ...).
     """
 
     name: str
@@ -68,6 +72,9 @@ class PlannedTensor:
     shard: int = 0
     token_rows: list = field(default_factory=list)
     peft_ops: list = field(default_factory=list)
+    entry: object = None
+    part: str = ""
+    kind: str = ""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -79,7 +86,9 @@ class PlannedTensor:
 
     @property
     def op(self) -> str:
-        """``"copy"`` (bytes unchanged), ``"cast"`` (dtype change only) or ``"merge"``."""
+        """``"copy"`` (bytes unchanged), ``"cast"`` (dtype change only), ``"merge"``, or the planned ``kind``."""
+        if self.kind:
+            return self.kind
         if self.loras or self.bias_loras or self.quantize or self.token_rows or self.peft_ops:
             return "merge"
         return "copy" if self.out_dtype == self.source.dtype else "cast"
@@ -101,6 +110,12 @@ class Plan:
         chunk_elems: elements per row block.
         untied: tied weights written separately because the adapter changed one side.
         notes: things the user should know (logged and kept in the report).
+        live: for a merge of a loaded model (then ``base`` and ``adapter`` are None), what produces its tensors
+            (:class:`~peft_shardmerge.live_plan.LiveSource`).
+        origin: for a merge of a loaded model, what its base is (the name it was loaded from).
+        adapter_text: for a merge of a loaded model, which adapters are merged.
+        quantization: the ``quantization_config`` written with weights re-quantized to 4-bit, else None.
+        resources: what the plan's inputs live in, kept as long as the plan (a temporary folder).
     """
 
     base: CheckpointSource
@@ -114,6 +129,11 @@ class Plan:
     chunk_elems: int
     untied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    live: object = None
+    origin: str = ""
+    adapter_text: str = ""
+    quantization: dict | None = None
+    resources: list = field(default_factory=list)
 
     @property
     def total_size(self) -> int:
@@ -121,11 +141,15 @@ class Plan:
 
     @property
     def total_parameters(self) -> int:
+        if self.live is not None:  # a 4-bit weight counts its elements once, not its packed parts
+            return sum(e.numel for e in self.live.live.entries)
         return sum(t.source.numel for t in self.tensors)
 
     @property
     def layer_count(self) -> int:
         """LoRA modules plus PEFT layers (and LoRA-on-parameter wrappers) whose weights change."""
+        if self.live is not None:
+            return sum(not k.startswith("tokens:") for k in self.live.live.lora_layers)
         ops = self.adapter.layers.ops.values() if self.adapter.layers is not None else ()
         return len(self.adapter.modules) + sum(o.attr != "bias" for o in ops)
 
@@ -178,38 +202,18 @@ class Plan:
 
     def peak_bytes(self) -> int:
         """Estimated peak working memory of the executor, beyond the imported libraries."""
-        return max((_working_set(t, self.chunk_elems) for t in self.tensors), default=0)
+        return max((_working_set(t, self.chunk_elems) for t in self.tensors if not t.part), default=0)
 
     def describe(self) -> str:
         """A human-readable plan: every tensor with shard, dtype, shape, bytes and operation, then totals."""
-        lines = [
-            f"base:            {self.base.folder}",
-            f"adapter:         {', '.join(self.adapter.folders)}"
-            + (f" (combined: {self.adapter.combination})" if self.adapter.combination else ""),
-            f"dtype:           {str(self.dtype).removeprefix('torch.')}",
-            f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else ""),
-            f"LoRA modules:    {len(self.adapter.modules)}" if self.adapter.layers is None else
-            f"{self.adapter.peft_type} layers: {len(self.adapter.layers.ops)}",
+        lines = self._describe_inputs() + [
             "",
             f"{'shard':<36} {'tensor':<56} {'dtype':<5} {'shape':<16} {'bytes':>12}  op",
         ]
         for t in self.tensors:
-            extra = ""
-            if t.loras:
-                extra = " +" + ",".join(f"lora(r={m.rank})" for m in t.loras)
-            if t.bias_loras:
-                extra += " +lora_bias"
-            if t.token_rows:
-                extra += " +" + ",".join(f"tokens({len(r.indices)})" for r in t.token_rows)
-            for o in t.peft_ops:
-                extra += f" +{self.adapter.peft_type.lower()}({o.kind})"
-            if t.from_adapter:
-                extra += " (from adapter)"
-            if t.quantize:
-                extra += " (4-bit base)"
             lines.append(
                 f"{self.shard_names[t.shard]:<36} {t.name:<56} {t.out_dtype:<5} {str(list(t.shape)):<16} "
-                f"{t.nbytes:>12}  {t.op}{extra}"
+                f"{t.nbytes:>12}  {t.op}{self._extra(t)}"
             )
         lines += [
             "",
@@ -219,6 +223,43 @@ class Plan:
         ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _describe_inputs(self) -> list[str]:
+        if self.live is not None:
+            return [
+                f"base:            {self.origin} (in memory)",
+                f"adapter:         {self.adapter_text}",
+                f"dtype:           {str(self.dtype).removeprefix('torch.')}",
+                f"base precision:  {self.base_precision}",
+                f"changed layers:  {self.layer_count}",
+            ] + ([f"re-quantized:    4-bit {self.quantization['bnb_4bit_quant_type']}"] if self.quantization else [])
+        return [
+            f"base:            {self.base.folder}",
+            f"adapter:         {', '.join(self.adapter.folders)}"
+            + (f" (combined: {self.adapter.combination})" if self.adapter.combination else ""),
+            f"dtype:           {str(self.dtype).removeprefix('torch.')}",
+            f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else ""),
+            f"LoRA modules:    {len(self.adapter.modules)}" if self.adapter.layers is None else
+            f"{self.adapter.peft_type} layers: {len(self.adapter.layers.ops)}",
+        ]
+
+    def _extra(self, t: PlannedTensor) -> str:
+        if self.live is not None:
+            return f" ({t.entry.kind})" if t.entry is not None and t.entry.kind not in ("plain", t.op) else ""
+        extra = ""
+        if t.loras:
+            extra = " +" + ",".join(f"lora(r={m.rank})" for m in t.loras)
+        if t.bias_loras:
+            extra += " +lora_bias"
+        if t.token_rows:
+            extra += " +" + ",".join(f"tokens({len(r.indices)})" for r in t.token_rows)
+        for o in t.peft_ops:
+            extra += f" +{self.adapter.peft_type.lower()}({o.kind})"
+        if t.from_adapter:
+            extra += " (from adapter)"
+        if t.quantize:
+            extra += " (4-bit base)"
+        return extra
 
 
 def assign_shards(sizes: list[int], limit: int) -> tuple[list[int], list[str]]:
@@ -256,6 +297,9 @@ def assign_shards(sizes: list[int], limit: int) -> tuple[list[int], list[str]]:
 def _working_set(t: PlannedTensor, chunk_elems: int) -> int:
     if t.op == "copy":
         return 8 << 20
+    if t.entry is not None:  # a loaded model's tensor: an fp32 copy, its cast, and 4-bit codes when re-quantized
+        n = t.entry.numel
+        return n * (4 + 4 + DTYPES[t.source.dtype][1]) + (n // 2 if t.op == "quantize4" else 0)
     src_item, out_item = DTYPES[t.source.dtype][1], DTYPES[t.out_dtype][1]
     factors = sum(4 * (m.a.shape[0] * m.a.shape[1] + m.b.shape[0] * m.b.shape[1]) for m in t.loras)
     if t.quantize:

@@ -331,7 +331,7 @@ def _recover(out: str, lock: OutputLock) -> None:
 
 
 @contextmanager
-def staged_output(out_dir: str, *, fingerprint: str | None = None, overwrite: bool = True,
+def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = None,
                   inputs=None) -> Iterator[Staging]:
     """Lock ``out_dir``, yield its :class:`Staging`, and move it into place when the block succeeds.
 
@@ -345,7 +345,7 @@ def staged_output(out_dir: str, *, fingerprint: str | None = None, overwrite: bo
         out_dir: the final folder.
         fingerprint: identity of the merge, for resuming; None starts fresh every time.
         overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the lock, in case another
-            merge finished in between).
+            merge finished in between); required, so that no caller forgets to pass its own.
         inputs: digests of the inputs each shard is computed from (:class:`~peft_shardmerge.resume.InputDigests`);
             resuming needs them.
 
@@ -360,7 +360,7 @@ def staged_output(out_dir: str, *, fingerprint: str | None = None, overwrite: bo
         FileSystemError: the filesystem failed (its message says what became of ``out_dir``).
 
     Example:
-        >>> with staged_output("merged") as st:   # doctest: +SKIP
+        >>> with staged_output("merged", overwrite=False) as st:   # doctest: +SKIP
         ...     open(os.path.join(st.path, "config.json"), "w").write("{}")
     """
     out = os.path.abspath(os.fspath(out_dir))

@@ -1,0 +1,145 @@
+"""The plan of a loaded model's merge: every output tensor, its dtype, shape, bytes and shard, from the model alone."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .live import LiveEntry, LiveModel
+from .options import DEFAULT_CHUNK_ELEMS
+from .original import base_config
+from .plan import TORCH_TO_ST, output_config
+from .plan_types import Plan, PlannedTensor, assign_shards
+from .quant import Nf4Settings, packed_4bit_layout
+from .safetensors_io import DTYPES, TensorInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LiveSource:
+    """What produces the tensors of a loaded model's plan.
+
+    Attributes:
+        live: the walked model.
+        adapter_names: the adapters merged (None: the active ones).
+        weights: weight per adapter (empty: 1.0 each).
+        combination: ``"cat"`` or ``"linear"``.
+        quant4: the ``BitsAndBytesConfig`` dict when weights are re-quantized to 4-bit, else None.
+        generation_config: the model's generation config when transformers can save it, else None.
+    """
+
+    live: LiveModel
+    adapter_names: list[str] | None = None
+    weights: dict[str, float] = field(default_factory=dict)
+    combination: str = "cat"
+    quant4: dict | None = None
+    generation_config: object = None
+
+    @property
+    def settings(self) -> Nf4Settings | None:
+        """The 4-bit settings of the re-quantized weights, or None."""
+        if self.quant4 is None:
+            return None
+        return Nf4Settings(quant_type=self.quant4["bnb_4bit_quant_type"], blocksize=64,
+                           double_quant=bool(self.quant4["bnb_4bit_use_double_quant"]))
+
+
+def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int) -> Plan:
+    """The plan of a walked model's merge: each entry's output tensors, sized from shapes alone.
+
+    Args:
+        source: the walked model and the adapter selection.
+        out_dtype: the floating-point dtype written.
+        limit: the largest shard in bytes.
+
+    Returns:
+        A :class:`~peft_shardmerge.plan_types.Plan` with ``live`` set.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> plan = plan_live(LiveSource(walk(model, None)), torch.bfloat16, 5 * 10**9)   # doctest: +SKIP
+    """
+    live = source.live
+    q4 = live.info.linear_weights if source.quant4 is not None else set()
+    groups = [_entry_tensors(live, e, out_dtype, source.settings if e.name in q4 else None) for e in live.entries]
+    indices, names = assign_shards([sum(t.nbytes for t in g) for g in groups], limit)
+    tensors = []
+    for g, shard in zip(groups, indices):
+        for t in g:
+            t.shard = shard
+            tensors.append(t)
+    config = output_config(base_config(live.model), out_dtype, untie=bool(live.untied))
+    if source.quant4 is not None:
+        config["quantization_config"] = source.quant4
+    names_text = ", ".join(f"adapter {a!r}" + (f" x {source.weights[a]:g}" if a in source.weights else "")
+                           for a in source.adapter_names or [])
+    return Plan(base=None, adapter=None, tensors=tensors, shard_names=names, dtype=out_dtype,
+                base_precision="dequantized", nf4=None, config=config, chunk_elems=DEFAULT_CHUNK_ELEMS,
+                untied=list(live.untied), notes=list(live.notes), live=source,
+                origin=getattr(live.model.config, "_name_or_path", "") or type(live.model).__name__,
+                adapter_text=f"(in memory: {names_text or 'active adapter'})", quantization=source.quant4)
+
+
+def _entry_tensors(live: LiveModel, e: LiveEntry, out_dtype: torch.dtype,
+                   settings: Nf4Settings | None) -> list[PlannedTensor]:
+    """The planned tensors an entry becomes: one, or a weight's packed 4-bit codes and its quant state."""
+    if settings is not None:
+        shape = e.shape[::-1] if e.transpose_out or e.name in live.info.transposed else e.shape  # bnb: [out, in]
+        return [PlannedTensor(name=f"{e.name}.{suffix}" if suffix else e.name, out_dtype=st,
+                              source=TensorInfo(e.name, st, tuple(s), "", 0, 0), entry=e, part=suffix,
+                              kind="quantize4")
+                for suffix, st, s in packed_4bit_layout(shape, out_dtype, settings)]
+    held = _stored_dtype(e)
+    st = TORCH_TO_ST[out_dtype] if e.floating else TORCH_TO_ST[held]
+    stored = TORCH_TO_ST.get(held, st)
+    if e.kind in ("plain", "saved"):
+        kind = "copy" if stored == st else "cast"
+    else:
+        kind = "dequantize" if e.kind == "quantized" else "merge"
+    return [PlannedTensor(name=e.name, out_dtype=st, source=TensorInfo(e.name, stored, tuple(e.shape), "", 0,
+                                                                       e.numel * DTYPES[stored][1]),
+                          entry=e, kind=kind)]
+
+
+def _stored_dtype(e: LiveEntry) -> torch.dtype:
+    # never call state_dict() on a bitsandbytes layer: it undoes the CPU repacking in place
+    if e.kind not in ("plain", "saved"):
+        return torch.float32
+    if "." in e.attr:
+        return e.holder.state_dict(keep_vars=True)[e.attr].dtype
+    return getattr(e.holder, e.attr).dtype
+
+
+def valid_generation_config(inner: nn.Module):
+    """The model's generation config if transformers can save it, else None (with a warning), checked before
+    any shard is written.
+
+    Args:
+        inner: the transformers model.
+
+    Returns:
+        Its ``GenerationConfig``, or None.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> valid_generation_config(model)   # doctest: +SKIP
+    """
+    gen = getattr(inner, "generation_config", None)
+    if gen is None:
+        return None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            gen.save_pretrained(tmp)
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError for inconsistent settings
+        log.warning("the model's generation_config cannot be saved (%s); the merged folder will have none", e)
+        return None
+    return gen

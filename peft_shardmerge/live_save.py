@@ -1,0 +1,163 @@
+"""Carrying out a loaded model's plan: each tensor produced by the in-process merger and streamed into shards."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+import torch
+
+from .budget import MemoryBudget
+from .errors import MergeCheckError
+from .execute import current_rss_bytes, peak_rss_bytes
+from .live_merger import LiveMerger
+from .merger import check_applied, precision_notes
+from .options import DEFAULT_CHUNK_ELEMS
+from .plan_types import Plan, PlannedTensor
+from .quant import pack_quant_state, quant_state_fields, require_bitsandbytes
+from .record import live_merge_info
+from .report import MergeReport
+from .safetensors_io import DTYPES, row_blocks
+from .sinks import FolderFiles, ShardSink
+from .sources import copy_base_side_files
+from .writer import ShardWriter
+
+log = logging.getLogger(__name__)
+
+REPACKED_NOTE = (
+    "{} 4-bit weight(s) had been repacked by bitsandbytes for its CPU kernel (an eval forward on a CPU with "
+    "AVX512-BF16); they were unpacked on a copy: 4-bit codes exact, block scales kept in bf16 by the repacking "
+    "(relative error <= 2^-9 per block). Set module.support_avx512bf16_for_cpu = False after loading to avoid this"
+)
+
+
+def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwrite: bool, progress: bool = True,
+                      before_commit: Callable[[str], None] | None = None) -> MergeReport:
+    """Write a loaded model's planned checkpoint (from :func:`~peft_shardmerge.live_plan.plan_live`) into ``out_dir``.
+
+    Args:
+        plan: the plan, with ``live`` set.
+        out_dir: the output folder (validated by the caller).
+        budget: the memory budget of the merge.
+        overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the output lock).
+        progress: show a progress bar over bytes written.
+        before_commit: called with the staging folder after the side files (e.g. to save a tokenizer there).
+
+    Returns:
+        The :class:`~peft_shardmerge.report.MergeReport`.
+
+    Raises:
+        MergeCheckError: a LoRA layer was not applied exactly once, a merged value is not finite, or a written
+            tensor differs from the plan.
+        InputError: ``out_dir`` became non-empty meanwhile and ``overwrite`` is False.
+
+    Example:
+        >>> report = execute_live_plan(plan, "merged", budget=MemoryBudget(0.9), overwrite=False)   # doctest: +SKIP
+    """
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    baseline = current_rss_bytes()
+    src = plan.live
+    live = src.live
+    merger = LiveMerger(live, budget, plan.dtype, src.weights, src.combination)
+    sink = ShardSink(out_dir, [(name, [(t.name, t.out_dtype, t.shape, t.nbytes) for t in plan.shard_tensors(i)])
+                               for i, name in enumerate(plan.shard_names)], overwrite=overwrite, depth=1)
+    bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress)
+
+    def produce(i: int, w: ShardWriter) -> None:
+        parts: dict[str, torch.Tensor] = {}
+        for t in plan.shard_tensors(i):
+            if t.kind == "quantize4" and not t.part:
+                parts = _quantize(merger, t, plan)
+            _write(merger, t, w, parts)
+            bar.update(t.nbytes)
+
+    def side_files(tmp: str) -> None:
+        copy_base_side_files(getattr(live.model.config, "_name_or_path", "") or "", tmp)  # tokenizer, pipeline, ...
+        if src.generation_config is not None:
+            src.generation_config.save_pretrained(tmp)
+
+    files = FolderFiles(config=plan.config, index=plan.index(), side_files=side_files, before_commit=before_commit,
+                        merge_info=lambda: live_merge_info(live.model, plan.dtype, src.adapter_names, src.quant4,
+                                                           src.weights, src.combination),
+                        checks=[lambda: check_applied(live.lora_layers, merger.applied)])
+    try:
+        with torch.no_grad():
+            sink.write(produce, files)
+    finally:
+        bar.close()
+    return _report(plan, merger, out_dir, t0, baseline)
+
+
+def _write(merger: LiveMerger, t: PlannedTensor, w: ShardWriter, parts: dict[str, torch.Tensor]) -> None:
+    """Write one planned tensor: a part of a re-quantized weight, or an entry produced and cast in row blocks."""
+    e = t.entry
+    if t.kind == "quantize4":
+        data = parts[t.part]
+        if tuple(data.shape) != tuple(t.shape) or DTYPES[t.out_dtype][0] != data.dtype:
+            raise MergeCheckError(f"{t.name}: quantized to {list(data.shape)} {data.dtype}, planned "
+                                  f"{list(t.shape)} {t.out_dtype}")
+        w.write(data)
+        return
+    data = merger.produce(e)
+    if tuple(data.shape) != e.shape:
+        raise MergeCheckError(f"{e.name}: produced shape {list(data.shape)}, expected {list(e.shape)}")
+    if data.is_floating_point() and e.kind != "plain" and not torch.isfinite(data.sum()):
+        raise MergeCheckError(f"merged tensor {e.name!r} has NaN or Inf")
+    target = DTYPES[t.out_dtype][0]
+    for start, stop in row_blocks(e.shape, DEFAULT_CHUNK_ELEMS):
+        w.write(data[start:stop].detach().to(device="cpu", dtype=target))
+
+
+def _quantize(merger: LiveMerger, t: PlannedTensor, plan: Plan) -> dict[str, torch.Tensor]:
+    """The merged weight quantized with bitsandbytes as transformers stores it, by key suffix (``""``: the codes),
+    on the CPU; the quant-state JSON padded to its planned length."""
+    F = require_bitsandbytes()
+    e, settings = t.entry, plan.live.settings
+    w = merger.produce(e)
+    if e.transpose_out or e.name in merger.live.info.transposed:  # bitsandbytes holds Conv1D as [out, in]
+        w = w.T
+    q, state = F.quantize_4bit(w.to(device="cpu", dtype=plan.dtype).contiguous(), blocksize=settings.blocksize,
+                               compress_statistics=settings.double_quant, quant_type=settings.quant_type,
+                               quant_storage=torch.uint8)
+    parts = {"": q.cpu()}
+    for key, value in state.as_dict(packed=True).items():
+        parts[key] = value.cpu()
+    key = f"quant_state.bitsandbytes__{settings.quant_type}"
+    fields = quant_state_fields(tuple(w.shape), plan.dtype, settings,
+                                state.offset.item() if settings.double_quant else 0.0)
+    planned = next(p for p in plan.shard_tensors(t.shard) if p.entry is e and p.part == key)
+    parts[key] = pack_quant_state(fields, planned.shape[0])
+    return parts
+
+
+def _report(plan: Plan, merger: LiveMerger, out_dir: str, t0: float, baseline: int) -> MergeReport:
+    live = plan.live.live
+    notes = list(plan.notes) + ([REPACKED_NOTE.format(len(merger.repacked))] if merger.repacked else [])
+    report = MergeReport(
+        out_dir=os.path.abspath(out_dir),
+        base=plan.origin,
+        adapter="(in memory)",
+        dtype=str(plan.dtype).removeprefix("torch."),
+        base_precision="dequantized",
+        tensors_written=len(plan.tensors),
+        lora_modules_merged=sum(not k.startswith("tokens:") for k in merger.applied),
+        lora_modules_total=plan.layer_count,
+        replacements_applied=sum(1 for e in live.entries if e.kind == "saved"),
+        shards=list(plan.shard_names),
+        bytes_written=plan.total_size,
+        wall_time_s=time.perf_counter() - t0,
+        peak_rss_bytes=peak_rss_bytes(),
+        baseline_rss_bytes=baseline,
+        cpu_fallbacks=merger.fallbacks,
+        device=str(next((p.device for p in live.model.parameters()), "cpu")),
+        untied=list(live.untied),
+        notes=notes + precision_notes(merger.swallowed, plan.dtype),
+        self_check_max_rel_err=merger.probe_err,
+        swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()},
+    )
+    log.info("%s", report.summary())
+    return report

@@ -1,0 +1,190 @@
+"""The shared shard sink: in-process saves re-checked under the output lock, 4-bit sizes planned from shapes, and
+the in-process dry run (plan_model_merge) saying exactly what merge_and_save writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+
+from peft_shardmerge import InputError, Plan, plan_model_merge  # noqa: E402
+from peft_shardmerge.inprocess import merge_and_save, save_merged_4bit  # noqa: E402
+from peft_shardmerge.quant import Nf4Settings, packed_4bit_layout, pack_quant_state, quant_state_fields  # noqa: E402
+from peft_shardmerge.safetensors_io import read_header  # noqa: E402
+from peft_shardmerge.staging import staged_output  # noqa: E402
+from peft_shardmerge.testing import default_targets  # noqa: E402
+from tests.test_inprocess import no_cpu_repack, qlora, read_all  # noqa: E402
+
+
+def lora16(base: str):
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"),
+                                            init_lora_weights=False))
+
+
+def written(out: str) -> list[tuple[str, str, str, tuple[int, ...]]]:
+    """(shard, tensor, dtype, shape) of every tensor in the folder, in file and header order."""
+    rows = []
+    for f in sorted(os.listdir(out)):
+        if f.endswith(".safetensors"):
+            infos, _ = read_header(os.path.join(out, f))
+            rows += [(f, t.name, t.dtype, tuple(t.shape)) for t in infos]
+    return rows
+
+
+def planned(plan: Plan) -> list[tuple[str, str, str, tuple[int, ...]]]:
+    return sorted(((plan.shard_names[t.shard], t.name, t.out_dtype, tuple(t.shape)) for t in plan.tensors),
+                  key=lambda r: r[0])
+
+
+# ------------------------------------------------------------------------------------------- lock re-check
+
+def test_staged_output_needs_the_callers_overwrite(tmp_path):
+    with pytest.raises(TypeError, match="overwrite"):
+        with staged_output(str(tmp_path / "out")):
+            pass
+
+
+class WinnerSavesFirst(GenerationConfig):
+    """The loser's generation config: saving it (a check made after the output folder was found empty, before
+    the output lock is taken) lets another merge, in another thread, finish into the same folder."""
+
+    winner = None
+
+    def save_pretrained(self, *args, **kwargs):
+        if WinnerSavesFirst.winner is not None:
+            thread, WinnerSavesFirst.winner = WinnerSavesFirst.winner, None
+            thread.start()
+            thread.join()
+        return super().save_pretrained(*args, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["merge_and_save", "save_merged_4bit"])
+def test_second_of_two_concurrent_in_process_saves_is_refused(method, make_base, tmp_path):
+    model = qlora(make_base("llama"), "llama", "nf4", torch.bfloat16)
+    out = str(tmp_path / "out")
+    os.mkdir(out)  # one empty folder, which both saves find empty
+    save = {"merge_and_save": lambda **kw: merge_and_save(model, out, base_precision="dequantized", **kw),
+            "save_merged_4bit": lambda **kw: save_merged_4bit(model, out, **kw)}[method]
+    results = {}
+
+    def winner():
+        results["winner"] = merge_and_save(model, out, base_precision="dequantized", progress=False)
+
+    inner = model.base_model.model
+    own = inner.generation_config
+    inner.generation_config = WinnerSavesFirst(**own.to_dict())
+    WinnerSavesFirst.winner = threading.Thread(target=winner, name="winner")
+    try:
+        with warnings.catch_warnings(), pytest.raises(
+                InputError, match=r"is not empty \(it changed since it was checked\); pass --overwrite"):
+            warnings.simplefilter("ignore")  # save_merged_4bit's warning that it re-quantizes
+            save(overwrite=False, progress=False)
+    finally:
+        inner.generation_config = own
+    assert results["winner"].out_dir == os.path.abspath(out)
+    assert os.path.isfile(os.path.join(out, "merge_manifest.json")) and read_all(out)
+    assert "quantization_config" not in json.load(open(os.path.join(out, "config.json")))  # the winner's, kept
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging folder or lock left
+
+
+# ------------------------------------------------------------------------------------------- 4-bit sizes
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parametrize("shape", [(7, 5), (64, 64), (3, 33), (300, 700), (1, 1)])
+def test_packed_4bit_layout_is_what_bitsandbytes_writes(shape, double_quant, quant_type):
+    import bitsandbytes.functional as F
+
+    settings = Nf4Settings(quant_type=quant_type, double_quant=double_quant)
+    w = torch.randn(*shape, dtype=torch.bfloat16) * 3
+    q, state = F.quantize_4bit(w, blocksize=64, compress_statistics=double_quant, quant_type=quant_type,
+                               quant_storage=torch.uint8)
+    packed = state.as_dict(packed=True)
+    layout = packed_4bit_layout(shape, torch.bfloat16, settings)
+    key = f"quant_state.bitsandbytes__{quant_type}"
+    assert [k for k, _, _ in layout] == ["", *packed]
+    for (k, dtype, s), t in zip(layout, [q, *packed.values()]):
+        assert dtype == {torch.uint8: "U8", torch.float32: "F32"}[t.dtype], k
+        if k != key:
+            assert tuple(t.shape) == s, k
+    fields = quant_state_fields(shape, torch.bfloat16, settings, state.offset.item() if double_quant else 0.0)
+    assert fields == F.unpack_tensor_to_dict(packed[key])
+    padded = pack_quant_state(fields, layout[-1][2][0])
+    assert padded.numel() >= packed[key].numel()
+    again = F.QuantState.from_dict({**{k: v for k, v in packed.items() if k != key}, key: padded}, torch.device("cpu"))
+    torch.testing.assert_close(F.dequantize_4bit(q, again), F.dequantize_4bit(q, state), rtol=0, atol=0)
+
+
+def test_merged_4bit_without_double_quant_reloads_as_bitsandbytes_quantizes_it(make_base, tmp_path):
+    import bitsandbytes.functional as F
+
+    model = qlora(make_base("llama"), "llama", "fp4", torch.bfloat16, double_quant=False)
+    ref16, out = str(tmp_path / "m16"), str(tmp_path / "m4")
+    merge_and_save(model, ref16, dtype="bfloat16", base_precision="dequantized", progress=False)
+    with pytest.warns(UserWarning, match="re-quantizes"):
+        report = save_merged_4bit(model, out, max_shard_size="100KB", progress=False)
+    assert len(report.shards) > 1
+    header = written(out)
+    states = [r for r in header if r[1].endswith("quant_state.bitsandbytes__fp4")]
+    assert states and all(r[2] == "U8" for r in states)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out, device_map="cpu", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    no_cpu_repack(reloaded)
+    merged16, n = read_all(ref16), 0
+    for name, m in reloaded.named_modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            assert m.weight.quant_state.quant_type == "fp4" and m.weight.quant_state.state2 is None
+            q, st = F.quantize_4bit(merged16[f"{name}.weight"].contiguous(), blocksize=64, compress_statistics=False,
+                                    quant_type="fp4")
+            torch.testing.assert_close(F.dequantize_4bit(m.weight.data, m.weight.quant_state).float(),
+                                       F.dequantize_4bit(q, st).float(), rtol=0, atol=0)
+            n += 1
+    assert n == report.lora_modules_total > 0
+
+
+# ------------------------------------------------------------------------------------------- dry run
+
+@pytest.mark.parametrize("kind", ["nf4", "unquantized"])
+def test_plan_model_merge_says_what_merge_and_save_writes(kind, make_base, tmp_path):
+    base = make_base("llama")
+    model = qlora(base, "llama", "nf4", torch.bfloat16) if kind == "nf4" else lora16(base)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out = tmp_path / "out"
+    plan = plan_model_merge(model, out, dtype="bfloat16", max_shard_size="100KB")
+    assert isinstance(plan, Plan) and not out.exists() and os.listdir(tmp_path) == []
+    assert all(torch.equal(v, p) for (k, v), (_, p) in zip(before.items(), model.named_parameters()))
+    assert plan.notes[0].startswith("base precision 'auto': ")
+    text = plan.describe()
+    for t in plan.tensors:
+        assert f"{t.name:<56} {t.out_dtype:<5} {str(list(t.shape)):<16} {t.nbytes:>12}  {t.op}" in text
+    assert plan.peak_bytes() > 0 and len(plan.shard_names) > 1
+    report = merge_and_save(model, str(out), dtype="bfloat16", max_shard_size="100KB", progress=False)
+    assert sorted(written(str(out)), key=lambda r: r[0]) == planned(plan)
+    assert report.shards == plan.shard_names and report.bytes_written == plan.total_size
+    index = json.load(open(out / "model.safetensors.index.json"))
+    assert index == plan.index()
+    if kind == "nf4":  # merged from memory; the unquantized model from the checkpoint it was loaded from
+        assert plan.live is not None and "merge" in {t.op for t in plan.tensors}
+    else:
+        assert plan.live is None and plan.base is not None
+
+
+def test_plan_model_merge_checks_the_options_and_the_folder(make_base, tmp_path):
+    model = lora16(make_base("llama"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x.txt").write_text("mine")
+    with pytest.raises(InputError) as e:
+        plan_model_merge(model, tmp_path / "full", dtype="int3", base_precision="nope")
+    text = str(e.value)
+    assert "base_precision" in text and "int3" in text and "not empty" in text
+    assert plan_model_merge(model, base_precision="dequantized").live is not None  # no folder: none checked
