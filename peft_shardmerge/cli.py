@@ -8,8 +8,8 @@ import os
 import signal
 import sys
 
-from . import __version__
 from .errors import ShardMergeError
+from .version import __version__
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130

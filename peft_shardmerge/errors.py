@@ -52,3 +52,37 @@ class MissingDependencyError(ShardMergeError, ImportError):
 
 class MergeCheckError(ShardMergeError, RuntimeError):
     """A consistency check after the merge failed (e.g. a LoRA module was not applied exactly once)."""
+
+
+class OutputLockedError(ShardMergeError, RuntimeError):
+    """Another merge is writing the same output folder right now."""
+
+
+class OutputChangedError(ShardMergeError, RuntimeError):
+    """OUT changed while the merge ran: it was left as it is, and the new output kept in the staging folder."""
+
+
+class FileSystemError(ShardMergeError, OSError):
+    """The filesystem failed during the merge (disk full, permissions, I/O error); the message says what became of
+    OUT. ``errno`` and ``filename`` are the original error's.
+
+    Args:
+        error: the ``OSError`` the filesystem raised.
+        state: one sentence on what became of OUT.
+
+    Example:
+        >>> str(FileSystemError(OSError(28, "No space left on device", "out/model.safetensors"), "OUT is unchanged"))
+        'No space left on device (out/model.safetensors); OUT is unchanged'
+    """
+
+    def __init__(self, error: OSError, state: str):
+        where = error.filename or "the output"
+        super().__init__(error.errno, f"{error.strerror or error} ({where}); {state}")
+        self.filename = error.filename
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+class HubUploadError(ShardMergeError, RuntimeError):
+    """The Hub could not be reached, refused the repository, or the upload failed; never contains the token."""

@@ -5,16 +5,13 @@ from __future__ import annotations
 import logging
 import os
 
-from .errors import InputError, MissingDependencyError, ShardMergeError
+from .errors import HubUploadError, InputError, MissingDependencyError
+from .version import __version__
 
 log = logging.getLogger(__name__)
 
 #: above this many bytes the folder is sent with huggingface_hub's resumable large-folder upload
 LARGE_FOLDER_BYTES = 20 * 10**9
-
-
-class HubUploadError(ShardMergeError, RuntimeError):
-    """The Hub could not be reached, refused the repository, or the upload failed; never contains the token."""
 
 
 def _hf_api(token: str | None):
@@ -175,8 +172,6 @@ def publish(folder: str, repo_id: str, *, base_model: str | None, peft_config=No
     Example:
         >>> publish("merged", "me/llama-merged", base_model="meta-llama/Llama-3.2-1B")   # doctest: +SKIP
     """
-    from . import __version__
-
     settings = {"save method": save_method, "peft-shardmerge": __version__}
     if report is not None:
         settings.update({"dtype": report.dtype, "base precision": report.base_precision,

@@ -55,7 +55,7 @@ def name_problems(out: str) -> list[str]:
         out: the absolute output path.
 
     Returns:
-        The problems, each with the fix.
+        The problems (a name too long, a path too long), each with the fix; empty when the names fit.
 
     Raises:
         Nothing.
@@ -172,7 +172,7 @@ def sidecar_problems(out: str) -> list[str]:
         elif not stat.S_ISDIR(st.st_mode):
             problems.append(f"{partial} exists and is not a folder; the merge stages its output under that name: "
                             "remove it or choose another output folder")
-        elif read_manifest(partial) is None and _nonempty(partial):
+        elif read_manifest(partial) is None and is_nonempty(partial):
             problems.append(f"{partial} exists, is not empty and was not made by peft-shardmerge (no manifest of "
                             "ours inside); the merge never deletes what it did not make: move it away or choose "
                             "another output folder")
@@ -200,7 +200,23 @@ def sidecar_problems(out: str) -> list[str]:
     return problems
 
 
-def _nonempty(folder: str) -> bool:
+def is_nonempty(folder: str) -> bool:
+    """Whether ``folder`` holds anything; a folder that cannot be listed counts as holding something (it is never
+    taken for empty, so never replaced or reused unseen).
+
+    Args:
+        folder: the folder.
+
+    Returns:
+        True when it has an entry or cannot be listed.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> is_nonempty("/nonexistent")
+        True
+    """
     try:
         return bool(os.listdir(folder))
     except OSError:

@@ -13,14 +13,10 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from .errors import InputError, ShardMergeError
+from .errors import InputError, OutputLockedError
 from .outfiles import MADE_BY, held_signals, lock_record_is_ours, sidecar
 
 log = logging.getLogger(__name__)
-
-
-class OutputLockedError(ShardMergeError, RuntimeError):
-    """Another merge is writing the same output folder right now."""
 
 
 class OutputLock:

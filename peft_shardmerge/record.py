@@ -10,8 +10,9 @@ import struct
 
 import torch
 
+from .outfiles import MANIFEST
 from .safetensors_io import DTYPES, FLOAT_DTYPES, read_header
-from .staging import MANIFEST
+from .version import __version__
 from .writer import write_json
 
 RECORD_FILE = "merge_manifest.json"
@@ -20,6 +21,30 @@ RECORD_VERSION = 1
 #: files a loader may take weights from: one the merge did not write is a problem, not an extra
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".pkl")
 _PIECE = 16 << 20
+
+
+def hash_file(path: str, hasher, piece: int = _PIECE) -> str:
+    """Feed a whole file to ``hasher`` (anything with ``update`` and ``hexdigest``), ``piece`` bytes at a time.
+
+    Args:
+        path: the file.
+        hasher: e.g. ``hashlib.sha256()`` or :class:`~peft_shardmerge.writer.Crc32`.
+        piece: bytes read at a time.
+
+    Returns:
+        ``hasher.hexdigest()`` after the last byte.
+
+    Raises:
+        OSError: the file cannot be read.
+
+    Example:
+        >>> hash_file(__file__, hashlib.md5()) == hashlib.md5(open(__file__, "rb").read()).hexdigest()
+        True
+    """
+    with open(path, "rb") as f:
+        while data := f.read(piece):
+            hasher.update(data)
+    return hasher.hexdigest()
 
 
 def file_sha256(path: str) -> str:
@@ -38,11 +63,7 @@ def file_sha256(path: str) -> str:
         >>> file_sha256("config.json")   # doctest: +SKIP
         '5f1c…'
     """
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(_PIECE):
-            h.update(piece)
-    return h.hexdigest()
+    return hash_file(path, hashlib.sha256())
 
 
 def scan_range(fd: int, begin: int, end: int, dtype: str | None = None) -> tuple[str, int, bool]:
@@ -316,8 +337,6 @@ def write_merge_record(folder: str, shards: dict[str, dict], merge: dict) -> Non
     Example:
         >>> write_merge_record(tmp, {"model.safetensors": w.record()}, disk_merge_info(plan))   # doctest: +SKIP
     """
-    from . import __version__
-
     shard_records, files = {}, {}
     for rel in output_files(folder):
         path = os.path.join(folder, rel)

@@ -12,10 +12,12 @@ import stat
 from contextlib import contextmanager
 from typing import Iterator
 
-from .errors import InputError, MergeCheckError, ShardMergeError
-from .outfiles import (MADE_BY, MANIFEST, describe_change, held_signals, is_old_name, read_manifest, remove_checked,
+from .errors import FileSystemError, InputError, MergeCheckError, OutputChangedError, ShardMergeError
+from .outfiles import (MADE_BY, MANIFEST, describe_change, held_signals, read_manifest, remove_checked,
                        rename_noreplace, sidecar, sidecar_problems, snapshot)
-from .outlock import OutputLock, OutputLockedError, output_lock  # noqa: F401 - OutputLockedError, output_lock: public here too
+from .outlock import OutputLock, output_lock  # noqa: F401 - output_lock: public here too
+from .record import hash_file
+from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit
 from .safetensors_io import read_header
 from .writer import Crc32
 
@@ -26,23 +28,6 @@ NOTHING_WRITTEN = "nothing was written and OUT is unchanged"
 REMOVED = "the partial output was removed and OUT is unchanged"
 #: what became of each output folder (by absolute path) in the last merge into it from this process
 _OUTCOME: dict[str, str] = {}
-
-
-class OutputChangedError(ShardMergeError, RuntimeError):
-    """OUT changed while the merge ran: it was left as it is, and the new output kept in the staging folder."""
-
-
-class FileSystemError(ShardMergeError, OSError):
-    """The filesystem failed during the merge (disk full, permissions, I/O error); the message says what became of
-    OUT. ``errno`` and ``filename`` are the original error's."""
-
-    def __init__(self, error: OSError, state: str):
-        where = error.filename or "the output"
-        super().__init__(error.errno, f"{error.strerror or error} ({where}); {state}")
-        self.filename = error.filename
-
-    def __str__(self) -> str:
-        return self.strerror
 
 
 def outcome(out_dir: str) -> str:
@@ -92,25 +77,19 @@ def file_digest(path: str) -> str:
     """The CRC-32 hex digest of a file, read in 8 MiB pieces (what :class:`ShardWriter` computes while writing).
 
     Args:
-        path: the file.
+        path: a finished shard, or any file.
 
     Returns:
-        8 hex characters.
+        The digest the staging manifest records for a shard: 8 hex characters.
 
     Raises:
-        OSError: the file cannot be read.
+        OSError: the file cannot be read (missing, a folder, no permission).
 
     Example:
-        >>> file_digest("model.safetensors")   # doctest: +SKIP
-        '3f2a…'
+        >>> len(file_digest(__file__))
+        8
     """
-    h = Crc32()
-    with open(path, "rb") as f:
-        while True:
-            piece = f.read(_HASH_PIECE)
-            if not piece:
-                return h.hexdigest()
-            h.update(piece)
+    return hash_file(path, Crc32(), _HASH_PIECE)
 
 
 class Staging:
@@ -148,7 +127,7 @@ class Staging:
     def open(self) -> None:
         """Create the staging folder, or reuse the verified finished shards of a matching earlier run."""
         kept: dict[str, dict] = {}
-        st = _lstat(self.path)
+        st = lstat_or_none(self.path)
         if st is None:
             os.mkdir(self.path, 0o755)
         else:
@@ -161,7 +140,7 @@ class Staging:
                     and manifest.get("inputs") == self.common:
                 for fname, meta in (manifest.get("shards") or {}).items():
                     p = os.path.join(self.path, os.path.basename(fname))
-                    s = _lstat(p)
+                    s = lstat_or_none(p)
                     if (s is not None and stat.S_ISREG(s.st_mode) and s.st_size == meta.get("size")
                             and file_digest(p) == meta.get("digest") and meta.get("inputs") == self.inputs.shard(fname)):
                         kept[fname] = meta
@@ -200,7 +179,7 @@ class Staging:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.path, MANIFEST))
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
 
     def commit(self, lock: OutputLock | None = None) -> None:
         """Move the staging folder into place, replacing OUT only if it still holds exactly what was checked.
@@ -213,7 +192,7 @@ class Staging:
             OutputChangedError: OUT changed since it was checked; OUT is left as it is and the new output kept.
         """
         parent = os.path.dirname(self.out_dir)
-        st = _lstat(self.out_dir)
+        st = lstat_or_none(self.out_dir)
         now = None
         if st is not None and self.checked is not None and stat.S_ISDIR(st.st_mode):
             now = snapshot(self.out_dir)
@@ -240,8 +219,8 @@ class Staging:
                 rename_noreplace(old, self.out_dir)
             raise
         self.committed = True
-        _drop_manifest(self.out_dir)  # it travelled with the folder; the journal names it ours if we die here
-        _fsync_dir(parent)
+        drop_manifest(self.out_dir)  # it travelled with the folder; the journal names it ours if we die here
+        fsync_dir(parent)
         if old:
             left = remove_checked(old, self.checked)
             if left:
@@ -269,65 +248,6 @@ class Staging:
         if os.path.lexists(self.path):
             return f"the partial output could not all be removed ({self.path} is left) and OUT is unchanged"
         return REMOVED
-
-
-def _lstat(path: str) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def _drop_manifest(folder: str) -> None:
-    for name in (MANIFEST, MANIFEST + ".tmp"):
-        try:
-            os.unlink(os.path.join(folder, name))
-        except FileNotFoundError:
-            pass
-    _fsync_dir(folder)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _recover(out: str, lock: OutputLock) -> None:
-    """Finish or undo a commit that a killed merge left half done, from the journal in its lock's record: the
-    previous output moved aside is put back (the new one never landed) or emptied of what was checked (it did),
-    and the staging manifest is dropped from a new output that landed with it. Nothing the journal does not
-    name, or whose inode differs, is touched."""
-    journal = lock.previous.get("commit")
-    if not isinstance(journal, dict):
-        return
-    st = _lstat(out)
-    if st is not None and stat.S_ISDIR(st.st_mode) and st.st_ino == journal.get("staging_ino") \
-            and read_manifest(out) is not None:  # the new output landed with its manifest still in it
-        _drop_manifest(out)
-    name = journal.get("old")
-    if isinstance(name, str) and is_old_name(out, name) and isinstance(journal.get("snapshot"), dict):
-        old = os.path.join(os.path.dirname(out), name)
-        st = _lstat(old)
-        if st is not None and stat.S_ISDIR(st.st_mode) and (st.st_ino, st.st_dev) == (journal.get("old_ino"),
-                                                                                         journal.get("old_dev")):
-            if not os.path.lexists(out):
-                rename_noreplace(old, out)
-                log.warning("a merge killed while replacing %s had moved the previous output to %s; it was put back",
-                            out, old)
-            else:
-                left = remove_checked(old, journal["snapshot"])
-                log.warning("a merge killed just after replacing %s left the previous output in %s; %s", out, old,
-                            f"what was added to it during that merge is kept there ({', '.join(left[:5])})"
-                            if left else "it was removed")
-    lock.note(commit=None)
 
 
 @contextmanager
@@ -370,9 +290,9 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
     try:
         with held_signals():
             lock.acquire()
-            _recover(out, lock)
+            recover_commit(out, lock)
             problems = sidecar_problems(out)
-            st = _lstat(out)
+            st = lstat_or_none(out)
             if st is not None:
                 if not stat.S_ISDIR(st.st_mode):
                     problems.append(f"output {out} appeared meanwhile and is not a folder; remove it or choose "

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import InputError, check_out_dir, merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.outfiles import remove_checked, snapshot
-from peft_shardmerge.staging import FileSystemError, OutputChangedError, partial_dir
+from peft_shardmerge.errors import FileSystemError, OutputChangedError
+from peft_shardmerge.staging import partial_dir
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 

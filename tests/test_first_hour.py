@@ -398,7 +398,7 @@ def test_push_checks_offline_mode_and_hub_access_before_merging(bf16_base, tmp_p
     import huggingface_hub.constants as hc
 
     from peft_shardmerge import push_to_hub_merged
-    from peft_shardmerge.hub import HubUploadError
+    from peft_shardmerge.errors import HubUploadError
 
     model = peft_qlora(bf16_base)
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
