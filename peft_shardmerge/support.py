@@ -1,5 +1,5 @@
-"""What peft-shardmerge merges: the allowlist (PEFT type x layer x variant x path, as data) and the one check of it
-that every API runs before anything is written or any module replaced."""
+"""What peft-shardmerge merges: the one check of the allowlist (PEFT type x layer x variant x path, the data in
+:mod:`peft_shardmerge.allowlist`) that every API runs before anything is written or any module replaced."""
 
 from __future__ import annotations
 
@@ -8,93 +8,11 @@ from typing import Any, Iterable, Mapping
 
 from torch import nn
 
-from .errors import InputError, UnsupportedError
-
-DISK, IN_PROCESS = "disk", "in_process"
-PATHS = (DISK, IN_PROCESS)
-#: the pseudo-layer of options that concern a whole adapter rather than one layer
-ADAPTER = "(adapter)"
-
-_LORA_VARIANTS = ("plain", "rsLoRA", "rank/alpha pattern", "DoRA", "lora_bias")
-#: (PEFT type, layers, variants, paths, doc): every combination listed is claimed and tested; nothing else is
-_SPEC: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], str], ...] = (
-    ("LORA", ("Linear", "Conv1D", "Conv2d", "Conv3d"), _LORA_VARIANTS, PATHS, "variants-layers.md"),
-    ("LORA", ("Embedding",), ("plain", "rsLoRA", "rank/alpha pattern", "DoRA"), PATHS, "variants-layers.md"),
-    ("LORA", ("Linear4bit",), ("plain", "rsLoRA", "rank/alpha pattern", "DoRA"), (IN_PROCESS,), "variants-layers.md"),
-    ("LORA", ("Linear8bitLt",), ("plain", "rsLoRA", "rank/alpha pattern"), (IN_PROCESS,), "variants-layers.md"),
-    ("LORA", ("parameter 2-D", "parameter 3-D"), ("plain", "rsLoRA", "rank/alpha pattern"), PATHS,
-     "variants-layers.md"),
-    ("LORA", (ADAPTER,), ("modules_to_save", "bias='all'/'lora_only'"), PATHS, "variants-layers.md"),
-    ("LORA", (ADAPTER,), ("residual init (PiSSA, OLoRA, CorDA, LoftQ)",), (IN_PROCESS,), "variants-layers.md"),
-    ("LORA", (ADAPTER,), ("trainable_token_indices",), PATHS, "variants-vocabulary.md"),
-    ("LORA", (ADAPTER,), ("several adapters",), PATHS, "variants-several-adapters.md"),
-    ("LORA", ("Linear", "Conv1D", "Conv2d", "Conv3d", "Embedding"), ("several adapters",), PATHS,
-     "variants-several-adapters.md"),
-    ("LORA", ("Linear4bit", "Linear8bitLt", "parameter 2-D", "parameter 3-D"), ("several adapters",), (IN_PROCESS,),
-     "variants-several-adapters.md"),
-    ("TRAINABLE_TOKENS", ("Embedding", "Linear"), ("plain",), PATHS, "variants-vocabulary.md"),
-    ("LOHA", ("Linear",), ("plain", "rank/alpha pattern"), PATHS, "variants-other-peft.md"),
-    ("LOKR", ("Linear",), ("plain", "rank/alpha pattern"), PATHS, "variants-other-peft.md"),
-    ("VERA", ("Linear",), ("plain",), PATHS, "variants-other-peft.md"),
-    ("VERA", ("Linear4bit",), ("plain",), (IN_PROCESS,), "variants-other-peft.md"),
-    ("IA3", ("Linear", "Conv2d"), ("plain", "feedforward"), PATHS, "variants-other-peft.md"),
-    ("IA3", ("Linear4bit",), ("plain", "feedforward"), (IN_PROCESS,), "variants-other-peft.md"),
-    ("LOHA", (ADAPTER,), ("modules_to_save",), PATHS, "variants-other-peft.md"),
-    ("LOKR", (ADAPTER,), ("modules_to_save",), PATHS, "variants-other-peft.md"),
-    ("LOHA", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
-    ("LOKR", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
-    ("VERA", (ADAPTER,), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
-    ("LOHA", ("Linear",), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
-    ("LOKR", ("Linear",), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
-    ("VERA", ("Linear",), ("several adapters",), (IN_PROCESS,), "variants-several-adapters.md"),
-    ("VERA", (ADAPTER,), ("projections not saved",), (IN_PROCESS,), "variants-other-peft.md"),
+from .allowlist import (  # noqa: F401 - ADAPTER, CLAIMS, DISK, PATHS, PEFT_TYPES: public here too
+    ADAPTER, CLAIMS, DISK, HANDLED, IN_PROCESS, INERT, INSTEAD, PATHS, PEFT_TYPES, PLAIN_INITS, PROMPT_TYPES, REFUSED,
+    RESIDUAL_INITS, SPEC,
 )
-
-#: every claimed ``(peft_type, layer, variant, path)``: the allowlist as data
-CLAIMS: frozenset[tuple[str, str, str, str]] = frozenset(
-    (t, layer, v, p) for t, layers, variants, paths, _ in _SPEC for layer in layers for v in variants for p in paths)
-#: the PEFT types with at least one claim
-PEFT_TYPES: tuple[str, ...] = tuple(dict.fromkeys(t for t, *_ in _SPEC))
-
-#: config fields that do not change the merged weights (metadata, target selection, training-only settings)
-_INERT = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-          "inference_mode", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern",
-          "lora_dropout", "rank_dropout", "module_dropout", "rank_dropout_scale", "vera_dropout", "runtime_config",
-          "megatron_core", "qalora_group_size", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
-          "init_weights", "init_ia3_weights", "d_initial", "projection_prng_key"}
-#: config fields whose values the merge takes into account, per PEFT type
-_HANDLED = {
-    "LORA": {"r", "lora_alpha", "fan_in_fan_out", "bias", "use_rslora", "modules_to_save", "init_lora_weights",
-             "rank_pattern", "alpha_pattern", "trainable_token_indices", "use_dora", "lora_bias",
-             "target_parameters"},
-    "LOHA": {"r", "alpha", "rank_pattern", "alpha_pattern", "use_effective_conv2d", "modules_to_save"},
-    "LOKR": {"r", "alpha", "rank_pattern", "alpha_pattern", "use_effective_conv2d", "decompose_both",
-             "decompose_factor", "modules_to_save"},
-    "VERA": {"r", "save_projection", "fan_in_fan_out", "bias", "modules_to_save"},
-    "IA3": {"feedforward_modules", "fan_in_fan_out", "modules_to_save"},
-    "TRAINABLE_TOKENS": {"token_indices"},
-}
-#: config fields that change the forward in a way no path merges, refused when set, with what to do instead
-_REFUSED = {
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) applies the adapter only after the "
-                               "invocation tokens; a merged model applies it everywhere, so it is not the aLoRA model",
-    "use_qalora": "QA-LoRA (use_qalora) pools the inputs of a quantized layer; its delta is not a weight delta",
-    "layer_replication": "layer_replication changes the layer structure and cannot be merged into the base layout",
-    "megatron_config": "megatron_config builds Megatron parallel layers; merge a regular (non-Megatron) adapter",
-    "arrow_config": "Arrow routing (arrow_config) mixes adapters per token; there is no single weight delta",
-    "velora_config": "VeLoRA (velora_config) is not supported",
-    "monteclora_config": "MonteCLoRA (monteclora_config) is not supported",
-    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
-    "kasa_config": "KaSA (kasa_config) is not supported",
-    "ensure_weight_tying": "ensure_weight_tying ties adapter layers across tied modules, which is not supported",
-}
-#: init_lora_weights values that leave the base as it was (the merge ignores how A and B started)
-_PLAIN_INITS = {True, False, "gaussian", "eva", "orthogonal"}
-_RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq")
-_PROMPT_TYPES = {"PROMPT_TUNING", "MULTITASK_PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "ADAPTION_PROMPT", "CPT",
-                 "CARTRIDGE"}
-_INSTEAD = ("for it, load the base unquantized in fp32, use PEFT's own merge_and_unload() if PEFT can merge it, and "
-            "save_pretrained() the result")
+from .errors import InputError, UnsupportedError
 
 
 def is_claimed(peft_type: str, layer: str, variant: str = "plain", path: str = IN_PROCESS) -> bool:
@@ -143,7 +61,7 @@ def support_table(doc: str | None = None) -> str:
     head = ["| PEFT type | layers | variants | paths | details |", "|---|---|---|---|---|"] if doc is None else \
         ["| PEFT type | layers | variants | paths |", "|---|---|---|---|"]
     rows = []
-    for peft_type, layers, variants, paths, page in _SPEC:
+    for peft_type, layers, variants, paths, page in SPEC:
         if doc is not None and page != doc:
             continue
         shown = [v for v in variants if v != "plain"]
@@ -167,7 +85,7 @@ def layer_kind(module: nn.Module) -> str:
         Nothing.
 
     Example:
-        >>> layer_kind(torch.nn.Conv2d(4, 4, 3, groups=2)), layer_kind(torch.nn.Linear(2, 2))
+        >>> layer_kind(nn.Conv2d(4, 4, 3, groups=2)), layer_kind(nn.Linear(2, 2))
         ('Conv2d (groups=2)', 'Linear')
     """
     name = type(module).__name__
@@ -236,7 +154,7 @@ def residual_init(init: object) -> bool:
         >>> residual_init("pissa_niter_4"), residual_init(True)
         (True, False)
     """
-    return isinstance(init, str) and init.lower().startswith(_RESIDUAL_INITS)
+    return isinstance(init, str) and init.lower().startswith(RESIDUAL_INITS)
 
 
 def config_variants(config: Any) -> tuple[list[str], list[str]]:
@@ -299,25 +217,25 @@ def check_config(config: Any, *, where: str, path: str) -> list[str]:
     peft_type = peft_type_of(c)
     if peft_type not in PEFT_TYPES:
         why = ("it has no weight delta (it adds virtual tokens or prefixes), so there is nothing to merge into a "
-               "checkpoint; serve it with PEFT" if peft_type in _PROMPT_TYPES else _INSTEAD)
+               "checkpoint; serve it with PEFT" if peft_type in PROMPT_TYPES else INSTEAD)
         engine = "disk engine" if path == DISK else "in-process merge"
         return [f"{where} has peft_type={peft_type or None!r}; the {engine} merges {', '.join(PEFT_TYPES)} "
                 f"adapters only. {why[0].upper() + why[1:]}"]
-    problems = [f"{where}: {msg} ({key}={c[key]!r})" for key, msg in _REFUSED.items() if c.get(key)]
-    handled = _HANDLED[peft_type] | _INERT
+    problems = [f"{where}: {msg} ({key}={c[key]!r})" for key, msg in REFUSED.items() if c.get(key)]
+    handled = HANDLED[peft_type] | INERT
     own = _peft_fields(peft_type)  # PEFT ignores (with a warning) the keys its config class does not have
-    unknown = sorted(k for k, v in c.items() if k not in handled and k not in _REFUSED and (own is None or k in own)
+    unknown = sorted(k for k, v in c.items() if k not in handled and k not in REFUSED and (own is None or k in own)
                      and v not in (None, False, "", [], {}, 0))
     if unknown:
         problems.append(f"{where}: {peft_type} config option(s) {', '.join(f'{k}={c[k]!r}' for k in unknown)} are not "
-                        f"supported (this version does not know how they change the model); {_INSTEAD}")
+                        f"supported (this version does not know how they change the model); {INSTEAD}")
     init = c.get("init_lora_weights", True)
-    if peft_type == "LORA" and not residual_init(init) and not any(init is x or init == x for x in _PLAIN_INITS):
-        problems.append(f"{where}: init_lora_weights={init!r} is not supported; {_INSTEAD}")
+    if peft_type == "LORA" and not residual_init(init) and not any(init is x or init == x for x in PLAIN_INITS):
+        problems.append(f"{where}: init_lora_weights={init!r} is not supported; {INSTEAD}")
     if peft_type in ("LORA", "VERA") and c.get("bias") not in (None, "none", "all", "lora_only"):
         problems.append(f"{where}: bias={c.get('bias')!r} is not one of 'none', 'all', 'lora_only'")
     if peft_type == "VERA" and c.get("bias") not in (None, "none"):
-        problems.append(f"{where}: VeRA with bias={c.get('bias')!r} is not supported; {_INSTEAD}")
+        problems.append(f"{where}: VeRA with bias={c.get('bias')!r} is not supported; {INSTEAD}")
     _, adapter_wide = config_variants(c)
     if path == DISK and residual_init(init):
         adapter_wide.remove("residual init (PiSSA, OLoRA, CorDA, LoftQ)")
@@ -353,8 +271,8 @@ def _variant_problem(where: str, peft_type: str, layer: str, variant: str, path:
     if variant == "plain":
         layers = sorted({x for t, x, v, p in CLAIMS if t == peft_type and p == path and x != ADAPTER})
         return (f"{where}: {peft_type} on a {layer} layer is not supported (supported: {', '.join(layers)}); "
-                f"{_INSTEAD}")
-    return f"{where}: {peft_type} {variant}{on} is not supported; {_INSTEAD}"
+                f"{INSTEAD}")
+    return f"{where}: {peft_type} {variant}{on} is not supported; {INSTEAD}"
 
 
 def check_layers(uses: Iterable[tuple[str, str, str, Iterable[str]]], *, path: str) -> list[str]:

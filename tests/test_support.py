@@ -288,11 +288,11 @@ def test_every_field_of_the_claimed_peft_configs_is_classified():
 
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
-    from peft_shardmerge import support
+    from peft_shardmerge import allowlist
 
     for peft_type in PEFT_TYPES:
         fields = {f.name for f in dataclasses.fields(PEFT_TYPE_TO_CONFIG_MAPPING[peft_type])}
-        known = support._HANDLED[peft_type] | support._INERT | set(support._REFUSED)
+        known = allowlist.HANDLED[peft_type] | allowlist.INERT | set(allowlist.REFUSED)
         assert fields <= known, (peft_type, sorted(fields - known))
 
 
