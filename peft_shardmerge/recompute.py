@@ -276,6 +276,51 @@ def _identity_notes(record: dict | None, base: str, adapters: list[str]) -> list
     return notes
 
 
+def _check_layout(result: RecomputeResult, planned: dict, stored: dict[str, TensorInfo], info) -> tuple[dict, list]:
+    """Match the planned tensors with the stored ones and add every missing, extra or reshaped tensor to
+    ``result`` (``fits`` says whether all match); returns ``(planned name -> stored name, planned names of another
+    dtype or shape)``."""
+    target, fused, fused_stored = _match_names(planned, stored, info)
+    missing = sorted(set(planned) - set(target) - fused)
+    extra = sorted(set(stored) - set(target.values()) - fused_stored)
+    if fused:
+        result.notes.append(f"{len(fused_stored)} tensor(s) stored fused as transformers loads them (e.g. "
+                            f"{sorted(fused_stored)[0]}), built from {len(fused)} checkpoint keys: not recomputed "
+                            "(the logits cover them)")
+    if missing:
+        result.problems.append(f"{len(missing)} tensor(s) that base + adapter give are not in the checkpoint: "
+                               f"{', '.join(missing[:5])}")
+    if extra:
+        result.problems.append(f"{len(extra)} tensor(s) of the checkpoint do not come from base + adapter: "
+                               f"{', '.join(extra[:5])}")
+    shapes = [n for n in sorted(target) if (planned[n].out_dtype, tuple(planned[n].shape))
+              != (stored[target[n]].dtype, tuple(stored[target[n]].shape))]
+    for n in shapes[:5]:
+        got = stored[target[n]]
+        result.problems.append(f"{target[n]}: the checkpoint has {got.dtype} {list(got.shape)}, base + adapter "
+                               f"give {planned[n].out_dtype} {list(planned[n].shape)}")
+    if len(shapes) > 5:
+        result.problems.append(f"... and {len(shapes) - 5} more tensor(s) of another dtype or shape")
+    result.fits = not (missing or extra or shapes)
+    return target, shapes
+
+
+def _summarize(result: RecomputeResult, sink: _Compare, options: dict, n_stored: int) -> None:
+    """Add the comparison's outcome to ``result``: the tensors that differ (ten named) and the one-line check."""
+    result.compared, result.bitwise = sink.compared, sink.bitwise
+    for name, why in sink.differ[:10]:
+        result.problems.append(f"{name}: {why}")
+    if len(sink.differ) > 10:
+        result.problems.append(f"... and {len(sink.differ) - 10} more tensor(s) differ from base + adapter")
+    result.complete = not result.problems and result.compared == n_stored
+    nf4 = options["nf4"]
+    precision = options["base_precision"] + (f" ({nf4['quant_type']}, blocksize {nf4['blocksize']}, "
+                                             f"{'' if nf4['double_quant'] else 'no '}double quant)" if nf4 else "")
+    result.checks.append(f"recomputed {result.compared} tensors from base + adapter (base precision {precision}): "
+                         f"{result.bitwise} equal byte for byte, {result.compared - result.bitwise - len(sink.differ)} "
+                         f"within rounding, {len(sink.differ)} different")
+
+
 def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: list[str], record: dict | None,
                           *, device: str = "cpu") -> RecomputeResult:
     """Recompute every tensor of a merged checkpoint from ``base`` + ``adapters`` with the disk engine (the plan
@@ -329,28 +374,7 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
         result.notes.append(why)
         return result
     planned = {t.name: t for t in plan.tensors}
-    target, fused, fused_stored = _match_names(planned, stored, info)
-    missing = sorted(set(planned) - set(target) - fused)
-    extra = sorted(set(stored) - set(target.values()) - fused_stored)
-    if fused:
-        result.notes.append(f"{len(fused_stored)} tensor(s) stored fused as transformers loads them (e.g. "
-                            f"{sorted(fused_stored)[0]}), built from {len(fused)} checkpoint keys: not recomputed "
-                            "(the logits cover them)")
-    if missing:
-        result.problems.append(f"{len(missing)} tensor(s) that base + adapter give are not in the checkpoint: "
-                               f"{', '.join(missing[:5])}")
-    if extra:
-        result.problems.append(f"{len(extra)} tensor(s) of the checkpoint do not come from base + adapter: "
-                               f"{', '.join(extra[:5])}")
-    shapes = [n for n in sorted(target) if (planned[n].out_dtype, tuple(planned[n].shape))
-              != (stored[target[n]].dtype, tuple(stored[target[n]].shape))]
-    for n in shapes[:5]:
-        got = stored[target[n]]
-        result.problems.append(f"{target[n]}: the checkpoint has {got.dtype} {list(got.shape)}, base + adapter "
-                               f"give {planned[n].out_dtype} {list(planned[n].shape)}")
-    if len(shapes) > 5:
-        result.problems.append(f"... and {len(shapes) - 5} more tensor(s) of another dtype or shape")
-    result.fits = not (missing or extra or shapes)
+    target, shapes = _check_layout(result, planned, stored, info)
     todo = [t for t in plan.tensors if t.name in target and t.name not in shapes]
     sink = _Compare({n: stored[m] for n, m in target.items()})
     try:
@@ -361,16 +385,5 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
         return result
     finally:
         sink.close()
-    result.compared, result.bitwise = sink.compared, sink.bitwise
-    for name, why in sink.differ[:10]:
-        result.problems.append(f"{name}: {why}")
-    if len(sink.differ) > 10:
-        result.problems.append(f"... and {len(sink.differ) - 10} more tensor(s) differ from base + adapter")
-    result.complete = not result.problems and result.compared == len(stored)
-    nf4 = options["nf4"]
-    precision = options["base_precision"] + (f" ({nf4['quant_type']}, blocksize {nf4['blocksize']}, "
-                                             f"{'' if nf4['double_quant'] else 'no '}double quant)" if nf4 else "")
-    result.checks.append(f"recomputed {result.compared} tensors from base + adapter (base precision {precision}): "
-                         f"{result.bitwise} equal byte for byte, {result.compared - result.bitwise - len(sink.differ)} "
-                         f"within rounding, {len(sink.differ)} different")
+    _summarize(result, sink, options, len(stored))
     return result
