@@ -272,6 +272,9 @@ def build_model_plan(model: nn.Module, out_dir, *, dtype, max_shard_size, base_p
         source = LiveSource(walk(model, names), names, weight_map, combination_type,
                             generation_config=valid_generation_config(inner))
         result = ModelPlan(plan_live(source, out_dtype, limit), "")
+        if names is None:
+            result.plan.adapter_text = "(in memory: " + ", ".join(
+                f"adapter {a!r}" for a in selected_adapters(model, None)) + ")"
     result.reproduces = reproduces
     result.plan.notes[:0] = [f"base precision {base_precision!r}: {note}"] + ([dtype_note] if dtype_note else [])
     return result
