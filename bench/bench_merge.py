@@ -39,7 +39,7 @@ def build(size: str) -> tuple[str, str]:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from peft_shardmerge.tiny import tiny_config
+    from peft_shardmerge.testing import tiny_config
     from peft_shardmerge.writer import ShardWriter, write_json
 
     base = os.path.join(WORK, f"base-{size}")

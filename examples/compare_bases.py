@@ -43,7 +43,7 @@ def main(workdir: str, steps: int) -> int:
     from transformers.utils import logging as hf_logging
 
     from peft_shardmerge import merge_and_save
-    from peft_shardmerge.tiny import build_base, default_targets
+    from peft_shardmerge.testing import build_base, default_targets
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 from peft_shardmerge import merge_checkpoint
-from peft_shardmerge.tiny import build_adapter, build_base, compare_logits
+from peft_shardmerge.testing import build_adapter, build_base, compare_logits
 
 
 def main(workdir: str) -> int:

@@ -23,7 +23,7 @@ def main(workdir: str) -> int:
     from transformers.utils import logging as hf_logging
 
     from peft_shardmerge import merge_and_save
-    from peft_shardmerge.tiny import build_base, default_targets, token_ids
+    from peft_shardmerge.testing import build_base, default_targets, token_ids
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

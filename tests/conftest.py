@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from peft_shardmerge.tiny import build_adapter, build_base, token_ids  # noqa: E402
+from peft_shardmerge.testing import build_adapter, build_base, token_ids  # noqa: E402
 
 #: name -> (arch, dtype, shard size of the saved base, config overrides)
 BASES = {

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from peft_shardmerge import merge_checkpoint
 from peft_shardmerge.inprocess import merge_and_save
-from peft_shardmerge.tiny import build_adapter, build_base, model_class, model_inputs
+from peft_shardmerge.testing import build_adapter, build_base, model_class, model_inputs
 
 ARCHS = ["bert", "t5", "llava", "qwen2_vl"]
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import CorruptFileError, InputError, NotFoundError, UnsupportedError, merge_checkpoint
 from peft_shardmerge.cli import main as cli_main
-from peft_shardmerge.tiny import build_adapter, build_base
+from peft_shardmerge.testing import build_adapter, build_base
 
 
 @dataclass

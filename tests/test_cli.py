@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from peft_shardmerge.tiny import compare_logits
+from peft_shardmerge.testing import compare_logits
 
 def _cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "peft_shardmerge", *args], capture_output=True, text=True,

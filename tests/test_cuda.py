@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from peft_shardmerge.tiny import build_adapter, build_base, default_targets, token_ids
+from peft_shardmerge.testing import build_adapter, build_base, default_targets, token_ids
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -199,7 +199,7 @@ def test_legacy_bin_adapter_is_read_without_pickle(make_base, make_adapter, tmp_
 
     from safetensors.torch import load_file
 
-    from peft_shardmerge.tiny import compare_logits
+    from peft_shardmerge.testing import compare_logits
 
     base = make_base("qwen2")
     src = make_adapter("qwen2", "mts", target_modules=["q_proj", "v_proj", "embed_tokens"],
@@ -247,7 +247,7 @@ def test_self_check_catches_a_wrong_merge(make_base, make_adapter, tmp_path, mon
 def test_precision_report(make_base, make_adapter, tmp_path, caplog):
     import logging
 
-    from peft_shardmerge.tiny import build_adapter
+    from peft_shardmerge.testing import build_adapter
 
     base = make_base("llama_bf16")
     normal = merge_checkpoint(base, make_adapter("llama_bf16", "default"), str(tmp_path / "a"), progress=False)
@@ -270,7 +270,7 @@ def test_resized_vocabulary(base_name, make_base, tmp_path):
     """An adapter saved after resize_token_embeddings: the output takes the new shape and vocab_size."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from peft_shardmerge.tiny import token_ids
+    from peft_shardmerge.testing import token_ids
 
     base = make_base(base_name)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 import peft_shardmerge  # noqa: E402
 from peft_shardmerge import InputError, merge_and_save, merge_and_unload, save_pretrained_merged  # noqa: E402
-from peft_shardmerge.tiny import build_base, token_ids  # noqa: E402
+from peft_shardmerge.testing import build_base, token_ids  # noqa: E402
 from tests.helpers import logits_of, rel_err  # noqa: E402
 from tests.test_inprocess import reference_logits, train_one_step  # noqa: E402
 
@@ -308,7 +308,7 @@ def _cli(*args):
 
 def test_cli_summary_once_quiet_dtype_aliases_and_bare_help(tmp_path):
     base = build_base(str(tmp_path / "base"), "llama")
-    from peft_shardmerge.tiny import build_adapter
+    from peft_shardmerge.testing import build_adapter
 
     adapter = build_adapter(base, str(tmp_path / "adapter"), arch="llama")
     r = _cli("merge", base, adapter, str(tmp_path / "a"), "--dtype", "bf16")
@@ -481,7 +481,7 @@ def test_an_adapter_with_no_update_is_not_said_to_be_swallowed(bf16_base, tmp_pa
 
 def test_a_mismatched_adapter_among_several_is_named_once_per_module_kind(tmp_path):
     from peft_shardmerge import merge_checkpoint
-    from peft_shardmerge.tiny import build_adapter
+    from peft_shardmerge.testing import build_adapter
 
     good_base = build_base(str(tmp_path / "base"), "llama")
     wide_base = build_base(str(tmp_path / "wide"), "llama", intermediate_size=512)

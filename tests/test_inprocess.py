@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 from peft_shardmerge.inprocess import merge_and_save  # noqa: E402
-from peft_shardmerge.tiny import default_targets, token_ids  # noqa: E402
+from peft_shardmerge.testing import default_targets, token_ids  # noqa: E402
 from tests.helpers import logits_of, rel_err  # noqa: E402
 
 
@@ -249,7 +249,7 @@ def test_oom_on_one_module_is_retried_on_cpu(make_base, tmp_path, monkeypatch):
 
 
 def test_original_uses_the_original_checkpoint(make_base, tmp_path):
-    from peft_shardmerge.tiny import compare_logits
+    from peft_shardmerge.testing import compare_logits
 
     base = make_base("llama")
     model = qlora(base, "llama", "nf4")
@@ -380,7 +380,7 @@ def test_patch_peft_adds_methods(make_base, tmp_path):
 
 
 def test_auto_on_a_repacked_model_leaves_it_untouched(make_base, tmp_path):
-    from peft_shardmerge.tiny import compare_logits
+    from peft_shardmerge.testing import compare_logits
 
     base = make_base("llama")
     model = qlora(base, "llama", "nf4")

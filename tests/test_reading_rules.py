@@ -489,7 +489,7 @@ def st_base_and_adapter(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModel
 
-    from peft_shardmerge.tiny import perturb_trainable
+    from peft_shardmerge.testing import perturb_trainable
 
     root = tmp_path_factory.mktemp("st")
     base = _sentence_transformers_base(str(root / "base"))

@@ -17,7 +17,7 @@ import pytest
 from peft_shardmerge import InputError, merge_checkpoint
 from peft_shardmerge.errors import OutputLockedError
 from peft_shardmerge.staging import output_lock, partial_dir
-from peft_shardmerge.tiny import build_adapter, build_base
+from peft_shardmerge.testing import build_adapter, build_base
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 KILLS = 20

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from peft_shardmerge import InputError, UnsupportedError, merge_and_save, merge_checkpoint, save_pretrained_merged
 from peft_shardmerge.unload import merge_and_unload
 from peft_shardmerge.support import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
-from peft_shardmerge.tiny import perturb_trainable, token_ids
+from peft_shardmerge.testing import perturb_trainable, token_ids
 from tests.helpers import logits_of, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,7 +232,7 @@ def test_lora_on_t5_shared_and_lm_head_survives_save_pretrained(tmp_path):
     PEFT's model. Every tied tensor is saved apart so that from_pretrained gives back the same model."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from peft_shardmerge.tiny import build_base, model_inputs
+    from peft_shardmerge.testing import build_base, model_inputs
 
     base = build_base(str(tmp_path / "base"), "t5")
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import InputError, merge_checkpoint
 from peft_shardmerge.inprocess import merge_and_save
-from peft_shardmerge.tiny import build_adapter, perturb_trainable, token_ids
+from peft_shardmerge.testing import build_adapter, perturb_trainable, token_ids
 from tests.helpers import logits_of, rel_err
 
 
@@ -325,7 +325,7 @@ def test_ia3_on_a_convolution(feedforward, tmp_path):
     """IA3 on LLaVA's Conv2d patch embedding: outputs (rows) or, as a feedforward module, input channels."""
     from peft import IA3Config, get_peft_model
 
-    from peft_shardmerge.tiny import build_base, model_inputs
+    from peft_shardmerge.testing import build_base, model_inputs
 
     base = build_base(str(tmp_path / "base"), "llava")
     from transformers import LlavaForConditionalGeneration

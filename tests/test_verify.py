@@ -361,7 +361,7 @@ def test_in_process_output_with_renamed_keys_is_recomputed(arch, tmp_path):
     from transformers import AutoConfig
 
     from peft_shardmerge import merge_and_save
-    from peft_shardmerge.tiny import build_adapter, build_base, model_class
+    from peft_shardmerge.testing import build_adapter, build_base, model_class
 
     base = build_base(str(tmp_path / "base"), arch)
     adapter = build_adapter(base, str(tmp_path / "adapter"), r=4, lora_alpha=8)

@@ -15,7 +15,7 @@ import torch
 from conformance_cases import Case
 from conformance_models import CustomModel, arch_config
 from conformance_reference import OUTPUT_TOL, WEIGHT_TOL, Env, Reference, forward, load_peft, output_err
-from peft_shardmerge.tiny import model_class
+from peft_shardmerge.testing import model_class
 
 #: outcomes that satisfy the invariant ("match-unmerged": PEFT's own merge changes the model's outputs, so no
 #: result can equal both; the merge is held to the unmerged model's outputs alone)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from peft_shardmerge.tiny import tiny_config
+from peft_shardmerge.testing import tiny_config
 
 #: PEFT's module name -> the module (suffix) standing for it, per tiny architecture
 ARCH_NAMES: dict[str, dict[str, str]] = {
@@ -119,7 +119,7 @@ def build_arch(folder: str, arch: str, seed: int = 0) -> str:
         >>> build_arch("/tmp/tiny-opt", "opt")   # doctest: +SKIP
         '/tmp/tiny-opt'
     """
-    from peft_shardmerge.tiny import model_class
+    from peft_shardmerge.testing import model_class
 
     torch.manual_seed(seed)
     config = arch_config(arch)

@@ -12,7 +12,7 @@ import torch
 
 from conformance_cases import Case
 from conformance_models import CustomModel, arch_config, build_arch, custom_input
-from peft_shardmerge.tiny import model_class, model_inputs, perturb_trainable
+from peft_shardmerge.testing import model_class, model_inputs, perturb_trainable
 from support_view import base_layer_kind
 
 #: largest relative error of a merged tensor against PEFT's merge (fp32)

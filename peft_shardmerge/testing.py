@@ -1,13 +1,14 @@
-"""Tiny random models and adapters built from configs, for the demo, the tests and the benchmarks."""
+"""Test and demo helpers: tiny random models and adapters built from configs, for the demo, the tests and the
+benchmarks (no library module imports this one)."""
 
 from __future__ import annotations
 
 import torch
 
+from .logits import IMAGE_TOKEN, model_class, model_inputs, token_ids
+
 #: architectures with a tiny config; hidden sizes are multiples of 64 so bitsandbytes' CPU kernels apply
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "bert", "t5", "llava", "qwen2_vl")
-#: the image placeholder token of the tiny vision-language configs
-IMAGE_TOKEN = 500
 
 def tiny_config(arch: str = "llama", **overrides):
     """A small transformers config of the given architecture.
@@ -174,71 +175,6 @@ def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, see
     peft_model.save_pretrained(folder)
     return folder
 
-def model_class(config):
-    """The transformers class a config's checkpoint loads into: its ``architectures`` entry when transformers
-    has it, else the causal-LM, seq2seq or image-text-to-text Auto class that knows the config, else
-    ``AutoModel`` (see :func:`~peft_shardmerge.model_info.model_classes`).
-
-    Args:
-        config: a transformers config.
-
-    Returns:
-        A class with ``from_pretrained``.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> model_class(tiny_config("t5")).__name__
-        'T5ForConditionalGeneration'
-    """
-    from .model_info import model_classes
-
-    return model_classes(config)[0]  # AutoModel, last, always knows a transformers config
-
-
-def model_inputs(config, *, seed: int = 0, images: bool = True) -> dict:
-    """Reproducible forward inputs for a tiny model: token ids, plus decoder ids for encoder-decoders and an
-    image for the vision-language configs of :func:`tiny_config`.
-
-    Args:
-        config: the model's config.
-        seed: random seed.
-        images: add pixel inputs for vision-language models (so LoRA on the vision tower counts).
-
-    Returns:
-        Keyword arguments for the model's forward.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> sorted(model_inputs(tiny_config("t5")))
-        ['decoder_input_ids', 'input_ids']
-    """
-    text = getattr(config, "get_text_config", lambda: config)()
-    vocab = min(text.vocab_size, IMAGE_TOKEN)
-    ids = token_ids(vocab, seed=seed)
-    if getattr(config, "is_encoder_decoder", False):
-        return {"input_ids": ids, "decoder_input_ids": token_ids(vocab, length=8, seed=seed + 1)}
-    g = torch.Generator().manual_seed(seed)
-    if images and config.model_type == "llava":
-        vision = config.vision_config
-        n = (vision.image_size // vision.patch_size) ** 2
-        ids = torch.cat([ids[:1, :3], torch.full((1, n), IMAGE_TOKEN), ids[:1, 3:]], dim=1)
-        pixels = torch.randn(1, 3, vision.image_size, vision.image_size, generator=g)
-        return {"input_ids": ids, "pixel_values": pixels}
-    if images and config.model_type == "qwen2_vl":
-        v = config.vision_config
-        t, h, w = 1, 4, 4
-        n = t * h * w // v.spatial_merge_size**2
-        ids = torch.cat([ids[:1, :3], torch.tensor([[502] + [IMAGE_TOKEN] * n + [503]]), ids[:1, 3:]], dim=1)
-        pixels = torch.randn(t * h * w, v.in_channels * v.temporal_patch_size * v.patch_size**2, generator=g)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
-                "image_grid_thw": torch.tensor([[t, h, w]]), "mm_token_type_ids": (ids == IMAGE_TOKEN).int()}
-    return {"input_ids": ids}
-
-
 def perturb_trainable(model, noise: float = 0.1) -> None:
     """Move every trainable tensor of a model off its initial value, as training would (LoRA B starts at zero,
     IA3 at one, trainable-token rows at the base rows).
@@ -263,28 +199,6 @@ def perturb_trainable(model, noise: float = 0.1) -> None:
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * noise)
 
-
-def token_ids(vocab_size: int = 512, batch: int = 2, length: int = 16, seed: int = 0) -> torch.Tensor:
-    """Reproducible random token ids for comparing logits.
-
-    Args:
-        vocab_size: ids are drawn from ``[3, vocab_size)`` (past the special tokens).
-        batch: rows.
-        length: tokens per row.
-        seed: random seed.
-
-    Returns:
-        An int64 tensor ``[batch, length]``.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> token_ids(batch=1, length=4).shape
-        torch.Size([1, 4])
-    """
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab_size, (batch, length), generator=g)
 
 def compare_logits(base_folder: str, adapter_folder: str, merged_folder: str, *, seed: int = 0) -> float:
     """Largest absolute difference between the merged model's logits and base + adapter's (unmerged, fp32).
