@@ -1,0 +1,310 @@
+"""The package's layering rules, read with ``ast`` from the source files so that they stay true: module and
+function sizes, no import cycle (imports inside functions counted), no private name or package root imported
+across modules, the test helpers imported by no library module, and every exception class in ``errors.py``."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import os
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peft_shardmerge")
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_CODE_LINES = 60
+#: the module of test and demo helpers (tiny random models), which no library module may import
+TEST_HELPERS = "testing"
+#: the only module where exception classes may be defined
+ERRORS = "errors"
+
+
+@dataclass
+class Module:
+    name: str  # dotted, e.g. "peft_shardmerge.staging"; a package's __init__ is the package's name
+    path: str
+    source: str
+    tree: ast.Module
+    is_package: bool
+
+
+def read_package(pkg_dir: str) -> dict[str, Module]:
+    """Every ``.py`` file of the package and its subpackages, parsed."""
+    root = os.path.dirname(os.path.normpath(pkg_dir))
+    mods = {}
+    for folder, _, files in os.walk(pkg_dir):
+        for f in sorted(files):
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(folder, f)
+            name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            is_package = name.endswith(".__init__")
+            name = name[: -len(".__init__")] if is_package else name
+            with open(path, encoding="utf-8") as fh:
+                source = fh.read()
+            mods[name] = Module(name, path, source, ast.parse(source, path), is_package)
+    return mods
+
+
+def _imports(mod: Module, mods: dict[str, Module], pkg: str):
+    """``(line, target module, imported name or None)`` for every import of a package module, at any depth (imports
+    inside functions included); the target is the submodule when the name imported is one."""
+    package = mod.name if mod.is_package else mod.name.rpartition(".")[0]
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target != pkg and not target.startswith(pkg + "."):
+                continue
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                yield node.lineno, (full if full in mods else target), (None if full in mods else alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == pkg or alias.name.startswith(pkg + "."):
+                    yield node.lineno, alias.name, None
+
+
+def module_size_problems(mods: dict[str, Module]) -> list[str]:
+    """Modules over :data:`MAX_MODULE_LINES` lines (counted as ``source.count("\\n") + 1``)."""
+    out = []
+    for m in mods.values():
+        lines = m.source.count("\n") + 1
+        if lines > MAX_MODULE_LINES:
+            out.append(f"{m.name}: {lines} lines")
+    return out
+
+
+def _docstring_lines(tree: ast.Module) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return lines
+
+
+def function_size_problems(mods: dict[str, Module]) -> list[str]:
+    """Functions (nested ones and methods too) over :data:`MAX_FUNCTION_CODE_LINES` code lines: the lines from
+    ``def`` to the end, less blank lines, comment lines and docstrings."""
+    out = []
+    for m in mods.values():
+        docs = _docstring_lines(m.tree)
+        text = m.source.splitlines()
+        for node in ast.walk(m.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                code = [i for i in range(node.lineno, node.end_lineno + 1)
+                        if i not in docs and text[i - 1].strip() and not text[i - 1].strip().startswith("#")]
+                if len(code) > MAX_FUNCTION_CODE_LINES:
+                    out.append(f"{m.name}.{node.name} (line {node.lineno}): {len(code)} code lines")
+    return out
+
+
+def import_graph(mods: dict[str, Module], pkg: str) -> dict[str, set[str]]:
+    """Module -> the package modules it imports, anywhere in its code."""
+    graph = {name: set() for name in mods}
+    for m in mods.values():
+        for _, target, _ in _imports(m, mods, pkg):
+            if target in mods and target != m.name:
+                graph[m.name].add(target)
+    return graph
+
+
+def import_cycles(mods: dict[str, Module], pkg: str) -> list[str]:
+    """Every group of modules that import each other, directly or through others (strongly connected components
+    of more than one module, Tarjan)."""
+    graph = import_graph(mods, pkg)
+    index, low, stack, on, comps = {}, {}, [], set(), []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(" <-> ".join(sorted(comp)))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * len(mods) + 100))
+    try:
+        for v in sorted(graph):
+            if v not in index:
+                strong(v)
+    finally:
+        sys.setrecursionlimit(limit)
+    return comps
+
+
+def private_import_problems(mods: dict[str, Module], pkg: str) -> list[str]:
+    """``from .x import _name`` where ``_name`` is not a module: a private name used outside its module."""
+    out = []
+    for m in mods.values():
+        for line, target, name in _imports(m, mods, pkg):
+            if name and name.startswith("_") and not name.startswith("__"):
+                out.append(f"{m.name} (line {line}) imports {target}.{name}")
+    return out
+
+
+def root_import_problems(mods: dict[str, Module], pkg: str) -> list[str]:
+    """Library modules that import the package root (``from . import __version__``): the root imports the
+    library, so that is a cycle waiting to happen."""
+    out = []
+    for m in mods.values():
+        if m.name == pkg:
+            continue
+        for line, target, name in _imports(m, mods, pkg):
+            if target == pkg:
+                out.append(f"{m.name} (line {line}) imports {pkg}{'.' + name if name else ''}")
+    return out
+
+
+def helper_import_problems(mods: dict[str, Module], pkg: str) -> list[str]:
+    """Library modules that import the test helpers."""
+    helpers = f"{pkg}.{TEST_HELPERS}"
+    out = []
+    for m in mods.values():
+        if m.name == helpers:
+            continue
+        for line, target, _ in _imports(m, mods, pkg):
+            if target == helpers:
+                out.append(f"{m.name} (line {line}) imports {helpers}")
+    return out
+
+
+def _base_name(node: ast.expr) -> str:
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Call):
+        return _base_name(node.func)
+    return ""
+
+
+def exception_classes(mods: dict[str, Module]) -> dict[str, list[tuple[str, int]]]:
+    """Class name -> ``[(module, line)]`` of every class that derives from ``Exception``: through a built-in
+    exception, a base whose name ends in ``Error`` or ``Exception`` (another library's), or a class of the package
+    that does (by name, followed to a fixed point)."""
+    classes = [(m.name, node) for m in mods.values() for node in ast.walk(m.tree) if isinstance(node, ast.ClassDef)]
+    known = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
+             and issubclass(getattr(builtins, n), Exception)}
+    found: dict[str, list[tuple[str, int]]] = {}
+    changed = True
+    while changed:
+        changed = False
+        for module, node in classes:
+            if (module, node.lineno) in found.get(node.name, []):
+                continue
+            if any(_base_name(b) in known or (not hasattr(builtins, _base_name(b))
+                                              and _base_name(b).endswith(("Error", "Exception"))) for b in node.bases):
+                found.setdefault(node.name, []).append((module, node.lineno))
+                known.add(node.name)
+                changed = True
+    return found
+
+
+def exception_location_problems(mods: dict[str, Module], pkg: str) -> list[str]:
+    """Exception classes defined outside ``errors.py``."""
+    home = f"{pkg}.{ERRORS}"
+    return [f"{name} is defined in {module} (line {line})" for name, where in sorted(exception_classes(mods).items())
+            for module, line in where if module != home]
+
+
+@pytest.fixture(scope="module")
+def package():
+    return read_package(PACKAGE_DIR), os.path.basename(PACKAGE_DIR)
+
+
+def test_no_module_over_400_lines(package):
+    mods, _ = package
+    assert module_size_problems(mods) == []
+
+
+def test_no_function_over_60_code_lines(package):
+    mods, _ = package
+    assert function_size_problems(mods) == []
+
+
+def test_no_import_cycle_counting_imports_inside_functions(package):
+    assert import_cycles(*package) == []
+
+
+def test_no_private_name_imported_across_modules(package):
+    assert private_import_problems(*package) == []
+
+
+def test_no_library_module_imports_the_package_root(package):
+    assert root_import_problems(*package) == []
+
+
+def test_no_library_module_imports_the_test_helpers(package):
+    mods, pkg = package
+    assert f"{pkg}.{TEST_HELPERS}" in mods, "the test helpers module was renamed: update TEST_HELPERS"
+    assert helper_import_problems(mods, pkg) == []
+
+
+def test_every_exception_class_is_defined_in_errors(package):
+    mods, pkg = package
+    assert [m for m, _ in exception_classes(mods)["ShardMergeError"]] == [f"{pkg}.{ERRORS}"]
+    assert exception_location_problems(mods, pkg) == []
+
+
+def _write(folder, name: str, text: str) -> None:
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_each_rule_catches_what_it_forbids(tmp_path):
+    """The checkers above, on a made-up package that breaks each rule once (and keeps to it once nearby)."""
+    pkg = tmp_path / "fakepkg"
+    _write(pkg, "__init__.py", "from .version import VERSION\n")
+    _write(pkg, "version.py", 'VERSION = "1"\n')
+    _write(pkg, "errors.py", "class BaseErr(Exception):\n    pass\n\n\nclass Sub(BaseErr, ValueError):\n    pass\n")
+    _write(pkg, "testing.py", "from .a import helper\n")
+    code = "\n".join(f"    x{i} = {i}" for i in range(61))
+    fits = "\n".join(f"    y{i} = {i}  # a trailing comment" for i in range(59))  # 60 with the def line
+    _write(pkg, "a.py", "from .b import _hidden, shown\nfrom . import VERSION\nfrom .testing import helper\n"
+                        "from .errors import BaseErr\n\n\nclass Local(BaseErr):\n    pass\n\n\n"
+                        "class Wrapped(json.JSONDecodeError):\n    pass\n\n\nclass Plain(dict):\n    pass\n\n\n"
+                        f"def long():\n{code}\n\n\n"
+                        f'def fits():\n    """A docstring\n\n    of several lines."""\n    # a comment\n\n{fits}\n\n\n'
+                        "def helper():\n    pass\n" + "\n" * 300)
+    _write(pkg, "b.py", "def shown():\n    from .c import later\n\n\ndef _hidden():\n    pass\n")
+    _write(pkg, "c.py", "def later():\n    from .a import helper\n")
+    _write(pkg, "sub/__init__.py", "")
+    _write(pkg, "sub/d.py", "from .. import b\nfrom ..b import _hidden as h\n")
+    mods = read_package(str(pkg))
+    assert "fakepkg.sub.d" in mods and "fakepkg" in mods
+    assert module_size_problems(mods) == [f"fakepkg.a: {mods['fakepkg.a'].source.count(chr(10)) + 1} lines"]
+    assert function_size_problems(mods) == ["fakepkg.a.long (line 19): 62 code lines"]
+    assert import_cycles(mods, "fakepkg") == ["fakepkg.a <-> fakepkg.b <-> fakepkg.c <-> fakepkg.testing"]
+    assert private_import_problems(mods, "fakepkg") == ["fakepkg.a (line 1) imports fakepkg.b._hidden",
+                                                        "fakepkg.sub.d (line 2) imports fakepkg.b._hidden"]
+    assert root_import_problems(mods, "fakepkg") == ["fakepkg.a (line 2) imports fakepkg.VERSION"]
+    assert helper_import_problems(mods, "fakepkg") == ["fakepkg.a (line 3) imports fakepkg.testing"]
+    assert exception_location_problems(mods, "fakepkg") == ["Local is defined in fakepkg.a (line 7)",
+                                                            "Wrapped is defined in fakepkg.a (line 11)"]
+    assert import_cycles({k: v for k, v in mods.items() if k != "fakepkg.c"}, "fakepkg") == \
+        ["fakepkg.a <-> fakepkg.testing"]
