@@ -108,8 +108,9 @@ class LiveMerger(RowMerger):
         if not changes.empty or changes.keys:
             flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w
             for start, stop, merged, _ in self.merge_rows(entry.name, lambda a, b: flat[a:b], changes,
-                                                          tuple(w.shape), self.out_dtype, device):
-                flat[start:stop] = merged.reshape(flat[start:stop].shape)
+                                                          tuple(w.shape), self.out_dtype, device, inplace=True):
+                if merged.data_ptr() != flat[start:stop].data_ptr():  # else merged in place already
+                    flat[start:stop] = merged.reshape(flat[start:stop].shape)
         return w.T if entry.transpose_out else w
 
     def changes(self, entry: LiveEntry) -> Changes:

@@ -20,15 +20,17 @@ def merge_block(
     transposed: bool,
     bias_deltas: Sequence[torch.Tensor] = (),
     probes: torch.Tensor | None = None,
+    inplace: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, float]:
-    """Rows ``[start, stop)`` of ``W + sum(scaling * B @ A)`` in fp32, computed in place on a fp32 copy.
+    """Rows ``[start, stop)`` of ``W + sum(scaling * B @ A)`` in fp32, computed in place on a fp32 copy (or on
+    ``base_rows`` itself, with ``inplace`` and float32 rows).
 
     For a weight stored ``[out, in]`` the rows come from rows of B; for one stored ``[in, out]`` (Conv1D with
     ``fan_in_fan_out``) or an embedding (``lora_embedding_A`` is ``[r, num_embeddings]``) they come from
     columns of A. Only one block's worth of memory is used, so a huge tensor can be merged in pieces.
 
     Args:
-        base_rows: rows ``[start, stop)`` of the base weight, any float dtype (not modified).
+        base_rows: rows ``[start, stop)`` of the base weight, any float dtype (not modified unless ``inplace``).
         factors: ``(A, B, scaling)`` of each LoRA module adding to this weight.
         start: first row.
         stop: one past the last row.
@@ -37,6 +39,7 @@ def merge_block(
         probes: float32 vectors ``[columns, k]``; when given, the merged rows are checked against the unmerged
             computation, ``(W + dW) @ x`` vs ``W @ x + lora(x)``, on up to :data:`PROBE_ROWS` evenly spaced rows
             of the block (enough to catch a wrong scaling, layout or factor; cheap next to the merge).
+        inplace: float32 ``base_rows`` are a copy the merge may overwrite (no second copy is made).
 
     Returns:
         A new float32 tensor shaped like ``base_rows``; with ``probes``, ``(tensor, relative error)`` where the
@@ -52,7 +55,7 @@ def merge_block(
         tensor([[2., 2., 2.],
                 [3., 3., 3.]])
     """
-    out = base_rows.to(torch.float32, copy=True)
+    out = base_rows if inplace and base_rows.dtype == torch.float32 else base_rows.to(torch.float32, copy=True)
     err = add_lora_checked_(out, factors, start, stop, transposed=transposed, probes=probes)
     for d in bias_deltas:
         out += d[start:stop].to(out.device)

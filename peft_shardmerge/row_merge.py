@@ -185,8 +185,8 @@ class RowMerger:
         return step(torch.device("cpu"))
 
     def merge_rows(self, name: str, rows: Callable[[int, int], torch.Tensor], changes: Changes,
-                   shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device
-                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+                   shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device, *, inplace: bool = False
+                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
         """Merge one tensor block by block: rows ``[start, stop)`` of the base, the changes added in fp32 on
         ``device`` (an out-of-memory block redone on the CPU), the self-check, DoRA's rescale, the finite and
         range checks and the rounding count (taken on the output values, after DoRA), then the cast. The changes'
@@ -194,15 +194,18 @@ class RowMerger:
 
         Args:
             name: the tensor's name (probe seed, messages, rounding count).
-            rows: ``rows(start, stop)`` gives those base rows (any float dtype, any device; not modified).
+            rows: ``rows(start, stop)`` gives those base rows (any float dtype, any device; not modified unless
+                ``inplace``).
             changes: what the adapter changes.
             shape: the stored tensor's shape.
             out_dtype: the dtype written.
             device: where the LoRA product is computed.
+            inplace: ``rows`` gives float32 blocks of a copy the merge may overwrite, and only the merged float32
+                rows are wanted (no cast beyond what the checks need); the caller retries an out-of-memory.
 
         Yields:
-            ``(start, stop, merged float32 rows, the same cast to out_dtype)``, shaped ``[stop - start,
-            *shape[1:]]``, on the base rows' device.
+            ``(start, stop, merged float32 rows, the same cast to out_dtype or None with inplace)``, shaped
+            ``[stop - start, *shape[1:]]``, on the base rows' device.
 
         Raises:
             MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
@@ -217,9 +220,12 @@ class RowMerger:
             changes.by_column else None
         probes = probe_vectors(name, width) if changes.factors and len(shape) >= 2 else None
         changed = lost = 0
+        count = bool(changes.factors) and out_dtype != torch.float32  # estimated on the self-check's sample rows
         for start, stop in blocks:
             base = _base_rows(rows(start, stop), changes, start, stop)
-            merged = self._changed_rows(name, base, changes, start, stop, device, probes)
+            sample = probe_rows(stop - start, base.device) if count else None
+            before = base[sample].clone() if count else None
+            merged = self._changed_rows(name, base, changes, start, stop, device, probes, inplace)
             if columns is not None:
                 merged *= columns.to(merged.device).unsqueeze(0)
             else:
@@ -228,11 +234,13 @@ class RowMerger:
             if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
                 raise MergeCheckError(f"merged tensor {name!r} has NaN or Inf in rows {start}-{stop}")
             merged = merged.reshape(stop - start, *shape[1:])
-            cast = merged.to(out_dtype)
-            check_range(name, cast, out_dtype)
-            if changes.factors and out_dtype != torch.float32:  # estimated on the rows the self-check samples
-                sample = probe_rows(cast.shape[0], cast.device)
-                c, lo = update_counts(base.reshape(cast.shape)[sample], merged[sample], cast[sample])
+            cast = merged.to(out_dtype) if not inplace or out_dtype == torch.float16 else None
+            if cast is not None:
+                check_range(name, cast, out_dtype)
+            if count:
+                sampled = merged[sample]
+                c, lo = update_counts(before.reshape(sampled.shape), sampled,
+                                      cast[sample] if cast is not None else sampled.to(out_dtype))
                 changed, lost = changed + c, lost + lo
             yield start, stop, merged, cast
         if changed:
@@ -245,15 +253,19 @@ class RowMerger:
         sumsq = None
         for start, stop in blocks:
             base = _base_rows(rows(start, stop), changes, start, stop)
-            merged = self._changed_rows(name, base, changes, start, stop, device, None)
+            merged = self._changed_rows(name, base, changes, start, stop, device, None, False)
             part = merged.double().pow(2).sum(0)
             sumsq = part if sumsq is None else sumsq + part
         return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float()
 
-    def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes) -> torch.Tensor:
-        """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA."""
-        merged, err = self.on_device(
-            lambda dev: self._lora_rows(base, changes, start, stop, dev, probes), device, f"{name} rows {start}-{stop}")
+    def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes, inplace) -> torch.Tensor:
+        """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA. In place,
+        a failure may leave the rows half-changed: the caller redoes the whole tensor."""
+        if inplace:
+            merged, err = self._lora_rows(base, changes, start, stop, device, probes, True)
+        else:
+            merged, err = self.on_device(lambda dev: self._lora_rows(base, changes, start, stop, dev, probes),
+                                         device, f"{name} rows {start}-{stop}")
         merged = merged.to(base.device)
         if probes is not None:
             self.probe_err = max(self.probe_err, err)
@@ -263,14 +275,14 @@ class RowMerger:
         return merged
 
     @staticmethod
-    def _lora_rows(base, changes: Changes, start, stop, device, probes) -> tuple[torch.Tensor, float]:
+    def _lora_rows(base, changes: Changes, start, stop, device, probes, inplace=False) -> tuple[torch.Tensor, float]:
         """The step run on the accelerator: fp32 rows plus the LoRA products and bias deltas, and the self-check
         error (0.0 without probes)."""
         factors = changes.factors
         if device.type != "cpu":  # LoRA factors are small next to a row block: move them with it
             factors = [(a.to(device), b.to(device), s) for a, b, s in factors]
         got = merge_block(base.to(device), factors, start, stop, transposed=changes.transposed,
-                          bias_deltas=changes.bias_deltas, probes=probes)
+                          bias_deltas=changes.bias_deltas, probes=probes, inplace=inplace)
         return got if probes is not None else (got, 0.0)
 
 

@@ -15,10 +15,11 @@ from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.inprocess import merge_and_save
 from peft_shardmerge.merger import PlanMerger
 
-#: the DoRA adapters of tests/test_engine.py (same tags, same settings: built once per session)
+#: the DoRA adapters of tests/test_engine.py (same bases, tags and settings: built once per session)
 DORA_LAYOUTS = {
-    "embedding": ("llama", ["q_proj", "embed_tokens"], {}),
-    "conv1d": ("gpt2", ["c_attn", "c_fc"], {"fan_in_fan_out": True}),
+    "embedding": ("llama", "dora-embedding", ["q_proj", "embed_tokens"], {}),
+    "conv1d": ("gpt2", "dora-conv1d", ["c_attn", "c_fc"], {"fan_in_fan_out": True}),
+    "linear": ("llama_sharded", "dora", ["q_proj", "v_proj", "up_proj"], {}),
 }
 
 
@@ -39,11 +40,12 @@ def live_model(base: str, adapter: str):
 
 @pytest.mark.parametrize("layout", list(DORA_LAYOUTS))
 def test_dora_rounding_count_is_the_same_on_both_paths(layout, make_base, make_adapter, tmp_path):
-    """DoRA on Conv1D / embeddings rescales columns: the 'update lost to rounding' count is taken on the values
-    written (after the rescale) on both paths, so both report the same fractions, tensor by tensor."""
-    arch, targets, extra = DORA_LAYOUTS[layout]
-    base = make_base(arch)
-    adapter = make_adapter(arch, f"dora-{layout}", use_dora=True, target_modules=targets, **extra)
+    """DoRA on Conv1D / embeddings rescales columns, on linear layers rows: the 'update lost to rounding' count is
+    taken on the values written (after the rescale) on both paths, so both report the same fractions, tensor by
+    tensor."""
+    name, tag, targets, extra = DORA_LAYOUTS[layout]
+    base = make_base(name)
+    adapter = make_adapter(name, tag, use_dora=True, target_modules=targets, **extra)
     disk = merge_checkpoint(base, adapter, str(tmp_path / "disk"), dtype="bfloat16", progress=False)
     live = merge_and_save(live_model(base, adapter), str(tmp_path / "live"), dtype="bfloat16",
                           base_precision="dequantized", progress=False)
