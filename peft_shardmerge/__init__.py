@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402 - a constant only
 
 from .errors import (  # noqa: E402 - light: no torch, so that `peft-shardmerge --help` starts at once
     CorruptFileError,
+    FileSystemError,
+    HubUploadError,
     InputError,
     MergeCheckError,
     MissingDependencyError,
     NotFoundError,
+    OutputChangedError,
+    OutputLockedError,
     ShardMergeError,
     UnsupportedError,
 )
@@ -29,6 +33,7 @@ _LAZY = {
     "plan_model_merge": "model_plan",
     "check_out_dir": "outcheck",
     "MergeReport": "report",
+    "MergeOptions": "options",
     "Plan": "plan_types",
     "parse_size": "options",
     "parse_dtype": "options",
@@ -45,6 +50,7 @@ __all__ = [
     "plan_model_merge",
     "check_out_dir",
     "MergeReport",
+    "MergeOptions",
     "Plan",
     "parse_size",
     "parse_dtype",
@@ -55,6 +61,10 @@ __all__ = [
     "CorruptFileError",
     "MissingDependencyError",
     "MergeCheckError",
+    "OutputLockedError",
+    "OutputChangedError",
+    "FileSystemError",
+    "HubUploadError",
 ]
 
 

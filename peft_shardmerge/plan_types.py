@@ -10,6 +10,7 @@ from .adapter import AdapterSpec, LoraModule
 from .quant import Nf4Settings
 from .safetensors_io import DTYPES, TensorInfo, row_blocks
 from .sources import CheckpointSource
+from .version import __version__
 
 
 @dataclass
@@ -173,8 +174,6 @@ class Plan:
         import hashlib
         import json
         import os
-
-        from . import __version__
 
         def files(folder: str) -> list:
             out = []

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM
