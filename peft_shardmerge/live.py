@@ -11,7 +11,7 @@ from torch import nn
 from .errors import InputError, UnsupportedError
 from .model_check import adapter_keys, transformers_model
 from .model_info import ModelInfo, inspect_model
-from .plan import _tie_enabled
+from .ties import tie_enabled, tokens_on_both_sides
 from .live_types import LiveEntry, LiveModel
 from .live_weights import (REPACK_ABSMAX_REL_ERROR, bnb_kind, dequantize, materialized, offload_owner,
                            offloaded_modules)
@@ -369,7 +369,7 @@ def _logical_shape(module: nn.Module, weight: torch.Tensor) -> tuple[int, ...]:
 
 def _resolve_ties(inner: nn.Module, info: ModelInfo, entries: list[LiveEntry]) -> tuple[list[LiveEntry], list[str]]:
     """Drop tied duplicates as transformers' save_pretrained does, unless the adapter changed one side."""
-    if not _tie_enabled(inner.config.to_dict()) or not info.tied:
+    if not tie_enabled(inner.config) or not info.tied:
         return entries, []
     by_name = {e.name: e for e in entries}
     drop, untied = set(), []
@@ -379,8 +379,7 @@ def _resolve_ties(inner: nn.Module, info: ModelInfo, entries: list[LiveEntry]) -
         touched = {by_name[n].kind for n in (target, source)} & {"lora", "saved"}
         if by_name[target].kind == "tokens" and by_name[source].kind == "tokens" and \
                 by_name[target].module.tied_adapter is None:
-            raise UnsupportedError(f"trainable tokens are given for both tied weights {source} and {target}; tied "
-                                   "weights share one matrix, so train tokens on the input embedding only")
+            raise UnsupportedError(tokens_on_both_sides(source, target))
         if touched:
             untied += [target, source]
         else:

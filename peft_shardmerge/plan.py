@@ -19,10 +19,7 @@ from .options import BASE_PRECISIONS, DEFAULT_CHUNK_ELEMS, OUTPUT_DTYPES, parse_
 from .plan_types import Plan, assign_shards
 from .planners import PlanState, plan_lora, plan_peft_ops, plan_replacements, plan_ties, plan_tokens, plan_vocab
 from .planners import shape_mismatch_problems  # noqa: F401  (public here too)
-from .ties import tie_enabled, untie_note
-
-#: the older private name of :func:`~peft_shardmerge.ties.tie_enabled`, still imported by live.py
-_tie_enabled = tie_enabled
+from .ties import untie_note
 
 
 def _base_dtype(base: CheckpointSource) -> torch.dtype:
