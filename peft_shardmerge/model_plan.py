@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .adapter import check_weights, modifies_base
+from .adapter import check_weights
+from .combinations import combination_problems, modifies_base
 from .api import plan_checkpoint_merge
 from .errors import InputError, ShardMergeError
 from .live import check_adapter_names, unwrap, walk
@@ -114,20 +115,10 @@ def adapter_selection(model: nn.Module, adapter_names, weights, combination_type
     problems = check_adapter_names(model, names)
     if problems:
         return names, {}, problems
-    weights, problems = check_weights(len(names), weights, combination_type, option="combination_type")
+    weights, problems = combination_problems([configs[a] for a in names], names, weights, combination_type,
+                                             option="combination_type")
     if len(weights) != len(names):
         return names, {}, problems
-    combined = len(names) > 1 or any(w != 1 for w in weights)
-    dora = [a for a in names if getattr(configs[a], "use_dora", False) and combined]
-    if dora:
-        problems.append(f"DoRA adapters cannot be weighted or combined (their magnitudes do not add): {dora}")
-    ia3 = [a for a in names if _peft_type(configs[a]) == "IA3" and combined]
-    if ia3:
-        problems.append(f"IA3 adapters cannot be weighted or combined (their scalings multiply): {ia3}")
-    if combination_type == "linear" and len(names) > 1:
-        ranks = {a: (configs[a].r, tuple(sorted((configs[a].rank_pattern or {}).items()))) for a in names}
-        if len(set(ranks.values())) > 1:
-            problems.append("combination_type 'linear' needs adapters of equal rank; use 'cat'")
     return names, dict(zip(names, weights)), problems
 
 
