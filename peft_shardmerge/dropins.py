@@ -341,9 +341,9 @@ def merge_and_unload(
         The transformers model, with no PEFT or bitsandbytes layers.
 
     Raises:
-        InputError: the model has no adapter (a ``ValueError``, as PEFT raises), bad options, or modules offloaded
-            by accelerate (use :func:`merge_and_save`); the model is left as it was, with no ``peft_config``
-            attribute added.
+        InputError: the model has no adapter (a ``ValueError``, as PEFT raises), bad options, or accelerate-offloaded
+            modules whose merged weights cannot be written back; the model is left as it was, with no
+            ``peft_config`` attribute added.
 
     Example:
         >>> from peft_shardmerge import merge_and_unload

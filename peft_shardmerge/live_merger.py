@@ -65,8 +65,10 @@ class LiveMerger(RowMerger):
         dev = tensor.device if tensor is not None and entry.kind in ("lora", "quantized", "delta", "ia3") \
             else torch.device("cpu")
         if dev.type == "meta":
-            hook = getattr(offload_owner(self.live.model, entry.name, entry.holder), "_hf_hook", None)
-            dev = torch.device(getattr(hook, "execution_device", None) or "cpu")
+            hooks = (getattr(entry.holder, "_hf_hook", None),  # the layer's own hook first (a dispatched PeftModel)
+                     getattr(offload_owner(self.live.model, entry.name, entry.holder), "_hf_hook", None))
+            dev = torch.device(next((h.execution_device for h in hooks
+                                     if getattr(h, "execution_device", None) is not None), "cpu"))
         return choose_device(entry.name, dev, entry.numel * 4 * 2, self.budget)
 
     def produce(self, entry: LiveEntry) -> torch.Tensor:
