@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .adapter import check_weights
-from .combinations import combination_problems, modifies_base
+from .adapter import check_weights, modifies_base
+from .combinations import combination_problems
 from .api import plan_checkpoint_merge
 from .errors import InputError, ShardMergeError
 from .live import check_adapter_names, unwrap, walk
