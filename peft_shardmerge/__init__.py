@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .version import __version__  # noqa: E402 - a constant only
+from .version import __version__  # noqa: F401 - re-exported: peft_shardmerge.__version__
 
 from .errors import (  # noqa: E402 - light: no torch, so that `peft-shardmerge --help` starts at once
     CorruptFileError,

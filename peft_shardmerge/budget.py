@@ -12,9 +12,6 @@ from .errors import InputError
 def host_memory() -> tuple[int, int]:
     """Host memory ``(used, total)`` in bytes, from ``/proc/meminfo`` (used = total - available).
 
-    Args:
-        None.
-
     Returns:
         ``(used, total)``; ``(0, 0)`` where ``/proc/meminfo`` is not available.
 
@@ -119,9 +116,6 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 def free_accelerator_cache() -> None:
     """Release cached accelerator memory after an out-of-memory (no-op without CUDA).
-
-    Args:
-        None.
 
     Returns:
         None.

@@ -27,9 +27,6 @@ def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser (``peft-shardmerge merge ...``).
 
-    Args:
-        None.
-
     Returns:
         The parser.
 

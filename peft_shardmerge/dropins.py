@@ -360,9 +360,6 @@ def patch_peft() -> None:
 
     PEFT's own ``merge_and_unload`` is left alone; call :func:`merge_and_unload` for the lossless one.
 
-    Args:
-        None.
-
     Returns:
         None.
 

@@ -57,9 +57,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def peak_rss_bytes() -> int:
     """The process's peak resident set size so far, in bytes (``ru_maxrss``, mapped file pages included).
 
-    Args:
-        None.
-
     Returns:
         Bytes.
 
@@ -75,9 +72,6 @@ def peak_rss_bytes() -> int:
 
 def current_rss_bytes() -> int:
     """The process's resident set size now, in bytes (from ``/proc/self/statm``; 0 where unavailable).
-
-    Args:
-        None.
 
     Returns:
         Bytes.
@@ -149,30 +143,19 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         merger.close()
     resumed = sink.resumed
     out_dir = os.path.abspath(out_dir)
-    report = MergeReport(
-        out_dir=out_dir,
+    report = merge_report(
+        plan, merger, out_dir, t0, baseline,
         base=plan.base.folder,
         adapter=", ".join(plan.adapter.folders) + (f" ({plan.adapter.combination})" if plan.adapter.combination
                                                    else ""),
-        dtype=str(plan.dtype).removeprefix("torch."),
         base_precision=plan.base_precision,
-        tensors_written=len(plan.tensors),
         lora_modules_merged=len({k.split("@")[0] for k in merger.applied
                                  if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")}),
-        lora_modules_total=plan.layer_count,
         replacements_applied=merger.replacements,
-        shards=list(plan.shard_names),
-        bytes_written=plan.total_size,
-        wall_time_s=time.perf_counter() - t0,
-        peak_rss_bytes=peak_rss_bytes(),
-        baseline_rss_bytes=baseline,
-        cpu_fallbacks=merger.fallbacks,
         device=str(dev),
         untied=list(plan.untied),
         notes=list(plan.notes) + ([f"resumed: {len(resumed)} shard(s) kept from an interrupted run"]
-                                  if resumed else []) + precision_notes(merger.swallowed, plan.dtype),
-        self_check_max_rel_err=merger.probe_err,
-        swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()},
+                                  if resumed else []),
     )
     log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
     return report
@@ -220,4 +203,36 @@ def _copy_side_files(plan: Plan, tmp: str) -> None:
     for fname in plan.adapter.tokenizer_files:
         shutil.copyfile(os.path.join(plan.adapter.folder, fname), os.path.join(tmp, fname))
 
+
+
+
+
+def merge_report(plan: Plan, merger, out_dir: str, started: float, baseline: int, **fields) -> MergeReport:
+    """The report of a finished merge on either path: what the plan wrote and what the merger counted.
+
+    Args:
+        plan: the plan that was carried out.
+        merger: its per-tensor merger (``fallbacks``, ``probe_err``, ``swallowed``).
+        out_dir: the output folder.
+        started: ``time.perf_counter()`` when the merge started.
+        baseline: the resident memory before the merge, in bytes.
+        **fields: the path's own :class:`MergeReport` fields (base, adapter, counts, device, notes, ...).
+
+    Returns:
+        The :class:`MergeReport`; the note on the update lost to rounding follows the path's notes.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> report = merge_report(plan, merger, "merged", t0, 0, base="b", adapter="a")   # doctest: +SKIP
+    """
+    report = MergeReport(
+        out_dir=os.path.abspath(out_dir), dtype=str(plan.dtype).removeprefix("torch."),
+        tensors_written=len(plan.tensors), lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
+        bytes_written=plan.total_size, wall_time_s=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes(),
+        baseline_rss_bytes=baseline, cpu_fallbacks=merger.fallbacks, self_check_max_rel_err=merger.probe_err,
+        swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()}, **fields)
+    report.notes = list(report.notes) + precision_notes(merger.swallowed, plan.dtype)
+    return report
 

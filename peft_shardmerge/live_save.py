@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Callable
 
@@ -11,9 +10,9 @@ import torch
 
 from .budget import MemoryBudget
 from .errors import MergeCheckError
-from .execute import current_rss_bytes, peak_rss_bytes
+from .execute import current_rss_bytes, merge_report
 from .live_merger import LiveMerger
-from .merger import check_applied, precision_notes
+from .merger import check_applied
 from .options import DEFAULT_CHUNK_ELEMS
 from .plan_types import Plan, PlannedTensor
 from .quant import pack_quant_state, quant_state_fields, require_bitsandbytes
@@ -137,27 +136,16 @@ def _quantize(merger: LiveMerger, t: PlannedTensor, plan: Plan) -> dict[str, tor
 def _report(plan: Plan, merger: LiveMerger, out_dir: str, t0: float, baseline: int) -> MergeReport:
     live = plan.live.live
     notes = list(plan.notes) + ([REPACKED_NOTE.format(len(merger.repacked))] if merger.repacked else [])
-    report = MergeReport(
-        out_dir=os.path.abspath(out_dir),
+    report = merge_report(
+        plan, merger, out_dir, t0, baseline,
         base=plan.origin,
         adapter="(in memory)",
-        dtype=str(plan.dtype).removeprefix("torch."),
         base_precision="dequantized",
-        tensors_written=len(plan.tensors),
         lora_modules_merged=sum(not k.startswith("tokens:") for k in merger.applied),
-        lora_modules_total=plan.layer_count,
         replacements_applied=sum(1 for e in live.entries if e.kind == "saved"),
-        shards=list(plan.shard_names),
-        bytes_written=plan.total_size,
-        wall_time_s=time.perf_counter() - t0,
-        peak_rss_bytes=peak_rss_bytes(),
-        baseline_rss_bytes=baseline,
-        cpu_fallbacks=merger.fallbacks,
         device=str(next((p.device for p in live.model.parameters()), "cpu")),
         untied=list(live.untied),
-        notes=notes + precision_notes(merger.swallowed, plan.dtype),
-        self_check_max_rel_err=merger.probe_err,
-        swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()},
+        notes=notes,
     )
     log.info("%s", report.summary())
     return report

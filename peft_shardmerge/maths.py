@@ -75,11 +75,7 @@ def add_lora_checked_(
     with ``W @ x + lora(x)`` computed from the factors without forming ``B @ A``.
 
     Args:
-        rows32: float32 rows ``[start, stop)`` of the weight; modified in place.
-        factors: ``(A, B, scaling)`` of each LoRA module.
-        start: first row.
-        stop: one past the last row.
-        transposed: the stored weight is the transpose of ``B @ A``.
+        rows32, factors, start, stop, transposed: as for :func:`add_lora_` (``rows32`` is modified in place).
         probes: float32 probe vectors ``[columns, k]``, or None to skip the check.
 
     Returns:

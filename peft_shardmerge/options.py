@@ -154,9 +154,6 @@ class MergeOptions:
     def problems(self) -> list[str]:
         """Every problem with these options, at once (the number of weights is checked against the adapters later).
 
-        Args:
-            None.
-
         Returns:
             The problems (empty when the options are valid).
 
@@ -193,9 +190,6 @@ class MergeOptions:
 
     def check(self) -> "MergeOptions":
         """Raise every problem at once, or return the options.
-
-        Args:
-            None.
 
         Returns:
             ``self``.

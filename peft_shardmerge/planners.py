@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -62,6 +62,13 @@ class PlanState:
     def embeddings(self) -> set[str]:
         """The input and output embedding weights' names."""
         return {n for n in (self.info.input_embedding, self.info.output_embedding) if n}
+
+    def targets(self, items: dict, suffix: str = "") -> Iterator[tuple[str, object, str, PlannedTensor | None]]:
+        """``(key, value, checkpoint name, planned tensor or None)`` for adapter entries keyed by in-memory names
+        (``key + suffix`` is the tensor's in-memory name), in name order."""
+        for key, value in sorted(items.items()):
+            name = self.to_file(key + suffix)
+            yield key, value, name, self.planned_for(name)
 
     def planned_for(self, name: str) -> PlannedTensor | None:
         """The output tensor ``name``, planned on first use; None when the output cannot hold it."""
@@ -123,7 +130,7 @@ def plan_replacements(st: PlanState) -> list[str]:
         st: the plan state; records ``new_vocab`` when a saved embedding resizes the vocabulary.
 
     Returns:
-        The problems.
+        The problems (a saved tensor with no counterpart in the base, or of another shape).
 
     Raises:
         Nothing.
@@ -133,9 +140,7 @@ def plan_replacements(st: PlanState) -> list[str]:
         []
     """
     problems = []
-    for memory_name, rep in sorted(st.adapter.replacements.items()):
-        name = st.to_file(memory_name)
-        pt = st.planned_for(name)
+    for memory_name, rep, name, pt in st.targets(st.adapter.replacements):
         if pt is None:
             problems.append(f"adapter tensor {name!r} (modules_to_save or a trained bias) has no counterpart in the "
                             "base")
@@ -306,9 +311,7 @@ def plan_tokens(st: PlanState) -> list[str]:
         []
     """
     problems = []
-    for path, tr in sorted(st.adapter.tokens.items()):
-        wname = st.to_file(f"{path}.weight")
-        pt = st.planned_for(wname)
+    for path, tr, wname, pt in st.targets(st.adapter.tokens, ".weight"):
         if pt is None:
             problems.append(f"trainable tokens target {path!r} does not exist in the base (no tensor {wname!r})")
             continue

@@ -43,9 +43,6 @@ class Nf4Settings:
 def require_bitsandbytes():
     """Import bitsandbytes.functional, or explain how to install it.
 
-    Args:
-        None.
-
     Returns:
         The ``bitsandbytes.functional`` module.
 

@@ -85,9 +85,6 @@ class MergeReport:
     def summary(self) -> str:
         """A one-screen summary of the merge.
 
-        Args:
-            None.
-
         Returns:
             Several lines of text.
 

@@ -70,9 +70,6 @@ class VerifyReport:
     def summary(self) -> str:
         """The verdict and what was checked.
 
-        Args:
-            None.
-
         Returns:
             Several lines of text; the first is ``OK: …``, ``FAILED: …`` or ``UNCHECKED: …``.
 
