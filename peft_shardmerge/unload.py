@@ -1,21 +1,18 @@
-"""What merge_and_unload leaves of a model once the merged modules are in place: no PEFT module, the ties transformers
-makes, and no trace of quantization."""
+"""merge_and_unload: a loaded model merged in place (its live plan carried out by a ModuleSink), and what that leaves:
+no PEFT module, the ties transformers makes, and no trace of quantization."""
 
 from __future__ import annotations
 
-import tempfile
-
 import torch
 from torch import nn
-from .budget import MemoryBudget, free_accelerator_cache
+
+from .budget import MemoryBudget
 from .errors import InputError
-from .merger import check_applied
-from .live import (LiveEntry, LiveModel, unwrap, walk)
-from .live_weights import cast_offloaded, disk_folder, free_bytes, offloaded_modules, store_offloaded
+from .model_plan import adapter_selection, model_dtype
+from .live import unwrap, walk
+from .live_merger import LiveMerger
 from .model_check import require_supported
 from .options import parse_dtype
-from .inprocess import adapter_selection, model_dtype
-from .live_merger import LiveMerger
 
 
 def finish_unload(inner: nn.Module, *, untied: list[str] | tuple[str, ...] = ()) -> None:
@@ -217,7 +214,8 @@ def merge_and_unload(
         >>> plain = merge_and_unload(model)             # doctest: +SKIP
         >>> plain.save_pretrained("merged")             # doctest: +SKIP
     """
-    from transformers.pytorch_utils import Conv1D
+    from .live_plan import LiveSource, plan_live
+    from .module_sink import ModuleSink
 
     budget = MemoryBudget(maximum_memory_usage)
     out_dtype = parse_dtype(dtype)
@@ -228,129 +226,11 @@ def merge_and_unload(
     if problems:
         raise InputError(problems)
     live = walk(model, names)
-    merger = LiveMerger(live, budget, out_dtype, weight_map, combination_type)
-    groups: dict[str, list[LiveEntry]] = {}  # the tensors of each PEFT or bitsandbytes module, by its path
-    for e in live.entries:
-        if e.owner:
-            groups.setdefault(e.owner, []).append(e)
-    offloaded = bool(offloaded_modules(inner))
-    folders = _offload_folders(inner, groups, out_dtype) if offloaded else {}  # checks, before changing anything
-    with torch.no_grad():
-        for path, group in groups.items():
-            _set_submodule(inner, path, _replacement(group, merger, out_dtype, Conv1D, live, folders.get(path)))
-        check_applied(live.lora_layers, merger.applied)
-    free_accelerator_cache()
+    plan = plan_live(LiveSource(live, names, weight_map, combination_type), out_dtype, limit=1 << 62)
+    sink = ModuleSink(plan, out_dtype)  # checks, before changing anything
+    sink.write(LiveMerger(live, budget, out_dtype, weight_map, combination_type))
     finish_unload(inner, untied=live.untied)
-    if offloaded:  # accelerate's model.to refuses offloaded models: each module is cast, each hook serves out_dtype
-        cast_offloaded(inner, out_dtype)
-        _keep_device_map(model, inner)
-    else:
-        inner.to(out_dtype)
+    sink.cast(model)
     return inner
 
 
-def _changes(group: list[LiveEntry]) -> bool:
-    return any(e.kind not in ("plain", "saved") for e in group)
-
-
-def _offload_folders(inner: nn.Module, groups: dict[str, list[LiveEntry]], dtype: torch.dtype) -> dict[str, str | None]:
-    """Where the merged weights of each offloaded module go (a new folder inside accelerate's offload folder, or
-    None for CPU memory), after checking that every one can be written back there; nothing is changed on a
-    problem."""
-    problems: list[str] = []
-    disk: dict[str, list[str]] = {}
-    need: dict[str, int] = {}
-    for path, group in groups.items():
-        holder = group[0].holder
-        if not _changes(group):
-            continue
-        hooked = [n for n, m in inner.get_submodule(path).named_modules() if _hooked(m) and m is not holder]
-        above = [n for n in _ancestors(path) if _hooked(inner.get_submodule(n))]
-        if above or (_hooked(holder) and type(holder).__module__.startswith(("peft.", "bitsandbytes."))):
-            problems.append(f"{path} is offloaded by accelerate as part of {above[0] if above else path}, which "
-                            "merge_and_unload cannot write back; use merge_and_save(model, out_dir)")
-        elif hooked and not all(_is_factor(n) for n in hooked):
-            problems.append(f"{path}: offloaded modules {hooked} inside it cannot be written back")
-        elif _hooked(holder) and disk_folder(holder) is not None:
-            folder = disk_folder(holder)
-            disk.setdefault(folder, []).append(path)
-            need[folder] = need.get(folder, 0) + sum(e.numel for e in group) * dtype.itemsize
-    for folder, n in need.items():
-        if free_bytes(folder) < n + (64 << 20):
-            problems.append(f"the offload folder {folder} has {free_bytes(folder) >> 20} MiB free; the merged "
-                            f"offloaded weights need {n >> 20} MiB")
-    if problems:
-        raise InputError(["merge_and_unload cannot keep this accelerate-offloaded model offloaded; nothing was "
-                          "changed:"] + problems)
-    made = {folder: tempfile.mkdtemp(prefix="merged-", dir=folder) for folder in disk}
-    return {path: made[folder] for folder, paths in disk.items() for path in paths}
-
-
-def _hooked(module: nn.Module) -> bool:
-    hook = getattr(module, "_hf_hook", None)
-    return hook is not None and bool(getattr(hook, "offload", False))
-
-
-def _ancestors(path: str) -> list[str]:
-    parts = path.split(".")
-    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
-
-
-def _is_factor(name: str) -> bool:
-    """Whether a module inside a PEFT layer holds adapter weights (dropped by the merge), not base weights."""
-    return name.split(".", 1)[0] != "base_layer" and name != ""
-
-
-def _keep_device_map(model: nn.Module, inner: nn.Module) -> None:
-    """Record the device map on the transformers model when accelerate dispatched the PeftModel around it, so
-    that ``save_pretrained`` fetches the offloaded weights."""
-    outer = getattr(model, "hf_device_map", None)
-    if outer and model is not inner and not getattr(inner, "hf_device_map", None):
-        inner.hf_device_map = {k.removeprefix("base_model.model."): v for k, v in outer.items()}
-
-
-def _replacement(group: list[LiveEntry], merger: "LiveMerger", dtype: torch.dtype, conv1d_cls,
-                 live: LiveModel, folder: str | None = None) -> nn.Module:
-    """The plain module that takes the place of a PEFT or bitsandbytes module, holding its merged tensors (an
-    offloaded base layer stays, its merged weights served by its accelerate hook from ``folder`` or memory)."""
-    holder = group[0].holder
-    changed = {e.attr: merger.produce(e) for e in group if e.kind not in ("plain", "saved")}
-    if not changed:  # a modules_to_save copy, an original module, a layer without an active adapter
-        return holder
-    if _hooked(holder):
-        store_offloaded(holder, group[0].owner, {a: v.detach().to(dtype) for a, v in changed.items()}, folder)
-        return holder
-    params = list(holder.parameters())
-    device = next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
-    reusable = not type(holder).__module__.startswith(("peft.", "bitsandbytes.")) and \
-        getattr(holder, "_hf_hook", None) is None and not any(p.is_meta for p in params)
-    if reusable:  # a plain torch layer (Linear, Conv1D, Embedding, Conv2d/3d, fused experts): keep it
-        for attr, value in changed.items():
-            setattr(holder, attr, nn.Parameter(value.detach().to(device=device, dtype=dtype), requires_grad=False))
-        return holder
-    # bitsandbytes, accelerate-offloaded or PEFT-wrapped: a new Linear / Conv1D / Embedding
-    entry = next(e for e in group if e.attr == "weight")
-    w = changed["weight"].to(device=device, dtype=dtype)
-    bias = next((e for e in group if e.attr == "bias"), None)
-    b = (changed.get("bias") if "bias" in changed else merger.produce(bias)) if bias is not None else None
-    if isinstance(holder, nn.Embedding):
-        new = nn.Embedding(w.shape[0], w.shape[1], padding_idx=holder.padding_idx, max_norm=holder.max_norm,
-                           norm_type=holder.norm_type, scale_grad_by_freq=holder.scale_grad_by_freq,
-                           sparse=holder.sparse, device="meta")
-    elif entry.name in live.info.transposed:
-        new = conv1d_cls(w.shape[1], w.shape[0])
-        new.to("meta")
-    else:
-        new = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
-    new.weight = nn.Parameter(w, requires_grad=False)
-    if b is not None:
-        new.bias = nn.Parameter(b.detach().to(device=device, dtype=dtype), requires_grad=False)
-    elif getattr(new, "bias", None) is not None:
-        new.bias = None
-    return new
-
-
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, new)
