@@ -76,6 +76,8 @@ def _original_checkpoint(model: nn.Module, inner: nn.Module, names: list[str], w
     memory_only = _memory_only(model, names, weight_map)
     if memory_only:
         return None, f"the model has a {memory_only}, which is merged in memory only", check
+    if any(p.is_meta for n, p in model.named_parameters() if any(f".{a}." in n for a in names)):
+        return None, "the adapter's weights are offloaded by accelerate (they are read in memory, layer by layer)", check
     if check.folder is None:
         return None, check.reason, check
     if base_precision == "auto" and is_quantized(inner):

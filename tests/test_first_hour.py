@@ -265,6 +265,11 @@ def test_merge_and_unload_on_an_offloaded_model_keeps_it_offloaded(bf16_base, tm
         device_map = {f"base_model.model.{k}": v for k, v in {**on_disk, "model.layers.0": "disk"}.items()}
         model = dispatch_model(copy.deepcopy(ref), device_map=device_map, offload_dir=str(offload))
     assert model.base_model.model.lm_head.weight.is_meta
+    if how == "dispatch_model":  # merge_and_save reads the offloaded LoRA factors too (not the original checkpoint)
+        report = merge_and_save(model, str(tmp_path / "saved-first"), dtype="float32", progress=False)
+        assert "offloaded by accelerate" in report.notes[0]
+        assert float((logits_of(str(tmp_path / "saved-first"), ids) - unmerged).abs().max()) < 1e-4
+        assert digest(Path(bf16_base)) == base_files
     merged = merge_and_unload(model, dtype="float32")
     peft_merged = ref.merge_and_unload()
     assert not any(type(m).__module__.startswith("peft.") for m in merged.modules())
