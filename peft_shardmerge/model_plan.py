@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from torch import nn
 from .adapter import check_weights, modifies_base
 from .combinations import combination_problems
 from .api import plan_checkpoint_merge
-from .errors import InputError, ShardMergeError
+from .errors import FileSystemError, InputError, ShardMergeError
 from .live import check_adapter_names, unwrap, walk
 from .live_plan import LiveSource, plan_live, valid_generation_config
 from .model_check import require_supported, selected_adapters
@@ -21,6 +22,9 @@ from .original import OriginalCheck, default_dtype, describe_base, find_original
 from .outcheck import check_out_dir, foreign_model_problems, source_folders
 from .peft_deltas import DELTA_TYPES
 from .plan_types import Plan
+from .staging import NOTHING_WRITTEN
+
+log = logging.getLogger(__name__)
 
 BASE_PRECISIONS = ("auto", "original", "dequantized")
 
@@ -296,11 +300,19 @@ def _plan_from_original(model, inner, original, out_dir, out_dtype, max_shard_si
         folders.append(os.path.join(folder.name, str(i)))
         save_adapter_untouched(model, adapter, folders[-1])
     device = "cuda" if any(p.is_cuda for p in inner.parameters()) else "cpu"
-    plan = plan_checkpoint_merge(original, folders[0] if len(folders) == 1 else folders,
-                                 os.path.join(folder.name, "out") if out_dir is None else out_dir,
-                                 weights=[weight_map[a] for a in adapters] if weight_map else None,
-                                 combination=combination, dtype=out_dtype, max_shard_size=max_shard_size,
-                                 device=device, overwrite=overwrite)
+    try:
+        plan = plan_checkpoint_merge(original, folders[0] if len(folders) == 1 else folders,
+                                     os.path.join(folder.name, "out") if out_dir is None else out_dir,
+                                     weights=[weight_map[a] for a in adapters] if weight_map else None,
+                                     combination=combination, dtype=out_dtype, max_shard_size=max_shard_size,
+                                     device=device, overwrite=overwrite)
+    except BaseException as e:
+        folder.cleanup()
+        if isinstance(e, OSError) and not isinstance(e, ShardMergeError):  # reading the inputs failed
+            raise FileSystemError(e, NOTHING_WRITTEN) from e
+        raise
+    for note in plan.notes:
+        log.info("%s", note)
     plan.resources.append(folder)  # the adapter files live as long as the plan
     text = "(in memory: " + ", ".join(
         f"adapter {a!r}" + (f" x {weight_map[a]:g}" if weight_map else "") for a in adapters) + ")"
