@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 
-from .outfiles import name_problems, sidecar_problems
+from .outfiles import is_nonempty, name_problems, sidecar_problems
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
     elif os.path.lexists(out):
         if not os.path.isdir(out):
             problems.append(f"output {raw} exists and is not a folder; remove it or choose another path")
-        elif not overwrite and _nonempty(out):
+        elif not overwrite and is_nonempty(out):
             problems.append(f"output folder {raw} is not empty; pass --overwrite (overwrite=True) to replace it")
     return problems + sidecar_problems(out)
 
@@ -266,13 +266,6 @@ def _here() -> str | None:
         return os.getcwd()
     except OSError:  # the working folder was deleted
         return None
-
-
-def _nonempty(folder: str) -> bool:
-    try:
-        return bool(os.listdir(folder))
-    except OSError:
-        return True
 
 
 def _parent_problems(raw: str, out: str) -> list[str]:
