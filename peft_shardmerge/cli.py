@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             dry_run=args.dry_run, progress=not args.quiet,
         )
     except ShardMergeError as e:
-        print(f"peft-shardmerge: error: {e}", file=sys.stderr)
+        print(f"peft-shardmerge: error: {command_line_text(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"peft-shardmerge: interrupted; {_out_state(args.out)}", file=sys.stderr)
@@ -199,7 +199,7 @@ def _verify(args, parser) -> int:
         report = verify_checkpoint(args.out, base=args.base, adapter=args.adapter, prompts=prompts,
                                    tolerance=args.tolerance)
     except (ShardMergeError, OSError) as e:
-        print(f"peft-shardmerge: error: {e}", file=sys.stderr)
+        print(f"peft-shardmerge: error: {command_line_text(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR
     _print(report.summary())
     return report.exit_code  # 0 OK, 1 FAILED, 3 UNCHECKED (no merge record and no --base/--adapter)
@@ -207,3 +207,29 @@ def _verify(args, parser) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+#: the Python spellings of options in the library's messages, and the flags the command line takes instead
+FLAGS = {"overwrite=True": "--overwrite", "device='cpu' or 'auto'": "--device cpu or auto"}
+
+
+def command_line_text(message: str) -> str:
+    """A library message as the command line says it: options named by their flags, not their Python keywords.
+
+    Args:
+        message: the error text.
+
+    Returns:
+        The text with each Python spelling of :data:`FLAGS` replaced by its flag.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> command_line_text("output folder m is not empty; pass overwrite=True to replace it")
+        'output folder m is not empty; pass --overwrite to replace it'
+    """
+    for python, flag in FLAGS.items():
+        message = message.replace(python, flag)
+    return message
+

@@ -49,7 +49,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return torch.device("cpu")
     if device == "cuda" or str(device).startswith("cuda:"):
         if not torch.cuda.is_available():
-            raise InputError(f"device {device!r} was asked for but CUDA is not available; use --device cpu or auto")
+            raise InputError(f"device {device!r} was asked for but CUDA is not available; use device='cpu' or 'auto'")
         return torch.device(device)
     raise InputError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 

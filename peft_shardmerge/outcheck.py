@@ -91,7 +91,7 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
         if not os.path.isdir(out):
             problems.append(f"output {raw} exists and is not a folder; remove it or choose another path")
         elif not overwrite and is_nonempty(out):
-            problems.append(f"output folder {raw} is not empty; pass --overwrite (overwrite=True) to replace it")
+            problems.append(f"output folder {raw} is not empty; pass overwrite=True to replace it")
     return problems + sidecar_problems(out)
 
 

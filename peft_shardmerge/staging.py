@@ -299,7 +299,7 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
                                     "another output folder")
                 elif not overwrite and os.listdir(out):
                     problems.append(f"output folder {out} is not empty (it changed since it was checked); pass "
-                                    "--overwrite (overwrite=True) to replace it")
+                                    "overwrite=True to replace it")
             if problems:
                 raise InputError(problems)
             staging.checked = snapshot(out) if st is not None else None

@@ -128,3 +128,24 @@ def test_push_to_a_repository_that_cannot_be_created_fails_before_merging(bf16_b
 @pytest.fixture()
 def bf16_base_tok(base_with_tokenizer):
     return base_with_tokenizer
+
+
+def test_python_errors_name_keywords_and_the_command_line_names_flags(make_base, make_adapter, tmp_path, capsys):
+    """A Python caller is told ``overwrite=True`` (no flag); the command line's user ``--overwrite`` (no keyword)."""
+    from peft_shardmerge import merge_checkpoint
+    from peft_shardmerge.cli import main as cli_main
+
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(InputError) as e:
+        merge_checkpoint(base, adapter, str(out), progress=False)
+    assert "pass overwrite=True to replace it" in str(e.value)
+    assert "--" not in str(e.value)
+    capsys.readouterr()
+    assert cli_main(["merge", base, adapter, str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "pass --overwrite to replace it" in err
+    assert "overwrite=True" not in err
+    assert (out / "notes.txt").read_text() == "mine"

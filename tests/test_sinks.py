@@ -86,7 +86,7 @@ def test_second_of_two_concurrent_in_process_saves_is_refused(method, make_base,
     WinnerSavesFirst.winner = threading.Thread(target=winner, name="winner")
     try:
         with warnings.catch_warnings(), pytest.raises(
-                InputError, match=r"is not empty \(it changed since it was checked\); pass --overwrite"):
+                InputError, match=r"is not empty \(it changed since it was checked\); pass overwrite=True"):
             warnings.simplefilter("ignore")  # save_merged_4bit's warning that it re-quantizes
             save(overwrite=False, progress=False)
     finally:
