@@ -104,7 +104,7 @@ class Changes:
 
 @dataclass(frozen=True)
 class ChangeKey:
-    """The count-check key of one adapter change of a checkpoint merge: each must be applied exactly once.
+    """The count-check key of one adapter change, on both paths: each must be applied exactly once.
 
     Attributes:
         kind: ``"lora"``, ``"lora_bias"``, ``"tokens"`` or ``"peft"``.

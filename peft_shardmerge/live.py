@@ -8,13 +8,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .changes import ChangeKey
 from .errors import InputError, UnsupportedError
+from .live_types import LiveEntry, LiveModel
+from .live_weights import (
+    REPACK_ABSMAX_REL_ERROR,
+    bnb_kind,
+    dequantize,
+    materialized,
+    offload_owner,
+    offloaded_modules,
+)
 from .model_check import adapter_keys, transformers_model
 from .model_info import ModelInfo, inspect_model
 from .ties import tie_enabled, tokens_on_both_sides
-from .live_types import LiveEntry, LiveModel
-from .live_weights import (REPACK_ABSMAX_REL_ERROR, bnb_kind, dequantize, materialized, offload_owner,
-                           offloaded_modules)
 
 log = logging.getLogger(__name__)
 
@@ -318,9 +325,9 @@ def change_key(entry: LiveEntry) -> str:
         >>> change_key(LiveEntry("m.weight", (1,), True, "lora", None, "weight", None, owner="m"))
         'm'
     """
-    if entry.kind == "tokens":
-        return f"tokens:{entry.owner}"  # token rows are counted, not reported as LoRA modules (as on disk)
-    return f"{entry.owner}::{entry.attr}" if entry.kind in ("delta", "ia3") else entry.owner
+    kind = {"tokens": "tokens", "delta": "peft", "ia3": "peft"}.get(entry.kind, "lora")
+    name = {"tokens": f"tokens:{entry.owner}", "peft": f"{entry.owner}::{entry.attr}"}.get(kind, entry.owner)
+    return str(ChangeKey(kind, name))  # token rows are counted, not reported as LoRA modules (as on disk)
 
 
 def _delta_layer(module: nn.Module | None) -> bool:
