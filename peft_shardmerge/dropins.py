@@ -17,6 +17,7 @@ from .unload import merge_and_unload as _merge_and_unload
 from .live import unwrap
 from .report import MergeReport
 from .sources import TOKENIZER_FILES
+from .staging import REPLACE_CHECK
 
 #: every ``save_method`` Unsloth documents, mapped to what is done here (None: refused, with the alternative)
 SAVE_METHODS = {
@@ -36,17 +37,20 @@ _LORA_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors", 
 
 
 def _earlier_save(folder: str) -> str:
-    """What an existing non-empty folder holds: ``"merged"`` (a merged checkpoint with our merge record),
-    ``"adapter"`` (only the files of an adapter save) or ``""`` (anything else)."""
+    """What an existing non-empty folder holds: ``"merged"`` (a merged checkpoint whose every file our merge record
+    lists, or our model card), ``"adapter"`` (only the files of an adapter save) or ``""`` (anything else)."""
     import json
 
-    from .record import RECORD_FILE, RECORD_FORMAT
+    from .record import RECORD_FILE, RECORD_FORMAT, output_files
 
     try:
         with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
-            if json.load(f).get("format") == RECORD_FORMAT:
-                return "merged"
-    except (OSError, ValueError, AttributeError):
+            record = json.load(f)
+        if record.get("format") == RECORD_FORMAT:
+            listed = set(record.get("shards") or {}) | set(record.get("files") or {})
+            return "" if [n for n in output_files(folder) if n not in listed and not _our_card(folder, n)] else \
+                "merged"
+    except (OSError, ValueError, AttributeError, TypeError):
         pass
     names = os.listdir(folder)
     if "adapter_config.json" in names and all(
@@ -54,6 +58,15 @@ def _earlier_save(folder: str) -> str:
             for n in names):
         return "adapter"
     return ""
+
+
+def _our_card(folder: str, name: str) -> bool:
+    """Whether ``name`` is the model card a push of ours wrote beside the merge (it names peft-shardmerge)."""
+    try:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            return name == "README.md" and "peft-shardmerge" in f.read(1 << 16)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _replace_problems(save_directory: str, model: nn.Module, method: str | None, any_content: bool = False
@@ -214,9 +227,14 @@ def save_pretrained_merged(
         from .hub import prepare_repo
 
         repo_id = prepare_repo(repo_id, token=token, private=private)
-    report = _save(model, save_directory, tokenizer, method,
-                   dtype=dtype, max_shard_size=max_shard_size, maximum_memory_usage=maximum_memory_usage,
-                   base_precision=base_precision, overwrite=True, progress=progress)
+    recheck = None if overwrite else REPLACE_CHECK.set(lambda out: _replace_problems(out, model, method))
+    try:  # checked again under the output lock: a file that appeared since is never deleted
+        report = _save(model, save_directory, tokenizer, method,
+                       dtype=dtype, max_shard_size=max_shard_size, maximum_memory_usage=maximum_memory_usage,
+                       base_precision=base_precision, overwrite=True, progress=progress)
+    finally:
+        if recheck is not None:
+            REPLACE_CHECK.reset(recheck)
     if push_to_hub:
         _push(save_directory, repo_id, model, report, save_method, token=token, private=private, tags=tags)
     return report

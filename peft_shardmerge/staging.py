@@ -10,7 +10,8 @@ import secrets
 import shutil
 import stat
 from contextlib import contextmanager
-from typing import Iterator
+from contextvars import ContextVar
+from typing import Callable, Iterator
 
 from .errors import FileSystemError, InputError, MergeCheckError, OutputChangedError, ShardMergeError
 from .outfiles import (MADE_BY, MANIFEST, describe_change, held_signals, read_manifest, remove_checked,
@@ -20,6 +21,10 @@ from .record import hash_file
 from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit
 from .safetensors_io import read_header
 from .writer import Crc32
+
+#: a check of a non-empty OUT run again under the output lock before it is replaced, returning problems (the
+#: Unsloth-style saves replace only their own earlier save: a file that appeared in between is never deleted)
+REPLACE_CHECK: ContextVar[Callable[[str], list[str]] | None] = ContextVar("replace_check", default=None)
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +305,8 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
                 elif not overwrite and os.listdir(out):
                     problems.append(f"output folder {out} is not empty (it changed since it was checked); pass "
                                     "overwrite=True to replace it")
+                elif REPLACE_CHECK.get() is not None and os.listdir(out):
+                    problems += REPLACE_CHECK.get()(out)
             if problems:
                 raise InputError(problems)
             staging.checked = snapshot(out) if st is not None else None

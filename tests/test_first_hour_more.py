@@ -149,3 +149,32 @@ def test_python_errors_name_keywords_and_the_command_line_names_flags(make_base,
     assert "pass --overwrite to replace it" in err
     assert "overwrite=True" not in err
     assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("save_method", ["merged_16bit", "merged_4bit_forced"])
+def test_an_unsloth_style_resave_never_deletes_a_file_that_appears_before_the_lock(bf16_base_tok, tmp_path,
+                                                                                  monkeypatch, save_method):
+    """save_pretrained_merged replaces only its own earlier save. Checked before the merge and again under the output
+    lock: a file another process puts into the folder in between is kept, and the save is refused."""
+    import warnings
+
+    from peft_shardmerge import outlock
+
+    model = peft_qlora(bf16_base_tok)
+    out = tmp_path / "merged"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # merged_4bit's warning that it re-quantizes
+        save_pretrained_merged(model, str(out), save_method=save_method)
+        save_pretrained_merged(model, str(out), save_method=save_method)  # re-running the cell replaces it
+        before = sorted(os.listdir(out))
+        real = outlock.OutputLock.acquire
+
+        def acquire(self):
+            (out / "someone_elses.txt").write_text("precious")  # written after the first check, before the lock
+            return real(self)
+
+        monkeypatch.setattr(outlock.OutputLock, "acquire", acquire)
+        with pytest.raises(InputError, match=r"is not an earlier save"):
+            save_pretrained_merged(model, str(out), save_method=save_method)
+    assert (out / "someone_elses.txt").read_text() == "precious"
+    assert sorted(os.listdir(out)) == sorted(before + ["someone_elses.txt"])
