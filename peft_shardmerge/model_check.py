@@ -273,10 +273,18 @@ def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
         >>> require_supported(peft_model)   # doctest: +SKIP
         []
     """
+    half = [m for m in (model, getattr(getattr(model, "base_model", None), "model", None)) if m is not None and
+            getattr(m, HALF_MERGED, None)]
+    if half:  # a merge_and_unload that failed part-way: the model holds merged and unmerged layers
+        return list(problems or []) + [getattr(half[0], HALF_MERGED)]
     unsupported, bad = check_model(model, selected_adapters(model, adapter_names))
     if unsupported:
         raise_if_any(unsupported, list(problems or []) + bad)
     return list(problems or []) + bad
+
+
+#: the attribute a merge_and_unload that failed part-way leaves on the model, holding the refusal of later merges
+HALF_MERGED = "peft_shardmerge_half_merged"
 
 
 __all__ = ["transformers_model", "selected_adapters", "layer_uses", "check_model", "require_supported", "adapter_keys", "no_bias_problem", "nonfinite", "DISK", "IN_PROCESS"]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .budget import free_accelerator_cache
-from .errors import InputError
+from .errors import InputError, MergeCheckError, ShardMergeError
 from .live_merger import LiveMerger
 from .live_types import LiveEntry, LiveModel
 from .live_weights import (
@@ -20,6 +20,7 @@ from .live_weights import (
     store_offloaded,
 )
 from .merger import check_applied
+from .model_check import HALF_MERGED
 from .plan_types import Plan
 
 
@@ -73,11 +74,24 @@ class ModuleSink:
         from transformers.pytorch_utils import Conv1D
 
         inner = self.live.model
-        with torch.no_grad():
-            for path, group in self.groups.items():
-                _set_submodule(inner, path, _replacement(group, merger, self.dtype, Conv1D, self.live,
-                                                         self.folders.get(path)))
-            check_applied(self.live.lora_layers, merger.applied)
+        done = 0
+        try:
+            with torch.no_grad():
+                for path, group in self.groups.items():
+                    _set_submodule(inner, path, _replacement(group, merger, self.dtype, Conv1D, self.live,
+                                                             self.folders.get(path)))
+                    done += _changes(group)
+                check_applied(self.live.lora_layers, merger.applied)
+        except ShardMergeError as e:
+            if done:  # the model now mixes merged and unmerged layers: say so, and refuse it from now on
+                message = (f"merge_and_unload stopped after replacing {done} of "
+                           f"{sum(map(_changes, self.groups.values()))} merged modules, so this model now mixes "
+                           "merged and unmerged layers and must not be used or merged again: load it again"
+                           + (f" (merged offloaded weights were written under {sorted(set(self.folders.values()))})"
+                              if any(self.folders.values()) else ""))
+                setattr(inner, HALF_MERGED, message)
+                raise MergeCheckError(f"{e}; {message}") from e
+            raise
         free_accelerator_cache()
 
     def cast(self, model: nn.Module) -> None:

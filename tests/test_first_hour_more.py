@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from peft_shardmerge import InputError, merge_and_save, save_pretrained_merged  # noqa: E402
 from peft_shardmerge.testing import build_base  # noqa: E402
@@ -178,3 +179,23 @@ def test_an_unsloth_style_resave_never_deletes_a_file_that_appears_before_the_lo
             save_pretrained_merged(model, str(out), save_method=save_method)
     assert (out / "someone_elses.txt").read_text() == "precious"
     assert sorted(os.listdir(out)) == sorted(before + ["someone_elses.txt"])
+
+
+def test_a_merge_and_unload_that_fails_part_way_says_so_and_the_model_is_refused_afterwards(bf16_base_tok,
+                                                                                           tmp_path):
+    """A float16 overflow in a later layer stops merge_and_unload after earlier layers were replaced (it consumes the
+    model, as PEFT's does): the error says the model is now half merged, and every later merge refuses it."""
+    from peft_shardmerge import MergeCheckError, merge_and_unload
+
+    model = AutoModelForCausalLM.from_pretrained(bf16_base_tok, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                             init_lora_weights=False))
+    with torch.no_grad():
+        model.base_model.model.model.layers[1].mlp.down_proj.lora_B["default"].weight[3, 2] = 1e7
+    with pytest.raises(MergeCheckError, match=r"(?s)beyond float16's range.*stopped after replacing [1-9]\d* of "
+                                              r"\d+ merged modules.*must not be used or merged again"):
+        merge_and_unload(model, dtype="float16")
+    for merge in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "m"), progress=False)):
+        with pytest.raises(InputError, match="mixes merged and unmerged layers"):
+            merge()
+    assert not (tmp_path / "m").exists()
