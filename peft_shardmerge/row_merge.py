@@ -249,11 +249,14 @@ class RowMerger:
 
     def _column_scale(self, name, rows, changes: Changes, blocks, device) -> torch.Tensor:
         """DoRA on a Conv1D or an embedding: PEFT's norms run over the stored rows (one per column), so a first
-        pass accumulates them block by block; the result scales each column."""
+        pass accumulates them block by block (in float64); the result scales each column. A tensor that is one
+        block takes PEFT's own float32 norm, bit for bit."""
         sumsq = None
         for start, stop in blocks:
             base = _base_rows(rows(start, stop), changes, start, stop)
             merged = self._changed_rows(name, base, changes, start, stop, device, None, False)
+            if len(blocks) == 1:
+                return changes.magnitudes[0].to(merged.device, torch.float32) / torch.linalg.norm(merged, dim=0)
             part = merged.double().pow(2).sum(0)
             sumsq = part if sumsq is None else sumsq + part
         return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float()
