@@ -182,7 +182,7 @@ class ModelPlan:
 def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
                      max_shard_size: int | str = "5GB", base_precision: str = "auto",
                      adapter_names: list[str] | None = None, weights: list[float] | None = None,
-                     combination_type: str = "cat") -> Plan:
+                     combination_type: str = "cat", overwrite: bool = False) -> Plan:
     """Check a loaded model's merge and return what :func:`~peft_shardmerge.inprocess.merge_and_save` would write,
     without writing anything or changing the model (the in-process dry run).
 
@@ -195,6 +195,7 @@ def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None,
         adapter_names: adapters of the model to merge together; None merges the active adapter(s).
         weights: one weight per adapter of ``adapter_names``.
         combination_type: ``"cat"`` or ``"linear"``.
+        overwrite: whether the merge would replace a non-empty ``out_dir``, as for ``merge_and_save``.
 
     Returns:
         A :class:`~peft_shardmerge.plan_types.Plan`, the type :func:`~peft_shardmerge.api.plan_checkpoint_merge`
@@ -211,7 +212,7 @@ def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None,
     """
     return build_model_plan(model, out_dir, dtype=dtype, max_shard_size=max_shard_size,
                             base_precision=base_precision, adapter_names=adapter_names, weights=weights,
-                            combination_type=combination_type, overwrite=out_dir is None).plan
+                            combination_type=combination_type, overwrite=overwrite or out_dir is None).plan
 
 
 def build_model_plan(model: nn.Module, out_dir, *, dtype, max_shard_size, base_precision, adapter_names, weights,

@@ -188,3 +188,21 @@ def test_plan_model_merge_checks_the_options_and_the_folder(make_base, tmp_path)
     text = str(e.value)
     assert "base_precision" in text and "int3" in text and "not empty" in text
     assert plan_model_merge(model, base_precision="dequantized").live is not None  # no folder: none checked
+
+
+def test_the_dry_run_takes_overwrite_as_merge_and_save_does(make_base, make_adapter, tmp_path):
+    """plan_model_merge into a non-empty folder says to pass overwrite=True, and accepts it (nothing is written)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge import InputError, plan_model_merge
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32),
+                                      make_adapter("llama", "default"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="pass overwrite=True"):
+        plan_model_merge(model, str(out))
+    plan = plan_model_merge(model, str(out), overwrite=True)
+    assert plan.tensors and sorted(os.listdir(out)) == ["notes.txt"]
