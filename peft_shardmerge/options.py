@@ -238,15 +238,28 @@ class MergeOptions:
             mine, theirs = given.get(f.name, f.default), getattr(options, f.name)
             if f.name == "weights" and mine is not None and hasattr(mine, "__iter__"):
                 mine = tuple(mine)
-            if _same(mine, f.default) or _same(mine, theirs):
+            same = [_same(_canonical(f.name, a), _canonical(f.name, b)) for a, b in ((mine, f.default),
+                                                                                       (mine, theirs),
+                                                                                       (theirs, f.default))]
+            if same[0] or same[1]:
                 values[f.name] = theirs
-            elif _same(theirs, f.default):
+            elif same[2]:
                 values[f.name] = mine
             else:
                 conflicts.append(f"{f.name}={mine!r} conflicts with options.{f.name}={theirs!r}; give it in one place")
                 values[f.name] = theirs
         out = cls(**values)
         return out, conflicts + out.problems()
+
+
+def _canonical(name: str, value):
+    """One spelling per value of a knob (``"bf16"``, ``"bfloat16"`` and ``torch.bfloat16``; ``"5GB"`` and 5e9 bytes),
+    for comparing a keyword with ``options``; a value that does not parse is compared as given."""
+    parse = {"dtype": parse_dtype, "max_shard_size": parse_size}.get(name)
+    try:
+        return parse(value) if parse is not None and value is not None else value
+    except InputError:
+        return value
 
 
 def _same(a, b) -> bool:

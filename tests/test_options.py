@@ -79,3 +79,16 @@ def test_options_and_keywords_give_byte_identical_outputs(make_base, make_adapte
     assert len([n for n in a if n.endswith(".safetensors")]) > 1
     assert a == b
     assert keywords.shards == options.shards and keywords.dtype == options.dtype == "bfloat16"
+
+
+def test_equivalent_spellings_are_not_conflicts():
+    """``"bf16"``, ``"bfloat16"`` and ``torch.bfloat16`` are one dtype; ``"5GB"`` and 5e9 bytes one size."""
+    import torch
+
+    opts = MergeOptions(dtype="bfloat16", max_shard_size="500MB")
+    for dtype in ("bf16", torch.bfloat16, "bfloat16"):
+        merged, problems = MergeOptions.merged(opts, dtype=dtype, max_shard_size=500 * 10**6)
+        assert problems == [], problems
+        assert merged.dtype == "bfloat16" and merged.max_shard_size == "500MB"
+    assert MergeOptions.merged(opts, dtype="float16")[1] == [
+        "dtype='float16' conflicts with options.dtype='bfloat16'; give it in one place"]
