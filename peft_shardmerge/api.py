@@ -122,7 +122,11 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
     except InputError as e:
         problems += [p for p in e.problems if p not in problems]
     src = open_checkpoint(base)
-    spec = combine_adapters([load_adapter(a) for a in locations], _weights(opts), opts.combination)
+    try:
+        spec = combine_adapters([load_adapter(a) for a in locations], _weights(opts), opts.combination)
+    except InputError as e:  # nothing further can be planned: every problem found so far, at once
+        known = {p.split(", got")[0] for p in problems}  # the options' own check said it already
+        raise InputError(problems + [p for p in e.problems if p.split(", got")[0] not in known]) from e
     inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
                                      for i, f in enumerate(spec.folders)}}
     problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite)

@@ -92,3 +92,12 @@ def test_equivalent_spellings_are_not_conflicts():
         assert merged.dtype == "bfloat16" and merged.max_shard_size == "500MB"
     assert MergeOptions.merged(opts, dtype="float16")[1] == [
         "dtype='float16' conflicts with options.dtype='bfloat16'; give it in one place"]
+
+
+def test_bad_weights_and_combination_are_reported_with_every_other_problem(make_base, make_adapter, tmp_path):
+    with pytest.raises(InputError) as e:
+        merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(tmp_path / "out"), dtype="int3",
+                         max_shard_size="huge", base_precision="best", chunk_elems=0, combination="sum",
+                         weights=[float("nan")], progress=False)
+    assert len(e.value.problems) == 6, e.value.problems
+    assert not (tmp_path / "out").exists()
