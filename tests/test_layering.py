@@ -166,30 +166,27 @@ def private_import_problems(mods: dict[str, Module], pkg: str) -> list[str]:
     return out
 
 
+def importers_of(mods: dict[str, Module], pkg: str, target: str) -> list[str]:
+    """Library modules (other than ``target`` itself) that import module ``target``, with the line."""
+    out = []
+    for m in mods.values():
+        if m.name == target:
+            continue
+        for line, imported, name in _imports(m, mods, pkg):
+            if imported == target:
+                out.append(f"{m.name} (line {line}) imports {target}{'.' + name if name and target == pkg else ''}")
+    return out
+
+
 def root_import_problems(mods: dict[str, Module], pkg: str) -> list[str]:
     """Library modules that import the package root (``from . import __version__``): the root imports the
     library, so that is a cycle waiting to happen."""
-    out = []
-    for m in mods.values():
-        if m.name == pkg:
-            continue
-        for line, target, name in _imports(m, mods, pkg):
-            if target == pkg:
-                out.append(f"{m.name} (line {line}) imports {pkg}{'.' + name if name else ''}")
-    return out
+    return importers_of(mods, pkg, pkg)
 
 
 def helper_import_problems(mods: dict[str, Module], pkg: str) -> list[str]:
     """Library modules that import the test helpers."""
-    helpers = f"{pkg}.{TEST_HELPERS}"
-    out = []
-    for m in mods.values():
-        if m.name == helpers:
-            continue
-        for line, target, _ in _imports(m, mods, pkg):
-            if target == helpers:
-                out.append(f"{m.name} (line {line}) imports {helpers}")
-    return out
+    return importers_of(mods, pkg, f"{pkg}.{TEST_HELPERS}")
 
 
 def _base_name(node: ast.expr) -> str:
