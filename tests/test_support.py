@@ -322,6 +322,18 @@ def test_prompt_learning_is_refused_by_name_on_any_architecture(arch, make_base,
             call()
 
 
+def refused_on_every_path(base: str, model, message: str, tmp_path) -> None:
+    """The adapter saved in ``tmp_path/adapter`` is refused by name from disk, by merge_and_unload and by
+    merge_and_save, and nothing is written."""
+    with pytest.raises(UnsupportedError, match=message):
+        merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    for call in (lambda: merge_and_unload(model),
+                 lambda: merge_and_save(model, str(tmp_path / "o"), base_precision="dequantized", progress=False)):
+        with pytest.raises(UnsupportedError, match=message):
+            call()
+    assert not os.path.exists(tmp_path / "disk") and not os.path.exists(tmp_path / "o")
+
+
 def test_lora_on_a_grouped_convolution_is_refused_on_every_path(tmp_path):
     """ConvNeXt's depthwise convolutions (groups = channels): PEFT cannot merge LoRA on them; neither do we."""
     from transformers import AutoModelForImageClassification, ConvNextConfig
@@ -335,13 +347,7 @@ def test_lora_on_a_grouped_convolution_is_refused_on_every_path(tmp_path):
                            LoraConfig(r=16, target_modules=["dwconv"], init_lora_weights=False))
     model.save_pretrained(str(tmp_path / "adapter"))
     message = r"LORA on a Conv2d \(groups=(8|16)\) layer is not supported"
-    with pytest.raises(UnsupportedError, match=message):
-        merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
-    for call in (lambda: merge_and_unload(model),
-                 lambda: merge_and_save(model, str(tmp_path / "o"), base_precision="dequantized", progress=False)):
-        with pytest.raises(UnsupportedError, match=message):
-            call()
-    assert not os.path.exists(tmp_path / "disk") and not os.path.exists(tmp_path / "o")
+    refused_on_every_path(base, model, message, tmp_path)
 
 
 def test_lora_on_multihead_attention_is_refused_on_every_path(tmp_path):
@@ -358,10 +364,4 @@ def test_lora_on_multihead_attention_is_refused_on_every_path(tmp_path):
     assert any(layer_kind(m) == "MultiheadAttention" for m in model.modules())
     model.save_pretrained(str(tmp_path / "adapter"))
     message = r"head\.attention: LORA on a MultiheadAttention layer is not supported"
-    with pytest.raises(UnsupportedError, match=message):
-        merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
-    for call in (lambda: merge_and_unload(model),
-                 lambda: merge_and_save(model, str(tmp_path / "o"), base_precision="dequantized", progress=False)):
-        with pytest.raises(UnsupportedError, match=message):
-            call()
-    assert not os.path.exists(tmp_path / "disk") and not os.path.exists(tmp_path / "o")
+    refused_on_every_path(base, model, message, tmp_path)
