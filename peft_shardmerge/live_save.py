@@ -15,7 +15,7 @@ from .live_merger import LiveMerger
 from .merger import check_applied
 from .options import DEFAULT_CHUNK_ELEMS
 from .plan_types import Plan, PlannedTensor
-from .quant import pack_quant_state, quant_state_fields, require_bitsandbytes
+from .quant import pad_quant_state, require_bitsandbytes
 from .record import live_merge_info
 from .report import MergeReport
 from .safetensors_io import DTYPES, row_blocks
@@ -126,10 +126,8 @@ def _quantize(merger: LiveMerger, t: PlannedTensor, plan: Plan) -> dict[str, tor
     for key, value in state.as_dict(packed=True).items():
         parts[key] = value.cpu()
     key = f"quant_state.bitsandbytes__{settings.quant_type}"
-    fields = quant_state_fields(tuple(w.shape), plan.dtype, settings,
-                                state.offset.item() if settings.double_quant else 0.0)
     planned = next(p for p in plan.shard_tensors(t.shard) if p.entry is e and p.part == key)
-    parts[key] = pack_quant_state(fields, planned.shape[0])
+    parts[key] = pad_quant_state(parts[key], planned.shape[0])
     return parts
 
 

@@ -133,7 +133,7 @@ def packed_4bit_layout(shape: tuple[int, ...], dtype: torch.dtype,
 
     Packed codes hold two 4-bit values a byte; ``absmax`` holds one scale per block (one byte each with double
     quantization, which adds one float32 scale per 256 blocks and the 256-entry map); the quant-state JSON is
-    given a fixed length, room for any ``nested_offset``, and :func:`pack_quant_state` pads it with spaces.
+    given a fixed length, room for any ``nested_offset``, and :func:`pad_quant_state` pads bitsandbytes' own JSON with spaces.
 
     Args:
         shape: the weight's shape.
@@ -187,27 +187,25 @@ def quant_state_length(shape: tuple[int, ...], dtype: torch.dtype, settings: Nf4
     return len(text) - len("0.0") + _FLOAT_CHARS if settings.double_quant else len(text)
 
 
-def pack_quant_state(fields: dict, length: int) -> torch.Tensor:
-    """The quant-state JSON as a uint8 tensor of exactly ``length`` bytes, padded with spaces (``json.loads``,
-    which bitsandbytes' ``QuantState.from_dict`` reads it with, ignores trailing whitespace).
+def pad_quant_state(packed: torch.Tensor, length: int) -> torch.Tensor:
+    """bitsandbytes' packed quant-state JSON (``QuantState.as_dict(packed=True)``) padded with spaces to exactly
+    ``length`` bytes (``json.loads``, which ``QuantState.from_dict`` reads it with, ignores trailing whitespace).
 
     Args:
-        fields: from :func:`quant_state_fields`.
+        packed: the 1-D ``torch.uint8`` tensor bitsandbytes packed.
         length: from :func:`quant_state_length`.
 
     Returns:
-        A 1-D ``torch.uint8`` tensor.
+        A 1-D ``torch.uint8`` tensor of ``length`` bytes.
 
     Raises:
         ValueError: the JSON is longer than ``length``.
 
     Example:
-        >>> bytes(pack_quant_state({"a": 1}, 10).tolist())
+        >>> bytes(pad_quant_state(torch.tensor(list(b'{"a": 1}'), dtype=torch.uint8), 10).tolist())
         b'{"a": 1}  '
     """
-    import json
-
-    data = json.dumps(fields).encode()
+    data = bytes(packed.cpu().tolist())
     if len(data) > length:
         raise ValueError(f"quant state of {len(data)} bytes does not fit the {length} reserved")
     return torch.frombuffer(bytearray(data.ljust(length, b" ")), dtype=torch.uint8)

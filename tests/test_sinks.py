@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 from peft_shardmerge import InputError, Plan, plan_model_merge  # noqa: E402
 from peft_shardmerge.inprocess import merge_and_save, save_merged_4bit  # noqa: E402
-from peft_shardmerge.quant import Nf4Settings, packed_4bit_layout, pack_quant_state, quant_state_fields  # noqa: E402
+from peft_shardmerge.quant import Nf4Settings, packed_4bit_layout, pad_quant_state, quant_state_fields  # noqa: E402
 from peft_shardmerge.safetensors_io import read_header  # noqa: E402
 from peft_shardmerge.staging import staged_output  # noqa: E402
 from peft_shardmerge.testing import default_targets  # noqa: E402
@@ -118,9 +118,10 @@ def test_packed_4bit_layout_is_what_bitsandbytes_writes(shape, double_quant, qua
         if k != key:
             assert tuple(t.shape) == s, k
     fields = quant_state_fields(shape, torch.bfloat16, settings, state.offset.item() if double_quant else 0.0)
-    assert fields == F.unpack_tensor_to_dict(packed[key])
-    padded = pack_quant_state(fields, layout[-1][2][0])
-    assert padded.numel() >= packed[key].numel()
+    assert fields == F.unpack_tensor_to_dict(packed[key])  # the reserved length is sized from these fields
+    padded = pad_quant_state(packed[key], layout[-1][2][0])
+    assert padded.numel() == layout[-1][2][0] >= packed[key].numel()
+    assert bytes(padded.tolist()).rstrip(b" ") == bytes(packed[key].tolist())
     again = F.QuantState.from_dict({**{k: v for k, v in packed.items() if k != key}, key: padded}, torch.device("cpu"))
     torch.testing.assert_close(F.dequantize_4bit(q, again), F.dequantize_4bit(q, state), rtol=0, atol=0)
 
