@@ -73,11 +73,10 @@ class Changes:
 
     Attributes:
         factors: ``(A, B, scaling)`` of each LoRA module, A flattened to ``[r, columns]`` (convolutions).
-        transposed: the stored weight is the transpose of ``B @ A`` (Conv1D, embeddings).
+        transposed: the stored weight is the transpose of ``B @ A`` (Conv1D, embeddings); DoRA's norms then run
+            over the stored columns, so a first pass over the blocks gathers them.
         bias_deltas: whole float32 deltas of a 1-D tensor (``lora_B.bias * scaling``).
         magnitudes: DoRA's ``lora_magnitude_vector`` of each module (one value per row, or per column).
-        by_column: DoRA's norms run over the stored columns (Conv1D, embeddings), so a first pass over the
-            blocks gathers them.
         tokens: trainable-token rows.
         peft: whole deltas and IA3 scales, in order.
         keys: the count-check key of each change, counted once when the whole tensor is merged.
@@ -91,7 +90,6 @@ class Changes:
     transposed: bool = False
     bias_deltas: list[torch.Tensor] = field(default_factory=list)
     magnitudes: list[torch.Tensor] = field(default_factory=list)
-    by_column: bool = False
     tokens: list[TokenRows] = field(default_factory=list)
     peft: list[WholeDelta | Scale] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
@@ -104,7 +102,8 @@ class Changes:
 
 @dataclass(frozen=True)
 class ChangeKey:
-    """The count-check key of one adapter change, on both paths: each must be applied exactly once.
+    """The count-check key of one adapter change, on both paths: each must be applied exactly once (``lora_bias``
+    keys are counted on disk only; in process a bias change is part of its layer's key).
 
     Attributes:
         kind: ``"lora"``, ``"lora_bias"``, ``"tokens"`` or ``"peft"``.

@@ -18,7 +18,8 @@ from .resume import InputDigests
 from .side_files import copy_side_files
 from .record import disk_merge_info
 from .sinks import FolderFiles, ShardSink
-from .merger import PlanMerger, check_counts, precision_notes
+from .merger import PlanMerger, check_counts
+from .row_merge import precision_notes
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from .budget import MemoryBudget
 from .errors import InputError
 from .execute import execute_plan
 from .live import unwrap, walk
-from .live_merger import LiveMerger  # noqa: F401 - the class the in-process save produces tensors with
 from .live_plan import LiveSource, plan_live, valid_generation_config
 from .live_save import execute_live_plan
 from .model_check import require_supported

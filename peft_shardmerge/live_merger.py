@@ -107,7 +107,7 @@ class LiveMerger(RowMerger):
         else:  # a bias, trainable tokens' base, or a parameter such as fused experts' gate_up_proj
             w = getattr(entry.holder, entry.attr).detach().to(device=device, dtype=torch.float32, copy=True)
         changes = self.changes(entry)
-        if not changes.empty or changes.keys:
+        if not changes.empty:
             flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w
             for start, stop, merged, _ in self.merge_rows(entry.name, lambda a, b: flat[a:b], changes,
                                                           tuple(w.shape), self.out_dtype, device, inplace=True):
@@ -178,5 +178,5 @@ class LiveMerger(RowMerger):
         transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
         magnitudes = [m.lora_magnitude_vector[a].weight.detach().reshape(-1) for a in entry.adapters
                       if getattr(m, "use_dora", {}).get(a)]
-        return Changes(factors=factors, transposed=transposed, magnitudes=magnitudes, by_column=transposed,
+        return Changes(factors=factors, transposed=transposed, magnitudes=magnitudes,
                        keys=keys)

@@ -12,7 +12,7 @@ from .budget import MemoryBudget
 from .errors import MergeCheckError
 from .execute import current_rss_bytes, merge_report
 from .live_merger import LiveMerger
-from .merger import check_applied
+from .row_merge import check_applied
 from .options import DEFAULT_CHUNK_ELEMS
 from .plan_types import Plan, PlannedTensor
 from .quant import pad_quant_state, require_bitsandbytes

@@ -4,23 +4,20 @@ checkpoint and adapter files, handed to the one row merge; and the checks every 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 import torch
 
 from .changes import ChangeKey, Changes, Scale, TokenRows, WholeDelta
-from .errors import MergeCheckError
 from .maths import lora_bias_delta
 from .plan_types import Plan, PlannedTensor
 from .quant import quantize_roundtrip
-from .row_merge import PROBE_TOLERANCE, PROBES, RowMerger, check_probe_error, check_range, probe_vectors
+from .row_merge import RowMerger, check_applied, check_range
 from .safetensors_io import DTYPES, RowReader, row_blocks
 from .writer import ShardWriter
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlanMerger", "check_applied", "check_counts", "precision_notes", "planned_keys", "probe_vectors",
-           "check_probe_error", "PROBES", "PROBE_TOLERANCE"]
+__all__ = ["PlanMerger", "check_counts", "planned_keys"]
 
 
 def _flat(factor: torch.Tensor) -> torch.Tensor:
@@ -156,7 +153,6 @@ class PlanMerger(RowMerger):
             transposed=t.transposed,
             bias_deltas=[lora_bias_delta(m.bias.load(load), m.scaling) for m in t.bias_loras if m.bias],
             magnitudes=[m.magnitude.load(load).float().reshape(-1) for m in t.loras if m.magnitude is not None],
-            by_column=t.transposed,
             tokens=[TokenRows(torch.tensor(r.indices), r.rows.load(load).float()) for r in t.token_rows],
             peft=[self._peft_change(o, t) for o in t.peft_ops],
             keys=[str(k) for k in planned_keys(t)])
@@ -187,46 +183,6 @@ class PlanMerger(RowMerger):
         return pieces[part.file_name].float()
 
 
-#: above this fraction of swallowed updates a tensor is named in a warning
-SWALLOWED_WARNING = 0.5
-
-
-def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> list[str]:
-    """A note on how much of the LoRA update the output dtype kept, and a warning (also logged) naming the
-    tensors where it swallowed more than :data:`SWALLOWED_WARNING` of it.
-
-    Args:
-        counts: per tensor, ``(sampled entries, entries rounded back to the base value)``.
-        dtype: the output dtype.
-
-    Returns:
-        Notes for the report (none when nothing was sampled).
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> precision_notes({"w": (100, 1)}, torch.bfloat16)[0][:40]
-        'bfloat16 kept the LoRA update in 99.0% o'
-    """
-    if not counts:
-        return []
-    changed = sum(c for c, _ in counts.values())
-    lost = sum(s for _, s in counts.values())
-    name = str(dtype).removeprefix("torch.")
-    notes = [f"{name} kept the LoRA update in {100 * (1 - lost / changed):.1f}% of the merged entries "
-             f"({lost} of {changed} sampled entries rounded back to the base value)"]
-    worst = sorted((s / c, k) for k, (c, s) in counts.items() if s / c > SWALLOWED_WARNING)
-    if worst:
-        names = ", ".join(k for _, k in worst[-5:][::-1])
-        message = (f"{name} swallowed more than {SWALLOWED_WARNING:.0%} of the LoRA update in {len(worst)} tensor(s) "
-                   f"(worst: {names}); write float32 or float16 to keep it (dtype='float32' in Python, --dtype float32 "
-                   "on the command line)")
-        log.warning("%s", message)
-        notes.append(message)
-    return notes
-
-
 def check_counts(plan: Plan, merger: PlanMerger) -> None:
     """The count check of a checkpoint merge: every LoRA module of the adapter (and its ``lora_bias``), every
     token-row and PEFT change of the plan applied exactly once.
@@ -251,25 +207,3 @@ def check_counts(plan: Plan, merger: PlanMerger) -> None:
     check_applied([str(k) for k in expected], merger.applied)
 
 
-def check_applied(expected: list[str], applied: Counter) -> None:
-    """The count check of every merge: each adapter change (LoRA module, ``lora_bias``, token rows, PEFT layer)
-    applied exactly once.
-
-    Args:
-        expected: the keys of every change that must be applied.
-        applied: how often each key was applied.
-
-    Returns:
-        None.
-
-    Raises:
-        MergeCheckError: naming what was never applied and what was applied more than once.
-
-    Example:
-        >>> check_applied(["a"], Counter({"a": 1}))
-    """
-    if applied != Counter(expected):
-        missing = sorted(set(expected) - set(applied))
-        twice = sorted(k for k, v in applied.items() if v > 1)
-        raise MergeCheckError(
-            f"adapter changes not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}")

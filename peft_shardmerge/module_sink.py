@@ -19,7 +19,7 @@ from .live_weights import (
     offloaded_modules,
     store_offloaded,
 )
-from .merger import check_applied
+from .row_merge import check_applied
 from .model_check import HALF_MERGED
 from .plan_types import Plan
 

@@ -216,16 +216,17 @@ class RowMerger:
         """
         blocks = row_blocks(shape, self.chunk_elems)
         width = math.prod(shape[1:]) if shape else 1
-        columns = self._column_scale(name, rows, changes, blocks, device) if changes.magnitudes and \
-            changes.by_column else None
         probes = probe_vectors(name, width) if changes.factors and len(shape) >= 2 else None
+        columns, first = self._column_scale(name, rows, changes, blocks, device, probes) \
+            if changes.magnitudes and changes.transposed else (None, None)
         changed = lost = 0
         count = bool(changes.factors) and out_dtype != torch.float32  # estimated on the self-check's sample rows
         for start, stop in blocks:
-            base = _base_rows(rows(start, stop), changes, start, stop)
+            base, merged = first if first is not None else (_base_rows(rows(start, stop), changes, start, stop), None)
             sample = probe_rows(stop - start, base.device) if count else None
-            before = base[sample].clone() if count else None
-            merged = self._changed_rows(name, base, changes, start, stop, device, probes, inplace)
+            before = base[sample] if count else None  # an index tensor: a copy, kept when rows change in place
+            if merged is None:
+                merged = self._changed_rows(name, base, changes, start, stop, device, probes, inplace)
             if columns is not None:
                 merged *= columns.to(merged.device).unsqueeze(0)
             else:
@@ -247,19 +248,25 @@ class RowMerger:
             self.swallowed[name] = (changed, lost)
         self.applied.update(changes.keys)
 
-    def _column_scale(self, name, rows, changes: Changes, blocks, device) -> torch.Tensor:
+    def _column_scale(self, name, rows, changes: Changes, blocks, device, probes):
         """DoRA on a Conv1D or an embedding: PEFT's norms run over the stored rows (one per column), so a first
         pass accumulates them block by block (in float64); the result scales each column. A tensor that is one
-        block takes PEFT's own float32 norm, bit for bit."""
+        block takes PEFT's own float32 norm, bit for bit, and its merged rows are kept for the second pass.
+
+        Returns ``(column scale, (base rows, merged rows) of a one-block tensor or None)``."""
+        if len(blocks) == 1:
+            (start, stop), = blocks
+            base = _base_rows(rows(start, stop), changes, start, stop)
+            merged = self._changed_rows(name, base, changes, start, stop, device, probes, False)
+            scale = changes.magnitudes[0].to(merged.device, torch.float32) / torch.linalg.norm(merged, dim=0)
+            return scale, (base, merged)
         sumsq = None
         for start, stop in blocks:
             base = _base_rows(rows(start, stop), changes, start, stop)
             merged = self._changed_rows(name, base, changes, start, stop, device, None, False)
-            if len(blocks) == 1:
-                return changes.magnitudes[0].to(merged.device, torch.float32) / torch.linalg.norm(merged, dim=0)
             part = merged.double().pow(2).sum(0)
             sumsq = part if sumsq is None else sumsq + part
-        return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float()
+        return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float(), None
 
     def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes, inplace) -> torch.Tensor:
         """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA. In place,
@@ -299,3 +306,67 @@ def _base_rows(rows: torch.Tensor, changes: Changes, start: int, stop: int) -> t
     for t in changes.tokens:
         replace_rows_(rows, t.index, t.rows, start, stop)
     return rows
+
+
+#: above this fraction of swallowed updates a tensor is named in a warning
+SWALLOWED_WARNING = 0.5
+
+
+def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> list[str]:
+    """A note on how much of the LoRA update the output dtype kept, and a warning (also logged) naming the
+    tensors where it swallowed more than :data:`SWALLOWED_WARNING` of it.
+
+    Args:
+        counts: per tensor, ``(sampled entries, entries rounded back to the base value)``.
+        dtype: the output dtype.
+
+    Returns:
+        Notes for the report (none when nothing was sampled).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> precision_notes({"w": (100, 1)}, torch.bfloat16)[0][:40]
+        'bfloat16 kept the LoRA update in 99.0% o'
+    """
+    if not counts:
+        return []
+    changed = sum(c for c, _ in counts.values())
+    lost = sum(s for _, s in counts.values())
+    name = str(dtype).removeprefix("torch.")
+    notes = [f"{name} kept the LoRA update in {100 * (1 - lost / changed):.1f}% of the merged entries "
+             f"({lost} of {changed} sampled entries rounded back to the base value)"]
+    worst = sorted((s / c, k) for k, (c, s) in counts.items() if s / c > SWALLOWED_WARNING)
+    if worst:
+        names = ", ".join(k for _, k in worst[-5:][::-1])
+        message = (f"{name} swallowed more than {SWALLOWED_WARNING:.0%} of the LoRA update in {len(worst)} tensor(s) "
+                   f"(worst: {names}); write float32 or float16 to keep it (dtype='float32' in Python, --dtype float32 "
+                   "on the command line)")
+        log.warning("%s", message)
+        notes.append(message)
+    return notes
+
+
+def check_applied(expected: list[str], applied: Counter) -> None:
+    """The count check of every merge: each adapter change (LoRA module, ``lora_bias``, token rows, PEFT layer)
+    applied exactly once.
+
+    Args:
+        expected: the keys of every change that must be applied.
+        applied: how often each key was applied.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: naming what was never applied and what was applied more than once.
+
+    Example:
+        >>> check_applied(["a"], Counter({"a": 1}))
+    """
+    if applied != Counter(expected):
+        missing = sorted(set(expected) - set(applied))
+        twice = sorted(k for k, v in applied.items() if v > 1)
+        raise MergeCheckError(
+            f"adapter changes not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}")

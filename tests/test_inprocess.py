@@ -224,10 +224,10 @@ def test_cpu_repacked_weights_are_unpacked_not_garbage(make_base, tmp_path):
 
 
 def test_oom_on_one_module_is_retried_on_cpu(make_base, tmp_path, monkeypatch):
-    import peft_shardmerge.inprocess as inprocess
+    import peft_shardmerge.live_merger as live_merger
 
     model = qlora(make_base("llama"), "llama", "nf4")
-    real = inprocess.LiveMerger._merge_weight
+    real = live_merger.LiveMerger._merge_weight
     victim = "model.layers.0.mlp.up_proj.weight"
     calls = []
 
@@ -237,7 +237,7 @@ def test_oom_on_one_module_is_retried_on_cpu(make_base, tmp_path, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
         return real(self, entry, device)
 
-    monkeypatch.setattr(inprocess.LiveMerger, "_merge_weight", merge_weight)
+    monkeypatch.setattr(live_merger.LiveMerger, "_merge_weight", merge_weight)
     a = str(tmp_path / "a")
     report = merge_and_save(model, a, dtype="float32", base_precision="dequantized", progress=False)
     assert report.cpu_fallbacks == 1 and [c for c in calls if c[0] == victim] == [(victim, "cpu"), (victim, "cpu")]

@@ -1,5 +1,5 @@
-"""The one per-tensor merge: both paths give the same bytes and the same rounding counts, and an out-of-memory is
-redone on the CPU on both (a row block on disk, a whole module in process)."""
+"""The one per-tensor merge: both paths give the same bytes and the same rounding counts (the out-of-memory retry
+of each path is tested in tests/test_execute.py and tests/test_inprocess.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-import peft_shardmerge.execute as execute
-import peft_shardmerge.live_merger as live_merger
-from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
+from peft_shardmerge import merge_checkpoint
 from peft_shardmerge.inprocess import merge_and_save
-from peft_shardmerge.merger import PlanMerger
 
 #: the DoRA adapters of tests/test_engine.py (same bases, tags and settings: built once per session)
 DORA_LAYOUTS = {
@@ -87,54 +84,3 @@ def test_lora_bf16_is_byte_identical_on_both_paths(make_base, make_adapter, tmp_
         assert t.dtype == torch.bfloat16 and torch.equal(t, got_live[name]), name
     assert live.swallowed == disk.swallowed and disk.swallowed
     assert live.self_check_max_rel_err == disk.self_check_max_rel_err
-
-
-def test_oom_in_a_disk_block_is_redone_on_the_cpu(make_base, make_adapter, tmp_path, monkeypatch):
-    """A real torch.OutOfMemoryError from the accelerator step of one row block: that block is redone on the CPU,
-    counted once, and the output equals an all-CPU merge."""
-    base, adapter = make_base("llama"), make_adapter("llama", "default")
-    real = PlanMerger._lora_rows
-    calls = []
-
-    def lora_rows(base_rows, changes, start, stop, device, probes):
-        calls.append(device.type)
-        if device.type != "cpu":  # "meta" stands in for the accelerator
-            if calls.count("meta") == 3:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            device = torch.device("cpu")
-        return real(base_rows, changes, start, stop, device, probes)
-
-    monkeypatch.setattr(PlanMerger, "_lora_rows", staticmethod(lora_rows))
-    plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="bfloat16", device="cpu")
-    report = execute.execute_plan(plan, str(tmp_path / "a"), device=torch.device("meta"), progress=False)
-    assert report.cpu_fallbacks == 1 and calls.count("cpu") == 1 and calls.count("meta") > 3
-    monkeypatch.undo()
-    merge_checkpoint(base, adapter, str(tmp_path / "b"), dtype="bfloat16", device="cpu", progress=False)
-    got_a, got_b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
-    assert all(torch.equal(got_a[k], got_b[k]) for k in got_b)
-
-
-def test_oom_on_a_whole_module_in_process_is_redone_on_the_cpu(make_base, make_adapter, tmp_path, monkeypatch):
-    """A real torch.OutOfMemoryError while one module's base is read whole: the module is merged again on the CPU,
-    counted once, and the output equals a merge without the failure."""
-    base, adapter = make_base("llama"), make_adapter("llama", "default")
-    model = live_model(base, adapter)
-    real = live_merger.dequantize
-    victim = "model.layers.0.self_attn.q_proj"
-    calls = []
-
-    def dequantize(holder, device, notes=None):
-        if holder is model.get_submodule("base_model.model." + victim).get_base_layer():
-            calls.append(device.type)
-            if len(calls) == 1:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-        return real(holder, device, notes)
-
-    monkeypatch.setattr(live_merger, "dequantize", dequantize)
-    a = merge_and_save(model, str(tmp_path / "a"), dtype="bfloat16", base_precision="dequantized", progress=False)
-    assert a.cpu_fallbacks == 1 and calls == ["cpu", "cpu"]
-    monkeypatch.undo()
-    b = merge_and_save(model, str(tmp_path / "b"), dtype="bfloat16", base_precision="dequantized", progress=False)
-    assert b.cpu_fallbacks == 0
-    got_a, got_b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
-    assert all(torch.equal(got_a[k], got_b[k]) for k in got_b)
