@@ -205,10 +205,6 @@ def _verify(args, parser) -> int:
     return report.exit_code  # 0 OK, 1 FAILED, 3 UNCHECKED (no merge record and no --base/--adapter)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
 #: the Python spellings of options in the library's messages, and the flags the command line takes instead
 FLAGS = {"overwrite=True": "--overwrite", "device='cpu' or 'auto'": "--device cpu or auto"}
 
@@ -233,3 +229,6 @@ def command_line_text(message: str) -> str:
         message = message.replace(python, flag)
     return message
 
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

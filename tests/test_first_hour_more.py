@@ -199,3 +199,29 @@ def test_a_merge_and_unload_that_fails_part_way_says_so_and_the_model_is_refused
         with pytest.raises(InputError, match="mixes merged and unmerged layers"):
             merge()
     assert not (tmp_path / "m").exists()
+
+
+def test_every_python_spelling_the_command_line_rewrites_is_one_the_library_says(make_base, make_adapter,
+                                                                                   tmp_path):
+    """cli.FLAGS rewrites exact message text: each key must still appear in a library message, or the rewrite would
+    silently stop working; and the module run as a script reaches the rewrite."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from peft_shardmerge.cli import FLAGS
+
+    import peft_shardmerge
+
+    sources = "".join(p.read_text() for p in pathlib.Path(peft_shardmerge.__file__).parent.glob("*.py")
+                      if p.name != "cli.py")
+    for python in FLAGS:
+        assert python in sources, python
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    run = subprocess.run([sys.executable, "-m", "peft_shardmerge.cli", "merge", make_base("llama"),
+                          make_adapter("llama", "default"), str(out)], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 2, run.stderr
+    assert "pass --overwrite to replace it" in run.stderr and "Traceback" not in run.stderr
