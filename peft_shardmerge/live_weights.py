@@ -130,7 +130,7 @@ def materialized(module: nn.Module | None) -> Iterator[None]:
         from accelerate.utils import align_module_device
 
         for m in inside:
-            if _offloads(m):
+            if offloads(m):
                 stack.enter_context(align_module_device(m, getattr(m._hf_hook, "execution_device", None)))
         yield
 
@@ -139,7 +139,22 @@ def _is_peft(module: nn.Module) -> bool:
     return type(module).__module__.startswith("peft.")
 
 
-def _offloads(module: nn.Module | None) -> bool:
+def offloads(module: nn.Module | None) -> bool:
+    """Whether accelerate keeps this module's own weights off its execution device (a hook with ``offload``).
+
+    Args:
+        module: a module, or None.
+
+    Returns:
+        True for an offloaded module.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> offloads(torch.nn.Linear(1, 1))
+        False
+    """
     hook = getattr(module, "_hf_hook", None)
     return hook is not None and bool(getattr(hook, "offload", False))
 
@@ -162,7 +177,7 @@ def offloaded_modules(model: nn.Module) -> list[str]:
     """
     found: list[str] = []
     for name, module in model.named_modules():
-        if _offloads(module) and not any(name.startswith(f + ".") for f in found):
+        if offloads(module) and not any(name.startswith(f + ".") for f in found):
             found.append(name)
     return found
 
@@ -194,11 +209,11 @@ def offload_owner(model: nn.Module, name: str, holder: nn.Module | None = None) 
         if not isinstance(child, nn.Module):
             break
         path.append(child)
-    if _is_peft(path[-1]) and any(_offloads(m) for m in path[-1].modules() if m is not holder):
+    if _is_peft(path[-1]) and any(offloads(m) for m in path[-1].modules() if m is not holder):
         return path[-1]  # adapter factors offloaded too (a PeftModel dispatched by accelerate)
-    if _offloads(holder):
+    if offloads(holder):
         return holder
-    return next((m for m in path if _offloads(m)), None)
+    return next((m for m in path if offloads(m)), None)
 
 
 class CastWeights(Mapping):
@@ -236,7 +251,7 @@ def disk_folder(module: nn.Module) -> str | None:
         >>> disk_folder(torch.nn.Linear(1, 1)) is None
         True
     """
-    if not _offloads(module):
+    if not offloads(module):
         return None
     weights_map = module._hf_hook.weights_map
     if isinstance(weights_map, CastWeights):
@@ -326,7 +341,7 @@ def cast_offloaded(model: nn.Module, dtype: torch.dtype) -> None:
         >>> cast_offloaded(torch.nn.Linear(2, 2), torch.bfloat16)
     """
     for module in model.modules():
-        if _offloads(module) and not isinstance(module._hf_hook.weights_map, CastWeights):
+        if offloads(module) and not isinstance(module._hf_hook.weights_map, CastWeights):
             module._hf_hook.weights_map = CastWeights(module._hf_hook.weights_map, dtype)
         for name, param in module.named_parameters(recurse=False):
             if param.is_floating_point() and param.dtype != dtype:

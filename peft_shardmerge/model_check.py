@@ -10,6 +10,9 @@ from torch import nn
 
 from .support import DISK, IN_PROCESS, check_supported, config_variants, layer_kind, peft_type_of, raise_if_any
 
+#: the attribute a merge_and_unload that failed part-way leaves on the model, holding the refusal of later merges
+HALF_MERGED = "peft_shardmerge_half_merged"
+
 
 def selected_adapters(model: nn.Module, adapter_names: list[str] | None = None) -> list[str]:
     """The adapters a merge takes: ``adapter_names`` when given, else the active one(s).
@@ -282,9 +285,6 @@ def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
         raise_if_any(unsupported, list(problems or []) + bad)
     return list(problems or []) + bad
 
-
-#: the attribute a merge_and_unload that failed part-way leaves on the model, holding the refusal of later merges
-HALF_MERGED = "peft_shardmerge_half_merged"
 
 
 __all__ = ["transformers_model", "selected_adapters", "layer_uses", "check_model", "require_supported", "adapter_keys", "no_bias_problem", "nonfinite", "DISK", "IN_PROCESS"]

@@ -16,6 +16,7 @@ from .live_weights import (
     cast_offloaded,
     disk_folder,
     free_bytes,
+    offloads,
     offloaded_modules,
     store_offloaded,
 )
@@ -133,31 +134,27 @@ def _offload_folders(inner: nn.Module, groups: dict[str, list[LiveEntry]], dtype
         holder = group[0].holder
         if not _changes(group):
             continue
-        hooked = [n for n, m in inner.get_submodule(path).named_modules() if _hooked(m) and m is not holder]
-        above = [n for n in _ancestors(path) if _hooked(inner.get_submodule(n))]
-        if above or (_hooked(holder) and type(holder).__module__.startswith(("peft.", "bitsandbytes."))):
+        hooked = [n for n, m in inner.get_submodule(path).named_modules() if offloads(m) and m is not holder]
+        above = [n for n in _ancestors(path) if offloads(inner.get_submodule(n))]
+        if above or (offloads(holder) and type(holder).__module__.startswith(("peft.", "bitsandbytes."))):
             problems.append(f"{path} is offloaded by accelerate as part of {above[0] if above else path}, which "
                             "merge_and_unload cannot write back; use merge_and_save(model, out_dir)")
         elif hooked and not all(_is_factor(n) for n in hooked):
             problems.append(f"{path}: offloaded modules {hooked} inside it cannot be written back")
-        elif _hooked(holder) and disk_folder(holder) is not None:
+        elif offloads(holder) and disk_folder(holder) is not None:
             folder = disk_folder(holder)
             disk.setdefault(folder, []).append(path)
             need[folder] = need.get(folder, 0) + sum(e.numel for e in group) * dtype.itemsize
     for folder, n in need.items():
-        if free_bytes(folder) < n + (64 << 20):
-            problems.append(f"the offload folder {folder} has {free_bytes(folder) >> 20} MiB free; the merged "
+        free = free_bytes(folder)
+        if free < n + (64 << 20):
+            problems.append(f"the offload folder {folder} has {free >> 20} MiB free; the merged "
                             f"offloaded weights need {n >> 20} MiB")
     if problems:
         raise InputError(["merge_and_unload cannot keep this accelerate-offloaded model offloaded; nothing was "
                           "changed:"] + problems)
     made = {folder: tempfile.mkdtemp(prefix="merged-", dir=folder) for folder in disk}
     return {path: made[folder] for folder, paths in disk.items() for path in paths}
-
-
-def _hooked(module: nn.Module) -> bool:
-    hook = getattr(module, "_hf_hook", None)
-    return hook is not None and bool(getattr(hook, "offload", False))
 
 
 def _ancestors(path: str) -> list[str]:
@@ -186,7 +183,7 @@ def _replacement(group: list[LiveEntry], merger: "LiveMerger", dtype: torch.dtyp
     changed = {e.attr: merger.produce(e) for e in group if e.kind not in ("plain", "saved")}
     if not changed:  # a modules_to_save copy, an original module, a layer without an active adapter
         return holder
-    if _hooked(holder):
+    if offloads(holder):
         store_offloaded(holder, group[0].owner, {a: v.detach().to(dtype) for a, v in changed.items()}, folder)
         return holder
     params = list(holder.parameters())

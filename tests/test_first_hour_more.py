@@ -225,3 +225,33 @@ def test_every_python_spelling_the_command_line_rewrites_is_one_the_library_says
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 2, run.stderr
     assert "pass --overwrite to replace it" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_merge_and_unload_of_an_offloaded_model_without_room_for_its_merged_weights_changes_nothing(
+        base_with_tokenizer, tmp_path, monkeypatch):
+    """Room in the offload folder is checked before any layer is replaced: with too little free space the model is
+    refused, left as it was (same modules, same outputs) and no folder is made beside the user's offload files."""
+    import copy
+
+    from accelerate import dispatch_model
+
+    from peft_shardmerge import merge_and_unload, module_sink
+
+    torch.manual_seed(0)
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(base_with_tokenizer, dtype=torch.float32),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    offload = tmp_path / "offload"
+    device_map = {f"base_model.model.{k}": v for k, v in {
+        "model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "cpu",
+        "model.rotary_emb": "cpu", "lm_head": "cpu"}.items()}
+    model = dispatch_model(copy.deepcopy(ref), device_map=device_map, offload_dir=str(offload))
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    files, kinds = sorted(os.listdir(offload)), [type(m) for m in model.modules()]
+    monkeypatch.setattr(module_sink, "free_bytes", lambda folder: 0)
+    with pytest.raises(InputError, match=r"(?s)nothing was changed.*has 0 MiB free; the merged offloaded weights "):
+        merge_and_unload(model)
+    assert sorted(os.listdir(offload)) == files and kinds == [type(m) for m in model.modules()]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
