@@ -147,8 +147,8 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     report = merge_report(
         plan, merger, out_dir, t0, baseline,
         base=plan.base.folder,
-        adapter=", ".join(plan.adapter.folders) + (f" ({plan.adapter.combination})" if plan.adapter.combination
-                                                   else ""),
+        adapter=(plan.adapter_text or ", ".join(plan.adapter.folders))
+        + (f" ({plan.adapter.combination})" if plan.adapter.combination else ""),
         base_precision=plan.base_precision,
         lora_modules_merged=len({k.split("@")[0] for k in merger.applied
                                  if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")}),

@@ -101,7 +101,6 @@ def merge_and_save(
         finally:
             for folder in plan.resources:
                 folder.cleanup()
-        report.adapter = planned.adapter_text
     else:
         report = execute_live_plan(plan, out_dir, budget=budget, overwrite=overwrite, progress=progress,
                                    before_commit=save_extra)

@@ -78,13 +78,32 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int) -> Plan:
     config = output_config(base_config(live.model), out_dtype, untie=bool(live.untied))
     if source.quant4 is not None:
         config["quantization_config"] = source.quant4
-    names_text = ", ".join(f"adapter {a!r}" + (f" x {source.weights[a]:g}" if a in source.weights else "")
-                           for a in source.adapter_names or [])
     return Plan(base=None, adapter=None, tensors=tensors, shard_names=names, dtype=out_dtype,
                 base_precision="dequantized", nf4=None, config=config, chunk_elems=DEFAULT_CHUNK_ELEMS,
                 untied=list(live.untied), notes=list(live.notes), live=source,
                 origin=getattr(live.model.config, "_name_or_path", "") or type(live.model).__name__,
-                adapter_text=f"(in memory: {names_text or 'active adapter'})", quantization=source.quant4)
+                adapter_text=in_memory_text(source.adapter_names, source.weights))
+
+
+def in_memory_text(names: list[str] | None, weights: dict[str, float]) -> str:
+    """How a plan and its report name the adapters of a loaded model: ``(in memory: adapter 'a' x 0.5, ...)``.
+
+    Args:
+        names: the adapters merged (None: the active ones, unnamed).
+        weights: weight per adapter (empty: 1.0 each, not shown).
+
+    Returns:
+        The text.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> in_memory_text(["a", "b"], {"a": 0.5, "b": 1.0})
+        "(in memory: adapter 'a' x 0.5, adapter 'b' x 1)"
+    """
+    text = ", ".join(f"adapter {a!r}" + (f" x {weights[a]:g}" if a in weights else "") for a in names or [])
+    return f"(in memory: {text or 'active adapter'})"
 
 
 def _entry_tensors(live: LiveModel, e: LiveEntry, out_dtype: torch.dtype,

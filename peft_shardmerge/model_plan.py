@@ -15,7 +15,7 @@ from .combinations import combination_problems
 from .api import plan_checkpoint_merge
 from .errors import FileSystemError, InputError, ShardMergeError
 from .live import check_adapter_names, unwrap, walk
-from .live_plan import LiveSource, plan_live, valid_generation_config
+from .live_plan import LiveSource, in_memory_text, plan_live, valid_generation_config
 from .model_check import require_supported, selected_adapters
 from .options import parse_dtype, parse_size
 from .original import OriginalCheck, default_dtype, describe_base, find_original, inner_problems, is_quantized
@@ -170,13 +170,11 @@ class ModelPlan:
             over the original checkpoint and the adapters saved in a temporary folder kept with it).
         reproduces: what the merge reproduces (the report's ``reproduces``).
         device: where the maths of a merge from the original checkpoint runs.
-        adapter_text: the report's ``adapter`` of a merge from the original checkpoint.
     """
 
     plan: Plan
     reproduces: str
     device: str = "cpu"
-    adapter_text: str = ""
 
 
 def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
@@ -248,13 +246,13 @@ def build_model_plan(model: nn.Module, out_dir, *, dtype, max_shard_size, base_p
     inner = unwrap(model)
     names, weight_map, selection_problems = adapter_selection(model, adapter_names, weights, combination_type)
     problems = require_supported(model, names, problems + selection_problems)
+    adapters = names or selected_adapters(model, None)
     dtype_note = ""
     if out_dtype is None:
         out_dtype, dtype_note = default_dtype(inner, model_dtype(inner))
     original, reason, check = None, "base_precision='dequantized'", OriginalCheck(None)
     if base_precision in ("auto", "original"):
-        original, reason, check = _original_checkpoint(model, inner, names or selected_adapters(model, None),
-                                                       weight_map, base_precision)
+        original, reason, check = _original_checkpoint(model, inner, adapters, weight_map, base_precision)
         if original is None and base_precision == "original":
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
     if out_dir is not None:
@@ -265,14 +263,12 @@ def build_model_plan(model: nn.Module, out_dir, *, dtype, max_shard_size, base_p
     reproduces, note = describe_base(original, check, is_quantized(inner), reason)
     if original is not None:
         result = _plan_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite,
-                                     names, weight_map, combination_type)
+                                     adapters, weight_map, combination_type)
     else:
         source = LiveSource(walk(model, names), names, weight_map, combination_type,
                             generation_config=valid_generation_config(inner))
         result = ModelPlan(plan_live(source, out_dtype, limit), "")
-        if names is None:
-            result.plan.adapter_text = "(in memory: " + ", ".join(
-                f"adapter {a!r}" for a in selected_adapters(model, None)) + ")"
+    result.plan.adapter_text = in_memory_text(adapters, weight_map)
     result.reproduces = reproduces
     result.plan.notes[:0] = [f"base precision {base_precision!r}: {note}"] + ([dtype_note] if dtype_note else [])
     return result
@@ -291,10 +287,9 @@ def _parse(dtype, max_shard_size, problems: list[str]) -> tuple[torch.dtype | No
     return out_dtype, limit
 
 
-def _plan_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite, names, weight_map,
+def _plan_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite, adapters, weight_map,
                         combination) -> ModelPlan:
     """Plan the merge into the original checkpoint of the adapters saved in a temporary folder kept by the plan."""
-    adapters = names or selected_adapters(model, None)
     folder = tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-")
     folders = []
     for i, adapter in enumerate(adapters):
@@ -315,6 +310,4 @@ def _plan_from_original(model, inner, original, out_dir, out_dtype, max_shard_si
     for note in plan.notes:
         log.info("%s", note)
     plan.resources.append(folder)  # the adapter files live as long as the plan
-    text = "(in memory: " + ", ".join(
-        f"adapter {a!r}" + (f" x {weight_map[a]:g}" if weight_map else "") for a in adapters) + ")"
-    return ModelPlan(plan, "", device, text)
+    return ModelPlan(plan, "", device)

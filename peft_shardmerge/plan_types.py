@@ -114,8 +114,7 @@ class Plan:
         live: for a merge of a loaded model (then ``base`` and ``adapter`` are None), what produces its tensors
             (:class:`~peft_shardmerge.live_plan.LiveSource`).
         origin: for a merge of a loaded model, what its base is (the name it was loaded from).
-        adapter_text: for a merge of a loaded model, which adapters are merged.
-        quantization: the ``quantization_config`` written with weights re-quantized to 4-bit, else None.
+        adapter_text: for a merge of a loaded model, which adapters are merged (shown instead of folders).
         resources: what the plan's inputs live in, kept as long as the plan (a temporary folder).
     """
 
@@ -133,7 +132,6 @@ class Plan:
     live: object = None
     origin: str = ""
     adapter_text: str = ""
-    quantization: dict | None = None
     resources: list = field(default_factory=list)
 
     @property
@@ -231,10 +229,10 @@ class Plan:
                 f"dtype:           {str(self.dtype).removeprefix('torch.')}",
                 f"base precision:  {self.base_precision}",
                 f"changed layers:  {self.layer_count}",
-            ] + ([f"re-quantized:    4-bit {self.quantization['bnb_4bit_quant_type']}"] if self.quantization else [])
+            ] + ([f"re-quantized:    4-bit {self.live.quant4['bnb_4bit_quant_type']}"] if self.live.quant4 else [])
         return [
             f"base:            {self.base.folder}",
-            f"adapter:         {', '.join(self.adapter.folders)}"
+            f"adapter:         {self.adapter_text or ', '.join(self.adapter.folders)}"
             + (f" (combined: {self.adapter.combination})" if self.adapter.combination else ""),
             f"dtype:           {str(self.dtype).removeprefix('torch.')}",
             f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else ""),

@@ -207,3 +207,19 @@ def test_the_dry_run_takes_overwrite_as_merge_and_save_does(make_base, make_adap
         plan_model_merge(model, str(out))
     plan = plan_model_merge(model, str(out), overwrite=True)
     assert plan.tensors and sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_the_dry_run_into_the_original_checkpoint_names_the_adapter_not_a_temporary_folder(make_base, make_adapter,
+                                                                                           tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge import plan_model_merge
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32),
+                                      make_adapter("llama", "default"))
+    text = plan_model_merge(model, base_precision="original").describe()
+    adapter_line = next(line for line in text.splitlines() if line.startswith("adapter:"))
+    assert adapter_line.split(None, 1)[1] == "(in memory: adapter 'default')", adapter_line
+    report = merge_and_save(model, str(tmp_path / "m"), base_precision="original", progress=False)
+    assert report.adapter == "(in memory: adapter 'default')"
