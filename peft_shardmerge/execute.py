@@ -93,7 +93,7 @@ def current_rss_bytes() -> int:
 
 def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto",
                  progress: bool = True, before_commit: Callable[[str], None] | None = None,
-                 resume: bool = True, overwrite: bool = True) -> MergeReport:
+                 resume: bool = True, overwrite: bool) -> MergeReport:
     """Write the planned checkpoint into a temporary folder beside ``out_dir``, check it, then move it into place.
 
     ``out_dir`` is replaced only after every file is complete and checked; on any failure the temporary
@@ -119,15 +119,13 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         OSError: the filesystem failed (disk full, permissions); nothing is left behind.
 
     Example:
-        >>> report = execute_plan(plan, "merged")   # doctest: +SKIP
+        >>> report = execute_plan(plan, "merged", overwrite=False)   # doctest: +SKIP
     """
     t0 = time.perf_counter()
     baseline = current_rss_bytes()
     dev = resolve_device(device)
     merger = PlanMerger(plan, dev, progress)
-    sink = ShardSink(out_dir, [(name, [(t.name, t.out_dtype, t.shape, t.nbytes) for t in plan.shard_tensors(i)])
-                               for i, name in enumerate(plan.shard_names)],
-                     overwrite=overwrite, fingerprint=plan.fingerprint() if resume else None,
+    sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, fingerprint=plan.fingerprint() if resume else None,
                      inputs=InputDigests(plan) if resume else None)
 
     def produce(i: int, w) -> None:
@@ -138,8 +136,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
                         before_commit=before_commit, merge_info=lambda: disk_merge_info(plan),
                         checks=[lambda: check_counts(plan, merger)])
     try:
-        with torch.no_grad():
-            sink.write(produce, files, skip=lambda i: merger.skip(plan.shard_tensors(i)))
+        sink.write(produce, files, skip=lambda i: merger.skip(plan.shard_tensors(i)))
     finally:
         merger.close()
     resumed = sink.resumed

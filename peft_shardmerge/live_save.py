@@ -13,9 +13,8 @@ from .errors import MergeCheckError
 from .execute import current_rss_bytes, merge_report
 from .live_merger import LiveMerger
 from .row_merge import check_applied
-from .options import DEFAULT_CHUNK_ELEMS
 from .plan_types import Plan, PlannedTensor
-from .quant import pad_quant_state, require_bitsandbytes
+from .quant import pad_quant_state, quant_state_length, require_bitsandbytes
 from .record import live_merge_info
 from .report import MergeReport
 from .safetensors_io import DTYPES, row_blocks
@@ -62,8 +61,7 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
     src = plan.live
     live = src.live
     merger = LiveMerger(live, budget, plan.dtype, src.weights, src.combination)
-    sink = ShardSink(out_dir, [(name, [(t.name, t.out_dtype, t.shape, t.nbytes) for t in plan.shard_tensors(i)])
-                               for i, name in enumerate(plan.shard_names)], overwrite=overwrite, depth=1)
+    sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, depth=1)
     bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress)
 
     def produce(i: int, w: ShardWriter) -> None:
@@ -71,7 +69,7 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
         for t in plan.shard_tensors(i):
             if t.kind == "quantize4" and not t.part:
                 parts = _quantize(merger, t, plan)
-            _write(merger, t, w, parts)
+            _write(merger, t, w, parts, plan.chunk_elems)
             bar.update(t.nbytes)
 
     def side_files(tmp: str) -> None:
@@ -84,14 +82,14 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
                                                            src.weights, src.combination),
                         checks=[lambda: check_applied(live.lora_layers, merger.applied)])
     try:
-        with torch.no_grad():
-            sink.write(produce, files)
+        sink.write(produce, files)
     finally:
         bar.close()
     return _report(plan, merger, out_dir, t0, baseline)
 
 
-def _write(merger: LiveMerger, t: PlannedTensor, w: ShardWriter, parts: dict[str, torch.Tensor]) -> None:
+def _write(merger: LiveMerger, t: PlannedTensor, w: ShardWriter, parts: dict[str, torch.Tensor],
+           plan_chunk: int) -> None:
     """Write one planned tensor: a part of a re-quantized weight, or an entry produced and cast in row blocks."""
     e = t.entry
     if t.kind == "quantize4":
@@ -104,10 +102,10 @@ def _write(merger: LiveMerger, t: PlannedTensor, w: ShardWriter, parts: dict[str
     data = merger.produce(e)
     if tuple(data.shape) != e.shape:
         raise MergeCheckError(f"{e.name}: produced shape {list(data.shape)}, expected {list(e.shape)}")
-    if data.is_floating_point() and e.kind != "plain" and not torch.isfinite(data.sum()):
-        raise MergeCheckError(f"merged tensor {e.name!r} has NaN or Inf")
+    if e.kind != "plain" and not e.adapters and data.is_floating_point() and not torch.isfinite(data.sum()):
+        raise MergeCheckError(f"tensor {e.name!r} has NaN or Inf")  # the row merge checked every changed one
     target = DTYPES[t.out_dtype][0]
-    for start, stop in row_blocks(e.shape, DEFAULT_CHUNK_ELEMS):
+    for start, stop in row_blocks(e.shape, plan_chunk):
         w.write(data[start:stop].detach().to(device="cpu", dtype=target))
 
 
@@ -126,8 +124,7 @@ def _quantize(merger: LiveMerger, t: PlannedTensor, plan: Plan) -> dict[str, tor
     for key, value in state.as_dict(packed=True).items():
         parts[key] = value.cpu()
     key = f"quant_state.bitsandbytes__{settings.quant_type}"
-    planned = next(p for p in plan.shard_tensors(t.shard) if p.entry is e and p.part == key)
-    parts[key] = pad_quant_state(parts[key], planned.shape[0])
+    parts[key] = pad_quant_state(parts[key], quant_state_length(tuple(w.shape), plan.dtype, settings))
     return parts
 
 

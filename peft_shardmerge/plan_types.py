@@ -155,6 +155,12 @@ class Plan:
     def shard_tensors(self, i: int) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.shard == i]
 
+    def shard_entries(self) -> list[tuple[str, list[tuple[str, str, tuple[int, ...], int]]]]:
+        """``(file name, [(tensor name, safetensors dtype, shape, bytes), ...])`` per shard, in write order: the
+        headers a :class:`~peft_shardmerge.sinks.ShardSink` writes first."""
+        return [(name, [(t.name, t.out_dtype, t.shape, t.nbytes) for t in self.shard_tensors(i)])
+                for i, name in enumerate(self.shard_names)]
+
     def index(self) -> dict:
         """The ``model.safetensors.index.json`` content (used when there is more than one shard)."""
         return {

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from .record import write_merge_record
 from .staging import check_written, staged_output
 from .writer import ShardWriter, write_json
@@ -87,7 +89,7 @@ class ShardSink:
             >>> sink.write(produce, FolderFiles(config=config))   # doctest: +SKIP
         """
         with staged_output(self.out_dir, fingerprint=self.fingerprint, overwrite=self.overwrite,
-                           inputs=self.inputs) as staging:
+                           inputs=self.inputs) as staging, torch.no_grad():
             tmp = staging.path
             for i, (name, entries) in enumerate(self.shards):
                 if staging.is_done(name):

@@ -112,7 +112,7 @@ class Staging:
         inputs: digests of the inputs (``common()`` and ``shard(name)``); None disables resuming.
 
     Example:
-        >>> with staged_output("merged", fingerprint="abc") as st:   # doctest: +SKIP
+        >>> with staged_output("merged", fingerprint="abc", overwrite=False) as st:   # doctest: +SKIP
         ...     st.is_done("model-00001-of-00002.safetensors")
         False
     """

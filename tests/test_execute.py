@@ -62,7 +62,8 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     monkeypatch.setattr(execute.PlanMerger, "_lora_rows", staticmethod(lora_rows))
     # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
     plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="float32", device="cpu")
-    report = execute.execute_plan(plan, str(tmp_path / "a"), device=torch.device("meta"), progress=False)
+    report = execute.execute_plan(plan, str(tmp_path / "a"), device=torch.device("meta"), progress=False,
+                                  overwrite=False)
     assert report.cpu_fallbacks == 1
     assert "redone on the CPU" in report.summary()
     monkeypatch.undo()
