@@ -123,10 +123,9 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
         problems += [p for p in e.problems if p not in problems]
     src = open_checkpoint(base)
     try:
-        spec = combine_adapters([load_adapter(a) for a in locations], _weights(opts), opts.combination)
+        spec = combine_adapters([load_adapter(a) for a in locations], opts.weights, opts.combination)
     except InputError as e:  # nothing further can be planned: every problem found so far, at once
-        known = {p.split(", got")[0] for p in problems}  # the options' own check said it already
-        raise InputError(problems + [p for p in e.problems if p.split(", got")[0] not in known]) from e
+        raise InputError(problems + [p for p in e.problems if p not in problems]) from e
     inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
                                      for i, f in enumerate(spec.folders)}}
     problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite)
@@ -137,10 +136,10 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
 
         spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
                               skip=spec.layer_skip)
-    good_chunk = isinstance(opts.chunk_elems, int) and not isinstance(opts.chunk_elems, bool) and opts.chunk_elems > 0
-    chunk_elems = opts.chunk_elems if good_chunk else DEFAULT_CHUNK_ELEMS
+    # a bad chunk size is among problems: build_plan raises them before any Plan holds it
     plan = build_plan(src, spec, info, dtype=opts.dtype, max_shard_size=opts.max_shard_size,
-                      base_precision=opts.base_precision, nf4=opts.nf4, chunk_elems=chunk_elems, problems=problems)
+                      base_precision=opts.base_precision, nf4=opts.nf4, chunk_elems=opts.chunk_elems,
+                      problems=problems)
     space = check_space(out_dir, plan.total_size + sum(
         os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files))
     if space:
@@ -159,10 +158,6 @@ def _adapter_locations(adapter) -> tuple[list, list[str]]:
     if not locations:
         problems.append("adapter is an empty list; pass at least one adapter folder")
     return locations, problems
-
-
-def _weights(opts: MergeOptions) -> list | None:
-    return None if opts.weights is None else list(opts.weights)
 
 
 def merge_checkpoint(

@@ -19,11 +19,11 @@ from .side_files import copy_side_files
 from .record import disk_merge_info
 from .sinks import FolderFiles, ShardSink
 from .merger import PlanMerger, check_counts
+from .options import DEVICES
 from .row_merge import precision_notes
 
 log = logging.getLogger(__name__)
 
-DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

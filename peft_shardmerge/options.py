@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
 
-from .combinations import COMBINATIONS
+from .combinations import check_weights
 from .errors import InputError
 from .quant import Nf4Settings
 
@@ -165,11 +164,11 @@ class MergeOptions:
             3
         """
         problems = []
-        if self.weights is not None and not (isinstance(self.weights, tuple) and all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.weights)):
+        if self.weights is None or isinstance(self.weights, tuple):  # the one check, as combine_adapters runs it
+            problems += check_weights(len(self.weights or ()), self.weights, self.combination)[1]
+        else:
             problems.append(f"adapter weights must be finite numbers, got {self.weights!r}")
-        if self.combination not in COMBINATIONS:
-            problems.append(f"combination must be one of {', '.join(COMBINATIONS)}, got {self.combination!r}")
+            problems += check_weights(0, None, self.combination)[1]
         for parse, value in ((parse_dtype, self.dtype), (parse_size, self.max_shard_size)):
             try:
                 parse(value)

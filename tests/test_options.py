@@ -26,7 +26,7 @@ def test_every_problem_of_the_options_at_once():
                         base_precision="nf4", nf4_blocksize=100, device="tpu", chunk_elems=0, progress="yes")
     problems = opts.problems()
     assert problems == [
-        "adapter weights must be finite numbers, got (1.0, nan)",
+        "adapter weights must be finite numbers, got [1.0, nan]",
         "combination must be one of cat, linear, got 'sum'",
         "dtype 'int4' is not supported; use one of float32, float16, bfloat16",
         "max_shard_size 'lots' is not a size; write e.g. '5GB', '500MB' or '2GiB'",
