@@ -21,7 +21,7 @@ from .live_weights import (
 )
 from .model_check import adapter_keys, transformers_model
 from .model_info import ModelInfo, inspect_model
-from .ties import tie_enabled, tokens_on_both_sides
+from .ties import tie_enabled, tokens_on_both_sides, untie_note, untied_names
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,7 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
     entries, untied = _resolve_ties(inner, w.info, w.entries)
     notes = []
     if untied:
-        notes.append(f"the adapter changes tied weights ({', '.join(untied)}); both are written and "
-                     "tie_word_embeddings is set to false")
+        notes.append(untie_note(untied))
     return LiveModel(inner, w.info, entries, untied, w.lora_layers, notes)
 
 
@@ -379,19 +378,13 @@ def _resolve_ties(inner: nn.Module, info: ModelInfo, entries: list[LiveEntry]) -
     if not tie_enabled(inner.config) or not info.tied:
         return entries, []
     by_name = {e.name: e for e in entries}
-    drop, untied = set(), []
     for target, source in info.tied.items():
-        if target not in by_name or source not in by_name:
-            continue
-        touched = {by_name[n].kind for n in (target, source)} & {"lora", "saved"}
-        if by_name[target].kind == "tokens" and by_name[source].kind == "tokens" and \
-                by_name[target].module.tied_adapter is None:
+        if target in by_name and source in by_name and by_name[target].kind == by_name[source].kind == "tokens" \
+                and by_name[target].module.tied_adapter is None:
             raise UnsupportedError(tokens_on_both_sides(source, target))
-        if touched:
-            untied += [target, source]
-        else:
-            drop.add(target)
-    return [e for e in entries if e.name not in drop], sorted(set(untied))
+    untied = untied_names(info.tied, [n for n, e in by_name.items() if e.kind in ("lora", "saved")], by_name)
+    drop = {t for t, s in info.tied.items() if t in by_name and s in by_name and t not in untied}
+    return [e for e in entries if e.name not in drop], untied
 
 
 __all__ = ["LiveEntry", "LiveModel", "unwrap", "walk", "materialized", "offload_owner", "offloaded_modules",
