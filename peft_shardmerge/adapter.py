@@ -236,9 +236,9 @@ def _lora_module(config: dict, path: str, p: dict[str, AdapterTensor], problems:
         )
         return None
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    rank = int(rank_pattern[pattern_key(rank_pattern, path)]) if pattern_key(rank_pattern, path) else config.get("r")
-    alpha = (alpha_pattern[pattern_key(alpha_pattern, path)] if pattern_key(alpha_pattern, path)
-             else config.get("lora_alpha"))
+    rank_key, alpha_key = pattern_key(rank_pattern, path), pattern_key(alpha_pattern, path)
+    rank = int(rank_pattern[rank_key]) if rank_key else config.get("r")
+    alpha = alpha_pattern[alpha_key] if alpha_key else config.get("lora_alpha")
     if a.shape[0] != rank:
         problems.append(
             f"LoRA module {path!r} has rank {a.shape[0]} in its weights but adapter_config.json says "

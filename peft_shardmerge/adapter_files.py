@@ -11,6 +11,7 @@ import torch
 from .errors import InputError, NotFoundError
 from .peft_deltas import DELTA_TYPES
 from .reading_rules import positive_number
+from .options import DEFAULT_CHUNK_ELEMS
 from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from .support import DISK, check_config, raise_if_any
 
@@ -231,7 +232,7 @@ def _check_finite_files(tensors: dict[str, AdapterTensor]) -> None:
         for name, t in tensors.items():
             if t.dtype not in FLOAT_DTYPES:
                 continue
-            for start, stop in row_blocks(t.shape, 1 << 22):
+            for start, stop in row_blocks(t.shape, DEFAULT_CHUNK_ELEMS):
                 if not torch.isfinite(reader.read_rows(t.info, start, stop)).all():
                     bad.append(name)
                     break

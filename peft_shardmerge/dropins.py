@@ -18,6 +18,8 @@ from .live import unwrap
 from .report import MergeReport
 from .sources import TOKENIZER_FILES
 from .staging import REPLACE_CHECK
+from .integrity import read_record
+from .record import unlisted_files
 
 #: every ``save_method`` Unsloth documents, mapped to what is done here (None: refused, with the alternative)
 SAVE_METHODS = {
@@ -39,19 +41,10 @@ _LORA_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors", 
 def _earlier_save(folder: str) -> str:
     """What an existing non-empty folder holds: ``"merged"`` (a merged checkpoint whose every file our merge record
     lists, or our model card), ``"adapter"`` (only the files of an adapter save) or ``""`` (anything else)."""
-    import json
-
-    from .record import RECORD_FILE, RECORD_FORMAT, output_files
-
-    try:
-        with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
-            record = json.load(f)
-        if record.get("format") == RECORD_FORMAT:
-            listed = set(record.get("shards") or {}) | set(record.get("files") or {})
-            return "" if [n for n in output_files(folder) if n not in listed and not _our_card(folder, n)] else \
-                "merged"
-    except (OSError, ValueError, AttributeError, TypeError):
-        pass
+    record, problems = read_record(folder)  # self-checked: a damaged record is no proof the folder is ours
+    if record is not None and not problems:
+        extra = [n for n in unlisted_files(folder, record) if not (n == "README.md" and _our_card(folder))]
+        return "" if extra else "merged"
     names = os.listdir(folder)
     if "adapter_config.json" in names and all(
             n in _LORA_FILES and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))
@@ -60,11 +53,11 @@ def _earlier_save(folder: str) -> str:
     return ""
 
 
-def _our_card(folder: str, name: str) -> bool:
-    """Whether ``name`` is the model card a push of ours wrote beside the merge (it names peft-shardmerge)."""
+def _our_card(folder: str) -> bool:
+    """Whether the folder's README.md is the model card a push of ours wrote beside the merge (it names us)."""
     try:
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
-            return name == "README.md" and "peft-shardmerge" in f.read(1 << 16)
+        with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+            return "peft-shardmerge" in f.read(1 << 16)
     except (OSError, UnicodeDecodeError):
         return False
 
@@ -75,9 +68,17 @@ def _replace_problems(save_directory: str, model: nn.Module, method: str | None,
     checkpoint by any save, an adapter folder by an adapter save); an input folder, or a folder with other content,
     never is."""
     problems = check_out_dir(save_directory, inputs=source_folders(model), overwrite=True)
-    if problems or any_content or not os.path.isdir(save_directory) or not os.listdir(save_directory):
+    if problems or any_content:
         return problems
-    held = _earlier_save(save_directory)
+    return _not_an_earlier_save(save_directory, method)
+
+
+def _not_an_earlier_save(save_directory: str, method: str | None) -> list[str]:
+    """Why a non-empty folder may not be replaced by this save (empty when it holds an earlier save it may
+    replace); run again under the output lock."""
+    if not os.path.isdir(save_directory) or not os.listdir(save_directory):
+        return []
+    problems, held = [], _earlier_save(save_directory)
     if held == "adapter" and method not in (None, "lora"):
         problems.append(f"{save_directory} holds an adapter (adapter_config.json), perhaps the one this model was "
                         "loaded from; a merged save does not replace it: choose another folder (or pass "
@@ -227,7 +228,7 @@ def save_pretrained_merged(
         from .hub import prepare_repo
 
         repo_id = prepare_repo(repo_id, token=token, private=private)
-    recheck = None if overwrite else REPLACE_CHECK.set(lambda out: _replace_problems(out, model, method))
+    recheck = None if overwrite else REPLACE_CHECK.set(lambda out: _not_an_earlier_save(out, method))
     try:  # checked again under the output lock: a file that appeared since is never deleted
         report = _save(model, save_directory, tokenizer, method,
                        dtype=dtype, max_shard_size=max_shard_size, maximum_memory_usage=maximum_memory_usage,

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from .record import (RECORD_FILE, RECORD_FORMAT, RECORD_VERSION, WEIGHT_SUFFIXES, file_sha256, output_files,
+from .record import (RECORD_FILE, RECORD_FORMAT, RECORD_VERSION, WEIGHT_SUFFIXES, file_sha256, unlisted_files,
                      record_digest, scan_range)
 from .safetensors_io import read_header
 
@@ -92,8 +92,7 @@ def check_integrity(folder: str) -> IntegrityResult:
     if record is None:
         return result
     result.record = record
-    present = output_files(folder)
-    for name in sorted(set(present) - set(record["shards"]) - set(record["files"])):
+    for name in unlisted_files(folder, record):
         if name.lower().endswith(WEIGHT_SUFFIXES):
             result.problems.append(f"{name} was not written by the merge (a loader may take weights from it)")
         elif _documentation(name):

@@ -146,14 +146,15 @@ def offloads(module: nn.Module | None) -> bool:
         module: a module, or None.
 
     Returns:
-        True for an offloaded module.
+        True when a hook serves its weights from the disk or CPU offload map (no hook, or one that only moves
+        inputs: False).
 
     Raises:
         Nothing.
 
     Example:
-        >>> offloads(torch.nn.Linear(1, 1))
-        False
+        >>> offloads(None), offloads(torch.nn.Linear(1, 1))
+        (False, False)
     """
     hook = getattr(module, "_hf_hook", None)
     return hook is not None and bool(getattr(hook, "offload", False))

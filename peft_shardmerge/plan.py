@@ -18,7 +18,6 @@ from .support import DISK, check_layers, config_variants, raise_if_any
 from .options import BASE_PRECISIONS, DEFAULT_CHUNK_ELEMS, OUTPUT_DTYPES, parse_dtype, parse_size
 from .plan_types import Plan, assign_shards
 from .planners import PlanState, plan_lora, plan_peft_ops, plan_replacements, plan_ties, plan_tokens, plan_vocab
-from .planners import shape_mismatch_problems  # noqa: F401  (public here too)
 from .ties import untie_note
 
 

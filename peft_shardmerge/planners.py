@@ -42,7 +42,7 @@ class PlanState:
     to_file: Callable[[str], str]
     parts: dict[str, list[str]]
     out_st: str
-    tie_on: bool = True
+    tie_on: bool = field(init=False)
     virtual: dict[str, TensorInfo] = field(default_factory=dict)
     planned: dict[str, PlannedTensor] = field(default_factory=dict)
     touched: set = field(default_factory=set)
@@ -90,7 +90,7 @@ class PlanState:
 
 def _adapter_of(adapter: AdapterSpec, mod: LoraModule) -> str:
     """The folder a LoRA module comes from (the adapter of a combination its key names)."""
-    folders = getattr(adapter, "folders", None) or [adapter.folder]
+    folders = adapter.folders
     index = mod.key.split(":", 1)[0] if ":" in mod.key else "0"
     return folders[int(index)] if index.isdigit() and int(index) < len(folders) else folders[0]
 

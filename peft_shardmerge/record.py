@@ -349,3 +349,24 @@ def write_merge_record(folder: str, shards: dict[str, dict], merge: dict) -> Non
               "algorithm": "sha256", "merge": merge, "shards": shard_records, "files": files}
     record["record_sha256"] = record_digest(record)
     write_json(os.path.join(folder, RECORD_FILE), record)
+
+
+def unlisted_files(folder: str, record: dict) -> list[str]:
+    """The files of a merged folder its record does not list (added after the merge).
+
+    Args:
+        folder: the merged folder.
+        record: its parsed, self-checked record.
+
+    Returns:
+        Sorted relative paths.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> unlisted_files("merged", record)   # doctest: +SKIP
+        ['notes.txt']
+    """
+    return sorted(set(output_files(folder)) - set(record["shards"]) - set(record["files"]))
+
