@@ -11,7 +11,7 @@ import re
 import signal
 import stat
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Iterator
 
 MADE_BY = "peft-shardmerge"
@@ -101,8 +101,16 @@ def read_manifest(folder: str) -> dict | None:
         >>> read_manifest("/nonexistent") is None
         True
     """
+    manifest = _own_manifest(os.path.join(folder, MANIFEST))
+    first = False
+    with suppress(OSError):  # a merge killed between fsyncing a new staging folder's first manifest and renaming it
+        first = manifest is None and os.listdir(folder) == [MANIFEST + ".tmp"]
+    return _own_manifest(os.path.join(folder, MANIFEST + ".tmp")) if first else manifest
+
+
+def _own_manifest(path: str) -> dict | None:
     try:
-        fd = os.open(os.path.join(folder, MANIFEST), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -121,18 +129,15 @@ def read_manifest(folder: str) -> dict | None:
         manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(manifest, dict):
-        return None
-    ours = manifest.get("made_by") == MADE_BY or set(manifest) == {"fingerprint", "shards"}  # or an earlier version's
+    ours = isinstance(manifest, dict) and (  # or an earlier version's
+        manifest.get("made_by") == MADE_BY or set(manifest) == {"fingerprint", "shards"})
     return manifest if ours else None
 
 
 def lock_record_is_ours(data: bytes) -> bool:
     """Whether the bytes of an existing ``.<OUT>.lock`` were written by peft-shardmerge (or are empty: a lock
     file just created by another merge that has not written its record yet)."""
-    if not data:
-        return True
-    if data.startswith(b'{"made_by": "' + MADE_BY.encode() + b'"'):
+    if not data or data.startswith(b'{"made_by": "' + MADE_BY.encode() + b'"'):
         return True
     try:
         record = json.loads(data)

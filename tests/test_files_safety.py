@@ -616,3 +616,26 @@ def test_verify_piped_into_head_prints_no_traceback(tiny, tmp_path):
     r = subprocess.run(f"{sys.executable} -m peft_shardmerge verify {out} | head -c 1", shell=True,
                        capture_output=True, text=True)
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("tmp_content,ours", [
+    ('{"made_by": "peft-shardmerge", "fingerprint": null, "inputs": null, "shards": {}}', True),
+    ('{"note": "not ours"}', False),
+])
+def test_a_kill_before_the_first_manifest_was_renamed_into_place(make_base, make_adapter, tmp_path, tmp_content,
+                                                                 ours):
+    """A merge killed between fsyncing a new staging folder's first manifest and renaming it leaves the folder
+    holding only manifest.json.tmp. Ours (it names peft-shardmerge): the next run takes the folder over. Anything
+    else under that name is not provably ours and stays."""
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    out = str(tmp_path / "out")
+    os.mkdir(partial_dir(out))
+    with open(os.path.join(partial_dir(out), "manifest.json.tmp"), "w") as f:
+        f.write(tmp_content)
+    if ours:
+        merge_checkpoint(base, adapter, out, progress=False)
+        assert os.path.isfile(os.path.join(out, "model.safetensors")) and not os.path.exists(partial_dir(out))
+    else:
+        with pytest.raises(InputError, match="was not made by peft-shardmerge"):
+            merge_checkpoint(base, adapter, out, progress=False)
+        assert os.listdir(partial_dir(out)) == ["manifest.json.tmp"] and not os.path.exists(out)
