@@ -108,7 +108,7 @@ class PlanMerger(RowMerger):
             return
         out_dtype = DTYPES[t.out_dtype][0]
         row_bytes = t.nbytes // max(1, t.shape[0] if t.shape else 1)
-        if t.op == "cast":
+        if t.op in ("cast", "dequantize"):
             for start, stop in row_blocks(t.shape, self.plan.chunk_elems):
                 cast = self.reader.read_rows(src, start, stop).to(out_dtype)
                 check_range(t.name, cast, out_dtype)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ShardMergeError
+from .errors import InputError, ShardMergeError
 from .live import LiveModel, bnb_kind, dequantize, materialized, offload_owner
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ def _compare(live: LiveModel, folder: str) -> tuple[str, tuple[str, ...], list[f
     from .sources import open_checkpoint
 
     src = open_checkpoint(folder)
+    if src.quantized is not None:  # the folder a 4-bit model was loaded from is not a 16-bit original
+        raise InputError(f"it is itself stored quantized ({src.quantized.method})")
     _, to_file, _ = in_file_names(live.info, list(src.by_name))  # the checkpoint's own key names (LLaVA, ...)
     reader = RowReader()
     compared, errors = [], []

@@ -194,6 +194,8 @@ def build_plan(
     tie_problems, untied = plan_ties(st)
     problems += tie_problems + plan_vocab(st)
     notes = [untie_note(untied)] if untied else []
+    if base.quantized is not None:
+        notes.append(base.quantized.note(out_torch))
     if nf4 is not None:
         for name, pt in st.planned.items():
             if name in info.linear_weights and pt.source.dtype in FLOAT_DTYPES and not pt.from_adapter:
@@ -234,6 +236,12 @@ def _parse_options(base: CheckpointSource, info: ModelInfo, dtype, max_shard_siz
     if base_precision not in BASE_PRECISIONS:
         problems.append(f"base_precision must be one of {', '.join(BASE_PRECISIONS)}, got {base_precision!r}")
     if base_precision != "nf4":
+        return out_torch, shard_limit, None, problems
+    if base.quantized is not None:
+        problems.append(
+            f"base precision 'nf4' re-quantizes a 16-bit base, but this base is already stored as "
+            f"{base.quantized.method}: drop base precision 'nf4'; the adapter is then merged into the stored "
+            "weights dequantized, which for an adapter trained on this base are the weights it was trained on")
         return out_torch, shard_limit, None, problems
     nf4 = nf4 or Nf4Settings()
     problems += nf4.validate()

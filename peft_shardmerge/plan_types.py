@@ -92,6 +92,8 @@ class PlannedTensor:
             return self.kind
         if self.loras or self.bias_loras or self.quantize or self.token_rows or self.peft_ops:
             return "merge"
+        if self.source.decoder is not None:
+            return "dequantize"
         return "copy" if self.out_dtype == self.source.dtype else "cast"
 
 
@@ -241,7 +243,8 @@ class Plan:
             f"adapter:         {self.adapter_text or ', '.join(self.adapter.folders)}"
             + (f" (combined: {self.adapter.combination})" if self.adapter.combination else ""),
             f"dtype:           {str(self.dtype).removeprefix('torch.')}",
-            f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else ""),
+            f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else "")
+            + (f" (the stored {self.base.quantized.method}, dequantized)" if self.base.quantized else ""),
             f"LoRA modules:    {len(self.adapter.modules)}" if self.adapter.layers is None else
             f"{self.adapter.peft_type} layers: {len(self.adapter.layers.ops)}",
         ]

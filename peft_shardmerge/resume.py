@@ -79,8 +79,9 @@ class InputDigests:
         self.plan = plan
         self._ranges: dict[str, list[tuple[str, int, int]]] = {}
         for t in plan.tensors:
-            self._ranges.setdefault(plan.shard_names[t.shard], []).append(
-                (t.source.path, t.source.offset, t.source.nbytes))
+            stored = t.source.decoder.stored if t.source.decoder is not None else (t.source,)
+            self._ranges.setdefault(plan.shard_names[t.shard], []).extend(
+                (s.path, s.offset, s.nbytes) for s in stored)
 
     def common(self) -> str:
         """The digest of the inputs every shard depends on (``"missing"`` when one cannot be read)."""
@@ -92,7 +93,7 @@ class InputDigests:
             base = self.plan.base.folder
             ranges += [_whole(os.path.join(base, n)) for n in ("config.json", "model.safetensors.index.json")
                        if os.path.isfile(os.path.join(base, n))]
-            ranges += [_header(p) for p in sorted({t.path for t in self.plan.base.tensors})]
+            ranges += [_header(p) for p in sorted({t.path for t in self.plan.base.stored})]
         except OSError:
             return "missing"
         return range_digest(ranges)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,6 +54,9 @@ class TensorInfo:
         path: the file holding it.
         offset: absolute byte offset of its data in the file.
         nbytes: size of its data in bytes.
+        decoder: for a tensor of a quantized checkpoint, what computes its dequantized rows
+            (:class:`~peft_shardmerge.quantized.Decoder`); ``dtype``, ``shape`` and ``nbytes`` are then those of
+            the dequantized tensor.
     """
 
     name: str
@@ -62,6 +65,7 @@ class TensorInfo:
     path: str
     offset: int
     nbytes: int
+    decoder: Any = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -211,11 +215,14 @@ class RowReader:
             stop: one past the last row.
 
         Returns:
-            A tensor of shape ``(stop - start, *info.shape[1:])`` in the file's dtype.
+            A tensor of shape ``(stop - start, *info.shape[1:])`` in the file's dtype (for a quantized
+            checkpoint's tensor, an independent tensor of its dequantized rows in ``info.dtype``).
 
         Raises:
             CorruptFileError: the file ended early.
         """
+        if info.decoder is not None:  # a quantized checkpoint's tensor: its rows dequantized from what is stored
+            return info.decoder.rows(self, start, stop)
         if not info.shape:
             start, stop, row_elems = 0, 1, 1
         else:

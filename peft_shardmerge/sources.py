@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import CorruptFileError, InputError, NotFoundError
+from .quantized import QuantView, dequantized_view
 from .safetensors_io import TensorInfo, read_header
 from .side_files import list_side_files
 
@@ -119,10 +120,13 @@ class CheckpointSource:
     Attributes:
         folder: the checkpoint folder.
         config: the parsed ``config.json``.
-        tensors: every tensor, in checkpoint order (index order of shards, then file order).
+        tensors: every tensor, in checkpoint order (index order of shards, then file order); for a quantized
+            checkpoint, the dequantized tensors as transformers names them (:mod:`~peft_shardmerge.quantized`).
         by_name: the same, by name.
         extra_files: the folder's other files, carried into the output (paths relative to ``folder``,
             :func:`~peft_shardmerge.side_files.list_side_files`).
+        stored: every tensor as stored in the files (the same as ``tensors`` for an unquantized checkpoint).
+        quantized: for a quantized checkpoint, its :class:`~peft_shardmerge.quantized.QuantView`.
     """
 
     folder: str
@@ -130,6 +134,11 @@ class CheckpointSource:
     tensors: list[TensorInfo]
     by_name: dict[str, TensorInfo] = field(default_factory=dict)
     extra_files: list[str] = field(default_factory=list)
+    stored: list[TensorInfo] = field(default_factory=list)
+    quantized: QuantView | None = None
+
+    def __post_init__(self) -> None:
+        self.stored = self.stored or list(self.tensors)
 
     @property
     def total_bytes(self) -> int:
@@ -150,7 +159,8 @@ def open_checkpoint(location: str) -> CheckpointSource:
     Raises:
         NotFoundError: folder, config or weights are missing.
         CorruptFileError: an index or shard is malformed, or a tensor name appears twice.
-        InputError: the checkpoint has only pickle (``.bin``) weights or is already quantized.
+        InputError: the checkpoint has only pickle (``.bin``) weights, or is quantized in a format this version
+            does not read (:func:`~peft_shardmerge.quantized.dequantized_view`).
 
     Example:
         >>> src = open_checkpoint("./tiny-llama")   # doctest: +SKIP
@@ -160,14 +170,6 @@ def open_checkpoint(location: str) -> CheckpointSource:
     folder = resolve_folder(location, what="base", must_have=("config.json",))
     config = read_json(os.path.join(folder, "config.json"), "base config.json")
     files, wmap, index_path = _weight_files(folder, config)
-    if config.get("quantization_config"):
-        qc = config["quantization_config"]
-        method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else type(qc).__name__
-        raise InputError(
-            f"base {folder} is a pre-quantized checkpoint (quant_method={method!r}); "
-            "merge into the original 16-bit checkpoint instead (its model id is usually the name without the "
-            "'-bnb-4bit' suffix)"
-        )
     tensors: list[TensorInfo] = []
     by_name: dict[str, TensorInfo] = {}
     for path in files:
@@ -189,7 +191,11 @@ def open_checkpoint(location: str) -> CheckpointSource:
         absent = sorted(set(wmap) - set(by_name))
         if absent:
             raise CorruptFileError(f"{index_path}: names tensors no shard holds: {', '.join(absent[:5])}")
-    return CheckpointSource(folder, config, tensors, by_name, list_side_files(folder))
+    view = dequantized_view(folder, config, tensors)
+    if view is None:
+        return CheckpointSource(folder, config, tensors, by_name, list_side_files(folder))
+    logical = {t.name: t for t in view.tensors}
+    return CheckpointSource(folder, config, view.tensors, logical, list_side_files(folder), tensors, view)
 
 
 def _weight_files(folder: str, config: dict) -> tuple[list[str], dict | None, str]:
