@@ -112,6 +112,7 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
         >>> plan = plan_with_options("tiny-base", "tiny-adapter", "merged", opts)  # doctest: +SKIP
     """
     problems = list(problems if problems is not None else opts.problems())
+    opts = opts.for_path("disk")
     base, bad_base = path_argument(base, "base")
     locations, bad = _adapter_locations(adapter)
     if bad_base or bad:  # unreadable path arguments: nothing else can be checked

@@ -16,8 +16,8 @@ from .live_plan import LiveSource, plan_live, valid_generation_config
 from .live_save import execute_live_plan
 from .model_check import require_supported
 from .model_plan import (BASE_PRECISIONS, adapter_selection, build_model_plan, model_dtype,  # noqa: F401 - public
-                         plan_model_merge, save_adapter_untouched)
-from .options import parse_dtype, parse_size
+                         model_options, plan_model_merge, save_adapter_untouched)
+from .options import MergeOptions, parse_dtype, parse_size
 from .outcheck import check_out_dir, foreign_model_problems, source_folders
 from .report import MergeReport
 
@@ -36,6 +36,7 @@ def merge_and_save(
     combination_type: str = "cat",
     overwrite: bool = False,
     progress: bool = True,
+    options: MergeOptions | None = None,
 ) -> MergeReport:
     """Write base + LoRA of a loaded model (bitsandbytes 4-bit, 8-bit or unquantized base) as a 16-bit checkpoint.
 
@@ -67,6 +68,9 @@ def merge_and_save(
             PEFT's ``add_weighted_adapter(combination_type="linear")`` builds (equal ranks, cross terms included).
         overwrite: replace a non-empty ``out_dir`` (after the new output is complete).
         progress: show progress bars.
+        options: the same knobs (and ``chunk_elems``) as one :class:`~peft_shardmerge.options.MergeOptions`, the
+            object :func:`~peft_shardmerge.api.merge_checkpoint` takes; a keyword left at its default defers to
+            it, and a keyword and a field set to different values are refused.
 
     Returns:
         A :class:`~peft_shardmerge.report.MergeReport`; ``base_precision`` says which base was used and
@@ -83,15 +87,17 @@ def merge_and_save(
         >>> report = merge_and_save(model, "merged", tokenizer=tokenizer)   # doctest: +SKIP
         >>> print(report.summary())                                        # doctest: +SKIP
     """
-    problems: list[str] = []
+    opts, problems = model_options(options, dtype=dtype, max_shard_size=max_shard_size,
+                                   maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
+                                   weights=weights, combination=combination_type, overwrite=overwrite,
+                                   progress=progress)
     budget = None
     try:
-        budget = MemoryBudget(maximum_memory_usage)
+        budget = MemoryBudget(opts.maximum_memory_usage)
     except InputError as e:  # reported with every other problem
         problems += e.problems
-    planned = build_model_plan(model, out_dir, dtype=dtype, max_shard_size=max_shard_size,
-                               base_precision=base_precision, adapter_names=adapter_names, weights=weights,
-                               combination_type=combination_type, overwrite=overwrite, problems=problems)
+    planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
+    overwrite, progress = opts.overwrite, opts.progress
     save_extra = _side_saver(tokenizer)
     plan = planned.plan
     if plan.live is None:  # merged from the original checkpoint on disk

@@ -49,13 +49,14 @@ class LiveSource:
                            double_quant=bool(self.quant4["bnb_4bit_use_double_quant"]))
 
 
-def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int) -> Plan:
+def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Plan:
     """The plan of a walked model's merge: each entry's output tensors, sized from shapes alone.
 
     Args:
         source: the walked model and the adapter selection.
         out_dtype: the floating-point dtype written.
         limit: the largest shard in bytes.
+        chunk_elems: elements per row block.
 
     Returns:
         A :class:`~peft_shardmerge.plan_types.Plan` with ``live`` set.
@@ -79,7 +80,7 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int) -> Plan:
     if source.quant4 is not None:
         config["quantization_config"] = source.quant4
     return Plan(base=None, adapter=None, tensors=tensors, shard_names=names, dtype=out_dtype,
-                base_precision="dequantized", nf4=None, config=config, chunk_elems=DEFAULT_CHUNK_ELEMS,
+                base_precision="dequantized", nf4=None, config=config, chunk_elems=chunk_elems,
                 untied=list(live.untied), notes=list(live.notes), live=source,
                 origin=getattr(live.model.config, "_name_or_path", "") or type(live.model).__name__,
                 adapter_text=in_memory_text(source.adapter_names, source.weights))

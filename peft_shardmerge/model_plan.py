@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from .errors import FileSystemError, InputError, ShardMergeError
 from .live import check_adapter_names, unwrap, walk
 from .live_plan import LiveSource, in_memory_text, plan_live, valid_generation_config
 from .model_check import require_supported, selected_adapters
-from .options import parse_dtype, parse_size
+from .options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions, parse_dtype, parse_size
 from .original import OriginalCheck, default_dtype, describe_base, find_original, inner_problems, is_quantized
 from .outcheck import check_out_dir, foreign_model_problems, source_folders
 from .peft_deltas import DELTA_TYPES
@@ -26,7 +26,7 @@ from .staging import NOTHING_WRITTEN
 
 log = logging.getLogger(__name__)
 
-BASE_PRECISIONS = ("auto", "original", "dequantized")
+BASE_PRECISIONS = MODEL_BASE_PRECISIONS
 
 
 def model_dtype(inner: nn.Module) -> torch.dtype:
@@ -180,7 +180,8 @@ class ModelPlan:
 def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
                      max_shard_size: int | str = "5GB", base_precision: str = "auto",
                      adapter_names: list[str] | None = None, weights: list[float] | None = None,
-                     combination_type: str = "cat", overwrite: bool = False) -> Plan:
+                     combination_type: str = "cat", overwrite: bool = False,
+                     options: MergeOptions | None = None) -> Plan:
     """Check a loaded model's merge and return what :func:`~peft_shardmerge.inprocess.merge_and_save` would write,
     without writing anything or changing the model (the in-process dry run).
 
@@ -194,6 +195,8 @@ def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None,
         weights: one weight per adapter of ``adapter_names``.
         combination_type: ``"cat"`` or ``"linear"``.
         overwrite: whether the merge would replace a non-empty ``out_dir``, as for ``merge_and_save``.
+        options: the same knobs (and ``chunk_elems``) as one :class:`~peft_shardmerge.options.MergeOptions`, with
+            the precedence rules of :meth:`~peft_shardmerge.options.MergeOptions.merged`.
 
     Returns:
         A :class:`~peft_shardmerge.plan_types.Plan`, the type :func:`~peft_shardmerge.api.plan_checkpoint_merge`
@@ -208,25 +211,43 @@ def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None,
         >>> from peft_shardmerge import plan_model_merge
         >>> print(plan_model_merge(model).describe())   # doctest: +SKIP
     """
-    return build_model_plan(model, out_dir, dtype=dtype, max_shard_size=max_shard_size,
-                            base_precision=base_precision, adapter_names=adapter_names, weights=weights,
-                            combination_type=combination_type, overwrite=overwrite or out_dir is None).plan
+    opts, problems = model_options(options, dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
+                                   weights=weights, combination=combination_type, overwrite=overwrite)
+    if out_dir is None:
+        opts = replace(opts, overwrite=True)
+    return build_model_plan(model, out_dir, opts, adapter_names, problems).plan
 
 
-def build_model_plan(model: nn.Module, out_dir, *, dtype, max_shard_size, base_precision, adapter_names, weights,
-                     combination_type, overwrite: bool, problems: list[str] | None = None) -> ModelPlan:
+def model_options(options: MergeOptions | None, **given) -> tuple[MergeOptions, list[str]]:
+    """The options of a loaded model's merge: the keywords of ``merge_and_save``/``plan_model_merge`` merged with
+    ``options=`` (:meth:`~peft_shardmerge.options.MergeOptions.merged`, path ``"model"``).
+
+    Args:
+        options: the ``options=`` argument, or None.
+        **given: the call's keywords, named as the fields of :class:`~peft_shardmerge.options.MergeOptions`.
+
+    Returns:
+        ``(options, problems)``.
+
+    Raises:
+        InputError: ``options`` is not a :class:`~peft_shardmerge.options.MergeOptions`.
+
+    Example:
+        >>> model_options(None, dtype="bf16")[0].base_precision
+        'auto'
+    """
+    return MergeOptions.merged(options, path=MODEL, **given)
+
+
+def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_names: list[str] | None,
+                     problems: list[str] | None = None) -> ModelPlan:
     """Check every option of a loaded model's merge (all problems named at once) and plan it.
 
     Args:
         model: the model.
         out_dir: the output folder, or None to check none.
-        dtype: output dtype (None: the default).
-        max_shard_size: largest shard.
-        base_precision: ``"auto"``, ``"original"`` or ``"dequantized"``.
+        opts: the options (:func:`model_options`; their problems are passed in ``problems``).
         adapter_names: adapters to merge (None: the active ones).
-        weights: weight per adapter.
-        combination_type: ``"cat"`` or ``"linear"``.
-        overwrite: whether a non-empty ``out_dir`` may be replaced.
         problems: problems the caller found already (reported with these).
 
     Returns:
@@ -236,15 +257,15 @@ def build_model_plan(model: nn.Module, out_dir, *, dtype, max_shard_size, base_p
         InputError: any problem.
 
     Example:
-        >>> build_model_plan(model, "merged", dtype=None, max_shard_size="5GB", base_precision="auto",
-        ...                  adapter_names=None, weights=None, combination_type="cat", overwrite=False)  # doctest: +SKIP
+        >>> opts, problems = model_options(None)                              # doctest: +SKIP
+        >>> build_model_plan(model, "merged", opts, None, problems)         # doctest: +SKIP
     """
     problems = list(problems or [])
-    if base_precision not in BASE_PRECISIONS:
-        problems.append(f"base_precision must be one of {', '.join(BASE_PRECISIONS)}, got {base_precision!r}")
-    out_dtype, limit = _parse(dtype, max_shard_size, problems)
+    base_precision, weights, combination_type = opts.base_precision, opts.weights, opts.combination
+    out_dtype, limit = _parse(opts.dtype, opts.max_shard_size, problems)
     inner = unwrap(model)
-    names, weight_map, selection_problems = adapter_selection(model, adapter_names, weights, combination_type)
+    names, weight_map, selection_problems = adapter_selection(
+        model, adapter_names, list(weights) if weights is not None else None, combination_type)
     problems = require_supported(model, names, problems + selection_problems)
     adapters = names or selected_adapters(model, None)
     dtype_note = ""
@@ -257,17 +278,16 @@ def build_model_plan(model: nn.Module, out_dir, *, dtype, max_shard_size, base_p
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
     if out_dir is not None:
         inputs = {**source_folders(model), **({"base": original} if original else {})}
-        problems += check_out_dir(out_dir, inputs=inputs, overwrite=overwrite) + foreign_model_problems(out_dir)
+        problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite) + foreign_model_problems(out_dir)
     if problems:
-        raise InputError(problems)
+        raise InputError(list(dict.fromkeys(problems)))
     reproduces, note = describe_base(original, check, is_quantized(inner), reason)
     if original is not None:
-        result = _plan_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite,
-                                     adapters, weight_map, combination_type)
+        result = _plan_from_original(model, inner, original, out_dir, out_dtype, opts, adapters, weight_map)
     else:
         source = LiveSource(walk(model, names), names, weight_map, combination_type,
                             generation_config=valid_generation_config(inner))
-        result = ModelPlan(plan_live(source, out_dtype, limit), "")
+        result = ModelPlan(plan_live(source, out_dtype, limit, opts.chunk_elems), "")
     result.plan.adapter_text = in_memory_text(adapters, weight_map)
     result.reproduces = reproduces
     result.plan.notes[:0] = [f"base precision {base_precision!r}: {note}"] + ([dtype_note] if dtype_note else [])
@@ -287,8 +307,8 @@ def _parse(dtype, max_shard_size, problems: list[str]) -> tuple[torch.dtype | No
     return out_dtype, limit
 
 
-def _plan_from_original(model, inner, original, out_dir, out_dtype, max_shard_size, overwrite, adapters, weight_map,
-                        combination) -> ModelPlan:
+def _plan_from_original(model, inner, original, out_dir, out_dtype, opts: MergeOptions, adapters,
+                        weight_map) -> ModelPlan:
     """Plan the merge into the original checkpoint of the adapters saved in a temporary folder kept by the plan."""
     folder = tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-")
     folders = []
@@ -300,8 +320,9 @@ def _plan_from_original(model, inner, original, out_dir, out_dtype, max_shard_si
         plan = plan_checkpoint_merge(original, folders[0] if len(folders) == 1 else folders,
                                      os.path.join(folder.name, "out") if out_dir is None else out_dir,
                                      weights=[weight_map[a] for a in adapters] if weight_map else None,
-                                     combination=combination, dtype=out_dtype, max_shard_size=max_shard_size,
-                                     device=device, overwrite=overwrite)
+                                     combination=opts.combination, dtype=out_dtype,
+                                     max_shard_size=opts.max_shard_size, device=device, overwrite=opts.overwrite,
+                                     chunk_elems=opts.chunk_elems)
     except BaseException as e:
         folder.cleanup()
         if isinstance(e, OSError) and not isinstance(e, ShardMergeError):  # reading the inputs failed

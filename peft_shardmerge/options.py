@@ -1,9 +1,9 @@
-"""The option vocabulary shared by every API: output dtypes, sizes and the frozen merge options."""
+"""The option vocabulary shared by both paths (disk and a loaded model): output dtypes, sizes and the frozen merge options."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 import torch
@@ -91,6 +91,22 @@ DEVICES = ("auto", "cpu", "cuda")
 
 #: what the disk path merges into: the checkpoint's weights, or their 4-bit round trip (QLoRA)
 BASE_PRECISIONS = ("original", "nf4")
+#: what a loaded model's merge merges into: the best available, the original checkpoint, or the weights in memory
+MODEL_BASE_PRECISIONS = ("auto", "original", "dequantized")
+#: the two paths: a checkpoint on disk (merge_checkpoint) and a loaded model (merge_and_save)
+DISK, MODEL = "disk", "model"
+_PATH_DEFAULTS = {DISK: {"base_precision": "original"}, MODEL: {"base_precision": "auto"}}
+#: knobs that mean something on one path only, with what to use on the other
+_ONE_PATH = {
+    "nf4_quant_type": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
+    "nf4_blocksize": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
+    "nf4_double_quant": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
+    "device": (DISK, "device applies to merges from disk; a loaded model merges where its weights are, within "
+                     "maximum_memory_usage"),
+    "resume": (DISK, "resume applies to merges from disk"),
+    "maximum_memory_usage": (MODEL, "maximum_memory_usage applies to merges of a loaded model; from disk, "
+                                    "device= chooses where the maths runs"),
+}
 
 
 def _bool_problem(name: str, value) -> list[str]:
@@ -99,8 +115,12 @@ def _bool_problem(name: str, value) -> list[str]:
 
 @dataclass(frozen=True)
 class MergeOptions:
-    """How a disk merge runs: one frozen value for every knob of :func:`~peft_shardmerge.api.merge_checkpoint` and
-    :func:`~peft_shardmerge.api.plan_checkpoint_merge` (their keywords of the same names build one).
+    """How a merge runs: one frozen value for the knobs of both paths, from disk
+    (:func:`~peft_shardmerge.api.merge_checkpoint`, :func:`~peft_shardmerge.api.plan_checkpoint_merge`) and of a
+    loaded model (:func:`~peft_shardmerge.inprocess.merge_and_save`,
+    :func:`~peft_shardmerge.model_plan.plan_model_merge`); their keywords of the same names build one
+    (``combination_type``, PEFT's name, is ``combination``). A knob that means something on one path only is
+    refused on the other when set.
 
     Building one never raises; :meth:`problems` lists every problem at once and :meth:`check` raises them.
 
@@ -109,7 +129,8 @@ class MergeOptions:
         combination: ``"cat"`` or ``"linear"``.
         dtype: output dtype (``"bfloat16"``, ``"float16"``, ``"float32"``, a torch dtype), None keeps the base's.
         max_shard_size: largest output shard, bytes or a string such as ``"5GB"``.
-        base_precision: ``"original"`` or ``"nf4"``.
+        base_precision: from disk ``"original"`` or ``"nf4"``; for a loaded model ``"auto"``, ``"original"`` or
+            ``"dequantized"``; None (the default) is ``"original"`` from disk and ``"auto"`` for a loaded model.
         nf4_quant_type: ``"nf4"`` or ``"fp4"`` (``base_precision="nf4"``).
         nf4_blocksize: 4-bit block size used in training.
         nf4_double_quant: whether training used double quantization.
@@ -117,7 +138,8 @@ class MergeOptions:
         overwrite: allow replacing a non-empty output folder.
         progress: show a progress bar.
         chunk_elems: elements per row block (bounds peak memory).
-        resume: keep the verified shards of an interrupted run of the same merge.
+        resume: keep the verified shards of an interrupted run of the same merge (from disk).
+        maximum_memory_usage: fraction (0, 0.95] of accelerator memory a loaded model's merge may occupy.
 
     Example:
         >>> MergeOptions(dtype="bf16", chunk_elems=0).problems()
@@ -128,7 +150,7 @@ class MergeOptions:
     combination: str = "cat"
     dtype: str | torch.dtype | None = None
     max_shard_size: int | str = "5GB"
-    base_precision: str = "original"
+    base_precision: str | None = None
     nf4_quant_type: str = "nf4"
     nf4_blocksize: int = 64
     nf4_double_quant: bool = True
@@ -137,6 +159,7 @@ class MergeOptions:
     progress: bool = True
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     resume: bool = True
+    maximum_memory_usage: float = 0.9
 
     def __post_init__(self) -> None:
         weights = self.weights
@@ -150,8 +173,12 @@ class MergeOptions:
             return None
         return Nf4Settings(self.nf4_quant_type, self.nf4_blocksize, self.nf4_double_quant)
 
-    def problems(self) -> list[str]:
-        """Every problem with these options, at once (the number of weights is checked against the adapters later).
+    def problems(self, path: str = DISK) -> list[str]:
+        """Every problem with these options for one path, at once (the number of weights is checked against the
+        adapters later).
+
+        Args:
+            path: ``"disk"`` (a checkpoint on disk) or ``"model"`` (a loaded model).
 
         Returns:
             The problems (empty when the options are valid).
@@ -162,9 +189,13 @@ class MergeOptions:
         Example:
             >>> len(MergeOptions(dtype="int4", max_shard_size="lots", combination="sum").problems())
             3
+            >>> MergeOptions(device="cpu").problems("model")[0][:44]
+            'device applies to merges from disk; a loaded'
         """
         problems = []
-        if self.weights is None or isinstance(self.weights, tuple):  # the one check, as combine_adapters runs it
+        if path == MODEL:  # checked against the model's adapters, under PEFT's name combination_type
+            pass
+        elif self.weights is None or isinstance(self.weights, tuple):  # the one check, as combine_adapters runs it
             problems += check_weights(len(self.weights or ()), self.weights, self.combination)[1]
         else:
             problems.append(f"adapter weights must be finite numbers, got {self.weights!r}")
@@ -174,8 +205,9 @@ class MergeOptions:
                 parse(value)
             except InputError as e:
                 problems += e.problems
-        if self.base_precision not in BASE_PRECISIONS:
-            problems.append(f"base_precision must be one of {', '.join(BASE_PRECISIONS)}, got {self.base_precision!r}")
+        allowed = BASE_PRECISIONS if path == DISK else MODEL_BASE_PRECISIONS
+        if self.base_precision is not None and self.base_precision not in allowed:
+            problems.append(f"base_precision must be one of {', '.join(allowed)}, got {self.base_precision!r}")
         elif self.nf4 is not None:
             problems += self.nf4.validate()
         if not isinstance(self.device, torch.device) and self.device not in DEVICES and not (
@@ -185,7 +217,31 @@ class MergeOptions:
             problems.append(f"chunk_elems must be a positive int, got {self.chunk_elems!r}")
         for name in ("nf4_double_quant", "overwrite", "progress", "resume"):
             problems += _bool_problem(name, getattr(self, name))
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, (only, why) in _ONE_PATH.items():
+            if only != path and not _same(getattr(self, name), defaults[name]):
+                problems.append(f"{name}={getattr(self, name)!r}: {why}")
         return problems
+
+    def for_path(self, path: str) -> "MergeOptions":
+        """These options with ``base_precision`` resolved to the path's default when it is None.
+
+        Args:
+            path: ``"disk"`` or ``"model"``.
+
+        Returns:
+            A :class:`MergeOptions` whose ``base_precision`` is set.
+
+        Raises:
+            Nothing.
+
+        Example:
+            >>> MergeOptions().for_path("model").base_precision
+            'auto'
+        """
+        if self.base_precision is not None:
+            return self
+        return replace(self, base_precision=_PATH_DEFAULTS[path]["base_precision"])
 
     def check(self) -> "MergeOptions":
         """Raise every problem at once, or return the options.
@@ -206,7 +262,8 @@ class MergeOptions:
         return self
 
     @classmethod
-    def merged(cls, options: "MergeOptions | None", **given) -> tuple["MergeOptions", list[str]]:
+    def merged(cls, options: "MergeOptions | None", *, path: str = DISK,
+               **given) -> tuple["MergeOptions", list[str]]:
         """The options of a call that takes both keywords and ``options=``.
 
         Precedence, per option: a keyword left at its default defers to ``options``; a keyword set to another
@@ -215,10 +272,12 @@ class MergeOptions:
 
         Args:
             options: the ``options=`` argument, or None.
+            path: ``"disk"`` or ``"model"``: which path's defaults and knobs apply.
             **given: the call's keywords, named as the fields.
 
         Returns:
-            ``(the options, problems)``: every conflict, and every problem of the result, at once.
+            ``(the options with base_precision resolved, problems)``: every conflict, and every problem of the
+            result, at once.
 
         Raises:
             InputError: ``options`` is not a :class:`MergeOptions`.
@@ -229,17 +288,19 @@ class MergeOptions:
         """
         if options is None:
             out = cls(**given)
-            return out, out.problems()
+            return out.for_path(path), out.problems(path)
         if not isinstance(options, cls):
             raise InputError(f"options must be a MergeOptions, got {type(options).__name__}")
         values, conflicts = {}, []
         for f in fields(cls):
-            mine, theirs = given.get(f.name, f.default), getattr(options, f.name)
+            default = _PATH_DEFAULTS[path].get(f.name, f.default)
+            mine, theirs = given.get(f.name, default), getattr(options, f.name)
+            theirs = default if theirs is None and f.default is None and default is not None else theirs
             if f.name == "weights" and mine is not None and hasattr(mine, "__iter__"):
                 mine = tuple(mine)
-            same = [_same(_canonical(f.name, a), _canonical(f.name, b)) for a, b in ((mine, f.default),
+            same = [_same(_canonical(f.name, a), _canonical(f.name, b)) for a, b in ((mine, default),
                                                                                        (mine, theirs),
-                                                                                       (theirs, f.default))]
+                                                                                       (theirs, default))]
             if same[0] or same[1]:
                 values[f.name] = theirs
             elif same[2]:
@@ -248,7 +309,7 @@ class MergeOptions:
                 conflicts.append(f"{f.name}={mine!r} conflicts with options.{f.name}={theirs!r}; give it in one place")
                 values[f.name] = theirs
         out = cls(**values)
-        return out, conflicts + out.problems()
+        return out.for_path(path), conflicts + out.problems(path)
 
 
 def _canonical(name: str, value):

@@ -1,4 +1,4 @@
-"""MergeOptions: one frozen value for the disk API's knobs, every problem at once, conflicts refused."""
+"""MergeOptions: one frozen value for the knobs of both paths, every problem at once, conflicts refused."""
 
 from __future__ import annotations
 
@@ -101,3 +101,103 @@ def test_bad_weights_and_combination_are_reported_with_every_other_problem(make_
                          weights=[float("nan")], progress=False)
     assert len(e.value.problems) == 6, e.value.problems
     assert not (tmp_path / "out").exists()
+
+
+# ---- one options object for both paths: a loaded model's merge takes the same MergeOptions ----
+
+def _loaded(base: str, adapter: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+
+
+def _tensors(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+def test_one_options_object_drives_both_paths_to_the_same_tensors(make_base, make_adapter, tmp_path):
+    from peft_shardmerge import merge_and_save, plan_model_merge
+
+    base, adapter = make_base("llama"), make_adapter("llama")
+    opts = MergeOptions(dtype="bfloat16", max_shard_size="200KB", chunk_elems=1000, progress=False)
+    disk = merge_checkpoint(base, adapter, str(tmp_path / "disk"), options=opts)
+    model = _loaded(base, adapter)
+    assert plan_model_merge(model, options=opts).chunk_elems == 1000  # the row block reaches the in-process plan
+    live = merge_and_save(model, str(tmp_path / "live"), options=replace_base(opts, "dequantized"))
+    assert disk.dtype == live.dtype == "bfloat16" and len(disk.shards) == len(live.shards) > 1
+    a, b = _tensors(str(tmp_path / "disk")), _tensors(str(tmp_path / "live"))
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= 2 ** -7 * max(a[k].float().abs().max().item() for k in a)  # one bf16 rounding at most
+
+
+def replace_base(opts: MergeOptions, base_precision: str) -> MergeOptions:
+    return dataclasses.replace(opts, base_precision=base_precision)
+
+
+def test_base_precision_default_is_the_paths_own(make_base, make_adapter):
+    from peft_shardmerge import plan_model_merge
+
+    assert MergeOptions().base_precision is None
+    assert MergeOptions().for_path("disk").base_precision == "original"
+    assert MergeOptions().for_path("model").base_precision == "auto"
+    plan = plan_checkpoint_merge(make_base("llama"), make_adapter("llama"), "/nonexistent/out", options=MergeOptions())
+    assert plan.base_precision == "original"
+    model = _loaded(make_base("llama"), make_adapter("llama"))
+    # the keyword's own default ("auto") defers to options; the model path's vocabulary applies
+    assert plan_model_merge(model, options=MergeOptions(base_precision="dequantized")).base_precision == "dequantized"
+    with pytest.raises(InputError, match=r"base_precision must be one of auto, original, dequantized, got 'nf4'"):
+        plan_model_merge(model, options=MergeOptions(base_precision="nf4"))
+    with pytest.raises(InputError, match=r"base_precision must be one of original, nf4, got 'dequantized'"):
+        plan_checkpoint_merge(make_base("llama"), make_adapter("llama"), "/nonexistent/out",
+                              options=MergeOptions(base_precision="dequantized"))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("device", "cpu", "device applies to merges from disk"),
+    ("resume", False, "resume applies to merges from disk"),
+    ("nf4_blocksize", 128, "apply to merges from disk"),
+])
+def test_a_disk_only_knob_is_refused_for_a_loaded_model(make_base, make_adapter, tmp_path, field, value, words):
+    from peft_shardmerge import merge_and_save
+
+    model = _loaded(make_base("llama"), make_adapter("llama"))
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=words):
+        merge_and_save(model, str(out), options=MergeOptions(**{field: value}), progress=False)
+    assert not out.exists()
+
+
+def test_a_model_only_knob_is_refused_from_disk(make_base, make_adapter, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=r"maximum_memory_usage=0\.5: maximum_memory_usage applies to merges of a "
+                                         r"loaded model"):
+        merge_checkpoint(make_base("llama"), make_adapter("llama"), str(out),
+                         options=MergeOptions(maximum_memory_usage=0.5))
+    assert not out.exists()
+
+
+def test_a_loaded_models_keyword_and_options_conflict_is_refused_with_every_problem(make_base, make_adapter,
+                                                                                     tmp_path):
+    from peft_shardmerge import merge_and_save
+
+    model = _loaded(make_base("llama"), make_adapter("llama"))
+    out = tmp_path / "out"
+    with pytest.raises(InputError) as err:
+        merge_and_save(model, str(out), dtype="bf16", maximum_memory_usage=2.0,
+                       options=MergeOptions(dtype="float16", chunk_elems=0))
+    text = str(err.value)
+    assert "dtype='bf16' conflicts with options.dtype='float16'" in text
+    assert "chunk_elems must be a positive int, got 0" in text and "maximum_memory_usage" in text
+    assert not out.exists()
+    # equivalent spellings are one value, and PEFT's combination_type is the options' combination
+    opts = MergeOptions(dtype="bfloat16", combination="cat")
+    merge_and_save(model, str(out), dtype=torch.bfloat16, combination_type="cat", options=opts, progress=False)
+    assert out.is_dir()
