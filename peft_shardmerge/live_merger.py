@@ -11,10 +11,10 @@ from .live import (
     LiveEntry,
     LiveModel,
     change_key,
-    dequantize,
     materialized,
     offload_owner,
 )
+from .live_weights import entry_base
 from .maths import ia3_multiplier, linear_factors, lora_bias_delta
 from .row_merge import RowMerger, choose_device
 
@@ -99,13 +99,10 @@ class LiveMerger(RowMerger):
 
     def _merge_weight(self, entry: LiveEntry, device: torch.device) -> torch.Tensor:
         """One entry merged whole on ``device``: its base (dequantized) and its changes through the row merge."""
-        if entry.attr == "weight" and entry.kind != "tokens":
-            notes: list[str] = []
-            w = dequantize(entry.holder, device, notes)
-            if notes:
-                self.repacked.append(entry.name)
-        else:  # a bias, trainable tokens' base, or a parameter such as fused experts' gate_up_proj
-            w = getattr(entry.holder, entry.attr).detach().to(device=device, dtype=torch.float32, copy=True)
+        notes: list[str] = []
+        w = entry_base(entry, device, notes)
+        if notes:
+            self.repacked.append(entry.name)
         changes = self.changes(entry)
         if not changes.empty:
             flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w

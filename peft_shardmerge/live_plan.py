@@ -9,13 +9,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .live import LiveEntry, LiveModel
+from .live import LiveEntry, LiveModel, materialized, offload_owner
+from .live_weights import entry_base
 from .options import DEFAULT_CHUNK_ELEMS
 from .original import base_config
 from .plan import TORCH_TO_ST, output_config
 from .plan_types import Plan, PlannedTensor, assign_shards
 from .quant import Nf4Settings, packed_4bit_layout
 from .safetensors_io import DTYPES, TensorInfo
+from .source_types import BaseTensor
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,26 @@ class LiveSource:
     combination: str = "cat"
     quant4: dict | None = None
     generation_config: object = None
+
+    def base_tensors(self) -> list[BaseTensor]:
+        """Every tensor of the walked model as the merge reads it (:class:`~peft_shardmerge.source_types.Source`):
+        floating tensors in float32 (weights dequantized), others as stored."""
+        out = []
+        for e in self.live.entries:
+            stored = getattr(e.holder, e.attr, None) if "." not in e.attr else None
+            dtype = torch.float32 if e.floating else getattr(stored, "dtype", torch.float32)
+            out.append(BaseTensor(e.name, dtype, tuple(e.shape)))
+        return out
+
+    def base_rows(self, name: str, device: torch.device):
+        """``rows(start, stop)`` of the base tensor of entry ``name``: a float32 copy on ``device``, taken with its
+        module brought in when it is offloaded, in the output layout (:class:`~peft_shardmerge.source_types.Source`)."""
+        entry = next(e for e in self.live.entries if e.name == name)
+        with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
+            w = entry_base(entry, device)
+        w = w.T if entry.transpose_out else w
+        flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w
+        return lambda start, stop: flat[start:stop]
 
     @property
     def settings(self) -> Nf4Settings | None:

@@ -80,6 +80,31 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
     return F.dequantize_4bit(data.to(device), qs).to(torch.float32)
 
 
+def entry_base(entry, device: torch.device, notes: list[str] | None = None) -> torch.Tensor:
+    """A float32 copy, on ``device``, of the base tensor a walked entry
+    (:class:`~peft_shardmerge.live_types.LiveEntry`) is merged into: a weight dequantized (:func:`dequantize`), a bias,
+    trainable tokens' base rows or a parameter such as fused experts' ``gate_up_proj`` as stored.
+
+    Args:
+        entry: the entry (its ``holder`` must be materialized when it is offloaded).
+        device: where the copy goes.
+        notes: receives a note when a repacked 4-bit weight was unpacked.
+
+    Returns:
+        A new float32 tensor in the holder's layout.
+
+    Raises:
+        MissingDependencyError: a bitsandbytes weight without bitsandbytes installed.
+
+    Example:
+        >>> entry_base(live.entries[1], torch.device("cpu")).dtype   # doctest: +SKIP
+        torch.float32
+    """
+    if entry.attr == "weight" and entry.kind != "tokens":
+        return dequantize(entry.holder, device, notes)
+    return getattr(entry.holder, entry.attr).detach().to(device=device, dtype=torch.float32, copy=True)
+
+
 def _quant_state_on(qs, device: torch.device):
     """A copy of a QuantState on another device (QuantState.to works in place, on the caller's state)."""
     from bitsandbytes.functional import QuantState

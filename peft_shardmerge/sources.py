@@ -6,9 +6,12 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import torch
+
 from .errors import CorruptFileError, InputError, NotFoundError
 from .quantized import QuantView, dequantized_view
-from .safetensors_io import TensorInfo, read_header
+from .safetensors_io import RowReader, TensorInfo, read_header
+from .source_types import BaseTensor
 from .side_files import list_side_files
 
 SINGLE_FILE = "model.safetensors"
@@ -139,6 +142,16 @@ class CheckpointSource:
 
     def __post_init__(self) -> None:
         self.stored = self.stored or list(self.tensors)
+
+    def base_tensors(self) -> list[BaseTensor]:
+        """Every tensor as the merge reads it (:class:`~peft_shardmerge.source_types.Source`)."""
+        return [BaseTensor(t.name, t.torch_dtype, tuple(t.shape)) for t in self.tensors]
+
+    def base_rows(self, name: str, device: torch.device, reader: RowReader | None = None):
+        """``rows(start, stop)`` of tensor ``name``, read with ``reader`` (a new one when None) and moved to
+        ``device`` (:class:`~peft_shardmerge.source_types.Source`)."""
+        info, reader = self.by_name[name], reader or RowReader()
+        return lambda start, stop: reader.read_rows(info, start, stop).to(device)
 
     @property
     def total_bytes(self) -> int:
