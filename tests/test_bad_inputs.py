@@ -172,6 +172,25 @@ def _prequantized_str(c: Ctx):
     return b, c.adapter, {}
 
 
+def _nf4_on_a_4bit_base(c: Ctx):
+    """base precision nf4 re-quantizes a 16-bit base: on a base stored in 4-bit already it is refused."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    folder = os.path.join(c.root, "case-bnb-4bit")
+    AutoModelForCausalLM.from_pretrained(c.base, quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+                                         device_map="cpu").save_pretrained(folder)
+    return folder, c.adapter, {"base_precision": "nf4"}
+
+
+def _quantized_as(method: str, **extra):
+    """A base whose config.json says it is stored in a quantization format this version does not read."""
+    def build(c: Ctx):
+        b = c.copy(c.base)
+        _edit_json(os.path.join(b, "config.json"), quantization_config={"quant_method": method, **extra})
+        return b, c.adapter, {}
+    return build
+
+
 def _truncate(folder_attr: str, name: str):
     def make(c: Ctx):
         folder = c.copy(getattr(c, folder_attr))
@@ -338,8 +357,18 @@ CASES = [
      r"base .*nobase' is not a folder, nor a Hub id"),
     ("base-without-config", _no_config, NotFoundError, r"has none of config\.json"),
     ("base-only-pickle", _only_bin_base, InputError, r"has only pickle weights \(pytorch_model\.bin\)"),
-    ("base-prequantized", _prequantized, InputError, r"is a pre-quantized checkpoint \(quant_method='bitsandbytes'\)"),
-    ("base-quantization-config-string", _prequantized_str, InputError, r"is a pre-quantized checkpoint"),
+    ("base-quantization-config-but-no-quantized-tensor", _prequantized, InputError,
+     r"quantization_config says bitsandbytes .*no tensor is stored quantized"),
+    ("base-quantization-config-string", _prequantized_str, InputError, r"quantization_config is not an object"),
+    ("base-gptq", _quantized_as("gptq", bits=4), InputError,
+     r"is stored quantized as GPTQ, which this version does not read .*merge into the unquantized checkpoint"),
+    ("base-awq", _quantized_as("awq"), InputError, r"stored quantized as AWQ, which this version does not read"),
+    ("base-compressed-tensors", _quantized_as("compressed-tensors"), InputError,
+     r"stored quantized as compressed-tensors \(llm-compressor\), which this version does not read"),
+    ("base-precision-nf4-on-a-4bit-base", _nf4_on_a_4bit_base, InputError,
+     r"base precision 'nf4' re-quantizes a 16-bit base, but this base is already stored as bitsandbytes 4-bit"),
+    ("base-unknown-quant-method", _quantized_as("magic"), InputError,
+     r"stored quantized as quant_method='magic', which this version does not read"),
     ("base-config-not-json", raw_file("base", "config.json", b"{oops"), CorruptFileError,
      r"base config\.json is not valid JSON"),
     ("header-length-beyond-file", bad_base_shard(b"{}", length=10**9), CorruptFileError,

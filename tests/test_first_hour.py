@@ -453,10 +453,11 @@ def test_a_pre_quantized_base_says_what_is_wrong_with_it(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tiny-bnb-4bit"), dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False))
     with pytest.raises(InputError, match=r"cannot be used: the checkpoint the model was loaded from cannot be merged "
-                                         r"into from disk \(.*tiny-bnb-4bit is a pre-quantized checkpoint"):
+                                         r"into from disk \(.*tiny-bnb-4bit: it is itself stored quantized "
+                                         r"\(bitsandbytes 4-bit"):
         merge_and_save(model, str(tmp_path / "o"), base_precision="original", progress=False)
     report = merge_and_save(model, str(tmp_path / "m"), progress=False)
-    assert report.base_precision == "dequantized" and "is a pre-quantized checkpoint" in report.notes[0]
+    assert report.base_precision == "dequantized" and "is itself stored quantized" in report.notes[0]
     assert "problem found before writing anything" not in report.notes[0]
 
 
