@@ -1,5 +1,4 @@
-"""bitsandbytes base checkpoints (4-bit NF4/FP4 with or without double quant, 8-bit LLM.int8): each quantized weight
-read, row block by row block, as transformers' ``model.dequantize()`` gives it."""
+"""bitsandbytes base checkpoints on disk (4-bit NF4/FP4, double quant or not; 8-bit LLM.int8), read dequantized."""
 
 from __future__ import annotations
 
@@ -167,15 +166,21 @@ class Bnb8bitDecoder:
         return _functional().int8_vectorwise_dequant(codes, scales).to(self.dtype)
 
 
-def _bits(qc: dict) -> int:
-    """4 or 8, from the quantization_config."""
+def _bits(qc: dict, tensors: list[TensorInfo]) -> int:
+    """4 or 8: from the quantization_config, else from what is stored; refuses a config the weights contradict."""
     four = bool(qc.get("load_in_4bit", qc.get("_load_in_4bit")))
     eight = bool(qc.get("load_in_8bit", qc.get("_load_in_8bit")))
-    if four == eight:
+    if four and eight:
+        raise InputError("config.json's quantization_config says bitsandbytes with both load_in_4bit and load_in_8bit; "
+                         "fix config.json to say how the weights were saved")
+    stored = [b for b, aux, code in ((4, AUX_4BIT, "U8"), (8, AUX_8BIT, "I8"))
+              if any(t.name.endswith(aux) or (t.dtype == code and t.name.endswith(".weight")) for t in tensors)]
+    if not stored:
         raise InputError(
-            f"config.json's quantization_config says bitsandbytes but sets load_in_4bit={four} and "
-            f"load_in_8bit={eight}; exactly one must be true; fix config.json to say how the weights were saved")
-    return 4 if four else 8
+            f"config.json's quantization_config says bitsandbytes but no tensor is stored quantized (none of the "
+            f"{len(tensors)} stored tensors is a packed weight, absmax, quant state or SCB): they disagree; "
+            f"remove quantization_config from config.json if the weights are unquantized")
+    return 4 if four else 8 if eight else stored[0]
 
 
 def _refuse_variants(config: dict, qc: dict, bits: int) -> None:
@@ -354,7 +359,7 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
         as stored; absmax, quant maps, quant states, SCB and weight formats consumed.
 
     Raises:
-        InputError: neither or both of 4-bit and 8-bit are set, a variant is not read (non-uint8 quant storage,
+        InputError: both 4-bit and 8-bit are set, a variant is not read (non-uint8 quant storage,
             Conv1D models, a custom quant map, a legacy 8-bit layout), or no tensor is quantized at all.
         CorruptFileError: a quantized weight's absmax, quant state, quant map or SCB is missing or does not fit it.
         MissingDependencyError: bitsandbytes is not installed.
@@ -364,14 +369,9 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
         >>> v.method
         'bitsandbytes 4-bit (nf4, double quant)'
     """
-    bits = _bits(qc)
+    bits = _bits(qc, tensors)
     _refuse_variants(config, qc, bits)
     groups = _groups(tensors, bits)
-    if not groups:
-        raise InputError(
-            f"config.json says the base is quantized by bitsandbytes ({bits}-bit), but none of its {len(tensors)} "
-            f"stored tensors is a bitsandbytes weight (no absmax/quant state/SCB): the config and the weights "
-            f"disagree; remove quantization_config from config.json if the weights are unquantized")
     dtype = _recorded_dtype(config)
     reader = RowReader()
     try:
