@@ -34,10 +34,14 @@ KINDS = {
     "fp4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=True),
     "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False),
     "int8": dict(load_in_8bit=True),
+    # weights of skipped modules are stored unquantized and pass through
+    "nf4-skip": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", llm_int8_skip_modules=["down_proj", "lm_head"]),
+    "int8-skip": dict(load_in_8bit=True, llm_int8_skip_modules=["o_proj", "lm_head"]),
 }
 METHODS = {"nf4-double": "bitsandbytes 4-bit (nf4, double quant)", "nf4": "bitsandbytes 4-bit (nf4)",
            "fp4-double": "bitsandbytes 4-bit (fp4, double quant)", "fp4": "bitsandbytes 4-bit (fp4)",
-           "int8": "bitsandbytes 8-bit (LLM.int8)"}
+           "int8": "bitsandbytes 8-bit (LLM.int8)", "nf4-skip": "bitsandbytes 4-bit (nf4)",
+           "int8-skip": "bitsandbytes 8-bit (LLM.int8)"}
 MEASURED: dict[str, float] = {}
 
 
@@ -112,8 +116,9 @@ def test_merge_equals_transformers_dequantize_then_peft_merge(tiny, kind):
     ref_model = peft_model.merge_and_unload()
     ref = {k: v.contiguous() for k, v in ref_model.state_dict().items()}
     out = str(root / f"{kind}-out")
-    report = merge_checkpoint(folder, adapter, out, progress=False)
-    assert report is not None
+    merge_checkpoint(folder, adapter, out, progress=False)
+    stored = open_checkpoint(folder).quantized
+    assert stored.method == METHODS[kind] and stored.dequantized == (12 if kind.endswith("skip") else 14)
     ours = read_all(out)
     MEASURED[kind] = compare(ours, ref, merged, before)
     assert merged and merged <= set(ours)
@@ -211,6 +216,12 @@ def test_rows_read_only_their_blocks(tmp_path, kind):
         assert largest <= chunk + 4096
         reader.close()
     assert torch.equal(torch.cat(rows), ref[info.name])
+    # the whole merge in row blocks that small: every tensor without LoRA is transformers' dequantized one
+    adapter = build_adapter(base, str(tmp_path / "adapter"), target_modules=["q_proj"])
+    merge_checkpoint(folder, adapter, str(tmp_path / "out"), progress=False, chunk_elems=chunk)
+    ours = read_all(str(tmp_path / "out"))
+    assert all(torch.equal(ours[k], v) for k, v in ref.items() if "q_proj" not in k)
+    assert not torch.equal(ours["model.layers.0.self_attn.q_proj.weight"], ref["model.layers.0.self_attn.q_proj.weight"])
 
 
 def _rewrite(folder: str, drop=(), config=None) -> None:
@@ -247,6 +258,15 @@ def test_malformed_bases_are_refused(tiny, kind, drop, config, error, match):
     with pytest.raises(error, match=match):
         merge_checkpoint(folder, adapter, str(root / "bad-out"), progress=False)
     assert not os.path.exists(root / "bad-out")
+
+
+def test_conv1d_models_are_refused(tmp_path):
+    """GPT-2's Conv1D weights are quantized transposed; model.dequantize() would write them as nn.Linear."""
+    base = build_base(str(tmp_path / "gpt2"), "gpt2", dtype=torch.bfloat16)
+    folder = save_quantized(base, str(tmp_path / "gpt2-q"), "nf4")
+    adapter = build_adapter(base, str(tmp_path / "adapter"), target_modules=["c_attn"])
+    with pytest.raises(InputError, match=r"\(gpt2\) has Conv1D projections"):
+        merge_checkpoint(folder, adapter, str(tmp_path / "out"), progress=False)
 
 
 def test_config_says_bitsandbytes_but_no_tensor_is_quantized(tiny):
