@@ -39,11 +39,7 @@ class PeftOp:
     def delta(self) -> torch.Tensor:
         """PEFT's weight delta in the layout of the in-memory tensor, float32 (``kind == "delta"``)."""
         if type(self.layer).__name__ == "ParamWrapper":  # its get_delta_weight moves the result to the meta device
-            if self.layer.num_experts == 1:  # a 2-D parameter: PEFT's delta is B @ A, in the weight's [out, in]
-                a, b = self.layer.lora_A[ADAPTER].weight, self.layer.lora_B[ADAPTER].weight
-                return (b.float() @ a.float()) * self.layer.scaling[ADAPTER]
-            lhs, rhs, scaling = self.layer.get_delta_factors(ADAPTER)  # [experts, ...], as the fused parameter
-            return (lhs.float() @ rhs.float()) * scaling
+            return param_delta(self.layer, ADAPTER)
         return self.layer.get_delta_weight(ADAPTER).detach().float()
 
     def scale(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
@@ -53,6 +49,38 @@ class PeftOp:
 
         return ia3_multiplier(self.layer.ia3_l[ADAPTER].detach(), shape, feedforward=self.layer.is_feedforward,
                               fan_in_fan_out=getattr(self.layer, "fan_in_fan_out", False), bias=self.attr == "bias")
+
+
+def param_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+    """The float32 delta of PEFT's LoRA on a parameter (``ParamWrapper``, ``target_parameters``), in the parameter's
+    layout.
+
+    PEFT's ``get_delta_weight`` and ``get_delta_factors`` cast to the parameter's dtype (bf16 for a bf16 model)
+    before the merge adds them; here the factors are laid out as ``get_delta_factors`` lays them out, and multiplied
+    in float32, so that the delta is rounded once, with the sum.
+
+    Args:
+        layer: the ``ParamWrapper``.
+        adapter: the adapter name.
+
+    Returns:
+        ``[experts, ...]`` for fused experts, ``[out, in]`` for a 2-D parameter, float32, unweighted.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> param_delta(model.model.layers[0].mlp.experts, "default").dtype   # doctest: +SKIP
+        torch.float32
+    """
+    a, b = layer.lora_A[adapter].weight.detach().float(), layer.lora_B[adapter].weight.detach().float()
+    if layer.num_experts == 1:  # a 2-D parameter: PEFT's delta is B @ A, in the weight's [out, in]
+        return (b @ a) * layer.scaling[adapter]
+    experts = layer.num_experts
+    a = a.reshape(experts, -1, a.shape[-1])  # (experts, rank, in)
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)  # (experts, out, rank)
+    lhs, rhs = (b, a) if layer._did_swap_in_out_features else (a.transpose(-2, -1), b.transpose(-2, -1))
+    return (lhs @ rhs) * layer.scaling[adapter]
 
 
 @dataclass
