@@ -166,6 +166,9 @@ def _expected_grid(weight: TensorInfo, block: tuple[int, int] | None) -> tuple[i
 def _scale_problem(weight: TensorInfo, scales: TensorInfo, block: tuple[int, int] | None) -> str:
     """What is wrong with a weight's scales ('' when they fit it)."""
     where = f"{scales.name!r} in {scales.path}"
+    if scales.dtype == "U8":
+        return (f"{where} holds UE8M0 exponents as bytes (U8), which this version does not read; merge into a 16-bit "
+                "checkpoint of the model")
     if scales.dtype not in SCALE_DTYPES:
         return (f"{where} is stored as {scales.dtype}; fine-grained FP8 scales are float32 (or bf16/f16/E8M0), "
                 "which this version reads; re-download or re-convert the checkpoint")
@@ -233,7 +236,7 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
 
     Example:
         >>> qv = view(src_tensors, config, config["quantization_config"])   # doctest: +SKIP
-        >>> qv.method
+        >>> qv.method   # doctest: +SKIP
         'fine-grained FP8 (F8_E4M3 weights, one float32 scale per 128x128 block)'
     """
     _check_config(qc)

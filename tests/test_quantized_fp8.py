@@ -261,3 +261,77 @@ def test_in_process_merge_of_the_dequantized_model_equals_the_disk_merge(fp8):
     print(f"in process, as transformers loads it: partial-block tensors differ by {gaps}")
     fixed = in_process_merge(fp8, str(fp8["root"] / "in-process"), fix=True)
     assert set(fixed) == set(disk) and all(torch.equal(fixed[k], disk[k]) for k in disk)
+
+
+def write_one_weight(folder: str, tensors: dict[str, torch.Tensor], qc: dict | None = None) -> str:
+    """A checkpoint folder holding ``tensors`` and a config.json whose quantization_config is ``qc``."""
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config = tiny_config("llama").to_dict()
+    config.update(dtype="bfloat16", quantization_config=qc or {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                               "activation_scheme": "dynamic"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def test_rows_read_only_their_bytes_of_a_weight_much_larger_than_a_row_block(tmp_path):
+    torch.manual_seed(5)
+    q, s = quantize(torch.randn(1000, 300) * 0.02, (128, 128))  # both sides end in a partial block
+    folder = write_one_weight(str(tmp_path / "big"), {"big.weight": q, "big.weight_scale_inv": s,
+                                                      "norm.weight": torch.ones(300, dtype=torch.bfloat16)})
+    info = next(t for t in open_checkpoint(folder).tensors if t.name == "big.weight")
+    want = finegrained_fp8._dequantize_fp8_weight(q, s, [128, 128], torch.float32).to(torch.bfloat16)
+    chunk = 4096  # 13 rows of 300; the FP8 weight is 300000 bytes
+    peak = 0
+    for start, stop in row_blocks(info.shape, chunk):
+        reader = RowReader()
+        rows = info.decoder.rows(reader, start, stop)
+        peak = max(peak, len(reader._buf))
+        assert len(reader._buf) <= (stop - start) * 300  # its own FP8 rows, or its few scale rows
+        reader.close()
+        assert torch.equal(rows, want[start:stop]), (start, stop)
+    assert peak * 50 < q.numel()
+    print(f"largest read buffer {peak} bytes for a {q.numel()}-byte FP8 weight")
+
+
+def fp8_tensors(change: dict | None = None, drop: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """One FP8 weight [200, 160] with its scales and a bf16 norm, with ``change`` set and ``drop`` left out."""
+    torch.manual_seed(6)
+    q, s = quantize(torch.randn(200, 160), (128, 128))
+    tensors = {"a.weight": q, "a.weight_scale_inv": s, "norm.weight": torch.ones(160, dtype=torch.bfloat16)}
+    tensors.update(change or {})
+    return {k: v for k, v in tensors.items() if k not in drop}
+
+
+@pytest.mark.parametrize("tensors,qc,error,words", [
+    (fp8_tensors(drop=("a.weight_scale_inv",)), None, CorruptFileError, ["'a.weight'", "no 'a.weight_scale_inv'"]),
+    (fp8_tensors({"a.weight_scale_inv": torch.ones(1, 2)}), None, CorruptFileError,
+     ["'a.weight_scale_inv'", "[1, 2]", "needs [2, 2]"]),
+    (fp8_tensors({"a.weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)}), None, CorruptFileError,
+     ["'a.weight_scale_inv'", "I32"]),
+    (fp8_tensors({"b.weight_scale_inv": torch.ones(1, 1)}), None, CorruptFileError,
+     ["'b.weight_scale_inv'", "'b.weight'", "missing"]),
+    (fp8_tensors({"a.input_scale": torch.ones(1)}), None, InputError, ["'a.input_scale'", "transformers does not"]),
+    (fp8_tensors({"c.bias": torch.ones(4, dtype=torch.float8_e4m3fn)}), None, InputError, ["'c.bias'", "2-D"]),
+    ({"norm.weight": torch.ones(160, dtype=torch.bfloat16)}, None, InputError, ["no weight is stored as FP8"]),
+] + [(fp8_tensors(), {"quant_method": "fp8", "weight_block_size": bad}, InputError, ["weight_block_size", repr(bad)])
+     for bad in ([128], [0, 128], [128, -1], "128", [128.0, 128], [True, 128], [128, 128, 1])]
+  + [(fp8_tensors(), {"quant_method": "fp8", "activation_scheme": "per-token"}, InputError, ["activation_scheme"]),
+     (fp8_tensors(), {"quant_method": "fp8", "modules_to_convert": ["embed"]}, InputError, ["modules_to_convert"]),
+     (fp8_tensors(), {"quant_method": "fp8", "weight_block_size": None}, CorruptFileError,
+      ["'a.weight_scale_inv'", "[2, 2]", "weight_block_size is null"])])
+def test_malformed_fp8_checkpoints_are_refused_by_name(tmp_path, tensors, qc, error, words):
+    folder = write_one_weight(str(tmp_path / "bad"), tensors, qc)
+    with pytest.raises(error) as caught:
+        open_checkpoint(folder)
+    for word in words:
+        assert word in str(caught.value), (word, str(caught.value))
+
+
+def test_a_malformed_base_stops_the_merge_before_anything_is_written(tmp_path, fp8):
+    folder = write_one_weight(str(tmp_path / "bad"), fp8_tensors({"a.weight_scale_inv": torch.ones(3, 2)}))
+    out = tmp_path / "out"
+    with pytest.raises(CorruptFileError, match="'a.weight_scale_inv' .* has shape \\[3, 2\\]"):
+        merge_checkpoint(folder, fp8["adapter"], str(out), dtype="bfloat16", progress=False)
+    assert not out.exists()
