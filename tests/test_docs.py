@@ -20,7 +20,8 @@ def _blocks(path: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("doc", ["docs/guide.md", "docs/after-training.md", "docs/variants-dora.md",
                                  "docs/variants-several-adapters.md", "docs/variants-vocabulary.md",
-                                 "docs/variants-layers.md", "docs/variants-other-peft.md", "docs/architectures.md"])
+                                 "docs/variants-layers.md", "docs/variants-other-peft.md", "docs/architectures.md",
+                                 "docs/quantized-bases.md"])
 def test_doc_examples_run(doc, tmp_path, monkeypatch):
     blocks = _blocks(doc)
     assert blocks
