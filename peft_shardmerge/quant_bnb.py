@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CorruptFileError, InputError, MissingDependencyError
-from .quantized import QuantView, logical_info, model_dtype_name
+from .quantized import QuantView, RowDecoder, logical_info, model_dtype_name
 from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, RowReader, TensorInfo
 
 __all__ = ["Bnb4bitDecoder", "Bnb8bitDecoder", "view"]
@@ -40,7 +40,7 @@ def _functional():
 
 
 @dataclass(frozen=True)
-class Bnb4bitDecoder:
+class Bnb4bitDecoder(RowDecoder):
     """Rows of one 4-bit (NF4/FP4) weight, dequantized by ``bitsandbytes.functional.dequantize_4bit`` on just the
     quantization blocks that hold them.
 
@@ -65,34 +65,16 @@ class Bnb4bitDecoder:
         >>> rows = info.decoder.rows(reader, 0, 16)   # doctest: +SKIP
     """
 
-    stored: tuple[TensorInfo, ...]
     shape: tuple[int, ...]
     quant_type: str
     blocksize: int
     state_dtype: torch.dtype
-    dtype: torch.dtype
     nested_blocksize: int = 0
     nested_offset: float = 0.0
     method: str = METHOD_4BIT
 
-    def rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` dequantized, shape ``(stop - start, *shape[1:])``, in the logical dtype.
-
-        Args:
-            reader: the reader of the checkpoint's files.
-            start: first row.
-            stop: one past the last row.
-
-        Returns:
-            An independent tensor.
-
-        Raises:
-            CorruptFileError: a file ended early.
-
-        Example:
-            >>> info.decoder.rows(reader, 0, 2).shape   # doctest: +SKIP
-            torch.Size([2, 128])
-        """
+    def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
+        """The rows dequantized (:meth:`~peft_shardmerge.quantized.RowDecoder.rows`)."""
         functional = _functional()
         numel = math.prod(self.shape)
         row = numel // self.shape[0] if self.shape[0] else 0
@@ -126,7 +108,7 @@ class Bnb4bitDecoder:
 
 
 @dataclass(frozen=True)
-class Bnb8bitDecoder:
+class Bnb8bitDecoder(RowDecoder):
     """Rows of one LLM.int8 weight: int8 codes times their row's scale (``SCB``) / 127, by
     ``bitsandbytes.functional.int8_vectorwise_dequant`` on just those rows, then cast as ``model.dequantize()`` does.
 
@@ -139,28 +121,10 @@ class Bnb8bitDecoder:
         >>> rows = info.decoder.rows(reader, 0, 16)   # doctest: +SKIP
     """
 
-    stored: tuple[TensorInfo, ...]
-    dtype: torch.dtype
     method: str = METHOD_8BIT
 
-    def rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` dequantized, in the logical dtype.
-
-        Args:
-            reader: the reader of the checkpoint's files.
-            start: first row.
-            stop: one past the last row.
-
-        Returns:
-            An independent tensor of shape ``(stop - start, in)``.
-
-        Raises:
-            CorruptFileError: a file ended early.
-
-        Example:
-            >>> info.decoder.rows(reader, 0, 2).shape   # doctest: +SKIP
-            torch.Size([2, 128])
-        """
+    def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
+        """The rows dequantized (:meth:`~peft_shardmerge.quantized.RowDecoder.rows`)."""
         codes = reader.read_rows(self.stored[0], start, stop).clone()  # the reader's buffer is reused
         scales = reader.read_rows(self.stored[1], start, stop).clone()
         return _functional().int8_vectorwise_dequant(codes, scales).to(self.dtype)
@@ -308,7 +272,7 @@ def _decoder_4bit(weight: str, parts: dict[str, TensorInfo], dtype: str | None, 
         raise CorruptFileError(f"{where} has no double-quant fields, but nested absmax/quant_map are stored for "
                                f"{weight!r}; re-save the checkpoint")
     logical = DTYPES[dtype][0] if dtype else state_dtype
-    return Bnb4bitDecoder(stored, shape, quant_type, blocksize, state_dtype, logical, nested,
+    return Bnb4bitDecoder(stored, logical, shape, quant_type, blocksize, state_dtype, nested,
                           float(state.get("nested_offset", 0.0)))
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CorruptFileError, InputError
-from .quantized import QuantView, logical_info, model_dtype_name
+from .quantized import QuantView, RowDecoder, logical_info, model_dtype_name
 from .safetensors_io import DTYPES, RowReader, TensorInfo
 
 __all__ = ["Fp8Decoder", "block_size", "view"]
@@ -28,7 +28,7 @@ DEFAULT_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
-class Fp8Decoder:
+class Fp8Decoder(RowDecoder):
     """Rows of one FP8 weight ``[out, in]``, dequantized as ``fp8.to(float32) * scale_inv`` of their block, then cast.
 
     Transformers' loader (``FineGrainedFP8Config(dequantize=True)``, the route it takes on a machine without a
@@ -51,31 +51,11 @@ class Fp8Decoder:
         >>> rows = info.decoder.rows(reader, 0, 16)   # doctest: +SKIP
     """
 
-    stored: tuple[TensorInfo, ...]
-    dtype: torch.dtype
     block: tuple[int, int] | None
     method: str = METHOD
 
-    def rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` dequantized, shape ``(stop - start, in)``, in the logical dtype.
-
-        Reads those rows of the weight and scale rows ``start // block[0]`` to ``(stop - 1) // block[0]`` only.
-
-        Args:
-            reader: the reader of the checkpoint's files.
-            start: first row.
-            stop: one past the last row.
-
-        Returns:
-            An independent tensor.
-
-        Raises:
-            CorruptFileError: a file ended early.
-
-        Example:
-            >>> info.decoder.rows(reader, 0, 16).shape   # doctest: +SKIP
-            torch.Size([16, 200])
-        """
+    def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
+        """The rows dequantized, reading scale rows ``start // block[0]`` to ``(stop - 1) // block[0]`` only."""
         from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
         weight, scales = self.stored

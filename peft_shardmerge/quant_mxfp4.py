@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CorruptFileError, InputError
-from .quantized import QuantView, logical_info, model_dtype_name
+from .quantized import QuantView, RowDecoder, logical_info, model_dtype_name
 from .safetensors_io import DTYPES, RowReader, TensorInfo
 
 __all__ = ["Mxfp4Decoder", "view"]
@@ -22,7 +22,7 @@ METHOD = "transformers.integrations.mxfp4.convert_moe_packed_tensors"
 
 
 @dataclass(frozen=True)
-class Mxfp4Decoder:
+class Mxfp4Decoder(RowDecoder):
     """The rows (experts) of one fused expert weight of an MXFP4 checkpoint, dequantized by transformers' own
     ``convert_moe_packed_tensors`` on just those experts' blocks and scales.
 
@@ -42,28 +42,10 @@ class Mxfp4Decoder:
         >>> rows = info.decoder.rows(reader, 0, 2)   # doctest: +SKIP
     """
 
-    stored: tuple[TensorInfo, ...]
-    dtype: torch.dtype
     method: str = METHOD
 
-    def rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
-        """Experts ``[start, stop)`` dequantized, shape ``(stop - start, in, out)``, in the logical dtype.
-
-        Args:
-            reader: the reader of the checkpoint's files.
-            start: first expert.
-            stop: one past the last expert.
-
-        Returns:
-            An independent tensor.
-
-        Raises:
-            CorruptFileError: a file ended early.
-
-        Example:
-            >>> info.decoder.rows(reader, 0, 1).shape   # doctest: +SKIP
-            torch.Size([1, 64, 128])
-        """
+    def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
+        """Experts ``[start, stop)`` dequantized, shape ``(stop - start, in, out)``."""
         from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
         blocks, scales = self.stored
@@ -118,12 +100,13 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
     tensor (attention, router, biases, norms, embeddings, stored in 16 bits) is passed through.
 
     Args:
-        tensors: the stored tensors, in checkpoint order.
-        config: the checkpoint's ``config.json``.
+        tensors: the stored tensors in checkpoint order, each expert weight as a ``_blocks``/``_scales`` pair.
+        config: the checkpoint's ``config.json`` (its ``hidden_size`` and ``intermediate_size`` are checked
+            against the dequantized shapes).
         qc: its ``quantization_config`` (``quant_method: "mxfp4"``).
 
     Returns:
-        The :class:`~peft_shardmerge.quantized.QuantView`.
+        The :class:`~peft_shardmerge.quantized.QuantView`, the experts under their dequantized names.
 
     Raises:
         CorruptFileError: blocks without their scales, scales without their blocks, blocks and scales whose shapes

@@ -11,7 +11,7 @@ import torch
 from .errors import InputError
 from .safetensors_io import DTYPES, TORCH_TO_ST, RowReader, TensorInfo
 
-__all__ = ["Decoder", "QuantView", "FORMATS", "dequantized_view", "logical_info", "model_dtype_name"]
+__all__ = ["Decoder", "RowDecoder", "QuantView", "FORMATS", "dequantized_view", "logical_info", "model_dtype_name"]
 
 #: quant_method -> module reading it (each module has ``view(tensors, config, qc) -> QuantView``)
 FORMATS = {
@@ -59,6 +59,44 @@ class Decoder(Protocol):
         """Rows ``[start, stop)`` (dimension 0) of the dequantized tensor, in the logical dtype, as an independent
         tensor, reading only the stored bytes those rows need."""
         ...  # pragma: no cover - a protocol
+
+
+@dataclass(frozen=True)
+class RowDecoder:
+    """What the format decoders share: the stored tensors read, the logical dtype, and :meth:`rows`, documented
+    once, which hands the range to the format's ``decode``.
+
+    Attributes:
+        stored: the stored tensors read, the main one first.
+        dtype: the logical (dequantized) dtype.
+    """
+
+    stored: tuple[TensorInfo, ...]
+    dtype: torch.dtype
+
+    def rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` (dimension 0) of the dequantized tensor, reading only the stored bytes they need.
+
+        Args:
+            reader: the reader of the checkpoint's files.
+            start: first row (expert, for a 3-D tensor of experts).
+            stop: one past the last row.
+
+        Returns:
+            An independent tensor of shape ``(stop - start, *shape[1:])`` in the logical dtype.
+
+        Raises:
+            CorruptFileError: a file ended early.
+
+        Example:
+            >>> info.decoder.rows(reader, 0, 16).shape   # doctest: +SKIP
+            torch.Size([16, 200])
+        """
+        return self.decode(reader, start, stop)
+
+    def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:  # pragma: no cover - overridden
+        """The format's arithmetic for :meth:`rows`."""
+        raise NotImplementedError
 
 
 @dataclass
