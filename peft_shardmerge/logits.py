@@ -196,7 +196,7 @@ def reference_model(cls, base: str, adapter: str, options: dict):
     from peft import PeftModel
 
     if options["base_precision"] != "nf4":
-        return PeftModel.from_pretrained(cls.from_pretrained(base, dtype=torch.float32), adapter).eval()
+        return PeftModel.from_pretrained(dequantized_base(cls, base), adapter).eval()
     from transformers import BitsAndBytesConfig
 
     from .quant import require_bitsandbytes
@@ -209,3 +209,63 @@ def reference_model(cls, base: str, adapter: str, options: dict):
                                         bnb_4bit_use_double_quant=bool(nf4.get("double_quant", True)),
                                         bnb_4bit_compute_dtype=torch.float32))
     return PeftModel.from_pretrained(quantized.dequantize().float(), adapter).eval()
+
+
+def dequantized_base(cls, base: str) -> torch.nn.Module:
+    """The base as transformers loads it, in float32: a quantized checkpoint dequantized by transformers itself
+    (bitsandbytes' ``model.dequantize()``; ``FineGrainedFP8Config``/``Mxfp4Config(dequantize=True)``), never run
+    through a quantized CPU kernel. FP8 weights are then recomputed from the stored tensors by transformers'
+    ``_dequantize_fp8_weight``, because its CPU loader takes the block as ``rows // scale rows``, wrong for a side
+    that is not a multiple of the block.
+
+    Args:
+        cls: the transformers model class.
+        base: the base checkpoint folder.
+
+    Returns:
+        The float32 model.
+
+    Raises:
+        OSError: the checkpoint cannot be read.
+
+    Example:
+        >>> dequantized_base(LlamaForCausalLM, "tiny-bnb-4bit").dtype   # doctest: +SKIP
+        torch.float32
+    """
+    import json
+    import os
+
+    with open(os.path.join(base, "config.json"), encoding="utf-8") as f:
+        qc = json.load(f).get("quantization_config") or {}
+    method = qc.get("quant_method", "bitsandbytes" if qc else "")
+    if method == "bitsandbytes":
+        return cls.from_pretrained(base, device_map="cpu").dequantize().float()
+    if method in ("fp8", "mxfp4"):
+        from transformers import FineGrainedFP8Config, Mxfp4Config
+
+        config = FineGrainedFP8Config(dequantize=True) if method == "fp8" else Mxfp4Config(dequantize=True)
+        model = cls.from_pretrained(base, quantization_config=config).float()
+        if method == "fp8":
+            _fp8_weights(model, base, qc)
+        return model
+    return cls.from_pretrained(base, dtype=torch.float32)
+
+
+def _fp8_weights(model: torch.nn.Module, base: str, qc: dict) -> None:
+    """Set every FP8 weight of ``model`` to transformers' ``_dequantize_fp8_weight`` of its stored tensors."""
+    from safetensors import safe_open
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from .sources import open_checkpoint
+
+    params = dict(model.named_parameters())
+    block = qc.get("weight_block_size", [128, 128])
+    stored = {t.name: t for t in open_checkpoint(base).stored}
+    for name, t in stored.items():
+        scale = stored.get(name + "_scale_inv")
+        if t.dtype.startswith("F8") and scale is not None and name in params:
+            with safe_open(t.path, "pt") as a, safe_open(scale.path, "pt") as b:
+                value = _dequantize_fp8_weight(a.get_tensor(name), b.get_tensor(scale.name), block, torch.float32)
+            with torch.no_grad():
+                params[name].copy_(value.to(params[name].dtype))
+

@@ -86,7 +86,7 @@ class Bnb4bitDecoder(RowDecoder):
         packed = reader.read_rows(self.stored[0], lo // 2, -(-hi // 2)).clone()  # the reader's buffer is reused
         state = functional.QuantState(absmax=self._absmax(functional, reader, b0, b1), shape=torch.Size([hi - lo]),
                                       blocksize=self.blocksize, quant_type=self.quant_type, dtype=self.state_dtype)
-        flat = functional.dequantize_4bit(packed, state)
+        flat = functional.dequantize_4bit(packed, state).reshape(-1)  # bitsandbytes returns (1, n) for a 1-D shape
         return flat[first - lo:last - lo].reshape(stop - start, *self.shape[1:]).to(self.dtype)
 
     def _absmax(self, functional, reader: RowReader, b0: int, b1: int) -> torch.Tensor:

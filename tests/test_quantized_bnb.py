@@ -302,3 +302,25 @@ def test_in_process_merge_and_disk_merge_agree(tiny):
         worst = max(worst, rel_err(live[k].float(), disk[k].float()))
     MEASURED["in-process vs disk"] = worst
     print(f"in-process vs disk: max rel diff {worst:.3g}")
+
+
+@pytest.mark.parametrize("kind", ["nf4-double", "fp4"])
+def test_rows_of_weights_whose_rows_do_not_fill_quantization_blocks(tmp_path, kind):
+    """Row lengths 68 and 131 are not multiples of the block size (64): every single row, cut anywhere inside a
+    quantization block, equals transformers' dequantization."""
+    from peft_shardmerge.sources import open_checkpoint
+
+    base = build_base(str(tmp_path / "base"), dtype=torch.bfloat16, hidden_size=68, intermediate_size=131,
+                      num_attention_heads=2, num_key_value_heads=2)
+    folder = save_quantized(base, str(tmp_path / kind), kind)
+    ref = dequantized(folder).state_dict()
+    src = open_checkpoint(folder)
+    reader = RowReader()
+    try:
+        for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.up_proj.weight"):
+            info = src.by_name[name]
+            assert info.shape[1] % 64 and info.decoder is not None
+            for s in range(info.shape[0]):
+                assert torch.equal(info.decoder.rows(reader, s, s + 1)[0], ref[name][s]), (name, s)
+    finally:
+        reader.close()
