@@ -154,10 +154,9 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         untied=list(plan.untied),
         notes=list(plan.notes) + ([f"resumed: {len(resumed)} shard(s) kept from an interrupted run"]
                                   if resumed else []),
+        reproduces=(f"the stored {plan.base.quantized.method} base, dequantized, + adapter (for an adapter trained "
+                    "on this base, the trained model)") if plan.base.quantized is not None else "",
     )
-    if plan.base.quantized is not None:
-        report.reproduces = (f"the stored {plan.base.quantized.method} base, dequantized, + adapter (for an adapter "
-                             "trained on this base, the trained model)")
     log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
     return report
 

@@ -16,8 +16,8 @@ from .live_plan import LiveSource, plan_live, valid_generation_config
 from .live_save import execute_live_plan
 from .model_check import require_supported
 from .model_plan import (BASE_PRECISIONS, adapter_selection, build_model_plan, model_dtype,  # noqa: F401 - public
-                         model_options, plan_model_merge, save_adapter_untouched)
-from .options import MergeOptions, parse_dtype, parse_size
+                         plan_model_merge, save_adapter_untouched)
+from .options import MODEL, MergeOptions, parse_dtype, parse_size
 from .outcheck import check_out_dir, foreign_model_problems, source_folders
 from .report import MergeReport
 
@@ -87,10 +87,10 @@ def merge_and_save(
         >>> report = merge_and_save(model, "merged", tokenizer=tokenizer)   # doctest: +SKIP
         >>> print(report.summary())                                        # doctest: +SKIP
     """
-    opts, problems = model_options(options, dtype=dtype, max_shard_size=max_shard_size,
-                                   maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
-                                   weights=weights, combination=combination_type, overwrite=overwrite,
-                                   progress=progress)
+    opts, problems = MergeOptions.merged(options, path=MODEL, dtype=dtype, max_shard_size=max_shard_size,
+                                         maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
+                                         weights=weights, combination=combination_type, overwrite=overwrite,
+                                         progress=progress)
     budget = None
     try:
         budget = MemoryBudget(opts.maximum_memory_usage)

@@ -16,7 +16,7 @@ from .live import (
 )
 from .live_weights import entry_base
 from .maths import ia3_multiplier, linear_factors, lora_bias_delta
-from .peft_deltas import param_delta
+from .peft_deltas import peft_delta
 from .row_merge import RowMerger, choose_device
 
 
@@ -157,11 +157,7 @@ class LiveMerger(RowMerger):
             return Scale(*ia3_multiplier(layer.ia3_l[adapter].detach(), shape, feedforward=layer.is_feedforward,
                                          bias=entry.attr == "bias",
                                          fan_in_fan_out=getattr(layer, "fan_in_fan_out", False)))
-        if type(layer).__name__ == "ParamWrapper":  # PEFT's get_delta_weight rounds to the parameter's dtype first
-            delta = param_delta(layer, adapter)
-        else:
-            delta = layer.get_delta_weight(adapter).detach().float()
-        delta = delta * self.weights.get(adapter, 1.0)
+        delta = peft_delta(layer, adapter) * self.weights.get(adapter, 1.0)
         return WholeDelta(delta.reshape(shape[0], -1) if len(shape) > 1 else delta)
 
     def _lora_changes(self, entry: LiveEntry, keys: list[str]) -> Changes:

@@ -232,40 +232,37 @@ def dequantized_base(cls, base: str) -> torch.nn.Module:
         >>> dequantized_base(LlamaForCausalLM, "tiny-bnb-4bit").dtype   # doctest: +SKIP
         torch.float32
     """
-    import json
-    import os
+    from .quantized import quant_method
+    from .sources import open_checkpoint
 
-    with open(os.path.join(base, "config.json"), encoding="utf-8") as f:
-        qc = json.load(f).get("quantization_config") or {}
-    method = qc.get("quant_method", "bitsandbytes" if qc else "")
+    src = open_checkpoint(base)
+    if src.quantized is None:
+        return cls.from_pretrained(base, dtype=torch.float32)
+    method = quant_method(src.config["quantization_config"])
     if method == "bitsandbytes":
         return cls.from_pretrained(base, device_map="cpu").dequantize().float()
-    if method in ("fp8", "mxfp4"):
-        from transformers import FineGrainedFP8Config, Mxfp4Config
+    from transformers import FineGrainedFP8Config, Mxfp4Config
 
-        config = FineGrainedFP8Config(dequantize=True) if method == "fp8" else Mxfp4Config(dequantize=True)
-        model = cls.from_pretrained(base, quantization_config=config).float()
-        if method == "fp8":
-            _fp8_weights(model, base, qc)
-        return model
-    return cls.from_pretrained(base, dtype=torch.float32)
+    config = FineGrainedFP8Config(dequantize=True) if method == "fp8" else Mxfp4Config(dequantize=True)
+    model = cls.from_pretrained(base, quantization_config=config).float()
+    if method == "fp8":
+        _fp8_weights(model, src.quantized.tensors)
+    return model
 
 
-def _fp8_weights(model: torch.nn.Module, base: str, qc: dict) -> None:
-    """Set every FP8 weight of ``model`` to transformers' ``_dequantize_fp8_weight`` of its stored tensors."""
+def _fp8_weights(model: torch.nn.Module, tensors) -> None:
+    """Set every FP8 weight of ``model`` to transformers' ``_dequantize_fp8_weight`` of its stored weight and scales
+    (the pair and block the checkpoint's view found)."""
     from safetensors import safe_open
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-    from .sources import open_checkpoint
-
     params = dict(model.named_parameters())
-    block = qc.get("weight_block_size", [128, 128])
-    stored = {t.name: t for t in open_checkpoint(base).stored}
-    for name, t in stored.items():
-        scale = stored.get(name + "_scale_inv")
-        if t.dtype.startswith("F8") and scale is not None and name in params:
-            with safe_open(t.path, "pt") as a, safe_open(scale.path, "pt") as b:
-                value = _dequantize_fp8_weight(a.get_tensor(name), b.get_tensor(scale.name), block, torch.float32)
-            with torch.no_grad():
-                params[name].copy_(value.to(params[name].dtype))
-
+    for t in tensors:
+        if t.decoder is None or t.name not in params:
+            continue
+        weight, scales = t.decoder.stored
+        with safe_open(weight.path, "pt") as a, safe_open(scales.path, "pt") as b:
+            value = _dequantize_fp8_weight(a.get_tensor(weight.name), b.get_tensor(scales.name),
+                                           t.decoder.block, torch.float32)
+        with torch.no_grad():
+            params[t.name].copy_(value.to(params[t.name].dtype))

@@ -124,8 +124,6 @@ class PlanMerger(RowMerger):
         """``rows(start, stop)`` of the base as read, or of dequant(quantize(base)) for a 4-bit base."""
         src = t.source
         if not t.quantize:
-            if not t.from_adapter and self.plan.base.by_name.get(src.name) is src:  # a base tensor: the Source reads it
-                return self.plan.base.base_rows(src.name, torch.device("cpu"), self.reader)
             return lambda start, stop: self.reader.read_rows(src, start, stop)
         # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
         weight = self.reader.read(src)

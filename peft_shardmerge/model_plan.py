@@ -211,32 +211,12 @@ def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None,
         >>> from peft_shardmerge import plan_model_merge
         >>> print(plan_model_merge(model).describe())   # doctest: +SKIP
     """
-    opts, problems = model_options(options, dtype=dtype, max_shard_size=max_shard_size, base_precision=base_precision,
-                                   weights=weights, combination=combination_type, overwrite=overwrite)
+    opts, problems = MergeOptions.merged(options, path=MODEL, dtype=dtype, max_shard_size=max_shard_size,
+                                         base_precision=base_precision, weights=weights,
+                                         combination=combination_type, overwrite=overwrite)
     if out_dir is None:
         opts = replace(opts, overwrite=True)
     return build_model_plan(model, out_dir, opts, adapter_names, problems).plan
-
-
-def model_options(options: MergeOptions | None, **given) -> tuple[MergeOptions, list[str]]:
-    """The options of a loaded model's merge: the keywords of ``merge_and_save``/``plan_model_merge`` merged with
-    ``options=`` (:meth:`~peft_shardmerge.options.MergeOptions.merged`, path ``"model"``).
-
-    Args:
-        options: the ``options=`` argument, or None.
-        **given: the call's keywords, named as the fields of :class:`~peft_shardmerge.options.MergeOptions`.
-
-    Returns:
-        ``(options, problems)``.
-
-    Raises:
-        InputError: ``options`` is not a :class:`~peft_shardmerge.options.MergeOptions`.
-
-    Example:
-        >>> model_options(None, dtype="bf16")[0].base_precision
-        'auto'
-    """
-    return MergeOptions.merged(options, path=MODEL, **given)
 
 
 def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_names: list[str] | None,
@@ -246,7 +226,8 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
     Args:
         model: the model.
         out_dir: the output folder, or None to check none.
-        opts: the options (:func:`model_options`; their problems are passed in ``problems``).
+        opts: the options (:meth:`~peft_shardmerge.options.MergeOptions.merged` with path ``"model"``; their
+            problems are passed in ``problems``).
         adapter_names: adapters to merge (None: the active ones).
         problems: problems the caller found already (reported with these).
 
@@ -257,7 +238,7 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
         InputError: any problem.
 
     Example:
-        >>> opts, problems = model_options(None)                              # doctest: +SKIP
+        >>> opts, problems = MergeOptions.merged(None, path="model")           # doctest: +SKIP
         >>> build_model_plan(model, "merged", opts, None, problems)         # doctest: +SKIP
     """
     problems = list(problems or [])
@@ -280,7 +261,7 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
         inputs = {**source_folders(model), **({"base": original} if original else {})}
         problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite) + foreign_model_problems(out_dir)
     if problems:
-        raise InputError(list(dict.fromkeys(problems)))
+        raise InputError(problems)
     reproduces, note = describe_base(original, check, is_quantized(inner), reason)
     if original is not None:
         result = _plan_from_original(model, inner, original, out_dir, out_dtype, opts, adapters, weight_map)

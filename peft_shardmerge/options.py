@@ -189,15 +189,15 @@ class MergeOptions:
         Example:
             >>> len(MergeOptions(dtype="int4", max_shard_size="lots", combination="sum").problems())
             3
-            >>> MergeOptions(device="cpu").problems("model")[0][:44]
-            'device applies to merges from disk; a loaded'
+            >>> MergeOptions(device="cpu").problems("model")[0][:48]
+            "device='cpu': device applies to merges from disk"
         """
         problems = []
-        if path == MODEL:  # checked against the model's adapters, under PEFT's name combination_type
-            pass
-        elif self.weights is None or isinstance(self.weights, tuple):  # the one check, as combine_adapters runs it
+        # for a loaded model, weights and combination are checked against its adapters, under PEFT's name
+        # combination_type (model_plan.adapter_selection)
+        if path == DISK and (self.weights is None or isinstance(self.weights, tuple)):
             problems += check_weights(len(self.weights or ()), self.weights, self.combination)[1]
-        else:
+        elif path == DISK:
             problems.append(f"adapter weights must be finite numbers, got {self.weights!r}")
             problems += check_weights(0, None, self.combination)[1]
         for parse, value in ((parse_dtype, self.dtype), (parse_size, self.max_shard_size)):
@@ -295,7 +295,8 @@ class MergeOptions:
         for f in fields(cls):
             default = _PATH_DEFAULTS[path].get(f.name, f.default)
             mine, theirs = given.get(f.name, default), getattr(options, f.name)
-            theirs = default if theirs is None and f.default is None and default is not None else theirs
+            if f.name in _PATH_DEFAULTS[path] and theirs is None:  # None: the path's own default
+                theirs = default
             if f.name == "weights" and mine is not None and hasattr(mine, "__iter__"):
                 mine = tuple(mine)
             same = [_same(_canonical(f.name, a), _canonical(f.name, b)) for a, b in ((mine, default),

@@ -38,9 +38,7 @@ class PeftOp:
 
     def delta(self) -> torch.Tensor:
         """PEFT's weight delta in the layout of the in-memory tensor, float32 (``kind == "delta"``)."""
-        if type(self.layer).__name__ == "ParamWrapper":  # its get_delta_weight moves the result to the meta device
-            return param_delta(self.layer, ADAPTER)
-        return self.layer.get_delta_weight(ADAPTER).detach().float()
+        return peft_delta(self.layer, ADAPTER)
 
     def scale(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, bool]:
         """IA3's multiplier for the stored tensor of ``shape`` (``kind == "scale"``); see
@@ -49,6 +47,29 @@ class PeftOp:
 
         return ia3_multiplier(self.layer.ia3_l[ADAPTER].detach(), shape, feedforward=self.layer.is_feedforward,
                               fan_in_fan_out=getattr(self.layer, "fan_in_fan_out", False), bias=self.attr == "bias")
+
+
+def peft_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+    """The float32 weight delta of a PEFT layer (LoHa, LoKr, VeRA: ``get_delta_weight``; LoRA on a parameter:
+    :func:`param_delta`), unweighted, in the layout of the tensor it changes; the one used from disk and in process.
+
+    Args:
+        layer: the PEFT layer.
+        adapter: the adapter name.
+
+    Returns:
+        The float32 delta.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> peft_delta(model.model.layers[0].self_attn.q_proj, "default").dtype   # doctest: +SKIP
+        torch.float32
+    """
+    if type(layer).__name__ == "ParamWrapper":  # its get_delta_weight rounds to the parameter's dtype (or meta)
+        return param_delta(layer, adapter)
+    return layer.get_delta_weight(adapter).detach().float()
 
 
 def param_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from .errors import CorruptFileError, InputError, MissingDependencyError
-from .quantized import QuantView, RowDecoder, logical_info, model_dtype_name
+from .quantized import Decoder, QuantView, logical_info, model_dtype_name, recorded_dtype_name
 from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, RowReader, TensorInfo
 
 __all__ = ["Bnb4bitDecoder", "Bnb8bitDecoder", "view"]
@@ -40,7 +41,7 @@ def _functional():
 
 
 @dataclass(frozen=True)
-class Bnb4bitDecoder(RowDecoder):
+class Bnb4bitDecoder(Decoder):
     """Rows of one 4-bit (NF4/FP4) weight, dequantized by ``bitsandbytes.functional.dequantize_4bit`` on just the
     quantization blocks that hold them.
 
@@ -71,10 +72,10 @@ class Bnb4bitDecoder(RowDecoder):
     state_dtype: torch.dtype
     nested_blocksize: int = 0
     nested_offset: float = 0.0
-    method: str = METHOD_4BIT
+    method: ClassVar[str] = METHOD_4BIT
 
     def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
-        """The rows dequantized (:meth:`~peft_shardmerge.quantized.RowDecoder.rows`)."""
+        """The rows dequantized (:meth:`~peft_shardmerge.quantized.Decoder.rows`)."""
         functional = _functional()
         numel = math.prod(self.shape)
         row = numel // self.shape[0] if self.shape[0] else 0
@@ -108,7 +109,7 @@ class Bnb4bitDecoder(RowDecoder):
 
 
 @dataclass(frozen=True)
-class Bnb8bitDecoder(RowDecoder):
+class Bnb8bitDecoder(Decoder):
     """Rows of one LLM.int8 weight: int8 codes times their row's scale (``SCB``) / 127, by
     ``bitsandbytes.functional.int8_vectorwise_dequant`` on just those rows, then cast as ``model.dequantize()`` does.
 
@@ -121,10 +122,10 @@ class Bnb8bitDecoder(RowDecoder):
         >>> rows = info.decoder.rows(reader, 0, 16)   # doctest: +SKIP
     """
 
-    method: str = METHOD_8BIT
+    method: ClassVar[str] = METHOD_8BIT
 
     def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
-        """The rows dequantized (:meth:`~peft_shardmerge.quantized.RowDecoder.rows`)."""
+        """The rows dequantized (:meth:`~peft_shardmerge.quantized.Decoder.rows`)."""
         codes = reader.read_rows(self.stored[0], start, stop).clone()  # the reader's buffer is reused
         scales = reader.read_rows(self.stored[1], start, stop).clone()
         return _functional().int8_vectorwise_dequant(codes, scales).to(self.dtype)
@@ -302,13 +303,6 @@ def _decoder_8bit(weight: str, parts: dict[str, TensorInfo], dtype: str, reader:
     return Bnb8bitDecoder(stored, DTYPES[dtype][0])
 
 
-def _recorded_dtype(config: dict) -> str | None:
-    """The dtype config.json records (``model.dequantize()`` casts to it), or None when it records none."""
-    subs = (config, config.get("text_config") or {})
-    recorded = any(s.get(k) in ("bfloat16", "float16", "float32") for s in subs for k in ("dtype", "torch_dtype"))
-    return model_dtype_name(config) if recorded else None
-
-
 def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
     """The dequantized view of a bitsandbytes checkpoint, as transformers' ``model.dequantize()`` names it.
 
@@ -330,13 +324,13 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
 
     Example:
         >>> v = view(tensors, config, config["quantization_config"])   # doctest: +SKIP
-        >>> v.method
+        >>> v.method   # doctest: +SKIP
         'bitsandbytes 4-bit (nf4, double quant)'
     """
     bits = _bits(qc, tensors)
     _refuse_variants(config, qc, bits)
     groups = _groups(tensors, bits)
-    dtype = _recorded_dtype(config)
+    dtype = recorded_dtype_name(config)  # model.dequantize() casts to it; else the quant state's dtype
     reader = RowReader()
     try:
         if bits == 4:

@@ -4,11 +4,12 @@ block, read as their dequantized rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from .errors import CorruptFileError, InputError
-from .quantized import QuantView, RowDecoder, logical_info, model_dtype_name
+from .quantized import Decoder, QuantView, logical_info, model_dtype_name
 from .safetensors_io import DTYPES, RowReader, TensorInfo
 
 __all__ = ["Fp8Decoder", "block_size", "view"]
@@ -21,6 +22,9 @@ SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
 #: where a weight ``X.weight`` keeps its scales: transformers reads ``X.weight_scale_inv`` and renames ``X.scale``
 #: (DeepSeek-V4) and ``X.qscale_weight`` (Mistral Large 4) to it
 SCALE_NAMES = ("weight_scale_inv", "scale", "qscale_weight")
+#: scale names that are never a model's own parameter: such a tensor without an FP8 weight is refused, not copied
+#: (``scale`` is also the name of some norms' parameter)
+ORPHAN_CHECKED = ("weight_scale_inv", "qscale_weight")
 #: per-tensor activation scales transformers reads with the weight and drops when it dequantizes
 ACTIVATION_SCALE = "activation_scale"
 #: the default of ``FineGrainedFP8Config.weight_block_size`` when the config leaves it out
@@ -28,7 +32,7 @@ DEFAULT_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
-class Fp8Decoder(RowDecoder):
+class Fp8Decoder(Decoder):
     """Rows of one FP8 weight ``[out, in]``, dequantized as ``fp8.to(float32) * scale_inv`` of their block, then cast.
 
     Transformers' loader (``FineGrainedFP8Config(dequantize=True)``, the route it takes on a machine without a
@@ -52,7 +56,7 @@ class Fp8Decoder(RowDecoder):
     """
 
     block: tuple[int, int] | None
-    method: str = METHOD
+    method: ClassVar[str] = METHOD
 
     def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
         """The rows dequantized, reading scale rows ``start // block[0]`` to ``(stop - 1) // block[0]`` only."""
@@ -240,7 +244,7 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
             unsupported.append(f"{t.name!r} in {t.path}: fine-grained FP8 (quant_method 'fp8') has no input_scale "
                                "tensors and transformers does not read them (it reports them as unexpected); the "
                                "checkpoint is probably another FP8 format; merge into a 16-bit checkpoint instead")
-        elif last == SCALE_NAMES[0] and t.name not in consumed and f"{stem}.weight" not in decoders:
+        elif last in ORPHAN_CHECKED and t.name not in consumed and f"{stem}.weight" not in decoders:
             weight = by_name.get(f"{stem}.weight")
             if weight is None or weight.dtype not in FP8_DTYPES:
                 corrupt.append(f"{t.name!r} in {t.path} scales {stem + '.weight'!r}, which is "

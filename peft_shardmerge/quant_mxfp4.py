@@ -4,11 +4,12 @@ transformers' dequantized model has them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from .errors import CorruptFileError, InputError
-from .quantized import QuantView, RowDecoder, logical_info, model_dtype_name
+from .quantized import Decoder, QuantView, logical_info, model_dtype_name
 from .safetensors_io import DTYPES, RowReader, TensorInfo
 
 __all__ = ["Mxfp4Decoder", "view"]
@@ -22,7 +23,7 @@ METHOD = "transformers.integrations.mxfp4.convert_moe_packed_tensors"
 
 
 @dataclass(frozen=True)
-class Mxfp4Decoder(RowDecoder):
+class Mxfp4Decoder(Decoder):
     """The rows (experts) of one fused expert weight of an MXFP4 checkpoint, dequantized by transformers' own
     ``convert_moe_packed_tensors`` on just those experts' blocks and scales.
 
@@ -42,7 +43,7 @@ class Mxfp4Decoder(RowDecoder):
         >>> rows = info.decoder.rows(reader, 0, 2)   # doctest: +SKIP
     """
 
-    method: str = METHOD
+    method: ClassVar[str] = METHOD
 
     def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
         """Experts ``[start, stop)`` dequantized, shape ``(stop - start, in, out)``."""
@@ -115,11 +116,11 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
 
     Example:
         >>> qv = view(tensors, config, config["quantization_config"])   # doctest: +SKIP
-        >>> qv.method
+        >>> qv.method   # doctest: +SKIP
         'MXFP4 (FP4 E2M1 blocks of 32 with E8M0 scales)'
     """
     by_name = {t.name: t for t in tensors}
-    dtype = DTYPES[model_dtype_name(config)][0]
+    dtype_name = model_dtype_name(config)
     out: list[TensorInfo] = []
     problems: list[str] = []
     consumed = dequantized = 0
@@ -144,8 +145,8 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
             problems.extend(found)
             continue
         experts, fan_out, groups, _ = blocks.shape
-        out.append(logical_info(base, model_dtype_name(config), (experts, groups * GROUP, fan_out),
-                                Mxfp4Decoder((blocks, scales), dtype)))
+        out.append(logical_info(base, dtype_name, (experts, groups * GROUP, fan_out),
+                                Mxfp4Decoder((blocks, scales), DTYPES[dtype_name][0])))
         dequantized += 1
     if problems:
         raise CorruptFileError("MXFP4 checkpoint: " + "; ".join(problems))

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 
 from .errors import InputError
 from .safetensors_io import DTYPES, TORCH_TO_ST, RowReader, TensorInfo
 
-__all__ = ["Decoder", "RowDecoder", "QuantView", "FORMATS", "dequantized_view", "logical_info", "model_dtype_name"]
+__all__ = ["Decoder", "QuantView", "FORMATS", "dequantized_view", "logical_info", "model_dtype_name", "quant_method",
+           "recorded_dtype_name"]
 
 #: quant_method -> module reading it (each module has ``view(tensors, config, qc) -> QuantView``)
 FORMATS = {
@@ -41,38 +43,24 @@ _INSTEAD = {
 }
 
 
-class Decoder(Protocol):
-    """How one logical (dequantized) tensor is computed from the stored tensors of a quantized checkpoint.
+@dataclass(frozen=True)
+class Decoder:
+    """How one logical (dequantized) tensor is computed from the stored tensors of a quantized checkpoint; each
+    format subclasses it with its ``decode`` and its ``method``.
 
     Attributes:
-        stored: the stored tensors it reads (packed codes, scales, quant state), for fingerprints and messages.
-        method: what does the arithmetic, e.g. ``"bitsandbytes.functional.dequantize_4bit"``.
+        stored: the stored tensors read (packed codes, scales, quant state), the main one first.
+        dtype: the logical (dequantized) dtype.
+        method: what does the arithmetic, e.g. ``"bitsandbytes.functional.dequantize_4bit"`` (a class attribute of
+            each format's decoder).
 
     Example:
         >>> rows = info.decoder.rows(reader, 0, 16)   # doctest: +SKIP
     """
 
     stored: tuple[TensorInfo, ...]
-    method: str
-
-    def rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` (dimension 0) of the dequantized tensor, in the logical dtype, as an independent
-        tensor, reading only the stored bytes those rows need."""
-        ...  # pragma: no cover - a protocol
-
-
-@dataclass(frozen=True)
-class RowDecoder:
-    """What the format decoders share: the stored tensors read, the logical dtype, and :meth:`rows`, documented
-    once, which hands the range to the format's ``decode``.
-
-    Attributes:
-        stored: the stored tensors read, the main one first.
-        dtype: the logical (dequantized) dtype.
-    """
-
-    stored: tuple[TensorInfo, ...]
     dtype: torch.dtype
+    method: ClassVar[str] = ""
 
     def rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` (dimension 0) of the dequantized tensor, reading only the stored bytes they need.
@@ -124,9 +112,34 @@ class QuantView:
                 f"{self.consumed} stored scale/state tensors are read, not copied")
 
 
+def recorded_dtype_name(config: dict) -> str | None:
+    """The safetensors dtype ``config.json`` records (``dtype``/``torch_dtype``, also inside ``text_config``), the
+    dtype transformers' dequantization casts to; None when it records none.
+
+    Args:
+        config: the checkpoint's ``config.json``.
+
+    Returns:
+        ``"BF16"``, ``"F16"``, ``"F32"`` or None.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> recorded_dtype_name({"torch_dtype": "float16"}), recorded_dtype_name({})
+        ('F16', None)
+    """
+    for sub in (config, config.get("text_config")):
+        if isinstance(sub, dict):
+            for key in ("dtype", "torch_dtype"):
+                name = sub.get(key)
+                if name in ("bfloat16", "float16", "float32"):
+                    return TORCH_TO_ST[getattr(torch, name)]
+    return None
+
+
 def model_dtype_name(config: dict) -> str:
-    """The safetensors dtype a dequantized weight takes: the dtype ``config.json`` records (also inside
-    ``text_config``), else bfloat16.
+    """The safetensors dtype a dequantized weight takes: :func:`recorded_dtype_name`, else bfloat16.
 
     Args:
         config: the checkpoint's ``config.json``.
@@ -141,13 +154,7 @@ def model_dtype_name(config: dict) -> str:
         >>> model_dtype_name({"torch_dtype": "float16"}), model_dtype_name({})
         ('F16', 'BF16')
     """
-    for sub in (config, config.get("text_config")):
-        if isinstance(sub, dict):
-            for key in ("dtype", "torch_dtype"):
-                name = sub.get(key)
-                if name in ("bfloat16", "float16", "float32"):
-                    return TORCH_TO_ST[getattr(torch, name)]
-    return "BF16"
+    return recorded_dtype_name(config) or "BF16"
 
 
 def logical_info(name: str, dtype: str, shape: tuple[int, ...], decoder: Decoder) -> TensorInfo:
@@ -170,12 +177,8 @@ def logical_info(name: str, dtype: str, shape: tuple[int, ...], decoder: Decoder
     Example:
         >>> info = logical_info("w", "BF16", (4, 64), decoder)   # doctest: +SKIP
     """
-    first = decoder.stored[0]
-    numel = 1
-    for s in shape:
-        numel *= s
-    return replace(first, name=name, dtype=dtype, shape=tuple(shape), nbytes=numel * DTYPES[dtype][1],
-                   decoder=decoder)
+    return replace(decoder.stored[0], name=name, dtype=dtype, shape=tuple(shape),
+                   nbytes=math.prod(shape) * DTYPES[dtype][1], decoder=decoder)
 
 
 def dequantized_view(folder: str, config: dict, tensors: list[TensorInfo]) -> QuantView | None:
@@ -203,8 +206,7 @@ def dequantized_view(folder: str, config: dict, tensors: list[TensorInfo]) -> Qu
         return None
     if not isinstance(qc, dict):
         raise InputError(f"base {folder}: config.json's quantization_config is not an object; fix config.json")
-    method = str(qc.get("quant_method", "bitsandbytes" if ("load_in_4bit" in qc or "load_in_8bit" in qc)
-                        else "unknown"))
+    method = quant_method(qc)
     if method not in FORMATS:
         name = _INSTEAD.get(method, f"quant_method={method!r}")
         raise InputError(
@@ -214,3 +216,25 @@ def dequantized_view(folder: str, config: dict, tensors: list[TensorInfo]) -> Qu
             f"(model.dequantize() where the format supports it) and save_pretrained it as a 16-bit checkpoint"
         )
     return importlib.import_module(FORMATS[method]).view(tensors, config, qc)
+
+
+def quant_method(qc: dict) -> str:
+    """The format a ``quantization_config`` object names: its ``quant_method``, ``"bitsandbytes"`` for the older
+    configs that only say ``load_in_4bit``/``load_in_8bit``, else ``"unknown"``.
+
+    Args:
+        qc: the ``quantization_config`` object of ``config.json``.
+
+    Returns:
+        The method name.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> quant_method({"load_in_4bit": True}), quant_method({"quant_method": "fp8"})
+        ('bitsandbytes', 'fp8')
+    """
+    fallback = "bitsandbytes" if ("load_in_4bit" in qc or "load_in_8bit" in qc) else "unknown"
+    return str(qc.get("quant_method", fallback))
+

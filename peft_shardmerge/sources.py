@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -148,10 +149,16 @@ class CheckpointSource:
         return [BaseTensor(t.name, t.torch_dtype, tuple(t.shape)) for t in self.tensors]
 
     def base_rows(self, name: str, device: torch.device, reader: RowReader | None = None):
-        """``rows(start, stop)`` of tensor ``name``, read with ``reader`` (a new one when None) and moved to
-        ``device`` (:class:`~peft_shardmerge.source_types.Source`)."""
-        info, reader = self.by_name[name], reader or RowReader()
-        return lambda start, stop: reader.read_rows(info, start, stop).to(device)
+        """``rows(start, stop)`` of tensor ``name`` on ``device`` (:class:`~peft_shardmerge.source_types.Source`),
+        read with ``reader``, or, when None, each block with a reader of its own, closed after it."""
+        info = self.by_name[name]
+        if reader is not None:
+            return lambda start, stop: reader.read_rows(info, start, stop).to(device)
+
+        def rows(start: int, stop: int) -> torch.Tensor:
+            with RowReader() as own:
+                return own.read_rows(info, start, stop).to(device, copy=True)
+        return rows
 
     @property
     def total_bytes(self) -> int:
@@ -208,6 +215,10 @@ def open_checkpoint(location: str) -> CheckpointSource:
     if view is None:
         return CheckpointSource(folder, config, tensors, by_name, list_side_files(folder))
     logical = {t.name: t for t in view.tensors}
+    if len(logical) != len(view.tensors):  # a dequantized name that is also stored as a tensor of its own
+        twice = sorted(n for n, count in Counter(t.name for t in view.tensors).items() if count > 1)
+        raise CorruptFileError(f"base {folder}: {', '.join(twice[:5])} stored both quantized and unquantized; the "
+                               "checkpoint is inconsistent: re-download or re-convert it")
     return CheckpointSource(folder, config, view.tensors, logical, list_side_files(folder), tensors, view)
 
 

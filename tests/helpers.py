@@ -1,8 +1,12 @@
-"""Small helpers shared by the test modules: comparing a merged checkpoint's logits with a reference."""
+"""Small helpers shared by the test modules: a checkpoint folder's tensors, and comparing a merged checkpoint's logits
+with a reference."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 
@@ -17,3 +21,14 @@ def logits_of(folder: str, ids: torch.Tensor) -> torch.Tensor:
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
+
+
+def folder_tensors(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor the ``.safetensors`` files of a checkpoint folder hold, by name."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+

@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from peft_shardmerge.testing import build_adapter, build_base, default_targets, token_ids
+from tests.helpers import folder_tensors
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -42,17 +41,9 @@ def qlora_on_cuda(base: str):
                                             init_lora_weights=False)).eval()
 
 
-def read_all(out: str) -> dict[str, torch.Tensor]:
-    got = {}
-    for f in os.listdir(out):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(out, f), "pt") as h:
-                got.update({k: h.get_tensor(k) for k in h.keys()})
-    return got
-
 
 def assert_same(a: str, b: str, exact: bool) -> None:
-    ga, gb = read_all(a), read_all(b)
+    ga, gb = folder_tensors(a), folder_tensors(b)
     assert ga.keys() == gb.keys() and len(gb) > 0
     for k in gb:
         if exact:
@@ -199,7 +190,7 @@ def test_merge_and_unload_on_cuda_returns_a_16bit_model_that_generates(base, tmp
     params = dict(plain.named_parameters())
     assert all(p.device == DEV and p.dtype == torch.bfloat16 for p in params.values())
     state = plain.state_dict()
-    for k, v in read_all(saved).items():  # the same merged weights as merge_and_save wrote
+    for k, v in folder_tensors(saved).items():  # the same merged weights as merge_and_save wrote
         assert torch.equal(state[k].cpu(), v), k
     with torch.no_grad():
         after = plain(input_ids=ids).logits.float()

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import merge_checkpoint
+from tests.helpers import folder_tensors
 
 # (case id, base, adapter tag, LoRA kwargs)
 CASES = [
@@ -46,17 +47,9 @@ def _read_output(out: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return tensors, where
 
 
-def _base_tensors(base: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in os.listdir(base):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(base, f), framework="pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
 
 def _base_names(base: str) -> list[str]:
-    return list(_base_tensors(base))
+    return list(folder_tensors(base))
 
 
 def _changed_by(adapter: str) -> set[str]:
@@ -97,7 +90,7 @@ def test_merge_matches_peft(case, dtype, make_base, make_adapter, peft_reference
 
     # the merged tensors equal PEFT's merge_and_unload on the fp32 base
     out_dtype = getattr(torch, dtype)
-    base_tensors = _base_tensors(base) if report.untied else {}
+    base_tensors = folder_tensors(base) if report.untied else {}
     for name, got in tensors.items():
         want = ref_state[name]
         if name in report.untied and name not in _changed_by(adapter):
@@ -152,7 +145,7 @@ def test_untouched_tensors_are_copied_byte_for_byte(make_base, make_adapter, tmp
     out = str(tmp_path / "m")
     merge_checkpoint(base, adapter, out, progress=False)
     got, _ = _read_output(out)
-    want = _base_tensors(base)
+    want = folder_tensors(base)
     untouched = [k for k in want if "norm" in k or "embed" in k]
     assert untouched
     for k in untouched:

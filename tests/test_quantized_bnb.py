@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -26,7 +25,7 @@ from peft_shardmerge.inprocess import merge_and_save  # noqa: E402
 from peft_shardmerge.safetensors_io import RowReader, row_blocks  # noqa: E402
 from peft_shardmerge.sources import open_checkpoint  # noqa: E402
 from peft_shardmerge.testing import build_adapter, build_base, token_ids  # noqa: E402
-from tests.helpers import logits_of, rel_err  # noqa: E402
+from tests.helpers import folder_tensors, logits_of, rel_err  # noqa: E402
 
 KINDS = {
     "nf4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
@@ -66,14 +65,6 @@ def dequantized(folder: str):
     no_cpu_repack(model)
     return model.dequantize()
 
-
-def read_all(folder: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, name), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], merged: set[str],
@@ -119,7 +110,7 @@ def test_merge_equals_transformers_dequantize_then_peft_merge(tiny, kind):
     merge_checkpoint(folder, adapter, out, progress=False)
     stored = open_checkpoint(folder).quantized
     assert stored.method == METHODS[kind] and stored.dequantized == (12 if kind.endswith("skip") else 14)
-    ours = read_all(out)
+    ours = folder_tensors(out)
     MEASURED[kind] = compare(ours, ref, merged, before)
     assert merged and merged <= set(ours)
     with open(os.path.join(out, "config.json")) as f:
@@ -162,7 +153,7 @@ def test_sharded_save(tiny):
     out = str(root / "sharded-out")
     merge_checkpoint(folder, adapter, out, progress=False, max_shard_size="100KB")
     assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) > 1
-    MEASURED["sharded"] = compare(read_all(out), ref, merged, before)
+    MEASURED["sharded"] = compare(folder_tensors(out), ref, merged, before)
 
 
 def test_cli_and_plan_name_the_format(tiny):
@@ -176,7 +167,7 @@ def test_cli_and_plan_name_the_format(tiny):
     assert run.returncode == 0, run.stderr
     api_out = str(root / "cli-api-out")
     merge_checkpoint(folder, adapter, api_out, progress=False)
-    a, b = read_all(out), read_all(api_out)
+    a, b = folder_tensors(out), folder_tensors(api_out)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -219,7 +210,7 @@ def test_rows_read_only_their_blocks(tmp_path, kind):
     # the whole merge in row blocks that small: every tensor without LoRA is transformers' dequantized one
     adapter = build_adapter(base, str(tmp_path / "adapter"), target_modules=["q_proj"])
     merge_checkpoint(folder, adapter, str(tmp_path / "out"), progress=False, chunk_elems=chunk)
-    ours = read_all(str(tmp_path / "out"))
+    ours = folder_tensors(str(tmp_path / "out"))
     assert all(torch.equal(ours[k], v) for k, v in ref.items() if "q_proj" not in k)
     assert not torch.equal(ours["model.layers.0.self_attn.q_proj.weight"], ref["model.layers.0.self_attn.q_proj.weight"])
 
@@ -227,7 +218,7 @@ def test_rows_read_only_their_blocks(tmp_path, kind):
 def _rewrite(folder: str, drop=(), config=None) -> None:
     """Rewrite a single-file checkpoint without some tensors, or with config.json fields changed."""
     path = os.path.join(folder, "model.safetensors")
-    tensors = {k: v for k, v in read_all(folder).items() if not any(k.endswith(d) for d in drop)}
+    tensors = {k: v for k, v in folder_tensors(folder).items() if not any(k.endswith(d) for d in drop)}
     save_file(tensors, path, metadata={"format": "pt"})
     if config is not None:
         with open(os.path.join(folder, "config.json")) as f:
@@ -293,7 +284,7 @@ def test_in_process_merge_and_disk_merge_agree(tiny):
     live_out, disk_out = str(root / "live-out"), str(root / "disk-out")
     merge_and_save(model, live_out, progress=False)
     merge_checkpoint(folder, adapter, disk_out, progress=False)
-    live, disk = read_all(live_out), read_all(disk_out)
+    live, disk = folder_tensors(live_out), folder_tensors(disk_out)
     assert set(live) == set(disk)
     worst = 0.0
     for k in live:
@@ -324,3 +315,21 @@ def test_rows_of_weights_whose_rows_do_not_fill_quantization_blocks(tmp_path, ki
                 assert torch.equal(info.decoder.rows(reader, s, s + 1)[0], ref[name][s]), (name, s)
     finally:
         reader.close()
+
+
+def test_verify_says_ok_for_a_merge_from_an_odd_sided_4bit_base(tmp_path):
+    """Sides of 68 and 131 are not multiples of bitsandbytes' CPU kernel block: verify's reference is the base
+    dequantized by transformers, not that kernel's forward (which asserted), and the merge is read in row blocks
+    that cut quantization blocks."""
+    from peft_shardmerge.options import MergeOptions
+    from peft_shardmerge.verify import verify_checkpoint
+
+    base = build_base(str(tmp_path / "base"), dtype=torch.bfloat16, hidden_size=68, intermediate_size=131,
+                      num_attention_heads=2, num_key_value_heads=2)
+    adapter = build_adapter(base, str(tmp_path / "adapter"), init_lora_weights=False)
+    folder = save_quantized(base, str(tmp_path / "nf4"), "nf4-double")
+    out = str(tmp_path / "merged")
+    merge_checkpoint(folder, adapter, out, options=MergeOptions(chunk_elems=137, progress=False))
+    report = verify_checkpoint(out, base=folder, adapter=adapter)
+    assert report.status == "OK" and "checked: logits vs base + adapter" in report.summary(), report.summary()
+

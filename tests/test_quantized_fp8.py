@@ -13,11 +13,10 @@ import pytest
 import torch
 import transformers.integrations.finegrained_fp8 as finegrained_fp8
 from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-from helpers import logits_of, rel_err
+from helpers import folder_tensors, logits_of, rel_err
 from peft_shardmerge import merge_and_save, merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.errors import CorruptFileError, InputError
 from peft_shardmerge.safetensors_io import RowReader, row_blocks
@@ -84,22 +83,13 @@ def write_fp8_base(folder: str, *, block=(128, 128), dtype: str = "bfloat16", sh
     return folder
 
 
-def stored(folder: str) -> dict[str, torch.Tensor]:
-    """Every tensor a checkpoint folder stores."""
-    out = {}
-    for file in sorted(os.listdir(folder)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, file), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
 
 def transformers_reference(folder: str, block) -> dict[str, torch.Tensor]:
     """Each FP8 weight dequantized by transformers' ``_dequantize_fp8_weight`` (its FP8 matmul's dequantization,
     which takes the block size and reads partial last blocks), in float32, cast once to the model's dtype."""
     with open(os.path.join(folder, "config.json")) as f:
         dtype = getattr(torch, json.load(f)["dtype"])
-    raw = stored(folder)
+    raw = folder_tensors(folder)
     return {k: finegrained_fp8._dequantize_fp8_weight(q, raw[k[:-6] + "weight_scale_inv"],
                                                        list(block) if block else None, torch.float32).to(dtype)
             for k, q in raw.items() if q.dtype == torch.float8_e4m3fn}
@@ -189,7 +179,7 @@ def fp8(tmp_path_factory):
 def check_against_peft(out: str, fp8: dict) -> dict[str, float]:
     """Every tensor of a merged folder against PEFT's float32 merge of the dequantized base: tensors without LoRA
     bit for bit, merged ones within one bfloat16 rounding of it; returns the largest difference of each kind."""
-    got, ref, base = stored(out), fp8["merged_fp32"], fp8["base_state"]
+    got, ref, base = folder_tensors(out), fp8["merged_fp32"], fp8["base_state"]
     assert set(got) == set(ref)
     worst = {"untouched": 0.0, "merged": 0.0, "merged_ulps": 0.0}
     for name, t in got.items():
@@ -231,9 +221,9 @@ def test_sharded_base_through_the_cli_and_small_row_blocks_write_the_same(fp8):
     small = str(fp8["root"] / "small-blocks")
     # 2048 elements = 8 rows of the [256, 256] FP8 weights, 1/32 of them; 200-column rows end mid-block
     merge_checkpoint(fp8["base"], fp8["adapter"], small, dtype="bfloat16", chunk_elems=2048, progress=False)
-    want = stored(fp8["out"])
+    want = folder_tensors(fp8["out"])
     for folder in (out, small):
-        got = stored(folder)
+        got = folder_tensors(folder)
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), folder
 
 
@@ -246,11 +236,11 @@ def in_process_merge(fp8: dict, out: str, *, fix: bool) -> dict[str, torch.Tenso
             if fix and name.endswith("_proj.weight"):
                 p.copy_(fp8["base_state"][name])
     merge_and_save(PeftModel.from_pretrained(model, fp8["adapter"]), out, dtype="bfloat16", progress=False)
-    return stored(out)
+    return folder_tensors(out)
 
 
 def test_in_process_merge_of_the_dequantized_model_equals_the_disk_merge(fp8):
-    disk = stored(fp8["out"])
+    disk = folder_tensors(fp8["out"])
     raw = in_process_merge(fp8, str(fp8["root"] / "in-process-raw"), fix=False)
     gaps = {}
     for name, t in raw.items():  # where transformers' loader reads the format, both routes write the same bytes
@@ -312,6 +302,8 @@ def fp8_tensors(change: dict | None = None, drop: tuple[str, ...] = ()) -> dict[
      ["'a.weight_scale_inv'", "I32"]),
     (fp8_tensors({"b.weight_scale_inv": torch.ones(1, 1)}), None, CorruptFileError,
      ["'b.weight_scale_inv'", "'b.weight'", "missing"]),
+    (fp8_tensors({"norm.qscale_weight": torch.ones(1, 1)}), None, CorruptFileError,  # not copied into the output
+     ["'norm.qscale_weight'", "'norm.weight'", "stored as BF16, not FP8"]),
     (fp8_tensors({"a.input_scale": torch.ones(1)}), None, InputError, ["'a.input_scale'", "transformers does not"]),
     (fp8_tensors({"c.bias": torch.ones(4, dtype=torch.float8_e4m3fn)}), None, InputError, ["'c.bias'", "2-D"]),
     ({"norm.weight": torch.ones(160, dtype=torch.bfloat16)}, None, InputError, ["no weight is stored as FP8"]),
@@ -335,3 +327,13 @@ def test_a_malformed_base_stops_the_merge_before_anything_is_written(tmp_path, f
     with pytest.raises(CorruptFileError, match="'a.weight_scale_inv' .* has shape \\[3, 2\\]"):
         merge_checkpoint(folder, fp8["adapter"], str(out), dtype="bfloat16", progress=False)
     assert not out.exists()
+
+
+def test_verify_says_ok_for_a_merge_from_an_fp8_base(fp8):
+    """verify's logits reference is the base dequantized by transformers with the format's blocks, not a quantized
+    forward (which failed on the CPU) nor the loader's partial blocks."""
+    from peft_shardmerge.verify import verify_checkpoint
+
+    report = verify_checkpoint(fp8["out"], base=fp8["base"], adapter=fp8["adapter"])
+    assert report.status == "OK" and "checked: logits vs base + adapter" in report.summary(), report.summary()
+

@@ -11,12 +11,13 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from peft_shardmerge import merge_and_save, merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.errors import CorruptFileError, InputError
 from peft_shardmerge.safetensors_io import RowReader
 from peft_shardmerge.sources import open_checkpoint
+from tests.helpers import folder_tensors
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -96,13 +97,6 @@ def within_bf16_rounding(got: torch.Tensor, ref: torch.Tensor, delta: torch.Tens
     return float(diff.max())
 
 
-def all_tensors(folder) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
-
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
@@ -141,7 +135,7 @@ def test_merge_matches_peft(bases, layout):
     plan = plan_checkpoint_merge(bases[layout], bases["adapter"], out)
     assert "MXFP4" in plan.describe()
     merge_checkpoint(bases[layout], bases["adapter"], out, progress=False)
-    got = all_tensors(out)
+    got = folder_tensors(out)
     with open(os.path.join(out, "config.json")) as f:
         assert "quantization_config" not in json.load(f)
 
@@ -187,7 +181,7 @@ def test_output_names_are_the_unquantized_models(bases):
     merge_checkpoint(bases["single"], bases["adapter"], out, progress=False)
     plain = transformers.AutoModelForCausalLM.from_config(gpt_oss_config())
     plain.save_pretrained(bases["root"] / "plain")
-    assert set(all_tensors(out)) == set(all_tensors(bases["root"] / "plain"))
+    assert set(folder_tensors(out)) == set(folder_tensors(bases["root"] / "plain"))
 
 
 def test_cli_writes_the_api_merge(bases):
@@ -196,7 +190,7 @@ def test_cli_writes_the_api_merge(bases):
     proc = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", bases["sharded"], bases["adapter"],
                            cli_out], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = all_tensors(api_out), all_tensors(cli_out)
+    a, b = folder_tensors(api_out), folder_tensors(cli_out)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -206,7 +200,7 @@ def test_in_process_merge_of_the_dequantized_model(bases):
     model = peft.PeftModel.from_pretrained(load_dequantized(bases["single"]), bases["adapter"])
     live = str(bases["root"] / "live")
     merge_and_save(model, live, progress=False)
-    a, b = all_tensors(disk), all_tensors(live)
+    a, b = folder_tensors(disk), folder_tensors(live)
     assert set(a) == set(b)
     # in memory as from disk, LoRA on the experts is multiplied in float32 and rounded once, with the sum (PEFT's
     # own get_delta_weight would round the delta to bfloat16 first)
@@ -298,3 +292,13 @@ def test_param_delta_lays_out_experts_as_peft_does(bases):
         ours, theirs = param_delta(layer, "default"), layer.get_delta_weight("default").float()
         assert ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-5, atol=1e-7)
         assert ours.abs().max() > 0
+
+
+def test_verify_says_ok_for_a_merge_from_an_mxfp4_base(bases):
+    from peft_shardmerge.verify import verify_checkpoint
+
+    out = str(bases["root"] / "verified")
+    merge_checkpoint(bases["single"], bases["adapter"], out, progress=False)
+    report = verify_checkpoint(out, base=bases["single"], adapter=bases["adapter"])
+    assert report.status == "OK" and "checked: logits vs base + adapter" in report.summary(), report.summary()
+
