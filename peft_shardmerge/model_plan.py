@@ -243,7 +243,7 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
     """
     problems = list(problems or [])
     base_precision, weights, combination_type = opts.base_precision, opts.weights, opts.combination
-    out_dtype, limit = _parse(opts.dtype, opts.max_shard_size, problems)
+    out_dtype, limit = _parse(opts.dtype, opts.max_shard_size)
     inner = unwrap(model)
     names, weight_map, selection_problems = adapter_selection(
         model, adapter_names, list(weights) if weights is not None else None, combination_type)
@@ -275,16 +275,17 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
     return result
 
 
-def _parse(dtype, max_shard_size, problems: list[str]) -> tuple[torch.dtype | None, int]:
-    out_dtype, limit = None, 1
+def _parse(dtype, max_shard_size) -> tuple[torch.dtype | None, int]:
+    """The output dtype and shard limit; a value that does not parse was reported by ``MergeOptions.problems``, and
+    the plan is refused with it before these stand-ins are used."""
     try:
         out_dtype = parse_dtype(dtype)
-    except InputError as e:
-        problems += e.problems
+    except InputError:
+        out_dtype = None
     try:
         limit = parse_size(max_shard_size)
-    except InputError as e:
-        problems += e.problems
+    except InputError:
+        limit = 1
     return out_dtype, limit
 
 
