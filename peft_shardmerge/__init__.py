@@ -16,6 +16,7 @@ from .errors import (  # noqa: E402 - light: no torch, so that `peft-shardmerge 
     NotFoundError,
     OutputChangedError,
     OutputLockedError,
+    PeerFailedError,
     ShardMergeError,
     UnsupportedError,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "OutputChangedError",
     "FileSystemError",
     "HubUploadError",
+    "PeerFailedError",
 ]
 
 

@@ -20,6 +20,8 @@ from .reading_rules import adapter_load_problems
 from .report import MergeReport
 from .sources import open_checkpoint
 from .errors import FileSystemError
+from .dist_execute import STEPS, agree_on_plan, failed
+from .distributed import JobSteps, joined_world
 from .staging import NOTHING_WRITTEN
 from .outcheck import check_out_dir, check_space, path_argument
 
@@ -234,14 +236,28 @@ def merge_checkpoint(
         base_precision=base_precision, nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize,
         nf4_double_quant=nf4_double_quant, device=device, overwrite=overwrite, progress=progress,
         chunk_elems=chunk_elems, resume=resume)
+    with joined_world(opts.device) as world:
+        steps = JobSteps(world, ("plan",) if dry_run else STEPS)
+        try:
+            return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, steps)
+        except BaseException as e:
+            if not world.distributed:
+                raise
+            raise failed(steps, e, out_dir)
+
+
+def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_run: bool, before_commit,
+           steps: JobSteps) -> MergeReport:
+    """Plan (every rank agreeing on the plan in a distributed job), then carry the plan out or describe it."""
     try:
         plan = plan_with_options(base, adapter, out_dir, opts, problems)
     except OSError as e:  # the filesystem failed while reading the inputs: say so in the family, with OUT's state
         if isinstance(e, ShardMergeError):
             raise
         raise FileSystemError(e, NOTHING_WRITTEN) from e
+    agree_on_plan(steps, plan)
     out_dir = os.path.abspath(os.fspath(out_dir))  # resolved once: every later step uses this path
-    for note in plan.notes:
+    for note in plan.notes if steps.world.rank == 0 else ():
         log.info("%s", note)
     if dry_run:
         return MergeReport(
@@ -250,5 +266,6 @@ def merge_checkpoint(
             tensors_written=0, lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
             notes=list(plan.notes), dry_run=True, plan_text=plan.describe(),
         )
-    return execute_plan(plan, out_dir, device=opts.device, progress=opts.progress, before_commit=before_commit,
-                        resume=opts.resume, overwrite=opts.overwrite)
+    return execute_plan(plan, out_dir, device=opts.device, progress=opts.progress and steps.world.rank == 0,
+                        before_commit=before_commit, resume=opts.resume, overwrite=opts.overwrite,
+                        steps=steps if steps.world.distributed else None)

@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "verify":
         return _verify(args, parser)
-    level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
+    rank = _rank()
+    level = logging.WARNING if args.quiet or (rank and not args.verbose) else \
+        logging.DEBUG if args.verbose else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
@@ -137,24 +139,37 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, max_shard_size=args.max_shard_size, base_precision=args.base_precision,
             nf4_quant_type=args.nf4_quant_type, nf4_blocksize=args.nf4_blocksize,
             nf4_double_quant=args.nf4_double_quant, device=args.device, overwrite=args.overwrite,
-            dry_run=args.dry_run, progress=not args.quiet,
+            dry_run=args.dry_run, progress=not args.quiet and not rank,
         )
     except ShardMergeError as e:
-        print(f"peft-shardmerge: error: {command_line_text(str(e))}", file=sys.stderr)
+        print(f"{_who(rank)}: error: {command_line_text(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print(f"peft-shardmerge: interrupted; {_out_state(args.out)}", file=sys.stderr)
+        print(f"{_who(rank)}: interrupted; {_out_state(args.out)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Terminated:
-        print(f"peft-shardmerge: terminated; {_out_state(args.out)}", file=sys.stderr)
+        print(f"{_who(rank)}: terminated; {_out_state(args.out)}", file=sys.stderr)
         return EXIT_TERMINATED
     except OSError as e:
-        print(f"peft-shardmerge: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(args.out)}",
+        print(f"{_who(rank)}: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(args.out)}",
               file=sys.stderr)
         return EXIT_USER_ERROR
-    if args.dry_run or not args.quiet:  # a dry run's plan is its output; -q silences the summary
+    if (args.dry_run or not args.quiet) and not rank:  # a dry run's plan is its output; -q silences the summary
         _print(report.summary())
     return 0
+
+
+def _rank() -> int | None:
+    """This process's rank in a job a launcher started (``RANK``, with ``WORLD_SIZE`` above 1); None outside one."""
+    try:
+        return int(os.environ.get("RANK", 0)) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None
+    except ValueError:
+        return None
+
+
+def _who(rank: int | None) -> str:
+    """The name messages start with: the program, and the rank in a distributed job."""
+    return "peft-shardmerge" if rank is None else f"peft-shardmerge[rank {rank}]"
 
 
 def _print(text: str) -> None:

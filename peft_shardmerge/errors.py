@@ -86,3 +86,21 @@ class FileSystemError(ShardMergeError, OSError):
 
 class HubUploadError(ShardMergeError, RuntimeError):
     """The Hub could not be reached, refused the repository, or the upload failed; never contains the token."""
+
+
+class PeerFailedError(ShardMergeError, RuntimeError):
+    """Another rank of a distributed merge failed, so this one stopped too; the message is the failing rank's.
+
+    Args:
+        rank: the rank that reported the failure (the lowest one, when several did).
+        message: its message, starting with the rank that failed first (``"rank 1: ..."``).
+        state: what became of OUT, when rank 0 said it.
+
+    Example:
+        >>> str(PeerFailedError(1, "rank 1: No space left on device"))
+        'rank 1: No space left on device'
+    """
+
+    def __init__(self, rank: int, message: str, state: str | None = None):
+        self.rank, self.message, self.state = rank, message, state
+        super().__init__(message + (f"; {state}" if state else ""))

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from .dist_execute import OtherRanks, write_share
+from .distributed import JobSteps, World
 from .errors import InputError
 from .plan_types import Plan, PlannedTensor
 from .report import MergeReport
@@ -93,7 +95,7 @@ def current_rss_bytes() -> int:
 
 def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto",
                  progress: bool = True, before_commit: Callable[[str], None] | None = None,
-                 resume: bool = True, overwrite: bool) -> MergeReport:
+                 resume: bool = True, overwrite: bool, steps: JobSteps | None = None) -> MergeReport:
     """Write the planned checkpoint into a temporary folder beside ``out_dir``, check it, then move it into place.
 
     ``out_dir`` is replaced only after every file is complete and checked; on any failure the temporary
@@ -108,6 +110,8 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
             the move into place (e.g. to save a tokenizer there).
         resume: keep the verified finished shards of an earlier run of the same merge that was killed.
         overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the output lock).
+        steps: in a distributed job (:mod:`peft_shardmerge.distributed`), the steps left after ``plan``: the
+            shards are split over the ranks, rank 0 commits, and every rank returns rank 0's report.
 
     Returns:
         The :class:`MergeReport`.
@@ -123,7 +127,10 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     """
     t0 = time.perf_counter()
     baseline = current_rss_bytes()
-    dev = resolve_device(device)
+    world = steps.world if steps is not None else World()
+    dev = world.device(resolve_device(device))
+    if world.rank != 0:
+        return write_share(plan, out_dir, dev, steps, resume=resume)
     merger = PlanMerger(plan, dev, progress)
     sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, fingerprint=plan.fingerprint() if resume else None,
                      inputs=InputDigests(plan) if resume else None)
@@ -136,7 +143,8 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
                         before_commit=before_commit, merge_info=lambda: disk_merge_info(plan),
                         checks=[lambda: check_counts(plan, merger)])
     try:
-        sink.write(produce, files, skip=lambda i: merger.skip(plan.shard_tensors(i)))
+        sink.write(produce, files, skip=lambda i: merger.skip(plan.shard_tensors(i)),
+                   ranks=OtherRanks(plan, merger, steps) if world.distributed else None)
     finally:
         merger.close()
     resumed = sink.resumed
@@ -153,11 +161,14 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         device=str(dev),
         untied=list(plan.untied),
         notes=list(plan.notes) + ([f"resumed: {len(resumed)} shard(s) kept from an interrupted run"]
-                                  if resumed else []),
+                                  if resumed else [])
+        + ([f"spread over {world.size} ranks; the peak memory above is rank 0's"] if world.distributed else []),
         reproduces=(f"the stored {plan.base.quantized.method} base, dequantized, + adapter (for an adapter trained "
                     "on this base, the trained model)") if plan.base.quantized is not None else "",
     )
     log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
+    if steps is not None:
+        steps.step("committed", report)
     return report
 
 

@@ -10,7 +10,10 @@ from torch import nn
 
 from .budget import MemoryBudget
 from .errors import InputError
+from .dist_execute import STEPS, agree_on_plan, failed
+from .distributed import JobSteps, current_world
 from .execute import execute_plan
+from .fsdp_gather import SHARDINGS, sharding_of, sharding_problems
 from .live import unwrap, walk
 from .live_plan import LiveSource, plan_live, valid_generation_config
 from .live_save import execute_live_plan
@@ -96,6 +99,10 @@ def merge_and_save(
         budget = MemoryBudget(opts.maximum_memory_usage)
     except InputError as e:  # reported with every other problem
         problems += e.problems
+    if sharding_of(model) not in (None, "fsdp2"):  # refused first: the other checks do not know its wrappers
+        raise InputError(sharding_problems(model, opts.base_precision) + problems)
+    if sharding_of(model) is not None:
+        return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
     planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
     overwrite, progress = opts.overwrite, opts.progress
     save_extra = _side_saver(tokenizer)
@@ -110,6 +117,24 @@ def merge_and_save(
     else:
         report = execute_live_plan(plan, out_dir, budget=budget, overwrite=overwrite, progress=progress,
                                    before_commit=save_extra)
+    report.reproduces = planned.reproduces
+    return report
+
+
+def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_names, problems: list[str],
+                   budget: MemoryBudget | None, tokenizer: Any) -> MergeReport:
+    """``merge_and_save`` of a model sharded by FSDP2, called on every rank: each rank plans, the plans must agree,
+    every rank gathers one unit at a time in plan order, rank 0 writes and commits."""
+    world = current_world()
+    steps = JobSteps(world, STEPS)
+    try:
+        planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
+        agree_on_plan(steps, planned.plan)
+        report = execute_live_plan(planned.plan, out_dir, budget=budget, overwrite=opts.overwrite,
+                                   progress=opts.progress and world.rank == 0, before_commit=_side_saver(tokenizer),
+                                   steps=steps, root=model)
+    except BaseException as e:
+        raise failed(steps, e, out_dir) if world.distributed else e
     report.reproduces = planned.reproduces
     return report
 
@@ -164,6 +189,9 @@ def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, d
     inner = unwrap(model)
     problems = require_supported(model, None, check_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite)
                                  + foreign_model_problems(out_dir))
+    if sharding_of(model) is not None:
+        problems.append(f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
+                        "gather it; merge_and_save (called on every rank) writes the 16-bit merge")
     out_dtype = parse_dtype(dtype) or model_dtype(inner)
     if out_dtype == torch.float32:
         out_dtype = torch.bfloat16

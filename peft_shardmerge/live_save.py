@@ -11,6 +11,8 @@ import torch
 from .budget import MemoryBudget
 from .errors import MergeCheckError
 from .execute import current_rss_bytes, merge_report
+from .dist_execute import LiveRanks, follow_plan
+from .fsdp_gather import UnitGatherer
 from .live_merger import LiveMerger
 from .row_merge import check_applied
 from .plan_types import Plan, PlannedTensor
@@ -32,7 +34,7 @@ REPACKED_NOTE = (
 
 
 def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwrite: bool, progress: bool = True,
-                      before_commit: Callable[[str], None] | None = None) -> MergeReport:
+                      before_commit: Callable[[str], None] | None = None, steps=None, root=None) -> MergeReport:
     """Write a loaded model's planned checkpoint (from :func:`~peft_shardmerge.live_plan.plan_live`) into ``out_dir``.
 
     Args:
@@ -42,6 +44,10 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
         overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the output lock).
         progress: show a progress bar over bytes written.
         before_commit: called with the staging folder after the side files (e.g. to save a tokenizer there).
+        steps: for a model sharded by FSDP2 in a distributed job, the job's steps after ``plan``
+            (:class:`~peft_shardmerge.distributed.JobSteps`): every rank gathers each unit in plan order, rank 0
+            writes, and every rank returns rank 0's report.
+        root: with ``steps``, the model as sharded (the outermost FSDP2 unit; default: the walked model).
 
     Returns:
         The :class:`~peft_shardmerge.report.MergeReport`.
@@ -60,6 +66,12 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
     baseline = current_rss_bytes()
     src = plan.live
     live = src.live
+    gatherer = ranks = None
+    if steps is not None:
+        gatherer = UnitGatherer(root if root is not None else live.model, [t for i in range(len(plan.shard_names)) for t in plan.shard_tensors(i)])
+        if steps.world.rank != 0:
+            return follow_plan(plan, out_dir, steps, gatherer)
+        ranks = LiveRanks(steps, gatherer)
     merger = LiveMerger(live, budget, plan.dtype, src.weights, src.combination)
     sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, depth=1)
     bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress)
@@ -67,6 +79,8 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
     def produce(i: int, w: ShardWriter) -> None:
         parts: dict[str, torch.Tensor] = {}
         for t in plan.shard_tensors(i):
+            if gatherer is not None:
+                gatherer.before(t)
             if t.kind == "quantize4" and not t.part:
                 parts = _quantize(merger, t, plan)
             _write(merger, t, w, parts, plan.chunk_elems)
@@ -82,10 +96,19 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
                                                            src.weights, src.combination),
                         checks=[lambda: check_applied(live.lora_layers, merger.applied)])
     try:
-        sink.write(produce, files)
+        sink.write(produce, files, ranks=ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.abandon()
+        raise
     finally:
         bar.close()
-    return _report(plan, merger, out_dir, t0, baseline)
+    report = _report(plan, merger, out_dir, t0, baseline)
+    if steps is not None:
+        report.notes.append(f"gathered from {steps.world.size} ranks one FSDP unit at a time (at most "
+                            f"{gatherer.peak_numel:,} elements at once); the peak memory above is rank 0's")
+        steps.step("committed", report)
+    return report
 
 
 def _write(merger: LiveMerger, t: PlannedTensor, w: ShardWriter, parts: dict[str, torch.Tensor],

@@ -15,6 +15,7 @@ from .combinations import combination_problems
 from .api import plan_checkpoint_merge
 from .errors import FileSystemError, InputError, ShardMergeError
 from .live import check_adapter_names, unwrap, walk
+from .fsdp_gather import sharding_of, sharding_problems
 from .live_plan import LiveSource, in_memory_text, plan_live, valid_generation_config
 from .model_check import require_supported, selected_adapters
 from .options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions, parse_dtype, parse_size
@@ -253,7 +254,11 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
     if out_dtype is None:
         out_dtype, dtype_note = default_dtype(inner, model_dtype(inner))
     original, reason, check = None, "base_precision='dequantized'", OriginalCheck(None)
-    if base_precision in ("auto", "original"):
+    sharded = sharding_of(model)
+    if sharded is not None:
+        problems += sharding_problems(model, base_precision)
+        reason = "the model is sharded by FSDP2: its weights in memory are gathered one unit at a time"
+    elif base_precision in ("auto", "original"):
         original, reason, check = _original_checkpoint(model, inner, adapters, weight_map, base_precision)
         if original is None and base_precision == "original":
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")

@@ -84,12 +84,13 @@ def name_problems(out: str) -> list[str]:
     return []
 
 
-def read_manifest(folder: str) -> dict | None:
+def read_manifest(folder: str, name: str = MANIFEST) -> dict | None:
     """The manifest of a staging folder, only when it is provably ours: a regular file (not a link) owned by
     this user, holding JSON that names peft-shardmerge (or has exactly the two keys earlier versions wrote).
 
     Args:
         folder: the staging folder.
+        name: the manifest's file name (a rank of a distributed merge records its shards in its own).
 
     Returns:
         The manifest, or None.
@@ -101,10 +102,10 @@ def read_manifest(folder: str) -> dict | None:
         >>> read_manifest("/nonexistent") is None
         True
     """
-    manifest = _own_manifest(os.path.join(folder, MANIFEST))
+    manifest = _own_manifest(os.path.join(folder, name))
     first = False
     with suppress(OSError):  # a merge killed between fsyncing a new staging folder's first manifest and renaming it
-        first = manifest is None and os.listdir(folder) == [MANIFEST + ".tmp"]
+        first = manifest is None and name == MANIFEST and os.listdir(folder) == [MANIFEST + ".tmp"]
     return _own_manifest(os.path.join(folder, MANIFEST + ".tmp")) if first else manifest
 
 
@@ -166,8 +167,7 @@ def sidecar_problems(out: str) -> list[str]:
         >>> sidecar_problems("/nonexistent/merged")
         []
     """
-    problems = []
-    partial, lock = sidecar(out, "partial"), sidecar(out, "lock")
+    problems, partial, lock = [], sidecar(out, "partial"), sidecar(out, "lock")
     st = _lstat(partial)
     if st is not None:
         if stat.S_ISLNK(st.st_mode):

@@ -1,8 +1,9 @@
 """What a killed merge left beside OUT: a commit cut short, finished or undone from the journal in the lock's
-record, and the filesystem steps a commit is made of (fsync of a folder, removal of the staging manifest)."""
+record, and the filesystem steps a commit is made of (fsync of a folder, writing and removing the staging manifest)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -128,3 +129,28 @@ def recover_commit(out: str, lock: OutputLock) -> None:
                             f"what was added to it during that merge is kept there ({', '.join(left[:5])})"
                             if left else "it was removed")
     lock.note(commit=None)
+
+
+def write_manifest(path: str, data: dict) -> None:
+    """Write a staging manifest atomically and durably: a temporary file, fsynced, renamed over ``path``.
+
+    Args:
+        path: the manifest's path in a staging folder.
+        data: its JSON content.
+
+    Returns:
+        None.
+
+    Raises:
+        OSError: the filesystem failed.
+
+    Example:
+        >>> write_manifest(os.path.join(staging.path, "manifest.rank-1.json"), {})   # doctest: +SKIP
+    """
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))

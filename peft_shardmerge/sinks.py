@@ -69,13 +69,16 @@ class ShardSink:
         self.records: dict[str, dict] = {}
 
     def write(self, produce: Callable[[int, ShardWriter], None], files: FolderFiles,
-              skip: Callable[[int], None] | None = None) -> None:
+              skip: Callable[[int], None] | None = None, ranks=None) -> None:
         """Write every shard, then the folder's other files; check it and move it into place.
 
         Args:
             produce: ``produce(i, writer)`` writes the data of shard ``i``'s tensors, in header order.
             files: what else the folder holds.
             skip: ``skip(i)`` is called instead of ``produce`` for a shard kept from an interrupted run.
+            ranks: on rank 0 of a distributed merge, the other ranks' side
+                (:class:`~peft_shardmerge.dist_execute.OtherRanks`): ``opened(staging)`` returns the shards this
+                rank writes (None: all), ``gathered(staging, records)`` waits for the rest.
 
         Returns:
             None; ``resumed`` lists the kept shards and ``records`` the record of each shard written.
@@ -91,15 +94,20 @@ class ShardSink:
         with staged_output(self.out_dir, fingerprint=self.fingerprint, overwrite=self.overwrite,
                            inputs=self.inputs) as staging, torch.no_grad():
             tmp = staging.path
+            mine = None if ranks is None else ranks.opened(staging)
             for i, (name, entries) in enumerate(self.shards):
                 if staging.is_done(name):
                     if skip is not None:
                         skip(i)
                     continue
+                if mine is not None and i not in mine:
+                    continue
                 with ShardWriter(os.path.join(tmp, name), entries, depth=self.depth) as w:
                     produce(i, w)
                 staging.record(name, w.digest())
                 self.records[name] = w.record()
+            if ranks is not None:
+                ranks.gathered(staging, self.records)
             self.resumed = list(staging.resumed)
             self._finish(tmp, files)
 

@@ -3,9 +3,9 @@ of OUT when a merge stops."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -18,7 +18,7 @@ from .outfiles import (MADE_BY, MANIFEST, describe_change, held_signals, read_ma
                        rename_noreplace, sidecar, sidecar_problems, snapshot)
 from .outlock import OutputLock, output_lock  # noqa: F401 - output_lock: public here too
 from .record import hash_file
-from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit
+from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit, write_manifest
 from .safetensors_io import read_header
 from .writer import Crc32
 
@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 _HASH_PIECE = 8 << 20
 NOTHING_WRITTEN = "nothing was written and OUT is unchanged"
 REMOVED = "the partial output was removed and OUT is unchanged"
+#: the manifest in which rank N of a distributed merge records the shards it finished
+RANK_MANIFEST = re.compile(r"manifest\.rank-\d+\.json")
 #: what became of each output folder (by absolute path) in the last merge into it from this process
 _OUTCOME: dict[str, str] = {}
 
@@ -143,7 +145,7 @@ class Staging:
                 self.common = self.inputs.common()
             if manifest and self.fingerprint and manifest.get("fingerprint") == self.fingerprint \
                     and manifest.get("inputs") == self.common:
-                for fname, meta in (manifest.get("shards") or {}).items():
+                for fname, meta in self._recorded(manifest).items():
                     p = os.path.join(self.path, os.path.basename(fname))
                     s = lstat_or_none(p)
                     if (s is not None and stat.S_ISREG(s.st_mode) and s.st_size == meta.get("size")
@@ -163,6 +165,28 @@ class Staging:
             log.info("resuming: %d finished shard(s) kept from an interrupted run", len(kept))
         self._write_manifest()
 
+    def _recorded(self, manifest: dict) -> dict[str, dict]:
+        """The shards a matching earlier run recorded: in the manifest, and each rank of a distributed run in its own."""
+        shards = dict(manifest.get("shards") or {})
+        for entry in sorted(os.listdir(self.path)):
+            part = read_manifest(self.path, entry) if RANK_MANIFEST.fullmatch(entry) else None
+            if part and part.get("fingerprint") == self.fingerprint and part.get("inputs") == self.common:
+                shards.update(part.get("shards") or {})
+        return shards
+
+    def adopt(self, shards: dict[str, dict]) -> None:
+        """Take over the shards the other ranks of a distributed merge finished, and drop their own manifests.
+
+        Args:
+            shards: file name -> ``{"size", "digest", "inputs"}`` as each rank recorded it.
+        """
+        if self.fingerprint:
+            self.done.update(shards)
+            self._write_manifest()
+        for entry in os.listdir(self.path):
+            if RANK_MANIFEST.fullmatch(entry.removesuffix(".tmp")):
+                os.unlink(os.path.join(self.path, entry))
+
     def is_done(self, fname: str) -> bool:
         """Whether shard ``fname`` was finished and verified by an earlier run, from the same input bytes."""
         return fname in self.done
@@ -177,14 +201,9 @@ class Staging:
         self._write_manifest()
 
     def _write_manifest(self) -> None:
-        tmp = os.path.join(self.path, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"made_by": MADE_BY, "fingerprint": self.fingerprint, "inputs": self.common,
-                       "shards": self.done if self.fingerprint else {}}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.path, MANIFEST))
-        fsync_dir(self.path)
+        write_manifest(os.path.join(self.path, MANIFEST), {
+            "made_by": MADE_BY, "fingerprint": self.fingerprint, "inputs": self.common,
+            "shards": self.done if self.fingerprint else {}})
 
     def commit(self, lock: OutputLock | None = None) -> None:
         """Move the staging folder into place, replacing OUT only if it still holds exactly what was checked.
@@ -326,6 +345,23 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
     finally:
         with held_signals():
             lock.release()
+
+
+def note_outcome(out_dir: str, state: str) -> None:
+    """Record what became of ``out_dir`` when another process (rank 0 of a distributed merge) decided it.
+
+    Args:
+        out_dir: the output folder.
+        state: one true sentence (what :func:`outcome` returns afterwards).
+
+    Returns:
+        None.
+
+    Example:
+        >>> note_outcome("/nowhere/merged", "OUT is unchanged"); outcome("/nowhere/merged")
+        'OUT is unchanged'
+    """
+    _OUTCOME[os.path.abspath(os.fspath(out_dir))] = state
 
 
 def check_written(folder: str, shards: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> None:

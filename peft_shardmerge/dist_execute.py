@@ -1,0 +1,252 @@
+"""A merge from disk spread over the ranks of a torch.distributed job: every rank writes its share of the output
+shards into the one staging folder; rank 0 holds the lock, writes the index, config and side files, and commits."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+import torch
+
+from .distributed import JobSteps, assign_shards
+from .errors import FileSystemError, InputError, PeerFailedError, ShardMergeError
+from .outfiles import MADE_BY
+from .plan_types import Plan
+from .recovery import write_manifest
+from .resume import InputDigests
+from .staging import note_outcome, outcome
+from .writer import ShardWriter
+
+log = logging.getLogger(__name__)
+
+#: the steps of a merge from disk, taken by every rank together
+STEPS = ("plan", "open", "written", "committed")
+#: what a rank other than 0 can say of OUT before rank 0 tells it
+UNKNOWN = "rank 0 decides what becomes of OUT and did not say (see its message)"
+
+
+def agree_on_plan(steps: JobSteps, plan: Plan) -> None:
+    """Take the ``plan`` step: every rank must have planned the very same merge.
+
+    Args:
+        steps: the job's steps.
+        plan: this rank's plan.
+
+    Returns:
+        None.
+
+    Raises:
+        InputError: the ranks planned different merges (they see different files or were given different options).
+        PeerFailedError: another rank could not plan.
+
+    Example:
+        >>> agree_on_plan(steps, plan)   # doctest: +SKIP
+    """
+    if not steps.world.distributed:
+        return
+    digest = plan.fingerprint() if plan.live is None else hashlib.sha256(plan.describe().encode()).hexdigest()
+    prints = steps.step("plan", digest)
+    if len(set(prints)) > 1:
+        odd = [r for r, p in enumerate(prints) if p != prints[0]]
+        raise InputError(f"rank(s) {odd} planned a different merge than rank 0: every rank must be given the same "
+                         "BASE, ADAPTER and options and see the same files (a filesystem shared by every node)")
+
+
+def _counts(merger) -> dict:
+    return {"applied": merger.applied, "replacements": merger.replacements, "fallbacks": merger.fallbacks,
+            "probe_err": merger.probe_err, "swallowed": merger.swallowed}
+
+
+class OtherRanks:
+    """Rank 0's side of a distributed merge from disk, for :meth:`~peft_shardmerge.sinks.ShardSink.write`: it says
+    which shards rank 0 writes, then takes over what the other ranks wrote.
+
+    Args:
+        plan: the plan every rank agreed on.
+        merger: rank 0's merger (the other ranks' counts are added to it, for the count check and the report).
+        steps: the job's steps.
+
+    Example:
+        >>> sink.write(produce, files, ranks=OtherRanks(plan, merger, steps))   # doctest: +SKIP
+    """
+
+    def __init__(self, plan: Plan, merger, steps: JobSteps):
+        self.plan, self.merger, self.steps = plan, merger, steps
+
+    def opened(self, staging) -> set[int]:
+        """Tell every rank where the staging folder is and which shards an earlier run finished.
+
+        Args:
+            staging: the opened :class:`~peft_shardmerge.staging.Staging`.
+
+        Returns:
+            The shards rank 0 writes.
+        """
+        self.steps.step("open", {"path": staging.path, "done": sorted(staging.done), "common": staging.common})
+        return set(_share(self.plan, sorted(staging.done), self.steps)[0])
+
+    def gathered(self, staging, records: dict) -> None:
+        """Wait for every rank's shards; take over their records, manifests and counts.
+
+        Args:
+            staging: the staging folder.
+            records: rank 0's shard records, to which the others' are added.
+
+        Raises:
+            PeerFailedError: a rank failed.
+        """
+        for got in self.steps.step("written", None)[1:]:
+            records.update(got["records"])
+            staging.adopt(got["done"])
+            m, c = self.merger, got["counts"]
+            m.applied.update(c["applied"])
+            m.replacements += c["replacements"]
+            m.fallbacks += c["fallbacks"]
+            m.probe_err = max(m.probe_err, c["probe_err"])
+            m.swallowed.update(c["swallowed"])
+
+
+def _share(plan: Plan, done: list[str], steps: JobSteps) -> list[list[int]]:
+    sizes = [sum(e[3] for e in entries) for _, entries in plan.shard_entries()]
+    return assign_shards(sizes, steps.world.size, skip=[plan.shard_names.index(n) for n in done])
+
+
+def write_share(plan: Plan, out_dir: str, device: torch.device, steps: JobSteps, *, resume: bool):
+    """A rank other than 0: write this rank's shards into rank 0's staging folder, recording each one finished in
+    ``manifest.rank-N.json`` there (so a rerun keeps it, whatever its rank count); return rank 0's report.
+
+    Args:
+        plan: the plan every rank agreed on.
+        out_dir: the output folder.
+        device: where this rank's maths runs.
+        steps: the job's steps (``open``, ``written`` and ``committed`` are left).
+        resume: whether finished shards are recorded for a rerun.
+
+    Returns:
+        The :class:`~peft_shardmerge.report.MergeReport` rank 0 made.
+
+    Raises:
+        PeerFailedError: another rank failed.
+        MergeCheckError: a merged value is not finite, or the self-check failed.
+        OSError: the filesystem failed.
+
+    Example:
+        >>> report = write_share(plan, "merged", torch.device("cpu"), steps, resume=True)   # doctest: +SKIP
+    """
+    from .merger import PlanMerger
+
+    world = steps.world
+    note_outcome(out_dir, UNKNOWN)
+    opened = steps.step("open", None)[0]
+    mine = _share(plan, opened["done"], steps)[world.rank]
+    manifest = os.path.join(opened["path"], f"manifest.rank-{world.rank}.json")
+    record = {"made_by": MADE_BY, "fingerprint": plan.fingerprint() if resume else None,
+              "inputs": opened["common"], "shards": {}}
+    inputs = InputDigests(plan) if resume else None
+    entries = plan.shard_entries()
+    records = {}
+    merger = PlanMerger(plan, device, False)
+    try:
+        with torch.no_grad():
+            for i in mine:
+                name = entries[i][0]
+                with ShardWriter(os.path.join(opened["path"], name), entries[i][1]) as w:
+                    for t in plan.shard_tensors(i):
+                        merger.write_tensor(t, w)
+                meta = {"size": os.path.getsize(os.path.join(opened["path"], name)), "digest": w.digest()}
+                if inputs is not None:
+                    meta["inputs"] = inputs.shard(name)
+                    record["shards"][name] = meta
+                    write_manifest(manifest, record)
+                records[name] = w.record()
+                log.info("rank %d: %s written (%d of %d)", world.rank, name, len(records), len(mine))
+    finally:
+        merger.close()
+    steps.step("written", {"records": records, "done": record["shards"], "counts": _counts(merger)})
+    return steps.step("committed", None)[0]
+
+
+class LiveRanks:
+    """Rank 0's side of a merge of a sharded model in process: rank 0 writes every shard (onto its own disk: no
+    shared filesystem needed) while every rank takes the same gathers.
+
+    Args:
+        steps: the job's steps.
+        gatherer: the :class:`~peft_shardmerge.fsdp_gather.UnitGatherer` every rank drives in plan order.
+
+    Example:
+        >>> sink.write(produce, files, ranks=LiveRanks(steps, gatherer))   # doctest: +SKIP
+    """
+
+    def __init__(self, steps: JobSteps, gatherer):
+        self.steps, self.gatherer, self.open = steps, gatherer, False
+
+    def opened(self, staging) -> None:
+        """Tell the other ranks the output is open (they start gathering with rank 0); rank 0 writes every shard."""
+        self.steps.step("open", None)
+        self.open = True
+
+    def gathered(self, staging, records: dict) -> None:
+        """Release the last units and wait for the other ranks (raises PeerFailedError when one failed)."""
+        self.gatherer.close()
+        self.steps.step("written", None)
+
+    def abandon(self) -> None:
+        """After a failure on rank 0: take the gathers left, if the others started them, so none waits."""
+        if self.open and self.steps.taken == STEPS.index("written"):
+            self.gatherer.drain()
+
+
+def follow_plan(plan: Plan, out_dir: str, steps: JobSteps, gatherer):
+    """A rank other than 0 of a merge of a sharded model in process: take every gather rank 0 takes, in the same
+    order, keeping nothing; return rank 0's report.
+
+    Args:
+        plan: the plan every rank agreed on.
+        out_dir: the output folder (written by rank 0).
+        steps: the job's steps after ``plan``.
+        gatherer: the :class:`~peft_shardmerge.fsdp_gather.UnitGatherer`.
+
+    Returns:
+        The :class:`~peft_shardmerge.report.MergeReport` rank 0 made.
+
+    Raises:
+        PeerFailedError: rank 0 or another rank failed.
+
+    Example:
+        >>> report = follow_plan(plan, "merged", steps, gatherer)   # doctest: +SKIP
+    """
+    note_outcome(out_dir, UNKNOWN)
+    steps.step("open", None)
+    for t in gatherer.tensors:
+        gatherer.before(t)
+    gatherer.close()
+    steps.step("written", None)
+    return steps.step("committed", None)[0]
+
+
+def failed(steps: JobSteps, error: BaseException, out_dir: str) -> BaseException:
+    """After a failure on this rank: tell the others, learn from rank 0 what became of OUT, and return the exception
+    to raise (the same one, or one whose message says what became of OUT).
+
+    Args:
+        steps: the job's steps.
+        error: what stopped this rank.
+        out_dir: the output folder.
+
+    Returns:
+        The exception to raise.
+
+    Example:
+        >>> raise failed(steps, e, "merged")   # doctest: +SKIP
+    """
+    rank = steps.world.rank
+    state = steps.fail(error, outcome(out_dir) if rank == 0 else None)
+    if rank != 0 and state:
+        note_outcome(out_dir, state)
+    if isinstance(error, PeerFailedError) and error.state is None and state:
+        return PeerFailedError(error.rank, error.message, state)
+    if rank != 0 and isinstance(error, OSError) and not isinstance(error, ShardMergeError):
+        return FileSystemError(error, state or UNKNOWN)
+    return error

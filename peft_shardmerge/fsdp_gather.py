@@ -1,0 +1,161 @@
+"""A model sharded by FSDP2 inside a distributed job: which sharding a model carries, what of it is supported, and
+its units' full weights gathered one unit at a time, in the same order on every rank."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: what each sharding a model can carry is called in messages
+SHARDINGS = {"fsdp2": "FSDP2 (fully_shard)", "fsdp1": "FSDP1 (FullyShardedDataParallel)",
+             "zero3": "DeepSpeed ZeRO-3"}
+
+
+def sharding_of(model: nn.Module) -> str | None:
+    """Which data-parallel sharding holds the model's weights.
+
+    Args:
+        model: any model.
+
+    Returns:
+        ``"fsdp2"``, ``"fsdp1"``, ``"zero3"``, or None for a model whose weights each process holds whole.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> sharding_of(nn.Linear(2, 2)) is None
+        True
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            return "fsdp2"
+        if isinstance(m, FullyShardedDataParallel):
+            return "fsdp1"
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return "zero3"
+    return None
+
+
+def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
+    """What stops ``merge_and_save`` on a sharded model: only FSDP2 over unquantized weights is supported.
+
+    Args:
+        model: the model passed to ``merge_and_save``.
+        base_precision: the option given.
+
+    Returns:
+        The problems, each naming the sharding and what to do instead; empty for a model that is not sharded.
+
+    Example:
+        >>> sharding_problems(nn.Linear(2, 2), "auto")
+        []
+    """
+    kind = sharding_of(model)
+    if kind is None:
+        return []
+    instead = ("save the adapter on rank 0 (model.save_pretrained) and merge from disk, on as many processes as you "
+               "like: torchrun --nproc_per_node N -m peft_shardmerge merge BASE ADAPTER OUT")
+    if kind != "fsdp2":
+        return [f"the model is sharded by {SHARDINGS[kind]}, which merge_and_save does not gather yet (FSDP2, "
+                f"fully_shard, is supported; with accelerate: fsdp_version 2); or {instead}"]
+    problems = []
+    if base_precision == "original":
+        problems.append("base_precision='original' is not available for a model sharded by FSDP2 (each rank would "
+                        f"read the original checkpoint whole): use 'auto' or 'dequantized', or {instead}")
+    if any(type(p).__module__.startswith("bitsandbytes") or getattr(p, "quant_state", None) is not None
+           for p in model.parameters()):
+        problems.append(f"the model is sharded by FSDP2 over a bitsandbytes-quantized base, which merge_and_save "
+                        f"does not gather yet: {instead} (--base-precision nf4 reproduces the 4-bit training)")
+    return problems
+
+
+class UnitGatherer:
+    """Gathers FSDP2 units' full weights for each planned tensor, in plan order, on every rank: the units that
+    hold the tensor's module (its base layer and adapter factors) are unsharded, and the others released first.
+
+    Every rank must call :meth:`before` for the same tensors in the same order (``unshard`` is a collective), and
+    :meth:`close` at the end; after a failure, :meth:`drain` takes the remaining gathers so no rank waits.
+
+    Args:
+        model: the sharded model (the root the plan's entries belong to).
+        tensors: the planned tensors in the order they are written, each with its ``entry``.
+
+    Attributes:
+        peak_numel: the most elements held unsharded at once (a unit or two, never the model).
+
+    Example:
+        >>> g = UnitGatherer(model, plan.tensors)   # doctest: +SKIP
+        >>> for t in plan.tensors:                  # doctest: +SKIP
+        ...     g.before(t)
+        >>> g.close()                               # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, tensors: list):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.units: list[nn.Module] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        order = {id(u): i for i, u in enumerate(self.units)}
+        owner: dict[int, int] = {}
+
+        def visit(module: nn.Module, unit: int | None) -> None:
+            unit = order.get(id(module), unit)
+            owner[id(module)] = unit
+            for child in module.children():
+                visit(child, unit)
+
+        visit(model, None)
+        self.tensors = list(tensors)
+        self.schedule = []
+        for t in self.tensors:
+            e = t.entry
+            mods = list(e.module.modules()) + [e.holder] if e.module is not None else [e.holder]
+            self.schedule.append(tuple(sorted({owner[id(m)] for m in mods if owner.get(id(m)) is not None})))
+        self.step = 0
+        self.held: tuple[int, ...] = ()
+        self.peak_numel = 0
+
+    def before(self, t) -> None:
+        """Gather the units tensor ``t`` is read from (the next tensor of the plan), releasing the others.
+
+        Args:
+            t: the next planned tensor.
+
+        Raises:
+            RuntimeError: ``t`` is not the next tensor of the plan (ranks would gather in different orders).
+        """
+        if self.step >= len(self.tensors) or self.tensors[self.step] is not t:
+            raise RuntimeError(f"{getattr(t, 'name', t)} was asked for out of plan order")
+        self._hold(self.schedule[self.step])
+        self.step += 1
+
+    def _hold(self, want: tuple[int, ...]) -> None:
+        if want == self.held:
+            return
+        for i in reversed(self.held):
+            if i not in want:
+                self.units[i].reshard()
+        for i in want:
+            if i not in self.held:
+                self.units[i].unshard()
+        self.held = want
+        from torch.distributed.tensor import DTensor
+
+        plain = {id(p): p.numel() for i in want for p in self.units[i].parameters() if not isinstance(p, DTensor)}
+        held = sum(plain.values())
+        self.peak_numel = max(self.peak_numel, held)
+
+    def drain(self) -> None:
+        """Take every gather left (after a failure), so that the other ranks are not left waiting."""
+        while self.step < len(self.tensors):
+            self.before(self.tensors[self.step])
+        self.close()
+
+    def close(self) -> None:
+        """Release every unit still gathered."""
+        self._hold(())

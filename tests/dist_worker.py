@@ -1,0 +1,210 @@
+"""One rank of a distributed test job, started by torchrun: ``dist_worker.py SCENARIO ARGS...``.
+
+Scenarios:
+    cli ARGS                      the command line, as ``-m peft_shardmerge`` runs it
+    kill-after-shard R ARGS       the command line; rank R kills itself (SIGKILL) once it finished its first shard
+    killall-after-record R ARGS   the command line; once rank R recorded its first finished shard, the whole job
+                                  (torchrun and every rank, pids in $DIST_TEST_PIDS) is killed at once (SIGKILL)
+    fail R ARGS                   the command line; rank R's disk is full (ENOSPC) on its first tensor
+    api-dtype OUT BASE AD         merge_checkpoint with a dtype that differs between ranks
+    fsdp2 OUT RESULT [dora]       merge_and_save of a tiny Llama + LoRA sharded by fully_shard; rank 0 writes RESULT
+    fsdp1 OUT RESULT              merge_and_save of the same model under FullyShardedDataParallel (refused)
+    unload-fsdp2 RESULT           merge_and_unload of the FSDP2 model (refused, model untouched)
+    rank0-only OUT                an unsharded model in a distributed job, merged by rank 0 alone
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+RANK = int(os.environ.get("RANK", 0))
+
+
+def tiny_peft(dora: bool = False):
+    """The same tiny Llama + LoRA (adapter factors moved off their initial values) on every rank."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge.testing import perturb_trainable, tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
+                                             use_dora=dora))
+    torch.manual_seed(1)
+    perturb_trainable(model)
+    return model
+
+
+def fully_shard_model(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def cli(argv: list[str]) -> int:
+    from peft_shardmerge.cli import main
+
+    return main(argv)
+
+
+def kill_after_shard(rank: int, argv: list[str]) -> int:
+    from peft_shardmerge import writer
+
+    close = writer.ShardWriter.close
+
+    def close_then_die(self):
+        close(self)
+        if RANK == rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    writer.ShardWriter.close = close_then_die
+    return cli(argv)
+
+
+def killall_after_record(rank: int, argv: list[str]) -> int:
+    from peft_shardmerge import dist_execute
+
+    record = dist_execute.write_manifest
+
+    pids = os.environ["DIST_TEST_PIDS"]  # each rank writes its pid there first
+    with open(os.path.join(pids, str(RANK)), "w") as f:
+        f.write(str(os.getpid()))
+
+    def record_then_die(path, data):
+        record(path, data)
+        if RANK == rank:
+            os.kill(os.getppid(), signal.SIGKILL)  # torchrun, then every rank, this one last
+            for name in sorted(os.listdir(pids), key=lambda n: n == str(RANK)):
+                os.kill(int(open(os.path.join(pids, name)).read()), signal.SIGKILL)
+
+    dist_execute.write_manifest = record_then_die
+    return cli(argv)
+
+
+def fail(rank: int, argv: list[str]) -> int:
+    from peft_shardmerge import merger
+
+    write = merger.PlanMerger.write_tensor
+
+    def full_disk(self, t, w):
+        if RANK == rank:
+            raise OSError(errno.ENOSPC, "No space left on device", "shard")
+        return write(self, t, w)
+
+    merger.PlanMerger.write_tensor = full_disk
+    return cli(argv)
+
+
+def fsdp(out: str, result: str, version: int, dora: bool) -> int:
+    import torch.distributed as dist
+
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.errors import ShardMergeError
+
+    dist.init_process_group("gloo")
+    model = tiny_peft(dora)
+    if version == 2:
+        fully_shard_model(model)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                         device_id=torch.device("cpu"), use_orig_params=True)
+    try:
+        report = merge_and_save(model, out, progress=False)
+        outcome = {"ok": True, "notes": report.notes, "merged": report.lora_modules_merged}
+    except ShardMergeError as e:
+        outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
+    if RANK == 0:
+        with open(result, "w") as f:
+            json.dump(outcome, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def unload_fsdp2(result: str) -> int:
+    import torch.distributed as dist
+
+    from peft_shardmerge import merge_and_unload
+    from peft_shardmerge.errors import InputError
+
+    dist.init_process_group("gloo")
+    model = fully_shard_model(tiny_peft())
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    try:
+        merge_and_unload(model)
+        outcome = {"refused": False}
+    except InputError as e:
+        after = dict(model.named_parameters())
+        outcome = {"refused": True, "message": str(e),
+                   "untouched": set(after) == set(before)
+                   and all(torch.equal(after[n].to_local(), v) for n, v in before.items())}
+    if RANK == 0:
+        with open(result, "w") as f:
+            json.dump(outcome, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def rank0_only(out: str) -> int:
+    import torch.distributed as dist
+
+    from peft_shardmerge import merge_and_save
+
+    dist.init_process_group("gloo")
+    model = tiny_peft()
+    if RANK == 0:
+        merge_and_save(model, out, progress=False)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def api_dtype(out: str, base: str, adapter: str) -> int:
+    from peft_shardmerge import merge_checkpoint
+    from peft_shardmerge.errors import ShardMergeError
+
+    try:
+        merge_checkpoint(base, adapter, out, dtype="bfloat16" if RANK == 0 else "float16", progress=False)
+    except ShardMergeError as e:
+        print(f"rank {RANK} refused: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    scenario, args = sys.argv[1], sys.argv[2:]
+    if scenario == "cli":
+        code = cli(args)
+    elif scenario == "kill-after-shard":
+        code = kill_after_shard(int(args[0]), args[1:])
+    elif scenario == "killall-after-record":
+        code = killall_after_record(int(args[0]), args[1:])
+    elif scenario == "fail":
+        code = fail(int(args[0]), args[1:])
+    elif scenario == "api-dtype":
+        code = api_dtype(*args)
+    elif scenario in ("fsdp2", "fsdp1"):
+        code = fsdp(args[0], args[1], int(scenario[-1]), "dora" in args[2:])
+    elif scenario == "unload-fsdp2":
+        code = unload_fsdp2(args[0])
+    elif scenario == "rank0-only":
+        code = rank0_only(args[0])
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    sys.exit(code)

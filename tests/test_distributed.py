@@ -1,0 +1,175 @@
+"""One merge over several processes (torchrun, gloo on the CPU): from disk, byte-identical to one process whatever
+the rank count and shard size, with failures, kills and resumes; in process, FSDP2-sharded models gathered one unit
+at a time, and the shardings that are refused."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from peft_shardmerge import merge_and_save, merge_checkpoint
+from peft_shardmerge.distributed import assign_shards
+from peft_shardmerge.testing import build_adapter, build_base
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+
+
+def torchrun(ranks: int, *args: str, timeout: int = 240, **env_vars: str) -> subprocess.CompletedProcess:
+    """Run ``dist_worker.py ARGS`` on ``ranks`` local processes, in a session of its own."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_vars}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(ranks), WORKER, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                          start_new_session=True)
+
+
+def same_folder(a: str, b: str) -> list[str]:
+    """The files that differ between two folders (missing on one side included)."""
+    names_a = sorted(os.listdir(a))
+    names_b = sorted(os.listdir(b))
+    if names_a != names_b:
+        return sorted(set(names_a) ^ set(names_b))
+    _, mismatch, errors = filecmp.cmpfiles(a, b, names_a, shallow=False)
+    return mismatch + errors
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    sharded = build_base(str(root / "sharded"), max_shard_size="100KB")
+    single = build_base(str(root / "single"), seed=3)
+    return {"sharded": sharded, "single": single,
+            "sharded_ad": build_adapter(sharded, str(root / "sharded_ad")),
+            "single_ad": build_adapter(single, str(root / "single_ad"), seed=4)}
+
+
+def test_assign_shards_balances_bytes_and_skips_finished():
+    assert assign_shards([5, 5, 5, 5, 1], 2) == [[0, 2, 4], [1, 3]]
+    assert assign_shards([9, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4]]
+    assert assign_shards([3, 3], 3) == [[0], [1], []]
+    split = assign_shards([4, 4, 4, 4], 3, skip=[1])
+    assert sorted(i for share in split for i in share) == [0, 2, 3]
+
+
+@pytest.mark.parametrize("ranks,base,shard", [(2, "sharded", "60KB"), (3, "sharded", "150KB"), (3, "single", "90KB"),
+                                              (2, "single", "5GB")])
+def test_ranks_write_the_same_bytes_as_one_process(inputs, tmp_path, ranks, base, shard):
+    ref = str(tmp_path / "ref")
+    merge_checkpoint(inputs[base], inputs[base + "_ad"], ref, max_shard_size=shard, progress=False)
+    out = str(tmp_path / "out")
+    run = torchrun(ranks, "cli", "merge", inputs[base], inputs[base + "_ad"], out, "--max-shard-size", shard)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert same_folder(ref, out) == []
+    assert [ln[:7] for ln in run.stdout.splitlines()].count("merged ") == 1 and f"spread over {ranks} ranks" in run.stdout  # one summary, rank 0's
+    assert not os.path.exists(str(tmp_path / ".out.partial"))
+
+
+def test_a_failure_on_one_rank_stops_every_rank_with_its_message(inputs, tmp_path):
+    out = str(tmp_path / "out")
+    run = torchrun(2, "fail", "1", "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "60KB")
+    assert run.returncode != 0
+    said = [line for line in run.stderr.splitlines() if line.startswith("peft-shardmerge[rank")]
+    assert any(line.startswith("peft-shardmerge[rank 0]: error: rank 1: No space left on device") for line in said), said
+    assert any(line.startswith("peft-shardmerge[rank 1]: error: No space left on device") for line in said), said
+    assert all("the partial output was removed and OUT is unchanged" in line for line in said), said
+    assert sorted(os.listdir(tmp_path)) == []  # no OUT, no staging folder, no lock
+
+
+def test_ranks_that_planned_differently_are_refused_before_writing(inputs, tmp_path):
+    out = str(tmp_path / "out")
+    run = torchrun(2, "api-dtype", out, inputs["single"], inputs["single_ad"])
+    assert run.returncode != 0
+    assert "rank 0 refused" in run.stderr and "rank 1 refused" in run.stderr
+    assert "rank(s) [1] planned a different merge than rank 0" in run.stderr
+    assert not os.path.exists(out)
+
+
+def test_one_rank_killed_leaves_no_finished_output_and_a_rerun_with_three_ranks_completes(inputs, tmp_path):
+    ref = str(tmp_path / "ref")
+    merge_checkpoint(inputs["sharded"], inputs["sharded_ad"], ref, max_shard_size="40KB", progress=False)
+    out = str(tmp_path / "out")
+    args = ("merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "40KB")
+    run = torchrun(2, "kill-after-shard", "1", *args)
+    assert run.returncode != 0
+    assert not os.path.exists(out)
+    again = torchrun(3, "cli", *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert same_folder(ref, out) == []
+
+
+def test_a_job_killed_whole_resumes_its_finished_shards_with_another_rank_count(inputs, tmp_path):
+    ref = str(tmp_path / "ref")
+    merge_checkpoint(inputs["sharded"], inputs["sharded_ad"], ref, max_shard_size="40KB", progress=False)
+    out = str(tmp_path / "out")
+    args = ("merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "40KB")
+    os.mkdir(tmp_path / "pids")
+    run = torchrun(2, "killall-after-record", "1", *args, DIST_TEST_PIDS=str(tmp_path / "pids"))
+    assert run.returncode != 0
+    assert not os.path.exists(out)
+    partial = str(tmp_path / ".out.partial")
+    assert "manifest.rank-1.json" in os.listdir(partial)
+    recorded = json.load(open(os.path.join(partial, "manifest.rank-1.json")))["shards"]
+    assert len(recorded) == 1
+    report = merge_checkpoint(inputs["sharded"], inputs["sharded_ad"], out, max_shard_size="40KB", progress=False)
+    assert any(n.startswith("resumed: ") for n in report.notes), report.notes
+    kept = int(next(n for n in report.notes if n.startswith("resumed: ")).split()[1])
+    assert kept >= 1
+    assert same_folder(ref, out) == []
+    assert not os.path.exists(partial)
+
+
+@pytest.mark.parametrize("ranks,dora", [(2, False), (3, True)])
+def test_fsdp2_merge_and_save_equals_the_unsharded_merge(tmp_path, ranks, dora):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_worker import tiny_peft
+
+    ref = str(tmp_path / "ref")
+    merge_and_save(tiny_peft(dora), ref, progress=False)
+    out, result = str(tmp_path / "out"), str(tmp_path / "result.json")
+    run = torchrun(ranks, "fsdp2", out, result, *(["dora"] if dora else []))
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.load(open(result))
+    assert outcome["ok"], outcome
+    assert same_folder(ref, out) == []
+    note = next(n for n in outcome["notes"] if n.startswith(f"gathered from {ranks} ranks"))
+    held = int(note.split("at most ")[1].split(" elements")[0].replace(",", ""))
+    model = tiny_peft(dora)
+    total = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.base_model.model.model.layers[0].parameters())
+    assert 0 < held <= max(layer, total - 2 * layer) < total  # one unit at a time, never the model
+
+
+def test_fsdp1_is_refused_by_name_before_writing(tmp_path):
+    out, result = str(tmp_path / "out"), str(tmp_path / "result.json")
+    run = torchrun(2, "fsdp1", out, result)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.load(open(result))
+    assert not outcome["ok"] and outcome["error"] == "InputError"
+    assert "sharded by FSDP1 (FullyShardedDataParallel)" in outcome["message"]
+    assert "torchrun --nproc_per_node N -m peft_shardmerge merge" in outcome["message"]
+    assert not os.path.exists(out)
+
+
+def test_merge_and_unload_of_an_fsdp2_model_is_refused_and_leaves_it_untouched(tmp_path):
+    result = str(tmp_path / "result.json")
+    run = torchrun(2, "unload-fsdp2", result)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.load(open(result))
+    assert outcome["refused"] and outcome["untouched"], outcome
+    assert "call merge_and_save(model, out_dir) on every rank" in outcome["message"]
+
+
+def test_an_unsharded_model_is_merged_by_rank_0_alone_as_before(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_worker import tiny_peft
+
+    ref = str(tmp_path / "ref")
+    merge_and_save(tiny_peft(), ref, progress=False)
+    out = str(tmp_path / "out")
+    run = torchrun(2, "rank0-only", out, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert same_folder(ref, out) == []
