@@ -5,6 +5,8 @@ Scenarios:
     kill-after-shard R ARGS       the command line; rank R kills itself (SIGKILL) once it finished its first shard
     killall-after-record R ARGS   the command line; once rank R recorded its first finished shard, the whole job
                                   (torchrun and every rank, pids in $DIST_TEST_PIDS) is killed at once (SIGKILL)
+    interrupt-after-shard R ARGS  the command line; rank R presses Ctrl-C (SIGINT to torchrun) once it finished its
+                                  first shard
     fail R ARGS                   the command line; rank R's disk is full (ENOSPC) on its first tensor
     api-dtype OUT BASE AD         merge_checkpoint with a dtype that differs between ranks
     fsdp2 OUT RESULT [dora]       merge_and_save of a tiny Llama + LoRA sharded by fully_shard; rank 0 writes RESULT
@@ -91,6 +93,20 @@ def killall_after_record(rank: int, argv: list[str]) -> int:
                 os.kill(int(open(os.path.join(pids, name)).read()), signal.SIGKILL)
 
     dist_execute.write_manifest = record_then_die
+    return cli(argv)
+
+
+def interrupt_after_shard(rank: int, argv: list[str]) -> int:
+    from peft_shardmerge import writer
+
+    close = writer.ShardWriter.close
+
+    def close_then_interrupt(self):
+        close(self)
+        if RANK == rank:
+            os.kill(os.getppid(), signal.SIGINT)
+
+    writer.ShardWriter.close = close_then_interrupt
     return cli(argv)
 
 
@@ -195,6 +211,8 @@ if __name__ == "__main__":
         code = kill_after_shard(int(args[0]), args[1:])
     elif scenario == "killall-after-record":
         code = killall_after_record(int(args[0]), args[1:])
+    elif scenario == "interrupt-after-shard":
+        code = interrupt_after_shard(int(args[0]), args[1:])
     elif scenario == "fail":
         code = fail(int(args[0]), args[1:])
     elif scenario == "api-dtype":

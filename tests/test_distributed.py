@@ -173,3 +173,26 @@ def test_an_unsharded_model_is_merged_by_rank_0_alone_as_before(tmp_path):
     run = torchrun(2, "rank0-only", out, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert same_folder(ref, out) == []
+
+
+def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(inputs, tmp_path):
+    out = str(tmp_path / "out")
+    run = torchrun(2, "interrupt-after-shard", "1", "merge", inputs["sharded"], inputs["sharded_ad"], out,
+                   "--max-shard-size", "40KB")
+    assert run.returncode != 0
+    said = [line for line in run.stderr.splitlines() if line.startswith("peft-shardmerge[rank")]
+    assert "peft-shardmerge[rank 0]: interrupted; the partial output was removed and OUT is unchanged" in said, said
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_an_output_locked_by_another_merge_is_refused_on_every_rank(inputs, tmp_path):
+    from peft_shardmerge.staging import output_lock
+
+    out = str(tmp_path / "out")
+    with output_lock(out):
+        run = torchrun(2, "cli", "merge", inputs["single"], inputs["single_ad"], out)
+    assert run.returncode != 0
+    said = [line for line in run.stderr.splitlines() if line.startswith("peft-shardmerge[rank")]
+    assert len(said) == 2 and all("another merge" in line for line in said), said
+    assert said[1].startswith("peft-shardmerge[rank 1]: error: rank 0: ") and "nothing was written" in said[1], said
+    assert not os.path.exists(out)
