@@ -187,6 +187,11 @@ def merge_checkpoint(
     without ``quantization_config``, generation and tokenizer files) that ``from_pretrained`` loads as is.
     Peak memory is one row block, whatever the model or shard size. The folder appears only when complete.
 
+    In a distributed job (started by ``torchrun``: ``WORLD_SIZE`` above 1, or a process group already initialized)
+    every rank calls this with the same arguments: the output shards are split over the ranks, which write them into
+    one staging folder (on a filesystem every node shares); rank 0 writes the rest and commits. The result is the
+    same bytes as one process writes. See ``docs/distributed.md``.
+
     Args:
         base: base checkpoint folder, or a Hub id already in the local Hugging Face cache.
         adapter: PEFT LoRA adapter folder, or a cached Hub id; or a list of them (a weighted combination).
@@ -225,6 +230,7 @@ def merge_checkpoint(
             kept in ``.<OUT>.partial`` (the message says so).
         FileSystemError: the filesystem failed (disk full, I/O error); an ``OSError`` too, whose message says
             what became of ``out_dir``.
+        PeerFailedError: (distributed) another rank failed; its message, and what became of ``out_dir``.
 
     Example:
         >>> from peft_shardmerge import merge_checkpoint

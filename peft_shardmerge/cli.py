@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser(
         "merge",
         help="merge a base checkpoint and a LoRA adapter folder into a new checkpoint",
-        description="Merge BASE + ADAPTER into OUT, one row block at a time.",
+        description="Merge BASE + ADAPTER into OUT, one row block at a time. Under torchrun (torchrun "
+                    "--nproc_per_node N -m peft_shardmerge merge ...) the output shards are split over the ranks; "
+                    "rank 0 commits, and the bytes are those one process writes.",
     )
     m.add_argument("base", metavar="BASE", help="base checkpoint folder, or a Hub id in the local cache")
     m.add_argument("adapter", metavar="ADAPTER", help="PEFT LoRA adapter folder, or a Hub id in the local cache")
@@ -69,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--nf4-blocksize", type=int, default=64, help="4-bit block size used in training (default 64)")
     m.add_argument("--no-nf4-double-quant", dest="nf4_double_quant", action="store_false",
                    help="training did not use double quantization")
-    m.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto", help="where the maths runs")
+    m.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                   help="where the maths runs (under torchrun, cuda is each rank's own GPU: cuda:LOCAL_RANK)")
     m.add_argument("--dry-run", action="store_true", help="print the plan and exit; read no tensor data")
     m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     v = sub.add_parser(

@@ -358,7 +358,7 @@ def note_outcome(out_dir: str, state: str) -> None:
         None.
 
     Example:
-        >>> note_outcome("/nowhere/merged", "OUT is unchanged"); outcome("/nowhere/merged")
+        >>> note_outcome("/nowhere/noted", "OUT is unchanged"); outcome("/nowhere/noted")
         'OUT is unchanged'
     """
     _OUTCOME[os.path.abspath(os.fspath(out_dir))] = state
