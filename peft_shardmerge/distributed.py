@@ -126,9 +126,13 @@ def joined_world(device: str = "auto") -> Iterator[World]:
         joined = True
     try:
         yield current_world()
-    finally:
+    except BaseException:
         if joined and dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    if joined and dist.is_initialized():
+        dist.barrier()  # no rank tears its connections down while another still reads the last step's messages
+        dist.destroy_process_group()
 
 
 def _env_int(name: str, default: int) -> int:

@@ -43,7 +43,7 @@ def sharding_of(model: nn.Module) -> str | None:
 
 
 def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
-    """What stops ``merge_and_save`` on a sharded model: only FSDP2 over unquantized weights is supported.
+    """What stops ``merge_and_save`` on a sharded model: FSDP2 and FSDP1 over unquantized weights are supported.
 
     Args:
         model: the model passed to ``merge_and_save``.
@@ -61,17 +61,22 @@ def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
         return []
     instead = ("save the adapter on rank 0 (model.save_pretrained) and merge from disk, on as many processes as you "
                "like: torchrun --nproc_per_node N -m peft_shardmerge merge BASE ADAPTER OUT")
-    if kind != "fsdp2":
-        return [f"the model is sharded by {SHARDINGS[kind]}, which merge_and_save does not gather yet (FSDP2, "
-                f"fully_shard, is supported; with accelerate: fsdp_version 2); or {instead}"]
+    name = SHARDINGS[kind]
+    if kind == "zero3":
+        return [f"the model is sharded by {name}, which merge_and_save does not gather (FSDP2 and FSDP1 are "
+                f"supported); {instead}"]
     problems = []
     if base_precision == "original":
-        problems.append("base_precision='original' is not available for a model sharded by FSDP2 (each rank would "
-                        f"read the original checkpoint whole): use 'auto' or 'dequantized', or {instead}")
+        problems.append(f"base_precision='original' is not available for a model sharded by {name} (each rank "
+                        f"would read the original checkpoint whole): use 'auto' or 'dequantized', or {instead}")
     if any(type(p).__module__.startswith("bitsandbytes") or getattr(p, "quant_state", None) is not None
            for p in model.parameters()):
-        problems.append(f"the model is sharded by FSDP2 over a bitsandbytes-quantized base, which merge_and_save "
-                        f"does not gather yet: {instead} (--base-precision nf4 reproduces the 4-bit training)")
+        problems.append(f"the model is sharded by {name} over a bitsandbytes-quantized base, which merge_and_save "
+                        f"does not gather: {instead} (--base-precision nf4 reproduces the 4-bit training)")
+    if kind == "fsdp1" and type(getattr(model, "module", None)).__name__ != "PeftModel" \
+            and not any(type(m).__name__.startswith("PeftModel") for m in model.modules()):
+        problems.append(f"the model is sharded by {name} but holds no PeftModel; pass the model wrapped after "
+                        "get_peft_model")
     return problems
 
 
@@ -97,19 +102,13 @@ class UnitGatherer:
     """
 
     def __init__(self, model: nn.Module, tensors: list):
-        from torch.distributed.fsdp import FSDPModule
+        if sharding_of(model) == "fsdp1":
+            from .fsdp1_view import Fsdp1Units
 
-        self.units: list[nn.Module] = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        order = {id(u): i for i, u in enumerate(self.units)}
-        owner: dict[int, int] = {}
-
-        def visit(module: nn.Module, unit: int | None) -> None:
-            unit = order.get(id(module), unit)
-            owner[id(module)] = unit
-            for child in module.children():
-                visit(child, unit)
-
-        visit(model, None)
+            self.units = Fsdp1Units(model)
+        else:
+            self.units = Fsdp2Units(model)
+        owner = self.units.owner
         self.tensors = list(tensors)
         self.schedule = []
         for t in self.tensors:
@@ -139,16 +138,12 @@ class UnitGatherer:
             return
         for i in reversed(self.held):
             if i not in want:
-                self.units[i].reshard()
+                self.units.release(i)
         for i in want:
             if i not in self.held:
-                self.units[i].unshard()
+                self.units.gather(i)
         self.held = want
-        from torch.distributed.tensor import DTensor
-
-        plain = {id(p): p.numel() for i in want for p in self.units[i].parameters() if not isinstance(p, DTensor)}
-        held = sum(plain.values())
-        self.peak_numel = max(self.peak_numel, held)
+        self.peak_numel = max(self.peak_numel, sum(self.units.numel(i) for i in want))
 
     def drain(self) -> None:
         """Take every gather left (after a failure), so that the other ranks are not left waiting."""
@@ -159,3 +154,45 @@ class UnitGatherer:
     def close(self) -> None:
         """Release every unit still gathered."""
         self._hold(())
+
+
+class Fsdp2Units:
+    """The units of an FSDP2 model (every module ``fully_shard`` was applied to), outermost first, and which unit
+    holds each module's parameters (the nearest unit above it).
+
+    Args:
+        model: the sharded model.
+
+    Example:
+        >>> units = Fsdp2Units(model); units.gather(1); units.release(1)   # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.units: list[nn.Module] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        order = {id(u): i for i, u in enumerate(self.units)}
+        self.owner: dict[int, int] = {}
+        stack = [(model, None)]
+        while stack:
+            module, unit = stack.pop()
+            unit = order.get(id(module), unit)
+            if unit is not None:
+                self.owner[id(module)] = unit
+            stack.extend((child, unit) for child in module.children())
+
+    def gather(self, i: int) -> None:
+        """All-gather unit ``i``'s parameters onto its modules as plain tensors (a collective)."""
+        self.units[i].unshard()
+
+    def release(self, i: int) -> None:
+        """Free them again (the DTensor shards come back)."""
+        self.units[i].reshard()
+
+    def numel(self, i: int) -> int:
+        """Elements unit ``i`` holds unsharded: its own parameters, not those of units inside it."""
+        from torch.distributed.tensor import DTensor
+
+        return sum(p.numel() for m in self.units[i].modules() if self.owner.get(id(m)) == i
+                   for p in m.parameters(recurse=False) if not isinstance(p, DTensor))
+

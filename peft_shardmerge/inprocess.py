@@ -13,6 +13,7 @@ from .errors import InputError
 from .dist_execute import STEPS, agree_on_plan, failed
 from .distributed import JobSteps, current_world
 from .execute import execute_plan
+from .fsdp1_view import planning_view
 from .fsdp_gather import SHARDINGS, sharding_of, sharding_problems
 from .live import unwrap, walk
 from .live_plan import LiveSource, plan_live, valid_generation_config
@@ -105,7 +106,7 @@ def merge_and_save(
         budget = MemoryBudget(opts.maximum_memory_usage)
     except InputError as e:  # reported with every other problem
         problems += e.problems
-    if sharding_of(model) not in (None, "fsdp2"):  # refused first: the other checks do not know its wrappers
+    if sharding_of(model) == "zero3":  # refused first: the other checks do not know its wrappers
         raise InputError(sharding_problems(model, opts.base_precision) + problems)
     if sharding_of(model) is not None:
         return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
@@ -129,12 +130,20 @@ def merge_and_save(
 
 def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_names, problems: list[str],
                    budget: MemoryBudget | None, tokenizer: Any) -> MergeReport:
-    """``merge_and_save`` of a model sharded by FSDP2, called on every rank: each rank plans, the plans must agree,
-    every rank gathers one unit at a time in plan order, rank 0 writes and commits."""
+    """``merge_and_save`` of a model sharded by FSDP2 or FSDP1, called on every rank: each rank plans (FSDP1: from its
+    unsharded view), the plans must agree, every rank gathers one unit at a time in plan order, rank 0 writes and
+    commits."""
     world = current_world()
     steps = JobSteps(world, STEPS)
     try:
-        planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
+        if sharding_of(model) == "fsdp1":
+            problems += sharding_problems(model, opts.base_precision)
+            if problems:
+                raise InputError(problems)
+            with planning_view(model) as peft_model:
+                planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded="fsdp1")
+        else:
+            planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
         agree_on_plan(steps, planned.plan)
         report = execute_live_plan(planned.plan, out_dir, budget=budget, overwrite=opts.overwrite,
                                    progress=opts.progress and world.rank == 0, before_commit=_side_saver(tokenizer),

@@ -15,7 +15,7 @@ from .combinations import combination_problems
 from .api import plan_checkpoint_merge
 from .errors import FileSystemError, InputError, ShardMergeError
 from .live import check_adapter_names, unwrap, walk
-from .fsdp_gather import sharding_of, sharding_problems
+from .fsdp_gather import SHARDINGS, sharding_of, sharding_problems
 from .live_plan import LiveSource, in_memory_text, plan_live, valid_generation_config
 from .model_check import require_supported, selected_adapters
 from .options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions, parse_dtype, parse_size
@@ -221,7 +221,7 @@ def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None,
 
 
 def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_names: list[str] | None,
-                     problems: list[str] | None = None) -> ModelPlan:
+                     problems: list[str] | None = None, sharded: str | None = None) -> ModelPlan:
     """Check every option of a loaded model's merge (all problems named at once) and plan it.
 
     Args:
@@ -231,6 +231,7 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
             problems are passed in ``problems``).
         adapter_names: adapters to merge (None: the active ones).
         problems: problems the caller found already (reported with these).
+        sharded: the sharding of the model this one was unwrapped from (``"fsdp1"``), when it is not its own.
 
     Returns:
         The :class:`ModelPlan`.
@@ -254,10 +255,11 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
     if out_dtype is None:
         out_dtype, dtype_note = default_dtype(inner, model_dtype(inner))
     original, reason, check = None, "base_precision='dequantized'", OriginalCheck(None)
-    sharded = sharding_of(model)
-    if sharded is not None:
+    if sharded is None and sharding_of(model) is not None:
+        sharded = sharding_of(model)
         problems += sharding_problems(model, base_precision)
-        reason = "the model is sharded by FSDP2: its weights in memory are gathered one unit at a time"
+    if sharded is not None:
+        reason = f"the model is sharded by {SHARDINGS[sharded]}: its weights in memory are gathered one unit at a time"
     elif base_precision in ("auto", "original"):
         original, reason, check = _original_checkpoint(model, inner, adapters, weight_map, base_precision)
         if original is None and base_precision == "original":

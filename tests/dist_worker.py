@@ -10,7 +10,7 @@ Scenarios:
     fail R ARGS                   the command line; rank R's disk is full (ENOSPC) on its first tensor
     api-dtype OUT BASE AD         merge_checkpoint with a dtype that differs between ranks
     fsdp2 OUT RESULT [dora]       merge_and_save of a tiny Llama + LoRA sharded by fully_shard; rank 0 writes RESULT
-    fsdp1 OUT RESULT              merge_and_save of the same model under FullyShardedDataParallel (refused)
+    fsdp1 OUT RESULT [dora] [flat]  the same under FullyShardedDataParallel (flat: use_orig_params=False)
     unload-fsdp2 RESULT           merge_and_unload of the FSDP2 model (refused, model untouched)
     rank0-only OUT                an unsharded model in a distributed job, merged by rank 0 alone
 """
@@ -139,13 +139,21 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+        flat = "flat" in sys.argv
+        if flat:  # FSDP1 flattens a unit's parameters together: trainable and frozen may not mix
+            model.requires_grad_(False)
         model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                                         device_id=torch.device("cpu"), use_orig_params=True)
+                                         device_id=torch.device("cpu"), use_orig_params=not flat)
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
     try:
         report = merge_and_save(model, out, progress=False)
         outcome = {"ok": True, "notes": report.notes, "merged": report.lora_modules_merged}
     except ShardMergeError as e:
         outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
+    with torch.no_grad():  # the sharded model still works, and computes exactly what it did
+        outcome["forward_unchanged"] = torch.equal(model(input_ids=ids).logits, before)
     if RANK == 0:
         with open(result, "w") as f:
             json.dump(outcome, f)
