@@ -21,7 +21,7 @@ from .report import MergeReport
 from .sources import open_checkpoint
 from .errors import FileSystemError
 from .dist_execute import STEPS, agree_on_plan, failed
-from .distributed import JobSteps, joined_world
+from .distributed import JobSteps, World, joined_world
 from .staging import NOTHING_WRITTEN
 from .outcheck import check_out_dir, check_space, path_argument
 
@@ -180,6 +180,7 @@ def merge_checkpoint(
     before_commit: Callable[[str], None] | None = None,
     resume: bool = True,
     options: MergeOptions | None = None,
+    distributed: bool = False,
 ) -> MergeReport:
     """Merge a LoRA adapter into a base checkpoint on disk, streaming one row block at a time.
 
@@ -187,10 +188,10 @@ def merge_checkpoint(
     without ``quantization_config``, generation and tokenizer files) that ``from_pretrained`` loads as is.
     Peak memory is one row block, whatever the model or shard size. The folder appears only when complete.
 
-    In a distributed job (started by ``torchrun``: ``WORLD_SIZE`` above 1, or a process group already initialized)
-    every rank calls this with the same arguments: the output shards are split over the ranks, which write them into
-    one staging folder (on a filesystem every node shares); rank 0 writes the rest and commits. The result is the
-    same bytes as one process writes. See ``docs/distributed.md``.
+    With ``distributed=True``, in a job a launcher started (``torchrun``: ``WORLD_SIZE`` above 1, or a process group
+    already initialized), every rank calls this with the same arguments: the output shards are split over the ranks,
+    which write them into one staging folder (on a filesystem every node shares); rank 0 writes the rest and commits.
+    The result is the same bytes as one process writes. See ``docs/distributed.md``.
 
     Args:
         base: base checkpoint folder, or a Hub id already in the local Hugging Face cache.
@@ -213,8 +214,11 @@ def merge_checkpoint(
             (to add files, e.g. ``tokenizer.save_pretrained``).
         resume: when an earlier run of the same merge (same inputs and options) was killed, keep its
             finished and verified shards (``.<OUT>.partial/manifest.json``) and redo the rest.
-        options: the knobs above as one :class:`~peft_shardmerge.options.MergeOptions` (all but ``dry_run`` and
-            ``before_commit``); the precedence of :func:`plan_checkpoint_merge` applies.
+        options: the knobs above as one :class:`~peft_shardmerge.options.MergeOptions` (all but ``dry_run``,
+            ``before_commit`` and ``distributed``); the precedence of :func:`plan_checkpoint_merge` applies.
+        distributed: split the merge over the ranks of the job this process belongs to; every rank must call this
+            (the command line does under ``torchrun``). False (the default) merges in this process alone, inside a
+            job too (``if rank == 0: merge_checkpoint(...)``).
 
     Returns:
         A :class:`~peft_shardmerge.report.MergeReport` (``report.summary()`` for a one-screen summary).
@@ -242,6 +246,8 @@ def merge_checkpoint(
         base_precision=base_precision, nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize,
         nf4_double_quant=nf4_double_quant, device=device, overwrite=overwrite, progress=progress,
         chunk_elems=chunk_elems, resume=resume)
+    if not distributed:
+        return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, JobSteps(World(), STEPS))
     with joined_world(opts.device) as world:
         steps = JobSteps(world, ("plan",) if dry_run else STEPS)
         try:
@@ -261,7 +267,7 @@ def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_
         if isinstance(e, ShardMergeError):
             raise
         raise FileSystemError(e, NOTHING_WRITTEN) from e
-    agree_on_plan(steps, plan)
+    agree_on_plan(steps, plan, out_dir)
     out_dir = os.path.abspath(os.fspath(out_dir))  # resolved once: every later step uses this path
     for note in plan.notes if steps.world.rank == 0 else ():
         log.info("%s", note)

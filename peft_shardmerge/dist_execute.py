@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .distributed import JobSteps, assign_shards
+from .distributed import JobSteps, Stopped, World, assign_shards  # noqa: F401 - World: doctest
 from .errors import FileSystemError, InputError, PeerFailedError, ShardMergeError
 from .outfiles import MADE_BY
 from .plan_types import Plan
@@ -26,12 +26,13 @@ STEPS = ("plan", "open", "written", "committed")
 UNKNOWN = "rank 0 decides what becomes of OUT and did not say (see its message)"
 
 
-def agree_on_plan(steps: JobSteps, plan: Plan) -> None:
-    """Take the ``plan`` step: every rank must have planned the very same merge.
+def agree_on_plan(steps: JobSteps, plan: Plan, out_dir: str) -> None:
+    """Take the ``plan`` step: every rank must have planned the very same merge into the same folder.
 
     Args:
         steps: the job's steps.
         plan: this rank's plan.
+        out_dir: the output folder this rank was given.
 
     Returns:
         None.
@@ -46,11 +47,42 @@ def agree_on_plan(steps: JobSteps, plan: Plan) -> None:
     if not steps.world.distributed:
         return
     digest = plan.fingerprint() if plan.live is None else hashlib.sha256(plan.describe().encode()).hexdigest()
-    prints = steps.step("plan", digest)
+    prints = steps.step("plan", (digest, os.path.abspath(os.fspath(out_dir))))
     if len(set(prints)) > 1:
         odd = [r for r, p in enumerate(prints) if p != prints[0]]
         raise InputError(f"rank(s) {odd} planned a different merge than rank 0: every rank must be given the same "
-                         "BASE, ADAPTER and options and see the same files (a filesystem shared by every node)")
+                         "BASE, ADAPTER, OUT and options and see the same files (a filesystem shared by every node)")
+
+
+#: the file a failing rank leaves in the staging folder, so that the others stop at their next tensor
+STOP_FILE = "stop"
+
+
+def check_stop(steps: JobSteps) -> None:
+    """Between two tensors: stop when another rank has failed (it left :data:`STOP_FILE` in the staging folder).
+
+    Args:
+        steps: the job's steps (``staging`` is set once the staging folder is known).
+
+    Raises:
+        Stopped: another rank failed; its message comes with the next step.
+
+    Example:
+        >>> check_stop(JobSteps(World(), STEPS))
+    """
+    path = getattr(steps, "staging", None)
+    if path is not None and os.path.exists(os.path.join(path, STOP_FILE)):
+        raise Stopped()
+
+
+def _leave_stop(steps: JobSteps) -> None:
+    path = getattr(steps, "staging", None)
+    if path is not None:
+        try:
+            with open(os.path.join(path, STOP_FILE), "x"):
+                pass
+        except OSError:  # already there, or the folder is gone: nobody is writing into it
+            pass
 
 
 def _counts(merger) -> dict:
@@ -84,7 +116,18 @@ class OtherRanks:
             The shards rank 0 writes.
         """
         self.steps.step("open", {"path": staging.path, "done": sorted(staging.done), "common": staging.common})
+        self.steps.staging = staging.path
         return set(_share(self.plan, sorted(staging.done), self.steps)[0])
+
+    def stopped(self, error: BaseException) -> None:
+        """Rank 0 failed while writing: make the other ranks stop and wait until they have, before the staging
+        folder is removed (nobody writes into it while it goes).
+
+        Args:
+            error: why rank 0 stopped.
+        """
+        _leave_stop(self.steps)
+        self.steps.fail(error, until="committed")
 
     def gathered(self, staging, records: dict) -> None:
         """Wait for every rank's shards; take over their records, manifests and counts.
@@ -139,6 +182,7 @@ def write_share(plan: Plan, out_dir: str, device: torch.device, steps: JobSteps,
     world = steps.world
     note_outcome(out_dir, UNKNOWN)
     opened = steps.step("open", None)[0]
+    steps.staging = opened["path"]
     mine = _share(plan, opened["done"], steps)[world.rank]
     manifest = os.path.join(opened["path"], f"manifest.rank-{world.rank}.json")
     record = {"made_by": MADE_BY, "fingerprint": plan.fingerprint() if resume else None,
@@ -153,6 +197,7 @@ def write_share(plan: Plan, out_dir: str, device: torch.device, steps: JobSteps,
                 name = entries[i][0]
                 with ShardWriter(os.path.join(opened["path"], name), entries[i][1]) as w:
                     for t in plan.shard_tensors(i):
+                        check_stop(steps)
                         merger.write_tensor(t, w)
                 meta = {"size": os.path.getsize(os.path.join(opened["path"], name)), "digest": w.digest()}
                 if inputs is not None:
@@ -180,22 +225,29 @@ class LiveRanks:
     """
 
     def __init__(self, steps: JobSteps, gatherer):
-        self.steps, self.gatherer, self.open = steps, gatherer, False
+        self.steps, self.gatherer = steps, gatherer
 
     def opened(self, staging) -> None:
         """Tell the other ranks the output is open (they start gathering with rank 0); rank 0 writes every shard."""
         self.steps.step("open", None)
-        self.open = True
 
     def gathered(self, staging, records: dict) -> None:
         """Release the last units and wait for the other ranks (raises PeerFailedError when one failed)."""
         self.gatherer.close()
         self.steps.step("written", None)
 
-    def abandon(self) -> None:
-        """After a failure on rank 0: take the gathers left, if the others started them, so none waits."""
-        if self.open and self.steps.taken == STEPS.index("written"):
+    def stopped(self, error: BaseException) -> None:
+        """Rank 0 failed while writing: take the gathers left, so that no rank waits in one, then tell the others.
+
+        Args:
+            error: why rank 0 stopped.
+        """
+        try:
             self.gatherer.drain()
+        except Exception as e:  # a gather itself failed: the ranks are out of step, no message can follow
+            log.debug("the gathers left could not be taken: %s", e)
+            self.steps.broken = True
+        self.steps.fail(error, until="committed")
 
 
 def follow_plan(plan: Plan, out_dir: str, steps: JobSteps, gatherer):
@@ -219,9 +271,13 @@ def follow_plan(plan: Plan, out_dir: str, steps: JobSteps, gatherer):
     """
     note_outcome(out_dir, UNKNOWN)
     steps.step("open", None)
-    for t in gatherer.tensors:
-        gatherer.before(t)
-    gatherer.close()
+    try:
+        for t in gatherer.tensors:
+            gatherer.before(t)
+        gatherer.close()
+    except Exception:  # a gather failed half-way: the ranks are out of step, no message can follow
+        steps.broken = True
+        raise
     steps.step("written", None)
     return steps.step("committed", None)[0]
 
@@ -242,9 +298,13 @@ def failed(steps: JobSteps, error: BaseException, out_dir: str) -> BaseException
         >>> raise failed(steps, e, "merged")   # doctest: +SKIP
     """
     rank = steps.world.rank
+    if rank != 0:
+        _leave_stop(steps)  # rank 0 removes the staging folder only after every rank took the next step
     state = steps.fail(error, outcome(out_dir) if rank == 0 else None)
     if rank != 0 and state:
         note_outcome(out_dir, state)
+    if isinstance(error, Stopped) and steps.failure is not None:
+        error = steps.failure
     if isinstance(error, PeerFailedError) and error.state is None and state:
         return PeerFailedError(error.rank, error.message, state)
     if rank != 0 and isinstance(error, OSError) and not isinstance(error, ShardMergeError):

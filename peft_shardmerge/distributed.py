@@ -162,6 +162,8 @@ class JobSteps:
         self.world = world
         self.names = list(names)
         self.taken = 0
+        self.broken = False  # the group is out of step (a gather failed half-way): no more messages on it
+        self.failure: PeerFailedError | None = None  # the first failure another rank reported
 
     def _exchange(self, name: str, item: tuple) -> list[tuple]:
         if self.taken >= len(self.names) or self.names[self.taken] != name:
@@ -173,6 +175,13 @@ class JobSteps:
 
         got: list = [None] * self.world.size
         dist.all_gather_object(got, item, group=self.world.group)
+        failures = [(v.get("stopped", False), r) for r, (status, v) in enumerate(got)
+                    if status == "failed" and r != self.world.rank]
+        if failures and (self.failure is None or self.failure.stopped):  # a rank's own failure before a stop
+            stopped, rank = min(failures)
+            v = got[rank][1]
+            self.failure = PeerFailedError(rank, v["message"], v.get("state"))
+            self.failure.stopped = stopped
         return got
 
     def step(self, name: str, payload: Any = None) -> list:
@@ -186,47 +195,56 @@ class JobSteps:
             Every rank's payload, by rank.
 
         Raises:
-            PeerFailedError: a rank failed before or at this step (the lowest such rank is named).
+            PeerFailedError: a rank failed before or at this step (one that failed of its own first, then the
+                lowest rank).
 
         Example:
             >>> JobSteps(World(), ["open"]).step("open", {"done": []})
             [{'done': []}]
         """
         got = self._exchange(name, ("ok", payload))
-        for rank, (status, value) in enumerate(got):
-            if status == "failed":
-                raise PeerFailedError(rank, value["message"], value.get("state"))
+        if any(status == "failed" for status, _ in got):
+            raise self.failure
         return [value for _, value in got]
 
-    def fail(self, error: BaseException, state: str | None = None) -> str | None:
-        """Take every step left carrying ``error``, so the other ranks stop too.
+    def fail(self, error: BaseException, state: str | None = None, until: str | None = None) -> str | None:
+        """Take the steps left carrying ``error`` (up to ``until``, not included), so the other ranks stop too.
 
         Args:
-            error: why this rank stops; a :class:`PeerFailedError` passes on the first failure's message.
+            error: why this rank stops; a :class:`PeerFailedError` passes on the first failure's message, and
+                :class:`Stopped` says this rank only stopped because another failed.
             state: on rank 0, what became of OUT.
+            until: the step to stop before (None: every step left).
 
         Returns:
-            What rank 0 said became of OUT (None when it said nothing in the steps left).
+            What rank 0 said became of OUT (None when it said nothing in the steps taken).
 
         Example:
             >>> JobSteps(World(), ["plan"]).fail(ValueError("bad"), "OUT is unchanged")
             'OUT is unchanged'
         """
+        rank = self.world.rank
         if isinstance(error, PeerFailedError):
             message = error.message
         elif isinstance(error, OSError) and error.strerror:  # as the command line says it: "No space left ... (path)"
-            message = f"rank {self.world.rank}: {error.strerror} ({error.filename or 'output'})"
+            message = f"rank {rank}: {error.strerror} ({error.filename or 'output'})"
         else:
-            message = f"rank {self.world.rank}: {error}" if str(error) else f"rank {self.world.rank}: {type(error).__name__}"
-        said = state if self.world.rank == 0 else None
-        while self.taken < len(self.names):
+            message = f"rank {rank}: {error}" if str(error) else f"rank {rank}: {type(error).__name__}"
+        item = ("failed", {"message": message, "state": state, "stopped": isinstance(error, (Stopped, PeerFailedError))})
+        said = state if rank == 0 else None
+        while self.taken < len(self.names) and self.names[self.taken] != until and not self.broken:
             try:
-                got = self._exchange(self.names[self.taken], ("failed", {"message": message, "state": state}))
+                got = self._exchange(self.names[self.taken], item)
             except Exception as e:  # the group itself broke (a rank died): nobody is left to tell
                 log.debug("could not tell the other ranks: %s", e)
+                self.broken = True
                 break
             said = got[0][1].get("state") if got[0][0] == "failed" and got[0][1].get("state") else said
         return said
+
+
+class Stopped(Exception):
+    """This rank stopped writing because another rank failed (its message comes with the next step)."""
 
 
 def assign_shards(sizes: Sequence[int], ranks: int, skip: Sequence[int] = ()) -> list[list[int]]:

@@ -103,4 +103,5 @@ class PeerFailedError(ShardMergeError, RuntimeError):
 
     def __init__(self, rank: int, message: str, state: str | None = None):
         self.rank, self.message, self.state = rank, message, state
+        self.stopped = False  # True when that rank only stopped because yet another one failed
         super().__init__(message + (f"; {state}" if state else ""))

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .dist_execute import OtherRanks, write_share
+from .dist_execute import OtherRanks, check_stop, write_share
 from .distributed import JobSteps, World
 from .errors import InputError
 from .plan_types import Plan, PlannedTensor
@@ -137,6 +137,8 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
 
     def produce(i: int, w) -> None:
         for t in plan.shard_tensors(i):
+            if steps is not None:
+                check_stop(steps)
             merger.write_tensor(t, w)
 
     files = FolderFiles(config=plan.config, index=plan.index(), side_files=lambda tmp: _copy_side_files(plan, tmp),

@@ -144,7 +144,7 @@ def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_n
                 planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded="fsdp1")
         else:
             planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
-        agree_on_plan(steps, planned.plan)
+        agree_on_plan(steps, planned.plan, out_dir)
         report = execute_live_plan(planned.plan, out_dir, budget=budget, overwrite=opts.overwrite,
                                    progress=opts.progress and world.rank == 0, before_commit=_side_saver(tokenizer),
                                    steps=steps, root=model)

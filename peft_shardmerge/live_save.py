@@ -83,7 +83,7 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
                 gatherer.before(t)
             if t.kind == "quantize4" and not t.part:
                 parts = _quantize(merger, t, plan)
-            _write(merger, t, w, parts, plan.chunk_elems)
+            _write(merger, t, w, parts, plan.chunk_elems, copy=gatherer is not None)
             bar.update(t.nbytes)
 
     def side_files(tmp: str) -> None:
@@ -97,10 +97,6 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
                         checks=[lambda: check_applied(live.lora_layers, merger.applied)])
     try:
         sink.write(produce, files, ranks=ranks)
-    except BaseException:
-        if ranks is not None:
-            ranks.abandon()
-        raise
     finally:
         bar.close()
     report = _report(plan, merger, out_dir, t0, baseline)
@@ -112,8 +108,10 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
 
 
 def _write(merger: LiveMerger, t: PlannedTensor, w: ShardWriter, parts: dict[str, torch.Tensor],
-           plan_chunk: int) -> None:
-    """Write one planned tensor: a part of a re-quantized weight, or an entry produced and cast in row blocks."""
+           plan_chunk: int, copy: bool = False) -> None:
+    """Write one planned tensor: a part of a re-quantized weight, or an entry produced and cast in row blocks (with
+    ``copy``, always copies: a gathered FSDP unit's storage must be free of the writer's views when it is
+    released)."""
     e = t.entry
     if t.kind == "quantize4":
         data = parts[t.part]
@@ -129,7 +127,7 @@ def _write(merger: LiveMerger, t: PlannedTensor, w: ShardWriter, parts: dict[str
         raise MergeCheckError(f"tensor {e.name!r} has NaN or Inf")  # the row merge checked every changed one
     target = DTYPES[t.out_dtype][0]
     for start, stop in row_blocks(e.shape, plan_chunk):
-        w.write(data[start:stop].detach().to(device="cpu", dtype=target))
+        w.write(data[start:stop].detach().to(device="cpu", dtype=target, copy=copy))
 
 
 def _quantize(merger: LiveMerger, t: PlannedTensor, plan: Plan) -> dict[str, torch.Tensor]:

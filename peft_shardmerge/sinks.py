@@ -78,7 +78,8 @@ class ShardSink:
             skip: ``skip(i)`` is called instead of ``produce`` for a shard kept from an interrupted run.
             ranks: on rank 0 of a distributed merge, the other ranks' side
                 (:class:`~peft_shardmerge.dist_execute.OtherRanks`): ``opened(staging)`` returns the shards this
-                rank writes (None: all), ``gathered(staging, records)`` waits for the rest.
+                rank writes (None: all), ``gathered(staging, records)`` waits for the rest, ``stopped(error)``
+                makes the others stop and waits for them when this rank fails while writing.
 
         Returns:
             None; ``resumed`` lists the kept shards and ``records`` the record of each shard written.
@@ -95,21 +96,29 @@ class ShardSink:
                            inputs=self.inputs) as staging, torch.no_grad():
             tmp = staging.path
             mine = None if ranks is None else ranks.opened(staging)
-            for i, (name, entries) in enumerate(self.shards):
-                if staging.is_done(name):
-                    if skip is not None:
-                        skip(i)
-                    continue
-                if mine is not None and i not in mine:
-                    continue
-                with ShardWriter(os.path.join(tmp, name), entries, depth=self.depth) as w:
-                    produce(i, w)
-                staging.record(name, w.digest())
-                self.records[name] = w.record()
+            try:
+                self._shards(staging, produce, skip, mine)
+            except BaseException as e:
+                if ranks is not None:  # the other ranks stop first: nobody writes into the folder as it goes
+                    ranks.stopped(e)
+                raise
             if ranks is not None:
                 ranks.gathered(staging, self.records)
             self.resumed = list(staging.resumed)
             self._finish(tmp, files)
+
+    def _shards(self, staging, produce, skip, mine) -> None:
+        for i, (name, entries) in enumerate(self.shards):
+            if staging.is_done(name):
+                if skip is not None:
+                    skip(i)
+                continue
+            if mine is not None and i not in mine:
+                continue
+            with ShardWriter(os.path.join(staging.path, name), entries, depth=self.depth) as w:
+                produce(i, w)
+            staging.record(name, w.digest())
+            self.records[name] = w.record()
 
     def _finish(self, tmp: str, files: FolderFiles) -> None:
         if len(self.shards) > 1 and files.index is not None:

@@ -8,11 +8,13 @@ Scenarios:
     interrupt-after-shard R ARGS  the command line; rank R presses Ctrl-C (SIGINT to torchrun) once it finished its
                                   first shard
     fail R ARGS                   the command line; rank R's disk is full (ENOSPC) on its first tensor
-    api-dtype OUT BASE AD         merge_checkpoint with a dtype that differs between ranks
-    fsdp2 OUT RESULT [dora]       merge_and_save of a tiny Llama + LoRA sharded by fully_shard; rank 0 writes RESULT
+    api-differ dtype|out OUT BASE AD  merge_checkpoint(distributed=True) with a dtype or an OUT that differs by rank
+    fsdp2 OUT RESULT [dora] [bf16] [fail]  merge_and_save of a tiny Llama + LoRA sharded by fully_shard; rank 0
+                                  writes RESULT, rank N RESULT.N (fail: rank 0's disk fills up mid-merge)
     fsdp1 OUT RESULT [dora] [flat]  the same under FullyShardedDataParallel (flat: use_orig_params=False)
     unload-fsdp2 RESULT           merge_and_unload of the FSDP2 model (refused, model untouched)
     rank0-only OUT                an unsharded model in a distributed job, merged by rank 0 alone
+    rank0-only-disk OUT BASE AD   merge_checkpoint called by rank 0 alone in a distributed job
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ torch.set_num_threads(1)
 RANK = int(os.environ.get("RANK", 0))
 
 
-def tiny_peft(dora: bool = False):
+def tiny_peft(dora: bool = False, dtype: torch.dtype = torch.float32):
     """The same tiny Llama + LoRA (adapter factors moved off their initial values) on every rank."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -37,7 +39,7 @@ def tiny_peft(dora: bool = False):
     from peft_shardmerge.testing import perturb_trainable, tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=dtype)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
                                              use_dora=dora))
     torch.manual_seed(1)
@@ -131,7 +133,7 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     from peft_shardmerge.errors import ShardMergeError
 
     dist.init_process_group("gloo")
-    model = tiny_peft(dora)
+    model = tiny_peft(dora, torch.bfloat16 if "bf16" in sys.argv else torch.float32)
     if version == 2:
         fully_shard_model(model)
     else:
@@ -147,6 +149,18 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     ids = torch.arange(12).reshape(2, 6)
     with torch.no_grad():
         before = model(input_ids=ids).logits
+    if "fail" in sys.argv and RANK == 0:  # rank 0's disk fills up at its fifth tensor, units half gathered
+        from peft_shardmerge import live_merger
+
+        produce, calls = live_merger.LiveMerger.produce, []
+
+        def full_disk(self, entry):
+            calls.append(entry)
+            if len(calls) == 5:
+                raise OSError(errno.ENOSPC, "No space left on device", "shard")
+            return produce(self, entry)
+
+        live_merger.LiveMerger.produce = full_disk
     try:
         report = merge_and_save(model, out, progress=False)
         outcome = {"ok": True, "notes": report.notes, "merged": report.lora_modules_merged}
@@ -154,9 +168,8 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
         outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
     with torch.no_grad():  # the sharded model still works, and computes exactly what it did
         outcome["forward_unchanged"] = torch.equal(model(input_ids=ids).logits, before)
-    if RANK == 0:
-        with open(result, "w") as f:
-            json.dump(outcome, f)
+    with open(result if RANK == 0 else f"{result}.{RANK}", "w") as f:
+        json.dump(outcome, f)
     dist.destroy_process_group()
     return 0
 
@@ -199,12 +212,27 @@ def rank0_only(out: str) -> int:
     return 0
 
 
-def api_dtype(out: str, base: str, adapter: str) -> int:
+def rank0_only_disk(out: str, base: str, adapter: str) -> int:
+    import torch.distributed as dist
+
+    from peft_shardmerge import merge_checkpoint
+
+    dist.init_process_group("gloo")
+    if RANK == 0:
+        merge_checkpoint(base, adapter, out, progress=False)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def api_differ(what: str, out: str, base: str, adapter: str) -> int:
     from peft_shardmerge import merge_checkpoint
     from peft_shardmerge.errors import ShardMergeError
 
+    dtype = "bfloat16" if RANK == 0 or what != "dtype" else "float16"
+    out = out + (str(RANK) if what == "out" else "")
     try:
-        merge_checkpoint(base, adapter, out, dtype="bfloat16" if RANK == 0 else "float16", progress=False)
+        merge_checkpoint(base, adapter, out, dtype=dtype, progress=False, distributed=True)
     except ShardMergeError as e:
         print(f"rank {RANK} refused: {e}", file=sys.stderr)
         return 2
@@ -223,14 +251,18 @@ if __name__ == "__main__":
         code = interrupt_after_shard(int(args[0]), args[1:])
     elif scenario == "fail":
         code = fail(int(args[0]), args[1:])
-    elif scenario == "api-dtype":
-        code = api_dtype(*args)
+    elif scenario == "api-differ":
+        code = api_differ(*args)
     elif scenario in ("fsdp2", "fsdp1"):
         code = fsdp(args[0], args[1], int(scenario[-1]), "dora" in args[2:])
     elif scenario == "unload-fsdp2":
         code = unload_fsdp2(args[0])
+    elif scenario == "rank0-only-disk":
+        code = rank0_only_disk(*args)
     elif scenario == "rank0-only":
         code = rank0_only(args[0])
     else:
         raise SystemExit(f"unknown scenario {scenario}")
-    sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as peft_shardmerge.cli.run does: no interpreter shutdown for torch's process group to abort in

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from peft_shardmerge import merge_and_save, merge_checkpoint
 from peft_shardmerge.distributed import assign_shards
@@ -68,24 +69,36 @@ def test_ranks_write_the_same_bytes_as_one_process(inputs, tmp_path, ranks, base
     assert not os.path.exists(str(tmp_path / ".out.partial"))
 
 
-def test_a_failure_on_one_rank_stops_every_rank_with_its_message(inputs, tmp_path):
+@pytest.mark.parametrize("failing,other", [(1, 0), (0, 1)])
+def test_a_failure_on_one_rank_stops_every_rank_with_its_message(inputs, tmp_path, failing, other):
     out = str(tmp_path / "out")
-    run = torchrun(2, "fail", "1", "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "60KB")
+    run = torchrun(2, "fail", str(failing), "merge", inputs["sharded"], inputs["sharded_ad"], out,
+                   "--max-shard-size", "20KB")
     assert run.returncode != 0
-    said = [line for line in run.stderr.splitlines() if line.startswith("peft-shardmerge[rank")]
-    assert any(line.startswith("peft-shardmerge[rank 0]: error: rank 1: No space left on device") for line in said), said
-    assert any(line.startswith("peft-shardmerge[rank 1]: error: No space left on device") for line in said), said
-    assert all("the partial output was removed and OUT is unchanged" in line for line in said), said
+    removed = "; the partial output was removed and OUT is unchanged"
+    assert (f"peft-shardmerge[rank {other}]: error: rank {failing}: No space left on device (shard)" + removed
+            in run.stderr), run.stderr[-3000:]
+    assert f"peft-shardmerge[rank {failing}]: error: No space left on device (shard)" + removed in run.stderr
     assert sorted(os.listdir(tmp_path)) == []  # no OUT, no staging folder, no lock
 
 
-def test_ranks_that_planned_differently_are_refused_before_writing(inputs, tmp_path):
+@pytest.mark.parametrize("what", ["dtype", "out"])
+def test_ranks_that_planned_differently_are_refused_before_writing(inputs, tmp_path, what):
     out = str(tmp_path / "out")
-    run = torchrun(2, "api-dtype", out, inputs["single"], inputs["single_ad"])
+    run = torchrun(2, "api-differ", what, out, inputs["single"], inputs["single_ad"])
     assert run.returncode != 0
     assert "rank 0 refused" in run.stderr and "rank 1 refused" in run.stderr
     assert "rank(s) [1] planned a different merge than rank 0" in run.stderr
-    assert not os.path.exists(out)
+    assert os.listdir(tmp_path) == []
+
+
+def test_merge_checkpoint_called_by_rank_0_alone_merges_in_that_process(inputs, tmp_path):
+    ref = str(tmp_path / "ref")
+    merge_checkpoint(inputs["single"], inputs["single_ad"], ref, progress=False)
+    out = str(tmp_path / "out")
+    run = torchrun(2, "rank0-only-disk", out, inputs["single"], inputs["single_ad"], timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert same_folder(ref, out) == []
 
 
 def test_one_rank_killed_leaves_no_finished_output_and_a_rerun_with_three_ranks_completes(inputs, tmp_path):
@@ -114,23 +127,24 @@ def test_a_job_killed_whole_resumes_its_finished_shards_with_another_rank_count(
     assert "manifest.rank-1.json" in os.listdir(partial)
     recorded = json.load(open(os.path.join(partial, "manifest.rank-1.json")))["shards"]
     assert len(recorded) == 1
+    name = next(iter(recorded))
+    inode = os.stat(os.path.join(partial, name)).st_ino
     report = merge_checkpoint(inputs["sharded"], inputs["sharded_ad"], out, max_shard_size="40KB", progress=False)
     assert any(n.startswith("resumed: ") for n in report.notes), report.notes
-    kept = int(next(n for n in report.notes if n.startswith("resumed: ")).split()[1])
-    assert kept >= 1
+    assert os.stat(os.path.join(out, name)).st_ino == inode  # rank 1's recorded shard was kept, not rewritten
     assert same_folder(ref, out) == []
     assert not os.path.exists(partial)
 
 
-@pytest.mark.parametrize("scenario,ranks,options", [("fsdp2", 2, ()), ("fsdp2", 3, ("dora",)),
+@pytest.mark.parametrize("scenario,ranks,options", [("fsdp2", 2, ()), ("fsdp2", 3, ("dora",)), ("fsdp2", 2, ("bf16",)),
                                                      ("fsdp1", 2, ()), ("fsdp1", 2, ("dora", "flat"))])
 def test_sharded_merge_and_save_equals_the_unsharded_merge(tmp_path, scenario, ranks, options):
     sys.path.insert(0, os.path.dirname(__file__))
     from dist_worker import tiny_peft
 
-    dora = "dora" in options
+    dora, dtype = "dora" in options, torch.bfloat16 if "bf16" in options else torch.float32
     ref = str(tmp_path / "ref")
-    merge_and_save(tiny_peft(dora), ref, progress=False)
+    merge_and_save(tiny_peft(dora, dtype), ref, progress=False)
     out, result = str(tmp_path / "out"), str(tmp_path / "result.json")
     run = torchrun(ranks, scenario, out, result, *options)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -144,6 +158,19 @@ def test_sharded_merge_and_save_equals_the_unsharded_merge(tmp_path, scenario, r
     total = sum(p.numel() for p in model.parameters())
     layer = sum(p.numel() for p in model.base_model.model.model.layers[0].parameters())
     assert 0 < held <= max(layer, total - 2 * layer) < total  # one unit at a time, never the model
+
+
+@pytest.mark.parametrize("scenario", ["fsdp2", "fsdp1"])
+def test_a_failure_on_rank_0_mid_gather_stops_every_rank_with_its_message(tmp_path, scenario):
+    out, result = str(tmp_path / "out"), str(tmp_path / "result.json")
+    run = torchrun(2, scenario, out, result, "fail", timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    mine, theirs = json.load(open(result)), json.load(open(result + ".1"))
+    assert mine["error"] == "FileSystemError" and theirs["error"] == "PeerFailedError", (mine, theirs)
+    assert theirs["message"] == ("rank 0: No space left on device (shard); the partial output was removed and OUT "
+                                 "is unchanged")
+    assert mine["forward_unchanged"] and theirs["forward_unchanged"]  # every unit released, the model as it was
+    assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.1"]
 
 
 def test_deepspeed_zero3_is_refused_by_name(tmp_path):
