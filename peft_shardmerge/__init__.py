@@ -17,6 +17,7 @@ from .errors import (  # noqa: E402 - light: no torch, so that `peft-shardmerge 
     OutputChangedError,
     OutputLockedError,
     PeerFailedError,
+    PeerLostError,
     ShardMergeError,
     UnsupportedError,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "FileSystemError",
     "HubUploadError",
     "PeerFailedError",
+    "PeerLostError",
 ]
 
 

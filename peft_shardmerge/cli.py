@@ -17,11 +17,17 @@ EXIT_TERMINATED = 143
 
 
 class Terminated(BaseException):
-    """Raised in the main thread when SIGTERM arrives, so that the staging folder is cleaned up."""
+    """Raised in the main thread when SIGTERM arrives, so that the staging folder is cleaned up; in a distributed
+    job the launcher sends it when a rank died or the scheduler stops the job, so the finished shards are kept for a
+    rerun instead (``keep_partial``)."""
+
+    keep_partial = False
 
 
 def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
-    raise Terminated()
+    error = Terminated()
+    error.keep_partial = _rank() is not None
+    raise error
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ import os
 import torch
 
 from .distributed import JobSteps, Stopped, World, assign_shards  # noqa: F401 - World: doctest
-from .errors import FileSystemError, InputError, PeerFailedError, ShardMergeError
+from .errors import FileSystemError, InputError, PeerFailedError, PeerLostError, ShardMergeError
 from .outfiles import MADE_BY
 from .plan_types import Plan
 from .recovery import write_manifest
@@ -307,6 +307,8 @@ def failed(steps: JobSteps, error: BaseException, out_dir: str) -> BaseException
         error = steps.failure
     if isinstance(error, PeerFailedError) and error.state is None and state:
         return PeerFailedError(error.rank, error.message, state)
+    if isinstance(error, PeerLostError):
+        return PeerLostError(error.detail, state or UNKNOWN)
     if rank != 0 and isinstance(error, OSError) and not isinstance(error, ShardMergeError):
         return FileSystemError(error, state or UNKNOWN)
     return error

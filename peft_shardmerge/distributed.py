@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .errors import InputError, PeerFailedError
+from .errors import InputError, PeerFailedError, PeerLostError
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,11 @@ class JobSteps:
         import torch.distributed as dist
 
         got: list = [None] * self.world.size
-        dist.all_gather_object(got, item, group=self.world.group)
+        try:
+            dist.all_gather_object(got, item, group=self.world.group)
+        except RuntimeError as e:  # a rank died or its node was lost: the group is gone
+            self.broken = True
+            raise PeerLostError(str(e)) from e
         failures = [(v.get("stopped", False), r) for r, (status, v) in enumerate(got)
                     if status == "failed" and r != self.world.rank]
         if failures and (self.failure is None or self.failure.stopped):  # a rank's own failure before a stop

@@ -105,3 +105,26 @@ class PeerFailedError(ShardMergeError, RuntimeError):
         self.rank, self.message, self.state = rank, message, state
         self.stopped = False  # True when that rank only stopped because yet another one failed
         super().__init__(message + (f"; {state}" if state else ""))
+
+
+class PeerLostError(ShardMergeError, RuntimeError):
+    """A rank of a distributed merge stopped answering (killed, or its node lost); the finished shards are kept in
+    the staging folder for a rerun, with any number of ranks.
+
+    Args:
+        detail: what torch.distributed said.
+        state: what became of OUT, once known.
+
+    Example:
+        >>> PeerLostError("Connection reset by peer").keep_partial
+        True
+    """
+
+    keep_partial = True
+
+    def __init__(self, detail: str, state: str | None = None):
+        self.detail = detail
+        said = (detail.splitlines() or ["no detail"])[0]
+        said = said.split("] ", 1)[-1] if said.startswith("[") else said  # gloo starts with its source file
+        super().__init__(f"another rank stopped answering (torch.distributed: {said.split('. ')[0][:160]})"
+                         + (f"; {state}" if state else ""))

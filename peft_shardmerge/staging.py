@@ -127,7 +127,7 @@ class Staging:
         self.common = None
         self.done: dict[str, dict] = {}
         self.resumed: list[str] = []
-        self.created = self.committed = self.keep = False
+        self.created = self.committed = self.keep = self.rerun = False
         self.checked: dict | None = None  # OUT's snapshot when checked (None: it did not exist)
         self.leftover: str | None = None
 
@@ -267,6 +267,9 @@ class Staging:
                 if self.leftover else "")
         if self.keep:
             return f"OUT was left as it is and the new output is kept in {self.path}"
+        if self.rerun:
+            return (f"OUT is unchanged and the finished shards are kept in {self.path}: run the same command again "
+                    "(with any number of ranks) to finish the merge")
         if not self.created:
             return NOTHING_WRITTEN
         if os.path.lexists(self.path):
@@ -336,7 +339,9 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
             _OUTCOME[out] = staging.state()
     except BaseException as e:
         with held_signals():
-            if not staging.committed and not staging.keep:
+            if getattr(e, "keep_partial", False) and staging.created and staging.fingerprint:
+                staging.rerun = True  # a distributed job lost a rank or was stopped: its finished shards stay
+            elif not staging.committed and not staging.keep:
                 staging.discard()
             _OUTCOME[out] = staging.state()
             if isinstance(e, OSError) and not isinstance(e, ShardMergeError):

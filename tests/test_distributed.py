@@ -109,9 +109,13 @@ def test_one_rank_killed_leaves_no_finished_output_and_a_rerun_with_three_ranks_
     run = torchrun(2, "kill-after-shard", "1", *args)
     assert run.returncode != 0
     assert not os.path.exists(out)
+    # torchrun stops rank 0 (SIGTERM, or its peer's connection is gone): the finished shards stay, and it says so
+    assert "OUT is unchanged and the finished shards are kept in" in run.stderr, run.stderr[-3000:]
     again = torchrun(3, "cli", *args)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed: " in again.stdout
     assert same_folder(ref, out) == []
+    assert not os.path.exists(str(tmp_path / ".out.partial"))
 
 
 def test_a_job_killed_whole_resumes_its_finished_shards_with_another_rank_count(inputs, tmp_path):
