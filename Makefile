@@ -29,6 +29,7 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_merge.py --sizes 0.5B,1B --write docs/benchmarks.md
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_dist.py --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) bench/_work .pytest_cache

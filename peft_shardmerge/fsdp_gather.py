@@ -1,5 +1,6 @@
-"""A model sharded by FSDP2 inside a distributed job: which sharding a model carries, what of it is supported, and
-its units' full weights gathered one unit at a time, in the same order on every rank."""
+"""A model sharded by FSDP inside a distributed job: which sharding a model carries, what of it is supported, and
+its units' full weights gathered one unit at a time, in the same order on every rank (FSDP2 here, FSDP1 through
+:mod:`peft_shardmerge.fsdp1_view`)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
 
 
 class UnitGatherer:
-    """Gathers FSDP2 units' full weights for each planned tensor, in plan order, on every rank: the units that
+    """Gathers FSDP units' full weights for each planned tensor, in plan order, on every rank: the units that
     hold the tensor's module (its base layer and adapter factors) are unsharded, and the others released first.
 
     Every rank must call :meth:`before` for the same tensors in the same order (``unshard`` is a collective), and

@@ -48,10 +48,11 @@ def merge_and_save(
     delta is added in fp32, the result is cast once and streamed into sharded safetensors. The full 16-bit
     model is never built, and the caller's model is left exactly as it was.
 
-    A model sharded by FSDP2 (``fully_shard``) is merged collectively: call this on every rank. Each FSDP unit is
-    gathered in turn on every rank and released before the next; rank 0 merges and writes (onto its own disk) and
-    every rank returns its report. A model that is not sharded is merged by the process that calls this, inside a
-    distributed job too. FSDP1 and DeepSpeed ZeRO-3 models are refused (see ``docs/distributed.md``).
+    A model sharded by FSDP2 (``fully_shard``) or FSDP1 (``FullyShardedDataParallel``) is merged collectively: call
+    this on every rank. Each FSDP unit is gathered in turn on every rank and released before the next; rank 0 merges
+    and writes (onto its own disk) and every rank returns its report. A model that is not sharded is merged by the
+    process that calls this, inside a distributed job too. DeepSpeed ZeRO-3 models are refused (see
+    ``docs/distributed.md``).
 
     Args:
         model: a ``PeftModel`` (or a transformers model with a LoRA attached by ``add_adapter``).
@@ -90,7 +91,7 @@ def merge_and_save(
             original checkpoint (the reason is given).
         UnsupportedError: the adapter uses a feature that cannot be merged (named).
         MergeCheckError: a LoRA layer was not applied exactly once.
-        PeerFailedError: (FSDP2) another rank failed; its message, and what became of ``out_dir``.
+        PeerFailedError: (FSDP) another rank failed; its message, and what became of ``out_dir``.
 
     Example:
         >>> from peft_shardmerge import merge_and_save

@@ -44,10 +44,10 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
         overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the output lock).
         progress: show a progress bar over bytes written.
         before_commit: called with the staging folder after the side files (e.g. to save a tokenizer there).
-        steps: for a model sharded by FSDP2 in a distributed job, the job's steps after ``plan``
+        steps: for a model sharded by FSDP in a distributed job, the job's steps after ``plan``
             (:class:`~peft_shardmerge.distributed.JobSteps`): every rank gathers each unit in plan order, rank 0
             writes, and every rank returns rank 0's report.
-        root: with ``steps``, the model as sharded (the outermost FSDP2 unit; default: the walked model).
+        root: with ``steps``, the model as sharded (the outermost FSDP unit; default: the walked model).
 
     Returns:
         The :class:`~peft_shardmerge.report.MergeReport`.
