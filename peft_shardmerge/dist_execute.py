@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 
 import torch
 
@@ -64,6 +65,9 @@ def check_stop(steps: JobSteps) -> None:
     Args:
         steps: the job's steps (``staging`` is set once the staging folder is known).
 
+    Returns:
+        None, when no rank has failed.
+
     Raises:
         Stopped: another rank failed; its message comes with the next step.
 
@@ -105,6 +109,8 @@ class OtherRanks:
 
     def __init__(self, plan: Plan, merger, steps: JobSteps):
         self.plan, self.merger, self.steps = plan, merger, steps
+        self.theirs: list[tuple[str, int]] = []  # (path, planned bytes) of the shards the other ranks write
+        self.seen, self.polled = 0, 0.0
 
     def opened(self, staging) -> set[int]:
         """Tell every rank where the staging folder is and which shards an earlier run finished.
@@ -117,7 +123,28 @@ class OtherRanks:
         """
         self.steps.step("open", {"path": staging.path, "done": sorted(staging.done), "common": staging.common})
         self.steps.staging = staging.path
-        return set(_share(self.plan, sorted(staging.done), self.steps)[0])
+        share = _share(self.plan, sorted(staging.done), self.steps)
+        entries = self.plan.shard_entries()
+        self.theirs = [(os.path.join(staging.path, entries[i][0]), sum(e[3] for e in entries[i][1]))
+                       for other in share[1:] for i in other]
+        return set(share[0])
+
+    def poll(self) -> None:
+        """Between two of rank 0's tensors, at most once a second: add the bytes the other ranks have written so far
+        to rank 0's progress bar (their shard files grow as they write), so that it covers every rank's work."""
+        now = time.monotonic()
+        if now - self.polled < 1.0 or not self.theirs:
+            return
+        self.polled = now
+        written = 0
+        for path, planned in self.theirs:
+            try:
+                written += min(planned, os.path.getsize(path))
+            except OSError:
+                pass
+        if written > self.seen:
+            self.merger.bar.update(written - self.seen)
+            self.seen = written
 
     def stopped(self, error: BaseException) -> None:
         """Rank 0 failed while writing: make the other ranks stop and wait until they have, before the staging
@@ -148,6 +175,7 @@ class OtherRanks:
             m.fallbacks += c["fallbacks"]
             m.probe_err = max(m.probe_err, c["probe_err"])
             m.swallowed.update(c["swallowed"])
+        self.merger.bar.update(sum(planned for _, planned in self.theirs) - self.seen)  # their last bytes
 
 
 def _share(plan: Plan, done: list[str], steps: JobSteps) -> list[list[int]]:

@@ -132,21 +132,22 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     if world.rank != 0:
         return write_share(plan, out_dir, dev, steps, resume=resume)
     merger = PlanMerger(plan, dev, progress)
+    ranks = OtherRanks(plan, merger, steps) if world.distributed else None
     sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, fingerprint=plan.fingerprint() if resume else None,
                      inputs=InputDigests(plan) if resume else None)
 
     def produce(i: int, w) -> None:
         for t in plan.shard_tensors(i):
-            if steps is not None:
+            if ranks is not None:
                 check_stop(steps)
+                ranks.poll()
             merger.write_tensor(t, w)
 
     files = FolderFiles(config=plan.config, index=plan.index(), side_files=lambda tmp: _copy_side_files(plan, tmp),
                         before_commit=before_commit, merge_info=lambda: disk_merge_info(plan),
                         checks=[lambda: check_counts(plan, merger)])
     try:
-        sink.write(produce, files, skip=lambda i: merger.skip(plan.shard_tensors(i)),
-                   ranks=OtherRanks(plan, merger, steps) if world.distributed else None)
+        sink.write(produce, files, skip=lambda i: merger.skip(plan.shard_tensors(i)), ranks=ranks)
     finally:
         merger.close()
     resumed = sink.resumed

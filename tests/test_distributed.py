@@ -235,3 +235,17 @@ def test_an_output_locked_by_another_merge_is_refused_on_every_rank(inputs, tmp_
     assert len(said) == 2 and all("another merge" in line for line in said), said
     assert said[1].startswith("peft-shardmerge[rank 1]: error: rank 0: ") and "nothing was written" in said[1], said
     assert not os.path.exists(out)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL puts one rank on each GPU)")
+def test_ranks_on_gpus_write_the_same_bytes_as_one_gpu_process(inputs, tmp_path):
+    ref = str(tmp_path / "ref")
+    merge_checkpoint(inputs["sharded"], inputs["sharded_ad"], ref, max_shard_size="60KB", device="cuda",
+                     progress=False)
+    out = str(tmp_path / "out")
+    run = torchrun(2, "cli", "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "60KB",
+                   "--device", "cuda")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "device cuda:0" in run.stdout
+    assert same_folder(ref, out) == []
