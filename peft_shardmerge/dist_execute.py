@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from .distributed import JobSteps, Stopped, World, assign_shards  # noqa: F401 - World: doctest
-from .errors import FileSystemError, InputError, PeerFailedError, PeerLostError, ShardMergeError
+from .distributed import JobSteps, World, assign_shards  # noqa: F401 - World: doctest
+from .errors import FileSystemError, InputError, PeerFailedError, PeerLostError, ShardMergeError, Stopped
 from .outfiles import MADE_BY
 from .plan_types import Plan
 from .recovery import write_manifest
@@ -303,8 +303,11 @@ def follow_plan(plan: Plan, out_dir: str, steps: JobSteps, gatherer):
         for t in gatherer.tensors:
             gatherer.before(t)
         gatherer.close()
-    except Exception:  # a gather failed half-way: the ranks are out of step, no message can follow
-        steps.broken = True
+    except Exception:  # take the gathers left so the ranks stay in step; if even that fails, no message can follow
+        try:
+            gatherer.drain()
+        except Exception:
+            steps.broken = True
         raise
     steps.step("written", None)
     return steps.step("committed", None)[0]
@@ -331,8 +334,10 @@ def failed(steps: JobSteps, error: BaseException, out_dir: str) -> BaseException
     state = steps.fail(error, outcome(out_dir) if rank == 0 else None)
     if rank != 0 and state:
         note_outcome(out_dir, state)
-    if isinstance(error, Stopped) and steps.failure is not None:
-        error = steps.failure
+    if isinstance(error, Stopped):  # the failure that started it, or a rank lost while stopping
+        error = steps.failure or PeerLostError("a rank was lost while the ranks stopped")
+    elif steps.broken and isinstance(error, RuntimeError) and not isinstance(error, ShardMergeError):
+        error = PeerLostError(str(error))  # a gather failed: torch.distributed lost a rank
     if isinstance(error, PeerFailedError) and error.state is None and state:
         return PeerFailedError(error.rank, error.message, state)
     if isinstance(error, PeerLostError):

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .errors import InputError, PeerFailedError, PeerLostError
+from .errors import InputError, PeerFailedError, PeerLostError, ShardMergeError, Stopped
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,8 @@ class JobSteps:
         rank = self.world.rank
         if isinstance(error, PeerFailedError):
             message = error.message
-        elif isinstance(error, OSError) and error.strerror:  # as the command line says it: "No space left ... (path)"
+        elif isinstance(error, OSError) and error.strerror and not isinstance(error, ShardMergeError):
+            # as the command line says it: "No space left on device (path)"
             message = f"rank {rank}: {error.strerror} ({error.filename or 'output'})"
         else:
             message = f"rank {rank}: {error}" if str(error) else f"rank {rank}: {type(error).__name__}"
@@ -245,10 +246,6 @@ class JobSteps:
                 break
             said = got[0][1].get("state") if got[0][0] == "failed" and got[0][1].get("state") else said
         return said
-
-
-class Stopped(Exception):
-    """This rank stopped writing because another rank failed (its message comes with the next step)."""
 
 
 def assign_shards(sizes: Sequence[int], ranks: int, skip: Sequence[int] = ()) -> list[list[int]]:

@@ -104,7 +104,8 @@ class PeerFailedError(ShardMergeError, RuntimeError):
     def __init__(self, rank: int, message: str, state: str | None = None):
         self.rank, self.message, self.state = rank, message, state
         self.stopped = False  # True when that rank only stopped because yet another one failed
-        super().__init__(message + (f"; {state}" if state else ""))
+        said = state and message.endswith(state)  # the message already says it (an OSError's state, from rank 0)
+        super().__init__(message + (f"; {state}" if state and not said else ""))
 
 
 class PeerLostError(ShardMergeError, RuntimeError):
@@ -128,3 +129,8 @@ class PeerLostError(ShardMergeError, RuntimeError):
         said = said.split("] ", 1)[-1] if said.startswith("[") else said  # gloo starts with its source file
         super().__init__(f"another rank stopped answering (torch.distributed: {said.split('. ')[0][:160]})"
                          + (f"; {state}" if state else ""))
+
+
+class Stopped(Exception):
+    """Internal: this rank of a distributed merge stopped writing because another rank failed (that rank's message
+    comes with the next step, and is what the user sees)."""

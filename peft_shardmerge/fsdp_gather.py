@@ -137,13 +137,14 @@ class UnitGatherer:
     def _hold(self, want: tuple[int, ...]) -> None:
         if want == self.held:
             return
-        for i in reversed(self.held):
+        for i in reversed(self.held):  # held is kept true after each call, so a drain retakes a failed gather
             if i not in want:
                 self.units.release(i)
+                self.held = tuple(j for j in self.held if j != i)
         for i in want:
             if i not in self.held:
                 self.units.gather(i)
-        self.held = want
+                self.held = tuple(sorted(self.held + (i,)))
         self.peak_numel = max(self.peak_numel, sum(self.units.numel(i) for i in want))
 
     def drain(self) -> None:

@@ -21,6 +21,7 @@ from .live_save import execute_live_plan
 from .model_check import require_supported
 from .model_plan import (BASE_PRECISIONS, adapter_selection, build_model_plan, model_dtype,  # noqa: F401 - public
                          plan_model_merge, save_adapter_untouched)
+from .record import live_merge_info
 from .options import MODEL, MergeOptions, parse_dtype, parse_size
 from .outcheck import check_out_dir, foreign_model_problems, source_folders
 from .report import MergeReport
@@ -143,12 +144,15 @@ def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_n
                 raise InputError(problems)
             with planning_view(model) as peft_model:
                 planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded="fsdp1")
+                src = planned.plan.live
+                info = live_merge_info(src.live.model, planned.plan.dtype, src.adapter_names, src.quant4, src.weights,
+                                       src.combination)
         else:
-            planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
+            planned, info = build_model_plan(model, out_dir, opts, adapter_names, problems), None
         agree_on_plan(steps, planned.plan, out_dir)
         report = execute_live_plan(planned.plan, out_dir, budget=budget, overwrite=opts.overwrite,
                                    progress=opts.progress and world.rank == 0, before_commit=_side_saver(tokenizer),
-                                   steps=steps, root=model)
+                                   steps=steps, root=model, merge_info=info)
     except BaseException as e:
         raise failed(steps, e, out_dir) if world.distributed else e
     report.reproduces = planned.reproduces

@@ -34,7 +34,8 @@ REPACKED_NOTE = (
 
 
 def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwrite: bool, progress: bool = True,
-                      before_commit: Callable[[str], None] | None = None, steps=None, root=None) -> MergeReport:
+                      before_commit: Callable[[str], None] | None = None, steps=None, root=None,
+                      merge_info: dict | None = None) -> MergeReport:
     """Write a loaded model's planned checkpoint (from :func:`~peft_shardmerge.live_plan.plan_live`) into ``out_dir``.
 
     Args:
@@ -48,6 +49,8 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
             (:class:`~peft_shardmerge.distributed.JobSteps`): every rank gathers each unit in plan order, rank 0
             writes, and every rank returns rank 0's report.
         root: with ``steps``, the model as sharded (the outermost FSDP unit; default: the walked model).
+        merge_info: the record's ``merge`` part when the caller took it already (an FSDP1 model holds no whole
+            parameter outside its planning view); default: taken from the model when the output is complete.
 
     Returns:
         The :class:`~peft_shardmerge.report.MergeReport`.
@@ -92,8 +95,8 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
             src.generation_config.save_pretrained(tmp)
 
     files = FolderFiles(config=plan.config, index=plan.index(), side_files=side_files, before_commit=before_commit,
-                        merge_info=lambda: live_merge_info(live.model, plan.dtype, src.adapter_names, src.quant4,
-                                                           src.weights, src.combination),
+                        merge_info=lambda: merge_info or live_merge_info(live.model, plan.dtype, src.adapter_names,
+                                                                         src.quant4, src.weights, src.combination),
                         checks=[lambda: check_applied(live.lora_layers, merger.applied)])
     try:
         sink.write(produce, files, ranks=ranks)

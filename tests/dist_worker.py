@@ -7,11 +7,14 @@ Scenarios:
                                   (torchrun and every rank, pids in $DIST_TEST_PIDS) is killed at once (SIGKILL)
     interrupt-after-shard R ARGS  the command line; rank R presses Ctrl-C (SIGINT to torchrun) once it finished its
                                   first shard
+    fail-finish R ARGS            the command line; rank R's disk fills up while it writes the config, after the shards
     fail R ARGS                   the command line; rank R's disk is full (ENOSPC) on its first tensor
     api-differ dtype|out OUT BASE AD  merge_checkpoint(distributed=True) with a dtype or an OUT that differs by rank
     fsdp2 OUT RESULT [dora] [bf16] [fail]  merge_and_save of a tiny Llama + LoRA sharded by fully_shard; rank 0
                                   writes RESULT, rank N RESULT.N (fail: rank 0's disk fills up mid-merge)
-    fsdp1 OUT RESULT [dora] [flat]  the same under FullyShardedDataParallel (flat: use_orig_params=False)
+    fsdp1 OUT RESULT [dora] [flat] [rootonly] [fail|gatherfail]  the same under FullyShardedDataParallel (flat:
+                                  use_orig_params=False; rootonly: no auto-wrap; gatherfail: rank 0 fails before
+                                  its third gather)
     unload-fsdp2 RESULT           merge_and_unload of the FSDP2 model (refused, model untouched)
     rank0-only OUT                an unsharded model in a distributed job, merged by rank 0 alone
     rank0-only-disk OUT BASE AD   merge_checkpoint called by rank 0 alone in a distributed job
@@ -112,6 +115,17 @@ def interrupt_after_shard(rank: int, argv: list[str]) -> int:
     return cli(argv)
 
 
+def fail_finish(rank: int, argv: list[str]) -> int:
+    from peft_shardmerge import sinks
+
+    def full_disk(self, tmp, files):
+        if RANK == rank:
+            raise OSError(errno.ENOSPC, "No space left on device", "config.json")
+
+    sinks.ShardSink._finish = full_disk  # every rank patches it; only rank 0 calls it
+    return cli(argv)
+
+
 def fail(rank: int, argv: list[str]) -> int:
     from peft_shardmerge import merger
 
@@ -144,8 +158,9 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
         flat = "flat" in sys.argv
         if flat:  # FSDP1 flattens a unit's parameters together: trainable and frozen may not mix
             model.requires_grad_(False)
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
-                                         device_id=torch.device("cpu"), use_orig_params=not flat)
+        policy = None if "rootonly" in sys.argv else ModuleWrapPolicy({LlamaDecoderLayer})
+        model = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                                         use_orig_params=not flat)
     ids = torch.arange(12).reshape(2, 6)
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -161,6 +176,19 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
             return produce(self, entry)
 
         live_merger.LiveMerger.produce = full_disk
+    if "gatherfail" in sys.argv and RANK == 0:  # rank 0 fails just before its third gather (the others wait in it)
+        from peft_shardmerge import fsdp1_view, fsdp_gather
+
+        units = fsdp1_view.Fsdp1Units if version == 1 else fsdp_gather.Fsdp2Units
+        gather, gathers = units.gather, []
+
+        def failing_gather(self, i):
+            gathers.append(i)
+            if len(gathers) == 3:
+                raise OSError(errno.EIO, "Input/output error", "unit")
+            return gather(self, i)
+
+        units.gather = failing_gather
     try:
         report = merge_and_save(model, out, progress=False)
         outcome = {"ok": True, "notes": report.notes, "merged": report.lora_modules_merged}
@@ -249,6 +277,8 @@ if __name__ == "__main__":
         code = killall_after_record(int(args[0]), args[1:])
     elif scenario == "interrupt-after-shard":
         code = interrupt_after_shard(int(args[0]), args[1:])
+    elif scenario == "fail-finish":
+        code = fail_finish(int(args[0]), args[1:])
     elif scenario == "fail":
         code = fail(int(args[0]), args[1:])
     elif scenario == "api-differ":
