@@ -67,17 +67,18 @@ def cli(argv: list[str]) -> int:
     return main(argv)
 
 
-def kill_after_shard(rank: int, argv: list[str]) -> int:
+def signal_after_shard(rank: int, argv: list[str], pid: int, sig: int) -> int:
+    """The command line; once rank ``rank`` finished its first shard, it sends ``sig`` to ``pid``."""
     from peft_shardmerge import writer
 
     close = writer.ShardWriter.close
 
-    def close_then_die(self):
+    def close_then_signal(self):
         close(self)
         if RANK == rank:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(pid, sig)
 
-    writer.ShardWriter.close = close_then_die
+    writer.ShardWriter.close = close_then_signal
     return cli(argv)
 
 
@@ -98,20 +99,6 @@ def killall_after_record(rank: int, argv: list[str]) -> int:
                 os.kill(int(open(os.path.join(pids, name)).read()), signal.SIGKILL)
 
     dist_execute.write_manifest = record_then_die
-    return cli(argv)
-
-
-def interrupt_after_shard(rank: int, argv: list[str]) -> int:
-    from peft_shardmerge import writer
-
-    close = writer.ShardWriter.close
-
-    def close_then_interrupt(self):
-        close(self)
-        if RANK == rank:
-            os.kill(os.getppid(), signal.SIGINT)
-
-    writer.ShardWriter.close = close_then_interrupt
     return cli(argv)
 
 
@@ -271,12 +258,12 @@ if __name__ == "__main__":
     scenario, args = sys.argv[1], sys.argv[2:]
     if scenario == "cli":
         code = cli(args)
-    elif scenario == "kill-after-shard":
-        code = kill_after_shard(int(args[0]), args[1:])
+    elif scenario == "kill-after-shard":  # this rank dies
+        code = signal_after_shard(int(args[0]), args[1:], os.getpid(), signal.SIGKILL)
     elif scenario == "killall-after-record":
         code = killall_after_record(int(args[0]), args[1:])
-    elif scenario == "interrupt-after-shard":
-        code = interrupt_after_shard(int(args[0]), args[1:])
+    elif scenario == "interrupt-after-shard":  # Ctrl-C reaches torchrun, which passes it on to every rank
+        code = signal_after_shard(int(args[0]), args[1:], os.getppid(), signal.SIGINT)
     elif scenario == "fail-finish":
         code = fail_finish(int(args[0]), args[1:])
     elif scenario == "fail":
