@@ -71,7 +71,8 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
     live = src.live
     gatherer = ranks = None
     if steps is not None:
-        gatherer = UnitGatherer(root if root is not None else live.model, [t for i in range(len(plan.shard_names)) for t in plan.shard_tensors(i)])
+        order = [t for i in range(len(plan.shard_names)) for t in plan.shard_tensors(i)]  # the write order
+        gatherer = UnitGatherer(root if root is not None else live.model, order)
         if steps.world.rank != 0:
             return follow_plan(plan, out_dir, steps, gatherer)
         ranks = LiveRanks(steps, gatherer)
