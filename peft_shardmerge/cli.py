@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = _rank()
     level = logging.WARNING if args.quiet or (rank and not args.verbose) else \
         logging.DEBUG if args.verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format="%(levelname)s " + ("" if rank is None else f"[rank {rank}] ")
+                        + "%(name)s: %(message)s")
     if not args.verbose:
         for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
             logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -12,12 +12,8 @@ import torch
 
 from .distributed import JobSteps, World, assign_shards  # noqa: F401 - World: doctest
 from .errors import FileSystemError, InputError, PeerFailedError, PeerLostError, ShardMergeError, Stopped
-from .outfiles import MADE_BY
 from .plan_types import Plan
-from .recovery import write_manifest
-from .resume import InputDigests
-from .staging import note_outcome, outcome
-from .writer import ShardWriter
+from .staging import Staging, note_outcome, outcome
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +70,14 @@ def check_stop(steps: JobSteps) -> None:
     Example:
         >>> check_stop(JobSteps(World(), STEPS))
     """
-    path = getattr(steps, "staging", None)
-    if path is not None and os.path.exists(os.path.join(path, STOP_FILE)):
+    if steps.staging is not None and os.path.exists(os.path.join(steps.staging, STOP_FILE)):
         raise Stopped()
 
 
 def _leave_stop(steps: JobSteps) -> None:
-    path = getattr(steps, "staging", None)
-    if path is not None:
+    if steps.staging is not None:
         try:
-            with open(os.path.join(path, STOP_FILE), "x"):
+            with open(os.path.join(steps.staging, STOP_FILE), "x"):
                 pass
         except OSError:  # already there, or the folder is gone: nobody is writing into it
             pass
@@ -121,11 +115,11 @@ class OtherRanks:
         Returns:
             The shards rank 0 writes.
         """
-        self.steps.step("open", {"path": staging.path, "done": sorted(staging.done), "common": staging.common})
+        self.steps.step("open", {"done": sorted(staging.done), "common": staging.common})
         self.steps.staging = staging.path
         share = _share(self.plan, sorted(staging.done), self.steps)
-        entries = self.plan.shard_entries()
-        self.theirs = [(os.path.join(staging.path, entries[i][0]), sum(e[3] for e in entries[i][1]))
+        sizes = _sizes(self.plan)
+        self.theirs = [(os.path.join(staging.path, self.plan.shard_names[i]), sizes[i])
                        for other in share[1:] for i in other]
         return set(share[0])
 
@@ -178,21 +172,26 @@ class OtherRanks:
         self.merger.bar.update(sum(planned for _, planned in self.theirs) - self.seen)  # their last bytes
 
 
+def _sizes(plan: Plan) -> list[int]:
+    return [sum(e[3] for e in entries) for _, entries in plan.shard_entries()]
+
+
 def _share(plan: Plan, done: list[str], steps: JobSteps) -> list[list[int]]:
-    sizes = [sum(e[3] for e in entries) for _, entries in plan.shard_entries()]
-    return assign_shards(sizes, steps.world.size, skip=[plan.shard_names.index(n) for n in done])
+    return assign_shards(_sizes(plan), steps.world.size, skip=[plan.shard_names.index(n) for n in done])
 
 
-def write_share(plan: Plan, out_dir: str, device: torch.device, steps: JobSteps, *, resume: bool):
-    """A rank other than 0: write this rank's shards into rank 0's staging folder, recording each one finished in
-    ``manifest.rank-N.json`` there (so a rerun keeps it, whatever its rank count); return rank 0's report.
+def write_share(plan: Plan, out_dir: str, steps: JobSteps, sink, produce, merger):
+    """A rank other than 0: write this rank's shards into rank 0's staging folder with ``sink``, recording each one
+    finished in ``manifest.rank-N.json`` there (so a rerun keeps it, whatever its rank count); return rank 0's report.
 
     Args:
         plan: the plan every rank agreed on.
-        out_dir: the output folder.
-        device: where this rank's maths runs.
+        out_dir: the output folder (the same path on every rank: the plans agreed on it).
         steps: the job's steps (``open``, ``written`` and ``committed`` are left).
-        resume: whether finished shards are recorded for a rerun.
+        sink: the :class:`~peft_shardmerge.sinks.ShardSink` rank 0 writes with too (its ``fingerprint`` and
+            ``inputs`` say whether finished shards are recorded for a rerun).
+        produce: ``produce(i, writer)`` writes shard ``i``'s tensors.
+        merger: the merger ``produce`` writes with (its counts go to rank 0).
 
     Returns:
         The :class:`~peft_shardmerge.report.MergeReport` rank 0 made.
@@ -203,40 +202,15 @@ def write_share(plan: Plan, out_dir: str, device: torch.device, steps: JobSteps,
         OSError: the filesystem failed.
 
     Example:
-        >>> report = write_share(plan, "merged", torch.device("cpu"), steps, resume=True)   # doctest: +SKIP
+        >>> report = write_share(plan, "merged", steps, sink, produce, merger)   # doctest: +SKIP
     """
-    from .merger import PlanMerger
-
-    world = steps.world
     note_outcome(out_dir, UNKNOWN)
     opened = steps.step("open", None)[0]
-    steps.staging = opened["path"]
-    mine = _share(plan, opened["done"], steps)[world.rank]
-    manifest = os.path.join(opened["path"], f"manifest.rank-{world.rank}.json")
-    record = {"made_by": MADE_BY, "fingerprint": plan.fingerprint() if resume else None,
-              "inputs": opened["common"], "shards": {}}
-    inputs = InputDigests(plan) if resume else None
-    entries = plan.shard_entries()
-    records = {}
-    merger = PlanMerger(plan, device, False)
-    try:
-        with torch.no_grad():
-            for i in mine:
-                name = entries[i][0]
-                with ShardWriter(os.path.join(opened["path"], name), entries[i][1]) as w:
-                    for t in plan.shard_tensors(i):
-                        check_stop(steps)
-                        merger.write_tensor(t, w)
-                meta = {"size": os.path.getsize(os.path.join(opened["path"], name)), "digest": w.digest()}
-                if inputs is not None:
-                    meta["inputs"] = inputs.shard(name)
-                    record["shards"][name] = meta
-                    write_manifest(manifest, record)
-                records[name] = w.record()
-                log.info("rank %d: %s written (%d of %d)", world.rank, name, len(records), len(mine))
-    finally:
-        merger.close()
-    steps.step("written", {"records": records, "done": record["shards"], "counts": _counts(merger)})
+    staging = Staging.joined(out_dir, steps.world.rank, opened["common"], sink.fingerprint, sink.inputs)
+    steps.staging = staging.path
+    with torch.no_grad():
+        sink.write_shards(staging, produce, mine=set(_share(plan, opened["done"], steps)[steps.world.rank]))
+    steps.step("written", {"records": sink.records, "done": staging.done, "counts": _counts(merger)})
     return steps.step("committed", None)[0]
 
 
@@ -270,11 +244,7 @@ class LiveRanks:
         Args:
             error: why rank 0 stopped.
         """
-        try:
-            self.gatherer.drain()
-        except Exception as e:  # a gather itself failed: the ranks are out of step, no message can follow
-            log.debug("the gathers left could not be taken: %s", e)
-            self.steps.broken = True
+        self.steps.broken = self.steps.broken or not self.gatherer.abandon()
         self.steps.fail(error, until="committed")
 
 
@@ -300,14 +270,9 @@ def follow_plan(plan: Plan, out_dir: str, steps: JobSteps, gatherer):
     note_outcome(out_dir, UNKNOWN)
     steps.step("open", None)
     try:
-        for t in gatherer.tensors:
-            gatherer.before(t)
-        gatherer.close()
-    except Exception:  # take the gathers left so the ranks stay in step; if even that fails, no message can follow
-        try:
-            gatherer.drain()
-        except Exception:
-            steps.broken = True
+        gatherer.drain()  # every gather rank 0 takes, in its order
+    except Exception:
+        steps.broken = steps.broken or not gatherer.abandon()
         raise
     steps.step("written", None)
     return steps.step("committed", None)[0]

@@ -79,7 +79,7 @@ def current_world() -> World:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return World()
     rank, size = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count() or 1)))
+    local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
     group = None
     if dist.get_backend() != "gloo":  # the job's messages are Python objects on the CPU: a gloo group beside NCCL
         key = id(dist.distributed_c10d._get_default_group())
@@ -164,6 +164,7 @@ class JobSteps:
         self.taken = 0
         self.broken = False  # the group is out of step (a gather failed half-way): no more messages on it
         self.failure: PeerFailedError | None = None  # the first failure another rank reported
+        self.staging: str | None = None  # the staging folder, once rank 0 opened it (where a stop file goes)
 
     def _exchange(self, name: str, item: tuple) -> list[tuple]:
         if self.taken >= len(self.names) or self.names[self.taken] != name:
@@ -240,9 +241,8 @@ class JobSteps:
         while self.taken < len(self.names) and self.names[self.taken] != until and not self.broken:
             try:
                 got = self._exchange(self.names[self.taken], item)
-            except Exception as e:  # the group itself broke (a rank died): nobody is left to tell
+            except PeerLostError as e:  # the group itself broke (a rank died): nobody is left to tell
                 log.debug("could not tell the other ranks: %s", e)
-                self.broken = True
                 break
             said = got[0][1].get("state") if got[0][0] == "failed" and got[0][1].get("state") else said
         return said
@@ -268,7 +268,8 @@ def assign_shards(sizes: Sequence[int], ranks: int, skip: Sequence[int] = ()) ->
     """
     load = [0] * ranks
     mine: list[list[int]] = [[] for _ in range(ranks)]
-    for i in sorted((i for i in range(len(sizes)) if i not in set(skip)), key=lambda i: (-sizes[i], i)):
+    skipped = set(skip)
+    for i in sorted((i for i in range(len(sizes)) if i not in skipped), key=lambda i: (-sizes[i], i)):
         r = min(range(ranks), key=lambda r: (load[r], r))
         load[r] += sizes[i]
         mine[r].append(i)

@@ -129,19 +129,24 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     baseline = current_rss_bytes()
     world = steps.world if steps is not None else World()
     dev = world.device(resolve_device(device))
-    if world.rank != 0:
-        return write_share(plan, out_dir, dev, steps, resume=resume)
-    merger = PlanMerger(plan, dev, progress)
-    ranks = OtherRanks(plan, merger, steps) if world.distributed else None
+    merger = PlanMerger(plan, dev, progress and world.rank == 0)
+    ranks = OtherRanks(plan, merger, steps) if world.distributed and world.rank == 0 else None
     sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, fingerprint=plan.fingerprint() if resume else None,
                      inputs=InputDigests(plan) if resume else None)
 
     def produce(i: int, w) -> None:
         for t in plan.shard_tensors(i):
-            if ranks is not None:
+            if steps is not None:
                 check_stop(steps)
+            if ranks is not None:
                 ranks.poll()
             merger.write_tensor(t, w)
+
+    if world.rank != 0:
+        try:
+            return write_share(plan, out_dir, steps, sink, produce, merger)
+        finally:
+            merger.close()
 
     files = FolderFiles(config=plan.config, index=plan.index(), side_files=lambda tmp: _copy_side_files(plan, tmp),
                         before_commit=before_commit, merge_info=lambda: disk_merge_info(plan),

@@ -153,6 +153,19 @@ class UnitGatherer:
             self.before(self.tensors[self.step])
         self.close()
 
+    def abandon(self) -> bool:
+        """After a failure: take the gathers left so that no rank waits in one (:meth:`drain`).
+
+        Returns:
+            False when even that failed: the ranks are out of step, and no message can follow on their group.
+        """
+        try:
+            self.drain()
+            return True
+        except Exception as e:
+            log.debug("the gathers left could not be taken: %s", e)
+            return False
+
     def close(self) -> None:
         """Release every unit still gathered."""
         self._hold(())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -14,6 +15,8 @@ from .writer import ShardWriter, write_json
 
 #: ``(name, safetensors dtype, shape, nbytes)`` of one output tensor
 Entry = tuple[str, str, tuple[int, ...], int]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,7 +100,7 @@ class ShardSink:
             tmp = staging.path
             mine = None if ranks is None else ranks.opened(staging)
             try:
-                self._shards(staging, produce, skip, mine)
+                self.write_shards(staging, produce, skip, mine)
             except BaseException as e:
                 if ranks is not None:  # the other ranks stop first: nobody writes into the folder as it goes
                     ranks.stopped(e)
@@ -107,7 +110,24 @@ class ShardSink:
             self.resumed = list(staging.resumed)
             self._finish(tmp, files)
 
-    def _shards(self, staging, produce, skip, mine) -> None:
+    def write_shards(self, staging, produce: Callable[[int, ShardWriter], None],
+                     skip: Callable[[int], None] | None = None, mine=None) -> None:
+        """Write the shards that are not done yet into ``staging`` (all, or those in ``mine``), each recorded in the
+        staging manifest once fsynced; ``records`` gets each one's record.
+
+        Args:
+            staging: the :class:`~peft_shardmerge.staging.Staging` (rank 0's, or another rank's
+                :meth:`~peft_shardmerge.staging.Staging.joined`).
+            produce: ``produce(i, writer)`` writes shard ``i``'s tensors.
+            skip: called for a shard kept from an interrupted run.
+            mine: the shard indexes this process writes (None: every one).
+
+        Returns:
+            None.
+
+        Example:
+            >>> sink.write_shards(staging, produce, mine={1, 3})   # doctest: +SKIP
+        """
         for i, (name, entries) in enumerate(self.shards):
             if staging.is_done(name):
                 if skip is not None:
@@ -119,6 +139,7 @@ class ShardSink:
                 produce(i, w)
             staging.record(name, w.digest())
             self.records[name] = w.record()
+            log.debug("%s written", name)
 
     def _finish(self, tmp: str, files: FolderFiles) -> None:
         if len(self.shards) > 1 and files.index is not None:

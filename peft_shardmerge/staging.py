@@ -130,6 +130,31 @@ class Staging:
         self.created = self.committed = self.keep = self.rerun = False
         self.checked: dict | None = None  # OUT's snapshot when checked (None: it did not exist)
         self.leftover: str | None = None
+        self.manifest = MANIFEST
+
+    @classmethod
+    def joined(cls, out_dir: str, rank: int, common: str | None, fingerprint: str | None, inputs=None) -> "Staging":
+        """The staging folder rank 0 of a distributed merge opened, as another rank writes into it: the shards it
+        finishes are recorded in its own ``manifest.rank-N.json`` (the same records rank 0 keeps), and it never
+        creates, removes or commits the folder.
+
+        Args:
+            out_dir: the final folder (the same path on every rank).
+            rank: this rank.
+            common: the digest of the common inputs rank 0 computed when it opened the folder.
+            fingerprint: identity of the merge; None disables resuming.
+            inputs: digests of the inputs per shard.
+
+        Returns:
+            The :class:`Staging`.
+
+        Example:
+            >>> Staging.joined("/data/merged", 1, None, None).manifest
+            'manifest.rank-1.json'
+        """
+        staging = cls(out_dir, fingerprint, inputs)
+        staging.manifest, staging.common = f"manifest.rank-{rank}.json", common
+        return staging
 
     def open(self) -> None:
         """Create the staging folder, or reuse the verified finished shards of a matching earlier run."""
@@ -201,7 +226,7 @@ class Staging:
         self._write_manifest()
 
     def _write_manifest(self) -> None:
-        write_manifest(os.path.join(self.path, MANIFEST), {
+        write_manifest(os.path.join(self.path, self.manifest), {
             "made_by": MADE_BY, "fingerprint": self.fingerprint, "inputs": self.common,
             "shards": self.done if self.fingerprint else {}})
 

@@ -83,9 +83,9 @@ def signal_after_shard(rank: int, argv: list[str], pid: int, sig: int) -> int:
 
 
 def killall_after_record(rank: int, argv: list[str]) -> int:
-    from peft_shardmerge import dist_execute
+    from peft_shardmerge import staging
 
-    record = dist_execute.write_manifest
+    record = staging.write_manifest
 
     pids = os.environ["DIST_TEST_PIDS"]  # each rank writes its pid there first
     with open(os.path.join(pids, str(RANK)), "w") as f:
@@ -98,7 +98,7 @@ def killall_after_record(rank: int, argv: list[str]) -> int:
             for name in sorted(os.listdir(pids), key=lambda n: n == str(RANK)):
                 os.kill(int(open(os.path.join(pids, name)).read()), signal.SIGKILL)
 
-    dist_execute.write_manifest = record_then_die
+    staging.write_manifest = record_then_die
     return cli(argv)
 
 
