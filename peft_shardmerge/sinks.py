@@ -10,7 +10,9 @@ from typing import Callable
 import torch
 
 from .record import write_merge_record
-from .staging import check_written, staged_output
+from .errors import MergeCheckError
+from .safetensors_io import read_header
+from .staging import staged_output
 from .writer import ShardWriter, write_json
 
 #: ``(name, safetensors dtype, shape, nbytes)`` of one output tensor
@@ -153,3 +155,27 @@ class ShardSink:
         for check in files.checks:
             check()
         check_written(tmp, [(name, [(n, d, s) for n, d, s, _ in entries]) for name, entries in self.shards])
+
+
+def check_written(folder: str, shards: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> None:
+    """Read back every written shard's header and compare it with what was planned.
+
+    Args:
+        folder: where the shards are.
+        shards: ``(file name, [(tensor name, dtype, shape), ...])`` per shard, in write order.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: a header differs from the plan or lacks ``{"format": "pt"}``.
+        CorruptFileError: a written file is not valid safetensors.
+
+    Example:
+        >>> check_written(tmp, [("model.safetensors", [("w", "F32", (2,))])])   # doctest: +SKIP
+    """
+    for shard_name, want in shards:
+        infos, meta = read_header(os.path.join(folder, shard_name))
+        got = [(t.name, t.dtype, t.shape) for t in infos]
+        if got != [(n, d, tuple(s)) for n, d, s in want] or meta.get("format") != "pt":
+            raise MergeCheckError(f"{shard_name}: written header does not match the plan")

@@ -13,13 +13,12 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Callable, Iterator
 
-from .errors import FileSystemError, InputError, MergeCheckError, OutputChangedError, ShardMergeError
+from .errors import FileSystemError, InputError, OutputChangedError, ShardMergeError
 from .outfiles import (MADE_BY, MANIFEST, describe_change, held_signals, read_manifest, remove_checked,
                        rename_noreplace, sidecar, sidecar_problems, snapshot)
 from .outlock import OutputLock, output_lock  # noqa: F401 - output_lock: public here too
 from .record import hash_file
 from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit, write_manifest
-from .safetensors_io import read_header
 from .writer import Crc32
 
 #: a check of a non-empty OUT run again under the output lock before it is replaced, returning problems (the
@@ -392,27 +391,3 @@ def note_outcome(out_dir: str, state: str) -> None:
         'OUT is unchanged'
     """
     _OUTCOME[os.path.abspath(os.fspath(out_dir))] = state
-
-
-def check_written(folder: str, shards: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> None:
-    """Read back every written shard's header and compare it with what was planned.
-
-    Args:
-        folder: where the shards are.
-        shards: ``(file name, [(tensor name, dtype, shape), ...])`` per shard, in write order.
-
-    Returns:
-        None.
-
-    Raises:
-        MergeCheckError: a header differs from the plan or lacks ``{"format": "pt"}``.
-        CorruptFileError: a written file is not valid safetensors.
-
-    Example:
-        >>> check_written(tmp, [("model.safetensors", [("w", "F32", (2,))])])   # doctest: +SKIP
-    """
-    for shard_name, want in shards:
-        infos, meta = read_header(os.path.join(folder, shard_name))
-        got = [(t.name, t.dtype, t.shape) for t in infos]
-        if got != [(n, d, tuple(s)) for n, d, s in want] or meta.get("format") != "pt":
-            raise MergeCheckError(f"{shard_name}: written header does not match the plan")
