@@ -8,6 +8,8 @@ import logging
 
 from torch import nn
 
+from .live_bnb import bnb_kind, bnb_layer_kind, is_bnb_layer
+
 log = logging.getLogger(__name__)
 
 #: what each sharding a model can carry is called in messages
@@ -44,7 +46,8 @@ def sharding_of(model: nn.Module) -> str | None:
 
 
 def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
-    """What stops ``merge_and_save`` on a sharded model: FSDP2 and FSDP1 over unquantized weights are supported.
+    """What stops ``merge_and_save`` on a sharded model: FSDP2 and FSDP1 are supported over unquantized weights and
+    over bitsandbytes 4-bit ``Linear4bit`` layers (QLoRA); 8-bit layers and DeepSpeed ZeRO-3 are not.
 
     Args:
         model: the model passed to ``merge_and_save``.
@@ -70,10 +73,13 @@ def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
     if base_precision == "original":
         problems.append(f"base_precision='original' is not available for a model sharded by {name} (each rank "
                         f"would read the original checkpoint whole): use 'auto' or 'dequantized', or {instead}")
-    if any(type(p).__module__.startswith("bitsandbytes") or getattr(p, "quant_state", None) is not None
-           for p in model.parameters()):
-        problems.append(f"the model is sharded by {name} over a bitsandbytes-quantized base, which merge_and_save "
-                        f"does not gather: {instead} (--base-precision nf4 reproduces the 4-bit training)")
+    odd = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+           if is_bnb_layer(m) and not (is_bnb_layer(m, "Linear4bit") and bnb_layer_kind(m) == "4bit")]
+    odd += [f"{n} (Int8Params)" for n, p in model.named_parameters() if bnb_kind(p) == "8bit"]
+    if odd:
+        problems.append(f"the model is sharded by {name} over bitsandbytes layers other than 4-bit Linear4bit ones "
+                        f"(QLoRA), which merge_and_save does not gather: {', '.join(odd[:3])}"
+                        f"{f' and {len(odd) - 3} more' if len(odd) > 3 else ''}; load the base in 4-bit, or {instead}")
     if kind == "fsdp1" and type(getattr(model, "module", None)).__name__ != "PeftModel" \
             and not any(type(m).__name__.startswith("PeftModel") for m in model.modules()):
         problems.append(f"the model is sharded by {name} but holds no PeftModel; pass the model wrapped after "

@@ -11,14 +11,8 @@ from torch import nn
 from .changes import ChangeKey
 from .errors import InputError, UnsupportedError
 from .live_types import LiveEntry, LiveModel
-from .live_weights import (
-    REPACK_ABSMAX_REL_ERROR,
-    bnb_kind,
-    dequantize,
-    materialized,
-    offload_owner,
-    offloaded_modules,
-)
+from .live_bnb import REPACK_ABSMAX_REL_ERROR, bnb_kind, bnb_layer_kind, dequantize, logical_shape
+from .live_weights import materialized, offload_owner, offloaded_modules
 from .model_check import adapter_keys, transformers_model
 from .model_info import ModelInfo, inspect_model
 from .ties import tie_enabled, tokens_on_both_sides, untie_note, untied_names
@@ -140,7 +134,7 @@ def _walker(module: nn.Module):
         return _walk_tokens
     if isinstance(module, AuxiliaryTrainingWrapper):
         return _walk_unsupported
-    if bnb_kind(getattr(module, "weight", None)) is not None:
+    if bnb_layer_kind(module) is not None:
         return _walk_bnb
     return None
 
@@ -161,9 +155,9 @@ def _walk_delta(w: _Walk, name: str, module: nn.Module) -> None:
         if layer is None and pname == "bias" and _is_ia3(module) and not module.is_feedforward:
             layer = module  # IA3 scales a non-feedforward layer's bias with its outputs
         adapters = [a for a in wanted if layer is not None and a in adapter_keys(layer)]
-        kind = ("ia3" if _is_ia3(layer) else "delta") if adapters else \
-            "quantized" if bnb_kind(t) is not None else "plain"  # an inactive layer over a 4-bit base
-        shape = _logical_shape(real, t) if pname == "weight" else tuple(t.shape)
+        quantized = pname == "weight" and bnb_layer_kind(real) is not None  # an inactive layer over a 4-bit base
+        kind = ("ia3" if _is_ia3(layer) else "delta") if adapters else "quantized" if quantized else "plain"
+        shape = logical_shape(real, t) if pname == "weight" else tuple(t.shape)
         w.entries.append(LiveEntry(prefix + pname, shape, t.is_floating_point(), kind, layer or real, pname, real,
                                    adapters, numel=_numel(shape), owner=name))
         if adapters and kind == "delta" or kind == "ia3" and pname != "bias":
@@ -190,8 +184,8 @@ def _walk_lora(w: _Walk, name: str, module: nn.Module) -> None:
     base = module.get_base_layer()
     prefix = f"{name}." if name else ""
     wname = f"{prefix}weight"
-    transpose_out = bnb_kind(base.weight) is not None and wname in w.info.transposed
-    shape = _logical_shape(base, base.weight)
+    transpose_out = bnb_layer_kind(base) is not None and wname in w.info.transposed
+    shape = logical_shape(base, base.weight)
     if transpose_out:
         shape = shape[::-1]
     w.entries.append(LiveEntry(wname, shape, True, "lora", module, "weight", base, adapters, transpose_out,
@@ -256,7 +250,7 @@ def _walk_unsupported(w: _Walk, name: str, module: nn.Module) -> None:
 
 def _walk_bnb(w: _Walk, name: str, module: nn.Module) -> None:
     prefix = f"{name}." if name else ""
-    shape = _logical_shape(module, module.weight)
+    shape = logical_shape(module, module.weight)
     transpose_out = f"{prefix}weight" in w.info.transposed
     if transpose_out:
         shape = shape[::-1]
@@ -363,14 +357,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _logical_shape(module: nn.Module, weight: torch.Tensor) -> tuple[int, ...]:
-    """The unquantized shape of a (possibly bitsandbytes-packed) weight, in the holder's layout."""
-    qs = getattr(weight, "quant_state", None)
-    if qs is not None:
-        return tuple(qs.shape)
-    return tuple(weight.shape)
 
 
 def _resolve_ties(inner: nn.Module, info: ModelInfo, entries: list[LiveEntry]) -> tuple[list[LiveEntry], list[str]]:

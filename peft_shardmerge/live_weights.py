@@ -3,7 +3,6 @@ modules brought in for a turn, and merged weights written back where accelerate 
 
 from __future__ import annotations
 
-import copy
 import shutil
 from collections.abc import Mapping
 from contextlib import ExitStack, contextmanager
@@ -12,72 +11,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-#: the relative error of a bf16 block scale, what bitsandbytes' CPU repacking keeps of each absmax
-REPACK_ABSMAX_REL_ERROR = 2.0**-9
-
-
-def bnb_kind(param: torch.Tensor | None) -> str | None:
-    """Whether a parameter is a bitsandbytes quantized one.
-
-    Args:
-        param: a parameter, or None.
-
-    Returns:
-        ``"4bit"`` (``Params4bit``), ``"8bit"`` (``Int8Params``) or None.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> bnb_kind(torch.nn.Linear(1, 1).weight) is None
-        True
-    """
-    name = type(param).__name__ if param is not None else ""
-    return {"Params4bit": "4bit", "Int8Params": "8bit"}.get(name)
-
-
-def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None = None) -> torch.Tensor:
-    """The float32 weight of a module, dequantized on ``device`` when it is a bitsandbytes weight.
-
-    A 4-bit weight that bitsandbytes repacked for its CPU kernel (``quant_state.packing_format_for_cpu``,
-    after an eval-mode forward on a CPU with AVX512-BF16) is unpacked on a copy: the 4-bit codes are
-    recovered exactly; the block scales were stored in bf16 by the repacking, so each block's scale is
-    off by at most 2^-9 relative (noted in ``notes``). The module itself is never changed.
-
-    Args:
-        holder: an ``nn.Linear``/``Conv1D``/``nn.Embedding`` or a bitsandbytes ``Linear4bit``/``Linear8bitLt``.
-        device: where to compute.
-        notes: receives a note when a repacked weight was unpacked.
-
-    Returns:
-        A new float32 tensor in the holder's layout (``[out, in]`` for bitsandbytes layers).
-
-    Raises:
-        MissingDependencyError: a bitsandbytes weight without bitsandbytes installed.
-
-    Example:
-        >>> dequantize(model.model.layers[0].mlp.up_proj, torch.device("cpu")).dtype   # doctest: +SKIP
-        torch.float32
-    """
-    weight = holder.weight
-    kind = bnb_kind(weight)
-    if kind is None:
-        return weight.detach().to(device=device, dtype=torch.float32, copy=True)
-    from .quant import require_bitsandbytes
-
-    F = require_bitsandbytes()
-    if kind == "8bit":
-        cb = weight.data.to(device)
-        scb = weight.SCB if getattr(weight, "SCB", None) is not None else holder.state.SCB
-        return F.int8_vectorwise_dequant(cb, scb.to(device)).to(torch.float32)
-    qs = weight.quant_state
-    data = weight.data
-    if getattr(qs, "packing_format_for_cpu", False):
-        data, qs = _unpack_cpu_format(data, qs)
-        if notes is not None:
-            notes.append("repacked")
-    qs = _quant_state_on(qs, device) if qs.absmax.device != device else qs
-    return F.dequantize_4bit(data.to(device), qs).to(torch.float32)
+from .live_bnb import dequantize
 
 
 def entry_base(entry, device: torch.device, notes: list[str] | None = None) -> torch.Tensor:
@@ -103,29 +37,6 @@ def entry_base(entry, device: torch.device, notes: list[str] | None = None) -> t
     if entry.attr == "weight" and entry.kind != "tokens":
         return dequantize(entry.holder, device, notes)
     return getattr(entry.holder, entry.attr).detach().to(device=device, dtype=torch.float32, copy=True)
-
-
-def _quant_state_on(qs, device: torch.device):
-    """A copy of a QuantState on another device (QuantState.to works in place, on the caller's state)."""
-    from bitsandbytes.functional import QuantState
-
-    packed = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in qs.as_dict(packed=True).items()}
-    return QuantState.from_dict(packed, device=device)
-
-
-def _unpack_cpu_format(packed: torch.Tensor, qs):
-    """Undo bitsandbytes' CPU repacking on copies: exact 4-bit codes, un-nested bf16 block scales."""
-    import bitsandbytes.functional as F
-
-    state = copy.copy(qs)
-    state.original_nested = False  # keep the bf16 scales as they are rather than re-quantizing them
-    qweight, state = F._convert_weight_packed_for_cpu_inverse(packed.detach().clone(), state)
-    state = copy.copy(state)
-    state.absmax = qs.absmax.T.reshape(-1).to(torch.float32)
-    state.nested = False
-    state.dtype = qs.original_dtype
-    state.packing_format_for_cpu = False
-    return qweight, state
 
 
 @contextmanager

@@ -10,6 +10,7 @@ import struct
 
 import torch
 
+from .live_bnb import bnb_layer_kind, quant_state_of
 from .outfiles import MANIFEST
 from .safetensors_io import DTYPES, FLOAT_DTYPES, read_header
 from .version import __version__
@@ -239,7 +240,7 @@ def live_merge_info(model, out_dtype: torch.dtype, adapter_names: list[str] | No
     if qc.get("load_in_4bit"):
         quantized_from = None
         for module in model.modules():
-            state = getattr(getattr(module, "weight", None), "quant_state", None)
+            state = quant_state_of(module) if bnb_layer_kind(module) == "4bit" else None
             if state is not None and getattr(state, "dtype", None) is not None:
                 quantized_from = str(state.dtype).removeprefix("torch.")
                 blocksize = getattr(state, "blocksize", 64)

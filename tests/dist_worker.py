@@ -10,12 +10,14 @@ Scenarios:
     fail-finish R ARGS            the command line; rank R's disk fills up while it writes the config, after the shards
     fail R ARGS                   the command line; rank R's disk is full (ENOSPC) on its first tensor
     api-differ dtype|out OUT BASE AD  merge_checkpoint(distributed=True) with a dtype or an OUT that differs by rank
-    fsdp2 OUT RESULT [dora] [bf16] [fail]  merge_and_save of a tiny Llama + LoRA sharded by fully_shard; rank 0
-                                  writes RESULT, rank N RESULT.N (fail: rank 0's disk fills up mid-merge)
+    fsdp2 OUT RESULT [dora] [bf16] [qlora=BASE [eval]] [fail]  merge_and_save of a tiny Llama + LoRA sharded by
+                                  fully_shard (qlora: BASE loaded in 4-bit; eval: its forwards in eval mode);
+                                  rank 0 writes RESULT, rank N RESULT.N (fail: rank 0's disk fills up mid-merge)
     fsdp1 OUT RESULT [dora] [flat] [rootonly] [fail|gatherfail]  the same under FullyShardedDataParallel (flat:
                                   use_orig_params=False; rootonly: no auto-wrap; gatherfail: rank 0 fails before
                                   its third gather)
     unload-fsdp2 RESULT           merge_and_unload of the FSDP2 model (refused, model untouched)
+    refused-8bit BASE OUT RESULT  merge_and_save of an 8-bit base sharded by fully_shard (refused on every rank)
     rank0-only OUT                an unsharded model in a distributed job, merged by rank 0 alone
     rank0-only-disk OUT BASE AD   merge_checkpoint called by rank 0 alone in a distributed job
 """
@@ -48,6 +50,30 @@ def tiny_peft(dora: bool = False, dtype: torch.dtype = torch.float32):
     torch.manual_seed(1)
     perturb_trainable(model)
     return model
+
+
+def tiny_qlora(base: str, dora: bool = False):
+    """The QLoRA recipe for FSDP (as accelerate and TRL document it): the base loaded in 4-bit with its packed bytes
+    stored as bf16 and every other tensor bf16, so FSDP can flatten a unit; the same adapter on every rank."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from peft_shardmerge.testing import perturb_trainable
+
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
+                                             use_dora=dora), autocast_adapter_dtype=False)
+    torch.manual_seed(1)
+    perturb_trainable(model)
+    return model
+
+
+def qlora_base(args: list[str]) -> str | None:
+    """The base of a QLoRA scenario (``qlora=PATH`` among the arguments), or None."""
+    return next((a.split("=", 1)[1] for a in args if a.startswith("qlora=")), None)
 
 
 def fully_shard_model(model):
@@ -134,7 +160,15 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     from peft_shardmerge.errors import ShardMergeError
 
     dist.init_process_group("gloo")
-    model = tiny_peft(dora, torch.bfloat16 if "bf16" in sys.argv else torch.float32)
+    qbase = qlora_base(sys.argv)
+    model = tiny_qlora(qbase, dora) if qbase else tiny_peft(dora, torch.bfloat16 if "bf16" in sys.argv
+                                                            else torch.float32)
+    if qbase and "eval" not in sys.argv:  # an eval-mode forward on a CPU with AVX512-BF16 repacks a 4-bit weight
+        model.train()
+    elif qbase:  # eval: let bitsandbytes repack (its CPU kernel), as it does on such a CPU
+        for m in model.modules():
+            if hasattr(m, "support_avx512bf16_for_cpu"):
+                m.support_avx512bf16_for_cpu = True
     if version == 2:
         fully_shard_model(model)
     else:
@@ -213,6 +247,31 @@ def unload_fsdp2(result: str) -> int:
     return 0
 
 
+def refused_8bit(base: str, out: str, result: str) -> int:
+    """merge_and_save of an 8-bit base sharded by fully_shard: refused on every rank, before writing."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.errors import ShardMergeError
+
+    dist.init_process_group("gloo")
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+                                                 dtype=torch.bfloat16)
+    model = fully_shard_model(get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]),
+                                             autocast_adapter_dtype=False))
+    try:
+        merge_and_save(model, out, progress=False)
+        outcome = {"ok": True}
+    except ShardMergeError as e:
+        outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
+    with open(result if RANK == 0 else f"{result}.{RANK}", "w") as f:
+        json.dump(outcome, f)
+    dist.destroy_process_group()
+    return 0
+
+
 def rank0_only(out: str) -> int:
     import torch.distributed as dist
 
@@ -274,6 +333,8 @@ if __name__ == "__main__":
         code = fsdp(args[0], args[1], int(scenario[-1]), "dora" in args[2:])
     elif scenario == "unload-fsdp2":
         code = unload_fsdp2(args[0])
+    elif scenario == "refused-8bit":
+        code = refused_8bit(*args)
     elif scenario == "rank0-only-disk":
         code = rank0_only_disk(*args)
     elif scenario == "rank0-only":

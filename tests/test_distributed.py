@@ -178,6 +178,76 @@ def test_sharded_merge_and_save_equals_the_unsharded_merge(tmp_path, scenario, r
     assert 0 < held <= one_unit and ("rootonly" in options or one_unit < total)  # one unit at a time, not the model
 
 
+@pytest.fixture(scope="module")
+def qlora_base(tmp_path_factory):
+    """A tiny bf16 Llama on disk, loaded in 4-bit by each QLoRA scenario."""
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge.testing import tiny_config
+
+    path = str(tmp_path_factory.mktemp("qlora") / "base")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("scenario,options", [("fsdp2", ()), ("fsdp2", ("dora",)), ("fsdp1", ()),
+                                              ("fsdp1", ("flat",))])
+def test_a_sharded_qlora_model_merges_as_the_unsharded_one(tmp_path, qlora_base, scenario, options):
+    pytest.importorskip("bitsandbytes")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_worker import tiny_qlora
+
+    ref = str(tmp_path / "ref")
+    report = merge_and_save(tiny_qlora(qlora_base, "dora" in options), ref, progress=False)
+    assert report.lora_modules_merged == 6
+    assert json.load(open(f"{ref}/merge_manifest.json"))["merge"]["quantization"]["quant_type"] == "nf4"
+    out, result = str(tmp_path / "out"), str(tmp_path / "result.json")
+    run = torchrun(2, scenario, out, result, f"qlora={qlora_base}", *options)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.load(open(result))
+    assert outcome["ok"], outcome
+    assert outcome["forward_unchanged"] and outcome["merged"] == 6
+    assert same_folder(ref, out) == []  # the 4-bit bytes gathered and dequantized with the quant state on the module
+
+
+def test_a_sharded_qlora_model_repacked_by_an_eval_forward_merges_right(tmp_path, qlora_base):
+    """On a CPU with AVX512-BF16, bitsandbytes repacks a 4-bit weight at an eval forward: under FSDP the repacked
+    bytes are dropped with the unsharded parameter while the module's quant state says "repacked"; the merge reads
+    the bytes as they are with the state undone (to the bf16 block scales the repacking kept), not garbage."""
+    pytest.importorskip("bitsandbytes")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_worker import tiny_qlora
+    from safetensors.torch import load_file
+
+    ref = str(tmp_path / "ref")
+    merge_and_save(tiny_qlora(qlora_base), ref, progress=False)
+    out, result = str(tmp_path / "out"), str(tmp_path / "result.json")
+    run = torchrun(2, "fsdp2", out, result, f"qlora={qlora_base}", "eval")
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.load(open(result))
+    assert outcome["ok"], outcome
+    if not any("repacked by bitsandbytes" in n for n in outcome["notes"]):
+        pytest.skip("bitsandbytes did not repack on this CPU")
+    want, got = load_file(f"{ref}/model.safetensors"), load_file(f"{out}/model.safetensors")
+    assert sorted(want) == sorted(got)
+    for name, w in want.items():
+        rel = float((got[name].float() - w.float()).abs().max() / w.float().abs().max())
+        assert rel < 2 ** -7, (name, rel)  # a bf16 block scale and one bf16 rounding; garbage would be O(1)
+
+
+def test_an_8bit_base_sharded_by_fsdp_is_refused_by_name_on_every_rank(tmp_path, qlora_base):
+    pytest.importorskip("bitsandbytes")
+    out, result = str(tmp_path / "out"), str(tmp_path / "result.json")
+    run = torchrun(2, "refused-8bit", qlora_base, out, result)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for outcome in (json.load(open(result)), json.load(open(result + ".1"))):
+        assert outcome["error"] == "InputError", outcome
+        assert "other than 4-bit Linear4bit ones" in outcome["message"]
+        assert "self_attn.q_proj.base_layer (Linear8bitLt)" in outcome["message"]  # int8 bytes are never written
+    assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.1"]
+
+
 @pytest.mark.parametrize("scenario,fault,said", [
     ("fsdp2", "fail", "No space left on device (shard)"), ("fsdp1", "fail", "No space left on device (shard)"),
     ("fsdp2", "gatherfail", "Input/output error (unit)"), ("fsdp1", "gatherfail", "Input/output error (unit)")])
