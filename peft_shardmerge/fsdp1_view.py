@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-_MISSING = object()
+MISSING = object()
 
 
 def _flat(unit):
@@ -58,35 +58,79 @@ def planning_view(root: nn.Module) -> Iterator[nn.Module]:
             for m in unit.modules():  # use_orig_params=False registers the flat parameter itself: not a weight
                 for name, p in list(m._parameters.items()):
                     if p is fp:
-                        saved.append((m, name, p, m.__dict__.get(name, _MISSING)))
+                        saved.append((m, name, p, m.__dict__.get(name, MISSING)))
                         del m._parameters[name]
             stand_ins = {}
             for info, shape in zip(fp._param_infos, fp._shapes):
-                stand_ins[(id(info.module), info.param_name)] = _stand_in(info.module, info.param_name, shape,
+                stand_ins[(id(info.module), info.param_name)] = put_stand_in(info.module, info.param_name, shape,
                                                                           fp.dtype, saved)
             for info in fp._shared_param_infos:  # tied: the same stand-in, so that the tie is seen
                 stand_in = stand_ins[(id(info.prim_module), info.prim_param_name)]
-                _set(info.module, info.param_name, stand_in, saved)
+                put_param(info.module, info.param_name, stand_in, saved)
         yield root.module
     finally:
-        for module, name, param, attr in reversed(saved):
-            module._parameters.pop(name, None)
-            if param is not _MISSING:
-                module._parameters[name] = param
-            if attr is not _MISSING:
-                module.__dict__[name] = attr
+        restore(saved)
         for parent, name, child in reversed(swapped):
             parent._modules[name] = child
 
 
-def _stand_in(module: nn.Module, name: str, shape, dtype: torch.dtype, saved: list) -> nn.Parameter:
+def put_stand_in(module: nn.Module, name: str, shape, dtype: torch.dtype, saved: list) -> nn.Parameter:
+    """Put a stand-in parameter of ``shape`` and ``dtype`` that holds no memory (one element, expanded) in place of
+    ``module``'s parameter ``name``, recording what was there in ``saved`` for :func:`restore`.
+
+    Args:
+        module: the module.
+        name: the parameter's name in it.
+        shape: the full shape.
+        dtype: its dtype.
+        saved: the record of what was replaced, in order.
+
+    Returns:
+        The stand-in.
+
+    Example:
+        >>> saved = []; lin = nn.Linear(3, 2); put_stand_in(lin, "weight", (2, 3), torch.float32, saved).shape
+        torch.Size([2, 3])
+        >>> restore(saved); lin.weight.stride()
+        (3, 1)
+    """
     stand_in = nn.Parameter(torch.zeros((), dtype=dtype).expand(tuple(shape)), requires_grad=False)
-    _set(module, name, stand_in, saved)
+    put_param(module, name, stand_in, saved)
     return stand_in
 
 
-def _set(module: nn.Module, name: str, value: nn.Parameter, saved: list) -> None:
-    saved.append((module, name, module._parameters.get(name, _MISSING), module.__dict__.get(name, _MISSING)))
+def restore(saved: list) -> None:
+    """Put back every parameter :func:`put_stand_in` replaced, last first.
+
+    Args:
+        saved: the record it filled.
+
+    Example:
+        >>> restore([])
+    """
+    for module, name, param, attr in reversed(saved):
+        module._parameters.pop(name, None)
+        if param is not MISSING:
+            module._parameters[name] = param
+        if attr is not MISSING:
+            module.__dict__[name] = attr
+
+
+def put_param(module: nn.Module, name: str, value: nn.Parameter, saved: list) -> None:
+    """Put ``value`` in place of ``module``'s parameter ``name``, recording what was there in ``saved``.
+
+    Args:
+        module: the module.
+        name: the parameter's name in it.
+        value: the parameter to put there.
+        saved: the record :func:`restore` reads.
+
+    Example:
+        >>> saved = []; lin = nn.Linear(1, 1); put_param(lin, "bias", nn.Parameter(torch.ones(1)), saved)
+        >>> restore(saved); lin.bias.shape
+        torch.Size([1])
+    """
+    saved.append((module, name, module._parameters.get(name, MISSING), module.__dict__.get(name, MISSING)))
     module.__dict__.pop(name, None)
     module._parameters[name] = value
 
@@ -100,6 +144,8 @@ class Fsdp1Units:
     Example:
         >>> units = Fsdp1Units(fsdp_model); units.gather(0); units.release(0)   # doctest: +SKIP
     """
+
+    label = "FSDP unit"
 
     def __init__(self, root: nn.Module):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

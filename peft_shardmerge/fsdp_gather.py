@@ -46,8 +46,8 @@ def sharding_of(model: nn.Module) -> str | None:
 
 
 def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
-    """What stops ``merge_and_save`` on a sharded model: FSDP2 and FSDP1 are supported over unquantized weights and
-    over bitsandbytes 4-bit ``Linear4bit`` layers (QLoRA); 8-bit layers and DeepSpeed ZeRO-3 are not.
+    """What stops ``merge_and_save`` on a sharded model: FSDP2, FSDP1 and DeepSpeed ZeRO-3 are supported over
+    unquantized weights and over bitsandbytes 4-bit ``Linear4bit`` layers (QLoRA); 8-bit layers are not.
 
     Args:
         model: the model passed to ``merge_and_save``.
@@ -66,9 +66,6 @@ def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
     instead = ("save the adapter on rank 0 (model.save_pretrained) and merge from disk, on as many processes as you "
                "like: torchrun --nproc_per_node N -m peft_shardmerge merge BASE ADAPTER OUT")
     name = SHARDINGS[kind]
-    if kind == "zero3":
-        return [f"the model is sharded by {name}, which merge_and_save does not gather (FSDP2 and FSDP1 are "
-                f"supported); {instead}"]
     problems = []
     if base_precision == "original":
         problems.append(f"base_precision='original' is not available for a model sharded by {name} (each rank "
@@ -77,11 +74,10 @@ def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
            if is_bnb_layer(m) and not (is_bnb_layer(m, "Linear4bit") and bnb_layer_kind(m) == "4bit")]
     odd += [f"{n} (Int8Params)" for n, p in model.named_parameters() if bnb_kind(p) == "8bit"]
     if odd:
-        problems.append(f"the model is sharded by {name} over bitsandbytes layers other than 4-bit Linear4bit ones "
-                        f"(QLoRA), which merge_and_save does not gather: {', '.join(odd[:3])}"
+        problems.append(f"the model is sharded by {name} over bitsandbytes layers, of which merge_and_save gathers "
+                        f"only 4-bit Linear4bit ones (QLoRA): {', '.join(odd[:3])}"
                         f"{f' and {len(odd) - 3} more' if len(odd) > 3 else ''}; load the base in 4-bit, or {instead}")
-    if kind == "fsdp1" and type(getattr(model, "module", None)).__name__ != "PeftModel" \
-            and not any(type(m).__name__.startswith("PeftModel") for m in model.modules()):
+    if kind in ("fsdp1", "zero3") and not any(type(m).__name__.startswith("PeftModel") for m in model.modules()):
         problems.append(f"the model is sharded by {name} but holds no PeftModel; pass the model wrapped after "
                         "get_peft_model")
     return problems
@@ -113,6 +109,10 @@ class UnitGatherer:
             from .fsdp1_view import Fsdp1Units
 
             self.units = Fsdp1Units(model)
+        elif sharding_of(model) == "zero3":
+            from .zero3_view import Zero3Units
+
+            self.units = Zero3Units(model)
         else:
             self.units = Fsdp2Units(model)
         owner = self.units.owner
@@ -187,6 +187,8 @@ class Fsdp2Units:
     Example:
         >>> units = Fsdp2Units(model); units.gather(1); units.release(1)   # doctest: +SKIP
     """
+
+    label = "FSDP unit"
 
     def __init__(self, model: nn.Module):
         from torch.distributed.fsdp import FSDPModule

@@ -13,7 +13,7 @@ from .errors import InputError
 from .dist_execute import STEPS, agree_on_plan, failed
 from .distributed import JobSteps, current_world
 from .execute import execute_plan
-from .fsdp1_view import planning_view
+from . import fsdp1_view, zero3_view
 from .fsdp_gather import SHARDINGS, sharding_of, sharding_problems
 from .live import unwrap, walk
 from .live_plan import LiveSource, plan_live, valid_generation_config
@@ -25,6 +25,9 @@ from .record import live_merge_info
 from .options import MODEL, MergeOptions, parse_dtype, parse_size
 from .outcheck import check_out_dir, foreign_model_problems, source_folders
 from .report import MergeReport
+
+#: the shardings planned from a view of the model unsharded (FSDP2 shows full shapes as it is)
+VIEWS = {"fsdp1": fsdp1_view.planning_view, "zero3": zero3_view.planning_view}
 
 
 def merge_and_save(
@@ -49,11 +52,11 @@ def merge_and_save(
     delta is added in fp32, the result is cast once and streamed into sharded safetensors. The full 16-bit
     model is never built, and the caller's model is left exactly as it was.
 
-    A model sharded by FSDP2 (``fully_shard``) or FSDP1 (``FullyShardedDataParallel``) is merged collectively: call
-    this on every rank. Each FSDP unit is gathered in turn on every rank and released before the next; rank 0 merges
-    and writes (onto its own disk) and every rank returns its report. A model that is not sharded is merged by the
-    process that calls this, inside a distributed job too. DeepSpeed ZeRO-3 models are refused (see
-    ``docs/distributed.md``).
+    A model sharded by FSDP2 (``fully_shard``), FSDP1 (``FullyShardedDataParallel``) or DeepSpeed ZeRO-3 (the engine
+    or the PeftModel inside it) is merged collectively: call this on every rank. Each unit (FSDP unit, ZeRO-3
+    module) is gathered in turn on every rank and released before the next; rank 0 merges and writes (onto its own
+    disk) and every rank returns its report. A model that is not sharded is merged by the process that calls this,
+    inside a distributed job too (see ``docs/distributed.md``).
 
     Args:
         model: a ``PeftModel`` (or a transformers model with a LoRA attached by ``add_adapter``).
@@ -108,8 +111,6 @@ def merge_and_save(
         budget = MemoryBudget(opts.maximum_memory_usage)
     except InputError as e:  # reported with every other problem
         problems += e.problems
-    if sharding_of(model) == "zero3":  # refused first: the other checks do not know its wrappers
-        raise InputError(sharding_problems(model, opts.base_precision) + problems)
     if sharding_of(model) is not None:
         return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
     planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
@@ -132,18 +133,19 @@ def merge_and_save(
 
 def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_names, problems: list[str],
                    budget: MemoryBudget | None, tokenizer: Any) -> MergeReport:
-    """``merge_and_save`` of a model sharded by FSDP2 or FSDP1, called on every rank: each rank plans (FSDP1: from its
-    unsharded view), the plans must agree, every rank gathers one unit at a time in plan order, rank 0 writes and
-    commits."""
+    """``merge_and_save`` of a model sharded by FSDP2, FSDP1 or ZeRO-3, called on every rank: each rank plans (FSDP1,
+    ZeRO-3: from its unsharded view), the plans must agree, every rank gathers one unit at a time in plan order,
+    rank 0 writes and commits."""
     world = current_world()
     steps = JobSteps(world, STEPS)
     try:
-        if sharding_of(model) == "fsdp1":
+        kind = sharding_of(model)
+        if kind in VIEWS:  # planned from a view of the model unsharded
             problems += sharding_problems(model, opts.base_precision)
             if problems:
                 raise InputError(problems)
-            with planning_view(model) as peft_model:
-                planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded="fsdp1")
+            with VIEWS[kind](model) as peft_model:
+                planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded=kind)
                 src = planned.plan.live
                 info = live_merge_info(src.live.model, planned.plan.dtype, src.adapter_names, src.quant4, src.weights,
                                        src.combination)

@@ -57,7 +57,8 @@ def bnb_layer_kind(module: nn.Module | None) -> str | None:
 
     A ``Linear4bit`` sharded by FSDP holds its packed bytes in a plain (or DTensor) parameter: the parameter lost its
     quant state, which bitsandbytes keeps on the module as ``module.quant_state`` (its own forward reads it back
-    there), so the layer is recognized by that.
+    there), so the layer is recognized by that (or by a ``quant_state`` the planning stand-in of its weight
+    carries).
 
     Args:
         module: a layer, or None.
@@ -71,14 +72,25 @@ def bnb_layer_kind(module: nn.Module | None) -> str | None:
     """
     weight = getattr(module, "weight", None)
     kind = bnb_kind(weight)
-    if kind is None and weight is not None and is_bnb_layer(module, "Linear4bit") \
-            and getattr(module, "quant_state", None) is not None:
+    if kind is None and weight is not None and is_bnb_layer(module, "Linear4bit") and (
+            getattr(module, "quant_state", None) is not None or getattr(weight, "quant_state", None) is not None):
         return "4bit"
     return kind
 
 
 def quant_state_of(module: nn.Module):
-    """The quant state of a 4-bit layer: its weight's, else the one bitsandbytes keeps on the module (FSDP)."""
+    """The quant state of a 4-bit layer: its weight's, else the one bitsandbytes keeps on the module (FSDP).
+
+    Args:
+        module: a layer :func:`bnb_layer_kind` calls ``"4bit"``.
+
+    Returns:
+        A bitsandbytes ``QuantState``.
+
+    Example:
+        >>> quant_state_of(model.model.layers[0].mlp.up_proj).shape   # doctest: +SKIP
+        torch.Size([256, 128])
+    """
     return getattr(module.weight, "quant_state", None) or module.quant_state
 
 

@@ -105,7 +105,7 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
         bar.close()
     report = _report(plan, merger, out_dir, t0, baseline)
     if steps is not None:
-        report.notes.append(f"gathered from {steps.world.size} ranks one FSDP unit at a time (at most "
+        report.notes.append(f"gathered from {steps.world.size} ranks one {gatherer.units.label} at a time (at most "
                             f"{gatherer.peak_numel:,} elements at once); the peak memory above is rank 0's")
         steps.step("committed", report)
     return report

@@ -16,6 +16,8 @@ Scenarios:
     fsdp1 OUT RESULT [dora] [flat] [rootonly] [fail|gatherfail]  the same under FullyShardedDataParallel (flat:
                                   use_orig_params=False; rootonly: no auto-wrap; gatherfail: rank 0 fails before
                                   its third gather)
+    zero3 OUT RESULT [dora] [engine] [fail|gatherfail]  the same under DeepSpeed ZeRO-3 (deepspeed.initialize;
+                                  engine: merge_and_save given the engine rather than the PeftModel)
     unload-fsdp2 RESULT           merge_and_unload of the FSDP2 model (refused, model untouched)
     refused-8bit BASE OUT RESULT  merge_and_save of an 8-bit base sharded by fully_shard (refused on every rank)
     rank0-only OUT                an unsharded model in a distributed job, merged by rank 0 alone
@@ -85,6 +87,17 @@ def fully_shard_model(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def zero3_engine(model):
+    """``deepspeed.initialize`` with ZeRO-3 over the process group already set up: every parameter partitioned
+    (persistence threshold 0, so that even a tiny model's are), no optimizer (none is needed to merge)."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    return engine
 
 
 def cli(argv: list[str]) -> int:
@@ -171,6 +184,9 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
                 m.support_avx512bf16_for_cpu = True
     if version == 2:
         fully_shard_model(model)
+    elif version == 3:
+        engine = zero3_engine(model)
+        model = engine if "engine" in sys.argv else model
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -200,7 +216,9 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     if "gatherfail" in sys.argv and RANK == 0:  # rank 0 fails just before its third gather (the others wait in it)
         from peft_shardmerge import fsdp1_view, fsdp_gather
 
-        units = fsdp1_view.Fsdp1Units if version == 1 else fsdp_gather.Fsdp2Units
+        from peft_shardmerge import zero3_view
+
+        units = {1: fsdp1_view.Fsdp1Units, 2: fsdp_gather.Fsdp2Units, 3: zero3_view.Zero3Units}[version]
         gather, gathers = units.gather, []
 
         def failing_gather(self, i):
@@ -329,7 +347,7 @@ if __name__ == "__main__":
         code = fail(int(args[0]), args[1:])
     elif scenario == "api-differ":
         code = api_differ(*args)
-    elif scenario in ("fsdp2", "fsdp1"):
+    elif scenario in ("fsdp2", "fsdp1", "zero3"):
         code = fsdp(args[0], args[1], int(scenario[-1]), "dora" in args[2:])
     elif scenario == "unload-fsdp2":
         code = unload_fsdp2(args[0])

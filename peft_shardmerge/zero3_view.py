@@ -1,0 +1,117 @@
+"""A model partitioned by DeepSpeed ZeRO-3: the unpartitioned view its plan is made from, and each module's full
+parameters gathered with ``deepspeed.zero.GatheredParameters``, one module at a time.
+
+Outside a gather, ZeRO-3 leaves each parameter an empty tensor (``shape (0,)``) and keeps its full shape in
+``ds_shape``; the view puts a stand-in of that shape in its place. A gather is one collective per parameter, so every
+rank must gather the same parameters in the same order: the plan's order, which every rank agreed on.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from torch import nn
+
+from .fsdp1_view import put_param, put_stand_in, restore
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The model a DeepSpeed engine wraps (``deepspeed.initialize``'s first result), else the model itself.
+
+    Args:
+        model: a ``DeepSpeedEngine``, or the module it wraps.
+
+    Returns:
+        The wrapped module (the PeftModel).
+
+    Example:
+        >>> inner_model(nn.Linear(1, 1))
+        Linear(in_features=1, out_features=1, bias=True)
+    """
+    if type(model).__name__ == "DeepSpeedEngine" and isinstance(getattr(model, "module", None), nn.Module):
+        return model.module
+    return model
+
+
+def _partitioned(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if hasattr(p, "ds_id")]
+
+
+@contextmanager
+def planning_view(model: nn.Module) -> Iterator[nn.Module]:
+    """The model as if it were not partitioned, for planning only: every ZeRO-3 parameter replaced by a stand-in of
+    its full shape and dtype that holds no memory (one element, expanded).
+
+    Args:
+        model: the partitioned PeftModel, or the DeepSpeed engine around it.
+
+    Returns:
+        A context manager yielding the PeftModel; on exit every parameter is the one it was.
+
+    Example:
+        >>> with planning_view(engine) as peft_model:   # doctest: +SKIP
+        ...     plan = build_model_plan(peft_model, "merged", opts, None, sharded="zero3")
+    """
+    inner = inner_model(model)
+    saved: list = []
+    stand_ins: dict[int, nn.Parameter] = {}
+    try:
+        for module in inner.modules():
+            for name, p in _partitioned(module):
+                if id(p) in stand_ins:  # tied: the same stand-in, so that the tie is seen
+                    put_param(module, name, stand_ins[id(p)], saved)
+                else:
+                    stand_ins[id(p)] = put_stand_in(module, name, tuple(p.ds_shape), p.dtype, saved)
+                    if getattr(p, "quant_state", None) is not None:  # a 4-bit weight's unquantized shape
+                        stand_ins[id(p)].quant_state = p.quant_state
+        yield inner
+    finally:
+        restore(saved)
+
+
+class Zero3Units:
+    """The modules of a ZeRO-3 model that hold partitioned parameters of their own, in module order: each is a unit
+    gathered on its own (its parameters, not its children's).
+
+    Args:
+        model: the partitioned PeftModel, or the DeepSpeed engine around it.
+
+    Example:
+        >>> units = Zero3Units(engine); units.gather(0); units.release(0)   # doctest: +SKIP
+    """
+
+    label = "ZeRO-3 module"
+
+    def __init__(self, model: nn.Module):
+        self.units: list[list[nn.Parameter]] = []
+        self.owner: dict[int, int] = {}
+        unit_of: dict[int, int] = {}
+        for module in inner_model(model).modules():
+            params = [p for _, p in _partitioned(module)]
+            new = [p for p in params if id(p) not in unit_of]
+            if new:
+                unit_of.update((id(p), len(self.units)) for p in new)
+                self.units.append(new)
+            if params:  # a module whose parameters are all tied to an earlier one's is gathered with that one
+                self.owner[id(module)] = unit_of[id(params[0])]
+        self.open: dict[int, object] = {}
+
+    def gather(self, i: int) -> None:
+        """All-gather unit ``i``'s parameters in full onto its module (one collective per parameter)."""
+        import deepspeed
+
+        ctx = deepspeed.zero.GatheredParameters(self.units[i], modifier_rank=None)
+        ctx.__enter__()
+        self.open[i] = ctx
+
+    def release(self, i: int) -> None:
+        """Partition unit ``i``'s parameters again."""
+        self.open.pop(i).__exit__(None, None, None)
+
+    def numel(self, i: int) -> int:
+        """Elements unit ``i`` holds when gathered."""
+        return sum(int(p.ds_numel) for p in self.units[i])
+
+
+__all__ = ["inner_model", "planning_view", "Zero3Units"]
