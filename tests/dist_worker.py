@@ -38,15 +38,16 @@ torch.set_num_threads(1)
 RANK = int(os.environ.get("RANK", 0))
 
 
-def tiny_peft(dora: bool = False, dtype: torch.dtype = torch.float32):
-    """The same tiny Llama + LoRA (adapter factors moved off their initial values) on every rank."""
+def tiny_peft(dora: bool = False, dtype: torch.dtype = torch.float32, **overrides):
+    """The same tiny Llama + LoRA (adapter factors moved off their initial values) on every rank (``overrides``:
+    config fields, for a bigger one)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from peft_shardmerge.testing import perturb_trainable, tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", **overrides), dtype=dtype)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
                                              use_dora=dora))
     torch.manual_seed(1)
@@ -71,6 +72,37 @@ def tiny_qlora(base: str, dora: bool = False):
     torch.manual_seed(1)
     perturb_trainable(model)
     return model
+
+
+#: a model big enough for its memory to show (each decoder layer 26 MB in fp32), still quick to build; big=N: N layers
+BIG = {"hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 4, "vocab_size": 2048}
+
+
+def big(args: list[str]) -> dict:
+    """The config overrides of ``big=N`` among the arguments (N decoder layers), or none."""
+    n = next((int(a.split("=", 1)[1]) for a in args if a.startswith("big=")), None)
+    return {**BIG, "num_hidden_layers": n} if n else {}
+
+
+def reset_peak_rss() -> int:
+    """Give freed memory back to the system and restart the kernel's count of this process's peak resident memory
+    (``/proc/self/clear_refs``); returns the resident bytes now."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    """The peak resident bytes since :func:`reset_peak_rss`."""
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def qlora_base(args: list[str]) -> str | None:
@@ -175,7 +207,7 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     dist.init_process_group("gloo")
     qbase = qlora_base(sys.argv)
     model = tiny_qlora(qbase, dora) if qbase else tiny_peft(dora, torch.bfloat16 if "bf16" in sys.argv
-                                                            else torch.float32)
+                                                            else torch.float32, **big(sys.argv))
     if qbase and "eval" not in sys.argv:  # an eval-mode forward on a CPU with AVX512-BF16 repacks a 4-bit weight
         model.train()
     elif qbase:  # eval: let bitsandbytes repack (its CPU kernel), as it does on such a CPU
@@ -229,8 +261,12 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
 
         units.gather = failing_gather
     try:
+        if "rss" in sys.argv:  # a first merge, so that what it imports and caches is not counted
+            merge_and_save(model, out + ".warm", progress=False)
+        start = reset_peak_rss()
         report = merge_and_save(model, out, progress=False)
-        outcome = {"ok": True, "notes": report.notes, "merged": report.lora_modules_merged}
+        outcome = {"ok": True, "notes": report.notes, "merged": report.lora_modules_merged,
+                   "rss_growth": peak_rss() - start}
     except ShardMergeError as e:
         outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
     with torch.no_grad():  # the sharded model still works, and computes exactly what it did

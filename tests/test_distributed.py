@@ -264,6 +264,27 @@ def test_an_8bit_base_sharded_by_fsdp_is_refused_by_name_on_every_rank(tmp_path,
     assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.1"]
 
 
+@pytest.mark.parametrize("scenario", ["fsdp2", "fsdp1", "zero3"])
+def test_peak_memory_of_a_sharded_merge_does_not_grow_with_the_model(tmp_path, scenario):
+    """Each rank's peak resident memory during merge_and_save (the kernel's own count, restarted just before; glibc
+    told to give large freed blocks back at once, so that the peak is what is live) is the same for a model of 8 and
+    of 16 decoder layers (220 MB and 430 MB in fp32): a unit at a time, never the model or the output."""
+    if scenario == "zero3":
+        needs_deepspeed()
+    growth = {}
+    for layers in (8, 16):
+        out, result = str(tmp_path / f"out{layers}"), str(tmp_path / f"result{layers}.json")
+        run = torchrun(2, scenario, out, result, f"big={layers}", "rss", timeout=300, MALLOC_MMAP_THRESHOLD_="65536")
+        assert run.returncode == 0, run.stderr[-3000:]
+        outcomes = [json.load(open(result)), json.load(open(result + ".1"))]
+        assert all(o["ok"] for o in outcomes), outcomes
+        growth[layers] = [o["rss_growth"] for o in outcomes]
+    added = 8 * 26 * 2**20  # the 8 more layers, in fp32
+    for rank in (0, 1):
+        assert abs(growth[16][rank] - growth[8][rank]) < added / 10, growth
+        assert growth[16][rank] < 2 * added / 4, growth  # a quarter of the 16-layer model at most
+
+
 @pytest.mark.parametrize("scenario,fault,said", [
     ("fsdp2", "fail", "No space left on device (shard)"), ("fsdp1", "fail", "No space left on device (shard)"),
     ("fsdp2", "gatherfail", "Input/output error (unit)"), ("fsdp1", "gatherfail", "Input/output error (unit)"),
