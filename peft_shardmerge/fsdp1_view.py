@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-MISSING = object()
+_MISSING = object()
 
 
 def _flat(unit):
@@ -43,7 +43,7 @@ def planning_view(root: nn.Module) -> Iterator[nn.Module]:
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    swapped, saved = [], []
+    swapped, saved = [], {}
     units = FSDP.fsdp_modules(root)  # before the wrappers leave the tree
     try:
         for parent in list(root.modules()):
@@ -58,8 +58,7 @@ def planning_view(root: nn.Module) -> Iterator[nn.Module]:
             for m in unit.modules():  # use_orig_params=False registers the flat parameter itself: not a weight
                 for name, p in list(m._parameters.items()):
                     if p is fp:
-                        saved.append((m, name, p, m.__dict__.get(name, MISSING)))
-                        del m._parameters[name]
+                        put_param(m, name, None, saved)
             stand_ins = {}
             for info, shape in zip(fp._param_infos, fp._shapes):
                 stand_ins[(id(info.module), info.param_name)] = put_stand_in(info.module, info.param_name, shape,
@@ -74,65 +73,73 @@ def planning_view(root: nn.Module) -> Iterator[nn.Module]:
             parent._modules[name] = child
 
 
-def put_stand_in(module: nn.Module, name: str, shape, dtype: torch.dtype, saved: list) -> nn.Parameter:
+def put_stand_in(module: nn.Module, name: str, shape, dtype: torch.dtype, saved: dict) -> nn.Parameter:
     """Put a stand-in parameter of ``shape`` and ``dtype`` that holds no memory (one element, expanded) in place of
-    ``module``'s parameter ``name``, recording what was there in ``saved`` for :func:`restore`.
+    ``module``'s parameter ``name`` (:func:`put_param`).
 
     Args:
         module: the module.
         name: the parameter's name in it.
         shape: the full shape.
         dtype: its dtype.
-        saved: the record of what was replaced, in order.
+        saved: the record of what was there, for :func:`restore`.
 
     Returns:
         The stand-in.
 
     Example:
-        >>> saved = []; lin = nn.Linear(3, 2); put_stand_in(lin, "weight", (2, 3), torch.float32, saved).shape
+        >>> saved = {}; lin = nn.Linear(3, 2); put_stand_in(lin, "weight", (2, 3), torch.float32, saved).shape
         torch.Size([2, 3])
-        >>> restore(saved); lin.weight.stride()
-        (3, 1)
+        >>> restore(saved); lin.weight.stride(), [n for n, _ in lin.named_parameters()]
+        ((3, 1), ['weight', 'bias'])
     """
     stand_in = nn.Parameter(torch.zeros((), dtype=dtype).expand(tuple(shape)), requires_grad=False)
     put_param(module, name, stand_in, saved)
     return stand_in
 
 
-def restore(saved: list) -> None:
-    """Put back every parameter :func:`put_stand_in` replaced, last first.
+def put_param(module: nn.Module, name: str, value: nn.Parameter | None, saved: dict) -> None:
+    """Put ``value`` in place of ``module``'s parameter ``name`` (None: remove it), the module's parameters and the
+    attribute of that name as they were first kept in ``saved``.
+
+    Args:
+        module: the module.
+        name: the parameter's name in it.
+        value: the parameter to put there, or None.
+        saved: the record :func:`restore` reads (a dict, empty at first).
+
+    Example:
+        >>> saved = {}; lin = nn.Linear(1, 1); put_param(lin, "weight", None, saved); [n for n, _ in lin.named_parameters()]
+        ['bias']
+        >>> restore(saved); [n for n, _ in lin.named_parameters()]
+        ['weight', 'bias']
+    """
+    _, _, attrs = saved.setdefault(id(module), (module, dict(module._parameters), {}))
+    attrs.setdefault(name, module.__dict__.get(name, _MISSING))
+    module.__dict__.pop(name, None)
+    if value is None:
+        module._parameters.pop(name, None)
+    else:
+        module._parameters[name] = value
+
+
+def restore(saved: dict) -> None:
+    """Put back every module's parameters, in their order, and the attributes :func:`put_param` moved aside.
 
     Args:
         saved: the record it filled.
 
     Example:
-        >>> restore([])
+        >>> restore({})
     """
-    for module, name, param, attr in reversed(saved):
-        module._parameters.pop(name, None)
-        if param is not MISSING:
-            module._parameters[name] = param
-        if attr is not MISSING:
-            module.__dict__[name] = attr
-
-
-def put_param(module: nn.Module, name: str, value: nn.Parameter, saved: list) -> None:
-    """Put ``value`` in place of ``module``'s parameter ``name``, recording what was there in ``saved``.
-
-    Args:
-        module: the module.
-        name: the parameter's name in it.
-        value: the parameter to put there.
-        saved: the record :func:`restore` reads.
-
-    Example:
-        >>> saved = []; lin = nn.Linear(1, 1); put_param(lin, "bias", nn.Parameter(torch.ones(1)), saved)
-        >>> restore(saved); lin.bias.shape
-        torch.Size([1])
-    """
-    saved.append((module, name, module._parameters.get(name, MISSING), module.__dict__.get(name, MISSING)))
-    module.__dict__.pop(name, None)
-    module._parameters[name] = value
+    for module, params, attrs in saved.values():
+        module._parameters.clear()
+        module._parameters.update(params)
+        for name, attr in attrs.items():
+            if attr is _MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = attr
 
 
 class Fsdp1Units:

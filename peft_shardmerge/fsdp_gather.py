@@ -8,13 +8,13 @@ import logging
 
 from torch import nn
 
-from .live_bnb import bnb_kind, bnb_layer_kind, is_bnb_layer
+from .live_bnb import bnb_kind, bnb_layer_kind, is_bnb_layer, quant_state_of
 
 log = logging.getLogger(__name__)
 
 #: what each sharding a model can carry is called in messages
 SHARDINGS = {"fsdp2": "FSDP2 (fully_shard)", "fsdp1": "FSDP1 (FullyShardedDataParallel)",
-             "zero3": "DeepSpeed ZeRO-3"}
+             "zero3": "DeepSpeed ZeRO-3", "dtensor": "DTensor parameters outside FSDP (tensor parallelism)"}
 
 
 def sharding_of(model: nn.Module) -> str | None:
@@ -24,7 +24,8 @@ def sharding_of(model: nn.Module) -> str | None:
         model: any model.
 
     Returns:
-        ``"fsdp2"``, ``"fsdp1"``, ``"zero3"``, or None for a model whose weights each process holds whole.
+        ``"fsdp2"``, ``"fsdp1"``, ``"zero3"``, ``"dtensor"`` (DTensor parameters with no FSDP: tensor parallelism,
+        refused), or None for a model whose weights each process holds whole.
 
     Raises:
         Nothing.
@@ -42,6 +43,8 @@ def sharding_of(model: nn.Module) -> str | None:
             return "fsdp1"
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return "zero3"
+    if any(hasattr(p, "placements") and hasattr(p, "device_mesh") for p in model.parameters()):
+        return "dtensor"
     return None
 
 
@@ -66,17 +69,26 @@ def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
     instead = ("save the adapter on rank 0 (model.save_pretrained) and merge from disk, on as many processes as you "
                "like: torchrun --nproc_per_node N -m peft_shardmerge merge BASE ADAPTER OUT")
     name = SHARDINGS[kind]
+    if kind == "dtensor":
+        return [f"the model holds {name}, which merge_and_save does not gather (FSDP2, FSDP1 and DeepSpeed ZeRO-3 are "
+                f"supported); {instead}"]
     problems = []
+    if kind == "zero3" and any(hasattr(getattr(p, t, None), "ds_quant_scale") for p in model.parameters()
+                               for t in ("ds_tensor", "ds_secondary_tensor")):
+        problems.append(f"the model is sharded by {name} with quantized weights (ZeRO++ "
+                        "zero_quantized_nontrainable_weights or a quantized secondary partition): their gathers are "
+                        f"lossy, so the merge would not be of the weights trained; turn it off, or {instead}")
     if base_precision == "original":
         problems.append(f"base_precision='original' is not available for a model sharded by {name} (each rank "
                         f"would read the original checkpoint whole): use 'auto' or 'dequantized', or {instead}")
-    odd = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
-           if is_bnb_layer(m) and not (is_bnb_layer(m, "Linear4bit") and bnb_layer_kind(m) == "4bit")]
+    odd = [f"{n} ({type(m).__name__}{', no quant state' if is_bnb_layer(m, 'Linear4bit') else ''})"
+           for n, m in model.named_modules() if is_bnb_layer(m) and not _four_bit_with_state(m)]
     odd += [f"{n} (Int8Params)" for n, p in model.named_parameters() if bnb_kind(p) == "8bit"]
     if odd:
         problems.append(f"the model is sharded by {name} over bitsandbytes layers, of which merge_and_save gathers "
-                        f"only 4-bit Linear4bit ones (QLoRA): {', '.join(odd[:3])}"
-                        f"{f' and {len(odd) - 3} more' if len(odd) > 3 else ''}; load the base in 4-bit, or {instead}")
+                        f"only 4-bit Linear4bit ones with their quant state (QLoRA): {', '.join(odd[:3])}"
+                        f"{f' and {len(odd) - 3} more' if len(odd) > 3 else ''}; load the base in 4-bit with "
+                        f"BitsAndBytesConfig(load_in_4bit=True) before sharding it, or {instead}")
     if kind in ("fsdp1", "zero3") and not any(type(m).__name__.startswith("PeftModel") for m in model.modules()):
         problems.append(f"the model is sharded by {name} but holds no PeftModel; pass the model wrapped after "
                         "get_peft_model")
@@ -120,8 +132,9 @@ class UnitGatherer:
         self.schedule = []
         for t in self.tensors:
             e = t.entry
-            mods = list(e.module.modules()) + [e.holder] if e.module is not None else [e.holder]
-            self.schedule.append(tuple(sorted({owner[id(m)] for m in mods if owner.get(id(m)) is not None})))
+            # a plain tensor needs its holder alone (not the holder's children); a LoRA layer its whole subtree
+            mods = [e.holder] if e.module is None or e.kind == "plain" else list(e.module.modules()) + [e.holder]
+            self.schedule.append(tuple(sorted({u for m in mods for u in _units(owner.get(id(m)))})))
         self.step = 0
         self.held: tuple[int, ...] = ()
         self.peak_numel = 0
@@ -177,6 +190,16 @@ class UnitGatherer:
         self._hold(())
 
 
+def _four_bit_with_state(module: nn.Module) -> bool:
+    return is_bnb_layer(module, "Linear4bit") and bnb_layer_kind(module) == "4bit" \
+        and quant_state_of(module) is not None
+
+
+def _units(owned) -> tuple[int, ...]:
+    """The units an ``owner`` entry names: none, one index, or several (a module tied into several ZeRO-3 units)."""
+    return () if owned is None else owned if isinstance(owned, tuple) else (owned,)
+
+
 class Fsdp2Units:
     """The units of an FSDP2 model (every module ``fully_shard`` was applied to), outermost first, and which unit
     holds each module's parameters (the nearest unit above it).
@@ -203,13 +226,37 @@ class Fsdp2Units:
             if unit is not None:
                 self.owner[id(module)] = unit
             stack.extend((child, unit) for child in module.children())
+        self.saved: dict[int, dict] = {}
 
     def gather(self, i: int) -> None:
-        """All-gather unit ``i``'s parameters onto its modules as plain tensors (a collective)."""
-        self.units[i].unshard()
+        """All-gather unit ``i``'s parameters onto its modules as plain tensors, in the dtype they are stored in
+        (collectives).
+
+        ``unshard`` follows the unit's ``MixedPrecisionPolicy``: where it gathers a parameter in another dtype
+        (``param_dtype``), that parameter is gathered again whole from its shards (``DTensor.full_tensor``), so that
+        the merge reads the weights trained rather than their rounding."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from .fsdp1_view import put_param
+
+        unit = self.units[i]
+        unit.reshard()  # a unit a forward left unsharded holds its parameters in the compute dtype
+        owned = [m for m in unit.modules() if self.owner.get(id(m)) == i]
+        sharded = [(m, n, p) for m in owned for n, p in m._parameters.items() if isinstance(p, DTensor)]
+        unit.unshard()
+        saved: dict = {}
+        self.saved[i] = saved
+        with torch.no_grad():
+            for m, name, p in sharded:
+                if m._parameters[name].dtype != p.dtype:
+                    put_param(m, name, nn.Parameter(p.full_tensor(), requires_grad=False), saved)
 
     def release(self, i: int) -> None:
         """Free them again (the DTensor shards come back)."""
+        from .fsdp1_view import restore
+
+        restore(self.saved.pop(i, {}))
         self.units[i].reshard()
 
     def numel(self, i: int) -> int:

@@ -111,6 +111,8 @@ def merge_and_save(
         budget = MemoryBudget(opts.maximum_memory_usage)
     except InputError as e:  # reported with every other problem
         problems += e.problems
+    if sharding_of(model) == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
+        raise InputError(sharding_problems(model, opts.base_precision) + problems)
     if sharding_of(model) is not None:
         return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
     planned = build_model_plan(model, out_dir, opts, adapter_names, problems)

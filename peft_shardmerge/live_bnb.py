@@ -85,13 +85,14 @@ def quant_state_of(module: nn.Module):
         module: a layer :func:`bnb_layer_kind` calls ``"4bit"``.
 
     Returns:
-        A bitsandbytes ``QuantState``.
+        A bitsandbytes ``QuantState``, or None where the layer has none.
 
     Example:
         >>> quant_state_of(model.model.layers[0].mlp.up_proj).shape   # doctest: +SKIP
         torch.Size([256, 128])
     """
-    return getattr(module.weight, "quant_state", None) or module.quant_state
+    state = getattr(module.weight, "quant_state", None)
+    return state if state is not None else getattr(module, "quant_state", None)
 
 
 def logical_shape(module: nn.Module, weight: torch.Tensor) -> tuple[int, ...]:
@@ -135,7 +136,7 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
 
     Raises:
         MissingDependencyError: a bitsandbytes weight without bitsandbytes installed.
-        MergeCheckError: a 4-bit weight whose bytes are not all there (an FSDP shard not gathered).
+        MergeCheckError: a 4-bit weight whose bytes are not all there (an FSDP shard not gathered), or were cast.
 
     Example:
         >>> dequantize(model.model.layers[0].mlp.up_proj, torch.device("cpu")).dtype   # doctest: +SKIP
@@ -154,6 +155,10 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
         return F.int8_vectorwise_dequant(cb, scb.to(device)).to(torch.float32)
     qs = quant_state_of(holder)
     data = weight.data
+    storage = getattr(weight, "quant_storage", None) or getattr(holder, "quant_storage", None)
+    if isinstance(storage, torch.dtype) and data.dtype != storage and not getattr(qs, "packing_format_for_cpu", False):
+        raise MergeCheckError(f"the 4-bit weight of {type(holder).__name__}{tuple(qs.shape)} is stored as {storage} "
+                              f"but was read as {data.dtype}: a cast changed its packed bytes")
     if getattr(qs, "packing_format_for_cpu", False):
         data, qs = _unpack_cpu_format(data, qs)
         if notes is not None:

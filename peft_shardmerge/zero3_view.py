@@ -2,8 +2,9 @@
 parameters gathered with ``deepspeed.zero.GatheredParameters``, one module at a time.
 
 Outside a gather, ZeRO-3 leaves each parameter an empty tensor (``shape (0,)``) and keeps its full shape in
-``ds_shape``; the view puts a stand-in of that shape in its place. A gather is one collective per parameter, so every
-rank must gather the same parameters in the same order: the plan's order, which every rank agreed on.
+``ds_shape``; the view puts a stand-in of that shape in its place. A gather is a collective (DeepSpeed all-gathers
+a module's parameters together), so every rank must gather the same parameters in the same order: the plan's order,
+which every rank agreed on.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def planning_view(model: nn.Module) -> Iterator[nn.Module]:
         ...     plan = build_model_plan(peft_model, "merged", opts, None, sharded="zero3")
     """
     inner = inner_model(model)
-    saved: list = []
+    saved: dict = {}
     stand_ins: dict[int, nn.Parameter] = {}
     try:
         for module in inner.modules():
@@ -72,7 +73,8 @@ def planning_view(model: nn.Module) -> Iterator[nn.Module]:
 
 class Zero3Units:
     """The modules of a ZeRO-3 model that hold partitioned parameters of their own, in module order: each is a unit
-    gathered on its own (its parameters, not its children's).
+    gathered on its own (its parameters, not its children's). A module whose parameters are tied to earlier ones
+    (a tied head) is owned by every unit that holds one of them.
 
     Args:
         model: the partitioned PeftModel, or the DeepSpeed engine around it.
@@ -93,12 +95,12 @@ class Zero3Units:
             if new:
                 unit_of.update((id(p), len(self.units)) for p in new)
                 self.units.append(new)
-            if params:  # a module whose parameters are all tied to an earlier one's is gathered with that one
-                self.owner[id(module)] = unit_of[id(params[0])]
+            if params:  # a parameter tied to an earlier module's is gathered with that module's unit
+                self.owner[id(module)] = tuple(sorted({unit_of[id(p)] for p in params}))
         self.open: dict[int, object] = {}
 
     def gather(self, i: int) -> None:
-        """All-gather unit ``i``'s parameters in full onto its module (one collective per parameter)."""
+        """All-gather unit ``i``'s parameters in full onto its module (a collective)."""
         import deepspeed
 
         ctx = deepspeed.zero.GatheredParameters(self.units[i], modifier_rank=None)

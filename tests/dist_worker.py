@@ -10,14 +10,18 @@ Scenarios:
     fail-finish R ARGS            the command line; rank R's disk fills up while it writes the config, after the shards
     fail R ARGS                   the command line; rank R's disk is full (ENOSPC) on its first tensor
     api-differ dtype|out OUT BASE AD  merge_checkpoint(distributed=True) with a dtype or an OUT that differs by rank
-    fsdp2 OUT RESULT [dora] [bf16] [qlora=BASE [eval]] [fail]  merge_and_save of a tiny Llama + LoRA sharded by
-                                  fully_shard (qlora: BASE loaded in 4-bit; eval: its forwards in eval mode);
-                                  rank 0 writes RESULT, rank N RESULT.N (fail: rank 0's disk fills up mid-merge)
+    fsdp2 OUT RESULT [dora] [bf16] [mp] [qlora=BASE [eval]] [twice] [big=N rss] [fail]  merge_and_save of a tiny
+                                  Llama + LoRA sharded by fully_shard (mp: a MixedPrecisionPolicy; qlora: BASE
+                                  loaded in 4-bit; eval: its forwards in eval mode; twice: merged once before; big:
+                                  N bigger layers, rss: the peak memory measured); rank 0 writes RESULT, rank N
+                                  RESULT.N (fail: rank 0's disk fills up mid-merge)
     fsdp1 OUT RESULT [dora] [flat] [rootonly] [fail|gatherfail]  the same under FullyShardedDataParallel (flat:
                                   use_orig_params=False; rootonly: no auto-wrap; gatherfail: rank 0 fails before
                                   its third gather)
-    zero3 OUT RESULT [dora] [engine] [fail|gatherfail]  the same under DeepSpeed ZeRO-3 (deepspeed.initialize;
-                                  engine: merge_and_save given the engine rather than the PeftModel)
+    zero3 OUT RESULT [dora] [engine] [bert] [fail|gatherfail]  the same under DeepSpeed ZeRO-3
+                                  (deepspeed.initialize; engine: merge_and_save given the engine rather than the
+                                  PeftModel; bert: a BERT masked LM whose tied head has LoRA)
+    tp RESULT                     merge_and_save of a model whose MLPs are tensor-parallel (refused on every rank)
     unload-fsdp2 RESULT           merge_and_unload of the FSDP2 model (refused, model untouched)
     refused-8bit BASE OUT RESULT  merge_and_save of an 8-bit base sharded by fully_shard (refused on every rank)
     rank0-only OUT                an unsharded model in a distributed job, merged by rank 0 alone
@@ -38,21 +42,23 @@ torch.set_num_threads(1)
 RANK = int(os.environ.get("RANK", 0))
 
 
-def tiny_peft(dora: bool = False, dtype: torch.dtype = torch.float32, **overrides):
+def tiny_peft(dora: bool = False, dtype: torch.dtype = torch.float32, bert: bool = False, **overrides):
     """The same tiny Llama + LoRA (adapter factors moved off their initial values) on every rank (``overrides``:
-    config fields, for a bigger one)."""
+    config fields, for a bigger one). bert: a BERT masked LM instead, with LoRA on its head's decoder too, whose
+    weight is tied to the word embeddings and whose bias to the head's own (in eval mode: no dropout)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     from peft_shardmerge.testing import perturb_trainable, tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", **overrides), dtype=dtype)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
-                                             use_dora=dora))
+    auto = AutoModelForMaskedLM if bert else AutoModelForCausalLM
+    model = auto.from_config(tiny_config("bert" if bert else "llama", **overrides), dtype=dtype)
+    targets = ["query", "value", "decoder"] if bert else ["q_proj", "v_proj", "gate_proj"]
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=dora))
     torch.manual_seed(1)
     perturb_trainable(model)
-    return model
+    return model.eval() if bert else model
 
 
 def tiny_qlora(base: str, dora: bool = False):
@@ -110,14 +116,17 @@ def qlora_base(args: list[str]) -> str | None:
     return next((a.split("=", 1)[1] for a in args if a.startswith("qlora=")), None)
 
 
-def fully_shard_model(model):
+def fully_shard_model(model, param_dtype: torch.dtype | None = None):
+    """Each decoder layer and the root sharded by ``fully_shard`` (param_dtype: a ``MixedPrecisionPolicy`` that
+    gathers the weights in that dtype, as accelerate's mixed precision sets it up)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
     for layer in model.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -198,6 +207,12 @@ def fail(rank: int, argv: list[str]) -> int:
     return cli(argv)
 
 
+def kept(named) -> list[tuple[str, int]]:
+    """Each parameter's name and identity, but for the 4-bit weights bitsandbytes registers anew at each forward
+    and FSDP1 (use_orig_params=False) removes again whenever it gathers (both libraries' own doing)."""
+    return [(n, id(p)) for n, p in named if type(p).__name__ != "Params4bit"]
+
+
 def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     import torch.distributed as dist
 
@@ -207,15 +222,15 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     dist.init_process_group("gloo")
     qbase = qlora_base(sys.argv)
     model = tiny_qlora(qbase, dora) if qbase else tiny_peft(dora, torch.bfloat16 if "bf16" in sys.argv
-                                                            else torch.float32, **big(sys.argv))
+                                                            else torch.float32, "bert" in sys.argv, **big(sys.argv))
     if qbase and "eval" not in sys.argv:  # an eval-mode forward on a CPU with AVX512-BF16 repacks a 4-bit weight
         model.train()
     elif qbase:  # eval: let bitsandbytes repack (its CPU kernel), as it does on such a CPU
         for m in model.modules():
             if hasattr(m, "support_avx512bf16_for_cpu"):
                 m.support_avx512bf16_for_cpu = True
-    if version == 2:
-        fully_shard_model(model)
+    if version == 2:  # mp: gathered in bf16 (a QLoRA base's bf16-stored bytes in fp16), stored as they are
+        fully_shard_model(model, (torch.float16 if qbase else torch.bfloat16) if "mp" in sys.argv else None)
     elif version == 3:
         engine = zero3_engine(model)
         model = engine if "engine" in sys.argv else model
@@ -233,6 +248,8 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     ids = torch.arange(12).reshape(2, 6)
     with torch.no_grad():
         before = model(input_ids=ids).logits
+    if version == 2:  # as a training step ends (after backward): the root too back to its shards
+        model.reshard()
     if "fail" in sys.argv and RANK == 0:  # rank 0's disk fills up at its fifth tensor, units half gathered
         from peft_shardmerge import live_merger
 
@@ -260,15 +277,17 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
             return gather(self, i)
 
         units.gather = failing_gather
+    params = list(model.named_parameters())
     try:
-        if "rss" in sys.argv:  # a first merge, so that what it imports and caches is not counted
-            merge_and_save(model, out + ".warm", progress=False)
+        if "twice" in sys.argv or "rss" in sys.argv:  # a first merge (rss: what it imports and caches is not counted)
+            merge_and_save(model, out + ".first", progress=False)
         start = reset_peak_rss()
         report = merge_and_save(model, out, progress=False)
         outcome = {"ok": True, "notes": report.notes, "merged": report.lora_modules_merged,
                    "rss_growth": peak_rss() - start}
     except ShardMergeError as e:
         outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
+    outcome["parameters_unchanged"] = kept(params) == kept(model.named_parameters())  # and in their order
     with torch.no_grad():  # the sharded model still works, and computes exactly what it did
         outcome["forward_unchanged"] = torch.equal(model(input_ids=ids).logits, before)
     with open(result if RANK == 0 else f"{result}.{RANK}", "w") as f:
@@ -317,6 +336,31 @@ def refused_8bit(base: str, out: str, result: str) -> int:
                                              autocast_adapter_dtype=False))
     try:
         merge_and_save(model, out, progress=False)
+        outcome = {"ok": True}
+    except ShardMergeError as e:
+        outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
+    with open(result if RANK == 0 else f"{result}.{RANK}", "w") as f:
+        json.dump(outcome, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def tensor_parallel(result: str) -> int:
+    """merge_and_save of a tiny Llama whose MLPs ``parallelize_module`` split over the ranks: refused by name."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.errors import ShardMergeError
+
+    dist.init_process_group("gloo")
+    model = tiny_peft()
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    for layer in model.base_model.model.model.layers:
+        parallelize_module(layer.mlp, mesh, {"up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()})
+    try:
+        merge_and_save(model, os.path.join(os.path.dirname(result), "out"), progress=False)
         outcome = {"ok": True}
     except ShardMergeError as e:
         outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
@@ -387,6 +431,8 @@ if __name__ == "__main__":
         code = fsdp(args[0], args[1], int(scenario[-1]), "dora" in args[2:])
     elif scenario == "unload-fsdp2":
         code = unload_fsdp2(args[0])
+    elif scenario == "tp":
+        code = tensor_parallel(args[0])
     elif scenario == "refused-8bit":
         code = refused_8bit(*args)
     elif scenario == "rank0-only-disk":
