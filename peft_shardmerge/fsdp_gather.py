@@ -73,6 +73,9 @@ def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
         return [f"the model holds {name}, which merge_and_save does not gather (FSDP2, FSDP1 and DeepSpeed ZeRO-3 are "
                 f"supported); {instead}"]
     problems = []
+    if kind == "fsdp2" and any(_tensor_parallel(p) for p in model.parameters()):
+        problems.append(f"the model is sharded by {name} over a mesh that also splits weights by tensor parallelism "
+                        f"(DTensor placements beyond FSDP's Shard(0)), which merge_and_save does not gather; {instead}")
     if kind == "zero3" and any(hasattr(getattr(p, t, None), "ds_quant_scale") for p in model.parameters()
                                for t in ("ds_tensor", "ds_secondary_tensor")):
         problems.append(f"the model is sharded by {name} with quantized weights (ZeRO++ "
@@ -190,6 +193,13 @@ class UnitGatherer:
         self._hold(())
 
 
+def _tensor_parallel(p) -> bool:
+    """Whether a DTensor parameter is split otherwise than FSDP2 splits one: a shard on a dim other than 0, or on
+    more than one mesh dim (HSDP replicates on one dim and shards dim 0 on the other)."""
+    shards = [x for x in getattr(p, "placements", ()) if not x.is_replicate()]
+    return len(shards) > 1 or any(not x.is_shard(0) for x in shards)
+
+
 def _four_bit_with_state(module: nn.Module) -> bool:
     return is_bnb_layer(module, "Linear4bit") and bnb_layer_kind(module) == "4bit" \
         and quant_state_of(module) is not None
@@ -250,6 +260,8 @@ class Fsdp2Units:
         with torch.no_grad():
             for m, name, p in sharded:
                 if m._parameters[name].dtype != p.dtype:
+                    if p.device.type != p.device_mesh.device_type:  # offloaded shards, gathered on the mesh's device
+                        p = p.to(p.device_mesh.device_type)
                     put_param(m, name, nn.Parameter(p.full_tensor(), requires_grad=False), saved)
 
     def release(self, i: int) -> None:

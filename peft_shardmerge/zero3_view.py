@@ -87,29 +87,51 @@ class Zero3Units:
 
     def __init__(self, model: nn.Module):
         self.units: list[list[nn.Parameter]] = []
-        self.owner: dict[int, int] = {}
+        self.homes: list[list[tuple[nn.Module, str]]] = []  # where each of a unit's parameters is registered
+        self.owner: dict[int, tuple[int, ...]] = {}
         unit_of: dict[int, int] = {}
         for module in inner_model(model).modules():
-            params = [p for _, p in _partitioned(module)]
-            new = [p for p in params if id(p) not in unit_of]
+            params = _partitioned(module)
+            new = [(n, p) for n, p in params if id(p) not in unit_of]
             if new:
-                unit_of.update((id(p), len(self.units)) for p in new)
-                self.units.append(new)
+                unit_of.update((id(p), len(self.units)) for _, p in new)
+                self.units.append([p for _, p in new])
+                self.homes.append([(module, n) for n, _ in new])
             if params:  # a parameter tied to an earlier module's is gathered with that module's unit
-                self.owner[id(module)] = tuple(sorted({unit_of[id(p)] for p in params}))
-        self.open: dict[int, object] = {}
+                self.owner[id(module)] = tuple(sorted({unit_of[id(p)] for _, p in params}))
+        self.open: dict[int, tuple[object, dict]] = {}
+        self.masters = 0
 
     def gather(self, i: int) -> None:
-        """All-gather unit ``i``'s parameters in full onto its module (a collective)."""
+        """All-gather unit ``i``'s parameters in full onto its module (collectives).
+
+        A trainable parameter whose optimizer keeps an fp32 master copy (DeepSpeed's ``bf16``/``fp16`` modes hold
+        16-bit copies in the module) is read from that master (``deepspeed.utils.safe_get_full_fp32_param``), the
+        weights the optimizer trained, rather than their rounding."""
         import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        from .fsdp1_view import put_param
 
         ctx = deepspeed.zero.GatheredParameters(self.units[i], modifier_rank=None)
         ctx.__enter__()
-        self.open[i] = ctx
+        saved: dict = {}
+        self.open[i] = (ctx, saved)
+        for p, (module, name) in zip(self.units[i], self.homes[i]):
+            if not (p.requires_grad and hasattr(p, "_z3_optimizer")):
+                continue
+            master = safe_get_full_fp32_param(p)  # a collective, taken by every rank for the same parameters
+            if master is not None and master.dtype != p.dtype:
+                put_param(module, name, nn.Parameter(master.to(p.device).view(p.shape), requires_grad=False), saved)
+                self.masters += 1
 
     def release(self, i: int) -> None:
         """Partition unit ``i``'s parameters again."""
-        self.open.pop(i).__exit__(None, None, None)
+        from .fsdp1_view import restore
+
+        ctx, saved = self.open.pop(i)
+        restore(saved)
+        ctx.__exit__(None, None, None)
 
     def numel(self, i: int) -> int:
         """Elements unit ``i`` holds when gathered."""

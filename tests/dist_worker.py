@@ -18,10 +18,13 @@ Scenarios:
     fsdp1 OUT RESULT [dora] [flat] [rootonly] [fail|gatherfail]  the same under FullyShardedDataParallel (flat:
                                   use_orig_params=False; rootonly: no auto-wrap; gatherfail: rank 0 fails before
                                   its third gather)
-    zero3 OUT RESULT [dora] [engine] [bert] [fail|gatherfail]  the same under DeepSpeed ZeRO-3
+    zero3 OUT RESULT [dora] [engine] [bert] [train] [fail|gatherfail]  the same under DeepSpeed ZeRO-3
                                   (deepspeed.initialize; engine: merge_and_save given the engine rather than the
-                                  PeftModel; bert: a BERT masked LM whose tied head has LoRA)
-    tp RESULT                     merge_and_save of a model whose MLPs are tensor-parallel (refused on every rank)
+                                  PeftModel; bert: a BERT masked LM whose tied head has LoRA; train: bf16 mode and
+                                  three SGD steps, rank 0 merging the trained weights unsharded into OUT.ref)
+    ddp RESULT                    merge_and_save given the DDP wrapper on every rank (refused: merge its .module)
+    tp RESULT [fsdp]              merge_and_save of a model whose MLPs are tensor-parallel (fsdp: and sharded by
+                                  fully_shard too); refused on every rank
     unload-fsdp2 RESULT           merge_and_unload of the FSDP2 model (refused, model untouched)
     refused-8bit BASE OUT RESULT  merge_and_save of an 8-bit base sharded by fully_shard (refused on every rank)
     rank0-only OUT                an unsharded model in a distributed job, merged by rank 0 alone
@@ -130,15 +133,44 @@ def fully_shard_model(model, param_dtype: torch.dtype | None = None):
     return model
 
 
-def zero3_engine(model):
+def zero3_engine(model, train_in_bf16: bool = False):
     """``deepspeed.initialize`` with ZeRO-3 over the process group already set up: every parameter partitioned
-    (persistence threshold 0, so that even a tiny model's are), no optimizer (none is needed to merge)."""
+    (persistence threshold 0, so that even a tiny model's are), no optimizer (none is needed to merge).
+    train_in_bf16: DeepSpeed's bf16 mode (the module holds bf16 copies, the optimizer fp32 masters) and three SGD
+    steps, so that the masters and their copies differ."""
     import deepspeed
 
-    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = deepspeed.initialize(model=model, config=config)
+    if not train_in_bf16:
+        return deepspeed.initialize(model=model, config=config)[0]
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    engine = deepspeed.initialize(model=model, optimizer=optimizer, config={**config, "bf16": {"enabled": True}})[0]
+    ids = torch.arange(12).reshape(2, 6)
+    for _ in range(3):
+        engine.backward(engine(input_ids=ids).logits.float().pow(2).mean())
+        engine.step()
     return engine
+
+
+def zero3_reference(engine, out: str) -> None:
+    """The trained weights as DeepSpeed gives them (each frozen one gathered, each trainable one its fp32 master:
+    collectives, on every rank) loaded into an unsharded copy of the model, which rank 0 merges into ``out``."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from peft_shardmerge import merge_and_save
+
+    weights = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            weights[name] = p.detach().float().clone()
+        if p.requires_grad:
+            weights[name] = safe_get_full_fp32_param(p).float().view(weights[name].shape)
+    if RANK == 0:
+        model = tiny_peft()
+        model.load_state_dict(weights, strict=True)
+        merge_and_save(model, out, dtype="float32", progress=False)
 
 
 def cli(argv: list[str]) -> int:
@@ -232,8 +264,10 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     if version == 2:  # mp: gathered in bf16 (a QLoRA base's bf16-stored bytes in fp16), stored as they are
         fully_shard_model(model, (torch.float16 if qbase else torch.bfloat16) if "mp" in sys.argv else None)
     elif version == 3:
-        engine = zero3_engine(model)
+        engine = zero3_engine(model, "train" in sys.argv)
         model = engine if "engine" in sys.argv else model
+        if "train" in sys.argv:  # what an unsharded copy holding DeepSpeed's trained weights merges into
+            zero3_reference(engine, out + ".ref")
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -282,7 +316,7 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
         if "twice" in sys.argv or "rss" in sys.argv:  # a first merge (rss: what it imports and caches is not counted)
             merge_and_save(model, out + ".first", progress=False)
         start = reset_peak_rss()
-        report = merge_and_save(model, out, progress=False)
+        report = merge_and_save(model, out, progress=False, dtype="float32" if "train" in sys.argv else None)
         outcome = {"ok": True, "notes": report.notes, "merged": report.lora_modules_merged,
                    "rss_growth": peak_rss() - start}
     except ShardMergeError as e:
@@ -345,8 +379,11 @@ def refused_8bit(base: str, out: str, result: str) -> int:
     return 0
 
 
-def tensor_parallel(result: str) -> int:
-    """merge_and_save of a tiny Llama whose MLPs ``parallelize_module`` split over the ranks: refused by name."""
+def tensor_parallel(result: str, with_fsdp: bool) -> int:
+    """merge_and_save of a tiny Llama whose MLPs ``parallelize_module`` split over the ranks (with_fsdp: and every
+    layer sharded by fully_shard over the other mesh dim, 2-D parallelism): refused by name."""
+    from torch.distributed.fsdp import fully_shard
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -356,9 +393,33 @@ def tensor_parallel(result: str) -> int:
 
     dist.init_process_group("gloo")
     model = tiny_peft()
-    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    mesh = init_device_mesh("cpu", (1, int(os.environ["WORLD_SIZE"])), mesh_dim_names=("dp", "tp"))
     for layer in model.base_model.model.model.layers:
-        parallelize_module(layer.mlp, mesh, {"up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()})
+        parallelize_module(layer.mlp, mesh["tp"], {"up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()})
+        if with_fsdp:
+            fully_shard(layer, mesh=mesh["dp"])
+    if with_fsdp:
+        fully_shard(model, mesh=mesh["dp"])
+    try:
+        merge_and_save(model, os.path.join(os.path.dirname(result), "out"), progress=False)
+        outcome = {"ok": True}
+    except ShardMergeError as e:
+        outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
+    with open(result if RANK == 0 else f"{result}.{RANK}", "w") as f:
+        json.dump(outcome, f)
+    dist.destroy_process_group()
+    return 0
+
+
+def ddp_wrapped(result: str) -> int:
+    """merge_and_save given the DistributedDataParallel wrapper on every rank: refused, pointing to its .module."""
+    import torch.distributed as dist
+
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.errors import ShardMergeError
+
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(tiny_peft())
     try:
         merge_and_save(model, os.path.join(os.path.dirname(result), "out"), progress=False)
         outcome = {"ok": True}
@@ -431,8 +492,10 @@ if __name__ == "__main__":
         code = fsdp(args[0], args[1], int(scenario[-1]), "dora" in args[2:])
     elif scenario == "unload-fsdp2":
         code = unload_fsdp2(args[0])
+    elif scenario == "ddp":
+        code = ddp_wrapped(args[0])
     elif scenario == "tp":
-        code = tensor_parallel(args[0])
+        code = tensor_parallel(args[0], "fsdp" in args[1:])
     elif scenario == "refused-8bit":
         code = refused_8bit(*args)
     elif scenario == "rank0-only-disk":

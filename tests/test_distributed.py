@@ -252,13 +252,25 @@ def test_a_sharded_qlora_model_repacked_by_an_eval_forward_merges_right(tmp_path
         assert rel < 2 ** -7, (name, rel)  # a bf16 block scale and one bf16 rounding; garbage would be O(1)
 
 
-def test_a_tensor_parallel_model_is_refused_by_name_on_every_rank(tmp_path):
+def test_a_ddp_wrapper_is_refused_with_the_way_to_merge_it(tmp_path):
     result = str(tmp_path / "result.json")
-    run = torchrun(2, "tp", result)
+    run = torchrun(2, "ddp", result)
     assert run.returncode == 0, run.stderr[-3000:]
     for outcome in (json.load(open(result)), json.load(open(result + ".1"))):
         assert outcome["error"] == "InputError", outcome
-        assert "DTensor parameters outside FSDP (tensor parallelism)" in outcome["message"]
+        assert "if rank == 0: merge_and_save(model.module, OUT)" in outcome["message"]
+    assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.1"]
+
+
+@pytest.mark.parametrize("fsdp,said", [((), "DTensor parameters outside FSDP (tensor parallelism)"),
+                                       (("fsdp",), "also splits weights by tensor parallelism")])
+def test_a_tensor_parallel_model_is_refused_by_name_on_every_rank(tmp_path, fsdp, said):
+    result = str(tmp_path / "result.json")
+    run = torchrun(2, "tp", result, *fsdp)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for outcome in (json.load(open(result)), json.load(open(result + ".1"))):
+        assert outcome["error"] == "InputError", outcome
+        assert said in outcome["message"]
     assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.1"]
 
 
@@ -272,6 +284,20 @@ def test_an_8bit_base_sharded_by_fsdp_is_refused_by_name_on_every_rank(tmp_path,
         assert "of which merge_and_save gathers only 4-bit Linear4bit ones with their quant state" in outcome["message"]
         assert "self_attn.q_proj.base_layer (Linear8bitLt)" in outcome["message"]  # int8 bytes are never written
     assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.1"]
+
+
+def test_a_zero3_model_trained_in_bf16_merges_its_fp32_master_weights(tmp_path):
+    """DeepSpeed's bf16 mode trains fp32 masters and keeps bf16 copies in the module: the merge reads the masters,
+    as an unsharded copy loaded with what DeepSpeed gives (safe_get_full_fp32_param) merges them."""
+    needs_deepspeed()
+    out, result = str(tmp_path / "out"), str(tmp_path / "result.json")
+    run = torchrun(2, "zero3", out, result, "train", "engine", timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outcome = json.load(open(result))
+    assert outcome["ok"], outcome
+    assert outcome["forward_unchanged"] and outcome["parameters_unchanged"]
+    assert "12 trainable tensor(s) read from DeepSpeed's fp32 master weights" in " ".join(outcome["notes"])
+    assert filecmp.cmp(f"{out}/model.safetensors", f"{out}.ref/model.safetensors", shallow=False)
 
 
 @pytest.mark.parametrize("scenario", ["fsdp2", "fsdp1", "zero3"])
