@@ -354,20 +354,14 @@ def unload_fsdp2(result: str) -> int:
     return 0
 
 
-def refused_8bit(base: str, out: str, result: str) -> int:
-    """merge_and_save of an 8-bit base sharded by fully_shard: refused on every rank, before writing."""
+def try_merge(model, out: str, result: str) -> int:
+    """merge_and_save of ``model`` on this rank; its outcome (ok, or the error's class and message) into RESULT
+    (rank 0) or RESULT.N; the process group left."""
     import torch.distributed as dist
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from peft_shardmerge import merge_and_save
     from peft_shardmerge.errors import ShardMergeError
 
-    dist.init_process_group("gloo")
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-                                                 dtype=torch.bfloat16)
-    model = fully_shard_model(get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]),
-                                             autocast_adapter_dtype=False))
     try:
         merge_and_save(model, out, progress=False)
         outcome = {"ok": True}
@@ -379,6 +373,20 @@ def refused_8bit(base: str, out: str, result: str) -> int:
     return 0
 
 
+def refused_8bit(base: str, out: str, result: str) -> int:
+    """merge_and_save of an 8-bit base sharded by fully_shard: refused on every rank, before writing."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dist.init_process_group("gloo")
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+                                                 dtype=torch.bfloat16)
+    model = fully_shard_model(get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]),
+                                             autocast_adapter_dtype=False))
+    return try_merge(model, out, result)
+
+
 def tensor_parallel(result: str, with_fsdp: bool) -> int:
     """merge_and_save of a tiny Llama whose MLPs ``parallelize_module`` split over the ranks (with_fsdp: and every
     layer sharded by fully_shard over the other mesh dim, 2-D parallelism): refused by name."""
@@ -387,9 +395,6 @@ def tensor_parallel(result: str, with_fsdp: bool) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from peft_shardmerge import merge_and_save
-    from peft_shardmerge.errors import ShardMergeError
 
     dist.init_process_group("gloo")
     model = tiny_peft()
@@ -400,35 +405,16 @@ def tensor_parallel(result: str, with_fsdp: bool) -> int:
             fully_shard(layer, mesh=mesh["dp"])
     if with_fsdp:
         fully_shard(model, mesh=mesh["dp"])
-    try:
-        merge_and_save(model, os.path.join(os.path.dirname(result), "out"), progress=False)
-        outcome = {"ok": True}
-    except ShardMergeError as e:
-        outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
-    with open(result if RANK == 0 else f"{result}.{RANK}", "w") as f:
-        json.dump(outcome, f)
-    dist.destroy_process_group()
-    return 0
+    return try_merge(model, os.path.join(os.path.dirname(result), "out"), result)
 
 
 def ddp_wrapped(result: str) -> int:
     """merge_and_save given the DistributedDataParallel wrapper on every rank: refused, pointing to its .module."""
     import torch.distributed as dist
 
-    from peft_shardmerge import merge_and_save
-    from peft_shardmerge.errors import ShardMergeError
-
     dist.init_process_group("gloo")
     model = torch.nn.parallel.DistributedDataParallel(tiny_peft())
-    try:
-        merge_and_save(model, os.path.join(os.path.dirname(result), "out"), progress=False)
-        outcome = {"ok": True}
-    except ShardMergeError as e:
-        outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
-    with open(result if RANK == 0 else f"{result}.{RANK}", "w") as f:
-        json.dump(outcome, f)
-    dist.destroy_process_group()
-    return 0
+    return try_merge(model, os.path.join(os.path.dirname(result), "out"), result)
 
 
 def rank0_only(out: str) -> int:
