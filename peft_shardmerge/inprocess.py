@@ -111,14 +111,14 @@ def merge_and_save(
         budget = MemoryBudget(opts.maximum_memory_usage)
     except InputError as e:  # reported with every other problem
         problems += e.problems
-    wrapper = type(model).__name__
-    if wrapper in ("DeepSpeedEngine", "DistributedDataParallel") and sharding_of(model) is None:
+    wrapper, sharding = type(model).__name__, sharding_of(model)
+    if wrapper in ("DeepSpeedEngine", "DistributedDataParallel") and sharding is None:
         raise InputError([f"the model is a {wrapper} around the PeftModel, whose weights every rank holds whole (it is "
                           "not sharded): merge its .module from one rank, `if rank == 0: merge_and_save(model.module, "
                           "OUT)`"] + problems)
-    if sharding_of(model) == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
+    if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
         raise InputError(sharding_problems(model, opts.base_precision) + problems)
-    if sharding_of(model) is not None:
+    if sharding is not None:
         return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
     planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
     overwrite, progress = opts.overwrite, opts.progress
