@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from .live_bnb import bnb_kind, bnb_layer_kind, is_bnb_layer, quant_state_of
+from .param_swap import put_param, restore
 
 log = logging.getLogger(__name__)
 
@@ -245,10 +247,8 @@ class Fsdp2Units:
         ``unshard`` follows the unit's ``MixedPrecisionPolicy``: where it gathers a parameter in another dtype
         (``param_dtype``), that parameter is gathered again whole from its shards (``DTensor.full_tensor``), so that
         the merge reads the weights trained rather than their rounding."""
-        import torch
         from torch.distributed.tensor import DTensor
 
-        from .fsdp1_view import put_param
 
         unit = self.units[i]
         unit.reshard()  # a unit a forward left unsharded holds its parameters in the compute dtype
@@ -266,8 +266,6 @@ class Fsdp2Units:
 
     def release(self, i: int) -> None:
         """Free them again (the DTensor shards come back)."""
-        from .fsdp1_view import restore
-
         restore(self.saved.pop(i, {}))
         self.units[i].reshard()
 

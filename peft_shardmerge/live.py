@@ -157,7 +157,7 @@ def _walk_delta(w: _Walk, name: str, module: nn.Module) -> None:
         adapters = [a for a in wanted if layer is not None and a in adapter_keys(layer)]
         quantized = pname == "weight" and bnb_layer_kind(real) is not None  # an inactive layer over a 4-bit base
         kind = ("ia3" if _is_ia3(layer) else "delta") if adapters else "quantized" if quantized else "plain"
-        shape = logical_shape(real, t) if pname == "weight" else tuple(t.shape)
+        shape = logical_shape(real) if pname == "weight" else tuple(t.shape)
         w.entries.append(LiveEntry(prefix + pname, shape, t.is_floating_point(), kind, layer or real, pname, real,
                                    adapters, numel=_numel(shape), owner=name))
         if adapters and kind == "delta" or kind == "ia3" and pname != "bias":
@@ -185,7 +185,7 @@ def _walk_lora(w: _Walk, name: str, module: nn.Module) -> None:
     prefix = f"{name}." if name else ""
     wname = f"{prefix}weight"
     transpose_out = bnb_layer_kind(base) is not None and wname in w.info.transposed
-    shape = logical_shape(base, base.weight)
+    shape = logical_shape(base)
     if transpose_out:
         shape = shape[::-1]
     w.entries.append(LiveEntry(wname, shape, True, "lora", module, "weight", base, adapters, transpose_out,
@@ -250,7 +250,7 @@ def _walk_unsupported(w: _Walk, name: str, module: nn.Module) -> None:
 
 def _walk_bnb(w: _Walk, name: str, module: nn.Module) -> None:
     prefix = f"{name}." if name else ""
-    shape = logical_shape(module, module.weight)
+    shape = logical_shape(module)
     transpose_out = f"{prefix}weight" in w.info.transposed
     if transpose_out:
         shape = shape[::-1]

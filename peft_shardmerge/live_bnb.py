@@ -95,26 +95,22 @@ def quant_state_of(module: nn.Module):
     return state if state is not None else getattr(module, "quant_state", None)
 
 
-def logical_shape(module: nn.Module, weight: torch.Tensor) -> tuple[int, ...]:
+def logical_shape(module: nn.Module) -> tuple[int, ...]:
     """The unquantized shape of a layer's (possibly bitsandbytes-packed) weight, in the layer's layout.
 
     Args:
-        module: the layer holding ``weight``.
-        weight: its weight, or a full-shape stand-in of it.
+        module: the layer (its weight may be a full-shape planning stand-in).
 
     Returns:
         The shape of the float weight.
 
     Example:
-        >>> logical_shape(torch.nn.Linear(3, 2), torch.nn.Linear(3, 2).weight)
+        >>> logical_shape(torch.nn.Linear(3, 2))
         (2, 3)
     """
-    qs = getattr(weight, "quant_state", None)
-    if qs is None and bnb_layer_kind(module) == "4bit":
-        qs = module.quant_state  # sharded by FSDP: the parameter (or its stand-in) lost it
-    if qs is not None:
-        return tuple(qs.shape)
-    return tuple(weight.shape)
+    if bnb_layer_kind(module) == "4bit":
+        return tuple(quant_state_of(module).shape)
+    return tuple(module.weight.shape)
 
 
 def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None = None) -> torch.Tensor:

@@ -105,8 +105,8 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
         bar.close()
     report = _report(plan, merger, out_dir, t0, baseline)
     if steps is not None:
-        if getattr(gatherer.units, "masters", 0):
-            report.notes.append(f"{gatherer.units.masters} trainable tensor(s) read from DeepSpeed's fp32 master "
+        if getattr(gatherer.units, "masters", None):
+            report.notes.append(f"{len(gatherer.units.masters)} trainable tensor(s) read from DeepSpeed's fp32 master "
                                 "weights (the model holds 16-bit copies of them)")
         report.notes.append(f"gathered from {steps.world.size} ranks one {gatherer.units.label} at a time (at most "
                             f"{gatherer.peak_numel:,} elements at once); the peak memory above is rank 0's")

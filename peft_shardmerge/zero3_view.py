@@ -14,7 +14,7 @@ from typing import Iterator
 
 from torch import nn
 
-from .fsdp1_view import put_param, put_stand_in, restore
+from .param_swap import put_param, put_stand_in, restore
 
 
 def inner_model(model: nn.Module) -> nn.Module:
@@ -100,7 +100,7 @@ class Zero3Units:
             if params:  # a parameter tied to an earlier module's is gathered with that module's unit
                 self.owner[id(module)] = tuple(sorted({unit_of[id(p)] for _, p in params}))
         self.open: dict[int, tuple[object, dict]] = {}
-        self.masters = 0
+        self.masters: set[int] = set()  # the parameters read from their fp32 masters
 
     def gather(self, i: int) -> None:
         """All-gather unit ``i``'s parameters in full onto its module (collectives).
@@ -111,7 +111,6 @@ class Zero3Units:
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
-        from .fsdp1_view import put_param
 
         ctx = deepspeed.zero.GatheredParameters(self.units[i], modifier_rank=None)
         ctx.__enter__()
@@ -123,12 +122,10 @@ class Zero3Units:
             master = safe_get_full_fp32_param(p)  # a collective, taken by every rank for the same parameters
             if master is not None and master.dtype != p.dtype:
                 put_param(module, name, nn.Parameter(master.to(p.device).view(p.shape), requires_grad=False), saved)
-                self.masters += 1
+                self.masters.add(id(p))
 
     def release(self, i: int) -> None:
         """Partition unit ``i``'s parameters again."""
-        from .fsdp1_view import restore
-
         ctx, saved = self.open.pop(i)
         restore(saved)
         ctx.__exit__(None, None, None)
