@@ -17,6 +17,7 @@ from .live import (
 from .live_weights import entry_base
 from .maths import ia3_multiplier, linear_factors, lora_bias_delta
 from .peft_deltas import peft_delta
+from .options import DEFAULT_CHUNK_ELEMS
 from .row_merge import RowMerger, choose_device
 
 
@@ -30,14 +31,16 @@ class LiveMerger(RowMerger):
         weights: per adapter, the weight its changes are multiplied by.
         combination: ``"cat"`` or ``"linear"`` (PEFT's ``add_weighted_adapter`` combinations).
         repacked: 4-bit weights bitsandbytes had repacked for its CPU kernel.
+        chunk_elems: elements per row block.
 
     Example:
         >>> merger = LiveMerger(walk(peft_model), MemoryBudget(0.9))   # doctest: +SKIP
     """
 
     def __init__(self, live: LiveModel, budget: MemoryBudget, out_dtype: torch.dtype = torch.float32,
-                 weights: dict[str, float] | None = None, combination: str = "cat"):
-        super().__init__()
+                 weights: dict[str, float] | None = None, combination: str = "cat",
+                 chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+        super().__init__(chunk_elems)
         self.live = live
         self.weights = weights or {}
         self.combination = combination

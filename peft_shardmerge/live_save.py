@@ -76,7 +76,7 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
         if steps.world.rank != 0:
             return follow_plan(plan, out_dir, steps, gatherer)
         ranks = LiveRanks(steps, gatherer)
-    merger = LiveMerger(live, budget, plan.dtype, src.weights, src.combination)
+    merger = LiveMerger(live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems)
     sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, depth=1)
     bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress)
 

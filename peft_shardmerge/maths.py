@@ -220,6 +220,31 @@ def lora_probe(
     return out
 
 
+#: rows of a LoRA product are computed in tiles of about this many elements, on a grid fixed by the tensor's shape
+TILE_ELEMS = 1 << 16
+
+
+def tile_rows(width: int) -> int:
+    """Rows per tile of a tensor whose rows hold ``width`` elements: a function of the shape alone.
+
+    BLAS picks its kernel, and with it the order of each sum, by the matrix's shape: a row of ``B @ A`` computed in
+    a 7-row call can differ by an ulp from the same row computed in a 1000-row call. Computing every product on
+    the same grid of tiles, whatever the row block, makes the merged bytes independent of ``chunk_elems``, the
+    memory budget and the rank count.
+
+    Args:
+        width: elements per row.
+
+    Returns:
+        The tile height (at least 1).
+
+    Example:
+        >>> tile_rows(4096), tile_rows(1 << 20)
+        (16, 1)
+    """
+    return max(1, TILE_ELEMS // max(1, width))
+
+
 def add_lora_(
     rows32: torch.Tensor,
     factors: Sequence[Factors],
@@ -228,7 +253,11 @@ def add_lora_(
     *,
     transposed: bool,
 ) -> torch.Tensor:
-    """Add the LoRA deltas of rows ``[start, stop)`` to a float32 tensor in place (no delta is allocated).
+    """Add the LoRA deltas of rows ``[start, stop)`` to a float32 tensor in place, as PEFT does:
+    ``W + (B @ A) * scaling``, the product rounded to fp32, then scaled, then added.
+
+    Each product is formed on the fixed tile grid of :func:`tile_rows` from fresh contiguous operands; a tile
+    cut by the block's edge is computed whole and the needed rows kept. Only one tile's delta is allocated.
 
     Args:
         rows32: float32 rows ``[start, stop)`` of the weight; modified in place.
@@ -240,21 +269,26 @@ def add_lora_(
     Returns:
         ``rows32``.
 
-    Raises:
-        RuntimeError: from torch, when the shapes do not fit or ``rows32`` is not float32.
-
     Example:
         >>> add_lora_(torch.zeros(2, 3), [(torch.ones(1, 3), torch.ones(2, 1), 2.0)], 0, 2, transposed=False)
         tensor([[2., 2., 2.],
                 [2., 2., 2.]])
     """
+    if not factors or stop <= start:
+        return rows32
     for a, b, scaling in factors:
         a32 = a.to(device=rows32.device, dtype=torch.float32)
         b32 = b.to(device=rows32.device, dtype=torch.float32)
-        if transposed:
-            rows32.addmm_(a32[:, start:stop].T, b32.T, alpha=scaling)
-        else:
-            rows32.addmm_(b32[start:stop], a32, alpha=scaling)
+        # lhs: one row per output row ([rows, r]); rhs: [r, columns], the same for every tile
+        lhs, rhs = (a32.T, b32.T) if transposed else (b32, a32)
+        rhs = rhs.clone(memory_format=torch.contiguous_format)
+        total, step = lhs.shape[0], tile_rows(rhs.shape[1])
+        for t0 in range(start - start % step, stop, step):
+            t1 = min(t0 + step, total)
+            delta = torch.mm(lhs[t0:t1].clone(memory_format=torch.contiguous_format), rhs)
+            delta.mul_(scaling)
+            lo, hi = max(t0, start), min(t1, stop)
+            rows32[lo - start:hi - start] += delta[lo - t0:hi - t0]
     return rows32
 
 

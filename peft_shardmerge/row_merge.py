@@ -13,7 +13,7 @@ import torch
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .changes import Changes
 from .errors import MergeCheckError
-from .maths import dora_rescale_, merge_block, probe_rows, replace_rows_, update_counts
+from .maths import dora_rescale_, merge_block, probe_rows, replace_rows_, tile_rows, update_counts
 from .options import DEFAULT_CHUNK_ELEMS
 from .safetensors_io import row_blocks
 
@@ -217,8 +217,10 @@ class RowMerger:
         blocks = row_blocks(shape, self.chunk_elems)
         width = math.prod(shape[1:]) if shape else 1
         probes = probe_vectors(name, width) if changes.factors and len(shape) >= 2 else None
-        columns, first = self._column_scale(name, rows, changes, blocks, device, probes) \
+        columns, first = self._column_scale(name, rows, changes, shape, device, probes) \
             if changes.magnitudes and changes.transposed else (None, None)
+        if first is not None:  # merged whole for PEFT's own norm: one block
+            blocks = [(0, shape[0])]
         changed = lost = 0
         count = bool(changes.factors) and out_dtype != torch.float32  # estimated on the self-check's sample rows
         for start, stop in blocks:
@@ -248,24 +250,29 @@ class RowMerger:
             self.swallowed[name] = (changed, lost)
         self.applied.update(changes.keys)
 
-    def _column_scale(self, name, rows, changes: Changes, blocks, device, probes):
-        """DoRA on a Conv1D or an embedding: PEFT's norms run over the stored rows (one per column), so a first
-        pass accumulates them block by block (in float64); the result scales each column. A tensor that is one
-        block takes PEFT's own float32 norm, bit for bit, and its merged rows are kept for the second pass.
+    def _column_scale(self, name, rows, changes: Changes, shape, device, probes):
+        """DoRA on a Conv1D or an embedding: PEFT's norms run over the stored rows (one per column). A tensor of at
+        most :data:`WHOLE_NORM_ELEMS` is merged whole and takes PEFT's own float32 norm, bit for bit (its merged
+        rows are kept for the second pass); a larger one accumulates the squares in float64 tile by tile, on the
+        grid of :func:`~peft_shardmerge.maths.tile_rows`, so the scale does not depend on the row block.
 
-        Returns ``(column scale, (base rows, merged rows) of a one-block tensor or None)``."""
-        if len(blocks) == 1:
-            (start, stop), = blocks
-            base = _base_rows(rows(start, stop), changes, start, stop)
-            merged = self._changed_rows(name, base, changes, start, stop, device, probes, False)
+        Returns ``(column scale, (base rows, merged rows) of a tensor merged whole or None)``."""
+        total, width = shape[0], math.prod(shape[1:])
+        if total * width <= WHOLE_NORM_ELEMS:
+            base = _base_rows(rows(0, total), changes, 0, total)
+            merged = self._changed_rows(name, base, changes, 0, total, device, probes, False)
             scale = changes.magnitudes[0].to(merged.device, torch.float32) / torch.linalg.norm(merged, dim=0)
             return scale, (base, merged)
+        step = tile_rows(width)
+        per_block = max(step, (self.chunk_elems // max(1, width)) // step * step)
         sumsq = None
-        for start, stop in blocks:
+        for start in range(0, total, per_block):
+            stop = min(total, start + per_block)
             base = _base_rows(rows(start, stop), changes, start, stop)
             merged = self._changed_rows(name, base, changes, start, stop, device, None, False)
-            part = merged.double().pow(2).sum(0)
-            sumsq = part if sumsq is None else sumsq + part
+            for t in range(0, stop - start, step):
+                part = merged[t:t + step].double().pow(2).sum(0)
+                sumsq = part if sumsq is None else sumsq + part
         return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float(), None
 
     def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes, inplace) -> torch.Tensor:
@@ -307,6 +314,9 @@ def _base_rows(rows: torch.Tensor, changes: Changes, start: int, stop: int) -> t
         replace_rows_(rows, t.index, t.rows, start, stop)
     return rows
 
+
+#: DoRA on a Conv1D or an embedding: a tensor up to this size is merged whole for PEFT's float32 column norm
+WHOLE_NORM_ELEMS = 1 << 22
 
 #: above this fraction of swallowed updates a tensor is named in a warning
 SWALLOWED_WARNING = 0.5

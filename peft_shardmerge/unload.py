@@ -233,7 +233,7 @@ def merge_and_unload(
     live = walk(model, names)
     plan = plan_live(LiveSource(live, names, weight_map, combination_type), out_dtype, limit=1 << 62)
     sink = ModuleSink(plan, out_dtype)  # checks, before changing anything
-    sink.write(LiveMerger(live, budget, out_dtype, weight_map, combination_type))
+    sink.write(LiveMerger(live, budget, out_dtype, weight_map, combination_type, plan.chunk_elems))
     finish_unload(inner, untied=live.untied)
     sink.cast(model)
     return inner

@@ -1,0 +1,128 @@
+"""A merge's bytes do not depend on the row block, the memory budget or the path: the LoRA product is formed on a
+tile grid fixed by the tensor's shape, never by the block being merged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from peft_shardmerge import MergeOptions, merge_and_save, merge_checkpoint
+from peft_shardmerge import row_merge as row_merge_module
+from peft_shardmerge.maths import merge_block, tile_rows
+from peft_shardmerge.testing import build_adapter, build_base
+
+from tests.helpers import folder_tensors
+
+#: row blocks the same tensor is merged in; 1 and 7 rows take other BLAS kernels than a tile of 16 or more
+STEPS = (1, 7, 64, 333, 10**9)
+
+
+def _blocked(w: torch.Tensor, factors, step: int, transposed: bool) -> torch.Tensor:
+    m = w.shape[0]
+    return torch.cat([merge_block(w[i:min(m, i + step)], factors, i, min(m, i + step), transposed=transposed)
+                      for i in range(0, m, step)])
+
+
+def check_blocks() -> list[str]:
+    """Merge hand-made tensors in several row blocks; return what differed from the one-block merge."""
+    torch.manual_seed(0)
+    differ = []
+    for m, n, r, transposed in [(1000, 4096, 16, False), (3000, 64, 8, False), (777, 300, 16, True)]:
+        w = torch.randn(m, n)
+        a, b = (torch.randn(r, m), torch.randn(n, r)) if transposed else (torch.randn(r, n), torch.randn(m, r))
+        factors = [(a, b, 0.37), (a * 0.5, b, -1.25)]
+        whole = merge_block(w, factors, 0, m, transposed=transposed)
+        differ += [f"{m}x{n} step {s}" for s in STEPS if not torch.equal(_blocked(w, factors, s, transposed), whole)]
+    return differ
+
+
+def test_the_tile_grid_follows_the_shape_alone():
+    assert tile_rows(4096) == 16 and tile_rows(64) == 1024 and tile_rows(10**9) == 1
+
+
+def test_row_blocks_give_the_same_bytes():
+    assert check_blocks() == []
+
+
+def test_blocks_that_a_plain_matmul_would_round_differently_agree():
+    """The construction matters: here a plain ``B @ A`` over the block differs from the whole, ours does not."""
+    torch.manual_seed(0)
+    b, a = torch.randn(1000, 16), torch.randn(16, 4096)
+    plain = torch.cat([b[i:i + 7] @ a for i in range(0, 1000, 7)])
+    if torch.equal(plain, b @ a):
+        pytest.skip("this CPU's BLAS rounds a 7-row product as the 1000-row one: the test below cannot tell")
+    w = torch.zeros(1000, 4096)
+    assert torch.equal(_blocked(w, [(a, b, 1.0)], 7, False), merge_block(w, [(a, b, 1.0)], 0, 1000, transposed=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_row_blocks_give_the_same_bytes_on_each_cpu_capability(capability):
+    env = dict(os.environ)
+    if capability != "default":
+        env["ATEN_CPU_CAPABILITY"] = capability
+    code = ("import sys, torch; from tests.test_row_blocks import check_blocks; "
+            "print(torch.backends.cpu.get_cpu_capability()); d = check_blocks(); print(d); sys.exit(1 if d else 0)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    if capability != "default":
+        assert done.stdout.splitlines()[0].lower() == capability, done.stdout
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A llama whose MLP and vocabulary span several tiles, and an adapter on every linear layer and the head."""
+    root = tmp_path_factory.mktemp("wide")
+    base = build_base(str(root / "base"), "llama", intermediate_size=1024, vocab_size=1024)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    adapter = build_adapter(base, str(root / "adapter"), target_modules=targets, r=16, lora_alpha=8)
+    return base, adapter
+
+
+def _loaded(base: str, adapter: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_disk_and_in_process_merges_agree_whatever_the_row_block(wide, tmp_path, dtype):
+    base, adapter = wide
+    outs = {}
+    for chunk in (1000, 50_000, 1 << 22):
+        opts = MergeOptions(dtype=dtype, chunk_elems=chunk, progress=False)
+        merge_checkpoint(base, adapter, str(tmp_path / f"disk-{chunk}"), options=opts)
+        outs[f"disk-{chunk}"] = folder_tensors(str(tmp_path / f"disk-{chunk}"))
+    model = _loaded(base, adapter)
+    for chunk, budget in ((1000, 0.5), (1 << 22, 0.9)):
+        opts = MergeOptions(dtype=dtype, chunk_elems=chunk, maximum_memory_usage=budget, progress=False,
+                            base_precision="dequantized")
+        merge_and_save(model, str(tmp_path / f"live-{chunk}"), options=opts)
+        outs[f"live-{chunk}"] = folder_tensors(str(tmp_path / f"live-{chunk}"))
+    first, *others = outs
+    ref = outs[first]
+    assert any(v.numel() > 2 * 16 * 128 for v in ref.values())  # some tensor spans several tiles
+    for other in others:
+        assert outs[other].keys() == ref.keys()
+        differ = [k for k in ref if not torch.equal(ref[k], outs[other][k])]
+        assert differ == [], f"{other} differs from {first} in {differ}"
+
+
+def test_dora_column_norms_do_not_follow_the_row_block(tmp_path, monkeypatch):
+    """DoRA on GPT-2's Conv1D: the column norms of a tensor too big to merge whole are summed tile by tile."""
+    base = build_base(str(tmp_path / "base"), "gpt2")
+    adapter = build_adapter(base, str(tmp_path / "adapter"), use_dora=True, fan_in_fan_out=True)
+    monkeypatch.setattr(row_merge_module, "WHOLE_NORM_ELEMS", 0)  # every tensor takes the tiled norm
+    outs = []
+    for chunk in (1000, 1 << 22):
+        out = str(tmp_path / f"out-{chunk}")
+        merge_checkpoint(base, adapter, out, options=MergeOptions(dtype="float32", chunk_elems=chunk, progress=False))
+        outs.append(folder_tensors(out))
+    assert [k for k in outs[0] if not torch.equal(outs[0][k], outs[1][k])] == []
