@@ -114,9 +114,6 @@ def probe_rows(n: int, device: torch.device | None = None) -> torch.Tensor:
     Returns:
         An int64 tensor of distinct indices.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> probe_rows(5).tolist()
         [0, 1, 2, 3, 4]

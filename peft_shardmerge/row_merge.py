@@ -37,9 +37,6 @@ def probe_vectors(name: str, columns: int) -> torch.Tensor:
     Returns:
         A float32 tensor ``[columns, PROBES]``.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> probe_vectors("w", 3).shape
         torch.Size([3, 2])
@@ -109,9 +106,6 @@ def choose_device(name: str, preferred: torch.device, nbytes: int, budget: Memor
 
     Returns:
         The device.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> choose_device("w", torch.device("cpu"), 4, None)
@@ -332,9 +326,6 @@ def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> l
 
     Returns:
         Notes for the report (none when nothing was sampled).
-
-    Raises:
-        Nothing.
 
     Example:
         >>> precision_notes({"w": (100, 1)}, torch.bfloat16)[0][:40]

@@ -65,18 +65,35 @@ def used_now() -> int:
     return total - free
 
 
+def free_blocks(at_least: int = 1 << 20) -> list[int]:
+    """Sizes of the free blocks inside the segments torch's allocator holds (what a capped allocation may still use)."""
+    return [b["size"] for seg in torch.cuda.memory_snapshot() if seg.get("device", DEV.index) == DEV.index
+            for b in seg["blocks"] if b["state"] == "inactive" and b["size"] >= at_least]
+
+
 @contextlib.contextmanager
 def capped(extra: int):
-    """Cap this process's CUDA allocator at what it holds now plus ``extra`` bytes (mem_get_info does not see it)."""
+    """Cap this process's CUDA allocator at what it holds now plus ``extra`` bytes (mem_get_info does not see it).
+
+    Whatever this GPU's allocator kept from earlier work (free blocks inside held segments, whose sizes differ from
+    card to card) is taken first, so that every allocation past ``extra`` needs a new segment and fails."""
     total = torch.cuda.mem_get_info(DEV)[1]
     gc.collect()  # a model of an earlier test freed under the cap would leave room the cap did not mean to give
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    plugs = []
+    for _ in range(1000):
+        sizes = free_blocks()
+        if not sizes:
+            break
+        plugs.append(torch.empty(max(sizes), dtype=torch.uint8, device=DEV))
+    assert not free_blocks(), "the allocator's free blocks could not be taken"
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(DEV) + extra) / total, DEV)
     try:
         yield
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, DEV)
+        del plugs
         torch.cuda.empty_cache()
 
 

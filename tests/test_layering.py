@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import pytest
 
 PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peft_shardmerge")
-MAX_MODULE_LINES = 400
+#: past this a module is asked whether it holds two concerns (size follows the concern; this is no cut line)
+MAX_MODULE_LINES = 500
 MAX_FUNCTION_CODE_LINES = 60
 #: the module of test and demo helpers (tiny random models), which no library module may import
 TEST_HELPERS = "testing"
@@ -233,7 +234,7 @@ def package():
     return read_package(PACKAGE_DIR), os.path.basename(PACKAGE_DIR)
 
 
-def test_no_module_over_400_lines(package):
+def test_no_module_over_500_lines(package):
     mods, _ = package
     assert module_size_problems(mods) == []
 
