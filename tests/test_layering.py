@@ -288,7 +288,7 @@ def test_each_rule_catches_what_it_forbids(tmp_path):
                         "class Wrapped(json.JSONDecodeError):\n    pass\n\n\nclass Plain(dict):\n    pass\n\n\n"
                         f"def long():\n{code}\n\n\n"
                         f'def fits():\n    """A docstring\n\n    of several lines."""\n    # a comment\n\n{fits}\n\n\n'
-                        "def helper():\n    pass\n" + "\n" * 300)
+                        "def helper():\n    pass\n" + "\n" * 400)
     _write(pkg, "b.py", "def shown():\n    from .c import later\n\n\ndef _hidden():\n    pass\n")
     _write(pkg, "c.py", "def later():\n    from .a import helper\n")
     _write(pkg, "sub/__init__.py", "")
