@@ -16,10 +16,6 @@ from peft_shardmerge.testing import build_adapter, build_base, compare_logits
 
 def main(workdir: str) -> int:
     logging.basicConfig(level=logging.WARNING)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     base = build_base(os.path.join(workdir, "tiny-llama"), "llama", max_shard_size="200KB")
     adapter = build_adapter(base, os.path.join(workdir, "tiny-adapter"), r=8, lora_alpha=16, use_rslora=True)
     out = os.path.join(workdir, "tiny-llama-merged")

@@ -36,14 +36,22 @@ def selected_adapters(model: nn.Module, adapter_names: list[str] | None = None) 
     names = getattr(model, "active_adapters", None)
     try:
         names = names() if callable(names) else names
-    except Exception:  # noqa: BLE001 - a model without PEFT layers has no active adapter
-        names = None
+    except Exception:  # noqa: BLE001 - no PEFT layers, or transformers refusing the installed PEFT (5.24 with 0.21)
+        names = _layer_adapters(model)
     if not names:
         names = getattr(model, "active_adapter", None)
         names = names() if callable(names) else names
     if isinstance(names, str):
         names = [names]
     return list(names or ["default"])
+
+
+def _layer_adapters(model: nn.Module) -> list[str] | None:
+    """The active adapters of the model's first PEFT layer (what transformers' ``active_adapters`` reads), or None."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layer = next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
+    return None if layer is None else list(layer.active_adapters)
 
 
 def transformers_model(model: nn.Module) -> nn.Module:

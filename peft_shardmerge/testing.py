@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .logits import IMAGE_TOKEN, model_class, model_inputs, token_ids
+from .quiet import quiet_libraries
 
 #: architectures with a tiny config; hidden sizes are multiples of 64 so bitsandbytes' CPU kernels apply
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "bert", "t5", "llava", "qwen2_vl")
@@ -100,13 +101,14 @@ def build_base(folder: str, arch: str = "llama", *, dtype: torch.dtype = torch.f
         >>> build_base("/tmp/tiny-llama")   # doctest: +SKIP
         '/tmp/tiny-llama'
     """
-    torch.manual_seed(seed)
-    config = tiny_config(arch, **overrides)
-    cls = model_class(config)
-    model = (cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)).to(dtype)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, **kwargs)
-    return folder
+    with quiet_libraries():
+        torch.manual_seed(seed)
+        config = tiny_config(arch, **overrides)
+        cls = model_class(config)
+        model = (cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)).to(dtype)
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(folder, **kwargs)
+        return folder
 
 def default_targets(arch: str) -> list[str]:
     """The usual LoRA target modules of an architecture.
@@ -161,19 +163,20 @@ def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, see
         >>> build_adapter("/tmp/tiny-llama", "/tmp/tiny-adapter", r=8, lora_alpha=16)   # doctest: +SKIP
         '/tmp/tiny-adapter'
     """
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig
+    with quiet_libraries():
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(base_folder)
-    arch = arch or config.model_type
-    torch.manual_seed(seed)
-    model = model_class(config).from_pretrained(base_folder, dtype=torch.float32)
-    kw = dict(r=8, lora_alpha=16, target_modules=default_targets(arch))
-    kw.update(lora_kwargs)
-    peft_model = get_peft_model(model, LoraConfig(**kw))
-    perturb_trainable(peft_model, noise)
-    peft_model.save_pretrained(folder)
-    return folder
+        config = AutoConfig.from_pretrained(base_folder)
+        arch = arch or config.model_type
+        torch.manual_seed(seed)
+        model = model_class(config).from_pretrained(base_folder, dtype=torch.float32)
+        kw = dict(r=8, lora_alpha=16, target_modules=default_targets(arch))
+        kw.update(lora_kwargs)
+        peft_model = get_peft_model(model, LoraConfig(**kw))
+        perturb_trainable(peft_model, noise)
+        peft_model.save_pretrained(folder)
+        return folder
 
 def perturb_trainable(model, noise: float = 0.1) -> None:
     """Move every trainable tensor of a model off its initial value, as training would (LoRA B starts at zero,
@@ -219,18 +222,19 @@ def compare_logits(base_folder: str, adapter_folder: str, merged_folder: str, *,
         >>> compare_logits("base", "adapter", "merged") < 1e-4   # doctest: +SKIP
         True
     """
-    from peft import PeftModel
-    from transformers import AutoConfig
+    with quiet_libraries():
+        from peft import PeftModel
+        from transformers import AutoConfig
 
-    cls = model_class(AutoConfig.from_pretrained(base_folder))
-    base = cls.from_pretrained(base_folder, dtype=torch.float32)
-    ref_model = PeftModel.from_pretrained(base, adapter_folder).eval()
-    merged = cls.from_pretrained(merged_folder, dtype=torch.float32).eval()
-    inputs = model_inputs(merged.config, seed=seed)
-    with torch.no_grad():
-        ref = ref_model(**inputs).logits
-        got = merged(**inputs).logits
-    return float((ref - got).abs().max())
+        cls = model_class(AutoConfig.from_pretrained(base_folder))
+        base = cls.from_pretrained(base_folder, dtype=torch.float32)
+        ref_model = PeftModel.from_pretrained(base, adapter_folder).eval()
+        merged = cls.from_pretrained(merged_folder, dtype=torch.float32).eval()
+        inputs = model_inputs(merged.config, seed=seed)
+        with torch.no_grad():
+            ref = ref_model(**inputs).logits
+            got = merged(**inputs).logits
+        return float((ref - got).abs().max())
 
 __all__ = ["ARCHITECTURES", "IMAGE_TOKEN", "tiny_config", "build_base", "build_adapter", "default_targets",
            "model_class", "model_inputs", "perturb_trainable", "token_ids", "compare_logits"]

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 import peft_shardmerge  # noqa: E402
 from peft_shardmerge import InputError, merge_and_save, merge_and_unload, save_pretrained_merged  # noqa: E402
 from peft_shardmerge.testing import build_base, token_ids  # noqa: E402
-from tests.helpers import logits_of, rel_err  # noqa: E402
+from tests.helpers import add_adapter_or_skip, logits_of, rel_err
 from tests.test_inprocess import reference_logits, train_one_step  # noqa: E402
 
 NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -57,24 +57,28 @@ def bf16_base(tmp_path_factory):
 # --- trust: what the default reproduces -----------------------------------------------------------------------
 
 
-def test_default_reproduces_the_trained_4bit_model_however_the_adapter_was_attached(bf16_base, tmp_path):
+@pytest.mark.parametrize("attach", ["get_peft_model", "add_adapter"])
+def test_default_reproduces_the_trained_4bit_model_however_the_adapter_was_attached(attach, bf16_base, tmp_path):
     """PeftModel (get_peft_model) and transformers' add_adapter get the same default, and it is the trained model."""
     ids = token_ids(512, seed=3)
-    model = peft_qlora(bf16_base)
-    ref = reference_logits(model, ids)
-    report = merge_and_save(model, str(tmp_path / "peft"), dtype="float32", progress=False)
-    assert report.base_precision == "dequantized"
-    assert report.reproduces.startswith("the trained model")
-    assert "'original' would merge into" in report.notes[0] and "% from the trained model's" in report.notes[0]
-    assert rel_err(logits_of(str(tmp_path / "peft"), ids), ref) < 1e-5
-    assert "reproduces the trained model" in report.summary()
+    if attach == "get_peft_model":
+        model = peft_qlora(bf16_base)
+        ref = reference_logits(model, ids)
+        report = merge_and_save(model, str(tmp_path / "peft"), dtype="float32", progress=False)
+        assert report.base_precision == "dequantized"
+        assert report.reproduces.startswith("the trained model")
+        assert "'original' would merge into" in report.notes[0] and "% from the trained model's" in report.notes[0]
+        assert rel_err(logits_of(str(tmp_path / "peft"), ids), ref) < 1e-5
+        assert "reproduces the trained model" in report.summary()
+        return
 
     plain = AutoModelForCausalLM.from_pretrained(bf16_base, quantization_config=BitsAndBytesConfig(**NF4),
                                                  dtype=torch.float32)
     for m in plain.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False
-    plain.add_adapter(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    add_adapter_or_skip(plain, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                          init_lora_weights=False))
     ref = reference_logits(plain, ids)
     report = merge_and_save(plain, str(tmp_path / "add_adapter"), dtype="float32", progress=False)
     assert report.base_precision == "dequantized" and report.reproduces.startswith("the trained model")
@@ -151,9 +155,9 @@ def test_a_model_loaded_in_fp32_is_written_in_the_checkpoints_own_dtype(bf16_bas
     fp32 = build_base(str(tmp_path / "fp32"), "llama", dtype=torch.float32)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32),
                            LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False))
-    report = merge_and_save(model, str(tmp_path / "n"), progress=False)
-    assert report.dtype == "bfloat16" and any("pass dtype='float32' to keep float32" in n for n in report.notes)
-    assert merge_and_save(model, str(tmp_path / "a"), dtype="auto", progress=False).dtype == "bfloat16"
+    report = merge_and_save(model, str(tmp_path / "n"), progress=False)  # the base's own dtype, as from disk
+    assert report.dtype == "float32" and any("the checkpoint's own" in n for n in report.notes)
+    assert merge_and_save(model, str(tmp_path / "a"), dtype="auto", progress=False).dtype == "float32"
 
 
 # --- Unsloth's call sites -------------------------------------------------------------------------------------
@@ -319,7 +323,7 @@ def test_cli_summary_once_quiet_dtype_aliases_and_bare_help(tmp_path):
     r = _cli("merge", base, adapter, str(tmp_path / "a"), "--dtype", "bf16")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("LoRA modules merged 14/14") == 1 and "LoRA modules merged" not in r.stderr
-    assert "reproduces the original base + adapter (for a QLoRA adapter, not the 4-bit model" in r.stdout
+    assert "reproduces the original base + adapter: the trained model for an adapter trained on this base" in r.stdout
     assert json.load(open(tmp_path / "a" / "config.json"))["dtype"] == "bfloat16"
     r = _cli("merge", base, adapter, str(tmp_path / "b"), "-q")
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""

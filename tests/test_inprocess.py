@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 from peft_shardmerge.inprocess import merge_and_save  # noqa: E402
 from peft_shardmerge.testing import default_targets, token_ids  # noqa: E402
-from tests.helpers import logits_of, rel_err  # noqa: E402
+from tests.helpers import add_adapter_or_skip, logits_of, rel_err
 
 
 def load_quantized(base: str, quant: str, compute_dtype=torch.float32, double_quant=True, dtype=torch.float32):
@@ -530,7 +530,8 @@ def test_transformers_model_with_add_adapter(make_base, tmp_path):
     """A LoRA attached with transformers' add_adapter (no PeftModel): 'auto' merges the in-memory base."""
     base = make_base("llama")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model.add_adapter(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    add_adapter_or_skip(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                          init_lora_weights=False))
     ids = token_ids(model.config.vocab_size, seed=3)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
@@ -538,6 +539,35 @@ def test_transformers_model_with_add_adapter(make_base, tmp_path):
     report = merge_and_save(model, out, dtype="float32", progress=False)
     assert report.base_precision == "dequantized" and "not a PeftModel" in report.notes[0]
     assert report.lora_modules_merged == 4
+    assert rel_err(logits_of(out, ids), ref) < 1e-5
+
+
+def test_a_model_whose_transformers_refuses_its_peft_merges_as_before(make_base, tmp_path, monkeypatch):
+    """Where transformers' own PEFT integration refuses the installed PEFT (5.24 with 0.21), a model a LoRA was
+    attached to merges as before: the active adapter is read off its LoRA layers, not asked of transformers."""
+    import transformers.integrations.peft as hf_peft
+
+    from peft_shardmerge.model_check import selected_adapters
+
+    model = AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32)
+    monkeypatch.setattr(hf_peft, "check_peft_version", lambda min_version: None)
+    model.add_adapter(LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False), adapter_name="mine")
+    model.add_adapter(LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False), adapter_name="other")
+    model.set_adapter("mine")
+
+    def refuse(min_version):
+        raise ValueError("The version of PEFT you are using is not compatible, please use a version >= 0.22.0")
+
+    monkeypatch.setattr(hf_peft, "check_peft_version", refuse)
+    with pytest.raises(ValueError, match="0.22.0"):
+        model.active_adapters()
+    assert selected_adapters(model) == ["mine"]
+    ids = token_ids(model.config.vocab_size, seed=3)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    out = str(tmp_path / "m")
+    report = merge_and_save(model, out, dtype="float32", progress=False)
+    assert report.lora_modules_merged == 2
     assert rel_err(logits_of(out, ids), ref) < 1e-5
 
 

@@ -90,7 +90,7 @@ def test_sft_lora_merge_and_save_and_the_saved_adapter(base, tmp_path):
     assert rel_err(base_logits(base, ids), want) > 100 * TOL  # the adapter moved the model
 
     merge_and_save(trainer.model, str(tmp_path / "merged"))  # docs/after-training.md, "From a TRL script"
-    assert json.load(open(tmp_path / "merged" / "config.json"))["dtype"] == "bfloat16"  # 16-bit by default
+    assert json.load(open(tmp_path / "merged" / "config.json"))["dtype"] == "float32"  # the base's own by default
     assert rel_err(logits_of(str(tmp_path / "merged"), ids), want) < 2e-2  # bf16 rounding of every weight
     merge_and_save(trainer.model, str(tmp_path / "merged-fp32"), dtype="float32")
     assert rel_err(logits_of(str(tmp_path / "merged-fp32"), ids), want) < TOL

@@ -1,0 +1,145 @@
+"""A quiet first run: the demo, the command line, merge_checkpoint and merge_and_save print our own output only
+(unless -v), DeepSpeed is imported only for a DeepSpeed engine, and the user's logging, warning and progress-bar
+settings are as they were after a merge."""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from peft_shardmerge import merge_and_save, merge_checkpoint
+from peft_shardmerge.quiet import DEEPSPEED_LOGGER, quiet_libraries
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: what the libraries printed on a first run before (DeepSpeed, bitsandbytes, transformers' warning and bars)
+FOREIGN = ("Setting accelerator to CPU", "Failed to load CPU gemm_4bit_forward", "kernels-community",
+           "is_gradient_checkpointing", "FutureWarning", "Loading weights", "[WARNING]")
+
+
+@pytest.fixture
+def deepspeed_imports(monkeypatch):
+    """The ``deepspeed`` modules imported from now on (every import statement, whether loaded before or not)."""
+    seen: list[str] = []
+    real = builtins.__import__
+
+    def recording(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name.split(".")[0] == "deepspeed":
+            seen.append(name)
+        return real(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", recording)
+    return seen
+
+
+def _foreign(text: str) -> list[str]:
+    return [s for s in FOREIGN if s in text]
+
+
+def test_a_disk_merge_imports_no_deepspeed(make_base, make_adapter, tmp_path, deepspeed_imports):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    loaded_before = "deepspeed" in sys.modules  # building them took transformers' save_pretrained, which imports it
+    deepspeed_imports.clear()
+    report = merge_checkpoint(base, adapter, str(tmp_path / "m"), dtype="float32", progress=False)
+    assert report.lora_modules_merged == 14
+    assert deepspeed_imports == []
+    assert loaded_before or "deepspeed" not in sys.modules
+
+
+def test_merge_and_save_imports_no_deepspeed(make_base, make_adapter, tmp_path, deepspeed_imports):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    with quiet_libraries():
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    deepspeed_imports.clear()  # what loading the model did is transformers' and PEFT's, not ours
+    report = merge_and_save(model, str(tmp_path / "m"), dtype="float32", base_precision="dequantized",
+                            progress=False)
+    assert report.lora_modules_merged == 14
+    assert deepspeed_imports == []
+
+
+def _settings() -> tuple:
+    """The global settings a merge must leave as it found them."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    levels = tuple(logging.getLogger(n).level for n in ("transformers", "bitsandbytes", "peft", DEEPSPEED_LOGGER))
+    return (levels, tuple(logging.getLogger(DEEPSPEED_LOGGER).filters), hf_logging.is_progress_bar_enabled(),
+            are_progress_bars_disabled(), list(warnings.filters))
+
+
+@pytest.mark.parametrize("bars", [True, False])
+def test_the_libraries_are_held_back_for_the_call_and_restored_after(bars):
+    from transformers.utils import logging as hf_logging
+
+    (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+    bnb_logger = logging.getLogger("bitsandbytes")
+    bnb_level = bnb_logger.level
+    bnb_logger.setLevel(logging.INFO)  # a user's own setting, kept
+    try:
+        before = _settings()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with quiet_libraries():
+                assert not hf_logging.is_progress_bar_enabled()
+                for name in ("transformers.modeling_utils", "bitsandbytes.backends.cpu.ops", "accelerate.utils"):
+                    assert not logging.getLogger(name).isEnabledFor(logging.WARNING), name
+                    assert logging.getLogger(name).isEnabledFor(logging.ERROR), name
+                record = logging.LogRecord(DEEPSPEED_LOGGER, logging.WARNING, "x.py", 1, "Setting accelerator", (),
+                                           None)
+                assert not logging.getLogger(DEEPSPEED_LOGGER).filter(record)
+                warnings.warn_explicit("deprecated", FutureWarning, "modeling_utils.py", 1,
+                                       module="transformers.modeling_utils")
+                warnings.warn_explicit("ours", UserWarning, "inprocess.py", 1, module="peft_shardmerge.inprocess")
+                warnings.filterwarnings("ignore", message="a filter an import adds")  # numpy's, scipy's, ...
+            assert [str(w.message) for w in caught] == ["ours"]
+            assert warnings.filters[0][1].pattern == "a filter an import adds"  # kept
+        assert _settings() == before
+    finally:
+        hf_logging.enable_progress_bar()
+        bnb_logger.setLevel(bnb_level)
+
+
+def test_debug_logging_holds_nothing_back():
+    ours = logging.getLogger("peft_shardmerge")
+    level = ours.level
+    ours.setLevel(logging.DEBUG)  # what peft-shardmerge -v amounts to
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with quiet_libraries():
+                warnings.warn_explicit("deprecated", FutureWarning, "modeling_utils.py", 1,
+                                       module="transformers.modeling_utils")
+    finally:
+        ours.setLevel(level)
+    assert [str(w.message) for w in caught] == ["deprecated"]
+
+
+@pytest.mark.slow
+def test_the_command_line_prints_only_our_output_and_imports_no_deepspeed(make_base, make_adapter, tmp_path):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    code = ("import sys; from peft_shardmerge.cli import main; code = main(sys.argv[1:]); "
+            "print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(code)")
+    r = subprocess.run([sys.executable, "-c", code, "merge", base, adapter, str(tmp_path / "m"), "--dtype", "float32"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "LoRA modules merged 14/14" in r.stdout and "deepspeed imported: False" in r.stdout
+    assert _foreign(r.stdout + r.stderr) == [], r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_the_demo_prints_only_our_output(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("->  MATCH")
+    assert _foreign(r.stdout + r.stderr) == [], r.stdout + r.stderr
+    assert all(line.startswith("merging") or not line.strip() for line in r.stderr.splitlines()), r.stderr
