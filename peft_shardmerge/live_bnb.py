@@ -114,12 +114,16 @@ def logical_shape(module: nn.Module) -> tuple[int, ...]:
 
 
 def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None = None) -> torch.Tensor:
-    """The float32 weight of a module, dequantized on ``device`` when it is a bitsandbytes weight.
+    """The float32 weight of a module, dequantized on ``device`` when it is a bitsandbytes weight (4-bit: by the
+    format's definition, :func:`~peft_shardmerge.quant.dequantize_state`, the function the disk path applies to the
+    stored bytes; never bitsandbytes' CPU ``dequantize_4bit``, wrong on rows that are not whole 64-value blocks).
 
     A 4-bit weight that bitsandbytes repacked for its CPU kernel (``quant_state.packing_format_for_cpu``,
     after an eval-mode forward on a CPU with AVX512-BF16) is unpacked on a copy: the 4-bit codes are
     recovered exactly; the block scales were stored in bf16 by the repacking, so each block's scale is
-    off by at most 2^-9 relative (noted in ``notes``). The module itself is never changed. A 4-bit layer
+    off by at most 2^-9 relative (noted in ``notes``). A weight whose repacking bitsandbytes already undid in place
+    (a ``state_dict()``, e.g. PEFT's ``save_pretrained``, re-quantizes those bf16 scales) is noted too: it is not the
+    base the model was trained on either. The module itself is never changed. A 4-bit layer
     sharded by FSDP is read from its gathered bytes with the quant state kept on the module.
 
     Args:
@@ -142,13 +146,15 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
     kind = bnb_layer_kind(holder)
     if kind is None:
         return weight.detach().to(device=device, dtype=torch.float32, copy=True)
-    from .quant import require_bitsandbytes
+    from .quant import dequantize_state, require_bitsandbytes
 
-    F = require_bitsandbytes()
+    require_bitsandbytes()
     if kind == "8bit":
+        from .quant import dequantize_int8_exact
+
         cb = weight.data.to(device)
         scb = weight.SCB if getattr(weight, "SCB", None) is not None else holder.state.SCB
-        return F.int8_vectorwise_dequant(cb, scb.to(device)).to(torch.float32)
+        return dequantize_int8_exact(cb, scb)  # the format's definition in float32, as from disk
     qs = quant_state_of(holder)
     data = weight.data
     storage = getattr(weight, "quant_storage", None) or getattr(holder, "quant_storage", None)
@@ -159,13 +165,15 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
         data, qs = _unpack_cpu_format(data, qs)
         if notes is not None:
             notes.append("repacked")
+    elif getattr(qs, "original_qshape", None) is not None and notes is not None:
+        notes.append("repacked")  # repacked, then undone in place by a state_dict() (PEFT's save_pretrained): lossy
     expected = (qs.shape.numel() + 1) // 2
     if hasattr(data, "placements") or data.numel() * data.element_size() != expected:
         raise MergeCheckError(f"the 4-bit weight of {type(holder).__name__}{tuple(qs.shape)} holds "
                               f"{data.numel() * data.element_size()} bytes, not the {expected} of the whole weight "
                               "(a sharded weight that was not gathered)")
     qs = _quant_state_on(qs, device) if qs.absmax.device != device else qs
-    return F.dequantize_4bit(data.to(device), qs).to(torch.float32)
+    return dequantize_state(data.to(device), qs).to(torch.float32)  # the definition, as from disk
 
 
 def _quant_state_on(qs, device: torch.device):

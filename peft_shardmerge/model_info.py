@@ -25,6 +25,7 @@ class ModelInfo:
         input_embedding: the input embedding's weight name.
         output_embedding: the output embedding's weight name.
         state_names: every parameter/buffer name the class expects.
+        buffers: every buffer the class holds, persistent or not (``embeddings.position_ids``, ``inv_freq``).
         shapes: the expected shape of each of them.
         tie_enabled: whether the config ties the output embedding to the input embedding.
         layers: the allowlist's kind of each module that holds parameters (``{"model.layers.0.mlp.up_proj":
@@ -43,6 +44,35 @@ class ModelInfo:
     tie_enabled: bool = False
     conversions: tuple = ((), (), (), "")
     layers: dict[str, str] = field(default_factory=dict)
+    buffers: set[str] = field(default_factory=set)
+    _adjust_keys: object = field(default=None, repr=False, compare=False)
+
+    def load_ignores(self, keys: list[str], *, missing: bool = False) -> set[str]:
+        """The keys ``from_pretrained`` drops without a warning, asked of transformers (the class's
+        ``_keys_to_ignore_on_load_unexpected`` / ``_keys_to_ignore_on_load_missing`` and the buffers it moved,
+        e.g. ``position_ids`` or ``rotary_emb.inv_freq`` that older checkpoints store).
+
+        Args:
+            keys: in-memory names a checkpoint has that the class does not (``missing=False``), or that the class
+                expects and the checkpoint lacks (``missing=True``).
+            missing: which of the two ``keys`` are.
+
+        Returns:
+            The subset of ``keys`` transformers does not report; empty when the class is unknown.
+
+        Example:
+            >>> ModelInfo().load_ignores(["embeddings.position_ids"])
+            set()
+        """
+        if self._adjust_keys is None or not keys:
+            return set()
+        from types import SimpleNamespace
+
+        # the two sets of transformers' LoadStateDictInfo that _adjust_missing_and_unexpected_keys filters in place
+        report = SimpleNamespace(missing_keys=set(keys) if missing else set(),
+                                 unexpected_keys=set() if missing else set(keys))
+        self._adjust_keys(report)
+        return set(keys) - (report.missing_keys if missing else report.unexpected_keys)
 
     def memory_names(self, file_keys: "list[str]") -> dict[str, tuple[str, bool]]:
         """The in-memory name each checkpoint key loads into, as ``from_pretrained`` renames it (transformers'
@@ -198,6 +228,8 @@ def inspect_model(folder: "str | object", model_class: type | None = None) -> Mo
     info.conversions = _conversions(model)
     state = model.state_dict()
     info.state_names = set(state.keys())
+    info.buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    info._adjust_keys = getattr(model, "_adjust_missing_and_unexpected_keys", None)  # transformers' own rule
     info.shapes = {k: tuple(v.shape) for k, v in state.items()}
     info.tie_enabled = tie_enabled(config)  # the one tie policy (ties.py), also the plan's
     skip = set(get_keys_to_not_convert(model))

@@ -156,7 +156,8 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
     state.update(dict(model.named_buffers(remove_duplicate=False)))
     adapter_state = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
     os.makedirs(folder, exist_ok=True)
-    save_file({k: v.detach().to("cpu").clone() for k, v in adapter_state.items()},  # tied aliases apart
+    # a copy each (tied aliases apart), contiguous (add_weighted_adapter's "svd" factors are transposed views)
+    save_file({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in adapter_state.items()},
               os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
     model.peft_config[adapter].save_pretrained(folder)
 
@@ -277,7 +278,7 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
                             generation_config=valid_generation_config(inner))
         result = ModelPlan(plan_live(source, out_dtype, limit, opts.chunk_elems), "")
     result.plan.adapter_text = in_memory_text(adapters, weight_map)
-    result.reproduces = reproduces
+    result.reproduces = result.plan.reproduces = reproduces
     result.plan.notes[:0] = [f"base precision {base_precision!r}: {note}"] + ([dtype_note] if dtype_note else [])
     return result
 
@@ -309,7 +310,7 @@ def _plan_from_original(model, inner, original, out_dir, out_dtype, opts: MergeO
         plan = plan_checkpoint_merge(original, folders[0] if len(folders) == 1 else folders,
                                      os.path.join(folder.name, "out") if out_dir is None else out_dir,
                                      weights=[weight_map[a] for a in adapters] if weight_map else None,
-                                     combination=opts.combination, dtype=out_dtype,
+                                     combination=opts.combination, dtype=out_dtype, base_precision="original",
                                      max_shard_size=opts.max_shard_size, device=device, overwrite=opts.overwrite,
                                      chunk_elems=opts.chunk_elems)
     except BaseException as e:

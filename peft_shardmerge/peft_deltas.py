@@ -94,14 +94,42 @@ def param_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
         >>> param_delta(model.model.layers[0].mlp.experts, "default").dtype   # doctest: +SKIP
         torch.float32
     """
-    a, b = layer.lora_A[adapter].weight.detach().float(), layer.lora_B[adapter].weight.detach().float()
     if layer.num_experts == 1:  # a 2-D parameter: PEFT's delta is B @ A, in the weight's [out, in]
+        a, b = layer.lora_A[adapter].weight.detach().float(), layer.lora_B[adapter].weight.detach().float()
         return (b @ a) * layer.scaling[adapter]
+    lhs, rhs, scaling = expert_factors(layer, adapter)
+    return (lhs @ rhs) * scaling
+
+
+def expert_factors(layer: torch.nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """PEFT's ``get_delta_factors`` of LoRA on fused experts, in float32: ``(lhs, rhs, scaling)`` with the delta
+    ``scaling * lhs @ rhs`` per expert, laid out as PEFT lays them out, but taken from the ``lora_A``/``lora_B``
+    weights as stored (PEFT casts them to the parameter's dtype first, bf16 for a bf16 model).
+
+    Args:
+        layer: the ``ParamWrapper`` over a 3-D expert parameter.
+        adapter: the adapter name.
+
+    Returns:
+        ``lhs`` ``[experts, rows, rank]``, ``rhs`` ``[experts, rank, cols]`` (float32) and the scaling.
+
+    Example:
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+        >>> cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                      num_key_value_heads=1, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8)
+        >>> moe = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+        >>> peft = get_peft_model(moe, LoraConfig(r=2, target_parameters=["mlp.experts.down_proj"]))
+        >>> lhs, rhs, scaling = expert_factors(peft.base_model.model.model.layers[0].mlp.experts, "default")
+        >>> lhs.dtype, tuple(lhs.shape), tuple(rhs.shape), scaling
+        (torch.float32, (2, 16, 2), (2, 2, 8), 4.0)
+    """
+    a, b = layer.lora_A[adapter].weight.detach().float(), layer.lora_B[adapter].weight.detach().float()
     experts = layer.num_experts
     a = a.reshape(experts, -1, a.shape[-1])  # (experts, rank, in)
     b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)  # (experts, out, rank)
     lhs, rhs = (b, a) if layer._did_swap_in_out_features else (a.transpose(-2, -1), b.transpose(-2, -1))
-    return (lhs @ rhs) * layer.scaling[adapter]
+    return lhs, rhs, layer.scaling[adapter]
 
 
 @dataclass
@@ -163,8 +191,8 @@ class PeftLayers:
         if rows is None or file_key not in rows:
             return None
         expert, index = rows[file_key]
-        lhs, rhs, scaling = op.layer.get_delta_factors(ADAPTER)
-        return (lhs[expert][index].float() @ rhs[expert].float()) * scaling
+        lhs, rhs, scaling = expert_factors(op.layer, ADAPTER)  # float32, not PEFT's factors cast to the base dtype
+        return (lhs[expert][index] @ rhs[expert]) * scaling
 
     def _expert_rows(self, shape: torch.Size, memory_name: str) -> dict[str, tuple[int, torch.Tensor]] | None:
         if len(shape) != 3:

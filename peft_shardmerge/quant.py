@@ -93,7 +93,94 @@ def quantize_roundtrip(weight: torch.Tensor, settings: Nf4Settings) -> torch.Ten
         compress_statistics=settings.double_quant,
         quant_type=settings.quant_type,
     )
-    return F.dequantize_4bit(q, state).to(torch.float32).reshape(weight.shape)
+    return dequantize_state(q, state).to(torch.float32).reshape(weight.shape)
+
+
+def dequantize_4bit_exact(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
+                          numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The 4-bit format's definition applied to packed bytes: value ``i`` is ``code[q_i] * absmax[i // blocksize]``
+    in float32, rounded once to ``dtype``; ``q_{2j}`` is the high nibble of byte ``j``, ``q_{2j+1}`` the low one.
+
+    The weight is quantized flat, whatever its shape, so this works on the flat elements; bitsandbytes' CPU
+    ``dequantize_4bit`` instead takes blocks per row and is wrong where a row is not whole blocks (hidden size 96).
+
+    Args:
+        packed: the packed bytes (uint8, any shape) of elements ``[0, numel)`` of a run starting on a block boundary.
+        absmax: the float32 scale of each block of that run (double quant already undone).
+        code: the 16-entry code book (``bitsandbytes.functional.get_4bit_type``).
+        blocksize: values per absmax.
+        numel: how many values to return.
+        dtype: the dtype the values are rounded to (the quant state's ``dtype``).
+
+    Returns:
+        A flat tensor of ``numel`` values in ``dtype``.
+
+    Example:
+        >>> nf4 = torch.linspace(-1, 1, 16)
+        >>> dequantize_4bit_exact(torch.tensor([0x0F], dtype=torch.uint8), torch.tensor([2.0]), nf4, 64, 2,
+        ...                       torch.float32).tolist()
+        [-2.0, 2.0]
+    """
+    flat = packed.reshape(-1).view(torch.uint8)
+    q = torch.stack([flat >> 4, flat & 0xF], dim=1).reshape(-1)[:numel].long()
+    scale = absmax.to(torch.float32).repeat_interleave(blocksize)[:numel]
+    return (code.to(device=flat.device, dtype=torch.float32)[q] * scale.to(flat.device)).to(dtype)
+
+
+def dequantize_blockwise_exact(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                               blocksize: int) -> torch.Tensor:
+    """The 8-bit blockwise format's definition (double quant's absmax): ``code[c_i] * absmax[i // blocksize]`` in
+    float32.
+
+    Args:
+        codes: uint8 codes of a run starting on a block boundary.
+        absmax: the float32 scale of each block of that run.
+        code: the 256-entry code book.
+        blocksize: codes per scale.
+
+    Returns:
+        A flat float32 tensor, one value per code.
+
+    Example:
+        >>> dequantize_blockwise_exact(torch.tensor([0, 255], dtype=torch.uint8), torch.tensor([3.0]),
+        ...                            torch.linspace(-1, 1, 256), 256).tolist()
+        [-3.0, 3.0]
+    """
+    flat = codes.reshape(-1).long()
+    scale = absmax.to(torch.float32).repeat_interleave(blocksize)[:flat.numel()]
+    return code.to(device=codes.device, dtype=torch.float32)[flat] * scale.to(codes.device)
+
+
+def dequantize_state(packed: torch.Tensor, state) -> torch.Tensor:
+    """A whole 4-bit weight dequantized by :func:`dequantize_4bit_exact` from its packed bytes and bitsandbytes
+    ``QuantState`` (double quant undone by :func:`dequantize_blockwise_exact`, plus the state's offset).
+
+    Args:
+        packed: the packed bytes in bitsandbytes' usual layout (not repacked for the CPU kernel).
+        state: its ``QuantState``.
+
+    Returns:
+        The weight, of the state's shape and dtype, on ``packed``'s device.
+
+    Raises:
+        MissingDependencyError: bitsandbytes is not installed.
+
+    Example:
+        >>> F = require_bitsandbytes()
+        >>> w = torch.linspace(-1, 1, 288).reshape(3, 96)  # rows of 1.5 blocks
+        >>> q, state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        >>> back = dequantize_state(q, state)
+        >>> back.shape, float((back - w).abs().max()) < 0.16  # within half the widest NF4 step
+        (torch.Size([3, 96]), True)
+    """
+    F = require_bitsandbytes()
+    absmax = state.absmax
+    if getattr(state, "nested", False):
+        s2 = state.state2
+        absmax = dequantize_blockwise_exact(absmax, s2.absmax, s2.code, s2.blocksize) + state.offset.to(torch.float32)
+    code = F.get_4bit_type(state.quant_type, device=packed.device)
+    numel = state.shape.numel()
+    return dequantize_4bit_exact(packed, absmax, code, state.blocksize, numel, state.dtype).reshape(state.shape)
 
 
 #: characters reserved for the ``nested_offset`` float in a packed quant state (the longest ``repr`` of a float)
@@ -209,3 +296,32 @@ def pad_quant_state(packed: torch.Tensor, length: int) -> torch.Tensor:
     if len(data) > length:
         raise ValueError(f"quant state of {len(data)} bytes does not fit the {length} reserved")
     return torch.frombuffer(bytearray(data.ljust(length, b" ")), dtype=torch.uint8)
+
+
+#: rows of an LLM.int8 weight dequantized in float64 at a time (keeps the float64 temporaries to a few MiB)
+_INT8_STEP_ELEMS = 1 << 18
+
+
+def dequantize_int8_exact(codes: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
+    """The LLM.int8 format's definition applied to stored rows: ``codes * SCB[row] / 127`` in float64 (the product
+    exact), rounded to float32; the one int8 dequantization of every path. bitsandbytes'
+    ``int8_vectorwise_dequant`` multiplies by a float32 reciprocal of 127 instead, one float32 step off in some
+    elements.
+
+    Args:
+        codes: int8 codes ``[rows, columns]``.
+        scb: the float row scales (``SCB``), one per row.
+
+    Returns:
+        The float32 rows, on ``codes``' device.
+
+    Example:
+        >>> dequantize_int8_exact(torch.tensor([[127, -64]], dtype=torch.int8), torch.tensor([0.5])).tolist()
+        [[0.5, -0.25196850299835205]]
+    """
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    scale = scb.to(device=codes.device, dtype=torch.float64).reshape(-1, 1)
+    step = max(1, _INT8_STEP_ELEMS // max(1, codes.shape[-1]))
+    for r in range(0, codes.shape[0], step):
+        out[r:r + step] = codes[r:r + step].to(torch.float64).mul_(scale[r:r + step]).div_(127)
+    return out

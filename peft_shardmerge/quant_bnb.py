@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from .errors import CorruptFileError, InputError, MissingDependencyError
+from .quant import dequantize_4bit_exact, dequantize_blockwise_exact, dequantize_int8_exact
 from .quantized import Decoder, QuantView, logical_info, model_dtype_name, recorded_dtype_name
 from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, RowReader, TensorInfo
 
@@ -25,8 +26,8 @@ BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 MAX_STATE_BYTES = 65536  # a packed quant state is about 200 bytes; anything far larger is not one
 #: model types with transformers' Conv1D projections ([in, out]), which bitsandbytes quantizes transposed
 CONV1D_MODELS = {"gpt2", "openai-gpt", "imagegpt", "decision_transformer", "clvp"}
-METHOD_4BIT = "bitsandbytes.functional.dequantize_4bit"
-METHOD_8BIT = "bitsandbytes.functional.int8_vectorwise_dequant"
+METHOD_4BIT = "the 4-bit format's definition (peft_shardmerge.quant.dequantize_4bit_exact)"
+METHOD_8BIT = "the LLM.int8 format's definition (peft_shardmerge.quant.dequantize_int8_exact)"
 
 
 def _functional():
@@ -42,14 +43,15 @@ def _functional():
 
 @dataclass(frozen=True)
 class Bnb4bitDecoder(Decoder):
-    """Rows of one 4-bit (NF4/FP4) weight, dequantized by ``bitsandbytes.functional.dequantize_4bit`` on just the
+    """Rows of one 4-bit (NF4/FP4) weight, dequantized by the format's definition
+    (:func:`~peft_shardmerge.quant.dequantize_4bit_exact`, the one dequantization of every path) on just the
     quantization blocks that hold them.
 
     The weight ``[out, in]`` is quantized flat, in blocks of ``blocksize`` values with one absmax each: rows
     ``[start, stop)`` are flat elements ``[start * in, stop * in)``, extended to whole blocks, whose packed bytes (two
     values a byte) and absmax are read, dequantized and cut. With double quant the absmax are 8-bit codes in blocks
     of ``nested_blocksize`` with one float32 scale each, read over whole nested blocks and dequantized as
-    ``dequantize_4bit`` does. Every step is elementwise per block: the rows equal those of the whole weight.
+    ``dequantize_4bit`` does (:func:`~peft_shardmerge.quant.dequantize_blockwise_exact`, plus the offset). Every step is elementwise per block: the rows equal those of the whole weight.
 
     Attributes:
         stored: ``(packed weight, absmax, quant_map, quant_state[, nested_absmax, nested_quant_map])``.
@@ -76,7 +78,6 @@ class Bnb4bitDecoder(Decoder):
 
     def decode(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
         """The rows dequantized (:meth:`~peft_shardmerge.quantized.Decoder.rows`)."""
-        functional = _functional()
         numel = math.prod(self.shape)
         row = numel // self.shape[0] if self.shape[0] else 0
         first, last = start * row, stop * row
@@ -85,12 +86,11 @@ class Bnb4bitDecoder(Decoder):
         b0, b1 = first // self.blocksize, -(-last // self.blocksize)
         lo, hi = b0 * self.blocksize, min(b1 * self.blocksize, numel)
         packed = reader.read_rows(self.stored[0], lo // 2, -(-hi // 2)).clone()  # the reader's buffer is reused
-        state = functional.QuantState(absmax=self._absmax(functional, reader, b0, b1), shape=torch.Size([hi - lo]),
-                                      blocksize=self.blocksize, quant_type=self.quant_type, dtype=self.state_dtype)
-        flat = functional.dequantize_4bit(packed, state).reshape(-1)  # bitsandbytes returns (1, n) for a 1-D shape
+        flat = dequantize_4bit_exact(packed, self._absmax(reader, b0, b1), reader.read(self.stored[2]),
+                                     self.blocksize, hi - lo, self.state_dtype)
         return flat[first - lo:last - lo].reshape(stop - start, *self.shape[1:]).to(self.dtype)
 
-    def _absmax(self, functional, reader: RowReader, b0: int, b1: int) -> torch.Tensor:
+    def _absmax(self, reader: RowReader, b0: int, b1: int) -> torch.Tensor:
         """The float32 absmax of blocks ``[b0, b1)``, undoing double quant over the whole nested blocks they lie in."""
         if not self.nested_blocksize:
             return reader.read_rows(self.stored[1], b0, b1).clone()
@@ -98,20 +98,18 @@ class Bnb4bitDecoder(Decoder):
         n0, n1 = b0 // nbs, -(-b1 // nbs)
         codes = reader.read_rows(self.stored[1], n0 * nbs, min(n1 * nbs, blocks)).clone()
         scales = reader.read_rows(self.stored[4], n0, n1).clone()
-        nested = functional.QuantState(absmax=scales, blocksize=nbs, code=reader.read(self.stored[5]),
-                                       dtype=torch.float32)
         # as dequantize_4bit does with QuantState.from_dict's state2 and offset
-        absmax = functional.dequantize_blockwise(codes, nested)
-        absmax += torch.tensor(self.nested_offset)
-        if absmax.dtype != torch.float32:
-            absmax = absmax.float()
+        absmax = dequantize_blockwise_exact(codes, scales, reader.read(self.stored[5]), nbs)
+        absmax += torch.tensor(self.nested_offset, dtype=torch.float32)
         return absmax[b0 - n0 * nbs:b1 - n0 * nbs]
 
 
 @dataclass(frozen=True)
 class Bnb8bitDecoder(Decoder):
-    """Rows of one LLM.int8 weight: int8 codes times their row's scale (``SCB``) / 127, by
-    ``bitsandbytes.functional.int8_vectorwise_dequant`` on just those rows, then cast as ``model.dequantize()`` does.
+    """Rows of one LLM.int8 weight: int8 codes times their row's scale (``SCB``) / 127, the format's definition
+    (:func:`~peft_shardmerge.quant.dequantize_int8_exact`) on just those rows, in float32. They are not cast to the
+    logical dtype here: the merge adds the adapter's float32 delta and casts once (a weight without a delta is cast
+    once too, as ``model.dequantize()`` casts bitsandbytes' float32 result once).
 
     Attributes:
         stored: ``(int8 weight, SCB)``, then ``weight_format`` when stored.
@@ -128,7 +126,7 @@ class Bnb8bitDecoder(Decoder):
         """The rows dequantized (:meth:`~peft_shardmerge.quantized.Decoder.rows`)."""
         codes = reader.read_rows(self.stored[0], start, stop).clone()  # the reader's buffer is reused
         scales = reader.read_rows(self.stored[1], start, stop).clone()
-        return _functional().int8_vectorwise_dequant(codes, scales).to(self.dtype)
+        return dequantize_int8_exact(codes, scales)  # float32: cast once, after the delta is added
 
 
 def _bits(qc: dict, tensors: list[TensorInfo]) -> int:

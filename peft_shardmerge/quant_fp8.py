@@ -33,7 +33,7 @@ DEFAULT_BLOCK = (128, 128)
 
 @dataclass(frozen=True)
 class Fp8Decoder(Decoder):
-    """Rows of one FP8 weight ``[out, in]``, dequantized as ``fp8.to(float32) * scale_inv`` of their block, then cast.
+    """Rows of one FP8 weight ``[out, in]``, dequantized as ``fp8.to(float32) * scale_inv`` of their block, in float32.
 
     Transformers' loader (``FineGrainedFP8Config(dequantize=True)``, the route it takes on a machine without a
     GPU) derives the block from the scale grid (``rows // scale_rows``), which is the block only when both sides
@@ -42,8 +42,9 @@ class Fp8Decoder(Decoder):
     last block, as transformers' own FP8 matmul and the DeepSeek and vLLM kernels read it. So each row gets the
     float32 scales of its row block (``scale_inv[row // block[0]]``, one per column block), the columns are padded
     with zeros to whole blocks, and transformers' ``Fp8Dequantize`` does the arithmetic on that piece, where the
-    block it derives (one row by ``block[1]`` columns) is the true one. Its result is float32; it is sliced back to
-    the weight's columns and cast once to the logical dtype, as transformers casts its float32 product once.
+    block it derives (one row by ``block[1]`` columns) is the true one. Its result is float32 and is returned as is,
+    sliced back to the weight's columns: the merge adds the adapter's float32 delta to it and casts once (a weight
+    without a delta is cast once too, as transformers casts its float32 product once).
 
     Attributes:
         stored: ``(weight, scales)``.
@@ -65,7 +66,7 @@ class Fp8Decoder(Decoder):
         weight, scales = self.stored
         cols = weight.shape[1]
         if stop <= start or cols == 0:
-            return torch.empty((max(stop - start, 0), cols), dtype=self.dtype)
+            return torch.empty((max(stop - start, 0), cols), dtype=torch.float32)
         q = reader.read_rows(weight, start, stop).clone()  # the reader's buffer is reused by the next read
         per_row, width = self._row_scales(reader, start, stop, cols)
         if width != cols:  # a partial last column block: zeros up to whole blocks, dropped after
@@ -73,7 +74,7 @@ class Fp8Decoder(Decoder):
             padded[:, :cols] = q
             q = padded
         out = Fp8Dequantize(None).convert({"weight": q, "weight_scale_inv": per_row})["weight"]
-        return out[:, :cols].to(self.dtype).contiguous()
+        return out[:, :cols].contiguous()  # float32: cast once, after the delta is added
 
     def _row_scales(self, reader: RowReader, start: int, stop: int, cols: int) -> tuple[torch.Tensor, int]:
         """The float32 scales of rows ``[start, stop)``, one per column block, and the padded width."""

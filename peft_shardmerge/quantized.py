@@ -71,7 +71,9 @@ class Decoder:
             stop: one past the last row.
 
         Returns:
-            An independent tensor of shape ``(stop - start, *shape[1:])`` in the logical dtype.
+            An independent tensor of shape ``(stop - start, *shape[1:])``: in float32 where the format's
+            dequantization is float32 (FP8, LLM.int8; the merge adds the delta and casts once), else in the logical
+            dtype (bitsandbytes 4-bit, MXFP4).
 
         Raises:
             CorruptFileError: a file ended early.

@@ -35,8 +35,8 @@ class VerifyReport:
         folder: the checked folder.
         status: ``"OK"`` (no problem, and the bytes were checked against the merge record or recomputed from
             base + adapter), ``"FAILED"`` (at least one problem) or ``"UNCHECKED"`` (no problem found, but
-            nothing to check the bytes against: no merge record and no base + adapter, or a file a loader reads
-            was added after the merge).
+            nothing to check the bytes against: no merge record and no base + adapter, a file a loader reads
+            was added after the merge, or base + adapter could not be run as the logits' reference).
         ok: True when ``status`` is ``"OK"``.
         problems: every problem found, each a sentence.
         checks: what was checked, one line each.
@@ -46,8 +46,10 @@ class VerifyReport:
         recomputed: True when every tensor was recomputed from base + adapter and matched, False when one did
             not, None when not recomputed.
         unchecked_files: files added after the merge that a loader reads and no record covers.
+        unchecked: checks that could not be made because their reference could not be built, each with the reason
+            (e.g. base + adapter that transformers cannot load); the verdict is then ``"UNCHECKED"``, not OK.
         logits_max_rel_err: max |logits(merged) - logits(base + adapter)| / max |logits(base + adapter)|,
-            when base and adapter were given.
+            when base and adapter were given (of the hidden states, for a model without an LM head).
     """
 
     folder: str
@@ -61,6 +63,7 @@ class VerifyReport:
     recomputed: bool | None = None
     logits_max_rel_err: float | None = None
     unchecked_files: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -81,7 +84,8 @@ class VerifyReport:
             OK: merged
         """
         return "\n".join([f"{self.status}: {self.folder}"] + [f"  checked: {c}" for c in self.checks]
-                         + [f"  note: {n}" for n in self.notes] + [f"  problem: {p}" for p in self.problems])
+                         + [f"  note: {n}" for n in self.notes] + [f"  unchecked: {u}" for u in self.unchecked]
+                         + [f"  problem: {p}" for p in self.problems])
 
 
 def verify_checkpoint(
@@ -104,7 +108,8 @@ def verify_checkpoint(
     With ``base`` and ``adapter``: every tensor is recomputed by the disk engine's own plan and merge code, one
     row block at a time, into the base precision the record names (original, nf4, or the dequantized 4-bit base
     of an in-process merge), and compared byte for byte, or within one rounding where the result can differ;
-    then the logits of the merged model against base + adapter (loaded in 4-bit when the merge used a 4-bit base).
+    then the logits of the merged model against base + adapter (loaded in 4-bit when the merge used a 4-bit base),
+    or its hidden states for a model without an LM head (``BertModel``, sentence-transformers).
 
     Args:
         folder: the merged checkpoint.
@@ -146,7 +151,7 @@ def verify_checkpoint(
                        record, report)
     if report.problems:
         report.status = "FAILED"
-    elif report.unchecked_files:
+    elif report.unchecked_files or report.unchecked:
         report.status = "UNCHECKED"
     elif report.integrity or report.recomputed:
         report.status = "OK"
@@ -249,6 +254,7 @@ def _check_recompute(tensors, base, adapters, record, device, report) -> bool:
     report.problems += result.problems
     report.checks += result.checks
     report.notes += result.notes
+    report.unchecked += result.unchecked  # within the loss of bitsandbytes' CPU repacking: no verdict
     if result.checks:
         report.recomputed = result.complete
     return result.fits is not False  # the logits are compared unless base + adapter do not fit the checkpoint
@@ -351,8 +357,17 @@ def _check_names_and_config(folder, config, tensors, report):
     present = {m: n for n, (m, converted) in memory.items() if not converted}
     built = {m for m, converted in memory.values() if converted}  # e.g. fused experts built from per-expert keys
     quantized = {m for m in present if any(m.startswith(w + ".") for w in info.linear_weights)}
-    missing = sorted(expected - set(present) - built)
-    unexpected = sorted(present[m] for m in set(present) - info.state_names - quantized)
+    missing = set(expected - set(present) - built)
+    missing = sorted(missing - info.load_ignores(sorted(missing), missing=True))
+    # what from_pretrained drops without a word (old position_ids, ...) is no problem; nor is a buffer the class
+    # computes itself, which it reports and ignores
+    unknown = set(present) - info.state_names - quantized
+    unknown -= info.load_ignores(sorted(unknown))
+    buffers = sorted(present[m] for m in unknown & info.buffers)
+    unexpected = sorted(present[m] for m in unknown - info.buffers)
+    if buffers:
+        report.notes.append(f"{len(buffers)} stored tensor(s) are buffers {info.architecture} computes itself; "
+                            f"from_pretrained ignores them: {', '.join(buffers[:5])}")
     if missing:
         report.problems.append(f"{len(missing)} tensor(s) the model expects are missing: {', '.join(missing[:5])}")
     if unexpected:

@@ -68,16 +68,24 @@ def dequantized(folder: str):
 
 
 def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], merged: set[str],
-            base: dict[str, torch.Tensor]) -> float:
+            base: dict[str, torch.Tensor], kind: str = "") -> float:
     """Untouched tensors equal bit for bit; merged ones within the dtype's rounding (and moved off the dequantized
-    base). Returns the largest merged difference relative to the tensor's largest value."""
+    base). Returns the largest merged difference relative to the tensor's largest value.
+
+    int8: ours adds the delta to the float32 dequantized weight and casts once; transformers' dequantize() rounds
+    the weight to bf16 first and PEFT's bf16 merge rounds the delta too: two bf16 steps at most, at the larger of
+    the base weight and the results."""
     assert set(ours) == set(ref) == set(base)
     worst = 0.0
     for name, r in ref.items():
         assert ours[name].dtype == r.dtype and ours[name].shape == r.shape, name
         if name in merged:
             assert not torch.equal(r, base[name]), name
-            torch.testing.assert_close(ours[name], r, msg=name)
+            if kind.startswith("int8"):
+                larger = torch.maximum(base[name].float().abs(), torch.maximum(ours[name].float().abs(), r.abs()))
+                assert bool(((ours[name].float() - r.float()).abs() <= larger * 2.0**-6).all()), name
+            else:
+                torch.testing.assert_close(ours[name], r, msg=name)
             worst = max(worst, rel_err(ours[name].float(), r.float()))
         else:
             assert torch.equal(ours[name], r), name
@@ -111,7 +119,7 @@ def test_merge_equals_transformers_dequantize_then_peft_merge(tiny, kind):
     stored = open_checkpoint(folder).quantized
     assert stored.method == METHODS[kind] and stored.dequantized == (12 if kind.endswith("skip") else 14)
     ours = folder_tensors(out)
-    MEASURED[kind] = compare(ours, ref, merged, before)
+    MEASURED[kind] = compare(ours, ref, merged, before, kind)
     assert merged and merged <= set(ours)
     with open(os.path.join(out, "config.json")) as f:
         assert "quantization_config" not in json.load(f)
@@ -137,6 +145,9 @@ def test_unmerged_tensors_equal_transformers_dequantize_bit_for_bit_in_any_row_b
             for step in (1, 3, 5):
                 got = torch.cat([reader.read_rows(t, a, min(a + step, t.shape[0])).clone()
                                  for a in range(0, t.shape[0], step)])
+                if kind == "int8" and t.decoder is not None:  # float32 rows, cast once when written
+                    assert got.dtype == torch.float32
+                    got = got.to(ref[t.name].dtype)
                 assert got.dtype == ref[t.name].dtype and torch.equal(got, ref[t.name]), (kind, t.name, step)
         reader.close()
 
@@ -206,7 +217,7 @@ def test_rows_read_only_their_blocks(tmp_path, kind):
         assert sum(n for _, n in reader.reads) < packed / 50, reader.reads
         assert largest <= chunk + 4096
         reader.close()
-    assert torch.equal(torch.cat(rows), ref[info.name])
+    assert torch.equal(torch.cat(rows).to(ref[info.name].dtype), ref[info.name])  # int8 rows: float32, cast once
     # the whole merge in row blocks that small: every tensor without LoRA is transformers' dequantized one
     adapter = build_adapter(base, str(tmp_path / "adapter"), target_modules=["q_proj"])
     merge_checkpoint(folder, adapter, str(tmp_path / "out"), progress=False, chunk_elems=chunk)

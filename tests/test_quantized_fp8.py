@@ -84,11 +84,12 @@ def write_fp8_base(folder: str, *, block=(128, 128), dtype: str = "bfloat16", sh
 
 
 
-def transformers_reference(folder: str, block) -> dict[str, torch.Tensor]:
+def transformers_reference(folder: str, block, *, float32: bool = False) -> dict[str, torch.Tensor]:
     """Each FP8 weight dequantized by transformers' ``_dequantize_fp8_weight`` (its FP8 matmul's dequantization,
-    which takes the block size and reads partial last blocks), in float32, cast once to the model's dtype."""
+    which takes the block size and reads partial last blocks), in float32, cast once to the model's dtype (left in
+    float32 with ``float32``)."""
     with open(os.path.join(folder, "config.json")) as f:
-        dtype = getattr(torch, json.load(f)["dtype"])
+        dtype = torch.float32 if float32 else getattr(torch, json.load(f)["dtype"])
     raw = folder_tensors(folder)
     return {k: finegrained_fp8._dequantize_fp8_weight(q, raw[k[:-6] + "weight_scale_inv"],
                                                        list(block) if block else None, torch.float32).to(dtype)
@@ -130,8 +131,9 @@ def test_every_weight_reads_as_transformers_dequantizes_it(tmp_path, block, dtyp
     assert [t.name for t in src.tensors] == [t.name for t in src.stored if t.name in loaded]  # stored order
     assert set(ours) == set(reference) and len(ours) == 14
     loader_gap = {}
-    for name, rows in ours.items():
-        assert rows.dtype == loaded[name].dtype == getattr(torch, dtype)
+    for name, rows in ours.items():  # rows are float32, cast once when written (or after the delta is added)
+        assert rows.dtype == torch.float32 and loaded[name].dtype == getattr(torch, dtype)
+        rows = rows.to(loaded[name].dtype)
         assert torch.equal(rows, reference[name]), name
         if fills_blocks(rows.shape, block):  # transformers' loader derives the right block from the scale grid
             assert torch.equal(rows, loaded[name]), name
@@ -146,7 +148,7 @@ def test_every_weight_reads_as_transformers_dequantizes_it(tmp_path, block, dtyp
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory):
     """A base in the FP8 layout (one file and three shards), a LoRA adapter made by PEFT on transformers'
-    dequantized base, and PEFT's float32 merge of it."""
+    dequantized base, and PEFT's float32 merge of it on the FP8 weights as the format defines them, in float32."""
     root = tmp_path_factory.mktemp("fp8")
     base = write_fp8_base(str(root / "base"))
     sharded = write_fp8_base(str(root / "sharded"), shards=3)
@@ -163,7 +165,7 @@ def fp8(tmp_path_factory):
     adapter = str(root / "adapter")
     peft_model.save_pretrained(adapter)
     ref_base = AutoModelForCausalLM.from_config(model.config).float()
-    ref_base.load_state_dict(base_state)  # the dequantized base, exactly, in float32
+    ref_base.load_state_dict({**base_state, **transformers_reference(base, (128, 128), float32=True)})  # FP8 exact
     ref = PeftModel.from_pretrained(ref_base, adapter).eval()
     ids = token_ids(model.config.vocab_size, seed=0)
     with torch.no_grad():
@@ -239,18 +241,28 @@ def in_process_merge(fp8: dict, out: str, *, fix: bool) -> dict[str, torch.Tenso
     return folder_tensors(out)
 
 
+def same_or_one_bf16_step(live: torch.Tensor, disk: torch.Tensor, name: str, base: torch.Tensor) -> bool:
+    """Tensors without LoRA equal; LoRA-merged ones within one bf16 step (at the larger of the base weight and the
+    results) of the disk merge: the model in memory holds the FP8 weights already rounded to bf16, the merge from
+    disk adds the delta to their float32 values."""
+    if not any(f"{m}." in name for m in TARGETS):
+        return torch.equal(live, disk)
+    larger = torch.maximum(base.float().abs(), torch.maximum(live.float().abs(), disk.float().abs()))
+    return bool(((live.float() - disk.float()).abs() <= larger * BF16_ULP).all())
+
+
 def test_in_process_merge_of_the_dequantized_model_equals_the_disk_merge(fp8):
     disk = folder_tensors(fp8["out"])
     raw = in_process_merge(fp8, str(fp8["root"] / "in-process-raw"), fix=False)
     gaps = {}
-    for name, t in raw.items():  # where transformers' loader reads the format, both routes write the same bytes
+    for name, t in raw.items():  # where transformers' loader reads the format, both routes agree
         if fills_blocks(t.shape, (128, 128)) or not name.endswith("_proj.weight"):
-            assert torch.equal(t, disk[name]), name
+            assert same_or_one_bf16_step(t, disk[name], name, fp8["base_state"][name]), name
         else:
             gaps[name] = float((t.float() - disk[name].float()).abs().max())
     print(f"in process, as transformers loads it: partial-block tensors differ by {gaps}")
     fixed = in_process_merge(fp8, str(fp8["root"] / "in-process"), fix=True)
-    assert set(fixed) == set(disk) and all(torch.equal(fixed[k], disk[k]) for k in disk)
+    assert set(fixed) == set(disk) and all(same_or_one_bf16_step(fixed[k], disk[k], k, fp8["base_state"][k]) for k in disk)
 
 
 def write_one_weight(folder: str, tensors: dict[str, torch.Tensor], qc: dict | None = None) -> str:
@@ -271,7 +283,7 @@ def test_rows_read_only_their_bytes_of_a_weight_much_larger_than_a_row_block(tmp
     folder = write_one_weight(str(tmp_path / "big"), {"big.weight": q, "big.weight_scale_inv": s,
                                                       "norm.weight": torch.ones(300, dtype=torch.bfloat16)})
     info = next(t for t in open_checkpoint(folder).tensors if t.name == "big.weight")
-    want = finegrained_fp8._dequantize_fp8_weight(q, s, [128, 128], torch.float32).to(torch.bfloat16)
+    want = finegrained_fp8._dequantize_fp8_weight(q, s, [128, 128], torch.float32)  # rows stay float32
     chunk = 4096  # 13 rows of 300; the FP8 weight is 300000 bytes
     peak = 0
     for start, stop in row_blocks(info.shape, chunk):
