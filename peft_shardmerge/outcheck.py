@@ -6,26 +6,32 @@ import logging
 import os
 import shutil
 
-from .outfiles import is_nonempty, name_problems, sidecar_problems
+from .outfiles import is_nonempty, name_problems, sidecar_problems, snapshot
+from .recovery import finish_killed_commit
 
 log = logging.getLogger(__name__)
 
 
 def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.PathLike | None],
-                  overwrite: bool) -> list[str]:
-    """Find every problem with an output folder, without touching anything.
+                  overwrite: bool, only_ours: bool = True) -> list[str]:
+    """Find every problem with an output folder, touching nothing but what a killed merge into it left.
 
     ``out_dir`` is resolved once (a trailing slash changes nothing). Refused whatever ``overwrite`` says: an empty
     path, the filesystem root, the current working folder or a folder holding it, the home folder or a folder
     holding it, an input folder, a folder inside an input or holding one, a symlink, a mount point. Also named
     here: a parent that is a file, a parent that cannot be written, a name too long for the staging folder and
-    lock beside it, and those names taken by something the merge did not make.
+    lock beside it, and those names taken by something the merge did not make. A commit that a merge killed outright
+    left half done is finished or undone first, and that merge's lock removed
+    (:func:`~peft_shardmerge.recovery.finish_killed_commit`).
 
     Args:
         out_dir: the output folder (``str`` or ``os.PathLike``).
         inputs: folders that must survive the merge, by role (``{"base": ..., "adapter": ...}``); None values
             are skipped.
-        overwrite: whether a non-empty ``out_dir`` may be replaced.
+        overwrite: whether a non-empty ``out_dir`` may be replaced: only an earlier output of peft-shardmerge,
+            holding nothing its merge record does not list (:func:`replace_problems`).
+        only_ours: False lets the caller decide which non-empty folders ``overwrite`` replaces (the Unsloth-style
+            saves replace their own earlier saves).
 
     Returns:
         The problems, each a sentence with the fix; empty when ``out_dir`` is fine.
@@ -80,6 +86,8 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
             )
     problems += name_problems(out)
     problems += _parent_problems(raw, out)
+    if not problems:  # a merge killed in its commit: OUT is judged once that commit is finished or undone
+        finish_killed_commit(out)
     if os.path.islink(out):
         if not problems:
             problems.append(f"output {raw} is a symlink; the output is staged beside it and renamed into place, "
@@ -92,7 +100,77 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
             problems.append(f"output {raw} exists and is not a folder; remove it or choose another path")
         elif not overwrite and is_nonempty(out):
             problems.append(f"output folder {raw} is not empty; pass overwrite=True to replace it")
+        elif overwrite and only_ours:
+            problems += replace_problems(out, raw)
     return problems + sidecar_problems(out)
+
+
+def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> list[str]:
+    """Why ``overwrite`` may not replace an existing folder: only an empty folder, or an earlier output of
+    peft-shardmerge holding nothing but what its merge record (``merge_manifest.json``) lists, is ever replaced.
+
+    Args:
+        out_dir: the existing output folder.
+        shown: how to name it in the message (default: ``out_dir``).
+
+    Returns:
+        The problem (what is there, a few names, and how to proceed), or an empty list when it may be replaced.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> replace_problems(folder)
+        []
+        >>> _ = open(os.path.join(folder, "notes.txt"), "w").write("mine")
+        >>> print(replace_problems(folder, "out")[0].split(";")[0])
+        output folder out holds files peft-shardmerge did not write (notes.txt)
+    """
+    folder, shown = os.fspath(out_dir), shown if shown is not None else os.fspath(out_dir)
+    try:
+        found = snapshot(folder)
+    except OSError as e:
+        return [(f"output folder {shown} cannot be read ({e.strerror}); overwrite replaces only a folder it can "
+                 "check: remove it yourself or choose another output folder")]
+    listed = _record_listing(folder)
+    ours = set()
+    for rel in listed:
+        while rel:
+            ours.add(rel)
+            rel = os.path.dirname(rel)
+    foreign = sorted(rel for rel in found if rel != "." and rel not in ours)
+    if not foreign:
+        return []
+    names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    what = ("is not an output of peft-shardmerge (no merge_manifest.json of ours) and holds" if not listed else
+            "holds files its merge record (merge_manifest.json) does not list, added after the merge:")
+    return [(f"output folder {shown} holds files peft-shardmerge did not write ({names}); overwrite replaces only "
+             f"an empty folder or an earlier output of peft-shardmerge, and this folder {what} {len(foreign)} such "
+             "entries: move them out (or remove the folder yourself), or choose another output folder")]
+
+
+def _record_listing(folder: str) -> set[str]:
+    """The entries an earlier output's merge record names (the record itself included); empty when it has none of
+    ours (missing, a link, not JSON, or not our record's format)."""
+    import json
+
+    from .outfiles import read_regular_file
+    from .record import RECORD_FILE, RECORD_FORMAT
+
+    data = read_regular_file(os.path.join(folder, RECORD_FILE))
+    try:
+        record = json.loads(data) if data is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return set()
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        return set()
+    listed = {RECORD_FILE}
+    for key in ("shards", "files"):
+        if isinstance(record.get(key), dict):
+            listed |= {os.path.normpath(str(k)) for k in record[key]}
+    return listed
 
 
 def path_argument(value, what: str) -> tuple[str | None, list[str]]:

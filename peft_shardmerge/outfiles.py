@@ -109,14 +109,31 @@ def read_manifest(folder: str, name: str = MANIFEST) -> dict | None:
     return _own_manifest(os.path.join(folder, MANIFEST + ".tmp")) if first else manifest
 
 
-def _own_manifest(path: str) -> dict | None:
+def read_regular_file(path: str, *, own: bool = False, limit: int = 64 << 20) -> bytes | None:
+    """The bytes of a regular file, opened without following a link; None for anything else.
+
+    Args:
+        path: the file.
+        own: also require it to belong to this user.
+        limit: the largest size read (a larger file gives None).
+
+    Returns:
+        Its content, or None when it is missing, a link, not a regular file, someone else's (``own``) or too large.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> read_regular_file("/nonexistent") is None
+        True
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 64 << 20:
+        if not stat.S_ISREG(st.st_mode) or (own and st.st_uid != os.geteuid()) or st.st_size > limit:
             return None
         data = b""
         while len(data) < st.st_size:
@@ -124,8 +141,17 @@ def _own_manifest(path: str) -> dict | None:
             if not piece:
                 break
             data += piece
+    except OSError:
+        return None
     finally:
         os.close(fd)
+    return data
+
+
+def _own_manifest(path: str) -> dict | None:
+    data = read_regular_file(path, own=True)
+    if data is None:
+        return None
     try:
         manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError):
@@ -299,11 +325,13 @@ def remove_checked(folder: str, snap: dict[str, list[int]]) -> list[str]:
                     os.rmdir(path)
                 except OSError:
                     pass
+                kill_point("remove old output: rmdir")
         elif [st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino] == snap[rel]:
             try:
                 os.unlink(path)
             except OSError:
                 pass
+            kill_point("remove old output: unlink")
     if _lstat(folder) is None:
         return []
     try:
@@ -352,6 +380,45 @@ def rename_noreplace(src: str, dst: str) -> None:
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
     os.rename(src, dst)
+
+
+#: how many times this process passed each named step since :func:`kill_point_reset` (for the test hook)
+_PASSED: dict[str, int] = {}
+
+
+def kill_point(step: str) -> None:
+    """A test hook after each step of a commit (every unlink, rename, rmdir, fsync of it): with
+    ``PEFT_SHARDMERGE_KILL_AT=<step>#<n>`` in the environment, the process SIGKILLs itself right after passing
+    ``step`` for the n-th time; with ``PEFT_SHARDMERGE_STEPS=<file>``, every step passed is appended to that file as
+    ``<step>#<n>``. Without either variable it does nothing.
+
+    Args:
+        step: the step just done, e.g. ``"commit: rename new output into place"``.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> kill_point("commit: journal written")
+    """
+    kill, trace = os.environ.get("PEFT_SHARDMERGE_KILL_AT"), os.environ.get("PEFT_SHARDMERGE_STEPS")
+    if not kill and not trace:
+        return
+    _PASSED[step] = _PASSED.get(step, 0) + 1
+    name = f"{step}#{_PASSED[step]}"
+    if trace:
+        with open(trace, "a") as f:
+            f.write(name + "\n")
+    if kill == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_point_reset() -> None:
+    """Start counting the steps of :func:`kill_point` afresh (at the start of each commit)."""
+    _PASSED.clear()
 
 
 _OLD_NAME = re.compile(r"\.(?P<name>.+)\.old-[0-9a-f]{8}$")

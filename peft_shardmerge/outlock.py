@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from .errors import InputError, OutputLockedError
-from .outfiles import MADE_BY, held_signals, lock_record_is_ours, sidecar
+from .outfiles import MADE_BY, held_signals, kill_point, lock_record_is_ours, sidecar
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class OutputLock:
     def _write(self) -> None:
         data = json.dumps(self.record).encode()  # starts with '{"made_by": "peft-shardmerge"' (insertion order)
         os.pwrite(self.fd, data, 0)
+        kill_point("lock record: written, not yet truncated")  # a shorter record is read up to its end (_parse)
         os.ftruncate(self.fd, len(data))
         os.fsync(self.fd)
 
@@ -116,6 +117,7 @@ class OutputLock:
         try:
             if os.lstat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 os.unlink(self.path)
+                kill_point("release: unlink lock")
         except FileNotFoundError:
             pass
         finally:
@@ -129,8 +131,10 @@ def _read_all(fd: int) -> bytes:
 
 
 def _parse(data: bytes) -> dict:
+    """The lock's record: the JSON object at its start (a kill between writing a shorter record and truncating the
+    file leaves the end of the longer one after it)."""
     try:
-        record = json.loads(data.decode() or "{}")
+        record = json.JSONDecoder().raw_decode(data.decode() or "{}")[0]
     except (ValueError, UnicodeDecodeError):
         return {}
     return record if isinstance(record, dict) else {}

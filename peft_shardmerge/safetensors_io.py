@@ -79,11 +79,13 @@ class TensorInfo:
         return DTYPES[self.dtype][0]
 
 
-def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
+def read_header(path: str, *, check: bool = True) -> tuple[list[TensorInfo], dict[str, str]]:
     """Parse a safetensors file's header without reading any tensor data.
 
     Args:
         path: the ``.safetensors`` file.
+        check: also open it with safetensors (:func:`check_with_safetensors`, which maps the whole file); False
+            leaves that to the caller, e.g. until the free space for the output has been checked.
 
     Returns:
         ``(tensors, metadata)``: the tensors in the order of their data in the file, and the
@@ -94,6 +96,7 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
             tensor's data, a tensor is stored in a sub-byte dtype this version cannot read (``F4``, ``F6_*``), or
             ``safetensors.safe_open`` itself refuses the file (every file read is also opened by
             safetensors, so nothing it rejects is ever merged).
+        InputError: the file cannot be mapped into memory (``check``; see :func:`check_with_safetensors`).
         FileNotFoundError: the file does not exist.
 
     Example:
@@ -123,32 +126,7 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptFileError(f"{path}: __metadata__ is not an object of strings; the file is corrupted")
-    tensors: list[TensorInfo] = []
-    for name, entry in header.items():
-        try:
-            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (TypeError, KeyError) as e:
-            raise CorruptFileError(f"{path}: entry {name!r} lacks dtype/shape/data_offsets") from e
-        if dtype in UNREADABLE_DTYPES:
-            raise CorruptFileError(f"{path}: tensor {name!r} is stored as {dtype} (sub-byte floats), which this "
-                                   "version cannot read; merge into a 16-bit checkpoint of the model")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise CorruptFileError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
-            raise CorruptFileError(f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of integers "
-                                   "from 0 to 2**63 - 1")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
-            raise CorruptFileError(f"{path}: tensor {name!r} has data_offsets {offsets!r}; they are two integers "
-                                   "from 0 to 2**63 - 1")
-        shape, (begin, end) = tuple(shape), offsets
-        info = TensorInfo(name, dtype, shape, path, data_start + begin, end - begin)
-        if end < begin or info.nbytes != info.numel * DTYPES[dtype][1]:
-            raise CorruptFileError(
-                f"{path}: tensor {name!r} offsets [{begin}, {end}) do not fit its dtype {dtype} and shape {list(shape)}"
-            )
-        if data_start + end > size:
-            raise CorruptFileError(f"{path}: tensor {name!r} ends beyond the file; the file is truncated")
-        tensors.append(info)
+    tensors = [_entry(path, name, entry, data_start, size) for name, entry in header.items()]
     tensors.sort(key=lambda t: (t.offset, t.nbytes))  # safetensors orders by (begin, end): empty tensors first
     pos = data_start
     for t in tensors:
@@ -158,8 +136,37 @@ def read_header(path: str) -> tuple[list[TensorInfo], dict[str, str]]:
     if pos != size:
         raise CorruptFileError(f"{path}: {size - pos} byte(s) follow the last tensor's data; safetensors refuses "
                                "such a file (the file is corrupted or was appended to)")
-    _check_with_safetensors(path)
+    if check:
+        check_with_safetensors(path)
     return tensors, dict(metadata)
+
+
+def _entry(path: str, name: str, entry: object, data_start: int, size: int) -> TensorInfo:
+    """One header entry, checked: its dtype, shape and offsets, inside a file of ``size`` bytes."""
+    try:
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    except (TypeError, KeyError) as e:
+        raise CorruptFileError(f"{path}: entry {name!r} lacks dtype/shape/data_offsets") from e
+    if dtype in UNREADABLE_DTYPES:
+        raise CorruptFileError(f"{path}: tensor {name!r} is stored as {dtype} (sub-byte floats), which this "
+                               "version cannot read; merge into a 16-bit checkpoint of the model")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CorruptFileError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        raise CorruptFileError(f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of integers "
+                               "from 0 to 2**63 - 1")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
+        raise CorruptFileError(f"{path}: tensor {name!r} has data_offsets {offsets!r}; they are two integers "
+                               "from 0 to 2**63 - 1")
+    shape, (begin, end) = tuple(shape), offsets
+    info = TensorInfo(name, dtype, shape, path, data_start + begin, end - begin)
+    if end < begin or info.nbytes != info.numel * DTYPES[dtype][1]:
+        raise CorruptFileError(
+            f"{path}: tensor {name!r} offsets [{begin}, {end}) do not fit its dtype {dtype} and shape {list(shape)}"
+        )
+    if data_start + end > size:
+        raise CorruptFileError(f"{path}: tensor {name!r} ends beyond the file; the file is truncated")
+    return info
 
 
 def _is_count(x: object) -> bool:
@@ -167,17 +174,57 @@ def _is_count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_DIM
 
 
-def _check_with_safetensors(path: str) -> None:
-    """Open the file with safetensors itself, which validates the header the way every reader of the checkpoint
-    will; anything it refuses is refused here too."""
+def check_with_safetensors(path: str) -> None:
+    """Open a file with safetensors itself, which validates the header the way every reader of the checkpoint will;
+    anything it refuses is refused here too. safetensors maps the whole file: a mapping the process's address space
+    or memory cannot hold is refused by name, never let out as a raw ``RuntimeError``.
+
+    Args:
+        path: a ``.safetensors`` file whose header :func:`read_header` accepted.
+
+    Returns:
+        None.
+
+    Raises:
+        CorruptFileError: safetensors refuses the file.
+        InputError: the file cannot be mapped: the address-space limit (``ulimit -v``) or the memory is too small.
+
+    Example:
+        >>> import tempfile
+        >>> from safetensors.torch import save_file
+        >>> path = os.path.join(tempfile.mkdtemp(), "one.safetensors")
+        >>> save_file({"w": torch.zeros(2)}, path)
+        >>> check_with_safetensors(path)
+    """
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, "pt"):
             pass
-    except (SafetensorError, OSError, ValueError, TypeError, OverflowError) as e:
+    except (RuntimeError, MemoryError, OSError) as e:
+        if not _mapping_failed(e):
+            if isinstance(e, OSError):
+                raise CorruptFileError(f"{path}: safetensors refuses the file ({str(e).splitlines()[0]}); the file "
+                                       "is corrupted; re-save it") from e
+            raise
+        from .errors import InputError
+
+        raise InputError(f"{path} ({os.path.getsize(path)} bytes) cannot be mapped into memory to be read: this "
+                         "process's address space or memory is too small for it (an address-space limit such as "
+                         "`ulimit -v`, or a memory limit); raise the limit (e.g. `ulimit -v unlimited`) or run the "
+                         "merge where more memory is available") from None
+    except (SafetensorError, ValueError, TypeError, OverflowError) as e:
         raise CorruptFileError(f"{path}: safetensors refuses the file ({str(e).splitlines()[0]}); the file is "
                                "corrupted; re-save it") from e
+
+
+def _mapping_failed(e: BaseException) -> bool:
+    """Whether an error from opening a file with safetensors is a failed memory mapping (ENOMEM), not a bad file."""
+    import errno
+
+    text = str(e)
+    return (isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM
+            or "unable to mmap" in text or "Cannot allocate memory" in text)
 
 
 class RowReader:

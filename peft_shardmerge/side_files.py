@@ -23,6 +23,22 @@ EXPORT_FOLDERS = ("onnx", "openvino")
 WRITTEN = ("config.json", "merge_manifest.json", "manifest.json", "manifest.json.tmp")
 #: the Hub cache keeps a snapshot's files as links into the repository's ``blobs`` folder
 _HUB_SNAPSHOT = re.compile(r"^(?P<repo>.*)/snapshots/[^/]+$")
+#: what belongs to a model folder besides its weights and ``config.json``, at its top (an allowlist: anything else,
+#: an adapter's files, other weight formats, training state, notes, is never carried into the output)
+MODEL_FILES = re.compile(r"""(
+    generation_config\.json
+  | (preprocessor|processor|image_processor|video_preprocessor|feature_extractor)_config\.json
+  | tokenizer(_config)?\.json | special_tokens_map\.json | added_tokens\.json | tokenizer\.model
+  | spiece\.model | sentencepiece\.bpe\.model | (source|target)\.spm | [\w.-]+\.tiktoken | bpe\.codes
+  | vocab\.(json|txt) | merges\.txt | chat_template\.(jinja|json)
+  | modules\.json | sentence_bert_config\.json | config_sentence_transformers\.json
+  | (configuration|modeling|tokenization|processing|image_processing|video_processing|feature_extraction)_\w+\.py
+  | readme(\.md)? | (licen[cs]e|notice|copying)([.-][\w.-]*)? | use_policy\.md
+)""", re.VERBOSE | re.IGNORECASE)
+#: folders that belong to a model folder: transformers' extra chat templates
+MODEL_FOLDERS = ("additional_chat_templates",)
+#: sentence-transformers' module folders (``1_Pooling``, ``2_Dense``), carried whole when ``modules.json`` is there
+_MODULE_FOLDER = re.compile(r"\d+_\w+")
 
 
 def is_weight_file(name: str) -> bool:
@@ -49,21 +65,67 @@ def is_weight_file(name: str) -> bool:
 
 
 def _pipeline_folders(folder: str) -> set[str]:
-    """Sub-folders a sentence-transformers ``modules.json`` names as modules: their own weights belong to the
-    pipeline (a ``2_Dense`` layer), which the adapter does not change, so they are carried over."""
+    """Sub-folders a sentence-transformers ``modules.json`` names as modules, and the numbered ones beside it
+    (``1_Pooling``): their own weights belong to the pipeline (a ``2_Dense`` layer), which the adapter does not
+    change, so they are carried over whole."""
     import json
 
+    if not os.path.isfile(os.path.join(folder, "modules.json")):
+        return set()
+    out = {d for d in _listdir(folder) if _MODULE_FOLDER.fullmatch(d)}
     try:
         with open(os.path.join(folder, "modules.json"), encoding="utf-8") as f:
             modules = json.load(f)
     except (OSError, ValueError):
-        return set()
-    out = set()
+        return out
     for m in modules if isinstance(modules, list) else []:
         path = m.get("path") if isinstance(m, dict) else None
         if isinstance(path, str) and path and not os.path.isabs(path) and ".." not in path.split("/"):
             out.add(os.path.normpath(path))
     return out
+
+
+def _listdir(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def is_adapter_card(path: str) -> bool:
+    """Whether a README is a PEFT adapter's model card (its front matter says ``library_name: peft``), which
+    describes the adapter, not the merged model: it is never carried as the model's README.
+
+    Args:
+        path: a README file.
+
+    Returns:
+        True for a card PEFT's ``save_pretrained`` wrote (or any card whose metadata names the peft library).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> import tempfile
+        >>> card = os.path.join(tempfile.mkdtemp(), "README.md")
+        >>> _ = open(card, "w").write("---\\nbase_model: org/base\\nlibrary_name: peft\\n---\\n# Model Card\\n")
+        >>> is_adapter_card(card), is_adapter_card("/nonexistent/README.md")
+        (True, False)
+    """
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(16384)
+    except OSError:
+        return False
+    lines = head.lstrip("\ufeff").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return False
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        if re.fullmatch(r"\s*library_name\s*:\s*['\"]?peft['\"]?\s*", line, re.IGNORECASE):
+            return True
+    return False
 
 
 def _allowed_roots(folder: str) -> list[str]:
@@ -83,13 +145,18 @@ def _inside(path: str, roots: list[str]) -> bool:
 
 
 def list_side_files(folder: str) -> list[str]:
-    """Every file of a base folder that the merged output carries over, as paths relative to ``folder``.
+    """The files of a base folder that belong to a model folder and are carried into the merged output, as paths
+    relative to ``folder``.
 
-    Everything except: weight files and their indexes (:func:`is_weight_file`; weights inside a
-    sentence-transformers module folder named by ``modules.json``, such as ``2_Dense/``, are kept), files
-    describing a quantization, exports in ``onnx/``/``openvino/``, hidden files and folders, ``config.json`` (the
-    merge writes its own), anything that is not a regular file, and every link that leads out of the folder (for a
-    Hub cache snapshot: out of its repository's ``blobs``).
+    An allowlist (:data:`MODEL_FILES`): at the top, the generation, processor and tokenizer files, chat templates
+    (and ``additional_chat_templates/``), sentence-transformers' ``modules.json``, ``sentence_bert_config.json`` and
+    ``config_sentence_transformers.json``, a model's own code (``modeling_*.py``, ...), README and license files;
+    sentence-transformers module folders (named by ``modules.json``, or numbered like ``1_Pooling`` beside it) whole,
+    their own weights included. Never: ``config.json`` (the merge writes its own), an adapter's files
+    (``adapter_config.json``, ``adapter_model.*``), other weights and their indexes, training state
+    (``optimizer.pt``, ``trainer_state.json``, ...), anything else, hidden files, a README that is a PEFT adapter
+    card (:func:`is_adapter_card`), anything that is not a regular file, and every link that leads out of the folder
+    (for a Hub cache snapshot: out of its repository's ``blobs``).
 
     Args:
         folder: the base folder.
@@ -101,13 +168,21 @@ def list_side_files(folder: str) -> list[str]:
         Nothing: unreadable folders are skipped.
 
     Example:
-        >>> list_side_files("./all-MiniLM-L6-v2")   # doctest: +SKIP
-        ['1_Pooling/config.json', 'README.md', 'config_sentence_transformers.json', 'modules.json', ...]
+        >>> import tempfile
+        >>> base = tempfile.mkdtemp()
+        >>> for name in ("tokenizer.json", "adapter_config.json", "optimizer.pt", "config.json", "notes.txt"):
+        ...     _ = open(os.path.join(base, name), "w").write("{}")
+        >>> list_side_files(base)
+        ['tokenizer.json']
     """
     roots = _allowed_roots(folder)
     pipeline = _pipeline_folders(folder)
     out: list[str] = []
     skipped: list[str] = []
+
+    def whole(rel: str) -> bool:  # a folder all of whose files are carried
+        return rel in MODEL_FOLDERS or any(rel == p or rel.startswith(p + os.sep) for p in pipeline)
+
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
         rel_dir = os.path.relpath(dirpath, folder)
         rel_dir = "" if rel_dir == "." else rel_dir
@@ -115,12 +190,11 @@ def list_side_files(folder: str) -> list[str]:
         for d in sorted(dirnames):
             p = os.path.join(dirpath, d)
             rel = os.path.join(rel_dir, d)
-            if d.startswith(".") or (not rel_dir and d in EXPORT_FOLDERS):
+            if d.startswith(".") or not (whole(rel) or any(q.startswith(rel + os.sep) for q in pipeline)):
                 continue
             if os.path.islink(p):  # os.walk does not descend into links: a link to a folder inside is listed here
-                if _inside(p, roots) and os.path.isdir(p):
-                    out += [os.path.join(rel, r) for r in list_side_files(p)
-                            if _inside(os.path.join(p, r), roots)]
+                if _inside(p, roots) and os.path.isdir(p) and whole(rel):
+                    out += [os.path.join(rel, r) for r in _all_files(p) if _inside(os.path.join(p, r), roots)]
                 else:
                     skipped.append(rel)
                 continue
@@ -132,9 +206,13 @@ def list_side_files(folder: str) -> list[str]:
             rel = os.path.join(rel_dir, name)
             if name.startswith("."):
                 continue
-            if not rel_dir and (name in WRITTEN or name in QUANTIZATION_FILES):
-                continue
-            if is_weight_file(name) and not in_pipeline:
+            if not rel_dir:
+                if name in WRITTEN or not MODEL_FILES.fullmatch(name):
+                    continue
+                if name.lower().startswith("readme") and is_adapter_card(p):
+                    log.info("not copied from %s: %s is a PEFT adapter's model card, not the model's", folder, name)
+                    continue
+            elif not whole(rel_dir) or (is_weight_file(name) and not in_pipeline):
                 continue
             if not _inside(p, roots) or not os.path.isfile(p):
                 skipped.append(rel)
@@ -144,6 +222,16 @@ def list_side_files(folder: str) -> list[str]:
         log.warning("not copied from %s (links leading out of the folder, or not regular files): %s", folder,
                     ", ".join(sorted(skipped)[:10]))
     return sorted(p.replace(os.sep, "/") for p in out)
+
+
+def _all_files(folder: str) -> list[str]:
+    """Every regular, non-hidden file under ``folder`` (links to files included), relative to it."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found += [os.path.relpath(os.path.join(dirpath, n), folder) for n in filenames
+                  if not n.startswith(".") and os.path.isfile(os.path.join(dirpath, n))]
+    return sorted(found)
 
 
 def copy_side_files(folder: str, dest: str, names: list[str] | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:

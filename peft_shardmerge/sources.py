@@ -11,7 +11,7 @@ import torch
 
 from .errors import CorruptFileError, InputError, NotFoundError
 from .quantized import QuantView, dequantized_view
-from .safetensors_io import RowReader, TensorInfo, read_header
+from .safetensors_io import RowReader, TensorInfo, check_with_safetensors, read_header
 from .source_types import BaseTensor
 from .side_files import list_side_files
 
@@ -67,8 +67,25 @@ def resolve_folder(location: str, *, what: str, must_have: tuple[str, ...]) -> s
             )
         path = cached
     if not any(os.path.exists(os.path.join(path, name)) for name in must_have):
-        raise NotFoundError(f"{what} folder {path} has none of {', '.join(must_have)}")
+        raise NotFoundError(_swapped_hint(path, what) + f"{what} folder {path} has none of {', '.join(must_have)}")
     return path
+
+
+def _swapped_hint(path: str, what: str) -> str:
+    """"BASE and ADAPTER look swapped: " and why, when the base folder holds an adapter or the adapter folder a model;
+    else ""."""
+    def has(name: str) -> bool:
+        return os.path.exists(os.path.join(path, name))
+
+    if what == "base" and has("adapter_config.json"):
+        holds = "adapter_config.json, an adapter"
+    elif what == "adapter" and has("config.json") and any(
+            n.endswith((".safetensors", ".safetensors.index.json")) for n in os.listdir(path)):
+        holds = "config.json and model weights, a base checkpoint"
+    else:
+        return ""
+    return (f"BASE and ADAPTER look swapped: the {what} folder {path} holds {holds}; pass the base checkpoint first, "
+            "then the adapter (peft-shardmerge merge BASE ADAPTER OUT, merge_checkpoint(base, adapter, out)). ")
 
 
 def _from_hf_cache(repo_id: str) -> str | None:
@@ -165,13 +182,15 @@ class CheckpointSource:
         return sum(t.nbytes for t in self.tensors)
 
 
-def open_checkpoint(location: str) -> CheckpointSource:
+def open_checkpoint(location: str, *, check_files: bool = True) -> CheckpointSource:
     """Describe a base checkpoint: its config and every tensor, reading headers only.
 
     Args:
         location: a folder with ``config.json`` and ``model.safetensors`` or a sharded index, or a Hub
             id in the local cache. The weights are those transformers reads (:func:`weights_entry`), and every
             file is validated as safetensors validates it.
+        check_files: open every weights file with safetensors now (it maps each file whole); False leaves that to
+            :func:`check_base_files`, once the output's free space has been checked.
 
     Returns:
         The :class:`CheckpointSource`.
@@ -193,7 +212,7 @@ def open_checkpoint(location: str) -> CheckpointSource:
     tensors: list[TensorInfo] = []
     by_name: dict[str, TensorInfo] = {}
     for path in files:
-        infos, _meta = read_header(path)
+        infos, _meta = read_header(path, check=check_files)
         for t in infos:
             if t.name in by_name:
                 raise CorruptFileError(
@@ -220,6 +239,29 @@ def open_checkpoint(location: str) -> CheckpointSource:
         raise CorruptFileError(f"base {folder}: {', '.join(twice[:5])} stored both quantized and unquantized; the "
                                "checkpoint is inconsistent: re-download or re-convert it")
     return CheckpointSource(folder, config, view.tensors, logical, list_side_files(folder), tensors, view)
+
+
+def check_base_files(src: CheckpointSource) -> None:
+    """Open every weights file of a base with safetensors, as :func:`open_checkpoint` does unless told not to.
+
+    Args:
+        src: a base described with ``open_checkpoint(..., check_files=False)``.
+
+    Returns:
+        None.
+
+    Raises:
+        CorruptFileError: safetensors refuses a file.
+        InputError: a file cannot be mapped into memory (an address-space or memory limit); the message names it.
+
+    Example:
+        >>> import tempfile
+        >>> from peft_shardmerge.testing import build_base
+        >>> src = open_checkpoint(build_base(tempfile.mkdtemp() + "/base"), check_files=False)
+        >>> check_base_files(src)
+    """
+    for path in _weight_files(src.folder, src.config)[0]:
+        check_with_safetensors(path)
 
 
 def _weight_files(folder: str, config: dict) -> tuple[list[str], dict | None, str]:

@@ -14,8 +14,9 @@ from contextvars import ContextVar
 from typing import Callable, Iterator
 
 from .errors import FileSystemError, InputError, OutputChangedError, ShardMergeError
-from .outfiles import (MADE_BY, MANIFEST, describe_change, held_signals, read_manifest, remove_checked,
-                       rename_noreplace, sidecar, sidecar_problems, snapshot)
+from .outcheck import replace_problems
+from .outfiles import (MADE_BY, MANIFEST, describe_change, held_signals, kill_point, kill_point_reset, read_manifest,
+                       remove_checked, rename_noreplace, sidecar, sidecar_problems, snapshot)
 from .outlock import OutputLock, output_lock  # noqa: F401 - output_lock: public here too
 from .record import hash_file
 from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit, write_manifest
@@ -224,10 +225,12 @@ class Staging:
         self.done[fname] = meta
         self._write_manifest()
 
+    def _manifest(self) -> dict:
+        return {"made_by": MADE_BY, "fingerprint": self.fingerprint, "inputs": self.common,
+                "shards": self.done if self.fingerprint else {}}
+
     def _write_manifest(self) -> None:
-        write_manifest(os.path.join(self.path, self.manifest), {
-            "made_by": MADE_BY, "fingerprint": self.fingerprint, "inputs": self.common,
-            "shards": self.done if self.fingerprint else {}})
+        write_manifest(os.path.join(self.path, self.manifest), self._manifest())
 
     def commit(self, lock: OutputLock | None = None) -> None:
         """Move the staging folder into place, replacing OUT only if it still holds exactly what was checked.
@@ -253,22 +256,28 @@ class Staging:
                 f"output is kept in {self.path}: move your files out of the way and run the same command again"
                 + (" (the finished shards are reused)" if self.fingerprint else "") + ", or choose another output folder")
         old = sidecar(self.out_dir, f"old-{secrets.token_hex(4)}") if st is not None else None
-        if lock is not None:
-            journal = {"staging_ino": os.lstat(self.path).st_ino}
+        kill_point_reset()
+        if lock is not None:  # the journal keeps the manifest, which leaves the folder before it becomes OUT
+            journal = {"staging_ino": os.lstat(self.path).st_ino, "manifest": self._manifest()}
             if old:
                 journal.update(old=os.path.basename(old), old_ino=st.st_ino, old_dev=st.st_dev, snapshot=self.checked)
             lock.note(commit=journal)
+            kill_point("commit: journal written")
+        drop_manifest(self.path)  # the staging folder is now, file for file, the new output
         if old:
             rename_noreplace(self.out_dir, old)
+            kill_point("commit: rename previous output aside")
         try:
             rename_noreplace(self.path, self.out_dir)
         except BaseException:
             if old:
                 rename_noreplace(old, self.out_dir)
+            self._write_manifest()
             raise
+        kill_point("commit: rename new output into place")
         self.committed = True
-        drop_manifest(self.out_dir)  # it travelled with the folder; the journal names it ours if we die here
         fsync_dir(parent)
+        kill_point("commit: fsync parent")
         if old:
             left = remove_checked(old, self.checked)
             if left:
@@ -277,6 +286,7 @@ class Staging:
                             "%s", ", ".join(left[:5]), old)
         if lock is not None:
             lock.note(commit=None)
+            kill_point("commit: journal cleared")
 
     def discard(self) -> None:
         """Remove the staging folder (ours: created by this run, or proven ours by its manifest)."""
@@ -353,6 +363,8 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
                                     "overwrite=True to replace it")
                 elif REPLACE_CHECK.get() is not None and os.listdir(out):
                     problems += REPLACE_CHECK.get()(out)
+                else:  # overwrite replaces an empty folder or an earlier output of ours, nothing else
+                    problems += replace_problems(out)
             if problems:
                 raise InputError(problems)
             staging.checked = snapshot(out) if st is not None else None

@@ -46,8 +46,7 @@ def test_every_problem_is_reported_at_once(pair, tmp_path):
 def test_overwrite_replaces_only_after_success(pair, tmp_path):
     base, adapter = pair
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("old")
+    merge_checkpoint(base, adapter, str(out), dtype="float16", progress=False)  # an earlier output of ours
     merge_checkpoint(base, adapter, str(out), overwrite=True, progress=False)
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "merge_manifest.json",
                                       "model.safetensors"]

@@ -22,8 +22,10 @@ def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, t
     base, adapter = make_base("llama_sharded"), make_adapter("llama_sharded", "default")
     out = tmp_path / "out"
     if existing:
-        out.mkdir()
+        out.mkdir()  # an earlier output of ours (its record lists its files), which overwrite may replace
         (out / "model.safetensors").write_text("the previous output")
+        (out / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": '
+                                                 '{"model.safetensors": {}}, "files": {}}')
     calls = {"n": 0}
     real = row_merge.merge_block
 
@@ -39,7 +41,7 @@ def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, t
     assert calls["n"] == 5
     assert _leftovers(tmp_path) == []
     if existing:
-        assert os.listdir(out) == ["model.safetensors"]
+        assert sorted(os.listdir(out)) == ["merge_manifest.json", "model.safetensors"]
         assert (out / "model.safetensors").read_text() == "the previous output"
     else:
         assert not out.exists()

@@ -567,16 +567,16 @@ def test_side_files_rules(tmp_path):
         "pytorch_model.bin": 0, "pytorch_model.bin.index.json": 0, "consolidated.pth": 0, "model.gguf": 0,
         "training_args.pt": 0, "quantize_config.json": 0, "tokenizer.json": 1, "README.md": 1, "modules.json": 1,
         "sentence_bert_config.json": 1, "1_Pooling/config.json": 1, "2_Dense/config.json": 1,
-        "2_Dense/model.safetensors": 1, "notes/eval.txt": 1, "onnx/model.onnx": 0, ".cache/x": 0, ".gitattributes": 0,
+        "2_Dense/model.safetensors": 1, "notes/eval.txt": 0, "onnx/model.onnx": 0, ".cache/x": 0, ".gitattributes": 0,
         "manifest.json": 0, "LICENSE": 1,
     }
     for rel in files:
         (base / rel).write_text(json.dumps([{"path": "2_Dense"}]) if rel == "modules.json" else "x")
     os.symlink(outside, base / "leak.txt")
     os.symlink(tmp_path, base / "leakdir")
-    os.symlink(base / "README.md", base / "README.link.md")
+    os.symlink(base / "README.md", base / "LICENSE.txt")  # a link inside the folder is followed
     got = set(list_side_files(str(base)))
-    want = {rel for rel, keep in files.items() if keep and rel != "config.json"} | {"README.link.md"}
+    want = {rel for rel, keep in files.items() if keep and rel != "config.json"} | {"LICENSE.txt"}
     assert got == want
 
 

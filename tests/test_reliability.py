@@ -210,8 +210,9 @@ def test_disk_full_mid_write_removes_everything(small_fs, make_base, make_adapte
 
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     previous = small_fs / "out"
-    previous.mkdir()
+    previous.mkdir()  # an earlier output of ours: its record lists its files
     (previous / "config.json").write_text("previous output")
+    (previous / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": {}, "files": {"config.json": {}}}')
     monkeypatch.setattr(api, "check_space", lambda out_dir, nbytes: [])
     with pytest.raises(OSError) as e:
         merge_checkpoint(base, adapter, str(previous), dtype="float32", overwrite=True, progress=False)
@@ -314,8 +315,9 @@ def test_interrupt_while_removing_the_old_output_keeps_the_new_one(make_base, ma
     import peft_shardmerge.staging as staging
 
     out = tmp_path / "out"
-    out.mkdir()
+    out.mkdir()  # an earlier output of ours: its record lists its files
     (out / "config.json").write_text("old")
+    (out / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": {}, "files": {"config.json": {}}}')
     real = shutil.rmtree
 
     def interrupted(path, *a, **k):

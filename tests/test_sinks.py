@@ -192,7 +192,8 @@ def test_plan_model_merge_checks_the_options_and_the_folder(make_base, tmp_path)
 
 
 def test_the_dry_run_takes_overwrite_as_merge_and_save_does(make_base, make_adapter, tmp_path):
-    """plan_model_merge into a non-empty folder says to pass overwrite=True, and accepts it (nothing is written)."""
+    """plan_model_merge into a non-empty folder says to pass overwrite=True; with it, refuses a folder of the user's
+    as merge_and_save does, and accepts an earlier output of ours (nothing is written)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -205,8 +206,12 @@ def test_the_dry_run_takes_overwrite_as_merge_and_save_does(make_base, make_adap
     (out / "notes.txt").write_text("mine")
     with pytest.raises(InputError, match="pass overwrite=True"):
         plan_model_merge(model, str(out))
+    with pytest.raises(InputError, match=r"did not write \(notes\.txt\)"):
+        plan_model_merge(model, str(out), overwrite=True)
+    (out / "notes.txt").unlink()
+    (out / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": {}, "files": {}}')
     plan = plan_model_merge(model, str(out), overwrite=True)
-    assert plan.tensors and sorted(os.listdir(out)) == ["notes.txt"]
+    assert plan.tensors and sorted(os.listdir(out)) == ["merge_manifest.json"]
 
 
 def test_the_dry_run_into_the_original_checkpoint_names_the_adapter_not_a_temporary_folder(make_base, make_adapter,

@@ -1,0 +1,86 @@
+"""What ``overwrite`` may replace: an empty folder or an earlier output of peft-shardmerge holding only what its
+merge record lists; a folder with anything else is refused before anything is written, naming what is there."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from peft_shardmerge import InputError, merge_checkpoint
+
+
+def _tree(folder) -> dict[str, str]:
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            if os.path.isdir(path):
+                out[os.path.relpath(path, folder)] = "folder"
+            else:
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture()
+def tiny(make_base, make_adapter):
+    return make_base("llama"), make_adapter("llama", "default")
+
+
+def _user_folder(out):
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("my notes")
+    (out / "README.md").write_text("my readme")
+    (out / "sub" / "data.bin").write_bytes(b"1234")
+    return _tree(out)
+
+
+def test_overwrite_refuses_a_folder_of_the_users_and_names_what_is_there(tiny, tmp_path):
+    out = tmp_path / "out"
+    before = _user_folder(out)
+    with pytest.raises(InputError) as e:
+        merge_checkpoint(*tiny, str(out), overwrite=True, progress=False)
+    text = str(e.value)
+    assert "holds files peft-shardmerge did not write (README.md, notes.txt, sub, sub/data.bin)" in text
+    assert "no merge_manifest.json of ours" in text and "choose another output folder" in text
+    assert _tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_overwrite_on_the_command_line_refuses_it_too(tiny, tmp_path):
+    out = tmp_path / "out"
+    before = _user_folder(out)
+    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", *tiny, str(out), "--overwrite", "-q"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                       check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "did not write (README.md, notes.txt, sub, sub/data.bin)" in r.stderr
+    assert _tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_file_added_to_an_earlier_output_is_never_deleted(tiny, tmp_path):
+    out = tmp_path / "out"
+    merge_checkpoint(*tiny, str(out), progress=False)
+    (out / "notes.txt").write_text("added after the merge")
+    before = _tree(out)
+    with pytest.raises(InputError, match=r"did not write \(notes\.txt\).*does not list, added after the merge"):
+        merge_checkpoint(*tiny, str(out), overwrite=True, dtype="float16", progress=False)
+    assert _tree(out) == before
+
+
+def test_merge_and_save_with_overwrite_refuses_a_folder_of_the_users(tiny, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge import merge_and_save
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32), tiny[1])
+    out = tmp_path / "out"
+    before = _user_folder(out)
+    with pytest.raises(InputError, match=r"did not write \(README\.md, notes\.txt, sub, sub/data\.bin\)"):
+        merge_and_save(model, str(out), overwrite=True, progress=False)
+    assert _tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
