@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -18,12 +19,14 @@ from .plan_types import Plan
 from .plan import build_plan
 from .reading_rules import adapter_load_problems
 from .report import MergeReport
-from .sources import open_checkpoint
+from .sources import check_base_files, open_checkpoint
 from .errors import FileSystemError
 from .dist_execute import STEPS, agree_on_plan, failed
 from .distributed import JobSteps, World, joined_world
 from .staging import NOTHING_WRITTEN
 from .outcheck import check_out_dir, check_space, path_argument
+from .quiet import quiet_libraries
+from .trained_base import base_name_notes, disk_base_choice
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ def plan_checkpoint_merge(
     combination: str = "cat",
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
-    base_precision: str = "original",
+    base_precision: str = "auto",
     nf4_quant_type: str = "nf4",
     nf4_blocksize: int = 64,
     nf4_double_quant: bool = True,
@@ -59,8 +62,10 @@ def plan_checkpoint_merge(
             :func:`~peft_shardmerge.adapter.combine_adapters`.
         dtype: output dtype (``"bfloat16"``, ``"float16"``, ``"float32"`` or a torch dtype); None keeps the base's.
         max_shard_size: largest output shard (``"5GB"``, ``"500MB"`` or bytes).
-        base_precision: ``"original"`` merges into the checkpoint's weights; ``"nf4"`` merges into
-            dequant(quantize_4bit(W)), the weights a QLoRA adapter was trained against.
+        base_precision: ``"auto"`` (the default) reproduces the trained model: ``"nf4"`` where the adapter's
+            files show it was trained on a 4-bit base (with the 4-bit settings they record), else ``"original"``;
+            ``"original"`` merges into the checkpoint's weights; ``"nf4"`` merges into dequant(quantize_4bit(W)),
+            the weights a QLoRA adapter was trained against. The plan's ``reproduces`` says which model results.
         nf4_quant_type: ``"nf4"`` or ``"fp4"`` for ``base_precision="nf4"``.
         nf4_blocksize: 4-bit block size used during training.
         nf4_double_quant: whether training used double quantization.
@@ -124,11 +129,15 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
         resolve_device(opts.device)
     except InputError as e:
         problems += [p for p in e.problems if p not in problems]
-    src = open_checkpoint(base)
+    src = open_checkpoint(base, check_files=False)  # mapped whole by safetensors: after the space check
     try:
         spec = combine_adapters([load_adapter(a) for a in locations], opts.weights, opts.combination)
     except InputError as e:  # nothing further can be planned: every problem found so far, at once
         raise InputError(problems + [p for p in e.problems if p not in problems]) from e
+    adapters = [(part.folder, part.config) for part in spec.parts or [spec]]
+    precision, nf4_fields, reproduces = disk_base_choice(
+        opts.base_precision, adapters, src.quantized.method if src.quantized is not None else None)
+    opts = replace(opts, base_precision=precision, **nf4_fields)
     inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
                                      for i, f in enumerate(spec.folders)}}
     problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite)
@@ -143,10 +152,13 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
     plan = build_plan(src, spec, info, dtype=opts.dtype, max_shard_size=opts.max_shard_size,
                       base_precision=opts.base_precision, nf4=opts.nf4, chunk_elems=opts.chunk_elems,
                       problems=problems)
+    plan.reproduces = reproduces
+    plan.notes[:0] = base_name_notes(adapters, base, src.folder)
     space = check_space(out_dir, plan.total_size + sum(
         os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files))
     if space:
         raise InputError(space)
+    check_base_files(src)
     return plan
 
 
@@ -171,7 +183,7 @@ def merge_checkpoint(
     # the adapters and how they combine
     weights: Sequence[float] | None = None, combination: str = "cat",
     # what is written
-    dtype: str | torch.dtype | None = None, max_shard_size: int | str = "5GB", base_precision: str = "original",
+    dtype: str | torch.dtype | None = None, max_shard_size: int | str = "5GB", base_precision: str = "auto",
     nf4_quant_type: str = "nf4", nf4_blocksize: int = 64, nf4_double_quant: bool = True,
     # how it runs
     device: str = "auto", overwrite: bool = False, dry_run: bool = False,
@@ -201,7 +213,8 @@ def merge_checkpoint(
         combination: ``"cat"`` or ``"linear"`` (see :func:`plan_checkpoint_merge`).
         dtype: output dtype; None keeps the base's.
         max_shard_size: largest output shard (decimal units: ``"5GB"`` is 5e9 bytes).
-        base_precision: ``"original"`` or ``"nf4"`` (see :func:`plan_checkpoint_merge`).
+        base_precision: ``"auto"`` (reproduce the trained model), ``"original"`` or ``"nf4"`` (see
+            :func:`plan_checkpoint_merge`).
         nf4_quant_type: ``"nf4"`` or ``"fp4"``.
         nf4_blocksize: 4-bit block size used in training.
         nf4_double_quant: whether training used double quantization.
@@ -246,16 +259,17 @@ def merge_checkpoint(
         base_precision=base_precision, nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize,
         nf4_double_quant=nf4_double_quant, device=device, overwrite=overwrite, progress=progress,
         chunk_elems=chunk_elems, resume=resume)
-    if not distributed:
-        return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, JobSteps(World(), STEPS))
-    with joined_world(opts.device) as world:
-        steps = JobSteps(world, ("plan",) if dry_run else STEPS)
-        try:
-            return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, steps)
-        except BaseException as e:
-            if not world.distributed:
-                raise
-            raise failed(steps, e, out_dir)
+    with quiet_libraries():
+        if not distributed:
+            return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, JobSteps(World(), STEPS))
+        with joined_world(opts.device) as world:
+            steps = JobSteps(world, ("plan",) if dry_run else STEPS)
+            try:
+                return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, steps)
+            except BaseException as e:
+                if not world.distributed:
+                    raise
+                raise failed(steps, e, out_dir)
 
 
 def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_run: bool, before_commit,
@@ -270,13 +284,13 @@ def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_
     agree_on_plan(steps, plan, out_dir)
     out_dir = os.path.abspath(os.fspath(out_dir))  # resolved once: every later step uses this path
     for note in plan.notes if steps.world.rank == 0 else ():
-        log.info("%s", note)
+        log.debug("%s", note)  # the report's summary (the CLI prints it) shows each note once
     if dry_run:
         return MergeReport(
             out_dir=os.path.abspath(out_dir), base=plan.base.folder, adapter=", ".join(plan.adapter.folders),
             dtype=str(plan.dtype).removeprefix("torch."), base_precision=plan.base_precision,
             tensors_written=0, lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
-            notes=list(plan.notes), dry_run=True, plan_text=plan.describe(),
+            notes=list(plan.notes), dry_run=True, plan_text=plan.describe(), reproduces=plan.reproduces,
         )
     return execute_plan(plan, out_dir, device=opts.device, progress=opts.progress and steps.world.rank == 0,
                         before_commit=before_commit, resume=opts.resume, overwrite=opts.overwrite,

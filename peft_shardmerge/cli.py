@@ -69,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", type=_dtype_arg, default=None, metavar="{bfloat16,float16,float32,auto}",
                    help="dtype written (bf16, fp16, fp32 too; default or 'auto': the base's)")
     m.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
-    m.add_argument("--base-precision", choices=["original", "nf4"], default="original",
-                   help="merge into the original weights (default) or into dequant(nf4(W)), "
-                        "the weights a QLoRA adapter was trained against")
+    m.add_argument("--base-precision", choices=["auto", "original", "nf4"], default="auto",
+                   help="auto (default): reproduce the trained model, i.e. nf4 where the adapter's files show a 4-bit "
+                        "base, else original; original: the checkpoint's weights; nf4: dequant(nf4(W)), the weights "
+                        "a QLoRA adapter was trained against")
     m.add_argument("--nf4-quant-type", choices=["nf4", "fp4"], default="nf4",
                    help="4-bit type used in training (with --base-precision nf4)")
     m.add_argument("--nf4-blocksize", type=int, default=64, help="4-bit block size used in training (default 64)")

@@ -67,7 +67,7 @@ def _replace_problems(save_directory: str, model: nn.Module, method: str | None,
     """Problems with saving into ``save_directory`` as Unsloth does: an earlier save there is replaced (a merged
     checkpoint by any save, an adapter folder by an adapter save); an input folder, or a folder with other content,
     never is."""
-    problems = check_out_dir(save_directory, inputs=source_folders(model), overwrite=True)
+    problems = check_out_dir(save_directory, inputs=source_folders(model), overwrite=True, only_ours=any_content)
     if problems or any_content:
         return problems
     return _not_an_earlier_save(save_directory, method)
@@ -343,12 +343,12 @@ def merge_and_unload(
 
     Takes PEFT's parameters in PEFT's order. Every merge here runs the checks PEFT's ``safe_merge=True`` asks for
     (each merged block checked finite and against the unmerged layer on probe vectors), so ``safe_merge`` only
-    documents that; ``progressbar`` is accepted and ignored (the merge is module by module). The rest is
+    documents that; ``progressbar`` shows a tqdm bar over the modules merged, as PEFT's does. The rest is
     :func:`peft_shardmerge.unload.merge_and_unload`.
 
     Args:
         model: a ``PeftModel`` (or a transformers model after ``add_adapter``), base 4-bit, 8-bit or unquantized.
-        progressbar: accepted for PEFT compatibility.
+        progressbar: show a progress bar over the modules merged (tqdm, on stderr).
         safe_merge: accepted for PEFT compatibility; the checks always run.
         adapter_names: adapters to merge; None merges the active adapter(s).
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
@@ -368,9 +368,10 @@ def merge_and_unload(
         >>> from peft_shardmerge import merge_and_unload
         >>> plain = merge_and_unload(model, progressbar=True, safe_merge=True)   # doctest: +SKIP
     """
-    del progressbar, safe_merge  # see the docstring
+    del safe_merge  # see the docstring
     return _merge_and_unload(model, maximum_memory_usage=maximum_memory_usage, dtype=dtype,
-                             adapter_names=adapter_names, weights=weights, combination_type=combination_type)
+                             adapter_names=adapter_names, weights=weights, combination_type=combination_type,
+                             progress=bool(progressbar))
 
 
 def patch_peft() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import shutil
 import time
 from typing import Callable
@@ -23,6 +22,7 @@ from .sinks import FolderFiles, ShardSink
 from .merger import PlanMerger, check_counts
 from .options import DEVICES
 from .row_merge import precision_notes
+from .rss import PeakRss, current_rss_bytes  # noqa: F401 - bench/ reads current_rss_bytes from here
 
 log = logging.getLogger(__name__)
 
@@ -55,42 +55,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
             raise InputError(f"device {device!r} was asked for but CUDA is not available; use device='cpu' or 'auto'")
         return torch.device(device)
     raise InputError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far, in bytes (``ru_maxrss``, mapped file pages included).
-
-    Returns:
-        Bytes.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> peak_rss_bytes() > 0
-        True
-    """
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_rss_bytes() -> int:
-    """The process's resident set size now, in bytes (from ``/proc/self/statm``; 0 where unavailable).
-
-    Returns:
-        Bytes.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> current_rss_bytes() >= 0
-        True
-    """
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto",
@@ -126,7 +90,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         >>> report = execute_plan(plan, "merged", overwrite=False)   # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    baseline = current_rss_bytes()
+    meter = PeakRss().start()
     world = steps.world if steps is not None else World()
     dev = world.device(resolve_device(device))
     merger = PlanMerger(plan, dev, progress and world.rank == 0)
@@ -158,7 +122,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     resumed = sink.resumed
     out_dir = os.path.abspath(out_dir)
     report = merge_report(
-        plan, merger, out_dir, t0, baseline,
+        plan, merger, out_dir, t0, meter,
         base=plan.base.folder,
         adapter=(plan.adapter_text or ", ".join(plan.adapter.folders))
         + (f" ({plan.adapter.combination})" if plan.adapter.combination else ""),
@@ -171,8 +135,7 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
         notes=list(plan.notes) + ([f"resumed: {len(resumed)} shard(s) kept from an interrupted run"]
                                   if resumed else [])
         + ([f"spread over {world.size} ranks; the peak memory above is rank 0's"] if world.distributed else []),
-        reproduces=(f"the stored {plan.base.quantized.method} base, dequantized, + adapter (for an adapter trained "
-                    "on this base, the trained model)") if plan.base.quantized is not None else "",
+        reproduces=plan.reproduces,
     )
     log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
     if steps is not None:
@@ -226,7 +189,7 @@ def _copy_side_files(plan: Plan, tmp: str) -> None:
 
 
 
-def merge_report(plan: Plan, merger, out_dir: str, started: float, baseline: int, **fields) -> MergeReport:
+def merge_report(plan: Plan, merger, out_dir: str, started: float, meter: PeakRss, **fields) -> MergeReport:
     """The report of a finished merge on either path: what the plan wrote and what the merger counted.
 
     Args:
@@ -234,7 +197,7 @@ def merge_report(plan: Plan, merger, out_dir: str, started: float, baseline: int
         merger: its per-tensor merger (``fallbacks``, ``probe_err``, ``swallowed``).
         out_dir: the output folder.
         started: ``time.perf_counter()`` when the merge started.
-        baseline: the resident memory before the merge, in bytes.
+        meter: the measure of the merge's peak resident memory, started when the merge started (stopped here).
         **fields: the path's own :class:`MergeReport` fields (base, adapter, counts, device, notes, ...).
 
     Returns:
@@ -244,13 +207,15 @@ def merge_report(plan: Plan, merger, out_dir: str, started: float, baseline: int
         Nothing.
 
     Example:
-        >>> report = merge_report(plan, merger, "merged", t0, 0, base="b", adapter="a")   # doctest: +SKIP
+        >>> report = merge_report(plan, merger, "merged", t0, meter, base="b", adapter="a")   # doctest: +SKIP
     """
+    meter.stop()
     report = MergeReport(
         out_dir=os.path.abspath(out_dir), dtype=str(plan.dtype).removeprefix("torch."),
         tensors_written=len(plan.tensors), lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
-        bytes_written=plan.total_size, wall_time_s=time.perf_counter() - started, peak_rss_bytes=peak_rss_bytes(),
-        baseline_rss_bytes=baseline, cpu_fallbacks=merger.fallbacks, self_check_max_rel_err=merger.probe_err,
+        bytes_written=plan.total_size, wall_time_s=time.perf_counter() - started, peak_rss_bytes=meter.peak,
+        baseline_rss_bytes=meter.baseline, peak_rss_method=meter.method, cpu_fallbacks=merger.fallbacks,
+        self_check_max_rel_err=merger.probe_err,
         swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()}, **fields)
     report.notes = list(report.notes) + precision_notes(merger.swallowed, plan.dtype)
     return report

@@ -27,6 +27,38 @@ def _masked(e: BaseException, token: str | None) -> str:
     return text.replace(token, "***") if token else text
 
 
+#: exception class names of the HTTP libraries huggingface_hub uses (httpx, requests, urllib3) that mean the server
+#: was not reached at all
+_NETWORK_ERRORS = {"ConnectError", "ConnectTimeout", "ConnectionError", "NewConnectionError", "MaxRetryError",
+                   "NameResolutionError", "ProxyError", "ReadTimeout", "Timeout", "TimeoutException"}
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether an error of a Hub call means the server could not be reached (refused, unresolved, timed out).
+
+    Args:
+        error: the exception a ``huggingface_hub`` call raised; its causes are searched too.
+
+    Returns:
+        True for a network failure, False for an answer of the server (a refused token, a bad name).
+
+    Example:
+        >>> unreachable(ConnectionRefusedError(111, "Connection refused")), unreachable(ValueError("401"))
+        (True, False)
+    """
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (ConnectionError, TimeoutError)) or any(c.__name__ in _NETWORK_ERRORS
+                                                                  for c in type(e).__mro__):
+            return True
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
 def prepare_repo(repo_id: str, *, token: str | None = None, private: bool | None = None) -> str:
     """Check that the Hub can be reached and the repository created or written, before any merge work.
 
@@ -65,6 +97,10 @@ def prepare_repo(repo_id: str, *, token: str | None = None, private: bool | None
     try:
         url = api.create_repo(repo_id.strip("/"), private=private, exist_ok=True, repo_type="model")
     except Exception as e:  # noqa: BLE001 - any failure is reported, without the token, before merging
+        if unreachable(e):
+            raise HubUploadError(f"the Hub at {api.endpoint} could not be reached ({_masked(e, token)}): a network "
+                                 "problem, not the token; nothing was merged. Check the connection, a proxy, or "
+                                 "HF_ENDPOINT, then push again") from None
         raise HubUploadError(f"cannot create or write the Hub repository {repo_id!r} at {api.endpoint} "
                              f"({_masked(e, token)}); nothing was merged. Check the token (`hf auth login`) and "
                              "the repository name") from None
@@ -228,4 +264,5 @@ def upload_folder(folder: str, repo_id: str, *, token: str | None = None, privat
                                  revision=revision, create_pr=create_pr, repo_type="model")
         return str(getattr(info, "commit_url", info))
     except Exception as e:  # noqa: BLE001 - any failure is reported without the token
-        raise HubUploadError(f"upload to {repo_id} failed: {_masked(e, token)}") from None
+        where = f": the Hub at {api.endpoint} could not be reached (network)" if unreachable(e) else ""
+        raise HubUploadError(f"upload to {repo_id} failed{where}: {_masked(e, token)}") from None

@@ -25,6 +25,7 @@ from .record import live_merge_info
 from .options import MODEL, MergeOptions, parse_dtype, parse_size
 from .outcheck import check_out_dir, foreign_model_problems, source_folders
 from .report import MergeReport
+from .quiet import quiet_libraries
 
 #: the shardings planned from a view of the model unsharded (FSDP2 shows full shapes as it is)
 VIEWS = {"fsdp1": fsdp1_view.planning_view, "zero3": zero3_view.planning_view}
@@ -61,9 +62,11 @@ def merge_and_save(
     Args:
         model: a ``PeftModel`` (or a transformers model with a LoRA attached by ``add_adapter``).
         out_dir: the output folder; it appears only when complete.
-        tokenizer: saved into ``out_dir`` when given.
+        tokenizer: saved into ``out_dir`` when given: a tokenizer (or processor) object, or what
+            ``AutoTokenizer.from_pretrained`` accepts (a local folder, a Hub id), loaded before anything is written.
         dtype: output dtype (``torch.bfloat16`` or ``"bfloat16"``, ``"float16"``, ``"float32"``); None or ``"auto"``
-            writes the checkpoint's own 16-bit dtype, else the model's 16-bit dtype, else bfloat16 (a note says which).
+            writes the base checkpoint's own dtype (its config.json), as a merge from disk does, else the dtype of
+            the model's weights (a note says which).
         max_shard_size: largest shard (``"5GB"``, ``"500MB"`` or bytes).
         maximum_memory_usage: fraction (0, 0.95] of the accelerator's memory the process may occupy while
             merging. A module whose working set would go over it is merged on the CPU; on out-of-memory it is
@@ -106,36 +109,37 @@ def merge_and_save(
                                          maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
                                          weights=weights, combination=combination_type, overwrite=overwrite,
                                          progress=progress)
-    budget = None
-    try:
-        budget = MemoryBudget(opts.maximum_memory_usage)
-    except InputError as e:  # reported with every other problem
-        problems += e.problems
-    wrapper, sharding = type(model).__name__, sharding_of(model)
-    if wrapper in ("DeepSpeedEngine", "DistributedDataParallel") and sharding is None:
-        raise InputError([f"the model is a {wrapper} around the PeftModel, whose weights every rank holds whole (it is "
-                          "not sharded): merge its .module from one rank, `if rank == 0: merge_and_save(model.module, "
-                          "OUT)`"] + problems)
-    if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
-        raise InputError(sharding_problems(model, opts.base_precision) + problems)
-    if sharding is not None:
-        return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
-    planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
-    overwrite, progress = opts.overwrite, opts.progress
-    save_extra = _side_saver(tokenizer)
-    plan = planned.plan
-    if plan.live is None:  # merged from the original checkpoint on disk
+    with quiet_libraries():
+        budget = None
         try:
-            report = execute_plan(plan, os.path.abspath(os.fspath(out_dir)), device=planned.device,
-                                  progress=progress, before_commit=save_extra, overwrite=overwrite)
-        finally:
-            for folder in plan.resources:
-                folder.cleanup()
-    else:
-        report = execute_live_plan(plan, out_dir, budget=budget, overwrite=overwrite, progress=progress,
-                                   before_commit=save_extra)
-    report.reproduces = planned.reproduces
-    return report
+            budget = MemoryBudget(opts.maximum_memory_usage)
+        except InputError as e:  # reported with every other problem
+            problems += e.problems
+        wrapper, sharding = type(model).__name__, sharding_of(model)
+        if wrapper in ("DeepSpeedEngine", "DistributedDataParallel") and sharding is None:
+            raise InputError([f"the model is a {wrapper} around the PeftModel, whose weights every rank holds "
+                              "whole (it is not sharded): merge its .module from one rank, `if rank == 0: "
+                              "merge_and_save(model.module, OUT)`"] + problems)
+        if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
+            raise InputError(sharding_problems(model, opts.base_precision) + problems)
+        if sharding is not None:
+            return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
+        planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
+        overwrite, progress = opts.overwrite, opts.progress
+        save_extra = _side_saver(tokenizer)
+        plan = planned.plan
+        if plan.live is None:  # merged from the original checkpoint on disk
+            try:
+                report = execute_plan(plan, os.path.abspath(os.fspath(out_dir)), device=planned.device,
+                                      progress=progress, before_commit=save_extra, overwrite=overwrite)
+            finally:
+                for folder in plan.resources:
+                    folder.cleanup()
+        else:
+            report = execute_live_plan(plan, out_dir, budget=budget, overwrite=overwrite, progress=progress,
+                                       before_commit=save_extra)
+        report.reproduces = planned.reproduces
+        return report
 
 
 def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_names, problems: list[str],
@@ -169,8 +173,11 @@ def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_n
 
 
 def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
+    """What saves ``tokenizer`` into the staging folder: a tokenizer object, or a name or local folder loaded with
+    ``AutoTokenizer.from_pretrained`` now, before anything is written."""
     if tokenizer is None:
         return None
+    tokenizer = load_tokenizer(tokenizer)
 
     def save(folder: str) -> None:
         from .sources import TOKENIZER_FILES
@@ -182,6 +189,42 @@ def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
         tokenizer.save_pretrained(folder)
 
     return save
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer to save beside a merged model: an object with ``save_pretrained`` as is, a name or a folder
+    loaded with ``AutoTokenizer.from_pretrained``.
+
+    Args:
+        tokenizer: a tokenizer or processor object, a local folder, or a Hub id (offline settings apply).
+
+    Returns:
+        An object with ``save_pretrained``.
+
+    Raises:
+        InputError: the name cannot be loaded, or the object cannot be saved (named, with what to pass instead).
+
+    Example:
+        >>> load_tokenizer(42)
+        Traceback (most recent call last):
+        ...
+        peft_shardmerge.errors.InputError: 1 problem found before writing anything:
+          - tokenizer must be a tokenizer object (with save_pretrained), a local folder or a Hub id, got int 42
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+        except Exception as e:  # any failure to load is the user's to fix, said by name
+            why = (str(e).strip().splitlines() or [""])[0]
+            raise InputError(f"tokenizer {os.fspath(tokenizer)!r} could not be loaded with AutoTokenizer."
+                             f"from_pretrained ({type(e).__name__}: {why}); pass a tokenizer object, a local folder "
+                             "holding one, or a Hub id reachable from here") from e
+    if not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise InputError(f"tokenizer must be a tokenizer object (with save_pretrained), a local folder or a Hub id, "
+                         f"got {type(tokenizer).__name__} {tokenizer!r}")
+    return tokenizer
 
 
 def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, dtype: str | torch.dtype | None = None,

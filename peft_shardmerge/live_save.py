@@ -10,7 +10,7 @@ import torch
 
 from .budget import MemoryBudget
 from .errors import MergeCheckError
-from .execute import current_rss_bytes, merge_report
+from .execute import merge_report
 from .dist_execute import LiveRanks, follow_plan
 from .fsdp_gather import UnitGatherer
 from .live_merger import LiveMerger
@@ -19,6 +19,7 @@ from .plan_types import Plan, PlannedTensor
 from .quant import pad_quant_state, quant_state_length, require_bitsandbytes
 from .record import live_merge_info
 from .report import MergeReport
+from .rss import PeakRss
 from .safetensors_io import DTYPES, row_blocks
 from .sinks import FolderFiles, ShardSink
 from .sources import copy_base_side_files
@@ -28,8 +29,12 @@ log = logging.getLogger(__name__)
 
 REPACKED_NOTE = (
     "{} 4-bit weight(s) had been repacked by bitsandbytes for its CPU kernel (an eval forward on a CPU with "
-    "AVX512-BF16); they were unpacked on a copy: 4-bit codes exact, block scales kept in bf16 by the repacking "
-    "(relative error <= 2^-9 per block). Set module.support_avx512bf16_for_cpu = False after loading to avoid this"
+    "AVX512-BF16): 4-bit codes exact, block scales rounded to bf16 by the repacking (and re-quantized where "
+    "bitsandbytes undid it in place, e.g. at a save_pretrained), so the trained model's exact 4-bit base could not be "
+    "read back bit for bit; those tensors are merged within that loss, and `verify` reports them UNCHECKED, not "
+    "equal. Re-quantizing the original 16-bit weights gives the very 4-bit bytes the model was loaded with: load "
+    "it again with module.support_avx512bf16_for_cpu = False set on every Linear4bit after loading, load the "
+    "adapter, and merge"
 )
 
 
@@ -66,7 +71,7 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
-    baseline = current_rss_bytes()
+    meter = PeakRss().start()
     src = plan.live
     live = src.live
     gatherer = ranks = None
@@ -96,14 +101,15 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
             src.generation_config.save_pretrained(tmp)
 
     files = FolderFiles(config=plan.config, index=plan.index(), side_files=side_files, before_commit=before_commit,
-                        merge_info=lambda: merge_info or live_merge_info(live.model, plan.dtype, src.adapter_names,
-                                                                         src.quant4, src.weights, src.combination),
+                        merge_info=lambda: _with_repacked(merge_info or live_merge_info(
+                            live.model, plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination),
+                            merger.repacked),
                         checks=[lambda: check_applied(live.lora_layers, merger.applied)])
     try:
         sink.write(produce, files, ranks=ranks)
     finally:
         bar.close()
-    report = _report(plan, merger, out_dir, t0, baseline)
+    report = _report(plan, merger, out_dir, t0, meter)
     if steps is not None:
         if getattr(gatherer.units, "masters", None):
             report.notes.append(f"{len(gatherer.units.masters)} trainable tensor(s) read from DeepSpeed's fp32 master "
@@ -112,6 +118,12 @@ def execute_live_plan(plan: Plan, out_dir: str, *, budget: MemoryBudget, overwri
                             f"{gatherer.peak_numel:,} elements at once); the peak memory above is rank 0's")
         steps.step("committed", report)
     return report
+
+
+def _with_repacked(info: dict, repacked: list[str]) -> dict:
+    """The record's ``merge`` part naming the weights read from bitsandbytes' lossy CPU repacking (``verify`` then
+    knows which tensors cannot equal a recomputation from the original base byte for byte)."""
+    return {**info, "cpu_repacked": sorted(repacked)} if repacked else info
 
 
 def _write(merger: LiveMerger, t: PlannedTensor, w: ShardWriter, parts: dict[str, torch.Tensor],
@@ -156,11 +168,11 @@ def _quantize(merger: LiveMerger, t: PlannedTensor, plan: Plan) -> dict[str, tor
     return parts
 
 
-def _report(plan: Plan, merger: LiveMerger, out_dir: str, t0: float, baseline: int) -> MergeReport:
+def _report(plan: Plan, merger: LiveMerger, out_dir: str, t0: float, meter: PeakRss) -> MergeReport:
     live = plan.live.live
     notes = list(plan.notes) + ([REPACKED_NOTE.format(len(merger.repacked))] if merger.repacked else [])
     report = merge_report(
-        plan, merger, out_dir, t0, baseline,
+        plan, merger, out_dir, t0, meter,
         base=plan.origin,
         adapter="(in memory)",
         base_precision="dequantized",

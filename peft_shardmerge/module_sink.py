@@ -56,12 +56,13 @@ class ModuleSink:
         self.offloaded = bool(offloaded_modules(self.live.model))
         self.folders = _offload_folders(self.live.model, self.groups, dtype) if self.offloaded else {}
 
-    def write(self, merger: LiveMerger) -> None:
+    def write(self, merger: LiveMerger, progress: bool = False) -> None:
         """Replace every planned module by its merged plain module (offloaded layers: their hooks serve the merged
         weights).
 
         Args:
             merger: the per-tensor merger of the walked model.
+            progress: show a progress bar over the modules (PEFT's ``progressbar``).
 
         Returns:
             None.
@@ -72,13 +73,15 @@ class ModuleSink:
         Example:
             >>> sink.write(merger)   # doctest: +SKIP
         """
+        from tqdm.auto import tqdm
         from transformers.pytorch_utils import Conv1D
 
         inner = self.live.model
         done = 0
         try:
             with torch.no_grad():
-                for path, group in self.groups.items():
+                for path, group in tqdm(self.groups.items(), total=len(self.groups), desc="Unloading and merging model",
+                                        disable=not progress):
                     _set_submodule(inner, path, _replacement(group, merger, self.dtype, Conv1D, self.live,
                                                              self.folders.get(path)))
                     done += _changes(group)

@@ -89,13 +89,14 @@ DEFAULT_CHUNK_ELEMS = 1 << 22
 #: where the merge maths may run (``"cuda:N"`` too)
 DEVICES = ("auto", "cpu", "cuda")
 
-#: what the disk path merges into: the checkpoint's weights, or their 4-bit round trip (QLoRA)
-BASE_PRECISIONS = ("original", "nf4")
+#: what the disk path merges into: what reproduces the trained model (the 4-bit round trip where the adapter's files
+#: show a 4-bit base, else the checkpoint's weights), the checkpoint's weights, or their 4-bit round trip (QLoRA)
+BASE_PRECISIONS = ("auto", "original", "nf4")
 #: what a loaded model's merge merges into: the best available, the original checkpoint, or the weights in memory
 MODEL_BASE_PRECISIONS = ("auto", "original", "dequantized")
 #: the two paths: a checkpoint on disk (merge_checkpoint) and a loaded model (merge_and_save)
 DISK, MODEL = "disk", "model"
-_PATH_DEFAULTS = {DISK: {"base_precision": "original"}, MODEL: {"base_precision": "auto"}}
+_PATH_DEFAULTS = {DISK: {"base_precision": "auto"}, MODEL: {"base_precision": "auto"}}
 #: knobs that mean something on one path only, with what to use on the other
 _ONE_PATH = {
     "nf4_quant_type": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
@@ -129,8 +130,9 @@ class MergeOptions:
         combination: ``"cat"`` or ``"linear"``.
         dtype: output dtype (``"bfloat16"``, ``"float16"``, ``"float32"``, a torch dtype), None keeps the base's.
         max_shard_size: largest output shard, bytes or a string such as ``"5GB"``.
-        base_precision: from disk ``"original"`` or ``"nf4"``; for a loaded model ``"auto"``, ``"original"`` or
-            ``"dequantized"``; None (the default) is ``"original"`` from disk and ``"auto"`` for a loaded model.
+        base_precision: from disk ``"auto"``, ``"original"`` or ``"nf4"``; for a loaded model ``"auto"``,
+            ``"original"`` or ``"dequantized"``; None (the default) is ``"auto"`` on both: reproduce the trained
+            model.
         nf4_quant_type: ``"nf4"`` or ``"fp4"`` (``base_precision="nf4"``).
         nf4_blocksize: 4-bit block size used in training.
         nf4_double_quant: whether training used double quantization.

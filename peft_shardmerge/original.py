@@ -256,8 +256,8 @@ def is_quantized(inner: torch.nn.Module) -> bool:
 
 
 def default_dtype(inner: torch.nn.Module, model_dtype: torch.dtype) -> tuple[torch.dtype, str]:
-    """The dtype written when the caller gives none: the checkpoint's own 16-bit dtype, else the model's
-    16-bit dtype, else bfloat16 (a model loaded in float32 is not written at twice its checkpoint's size).
+    """The dtype written when the caller gives none, by the rule of a merge from disk: the base checkpoint's own
+    dtype (its config.json's ``dtype``/``torch_dtype``, float32 too), else the dtype of the model's weights.
 
     Args:
         inner: the transformers model.
@@ -271,11 +271,11 @@ def default_dtype(inner: torch.nn.Module, model_dtype: torch.dtype) -> tuple[tor
 
     Example:
         >>> default_dtype(torch.nn.Linear(2, 2), torch.float32)[0]
-        torch.bfloat16
+        torch.float32
     """
     import json
 
-    sixteen = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    known = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     name = getattr(getattr(inner, "config", None), "_name_or_path", "") or ""
     for folder in candidate_folders(name)[:1]:
         try:
@@ -284,12 +284,10 @@ def default_dtype(inner: torch.nn.Module, model_dtype: torch.dtype) -> tuple[tor
         except (OSError, ValueError):
             continue
         own = config.get("dtype") or config.get("torch_dtype")
-        if own in sixteen:
-            return sixteen[own], f"dtype {own}: the checkpoint's own (its config.json); pass dtype= to choose"
-    if model_dtype in sixteen.values():
-        return model_dtype, f"dtype {str(model_dtype)[6:]}: the model's; pass dtype= to choose"
-    return torch.bfloat16, (f"dtype bfloat16: the model computes in {str(model_dtype)[6:]} but a 16-bit checkpoint is "
-                            "written by default (half the size); pass dtype='float32' to keep float32")
+        if own in known:
+            return known[own], f"dtype {own}: the checkpoint's own (its config.json); pass dtype= to choose"
+    return model_dtype, (f"dtype {str(model_dtype)[6:]}: the model's (no checkpoint config.json found); pass dtype= "
+                         "to choose")
 
 
 def describe_base(used: str | None, check: OriginalCheck, quantized: bool, reason: str) -> tuple[str, str]:

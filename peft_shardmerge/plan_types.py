@@ -118,6 +118,7 @@ class Plan:
         origin: for a merge of a loaded model, what its base is (the name it was loaded from).
         adapter_text: for a merge of a loaded model, which adapters are merged (shown instead of folders).
         resources: what the plan's inputs live in, kept as long as the plan (a temporary folder).
+        reproduces: which model the output reproduces (the trained model, or the original base + adapter).
     """
 
     base: CheckpointSource
@@ -135,6 +136,7 @@ class Plan:
     origin: str = ""
     adapter_text: str = ""
     resources: list = field(default_factory=list)
+    reproduces: str = ""
 
     @property
     def total_size(self) -> int:
@@ -236,6 +238,7 @@ class Plan:
                 f"adapter:         {self.adapter_text}",
                 f"dtype:           {str(self.dtype).removeprefix('torch.')}",
                 f"base precision:  {self.base_precision}",
+                *([f"reproduces:      {self.reproduces}"] if self.reproduces else []),
                 f"changed layers:  {self.layer_count}",
             ] + ([f"re-quantized:    4-bit {self.live.quant4['bnb_4bit_quant_type']}"] if self.live.quant4 else [])
         return [
@@ -245,6 +248,7 @@ class Plan:
             f"dtype:           {str(self.dtype).removeprefix('torch.')}",
             f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else "")
             + (f" (the stored {self.base.quantized.method}, dequantized)" if self.base.quantized else ""),
+            *([f"reproduces:      {self.reproduces}"] if self.reproduces else []),
             f"LoRA modules:    {len(self.adapter.modules)}" if self.adapter.layers is None else
             f"{self.adapter.peft_type} layers: {len(self.adapter.layers.ops)}",
         ]

@@ -30,8 +30,11 @@ class MergeReport:
         shards: output safetensors file names.
         bytes_written: tensor bytes written (the index's ``total_size``).
         wall_time_s: seconds from planning to commit.
-        peak_rss_bytes: the process's peak resident memory (``ru_maxrss``) at the end.
+        peak_rss_bytes: the process's peak resident memory during the merge (not before it: a model's loading is
+            not counted), measured as ``peak_rss_method`` says.
         baseline_rss_bytes: resident memory when the merge started.
+        peak_rss_method: how ``peak_rss_bytes`` was measured (the kernel's high-water mark reset when the merge
+            started, or sampling; :mod:`peft_shardmerge.rss`).
         cpu_fallbacks: row blocks recomputed on the CPU after an accelerator out-of-memory.
         device: where the merge maths ran.
         untied: tied weights written separately.
@@ -59,6 +62,7 @@ class MergeReport:
     wall_time_s: float = 0.0
     peak_rss_bytes: int = 0
     baseline_rss_bytes: int = 0
+    peak_rss_method: str = ""
     cpu_fallbacks: int = 0
     device: str = "cpu"
     untied: list[str] = field(default_factory=list)
@@ -106,8 +110,10 @@ class MergeReport:
             f"  tensors {self.tensors_written}, LoRA modules merged {self.lora_modules_merged}/"
             f"{self.lora_modules_total}, tensors from adapter {self.replacements_applied}",
             f"  shards {len(self.shards)}, {self.bytes_written} bytes ({gb:.3f} GB)",
-            f"  wall time {self.wall_time_s:.2f} s, peak RSS {self.peak_rss_bytes / 2**20:.0f} MiB "
-            f"(+{max(0, self.peak_rss_bytes - self.baseline_rss_bytes) / 2**20:.0f} MiB over the start)",
+            (f"  wall time {self.wall_time_s:.2f} s, peak RSS during the merge {self.peak_rss_bytes / 2**20:.0f} MiB "
+             f"(+{max(0, self.peak_rss_bytes - self.baseline_rss_bytes) / 2**20:.0f} MiB over the "
+             f"{self.baseline_rss_bytes / 2**20:.0f} MiB at its start)"
+             + (f", measured by {self.peak_rss_method}" if self.peak_rss_method else "")),
         ]
         if self.self_check_max_rel_err:
             lines.append(f"  self-check: (W + dW) x vs W x + lora(x) on random probes, max relative error "

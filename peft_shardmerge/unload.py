@@ -180,6 +180,7 @@ def merge_and_unload(
     adapter_names: list[str] | None = None,
     weights: list[float] | None = None,
     combination_type: str = "cat",
+    progress: bool = False,
 ) -> nn.Module:
     """Replace PEFT's ``merge_and_unload`` without re-quantizing: return a plain 16-bit transformers model.
 
@@ -201,6 +202,7 @@ def merge_and_unload(
         adapter_names: adapters to merge together; None merges the active adapter(s).
         weights: one weight per adapter of ``adapter_names`` (default 1.0 each).
         combination_type: ``"cat"`` or ``"linear"``, as in :func:`merge_and_save`.
+        progress: show a progress bar over the modules replaced.
 
     Returns:
         The transformers model, with no PEFT or bitsandbytes layers and no ``quantization_config``.
@@ -233,7 +235,7 @@ def merge_and_unload(
     live = walk(model, names)
     plan = plan_live(LiveSource(live, names, weight_map, combination_type), out_dtype, limit=1 << 62)
     sink = ModuleSink(plan, out_dtype)  # checks, before changing anything
-    sink.write(LiveMerger(live, budget, out_dtype, weight_map, combination_type, plan.chunk_elems))
+    sink.write(LiveMerger(live, budget, out_dtype, weight_map, combination_type, plan.chunk_elems), progress=progress)
     finish_unload(inner, untied=live.untied)
     sink.cast(model)
     return inner

@@ -401,7 +401,7 @@ CASES = [
     ("shard-size-negative", option(max_shard_size="-1GB"), InputError, r"max_shard_size '-1GB' is not a size"),
     ("shard-size-empty", option(max_shard_size=""), InputError, r"max_shard_size '' is not a size"),
     ("shard-size-zero", option(max_shard_size="0MB"), InputError, r"max_shard_size must be positive"),
-    ("base-precision", option(base_precision="int8"), InputError, r"base_precision must be one of original, nf4"),
+    ("base-precision", option(base_precision="int8"), InputError, r"base_precision must be one of auto, original, nf4"),
     ("nf4-blocksize", option(base_precision="nf4", nf4_blocksize=100), InputError,
      r"4-bit blocksize must be a power of two"),
     ("device-cuda-without-cuda", option(device="cuda"), InputError, r"CUDA is not available"),

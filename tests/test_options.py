@@ -138,16 +138,16 @@ def test_base_precision_default_is_the_paths_own(make_base, make_adapter):
     from peft_shardmerge import plan_model_merge
 
     assert MergeOptions().base_precision is None
-    assert MergeOptions().for_path("disk").base_precision == "original"
+    assert MergeOptions().for_path("disk").base_precision == "auto"
     assert MergeOptions().for_path("model").base_precision == "auto"
     plan = plan_checkpoint_merge(make_base("llama"), make_adapter("llama"), "/nonexistent/out", options=MergeOptions())
-    assert plan.base_precision == "original"
+    assert plan.base_precision == "original"  # "auto" resolved: nothing in this adapter's files shows a 4-bit base
     model = _loaded(make_base("llama"), make_adapter("llama"))
     # the keyword's own default ("auto") defers to options; the model path's vocabulary applies
     assert plan_model_merge(model, options=MergeOptions(base_precision="dequantized")).base_precision == "dequantized"
     with pytest.raises(InputError, match=r"base_precision must be one of auto, original, dequantized, got 'nf4'"):
         plan_model_merge(model, options=MergeOptions(base_precision="nf4"))
-    with pytest.raises(InputError, match=r"base_precision must be one of original, nf4, got 'dequantized'"):
+    with pytest.raises(InputError, match=r"base_precision must be one of auto, original, nf4, got 'dequantized'"):
         plan_checkpoint_merge(make_base("llama"), make_adapter("llama"), "/nonexistent/out",
                               options=MergeOptions(base_precision="dequantized"))
 

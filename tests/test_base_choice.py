@@ -1,0 +1,104 @@
+"""One rule for both entry points (peft_shardmerge/trained_base.py, original.default_dtype): the CLI and merge_and_save
+reproduce the trained model (a QLoRA adapter's 4-bit base when its files show one) and write the base's own dtype; the
+dry run says which model the output reproduces; an adapter naming another base gets a note."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from peft_shardmerge import merge_and_save, merge_checkpoint
+from peft_shardmerge.cli import main
+from peft_shardmerge.testing import build_base, default_targets, token_ids
+from tests.helpers import folder_tensors, logits_of, rel_err
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory):
+    """A 16-bit base, its bitsandbytes 4-bit checkpoint (as a ``-bnb-4bit`` Hub model is), a LoRA trained on the
+    4-bit one, and the trained model's logits (the unmerged PeftModel on the 4-bit base, fp32 compute)."""
+    d = tmp_path_factory.mktemp("qlora")
+    base = build_base(str(d / "tiny-llama"), "llama", dtype=torch.float32)
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.float32)
+    quantized = str(d / "tiny-llama-bnb-4bit")
+    AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, dtype=torch.float32).save_pretrained(quantized)
+    model = AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
+    for m in model.modules():  # no CPU repacking: the 4-bit bytes stay those of the checkpoint
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    torch.manual_seed(3)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"),
+                                                  init_lora_weights=False))
+    adapter = str(d / "adapter")
+    peft_model.save_pretrained(adapter)
+    ids = token_ids(512)
+    with torch.no_grad():
+        trained = peft_model.eval()(input_ids=ids).logits
+    return base, adapter, peft_model, ids, trained
+
+
+def test_the_cli_reproduces_the_trained_4bit_model_as_merge_and_save_does(qlora, tmp_path, capsys):
+    base, adapter, peft_model, ids, trained = qlora
+    assert main(["merge", base, adapter, str(tmp_path / "auto"), "--dtype", "float32", "-q"]) == 0
+    assert main(["merge", base, adapter, str(tmp_path / "orig"), "--dtype", "float32", "-q",
+                 "--base-precision", "original"]) == 0
+    auto, orig = rel_err(logits_of(str(tmp_path / "auto"), ids), trained), rel_err(
+        logits_of(str(tmp_path / "orig"), ids), trained)
+    assert auto < 1e-4 and orig > 100 * auto  # the default is the trained model, original is not
+    report = merge_and_save(peft_model, str(tmp_path / "live"), dtype="float32", progress=False)
+    assert rel_err(logits_of(str(tmp_path / "live"), ids), trained) < 1e-4
+    cli, live = folder_tensors(str(tmp_path / "auto")), folder_tensors(str(tmp_path / "live"))
+    assert cli.keys() == live.keys() and all(torch.allclose(cli[k], live[k], atol=1e-6) for k in cli)
+    assert report.reproduces.startswith("the trained model")
+
+    capsys.readouterr()
+    assert main(["merge", base, adapter, str(tmp_path / "dry"), "--dry-run", "-q"]) == 0
+    head = capsys.readouterr().out.splitlines()[:6]
+    line = next(ln for ln in head if ln.startswith("reproduces:"))
+    assert "the trained model" in line and "tiny-llama-bnb-4bit" in line
+    assert any(ln.startswith("base precision:  nf4") for ln in head)
+
+
+def test_an_adapter_whose_files_show_no_4bit_base_says_so_in_the_dry_run(make_base, make_adapter, tmp_path, capsys):
+    assert main(["merge", make_base("llama"), make_adapter("llama"), str(tmp_path / "o"), "--dry-run", "-q"]) == 0
+    head = capsys.readouterr().out.splitlines()[:6]
+    assert any(ln.startswith("reproduces:      the original base + adapter") and "base precision nf4" in ln
+               for ln in head)
+
+
+def test_the_default_dtype_is_the_bases_own_on_both_paths(make_base, make_adapter, peft_reference, tmp_path):
+    base, adapter = make_base("llama"), make_adapter("llama")  # a float32 checkpoint
+    with open(f"{base}/config.json") as f:
+        assert json.load(f)["dtype"] == "float32"
+    disk = merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    live = merge_and_save(model, str(tmp_path / "live"), progress=False)
+    assert disk.dtype == live.dtype == "float32"
+    state = peft_reference(base, adapter)[0]  # PEFT's fp32 merge
+    for folder in ("disk", "live"):
+        got = folder_tensors(str(tmp_path / folder))
+        assert all(torch.allclose(got[k], state[k], rtol=1e-5, atol=1e-6) for k in got), folder
+
+
+def test_an_adapter_naming_another_base_merges_with_a_note(make_base, make_adapter, tmp_path, capsys):
+    adapter = str(tmp_path / "adapter")
+    shutil.copytree(make_adapter("llama"), adapter)
+    with open(f"{adapter}/adapter_config.json") as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = "Qwen/Qwen2.5-0.5B"
+    with open(f"{adapter}/adapter_config.json", "w") as f:
+        json.dump(config, f)
+    report = merge_checkpoint(make_base("llama"), adapter, str(tmp_path / "o"), progress=False)
+    notes = [n for n in report.notes if "Qwen/Qwen2.5-0.5B" in n]
+    assert len(notes) == 1 and "base_model_name_or_path" in notes[0] and make_base("llama") in notes[0]
+    same = merge_checkpoint(make_base("llama"), make_adapter("llama"), str(tmp_path / "p"), progress=False)
+    assert not any("base_model_name_or_path" in n for n in same.notes)
