@@ -1,5 +1,5 @@
 """Problems reported together, option parsing, and the real command line's exit codes (the catalogue of bad
-inputs is tests/test_bad_inputs.py)."""
+inputs is tests/integration/test_bad_inputs.py)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def _cli(*args, env=None):
                           env={**os.environ, **(env or {})}, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_user_error_exits_2_without_traceback(pair, tmp_path):
     base, adapter = pair
     out = tmp_path / "out"

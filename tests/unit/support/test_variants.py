@@ -197,7 +197,7 @@ def test_other_peft_types_in_process(kind, quant, make_base, tmp_path):
     """LoHa, LoKr, VeRA and IA3 merge through PEFT's own layers, in process and from disk."""
     from peft import get_peft_model
 
-    from tests.test_inprocess import load_quantized, no_cpu_repack, reference_logits
+    from tests.integration.test_inprocess import load_quantized, no_cpu_repack, reference_logits
 
     base = make_base("llama")
     model = load_quantized(base, quant)

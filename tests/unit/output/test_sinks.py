@@ -22,7 +22,7 @@ from peft_shardmerge.quant import Nf4Settings, packed_4bit_layout, pad_quant_sta
 from peft_shardmerge.safetensors_io import read_header  # noqa: E402
 from peft_shardmerge.staging import staged_output  # noqa: E402
 from peft_shardmerge.testing import default_targets  # noqa: E402
-from tests.test_inprocess import no_cpu_repack, qlora, read_all  # noqa: E402
+from tests.integration.test_inprocess import no_cpu_repack, qlora, read_all  # noqa: E402
 
 
 def lora16(base: str):

@@ -19,6 +19,9 @@ from peft_shardmerge.errors import OutputLockedError
 from peft_shardmerge.staging import output_lock, partial_dir
 from peft_shardmerge.testing import build_adapter, build_base
 
+#: subprocesses, signals and kills: make test-all runs them
+pytestmark = pytest.mark.slow
+
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 KILLS = 20
 

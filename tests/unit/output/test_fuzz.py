@@ -8,6 +8,8 @@ import resource
 import struct
 import tempfile
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,6 +50,7 @@ entries = st.fixed_dictionaries({
 })
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.dictionaries(st.text(max_size=10), entries | json_values, max_size=5), st.binary(max_size=256),
        st.one_of(st.none(), st.integers(0, 2**64 - 1)))

@@ -16,8 +16,8 @@ import torch
 
 from peft_shardmerge import merge_and_save, merge_checkpoint
 from peft_shardmerge.quiet import DEEPSPEED_LOGGER, quiet_libraries
+from tests.helpers import ROOT_DIR as ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: what the libraries printed on a first run before (DeepSpeed, bitsandbytes, transformers' warning and bars)
 FOREIGN = ("Setting accelerator to CPU", "Failed to load CPU gemm_4bit_forward", "kernels-community",
            "is_gradient_checkpointing", "FutureWarning", "Loading weights", "[WARNING]")

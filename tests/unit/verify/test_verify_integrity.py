@@ -244,6 +244,7 @@ def test_edited_index_config_and_record(outputs, tmp_path):
     _failed(folder, f"{RECORD_FILE} does not match its own digest")
 
 
+@pytest.mark.slow
 def test_corrupted_json_files_give_problems_not_tracebacks(outputs, tmp_path):
     for name in ("config.json", "model.safetensors.index.json", RECORD_FILE):
         folder = _copy(outputs["fp32"], tmp_path, name)

@@ -17,29 +17,7 @@ from peft_shardmerge import merge_and_save, merge_checkpoint
 from peft_shardmerge.logits import dequantized_base
 from peft_shardmerge.testing import build_base, perturb_trainable
 from peft_shardmerge.verify import verify_checkpoint
-
-#: the NF4 code book of the QLoRA paper (Dettmers et al. 2023, appendix E)
-NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
-BLOCK = 64  # values per absmax
-NESTED_BLOCK = 256  # absmax codes per nested float32 scale (double quant)
-
-
-def nf4_by_hand(packed: torch.Tensor, state) -> torch.Tensor:
-    """The NF4 definition: the weight quantized flat; value i = NF4[nibble i] * absmax[i // 64] (nibble 2j: the high
-    half of byte j); with double quant absmax[b] = map8[code b] * nested[b // 256] + offset; all in float32."""
-    flat = packed.reshape(-1).to(torch.int64)
-    nibbles = torch.stack([flat // 16, flat % 16], dim=1).reshape(-1)
-    n = state.shape.numel()
-    codes = state.absmax.reshape(-1).to(torch.int64)
-    map8 = state.state2.code.to(torch.float32)
-    nested = state.state2.absmax.to(torch.float32)
-    absmax = torch.stack([map8[codes[b]] * nested[b // NESTED_BLOCK] for b in range(codes.numel())])
-    absmax = absmax + state.offset.to(torch.float32)
-    values = torch.tensor(NF4)[nibbles[:n]] * absmax[torch.arange(n) // BLOCK]
-    return values.to(state.dtype).to(torch.float32).reshape(state.shape)
-
+from tests.helpers import nf4_by_hand
 
 @pytest.fixture(scope="module")
 def odd_rows(tmp_path_factory):

@@ -26,7 +26,7 @@ import peft_shardmerge  # noqa: E402
 from peft_shardmerge import InputError, merge_and_save, merge_and_unload, save_pretrained_merged  # noqa: E402
 from peft_shardmerge.testing import build_base, token_ids  # noqa: E402
 from tests.helpers import add_adapter_or_skip, logits_of, rel_err
-from tests.test_inprocess import reference_logits, train_one_step  # noqa: E402
+from tests.integration.test_inprocess import reference_logits, train_one_step  # noqa: E402
 
 NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
            bnb_4bit_compute_dtype=torch.float32)
@@ -315,6 +315,7 @@ def _cli(*args):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_summary_once_quiet_dtype_aliases_and_bare_help(tmp_path):
     base = build_base(str(tmp_path / "base"), "llama")
     from peft_shardmerge.testing import build_adapter
@@ -351,6 +352,7 @@ def _word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="w0", pad_token="w1", eos_token="w2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", ["4bit", "none"])
 def test_adding_chat_tokens_merges_on_every_path(quant, tmp_path):
     """add_special_tokens, resize_token_embeddings, modules_to_save=["embed_tokens", "lm_head"], train, merge."""

@@ -19,6 +19,9 @@ from peft_shardmerge import merge_and_save, merge_checkpoint
 from peft_shardmerge.distributed import assign_shards
 from peft_shardmerge.testing import build_adapter, build_base
 
+#: subprocesses, signals and kills: make test-all runs them
+pytestmark = pytest.mark.slow
+
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 
 

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from peft_shardmerge.testing import compare_logits
 
 def _cli(*args, env=None):
@@ -24,6 +26,7 @@ def test_cli_merge_and_summary(make_base, make_adapter, tmp_path):
     assert "merging" in r.stderr  # the progress bar
     assert compare_logits(base, adapter, out) < 1e-4
 
+@pytest.mark.slow
 def test_cli_dry_run_prints_plan_and_writes_nothing(make_base, make_adapter, tmp_path):
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     out = tmp_path / "merged"
@@ -36,6 +39,7 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(make_base, make_adapter, tmp
     assert "model-00001-of-" in r.stdout and "estimated peak working memory" in r.stdout
     assert r.stderr == ""  # -q: no progress bar, no info logging
 
+@pytest.mark.slow
 def test_cli_resolves_hub_ids_from_the_local_cache_offline(make_base, make_adapter, tmp_path):
     cache = tmp_path / "hub"
     for repo, src in (("tiny-org/tiny-llama", make_base("llama")), ("tiny-org/tiny-adapter",
@@ -52,6 +56,7 @@ def test_cli_resolves_hub_ids_from_the_local_cache_offline(make_base, make_adapt
     r = _cli("merge", "tiny-org/not-cached", "tiny-org/tiny-adapter", str(tmp_path / "o2"), env=env)
     assert r.returncode == 2 and "not a folder, nor a Hub id in the local Hugging Face cache" in r.stderr
 
+@pytest.mark.slow
 def test_tokenizer_files_travel(make_base, make_adapter, tmp_path):
     base = shutil.copytree(make_base("llama"), tmp_path / "base")
     adapter = shutil.copytree(make_adapter("llama", "default"), tmp_path / "adapter")

@@ -41,6 +41,7 @@ def test_the_record_lists_every_file_the_merge_wrote(merged):
     assert r.returncode == 0 and r.stdout.startswith("OK: "), r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                                   "modeling_custom.py"])
 def test_a_file_a_loader_reads_added_after_the_merge_is_unchecked_and_named(merged, tmp_path, name):
@@ -51,6 +52,7 @@ def test_a_file_a_loader_reads_added_after_the_merge_is_unchecked_and_named(merg
     assert name in r.stdout and "was not checked" in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_documentation_added_is_a_note_and_weights_added_fail(merged, tmp_path):
     folder = shutil.copytree(merged, tmp_path / "copy")
     (folder / "README.md").write_text("# my model\n")

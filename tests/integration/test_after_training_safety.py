@@ -1,4 +1,4 @@
-"""More of the first hour of a QLoRA user, as the user did it: the cases of issue 14 that tests/test_first_hour.py
+"""More of the first hour of a QLoRA user, as the user did it: the cases of issue 14 that tests/integration/test_after_training.py
 covers another way (an unquantized model, a reachable Hub).
 
 Tiny random Llama on the CPU; 4-bit through transformers' BitsAndBytesConfig with the real bitsandbytes.
@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: 
 
 from peft_shardmerge import InputError, merge_and_save, save_pretrained_merged  # noqa: E402
 from peft_shardmerge.testing import build_base  # noqa: E402
-from tests.test_files_safety import tree  # noqa: E402
-from tests.test_first_hour import peft_qlora  # noqa: E402
+from tests.reliability.test_files_safety import tree  # noqa: E402
+from tests.integration.test_after_training import peft_qlora  # noqa: E402
 
 
 @pytest.fixture()
@@ -201,6 +201,7 @@ def test_a_merge_and_unload_that_fails_part_way_says_so_and_the_model_is_refused
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow
 def test_every_python_spelling_the_command_line_rewrites_is_one_the_library_says(make_base, make_adapter,
                                                                                    tmp_path):
     """cli.FLAGS rewrites exact message text: each key must still appear in a library message, or the rewrite would

@@ -26,6 +26,9 @@ from peft_shardmerge.outfiles import remove_checked, snapshot
 from peft_shardmerge.errors import FileSystemError, OutputChangedError
 from peft_shardmerge.staging import partial_dir
 
+#: subprocesses, signals and kills: make test-all runs them
+pytestmark = pytest.mark.slow
+
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import InputError, check_out_dir, merge_and_save, merge_checkpoint, save_pretrained_merged
 from peft_shardmerge.testing import build_base
-from tests.test_files_safety import tree
+from tests.reliability.test_files_safety import tree
 
 BAD = b"out\xff"
 
@@ -96,6 +96,7 @@ def test_in_process_merge_and_drop_ins_refuse_up_front(model, tmp_path, monkeypa
     assert os.path.isfile("out_/config.json")
 
 
+@pytest.mark.slow
 def test_cli_refuses_with_exit_2_and_a_printable_message(tiny, tmp_path):
     base, adapter = tiny
     r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", base, adapter,

@@ -215,6 +215,7 @@ def test_disk_merge_matches_peft_on_the_dequantized_base(fp8):
     assert "model.layers.0.mlp.up_proj.weight" in text
 
 
+@pytest.mark.slow
 def test_sharded_base_through_the_cli_and_small_row_blocks_write_the_same(fp8):
     out = str(fp8["root"] / "cli")
     run = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", fp8["sharded"], fp8["adapter"], out,

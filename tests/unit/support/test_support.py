@@ -17,9 +17,9 @@ from peft_shardmerge import InputError, UnsupportedError, merge_and_save, merge_
 from peft_shardmerge.unload import merge_and_unload
 from peft_shardmerge.support import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
 from peft_shardmerge.testing import perturb_trainable, token_ids
-from tests.helpers import logits_of, rel_err
+from tests.helpers import ROOT_DIR, logits_of, rel_err
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT_DIR
 
 
 def _peft(base: str, config, *, perturb: bool = True):
@@ -258,7 +258,7 @@ def test_lora_on_t5_shared_and_lm_head_survives_save_pretrained(tmp_path):
 def test_unloading_a_4bit_model_gives_a_plain_model(make_base, tmp_path):
     """No quantization left: .to(dtype), .half(), .float() work and the saved folder reloads unquantized."""
     pytest.importorskip("bitsandbytes")
-    from tests.test_inprocess import load_quantized, no_cpu_repack, reference_logits
+    from tests.integration.test_inprocess import load_quantized, no_cpu_repack, reference_logits
 
     model = load_quantized(make_base("llama"), "nf4")
     no_cpu_repack(model)

@@ -184,6 +184,7 @@ def test_output_names_are_the_unquantized_models(bases):
     assert set(folder_tensors(out)) == set(folder_tensors(bases["root"] / "plain"))
 
 
+@pytest.mark.slow
 def test_cli_writes_the_api_merge(bases):
     api_out, cli_out = str(bases["root"] / "api"), str(bases["root"] / "cli")
     merge_checkpoint(bases["sharded"], bases["adapter"], api_out, progress=False)

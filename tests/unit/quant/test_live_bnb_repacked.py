@@ -16,7 +16,7 @@ from peft_shardmerge import merge_and_save
 from peft_shardmerge.integrity import read_record
 from peft_shardmerge.testing import build_base, token_ids
 from peft_shardmerge.verify import verify_checkpoint
-from tests.test_inprocess import train_one_step
+from tests.integration.test_inprocess import train_one_step
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -15,7 +15,7 @@ from peft_shardmerge import row_merge as row_merge_module
 from peft_shardmerge.maths import merge_block, tile_rows
 from peft_shardmerge.testing import build_adapter, build_base
 
-from tests.helpers import folder_tensors
+from tests.helpers import ROOT_DIR, folder_tensors
 
 #: row blocks the same tensor is merged in; 1 and 7 rows take other BLAS kernels than a tile of 16 or more
 STEPS = (1, 7, 64, 333, 10**9)
@@ -65,9 +65,9 @@ def test_row_blocks_give_the_same_bytes_on_each_cpu_capability(capability):
     env = dict(os.environ)
     if capability != "default":
         env["ATEN_CPU_CAPABILITY"] = capability
-    code = ("import sys, torch; from tests.test_row_blocks import check_blocks; "
+    code = ("import sys, torch; from tests.unit.engine.test_row_blocks import check_blocks; "
             "print(torch.backends.cpu.get_cpu_capability()); d = check_blocks(); print(d); sys.exit(1 if d else 0)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT_DIR
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -515,6 +515,7 @@ def _tree(folder: str) -> set[str]:
     return {os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs}
 
 
+@pytest.mark.slow
 def test_sentence_transformers_pipeline_survives_the_disk_merge(st_base_and_adapter, tmp_path):
     from sentence_transformers import SentenceTransformer
 

@@ -9,7 +9,11 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT_DIR as ROOT
+
+#: subprocesses, signals and kills: make test-all runs them
+pytestmark = pytest.mark.slow
+
 BLOCK = re.compile(r"^```(python|bash)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 

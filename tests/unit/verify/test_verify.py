@@ -119,6 +119,7 @@ def _ok(folder, base, adapter, precision):
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_nf4_merge_passes(dtype, make_base, make_adapter, tmp_path):
     bnb = pytest.importorskip("bitsandbytes")  # noqa: F841
@@ -303,6 +304,7 @@ def test_nan_weight_fails_recompute_and_logits(merged, tmp_path):
     assert "logits differ from base + adapter: max relative error nan" in text
 
 
+@pytest.mark.slow
 def test_inputs_that_do_not_fit_are_listed(merged, make_base, make_adapter, tmp_path):
     base, adapter, out = merged
     other_base = make_base("qwen2")  # another architecture: names and shapes differ
@@ -321,6 +323,7 @@ def test_inputs_that_do_not_fit_are_listed(merged, make_base, make_adapter, tmp_
     assert "size mismatch" not in r.stdout and len(r.stdout.splitlines()) < 30
 
 
+@pytest.mark.slow
 def test_combination_needs_every_adapter(make_base, make_adapter, tmp_path):
     base = make_base("llama")
     a, b = make_adapter("llama", "default"), make_adapter("llama", "second", seed=5)

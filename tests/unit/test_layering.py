@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
-PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peft_shardmerge")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE_DIR = os.path.join(ROOT, "peft_shardmerge")
 #: past this a module is asked whether it holds two concerns (size follows the concern; this is no cut line)
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_CODE_LINES = 60

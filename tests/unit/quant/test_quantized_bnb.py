@@ -167,6 +167,7 @@ def test_sharded_save(tiny):
     MEASURED["sharded"] = compare(folder_tensors(out), ref, merged, before)
 
 
+@pytest.mark.slow
 def test_cli_and_plan_name_the_format(tiny):
     root, base, adapter = tiny
     folder = save_quantized(base, str(root / "cli"), "fp4-double")
@@ -306,6 +307,7 @@ def test_in_process_merge_and_disk_merge_agree(tiny):
     print(f"in-process vs disk: max rel diff {worst:.3g}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nf4-double", "fp4"])
 def test_rows_of_weights_whose_rows_do_not_fill_quantization_blocks(tmp_path, kind):
     """Row lengths 68 and 131 are not multiples of the block size (64): every single row, cut anywhere inside a

@@ -1,5 +1,5 @@
 """The one per-tensor merge: both paths give the same bytes and the same rounding counts (the out-of-memory retry
-of each path is tested in tests/test_execute.py and tests/test_inprocess.py)."""
+of each path is tested in tests/unit/engine/test_execute.py and tests/integration/test_inprocess.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from peft_shardmerge import merge_checkpoint
 from peft_shardmerge.inprocess import merge_and_save
 
-#: the DoRA adapters of tests/test_engine.py (same bases, tags and settings: built once per session)
+#: the DoRA adapters of tests/unit/engine/test_engine.py (same bases, tags and settings: built once per session)
 DORA_LAYOUTS = {
     "embedding": ("llama", "dora-embedding", ["q_proj", "embed_tokens"], {}),
     "conv1d": ("gpt2", "dora-conv1d", ["c_attn", "c_fc"], {"fan_in_fan_out": True}),
