@@ -107,3 +107,30 @@ def test_dora_merged_into_the_nf4_base_matches_the_4bit_adapter_model(make_base,
     assert live.keys() == disk.keys()
     for name in live:
         torch.testing.assert_close(disk[name], live[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_quantizing_the_original_weights_again_gives_the_bytes_the_model_was_loaded_with(make_base):
+    """What the repacking note tells a user: bitsandbytes' quantize_4bit of the checkpoint's own 16-bit weight gives
+    the very packed bytes and scales transformers loaded, so the exact 4-bit base can be rebuilt from the original."""
+    import bitsandbytes.functional as F
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    base = make_base("llama_bf16")
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu")
+    stored = {}
+    for f in os.listdir(base):
+        if f.endswith(".safetensors"):
+            stored.update(load_file(os.path.join(base, f)))
+    checked = 0
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            packed, state = F.quantize_4bit(stored[f"{name}.weight"], blocksize=64, compress_statistics=True,
+                                            quant_type="nf4", quant_storage=module.weight.dtype)
+            loaded = module.weight.quant_state
+            assert torch.equal(packed, module.weight.data), name
+            assert torch.equal(state.absmax, loaded.absmax) and torch.equal(state.state2.absmax, loaded.state2.absmax)
+            checked += 1
+    assert checked == 14
