@@ -98,7 +98,8 @@ def plan_checkpoint_merge(
 
 
 def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequence[str | os.PathLike],
-                      out_dir: str | os.PathLike, opts: MergeOptions, problems: list[str] | None = None) -> Plan:
+                      out_dir: str | os.PathLike, opts: MergeOptions, problems: list[str] | None = None, *,
+                      recover: bool = False) -> Plan:
     """:func:`plan_checkpoint_merge` with its knobs as one :class:`~peft_shardmerge.options.MergeOptions`.
 
     Args:
@@ -107,6 +108,8 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
         out_dir: the output folder.
         opts: the options (their problems are reported with the rest).
         problems: problems found already (conflicts between keywords and ``options``), reported with the rest.
+        recover: first finish or undo the commit of a killed merge into ``out_dir`` (a merge about to run; a plan
+            alone touches nothing).
 
     Returns:
         The :class:`~peft_shardmerge.plan_types.Plan`.
@@ -140,7 +143,7 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
     opts = replace(opts, base_precision=precision, **nf4_fields)
     inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
                                      for i, f in enumerate(spec.folders)}}
-    problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite)
+    problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
     info = inspect_model(src.folder)
     problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
     if spec.needs_layers:
@@ -276,7 +279,7 @@ def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_
            steps: JobSteps) -> MergeReport:
     """Plan (every rank agreeing on the plan in a distributed job), then carry the plan out or describe it."""
     try:
-        plan = plan_with_options(base, adapter, out_dir, opts, problems)
+        plan = plan_with_options(base, adapter, out_dir, opts, problems, recover=not dry_run)
     except OSError as e:  # the filesystem failed while reading the inputs: say so in the family, with OUT's state
         if isinstance(e, ShardMergeError):
             raise

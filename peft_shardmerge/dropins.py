@@ -67,7 +67,8 @@ def _replace_problems(save_directory: str, model: nn.Module, method: str | None,
     """Problems with saving into ``save_directory`` as Unsloth does: an earlier save there is replaced (a merged
     checkpoint by any save, an adapter folder by an adapter save); an input folder, or a folder with other content,
     never is."""
-    problems = check_out_dir(save_directory, inputs=source_folders(model), overwrite=True, only_ours=any_content)
+    problems = check_out_dir(save_directory, inputs=source_folders(model), overwrite=True, only_ours=any_content,
+                             recover=True)
     if problems or any_content:
         return problems
     return _not_an_earlier_save(save_directory, method)

@@ -124,7 +124,7 @@ def merge_and_save(
             raise InputError(sharding_problems(model, opts.base_precision) + problems)
         if sharding is not None:
             return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
-        planned = build_model_plan(model, out_dir, opts, adapter_names, problems)
+        planned = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True)
         overwrite, progress = opts.overwrite, opts.progress
         save_extra = _side_saver(tokenizer)
         plan = planned.plan
@@ -156,12 +156,13 @@ def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_n
             if problems:
                 raise InputError(problems)
             with VIEWS[kind](model) as peft_model:
-                planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded=kind)
+                planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded=kind,
+                                           recover=True)
                 src = planned.plan.live
                 info = live_merge_info(src.live.model, planned.plan.dtype, src.adapter_names, src.quant4, src.weights,
                                        src.combination)
         else:
-            planned, info = build_model_plan(model, out_dir, opts, adapter_names, problems), None
+            planned, info = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True), None
         agree_on_plan(steps, planned.plan, out_dir)
         report = execute_live_plan(planned.plan, out_dir, budget=budget, overwrite=opts.overwrite,
                                    progress=opts.progress and world.rank == 0, before_commit=_side_saver(tokenizer),
@@ -259,8 +260,8 @@ def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, d
 
     budget = MemoryBudget(maximum_memory_usage)
     inner = unwrap(model)
-    problems = require_supported(model, None, check_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite)
-                                 + foreign_model_problems(out_dir))
+    out_problems = check_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite, recover=True)
+    problems = require_supported(model, None, out_problems + foreign_model_problems(out_dir))
     if sharding_of(model) is not None:
         problems.append(f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
                         "gather it; merge_and_save (called on every rank) writes the 16-bit merge")

@@ -222,7 +222,8 @@ def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None,
 
 
 def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_names: list[str] | None,
-                     problems: list[str] | None = None, sharded: str | None = None) -> ModelPlan:
+                     problems: list[str] | None = None, sharded: str | None = None, *,
+                     recover: bool = False) -> ModelPlan:
     """Check every option of a loaded model's merge (all problems named at once) and plan it.
 
     Args:
@@ -233,6 +234,7 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
         adapter_names: adapters to merge (None: the active ones).
         problems: problems the caller found already (reported with these).
         sharded: the sharding of the model this one was unwrapped from (``"fsdp1"``), when it is not its own.
+        recover: first finish or undo the commit of a killed merge into ``out_dir`` (a merge about to run).
 
     Returns:
         The :class:`ModelPlan`.
@@ -267,7 +269,8 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
     if out_dir is not None:
         inputs = {**source_folders(model), **({"base": original} if original else {})}
-        problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite) + foreign_model_problems(out_dir)
+        problems += (check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
+                     + foreign_model_problems(out_dir))
     if problems:
         raise InputError(problems)
     reproduces, note = describe_base(original, check, is_quantized(inner), reason)

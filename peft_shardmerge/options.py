@@ -102,6 +102,7 @@ _ONE_PATH = {
     "nf4_quant_type": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
     "nf4_blocksize": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
     "nf4_double_quant": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
+    "nf4_skip_modules": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
     "device": (DISK, "device applies to merges from disk; a loaded model merges where its weights are, within "
                      "maximum_memory_usage"),
     "resume": (DISK, "resume applies to merges from disk"),
@@ -136,6 +137,8 @@ class MergeOptions:
         nf4_quant_type: ``"nf4"`` or ``"fp4"`` (``base_precision="nf4"``).
         nf4_blocksize: 4-bit block size used in training.
         nf4_double_quant: whether training used double quantization.
+        nf4_skip_modules: modules training kept unquantized (``llm_int8_skip_modules``); ``auto`` reads them from
+            the adapter's files.
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         overwrite: allow replacing a non-empty output folder.
         progress: show a progress bar.
@@ -156,6 +159,7 @@ class MergeOptions:
     nf4_quant_type: str = "nf4"
     nf4_blocksize: int = 64
     nf4_double_quant: bool = True
+    nf4_skip_modules: tuple[str, ...] = ()
     device: str = "auto"
     overwrite: bool = False
     progress: bool = True
@@ -173,7 +177,8 @@ class MergeOptions:
         """The 4-bit settings for ``base_precision="nf4"``, else None."""
         if self.base_precision != "nf4":
             return None
-        return Nf4Settings(self.nf4_quant_type, self.nf4_blocksize, self.nf4_double_quant)
+        return Nf4Settings(self.nf4_quant_type, self.nf4_blocksize, self.nf4_double_quant,
+                           tuple(self.nf4_skip_modules))
 
     def problems(self, path: str = DISK) -> list[str]:
         """Every problem with these options for one path, at once (the number of weights is checked against the

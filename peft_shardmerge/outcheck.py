@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 
 def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.PathLike | None],
-                  overwrite: bool, only_ours: bool = True) -> list[str]:
+                  overwrite: bool, only_ours: bool = True, recover: bool = False) -> list[str]:
     """Find every problem with an output folder, touching nothing but what a killed merge into it left.
 
     ``out_dir`` is resolved once (a trailing slash changes nothing). Refused whatever ``overwrite`` says: an empty
@@ -21,8 +21,9 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
     holding it, an input folder, a folder inside an input or holding one, a symlink, a mount point. Also named
     here: a parent that is a file, a parent that cannot be written, a name too long for the staging folder and
     lock beside it, and those names taken by something the merge did not make. A commit that a merge killed outright
-    left half done is finished or undone first, and that merge's lock removed
-    (:func:`~peft_shardmerge.recovery.finish_killed_commit`).
+    left half done is finished or undone first, and that merge's lock removed, when ``recover`` is set
+    (:func:`~peft_shardmerge.recovery.finish_killed_commit`): a merge about to run does that; a plan or a dry run
+    touches nothing.
 
     Args:
         out_dir: the output folder (``str`` or ``os.PathLike``).
@@ -32,6 +33,7 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
             holding nothing its merge record does not list (:func:`replace_problems`).
         only_ours: False lets the caller decide which non-empty folders ``overwrite`` replaces (the Unsloth-style
             saves replace their own earlier saves).
+        recover: finish or undo the commit of a merge into ``out_dir`` that was killed (a merge about to run).
 
     Returns:
         The problems, each a sentence with the fix; empty when ``out_dir`` is fine.
@@ -86,7 +88,7 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
             )
     problems += name_problems(out)
     problems += _parent_problems(raw, out)
-    if not problems:  # a merge killed in its commit: OUT is judged once that commit is finished or undone
+    if recover and not problems:  # a merge killed in its commit: OUT is judged once it is finished or undone
         finish_killed_commit(out)
     if os.path.islink(out):
         if not problems:
@@ -134,13 +136,18 @@ def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> li
     except OSError as e:
         return [(f"output folder {shown} cannot be read ({e.strerror}); overwrite replaces only a folder it can "
                  "check: remove it yourself or choose another output folder")]
-    listed = _record_listing(folder)
+    listed, changed = _record_listing(folder)
     ours = set()
     for rel in listed:
         while rel:
             ours.add(rel)
             rel = os.path.dirname(rel)
     foreign = sorted(rel for rel in found if rel != "." and rel not in ours)
+    if changed:
+        names = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        return [(f"output folder {shown} holds files changed since peft-shardmerge wrote them ({names}); overwrite "
+                 "replaces only an empty folder or an earlier output of peft-shardmerge as it wrote it: copy your "
+                 "changes out (or remove the folder yourself), or choose another output folder")]
     if not foreign:
         return []
     names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -151,9 +158,10 @@ def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> li
              "entries: move them out (or remove the folder yourself), or choose another output folder")]
 
 
-def _record_listing(folder: str) -> set[str]:
-    """The entries an earlier output's merge record names (the record itself included); empty when it has none of
-    ours (missing, a link, not JSON, or not our record's format)."""
+def _record_listing(folder: str) -> tuple[set[str], list[str]]:
+    """The entries an earlier output's merge record names (the record itself included; empty when it has none of
+    ours: missing, a link, not JSON, or not our record's format), and those changed since: a side file whose
+    SHA-256 differs from the record's, a shard whose size does (shards are not hashed again here)."""
     import json
 
     from .outfiles import read_regular_file
@@ -163,14 +171,32 @@ def _record_listing(folder: str) -> set[str]:
     try:
         record = json.loads(data) if data is not None else None
     except (ValueError, UnicodeDecodeError):
-        return set()
+        return set(), []
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
-        return set()
-    listed = {RECORD_FILE}
+        return set(), []
+    listed, changed = {RECORD_FILE}, []
     for key in ("shards", "files"):
         if isinstance(record.get(key), dict):
-            listed |= {os.path.normpath(str(k)) for k in record[key]}
-    return listed
+            for name, entry in record[key].items():
+                rel = os.path.normpath(str(name))
+                listed.add(rel)
+                if isinstance(entry, dict) and _changed(os.path.join(folder, rel), entry, key == "files"):
+                    changed.append(rel)
+    return listed, sorted(changed)
+
+
+def _changed(path: str, entry: dict, hashed: bool) -> bool:
+    """Whether a file differs from its record entry (its size; for a side file its SHA-256 too)."""
+    from .record import file_sha256
+
+    try:
+        if not os.path.isfile(path) or os.path.islink(path):
+            return False  # gone or not a file: the snapshot's comparison names it
+        if "size" in entry and os.path.getsize(path) != entry["size"]:
+            return True
+        return hashed and "sha256" in entry and file_sha256(path) != entry["sha256"]
+    except OSError:
+        return True
 
 
 def path_argument(value, what: str) -> tuple[str | None, list[str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import copy
 
 import torch
@@ -198,7 +199,8 @@ def build_plan(
         notes.append(base.quantized.note(out_torch))
     if nf4 is not None:
         for name, pt in st.planned.items():
-            if name in info.linear_weights and pt.source.dtype in FLOAT_DTYPES and not pt.from_adapter:
+            if name in info.linear_weights and pt.source.dtype in FLOAT_DTYPES and not pt.from_adapter \
+                    and nf4.quantizes(name.removesuffix(".weight")):
                 pt.quantize = True
         notes.append(f"merging into the 4-bit base the adapter was trained on ({nf4.describe()})")
     if adapter.tokenizer_files:
@@ -245,6 +247,10 @@ def _parse_options(base: CheckpointSource, info: ModelInfo, dtype, max_shard_siz
         return out_torch, shard_limit, None, problems
     nf4 = nf4 or Nf4Settings()
     problems += nf4.validate()
+    if importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("base precision 'nf4' (what 'auto' picks for an adapter trained on a 4-bit base) quantizes "
+                        "with bitsandbytes, which is not installed: pip install 'peft-shardmerge[bnb]', or pass "
+                        "base precision 'original' to merge into the checkpoint's own weights")
     if not info.available:
         problems.append(
             "base precision 'nf4' needs to know which weights bitsandbytes quantized, but the model class "

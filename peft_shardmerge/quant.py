@@ -17,6 +17,8 @@ class Nf4Settings:
         quant_type: ``"nf4"`` or ``"fp4"`` (``bnb_4bit_quant_type``).
         blocksize: quantization block size (64 in transformers' bitsandbytes integration).
         double_quant: ``bnb_4bit_use_double_quant``.
+        skip_modules: modules training kept unquantized (``llm_int8_skip_modules``), matched as transformers
+            matches them (:func:`transformers.quantizers.quantizers_utils.should_convert_module`).
 
     Example:
         >>> Nf4Settings(quant_type="nf4", blocksize=64, double_quant=True).describe()
@@ -26,6 +28,15 @@ class Nf4Settings:
     quant_type: str = "nf4"
     blocksize: int = 64
     double_quant: bool = True
+    skip_modules: tuple[str, ...] = ()
+
+    def quantizes(self, module: str) -> bool:
+        """Whether training quantized ``module`` (a module name: a weight's name without ``.weight``)."""
+        if not self.skip_modules:
+            return True
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        return should_convert_module(module, list(self.skip_modules))
 
     def validate(self) -> list[str]:
         """Return the problems with these settings (empty when valid)."""
@@ -37,7 +48,9 @@ class Nf4Settings:
         return problems
 
     def describe(self) -> str:
-        return f"{self.quant_type}, blocksize {self.blocksize}, {'double quant' if self.double_quant else 'no double quant'}"
+        kept = f", kept in 16-bit: {', '.join(self.skip_modules)}" if self.skip_modules else ""
+        return (f"{self.quant_type}, blocksize {self.blocksize}, "
+                f"{'double quant' if self.double_quant else 'no double quant'}{kept}")
 
 
 def require_bitsandbytes():
@@ -96,6 +109,10 @@ def quantize_roundtrip(weight: torch.Tensor, settings: Nf4Settings) -> torch.Ten
     return dequantize_state(q, state).to(torch.float32).reshape(weight.shape)
 
 
+#: values dequantized at a time (a few MiB of scratch, whatever the weight's size)
+PIECE_VALUES = 1 << 20
+
+
 def dequantize_4bit_exact(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
                           numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The 4-bit format's definition applied to packed bytes: value ``i`` is ``code[q_i] * absmax[i // blocksize]``
@@ -122,9 +139,19 @@ def dequantize_4bit_exact(packed: torch.Tensor, absmax: torch.Tensor, code: torc
         [-2.0, 2.0]
     """
     flat = packed.reshape(-1).view(torch.uint8)
-    q = torch.stack([flat >> 4, flat & 0xF], dim=1).reshape(-1)[:numel].long()
-    scale = absmax.to(torch.float32).repeat_interleave(blocksize)[:numel]
-    return (code.to(device=flat.device, dtype=torch.float32)[q] * scale.to(flat.device)).to(dtype)
+    table = code.to(device=flat.device, dtype=torch.float32)
+    out = torch.empty(numel, dtype=dtype, device=flat.device)
+    step = max(1, PIECE_VALUES // blocksize) * blocksize  # whole blocks (an even count of values) at a time
+    for v0 in range(0, numel, step):
+        v1 = min(numel, v0 + step)
+        part = flat[v0 // 2:(v1 + 1) // 2]
+        values = table[torch.stack([part >> 4, part & 0xF], dim=1).reshape(-1)[:v1 - v0].long()]
+        blocks = -(-(v1 - v0) // blocksize)
+        scale = absmax[v0 // blocksize:v0 // blocksize + blocks].to(device=flat.device, dtype=torch.float32)
+        if blocks * blocksize != v1 - v0:  # the last, partial block
+            values = torch.nn.functional.pad(values, (0, blocks * blocksize - (v1 - v0)))
+        out[v0:v1] = (values.view(blocks, blocksize) * scale.unsqueeze(1)).reshape(-1)[:v1 - v0].to(dtype)
+    return out
 
 
 def dequantize_blockwise_exact(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,

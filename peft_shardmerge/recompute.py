@@ -243,7 +243,8 @@ def _plan(base: str, adapters: list[str], options: dict):
 
         spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
                               skip=spec.layer_skip)
-    nf4 = Nf4Settings(**options["nf4"]) if options["nf4"] else None
+    nf4 = Nf4Settings(**{**options["nf4"], "skip_modules": tuple(options["nf4"].get("skip_modules") or ())}) \
+        if options["nf4"] else None
     return info, build_plan(src, spec, info, dtype=options["dtype"], max_shard_size=1 << 62,
                       base_precision=options["base_precision"], nf4=nf4,
                       chunk_elems=options["chunk_elems"] or DEFAULT_CHUNK_ELEMS)

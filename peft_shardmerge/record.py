@@ -197,7 +197,8 @@ def disk_merge_info(plan) -> dict:
     return {
         "path": "disk",
         "base_precision": plan.base_precision,
-        "nf4": {"quant_type": nf4.quant_type, "blocksize": nf4.blocksize, "double_quant": nf4.double_quant}
+        "nf4": {"quant_type": nf4.quant_type, "blocksize": nf4.blocksize, "double_quant": nf4.double_quant,
+                **({"skip_modules": list(nf4.skip_modules)} if nf4.skip_modules else {})}
         if nf4 else None,
         "dtype": str(plan.dtype).removeprefix("torch."),
         "chunk_elems": plan.chunk_elems,

@@ -33,8 +33,8 @@ class MergeReport:
         peak_rss_bytes: the process's peak resident memory during the merge (not before it: a model's loading is
             not counted), measured as ``peak_rss_method`` says.
         baseline_rss_bytes: resident memory when the merge started.
-        peak_rss_method: how ``peak_rss_bytes`` was measured (the kernel's high-water mark reset when the merge
-            started, or sampling; :mod:`peft_shardmerge.rss`).
+        peak_rss_method: how ``peak_rss_bytes`` was measured (sampling while the merge runs;
+            :mod:`peft_shardmerge.rss`).
         cpu_fallbacks: row blocks recomputed on the CPU after an accelerator out-of-memory.
         device: where the merge maths ran.
         untied: tied weights written separately.

@@ -1,4 +1,4 @@
-"""A merge's own peak resident memory: the kernel's high-water mark reset when the merge starts, else sampled."""
+"""A merge's own peak resident memory, sampled while it runs (the process's lifetime high-water mark is left alone)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import sys
 import threading
 import weakref
 
-#: seconds between two readings of the resident memory where the kernel's high-water mark cannot be reset
+#: seconds between two readings of the resident memory
 SAMPLE_INTERVAL = 0.05
 
 #: how each way of measuring is named in the report
-KERNEL = "the kernel's high-water mark (VmHWM), reset when the merge started"
 SAMPLED = f"sampling the resident memory every {SAMPLE_INTERVAL * 1000:.0f} ms during the merge"
 LIFETIME = "the process's lifetime high-water mark (ru_maxrss): it includes what the process held before the merge"
 
@@ -35,7 +34,7 @@ def current_rss_bytes() -> int:
 
 
 def lifetime_peak_rss_bytes() -> int:
-    """The process's peak resident set size since it started (or since the last reset of the kernel's mark).
+    """The process's peak resident set size since it started.
 
     Returns:
         Bytes (``ru_maxrss`` is KiB on Linux, bytes on macOS).
@@ -46,29 +45,6 @@ def lifetime_peak_rss_bytes() -> int:
     """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
-
-def _status_bytes(field: str) -> int:
-    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``) in bytes; 0 where unavailable."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def _reset_high_water_mark() -> bool:
-    """Reset the kernel's peak-RSS count of this process (``clear_refs`` 5); whether it took effect."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    hwm, rss = _status_bytes("VmHWM"), _status_bytes("VmRSS")
-    return 0 < hwm <= rss + (16 << 20)  # reset: the mark is back at (about) the resident memory now
 
 
 def _sample(meter: weakref.ref[PeakRss], done: threading.Event, interval: float) -> None:
@@ -85,18 +61,20 @@ def _sample(meter: weakref.ref[PeakRss], done: threading.Event, interval: float)
 class PeakRss:
     """The peak resident memory of this process between :meth:`start` and :meth:`stop`, and how it was measured.
 
-    Where ``/proc/self/clear_refs`` may be written (Linux), the kernel's high-water mark is reset at the start and
-    read at the end, which sees every page however briefly it was resident; elsewhere a thread reads the resident
-    memory every :data:`SAMPLE_INTERVAL` seconds. Resetting the mark also resets ``ru_maxrss`` for the process.
+    A thread reads the resident memory every :data:`SAMPLE_INTERVAL` seconds (and once more at :meth:`stop`). The
+    kernel's high-water mark could be reset instead (``/proc/self/clear_refs``), but that would also reset the
+    process's ``ru_maxrss``, which a caller (or ``/usr/bin/time``) may be reading: a library leaves it alone.
 
     Attributes:
         baseline: the resident bytes when measuring started.
         peak: the peak resident bytes (set by :meth:`stop`).
-        method: how ``peak`` was measured (one of :data:`KERNEL`, :data:`SAMPLED`, :data:`LIFETIME`).
+        method: how ``peak`` was measured (:data:`SAMPLED`, or :data:`LIFETIME` without ``/proc``).
 
     Example:
-        >>> meter = PeakRss().start()
-        >>> block = bytearray(b"\x01") * (64 << 20)   # 64 MiB, every page written
+        >>> import time
+        >>> meter = PeakRss(interval=0.01).start()
+        >>> block = bytearray(64 << 20)   # 64 MiB of zeros, every page written
+        >>> time.sleep(0.2)
         >>> del block
         >>> meter.stop() - meter.baseline >= 60 << 20
         True
@@ -111,7 +89,7 @@ class PeakRss:
         self._thread: threading.Thread | None = None
 
     def start(self) -> PeakRss:
-        """Begin measuring: reset the kernel's mark, or start the sampling thread.
+        """Begin measuring: start the sampling thread.
 
         Returns:
             ``self``.
@@ -122,9 +100,7 @@ class PeakRss:
         """
         self.baseline = current_rss_bytes()
         self.peak = self.baseline
-        if _reset_high_water_mark():
-            self.method = KERNEL
-        elif self.baseline:
+        if self.baseline:
             self.method = SAMPLED
             self._thread = threading.Thread(target=_sample, args=(weakref.ref(self), self._done, self.interval),
                                             name="peft-shardmerge-rss", daemon=True)
@@ -143,9 +119,7 @@ class PeakRss:
             >>> meter = PeakRss().start(); meter.stop() >= meter.baseline > 0
             True
         """
-        if self.method == KERNEL:
-            self.peak = max(_status_bytes("VmHWM"), current_rss_bytes())
-        elif self.method == SAMPLED:
+        if self.method == SAMPLED:
             self._done.set()
             if self._thread is not None:
                 self._thread.join()

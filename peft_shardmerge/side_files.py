@@ -28,11 +28,11 @@ _HUB_SNAPSHOT = re.compile(r"^(?P<repo>.*)/snapshots/[^/]+$")
 MODEL_FILES = re.compile(r"""(
     generation_config\.json
   | (preprocessor|processor|image_processor|video_preprocessor|feature_extractor)_config\.json
-  | tokenizer(_config)?\.json | special_tokens_map\.json | added_tokens\.json | tokenizer\.model
-  | spiece\.model | sentencepiece\.bpe\.model | (source|target)\.spm | [\w.-]+\.tiktoken | bpe\.codes
+  | tokenizer(_config)?\.json | special_tokens_map\.json | added_tokens\.json | tokenizer\.model(\.[\w-]+)?
+  | [\w.-]+\.model | (source|target)\.spm | [\w.-]+\.tiktoken | tekken\.json | bpe\.codes
   | vocab\.(json|txt) | merges\.txt | chat_template\.(jinja|json)
   | modules\.json | sentence_bert_config\.json | config_sentence_transformers\.json
-  | (configuration|modeling|tokenization|processing|image_processing|video_processing|feature_extraction)_\w+\.py
+  | [\w.-]+\.py
   | readme(\.md)? | (licen[cs]e|notice|copying)([.-][\w.-]*)? | use_policy\.md
 )""", re.VERBOSE | re.IGNORECASE)
 #: folders that belong to a model folder: transformers' extra chat templates
@@ -150,7 +150,8 @@ def list_side_files(folder: str) -> list[str]:
 
     An allowlist (:data:`MODEL_FILES`): at the top, the generation, processor and tokenizer files, chat templates
     (and ``additional_chat_templates/``), sentence-transformers' ``modules.json``, ``sentence_bert_config.json`` and
-    ``config_sentence_transformers.json``, a model's own code (``modeling_*.py``, ...), README and license files;
+    ``config_sentence_transformers.json``, sentencepiece models (``*.model``), a model's own code (every top-level
+    ``*.py``: remote code imports its helpers), README and license files;
     sentence-transformers module folders (named by ``modules.json``, or numbered like ``1_Pooling`` beside it) whole,
     their own weights included. Never: ``config.json`` (the merge writes its own), an adapter's files
     (``adapter_config.json``, ``adapter_model.*``), other weights and their indexes, training state

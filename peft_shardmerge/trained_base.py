@@ -21,12 +21,14 @@ class TrainedBase:
         quant_type: the 4-bit type (``"nf4"`` or ``"fp4"``); "" for 8-bit.
         double_quant: whether the 4-bit base used double quantization.
         evidence: which file says so, as a phrase for the report.
+        skip_modules: modules training kept unquantized (``llm_int8_skip_modules``).
     """
 
     bits: int
     quant_type: str
     double_quant: bool
     evidence: str
+    skip_modules: tuple[str, ...] = ()
 
 
 def _from_settings(settings: dict, evidence: str) -> TrainedBase | None:
@@ -35,10 +37,23 @@ def _from_settings(settings: dict, evidence: str) -> TrainedBase | None:
         return None
     if _truthy(settings.get("load_in_4bit", settings.get("_load_in_4bit"))):
         return TrainedBase(4, str(settings.get("bnb_4bit_quant_type") or "nf4"),
-                           _truthy(settings.get("bnb_4bit_use_double_quant")), evidence)
+                           _truthy(settings.get("bnb_4bit_use_double_quant")), evidence,
+                           _names(settings.get("llm_int8_skip_modules")))
     if _truthy(settings.get("load_in_8bit", settings.get("_load_in_8bit"))):
         return TrainedBase(8, "", False, evidence)
     return None
+
+
+def _names(value) -> tuple[str, ...]:
+    """A list of module names as a config (a JSON list) or PEFT's model card (its Python repr) writes it."""
+    if isinstance(value, str):
+        import ast
+
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return ()
+    return tuple(str(v) for v in value) if isinstance(value, (list, tuple)) else ()
 
 
 def _truthy(value) -> bool:
@@ -176,7 +191,8 @@ def disk_base_choice(requested: str, adapters: list[tuple[str, dict]],
         stored: the quantization the base checkpoint is stored in (``"bitsandbytes 4-bit"``, ...), or None.
 
     Returns:
-        ``(base precision, 4-bit settings for MergeOptions (nf4_quant_type, nf4_double_quant) or {}, reproduces)``.
+        ``(base precision, 4-bit settings for MergeOptions (nf4_quant_type, nf4_double_quant, nf4_skip_modules) or
+        {}, reproduces)``.
 
     Example:
         >>> disk_base_choice("auto", [("/no/adapter", {})])[0]
@@ -189,7 +205,8 @@ def disk_base_choice(requested: str, adapters: list[tuple[str, dict]],
     if requested == "nf4":
         return "nf4", {}, "the QLoRA-trained model (dequant(nf4(W)) + adapter)"
     if trained is not None and trained.bits == 4 and requested == "auto":
-        return "nf4", {"nf4_quant_type": trained.quant_type, "nf4_double_quant": trained.double_quant}, (
+        return "nf4", {"nf4_quant_type": trained.quant_type, "nf4_double_quant": trained.double_quant,
+                       "nf4_skip_modules": trained.skip_modules}, (
             f"the trained model: the base quantized to 4-bit {trained.quant_type} and dequantized, + adapter (base "
             f"precision auto: the adapter was trained on a 4-bit base, {trained.evidence})")
     if trained is not None and trained.bits == 4:

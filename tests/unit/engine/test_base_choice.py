@@ -102,3 +102,33 @@ def test_an_adapter_naming_another_base_merges_with_a_note(make_base, make_adapt
     assert len(notes) == 1 and "base_model_name_or_path" in notes[0] and make_base("llama") in notes[0]
     same = merge_checkpoint(make_base("llama"), make_adapter("llama"), str(tmp_path / "p"), progress=False)
     assert not any("base_model_name_or_path" in n for n in same.notes)
+
+
+def test_modules_training_kept_in_16_bit_are_not_quantized_by_auto(tmp_path):
+    """A 4-bit checkpoint whose quantization_config keeps the MLP's down projections unquantized
+    (``llm_int8_skip_modules``, as Unsloth's dynamic quants and vision towers do): ``auto`` re-quantizes the other
+    linear weights only, and the merge reproduces the trained model."""
+    base = build_base(str(tmp_path / "tiny-llama"), "llama", dtype=torch.float32)
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["down_proj", "lm_head"])
+    quantized = str(tmp_path / "tiny-llama-bnb-4bit")
+    AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, dtype=torch.float32).save_pretrained(quantized)
+    model = AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
+    kept = [n for n, m in model.named_modules() if n.endswith("down_proj")]
+    assert kept and not any(isinstance(model.get_submodule(n), bnb.nn.Linear4bit) for n in kept)
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    torch.manual_seed(3)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"),
+                                                  init_lora_weights=False))
+    adapter = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter)
+    ids = token_ids(512)
+    with torch.no_grad():
+        trained = peft_model.eval()(input_ids=ids).logits
+    out = str(tmp_path / "out")
+    report = merge_checkpoint(base, adapter, out, dtype="float32", progress=False)
+    assert "kept in 16-bit: down_proj, lm_head" in report.plan_text or any(
+        "kept in 16-bit: down_proj, lm_head" in n for n in report.notes)
+    assert rel_err(logits_of(out, ids), trained) < 1e-4

@@ -193,3 +193,14 @@ def test_a_loaded_models_keyword_and_options_conflict_is_refused_with_every_prob
     opts = MergeOptions(dtype="bfloat16", combination="cat")
     merge_and_save(model, str(out), dtype=torch.bfloat16, combination_type="cat", options=opts, progress=False)
     assert out.is_dir()
+
+
+def test_nf4_without_bitsandbytes_is_refused_before_anything_is_written(make_base, make_adapter, tmp_path,
+                                                                       monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as on a machine without it: import fails
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=r"quantizes with bitsandbytes, which is not installed: pip install "):
+        merge_checkpoint(make_base("llama"), make_adapter("llama"), str(out), base_precision="nf4", progress=False)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []

@@ -64,7 +64,8 @@ def test_blocks_that_a_plain_matmul_would_round_differently_agree():
 def test_row_blocks_give_the_same_bytes_on_each_cpu_capability(capability):
     env = dict(os.environ)
     if capability != "default":
-        env["ATEN_CPU_CAPABILITY"] = capability
+        env["ATEN_CPU_CAPABILITY"] = capability  # torch's own kernels
+        env["MKL_ENABLE_INSTRUCTIONS"] = capability.upper()  # and the BLAS's
     code = ("import sys, torch; from tests.unit.engine.test_row_blocks import check_blocks; "
             "print(torch.backends.cpu.get_cpu_capability()); d = check_blocks(); print(d); sys.exit(1 if d else 0)")
     root = ROOT_DIR

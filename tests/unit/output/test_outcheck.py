@@ -84,3 +84,38 @@ def test_merge_and_save_with_overwrite_refuses_a_folder_of_the_users(tiny, tmp_p
     with pytest.raises(InputError, match=r"did not write \(README\.md, notes\.txt, sub, sub/data\.bin\)"):
         merge_and_save(model, str(out), overwrite=True, progress=False)
     assert _tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_plan_or_dry_run_touches_nothing_a_killed_merge_left_and_the_merge_itself_clears_it(tiny, tmp_path):
+    """A dead merge's lock beside a finished output: planning and --dry-run leave every file as it is (they write
+    nothing); the merge that runs removes the stale lock."""
+    import json
+
+    from peft_shardmerge import plan_checkpoint_merge
+    from peft_shardmerge.outfiles import MADE_BY, sidecar
+
+    out = tmp_path / "out"
+    merge_checkpoint(*tiny, str(out), progress=False)
+    lock = sidecar(str(out), "lock")
+    with open(lock, "w") as f:  # what a merge killed after its commit leaves: its record, no process holding it
+        json.dump({"made_by": MADE_BY, "pid": 2**22 + 7, "host": "gone", "started": "then"}, f)
+    before = _tree(tmp_path)
+    plan_checkpoint_merge(*tiny, str(out), overwrite=True)
+    merge_checkpoint(*tiny, str(out), overwrite=True, dry_run=True, progress=False)
+    assert _tree(tmp_path) == before
+    merge_checkpoint(*tiny, str(out), overwrite=True, progress=False)
+    assert not os.path.lexists(lock) and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_overwrite_refuses_an_earlier_output_whose_files_the_user_edited(tiny, tmp_path):
+    out = tmp_path / "out"
+    merge_checkpoint(*tiny, str(out), progress=False)
+    with open(out / "config.json", "a") as f:
+        f.write("\n")  # an edit after the merge: still a file the record lists, no longer the bytes it wrote
+    before = _tree(out)
+    with pytest.raises(InputError, match=r"holds files changed since peft-shardmerge wrote them \(config\.json\)"):
+        merge_checkpoint(*tiny, str(out), overwrite=True, progress=False)
+    assert _tree(out) == before
+    (out / "config.json").write_bytes(b"")  # replaced by the user: refused too
+    with pytest.raises(InputError, match="changed since"):
+        merge_checkpoint(*tiny, str(out), overwrite=True, progress=False)

@@ -21,7 +21,9 @@ from peft_shardmerge.testing import build_adapter
 MODEL_FILES = ["generation_config.json", "preprocessor_config.json", "processor_config.json", "tokenizer.json",
                "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
                "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
-               "additional_chat_templates/tool_use.jinja", "README.md", "LICENSE", "LICENSE.txt"]
+               "additional_chat_templates/tool_use.jinja", "README.md", "LICENSE", "LICENSE.txt",
+               # remote code and the helpers it imports; DeBERTa-v3's and Mistral's own tokenizer files
+               "modeling_custom.py", "conversation.py", "spm.model", "tekken.json", "tokenizer.model.v3"]
 #: files that do not belong to the merged model
 FOREIGN = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "pytorch_model.bin",
            "model.pt", "model.pth", "model.gguf", "tf_model.h5", "flax_model.msgpack", "model.ckpt", "optimizer.pt",
