@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_merge  # noqa: E402 - the models and the measuring subprocess
+import bench_merge  # the models and the measuring subprocess
 
 
 def imported_from(tree: str) -> str:
@@ -43,7 +43,8 @@ def main() -> int:
             raise SystemExit(f"{tag}: peft_shardmerge is imported from {got}, not from {tree}")
     jobs = [(s, "peft_shardmerge") for s in args.sizes.split(",") if s] + \
         [(s, "merge_and_save_4bit") for s in args.inprocess_sizes.split(",") if s]
-    lines = ["| base | method | old: wall (s) | new: wall (s) | new / old | old: peak RSS (MiB) | new: peak RSS (MiB) |",
+    lines = ["| base | method | old: wall (s) | new: wall (s) | new / old | old: peak RSS (MiB) | "
+             "new: peak RSS (MiB) |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for size, method in jobs:
         base, adapter = bench_merge.build(size)
@@ -58,7 +59,8 @@ def main() -> int:
         old, new = bench_merge.summarize(runs["old"]), bench_merge.summarize(runs["new"])
         lines.append(f"| {size} | {method} | {old['wall_s']:.2f} [{old['wall_min']:.2f}–{old['wall_max']:.2f}] | "
                      f"{new['wall_s']:.2f} [{new['wall_min']:.2f}–{new['wall_max']:.2f}] | "
-                     f"{new['wall_s'] / old['wall_s']:.2f} | {old['rss_over'] / 2**20:.0f} | {new['rss_over'] / 2**20:.0f} |")
+                     f"{new['wall_s'] / old['wall_s']:.2f} | {old['rss_over'] / 2**20:.0f} | "
+                     f"{new['rss_over'] / 2**20:.0f} |")
     os.environ.pop("PYTHONPATH", None)
     print("\n".join(lines))
     return 0

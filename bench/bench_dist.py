@@ -140,7 +140,8 @@ def section(base: str, walls: dict[int, list[float]], dry: dict[int, list[float]
         "",
         "Produced by `bench/bench_dist.py`:",
         "",
-        "    python bench/bench_dist.py" + (f" --repeats {repeats}" if repeats != 3 else "") + " --write docs/benchmarks.md",
+        "    python bench/bench_dist.py" + (f" --repeats {repeats}" if repeats != 3 else "")
+        + " --write docs/benchmarks.md",
         "",
         "which times, alternating, these two commands on the same inputs (`torchrun` run as",
         "`python -m torch.distributed.run`, with a free `--master_port`), both with `OMP_NUM_THREADS=1`:",
@@ -168,7 +169,8 @@ def section(base: str, walls: dict[int, list[float]], dry: dict[int, list[float]
             "is read or written) are timed too, alternating with the merges; \"merge alone\" is the difference of",
             "the medians, and its speed-up the ratio of those differences.",
             "",
-            "| processes | wall time (s) | speed-up over 1 | `--dry-run` wall (s) | merge alone (s) | merge alone: speed-up |",
+            "| processes | wall time (s) | speed-up over 1 | `--dry-run` wall (s) | merge alone (s) | "
+            "merge alone: speed-up |",
             "|---|---:|---:|---:|---:|---:|",
             f"| 1 (`python -m peft_shardmerge merge`) | {one:.2f} [{min(walls[1]):.2f}–{max(walls[1]):.2f}] | 1.00 | "
             f"{d1:.2f} [{min(dry[1]):.2f}–{max(dry[1]):.2f}] | {one - d1:.2f} | 1.00 |",

@@ -194,7 +194,8 @@ def main() -> int:
             for method in args.methods.split(","):
                 r = run(method, base, adapter)
                 runs.setdefault(method, []).append(r)
-                print(f"{size} {method}: {r['wall_s']:.2f} s, peak RSS +{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB",
+                print(f"{size} {method}: {r['wall_s']:.2f} s, "
+                      f"peak RSS +{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB",
                       flush=True)
         summary = {m: summarize(rs) for m, rs in runs.items()}
         copy_wall = summary.get("copy", {}).get("wall_s")
@@ -234,7 +235,8 @@ def summarize(runs: list[dict]) -> dict:
 def format_table(rows, args, inproc=()) -> str:
     import torch
 
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, "
+               f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM")
     lines = [
         "# Benchmarks",
         "",

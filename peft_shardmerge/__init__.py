@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .version import __version__  # noqa: F401 - re-exported: peft_shardmerge.__version__
-
-from .errors import (  # noqa: E402 - light: no torch, so that `peft-shardmerge --help` starts at once
+from .errors import (  # light: no torch, so that `peft-shardmerge --help` starts at once
     CorruptFileError,
     FileSystemError,
     HubUploadError,
@@ -21,6 +19,7 @@ from .errors import (  # noqa: E402 - light: no torch, so that `peft-shardmerge 
     ShardMergeError,
     UnsupportedError,
 )
+from .version import __version__  # noqa: F401 - re-exported: peft_shardmerge.__version__
 
 #: public names imported on first use (PEP 562), each from the module that owns it: importing torch,
 #: transformers and peft takes seconds, which the command line's --help and error paths should not pay

@@ -11,19 +11,30 @@ from typing import Any
 
 import torch
 
-from .adapter_files import (ADAPTER_BIN, ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENS_SUFFIXES, AdapterTensor, TokenRows,
-                            add_token_rows, check_adapter_config, pattern_key, read_adapter_tensors)
+from .adapter_files import (
+    ADAPTER_BIN,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    TOKENS_SUFFIXES,
+    AdapterTensor,
+    TokenRows,
+    add_token_rows,
+    check_adapter_config,
+    pattern_key,
+    read_adapter_tensors,
+)
 from .combinations import COMBINATIONS, check_weights, combination_problems
 from .errors import CorruptFileError, InputError
 from .maths import linear_factors
 from .peft_deltas import DELTA_TYPES
-from .safetensors_io import RowReader
 from .reading_rules import stored_key_problems
+from .safetensors_io import RowReader
 from .sources import read_json, resolve_folder
 from .support import DISK, check_layers, raise_if_any, residual_init
 
-__all__ = ["ADAPTER_BIN", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "COMBINATIONS", "PREFIX", "AdapterSpec", "AdapterTensor",
-           "LoraModule", "TokenRows", "check_weights", "combine_adapters", "load_adapter", "modifies_base"]
+__all__ = ["ADAPTER_BIN", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "COMBINATIONS", "PREFIX", "AdapterSpec",
+           "AdapterTensor", "LoraModule", "TokenRows", "check_weights", "combine_adapters", "load_adapter",
+           "modifies_base"]
 
 PREFIX = "base_model.model."
 
@@ -204,8 +215,9 @@ def _sort_tensors(spec: AdapterSpec, tensors: dict[str, AdapterTensor], problems
             if "lora_" in key:
                 problems.append(f"adapter tensor {name!r} is not a LoRA tensor this version knows")
                 continue
-            if ".modules_to_save." not in key or base_name not in spec.replacements:  # PEFT 0.21 saves a layer of
-                spec.replacements[base_name] = t  # modules_to_save as X.weight and X.modules_to_save.weight, loads X.weight
+            # PEFT 0.21 saves a layer of modules_to_save as X.weight and X.modules_to_save.weight, loads X.weight
+            if ".modules_to_save." not in key or base_name not in spec.replacements:
+                spec.replacements[base_name] = t
             continue
         part = m.group("part") + ("." + m.group("leaf") if m.group("leaf") == "bias" else "")
         parts.setdefault(m.group("module"), {})[part] = t
@@ -386,9 +398,6 @@ def modifies_base(init_lora_weights: object) -> bool:
 
     Returns:
         True for the methods that subtract the initial LoRA from the base.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> modifies_base("pissa_niter_4"), modifies_base(True)

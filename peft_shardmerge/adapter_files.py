@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError, NotFoundError
+from .options import DEFAULT_CHUNK_ELEMS
 from .peft_deltas import DELTA_TYPES
 from .reading_rules import positive_number
-from .options import DEFAULT_CHUNK_ELEMS
 from .safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from .support import DISK, check_config, raise_if_any
 
@@ -70,9 +70,6 @@ def token_indices(config: dict, path: str) -> list[int] | None:
     Returns:
         The ids, or None when the config gives none (or not a list of ints) for ``path``.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> token_indices({"trainable_token_indices": {"embed_tokens": [1, 2]}}, "model.embed_tokens")
         [1, 2]
@@ -102,9 +99,6 @@ def pattern_key(pattern: dict, path: str) -> str | None:
     Returns:
         The key, or None.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> pattern_key({"q_proj": 4}, "model.layers.0.self_attn.q_proj")
         'q_proj'
@@ -132,9 +126,6 @@ def add_token_rows(spec, name: str, key: str, t: AdapterTensor, problems: list[s
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> add_token_rows(spec, name, key, tensor, problems)   # doctest: +SKIP
@@ -191,7 +182,8 @@ def check_adapter_config(config: dict, folder: str) -> None:
             if key == "rank_pattern" and not positive_number(v, integer=True):
                 problems.append(f"adapter_config.json rank_pattern[{k!r}] must be a positive int, got {v!r}")
             if key == "alpha_pattern" and not positive_number(v):
-                problems.append(f"adapter_config.json alpha_pattern[{k!r}] must be a positive finite number, got {v!r}")
+                problems.append(f"adapter_config.json alpha_pattern[{k!r}] must be a positive finite number, "
+                                f"got {v!r}")
             try:
                 re.compile(rf"(.*\.)?({k})$")
             except re.error as e:

@@ -10,22 +10,21 @@ from typing import Callable, Sequence
 import torch
 
 from .adapter import combine_adapters, load_adapter
-from .errors import InputError, ShardMergeError
+from .dist_execute import STEPS, agree_on_plan, failed
+from .distributed import JobSteps, World, joined_world
+from .errors import FileSystemError, InputError, ShardMergeError
 from .execute import execute_plan, resolve_device
 from .model_info import inspect_model
-from .peft_deltas import rebuild
 from .options import DEFAULT_CHUNK_ELEMS, MergeOptions
-from .plan_types import Plan
+from .outcheck import check_out_dir, check_space, path_argument
+from .peft_deltas import rebuild
 from .plan import build_plan
+from .plan_types import Plan
+from .quiet import quiet_libraries
 from .reading_rules import adapter_load_problems
 from .report import MergeReport
 from .sources import check_base_files, open_checkpoint
-from .errors import FileSystemError
-from .dist_execute import STEPS, agree_on_plan, failed
-from .distributed import JobSteps, World, joined_world
 from .staging import NOTHING_WRITTEN
-from .outcheck import check_out_dir, check_space, path_argument
-from .quiet import quiet_libraries
 from .trained_base import base_name_notes, disk_base_choice
 
 log = logging.getLogger(__name__)

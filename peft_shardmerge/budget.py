@@ -15,9 +15,6 @@ def host_memory() -> tuple[int, int]:
     Returns:
         ``(used, total)``; ``(0, 0)`` where ``/proc/meminfo`` is not available.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> used, total = host_memory()
         >>> 0 <= used <= total
@@ -72,9 +69,6 @@ class MemoryBudget:
 
         Returns:
             True when current use + ``nbytes`` <= fraction x total.
-
-        Raises:
-            Nothing.
         """
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
@@ -101,9 +95,6 @@ def is_out_of_memory(err: BaseException) -> bool:
         True for ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``), ``MemoryError`` and torch's
         "can't allocate memory" / "out of memory" runtime errors.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
         True
@@ -119,9 +110,6 @@ def free_accelerator_cache() -> None:
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> free_accelerator_cache()

@@ -24,7 +24,7 @@ class Terminated(BaseException):
     keep_partial = False
 
 
-def _on_sigterm(signum, frame):  # noqa: ARG001 - signal handler signature
+def _on_sigterm(signum, frame):  # signal handler signature
     error = Terminated()
     error.keep_partial = _rank() is not None
     raise error
@@ -35,9 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     Returns:
         The parser.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> build_parser().parse_args(["merge", "base", "adapter", "out"]).dtype is None
@@ -272,9 +269,6 @@ def command_line_text(message: str) -> str:
 
     Returns:
         The text with each Python spelling of :data:`FLAGS` replaced by its flag.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> command_line_text("output folder m is not empty; pass overwrite=True to replace it")

@@ -19,9 +19,6 @@ def config_value(config, key: str, default=None):
     Returns:
         The value (an enum such as ``PeftType.IA3`` as its string value).
 
-    Raises:
-        Nothing.
-
     Example:
         >>> config_value({"peft_type": "IA3"}, "peft_type"), config_value({}, "r", 8)
         ('IA3', 8)
@@ -43,9 +40,6 @@ def check_weights(count: int, weights: "Sequence[float] | None", combination: st
 
     Returns:
         ``(weights as a list, problems)``.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> check_weights(2, None, "cat")
@@ -84,9 +78,6 @@ def combination_problems(configs: Sequence, names: Sequence[str], weights: "Sequ
 
     Returns:
         ``(weights as a list, problems)``; every problem found, at once.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> combination_problems([{"r": 8, "use_dora": True}, {"r": 8}], ["a", "b"], [0.5, 0.5], "cat")[1]

@@ -67,9 +67,6 @@ def current_world() -> World:
     Returns:
         The :class:`World`.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> current_world().size
         1
@@ -117,7 +114,8 @@ def joined_world(device: str = "auto") -> Iterator[World]:
         missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing or not dist.is_available():
             raise InputError(f"WORLD_SIZE={size} says this is a distributed job, but "
-                             + (f"{', '.join(missing)} is not set" if missing else "torch.distributed is not available")
+                             + (f"{', '.join(missing)} is not set" if missing
+                                else "torch.distributed is not available")
                              + ": start it with torchrun (or accelerate launch), or unset WORLD_SIZE")
         cuda = torch.cuda.is_available() and (device == "auto" or str(device).startswith("cuda"))
         if cuda:
@@ -236,7 +234,8 @@ class JobSteps:
             message = f"rank {rank}: {error.strerror} ({error.filename or 'output'})"
         else:
             message = f"rank {rank}: {error}" if str(error) else f"rank {rank}: {type(error).__name__}"
-        item = ("failed", {"message": message, "state": state, "stopped": isinstance(error, (Stopped, PeerFailedError))})
+        item = ("failed",
+                {"message": message, "state": state, "stopped": isinstance(error, (Stopped, PeerFailedError))})
         said = state if rank == 0 else None
         while self.taken < len(self.names) and self.names[self.taken] != until and not self.broken:
             try:

@@ -1,4 +1,5 @@
-"""Drop-ins for Unsloth's and PEFT's call sites: save_pretrained_merged, push_to_hub_merged, merge_and_unload, patch_peft."""
+"""Drop-ins for Unsloth's and PEFT's call sites: save_pretrained_merged, push_to_hub_merged, merge_and_unload,
+patch_peft."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .outcheck import check_out_dir, path_argument, source_folders
 from .errors import InputError
 from .inprocess import merge_and_save, save_merged_4bit
-from .unload import merge_and_unload as _merge_and_unload
+from .integrity import read_record
 from .live import unwrap
+from .outcheck import check_out_dir, path_argument, source_folders
+from .record import unlisted_files
 from .report import MergeReport
 from .sources import TOKENIZER_FILES
 from .staging import REPLACE_CHECK
-from .integrity import read_record
-from .record import unlisted_files
+from .unload import merge_and_unload as _merge_and_unload
 
 #: every ``save_method`` Unsloth documents, mapped to what is done here (None: refused, with the alternative)
 SAVE_METHODS = {
@@ -47,7 +48,8 @@ def _earlier_save(folder: str) -> str:
         return "" if extra else "merged"
     names = os.listdir(folder)
     if "adapter_config.json" in names and all(
-            n in _LORA_FILES and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))
+            n in _LORA_FILES and os.path.isfile(os.path.join(folder, n))
+            and not os.path.islink(os.path.join(folder, n))
             for n in names):
         return "adapter"
     return ""
@@ -383,9 +385,6 @@ def patch_peft() -> None:
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> import peft_shardmerge

@@ -13,16 +13,16 @@ import torch
 from .dist_execute import OtherRanks, check_stop, write_share
 from .distributed import JobSteps, World
 from .errors import InputError
-from .plan_types import Plan, PlannedTensor
-from .report import MergeReport
-from .resume import InputDigests
-from .side_files import copy_side_files
-from .record import disk_merge_info
-from .sinks import FolderFiles, ShardSink
 from .merger import PlanMerger, check_counts
 from .options import DEVICES
+from .plan_types import Plan, PlannedTensor
+from .record import disk_merge_info
+from .report import MergeReport
+from .resume import InputDigests
 from .row_merge import precision_notes
 from .rss import PeakRss, current_rss_bytes  # noqa: F401 - bench/ reads current_rss_bytes from here
+from .side_files import copy_side_files
+from .sinks import FolderFiles, ShardSink
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto
     dev = world.device(resolve_device(device))
     merger = PlanMerger(plan, dev, progress and world.rank == 0)
     ranks = OtherRanks(plan, merger, steps) if world.distributed and world.rank == 0 else None
-    sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, fingerprint=plan.fingerprint() if resume else None,
+    sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite,
+                     fingerprint=plan.fingerprint() if resume else None,
                      inputs=InputDigests(plan) if resume else None)
 
     def produce(i: int, w) -> None:
@@ -202,9 +203,6 @@ def merge_report(plan: Plan, merger, out_dir: str, started: float, meter: PeakRs
 
     Returns:
         The :class:`MergeReport`; the note on the update lost to rounding follows the path's notes.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> report = merge_report(plan, merger, "merged", t0, meter, base="b", adapter="a")   # doctest: +SKIP

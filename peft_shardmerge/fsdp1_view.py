@@ -16,6 +16,7 @@ from torch import nn
 
 from .param_swap import put_param, put_stand_in, restore
 
+
 def _flat(unit):
     handle = getattr(unit, "_handle", None)
     return handle.flat_param if handle is not None else None
@@ -31,9 +32,6 @@ def planning_view(root: nn.Module) -> Iterator[nn.Module]:
 
     Returns:
         A context manager yielding the wrapped model; on exit the tree and the parameters are as they were.
-
-    Raises:
-        Nothing of its own.
 
     Example:
         >>> with planning_view(fsdp_model) as peft_model:   # doctest: +SKIP

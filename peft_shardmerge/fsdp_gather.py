@@ -29,9 +29,6 @@ def sharding_of(model: nn.Module) -> str | None:
         ``"fsdp2"``, ``"fsdp1"``, ``"zero3"``, ``"dtensor"`` (DTensor parameters with no FSDP: tensor parallelism,
         refused), or None for a model whose weights each process holds whole.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> sharding_of(nn.Linear(2, 2)) is None
         True
@@ -77,7 +74,8 @@ def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
     problems = []
     if kind == "fsdp2" and any(_tensor_parallel(p) for p in model.parameters()):
         problems.append(f"the model is sharded by {name} over a mesh that also splits weights by tensor parallelism "
-                        f"(DTensor placements beyond FSDP's Shard(0)), which merge_and_save does not gather; {instead}")
+                        f"(DTensor placements beyond FSDP's Shard(0)), which merge_and_save does not gather; "
+                        f"{instead}")
     if kind == "zero3" and any(hasattr(getattr(p, t, None), "ds_quant_scale") for p in model.parameters()
                                for t in ("ds_tensor", "ds_secondary_tensor")):
         problems.append(f"the model is sharded by {name} with quantized weights (ZeRO++ "

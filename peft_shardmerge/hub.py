@@ -96,7 +96,7 @@ def prepare_repo(repo_id: str, *, token: str | None = None, private: bool | None
     api = _hf_api(token)
     try:
         url = api.create_repo(repo_id.strip("/"), private=private, exist_ok=True, repo_type="model")
-    except Exception as e:  # noqa: BLE001 - any failure is reported, without the token, before merging
+    except Exception as e:  # any failure is reported, without the token, before merging
         if unreachable(e):
             raise HubUploadError(f"the Hub at {api.endpoint} could not be reached ({_masked(e, token)}): a network "
                                  "problem, not the token; nothing was merged. Check the connection, a proxy, or "
@@ -145,9 +145,6 @@ def model_card(*, repo_id: str, base_model: str | None, adapter: str | None = No
 
     Returns:
         The Markdown text with YAML front matter.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> print(model_card(repo_id="me/m", base_model="org/base", settings={"dtype": "bfloat16"}))
@@ -263,6 +260,6 @@ def upload_folder(folder: str, repo_id: str, *, token: str | None = None, privat
         info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
                                  revision=revision, create_pr=create_pr, repo_type="model")
         return str(getattr(info, "commit_url", info))
-    except Exception as e:  # noqa: BLE001 - any failure is reported without the token
+    except Exception as e:  # any failure is reported without the token
         where = f": the Hub at {api.endpoint} could not be reached (network)" if unreachable(e) else ""
         raise HubUploadError(f"upload to {repo_id} failed{where}: {_masked(e, token)}") from None

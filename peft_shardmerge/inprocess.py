@@ -8,24 +8,30 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import fsdp1_view, zero3_view
 from .budget import MemoryBudget
-from .errors import InputError
 from .dist_execute import STEPS, agree_on_plan, failed
 from .distributed import JobSteps, current_world
+from .errors import InputError
 from .execute import execute_plan
-from . import fsdp1_view, zero3_view
 from .fsdp_gather import SHARDINGS, sharding_of, sharding_problems
 from .live import unwrap, walk
 from .live_plan import LiveSource, plan_live, valid_generation_config
 from .live_save import execute_live_plan
 from .model_check import require_supported
-from .model_plan import (BASE_PRECISIONS, adapter_selection, build_model_plan, model_dtype,  # noqa: F401 - public
-                         plan_model_merge, save_adapter_untouched)
-from .record import live_merge_info
+from .model_plan import (  # noqa: F401 - public
+    BASE_PRECISIONS,
+    adapter_selection,
+    build_model_plan,
+    model_dtype,
+    plan_model_merge,
+    save_adapter_untouched,
+)
 from .options import MODEL, MergeOptions, parse_dtype, parse_size
 from .outcheck import check_out_dir, foreign_model_problems, source_folders
-from .report import MergeReport
 from .quiet import quiet_libraries
+from .record import live_merge_info
+from .report import MergeReport
 
 #: the shardings planned from a view of the model unsharded (FSDP2 shows full shapes as it is)
 VIEWS = {"fsdp1": fsdp1_view.planning_view, "zero3": zero3_view.planning_view}

@@ -6,8 +6,16 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from .record import (RECORD_FILE, RECORD_FORMAT, RECORD_VERSION, WEIGHT_SUFFIXES, file_sha256, unlisted_files,
-                     record_digest, scan_range)
+from .record import (
+    RECORD_FILE,
+    RECORD_FORMAT,
+    RECORD_VERSION,
+    WEIGHT_SUFFIXES,
+    file_sha256,
+    record_digest,
+    scan_range,
+    unlisted_files,
+)
 from .safetensors_io import read_header
 
 
@@ -40,9 +48,6 @@ def read_record(folder: str) -> tuple[dict | None, list[str]]:
 
     Returns:
         ``(record or None, problems)``: ``(None, [])`` when there is no record at all.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> read_record("merged")[1]   # doctest: +SKIP
@@ -169,7 +174,7 @@ def _header_dtypes(path: str) -> dict[str, str]:
     """Tensor dtypes from the shard's header, for the NaN/Inf scan ({} when the header is unreadable)."""
     try:
         return {t.name: t.dtype for t in read_header(path)[0]}
-    except Exception:  # noqa: BLE001 - a damaged header is reported by its digest
+    except Exception:  # a damaged header is reported by its digest
         return {}
 
 

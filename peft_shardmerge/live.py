@@ -10,8 +10,8 @@ from torch import nn
 
 from .changes import ChangeKey
 from .errors import InputError, UnsupportedError
-from .live_types import LiveEntry, LiveModel
 from .live_bnb import REPACK_ABSMAX_REL_ERROR, bnb_kind, bnb_layer_kind, dequantize, logical_shape
+from .live_types import LiveEntry, LiveModel
 from .live_weights import materialized, offload_owner, offloaded_modules
 from .model_check import adapter_keys, transformers_model
 from .model_info import ModelInfo, inspect_model
@@ -284,9 +284,6 @@ def check_adapter_names(model: nn.Module, adapter_names: list[str]) -> list[str]
     Returns:
         The problems (none when the selection is good).
 
-    Raises:
-        Nothing.
-
     Example:
         >>> check_adapter_names(torch.nn.Linear(1, 1), ["a"])
         ["adapter_names ['a'] must name loaded adapters; the model has none"]
@@ -310,9 +307,6 @@ def change_key(entry: LiveEntry) -> str:
 
     Returns:
         The key.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> change_key(LiveEntry("m.weight", (1,), True, "lora", None, "weight", None, owner="m"))

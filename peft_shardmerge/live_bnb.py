@@ -23,9 +23,6 @@ def bnb_kind(param: torch.Tensor | None) -> str | None:
     Returns:
         ``"4bit"`` (``Params4bit``), ``"8bit"`` (``Int8Params``) or None.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> bnb_kind(torch.nn.Linear(1, 1).weight) is None
         True

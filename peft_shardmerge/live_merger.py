@@ -16,8 +16,8 @@ from .live import (
 )
 from .live_weights import entry_base
 from .maths import ia3_multiplier, linear_factors, lora_bias_delta
-from .peft_deltas import peft_delta
 from .options import DEFAULT_CHUNK_ELEMS
+from .peft_deltas import peft_delta
 from .row_merge import RowMerger, choose_device
 
 
@@ -57,9 +57,6 @@ class LiveMerger(RowMerger):
 
         Returns:
             The device.
-
-        Raises:
-            Nothing.
 
         Example:
             >>> merger.compute_device(live.entries[1])   # doctest: +SKIP

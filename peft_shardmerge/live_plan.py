@@ -54,7 +54,8 @@ class LiveSource:
 
     def base_rows(self, name: str, device: torch.device):
         """``rows(start, stop)`` of the base tensor of entry ``name``: a float32 copy on ``device``, taken with its
-        module brought in when it is offloaded, in the output layout (:class:`~peft_shardmerge.source_types.Source`)."""
+        module brought in when it is offloaded, in the output layout
+        (:class:`~peft_shardmerge.source_types.Source`)."""
         entry = next(e for e in self.live.entries if e.name == name)
         with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
             w = entry_base(entry, device)
@@ -82,9 +83,6 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
 
     Returns:
         A :class:`~peft_shardmerge.plan_types.Plan` with ``live`` set.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> plan = plan_live(LiveSource(walk(model, None)), torch.bfloat16, 5 * 10**9)   # doctest: +SKIP
@@ -117,9 +115,6 @@ def in_memory_text(names: list[str] | None, weights: dict[str, float]) -> str:
 
     Returns:
         The text.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> in_memory_text(["a", "b"], {"a": 0.5, "b": 1.0})
@@ -169,9 +164,6 @@ def valid_generation_config(inner: nn.Module):
     Returns:
         Its ``GenerationConfig``, or None.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> valid_generation_config(model)   # doctest: +SKIP
     """
@@ -181,7 +173,7 @@ def valid_generation_config(inner: nn.Module):
     try:
         with tempfile.TemporaryDirectory() as tmp:
             gen.save_pretrained(tmp)
-    except Exception as e:  # noqa: BLE001 - transformers raises ValueError for inconsistent settings
+    except Exception as e:  # transformers raises ValueError for inconsistent settings
         log.warning("the model's generation_config cannot be saved (%s); the merged folder will have none", e)
         return None
     return gen

@@ -9,16 +9,16 @@ from typing import Callable
 import torch
 
 from .budget import MemoryBudget
+from .dist_execute import LiveRanks, follow_plan
 from .errors import MergeCheckError
 from .execute import merge_report
-from .dist_execute import LiveRanks, follow_plan
 from .fsdp_gather import UnitGatherer
 from .live_merger import LiveMerger
-from .row_merge import check_applied
 from .plan_types import Plan, PlannedTensor
 from .quant import pad_quant_state, quant_state_length, require_bitsandbytes
 from .record import live_merge_info
 from .report import MergeReport
+from .row_merge import check_applied
 from .rss import PeakRss
 from .safetensors_io import DTYPES, row_blocks
 from .sinks import FolderFiles, ShardSink

@@ -51,9 +51,6 @@ def materialized(module: nn.Module | None) -> Iterator[None]:
     Returns:
         A context manager.
 
-    Raises:
-        Nothing of its own.
-
     Example:
         >>> with materialized(layer):   # doctest: +SKIP
         ...     w = layer.weight.detach().clone()
@@ -85,9 +82,6 @@ def offloads(module: nn.Module | None) -> bool:
         True when a hook serves its weights from the disk or CPU offload map (no hook, or one that only moves
         inputs: False).
 
-    Raises:
-        Nothing.
-
     Example:
         >>> offloads(None), offloads(torch.nn.Linear(1, 1))
         (False, False)
@@ -104,9 +98,6 @@ def offloaded_modules(model: nn.Module) -> list[str]:
 
     Returns:
         Module names, outermost first; empty when nothing is offloaded.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> offloaded_modules(torch.nn.Linear(2, 2))
@@ -132,9 +123,6 @@ def offload_owner(model: nn.Module, name: str, holder: nn.Module | None = None) 
 
     Returns:
         The module to materialize, or None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> offload_owner(torch.nn.Linear(2, 2), "weight") is None
@@ -180,9 +168,6 @@ def disk_folder(module: nn.Module) -> str | None:
 
     Returns:
         The offload folder, or None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> disk_folder(torch.nn.Linear(1, 1)) is None
@@ -270,9 +255,6 @@ def cast_offloaded(model: nn.Module, dtype: torch.dtype) -> None:
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> cast_offloaded(torch.nn.Linear(2, 2), torch.bfloat16)

@@ -42,8 +42,9 @@ def merge_block(
         inplace: float32 ``base_rows`` are a copy the merge may overwrite (no second copy is made).
 
     Returns:
-        A new float32 tensor shaped like ``base_rows`` (``base_rows`` itself with ``inplace`` and float32 rows); with ``probes``, ``(tensor, relative error)`` where the
-        error is ``max |(W + dW) x - (W x + lora(x))| / max |W x + lora(x)|``.
+        A new float32 tensor shaped like ``base_rows`` (``base_rows`` itself with ``inplace`` and float32 rows);
+        with ``probes``, ``(tensor, relative error)`` where the error is
+        ``max |(W + dW) x - (W x + lora(x))| / max |W x + lora(x)|``.
 
     Raises:
         RuntimeError: from torch, when the shapes do not fit.

@@ -35,9 +35,6 @@ def planned_keys(t: PlannedTensor) -> list[ChangeKey]:
     Returns:
         One key per change.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> planned_keys(plan.tensors[0])   # doctest: +SKIP
         [ChangeKey(kind='lora', name='model.layers.0.self_attn.q_proj', tensor='')]

@@ -24,9 +24,6 @@ def selected_adapters(model: nn.Module, adapter_names: list[str] | None = None) 
     Returns:
         The names.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> selected_adapters(torch.nn.Linear(1, 1), ["a"])
         ['a']
@@ -36,7 +33,7 @@ def selected_adapters(model: nn.Module, adapter_names: list[str] | None = None) 
     names = getattr(model, "active_adapters", None)
     try:
         names = names() if callable(names) else names
-    except Exception:  # noqa: BLE001 - no PEFT layers, or transformers refusing the installed PEFT (5.24 with 0.21)
+    except Exception:  # no PEFT layers, or transformers refusing the installed PEFT (5.24 with 0.21)
         names = _layer_adapters(model)
     if not names:
         names = getattr(model, "active_adapter", None)
@@ -64,9 +61,6 @@ def transformers_model(model: nn.Module) -> nn.Module:
     Returns:
         The wrapped model.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> transformers_model(torch.nn.Linear(1, 1))
         Linear(in_features=1, out_features=1, bias=True)
@@ -91,9 +85,6 @@ def layer_uses(model: nn.Module, names: list[str]) -> Iterator[tuple[str, str, s
 
     Returns:
         An iterator, one item per adapted layer and adapter type.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> [u[:3] for u in layer_uses(peft_model, ["default"])][:1]   # doctest: +SKIP
@@ -142,9 +133,6 @@ def adapter_keys(layer: nn.Module) -> set[str]:
     Returns:
         The names (e.g. ``{"default"}``).
 
-    Raises:
-        Nothing.
-
     Example:
         >>> adapter_keys(torch.nn.Linear(1, 1))
         set()
@@ -177,9 +165,6 @@ def check_model(model: nn.Module, adapter_names: list[str] | None = None, *, pat
 
     Returns:
         ``(unsupported, bad)``: refusals by the allowlist, and other problems of the inputs.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> check_model(peft_model)   # doctest: +SKIP
@@ -222,9 +207,6 @@ def no_bias_problem(layers: list[str]) -> str:
     Returns:
         The message.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> no_bias_problem(["q_proj"])[:40]
         'q_proj: lora_bias=True on a layer whose '
@@ -242,9 +224,6 @@ def nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
 
     Returns:
         The names.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> nonfinite([("a", torch.tensor([1.0, float("nan")])), ("b", torch.ones(2))])
@@ -295,4 +274,5 @@ def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
 
 
 
-__all__ = ["transformers_model", "selected_adapters", "layer_uses", "check_model", "require_supported", "adapter_keys", "no_bias_problem", "nonfinite", "DISK", "IN_PROCESS"]
+__all__ = ["transformers_model", "selected_adapters", "layer_uses", "check_model", "require_supported", "adapter_keys",
+           "no_bias_problem", "nonfinite", "DISK", "IN_PROCESS"]

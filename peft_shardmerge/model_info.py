@@ -126,9 +126,6 @@ def model_classes(config, model_class: type | None = None) -> list[type]:
     Returns:
         The classes.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> from transformers import GPT2Config
         >>> model_classes(GPT2Config())[0].__name__
@@ -159,9 +156,6 @@ def build_on_meta(config, model_class: type | None = None):
 
     Returns:
         The model, or None when no class accepts the config.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> from transformers import GPT2Config
@@ -221,7 +215,7 @@ def inspect_model(folder: "str | object", model_class: type | None = None) -> Mo
         model = build_on_meta(config, model_class)
         if model is None:
             raise ValueError(f"no Auto class knows {type(config).__name__}")
-    except Exception as e:  # noqa: BLE001 - any failure only disables the structural hints
+    except Exception as e:  # any failure only disables the structural hints
         log.warning("could not build the model class for %s (%s); using the adapter config alone", folder, e)
         return ModelInfo()
     info = ModelInfo(available=True, architecture=type(model).__name__)
@@ -260,7 +254,7 @@ def _conversions(model) -> tuple:
     try:
         load = get_model_conversion_mapping(model)
         save = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
-    except Exception as e:  # noqa: BLE001 - only the renaming hints are lost
+    except Exception as e:  # only the renaming hints are lost
         log.warning("could not read transformers' key conversions for %s (%s)", type(model).__name__, e)
         return (), (), (), ""
     reverse = [t.reverse_transform() for t in save[::-1]]

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from .adapter import check_weights, modifies_base
-from .combinations import combination_problems
 from .api import plan_checkpoint_merge
+from .combinations import combination_problems
 from .errors import FileSystemError, InputError, ShardMergeError
-from .live import check_adapter_names, unwrap, walk
 from .fsdp_gather import SHARDINGS, sharding_of, sharding_problems
+from .live import check_adapter_names, unwrap, walk
 from .live_plan import LiveSource, in_memory_text, plan_live, valid_generation_config
 from .model_check import require_supported, selected_adapters
 from .options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions, parse_dtype, parse_size
@@ -39,9 +39,6 @@ def model_dtype(inner: nn.Module) -> torch.dtype:
 
     Returns:
         ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> model_dtype(model)   # doctest: +SKIP
@@ -82,7 +79,8 @@ def _original_checkpoint(model: nn.Module, inner: nn.Module, names: list[str], w
     if memory_only:
         return None, f"the model has a {memory_only}, which is merged in memory only", check
     if any(p.is_meta for n, p in model.named_parameters() if any(f".{a}." in n for a in names)):
-        return None, "the adapter's weights are offloaded by accelerate (they are read in memory, layer by layer)", check
+        return (None, "the adapter's weights are offloaded by accelerate (they are read in memory, layer by layer)",
+                check)
     if check.folder is None:
         return None, check.reason, check
     if base_precision == "auto" and is_quantized(inner):
@@ -179,7 +177,8 @@ class ModelPlan:
     device: str = "cpu"
 
 
-def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None, *, dtype: str | torch.dtype | None = None,
+def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None, *,
+                     dtype: str | torch.dtype | None = None,
                      max_shard_size: int | str = "5GB", base_precision: str = "auto",
                      adapter_names: list[str] | None = None, weights: list[float] | None = None,
                      combination_type: str = "cat", overwrite: bool = False,

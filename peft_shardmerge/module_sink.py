@@ -16,13 +16,13 @@ from .live_weights import (
     cast_offloaded,
     disk_folder,
     free_bytes,
-    offloads,
     offloaded_modules,
+    offloads,
     store_offloaded,
 )
-from .row_merge import check_applied
 from .model_check import HALF_MERGED
 from .plan_types import Plan
+from .row_merge import check_applied
 
 
 class ModuleSink:
@@ -80,7 +80,8 @@ class ModuleSink:
         done = 0
         try:
             with torch.no_grad():
-                for path, group in tqdm(self.groups.items(), total=len(self.groups), desc="Unloading and merging model",
+                for path, group in tqdm(self.groups.items(), total=len(self.groups),
+                                        desc="Unloading and merging model",
                                         disable=not progress):
                     _set_submodule(inner, path, _replacement(group, merger, self.dtype, Conv1D, self.live,
                                                              self.folders.get(path)))
@@ -108,9 +109,6 @@ class ModuleSink:
         Returns:
             None.
 
-        Raises:
-            Nothing.
-
         Example:
             >>> sink.cast(model)   # doctest: +SKIP
         """
@@ -126,7 +124,8 @@ def _changes(group: list[LiveEntry]) -> bool:
     return any(e.kind not in ("plain", "saved") for e in group)
 
 
-def _offload_folders(inner: nn.Module, groups: dict[str, list[LiveEntry]], dtype: torch.dtype) -> dict[str, str | None]:
+def _offload_folders(inner: nn.Module, groups: dict[str, list[LiveEntry]],
+                     dtype: torch.dtype) -> dict[str, str | None]:
     """Where the merged weights of each offloaded module go (a new folder inside accelerate's offload folder, or
     None for CPU memory), after checking that every one can be written back there; nothing is changed on a
     problem."""

@@ -1,4 +1,5 @@
-"""The option vocabulary shared by both paths (disk and a loaded model): output dtypes, sizes and the frozen merge options."""
+"""The option vocabulary shared by both paths (disk and a loaded model): output dtypes, sizes and the frozen merge
+options."""
 
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """Parse an output dtype: ``None``, a ``torch.dtype`` or its name.
 
     Args:
-        dtype: ``None`` or ``"auto"`` (keep the base's), ``"bfloat16"``/``"float16"``/``"float32"`` (``"bf16"``, ``"fp16"``,
-            ``"fp32"``, ``"torch.bfloat16"`` too) or the torch dtype.
+        dtype: ``None`` or ``"auto"`` (keep the base's), ``"bfloat16"``/``"float16"``/``"float32"`` (``"bf16"``,
+            ``"fp16"``, ``"fp32"``, ``"torch.bfloat16"`` too) or the torch dtype.
 
     Returns:
         The torch dtype, or None.
@@ -190,9 +191,6 @@ class MergeOptions:
         Returns:
             The problems (empty when the options are valid).
 
-        Raises:
-            Nothing.
-
         Example:
             >>> len(MergeOptions(dtype="int4", max_shard_size="lots", combination="sum").problems())
             3
@@ -238,9 +236,6 @@ class MergeOptions:
 
         Returns:
             A :class:`MergeOptions` whose ``base_precision`` is set.
-
-        Raises:
-            Nothing.
 
         Example:
             >>> MergeOptions().for_path("model").base_precision

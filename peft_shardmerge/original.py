@@ -55,9 +55,6 @@ def candidate_folders(name: str) -> list[str]:
     Returns:
         Folder paths (possibly none).
 
-    Raises:
-        Nothing.
-
     Example:
         >>> candidate_folders("/no/such/folder")
         []
@@ -74,7 +71,7 @@ def candidate_folders(name: str) -> list[str]:
     folders = []
     try:
         folders.append(snapshot_download(name, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached at refs/main; other revisions may be
+    except Exception:  # not cached at refs/main; other revisions may be
         pass
     snapshots = os.path.join(HF_HUB_CACHE, "models--" + name.replace("/", "--"), "snapshots")
     if os.path.isdir(snapshots):
@@ -199,7 +196,7 @@ def find_original(live: LiveModel) -> OriginalCheck:
         except ShardMergeError as e:  # e.g. a pre-quantized checkpoint: not a base to merge into from disk
             unusable.append(f"{folder}: {inner_problems(e)}")
             continue
-        except Exception as e:  # noqa: BLE001 - a candidate that cannot be read is not used
+        except Exception as e:  # a candidate that cannot be read is not used
             unusable.append(f"{folder}: {type(e).__name__}: {e}")
             continue
         if not problem:
@@ -222,9 +219,6 @@ def inner_problems(error: BaseException) -> str:
     Returns:
         Its problems joined with "; ", or its message.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> from peft_shardmerge.errors import InputError
         >>> inner_problems(InputError(["a is wrong", "b too"]))
@@ -242,9 +236,6 @@ def is_quantized(inner: torch.nn.Module) -> bool:
 
     Returns:
         True for a model loaded with a ``quantization_config``.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> is_quantized(torch.nn.Linear(2, 2))
@@ -265,9 +256,6 @@ def default_dtype(inner: torch.nn.Module, model_dtype: torch.dtype) -> tuple[tor
 
     Returns:
         ``(dtype, why)``; ``why`` is a sentence for the report.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> default_dtype(torch.nn.Linear(2, 2), torch.float32)[0]
@@ -301,9 +289,6 @@ def describe_base(used: str | None, check: OriginalCheck, quantized: bool, reaso
 
     Returns:
         ``(reproduces, note)``.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> describe_base(None, OriginalCheck(None), False, "the model is not a PeftModel")[0]
@@ -350,9 +335,6 @@ def base_config(inner: torch.nn.Module) -> dict:
 
     Returns:
         A config dict (``output_config`` then sets the dtype and drops ``quantization_config``).
-
-    Raises:
-        Nothing.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM

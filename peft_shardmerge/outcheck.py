@@ -1,4 +1,5 @@
-"""Which output folders a merge may write: never an input, a protected folder, or one holding a model we did not write."""
+"""Which output folders a merge may write: never an input, a protected folder, or one holding a model we did not
+write."""
 
 from __future__ import annotations
 
@@ -118,9 +119,6 @@ def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> li
     Returns:
         The problem (what is there, a few names, and how to proceed), or an empty list when it may be replaced.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> import tempfile
         >>> folder = tempfile.mkdtemp()
@@ -209,9 +207,6 @@ def path_argument(value, what: str) -> tuple[str | None, list[str]]:
     Returns:
         ``(path, [])``, or ``(None, [problem])``.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> from pathlib import Path
         >>> path_argument(Path("a/b"), "base")
@@ -238,9 +233,6 @@ def source_folders(model) -> dict[str, str]:
         ``{"model": folder}`` (``config._name_or_path``) and ``{"base of adapter 'name'": folder}`` (each adapter
         config's ``base_model_name_or_path``), when they are local folders, and ``{"adapter 'name'": folder}``
         where PEFT recorded one.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> source_folders(object())
@@ -279,24 +271,24 @@ def foreign_model_problems(out_dir: str | os.PathLike) -> list[str]:
     Returns:
         The problems, each a sentence with the fix; empty when ``out_dir`` holds no such files.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> foreign_model_problems("/nonexistent/merged")
         []
     """
     folder = os.fspath(out_dir)
-    if not os.path.isdir(folder) or os.path.islink(folder) or os.path.isfile(os.path.join(folder, "merge_manifest.json")):
+    if (not os.path.isdir(folder) or os.path.islink(folder)
+            or os.path.isfile(os.path.join(folder, "merge_manifest.json"))):
         return []
     try:
         names = os.listdir(folder)
     except OSError:
         return []
-    held = sorted(n for n in names if n == "adapter_config.json" or n.endswith((".safetensors", ".bin", ".pt", ".pth")))
+    held = sorted(n for n in names
+                  if n == "adapter_config.json" or n.endswith((".safetensors", ".bin", ".pt", ".pth")))
     if not held:
         return []
-    return [f"output folder {folder} holds a model or adapter that peft-shardmerge did not write ({', '.join(held[:3])}"
+    return [f"output folder {folder} holds a model or adapter that peft-shardmerge did not write "
+            f"({', '.join(held[:3])}"
             f"{', ...' if len(held) > 3 else ''}); it may be the one this model was loaded from, so it is never "
             "replaced: choose another folder, or remove it yourself first"]
 
@@ -394,9 +386,6 @@ def check_space(out_dir: str, nbytes: int) -> list[str]:
 
     Returns:
         The problems (read-only or missing-permission parent, not enough free space), each with the fix.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> check_space("/tmp/merged", 1000)

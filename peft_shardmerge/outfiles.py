@@ -30,9 +30,6 @@ def sidecar(out_dir: str, suffix: str) -> str:
     Returns:
         The absolute path.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> sidecar("/data/merged/", "lock")
         '/data/.merged.lock'
@@ -56,9 +53,6 @@ def name_problems(out: str) -> list[str]:
 
     Returns:
         The problems (a name too long, a path too long), each with the fix; empty when the names fit.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> name_problems("/tmp/" + "x" * 250)[0][:24]
@@ -95,9 +89,6 @@ def read_manifest(folder: str, name: str = MANIFEST) -> dict | None:
     Returns:
         The manifest, or None.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> read_manifest("/nonexistent") is None
         True
@@ -119,9 +110,6 @@ def read_regular_file(path: str, *, own: bool = False, limit: int = 64 << 20) ->
 
     Returns:
         Its content, or None when it is missing, a link, not a regular file, someone else's (``own``) or too large.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> read_regular_file("/nonexistent") is None
@@ -186,9 +174,6 @@ def sidecar_problems(out: str) -> list[str]:
     Returns:
         The problems, each with the fix.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> sidecar_problems("/nonexistent/merged")
         []
@@ -240,9 +225,6 @@ def is_nonempty(folder: str) -> bool:
 
     Returns:
         True when it has an entry or cannot be listed.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> is_nonempty("/nonexistent")
@@ -307,9 +289,6 @@ def remove_checked(folder: str, snap: dict[str, list[int]]) -> list[str]:
     Returns:
         What is left (relative paths), empty when the folder itself is gone.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> remove_checked("/nonexistent", {})
         []
@@ -366,7 +345,7 @@ def rename_noreplace(src: str, dst: str) -> None:
     if _libc is None:
         try:
             _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.renameat2  # noqa: B018 - raises AttributeError where glibc lacks it
+            _libc.renameat2  # raises AttributeError where glibc lacks it
         except (OSError, AttributeError):
             _libc = False
     if _libc:
@@ -397,9 +376,6 @@ def kill_point(step: str) -> None:
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> kill_point("commit: journal written")

@@ -71,8 +71,8 @@ class OutputLock:
                 os.close(fd)
                 raise OutputLockedError(
                     f"another merge is writing {self.out_dir}: pid {holder.get('pid', '?')} on "
-                    f"{holder.get('host', '?')}, started {holder.get('started', '?')}; wait for it to finish or choose "
-                    "another output folder") from None
+                    f"{holder.get('host', '?')}, started {holder.get('started', '?')}; wait for it to finish "
+                    "or choose another output folder") from None
             # the holder before us unlinks the file on release: make sure we locked the file that is still there
             try:
                 same = os.fstat(fd).st_ino == os.lstat(self.path).st_ino

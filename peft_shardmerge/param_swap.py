@@ -45,7 +45,8 @@ def put_param(module: nn.Module, name: str, value: nn.Parameter | None, saved: d
         saved: the record :func:`restore` reads (a dict, empty at first).
 
     Example:
-        >>> saved = {}; lin = nn.Linear(1, 1); put_param(lin, "weight", None, saved); [n for n, _ in lin.named_parameters()]
+        >>> saved = {}; lin = nn.Linear(1, 1); put_param(lin, "weight", None, saved); [n for n, _ in
+        ...                                                                             lin.named_parameters()]
         ['bias']
         >>> restore(saved); [n for n, _ in lin.named_parameters()]
         ['weight', 'bias']

@@ -60,9 +60,6 @@ def peft_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
     Returns:
         The float32 delta.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> peft_delta(model.model.layers[0].self_attn.q_proj, "default").dtype   # doctest: +SKIP
         torch.float32
@@ -86,9 +83,6 @@ def param_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
 
     Returns:
         ``[experts, ...]`` for fused experts, ``[out, in]`` for a 2-D parameter, float32, unweighted.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> param_delta(model.model.layers[0].mlp.experts, "default").dtype   # doctest: +SKIP
@@ -157,9 +151,6 @@ class PeftLayers:
 
         Returns:
             The delta of each checkpoint key.
-
-        Raises:
-            Nothing of its own.
         """
         from transformers.core_model_loading import revert_weight_conversion
 
@@ -179,9 +170,6 @@ class PeftLayers:
 
         Returns:
             The float32 delta of ``file_key``, or None.
-
-        Raises:
-            Nothing of its own.
         """
         if type(op.layer).__name__ != "ParamWrapper":
             return None
@@ -201,7 +189,7 @@ class PeftLayers:
         stand_in = torch.arange(experts * rows, dtype=torch.float64).reshape(experts, rows, 1)
         try:
             pieces = self.split(memory_name, stand_in)
-        except Exception:  # noqa: BLE001 - the whole-delta route remains
+        except Exception:  # the whole-delta route remains
             return None
         out = {}
         for key, piece in pieces.items():

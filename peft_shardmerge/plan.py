@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import copy
+import importlib.util
 
 import torch
 
@@ -11,14 +11,14 @@ from .adapter import AdapterSpec
 from .errors import InputError
 from .model_check import check_model, no_bias_problem
 from .model_info import ModelInfo
+from .options import BASE_PRECISIONS, DEFAULT_CHUNK_ELEMS, OUTPUT_DTYPES, parse_dtype, parse_size
+from .plan_types import Plan, assign_shards
+from .planners import PlanState, plan_lora, plan_peft_ops, plan_replacements, plan_ties, plan_tokens, plan_vocab
 from .quant import Nf4Settings
 from .reading_rules import unmergeable_targets
 from .safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST
 from .sources import CheckpointSource
 from .support import DISK, check_layers, config_variants, raise_if_any
-from .options import BASE_PRECISIONS, DEFAULT_CHUNK_ELEMS, OUTPUT_DTYPES, parse_dtype, parse_size
-from .plan_types import Plan, assign_shards
-from .planners import PlanState, plan_lora, plan_peft_ops, plan_replacements, plan_ties, plan_tokens, plan_vocab
 from .ties import untie_note
 
 
@@ -49,9 +49,6 @@ def output_config(config: dict, dtype: torch.dtype, *, untie: bool) -> dict:
 
     Returns:
         A new dict.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> output_config({"quantization_config": {}, "dtype": "float32"}, torch.bfloat16, untie=False)
@@ -88,9 +85,6 @@ def in_file_names(info: ModelInfo, file_keys: list[str]):
         go through the reverse renaming ``save_pretrained`` applies; ``parts`` maps an in-memory tensor that the
         checkpoint stores as several keys (fused MoE experts stored per expert) to those keys.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> info, to_file, parts = in_file_names(ModelInfo(), ["w"])
         >>> to_file("w"), parts
@@ -126,9 +120,6 @@ def disk_layer_problems(adapter: AdapterSpec, info: ModelInfo) -> list[str]:
 
     Returns:
         The refusals (empty when every layer is claimed for the disk path).
-
-    Raises:
-        Nothing.
 
     Example:
         >>> disk_layer_problems(load_adapter("adapter"), inspect_model("base"))  # doctest: +SKIP
@@ -183,7 +174,8 @@ def build_plan(
         InputError: every problem found (missing targets, shape mismatches, bad options), at once.
 
     Example:
-        >>> plan = build_plan(open_checkpoint("base"), load_adapter("adapter"), inspect_model("base"))  # doctest: +SKIP
+        >>> plan = build_plan(open_checkpoint("base"), load_adapter("adapter"),
+        ...                   inspect_model("base"))  # doctest: +SKIP
         >>> print(plan.describe())  # doctest: +SKIP
     """
     problems = list(problems or [])

@@ -285,9 +285,6 @@ def assign_shards(sizes: list[int], limit: int) -> tuple[list[int], list[str]]:
     Returns:
         ``(shard index per tensor, file names)``, named as transformers names them.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> assign_shards([4, 4, 4], 8)
         ([0, 0, 1], ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'])

@@ -106,12 +106,10 @@ def shape_mismatch_problems(mismatches: dict[tuple, list[tuple[str, str]]]) -> l
     Returns:
         The problems.
 
-    Raises:
-        Nothing.
-
     Example:
-        >>> shape_mismatch_problems({("a1", "model.layers.*.mlp.up_proj", (512, 128), "model.layers.*.mlp.up_proj.weight",
-        ...     (256, 128)): [("model.layers.0.mlp.up_proj", ""), ("model.layers.1.mlp.up_proj", "")]})[0][:77]
+        >>> shape_mismatch_problems({("a1", "model.layers.*.mlp.up_proj", (512, 128),
+        ...     "model.layers.*.mlp.up_proj.weight", (256, 128)): [("model.layers.0.mlp.up_proj", ""),
+        ...     ("model.layers.1.mlp.up_proj", "")]})[0][:77]
         "adapter a1: LoRA module 'model.layers.*.mlp.up_proj' (2 layers) gives a delta"
     """
     out = []
@@ -131,9 +129,6 @@ def plan_replacements(st: PlanState) -> list[str]:
 
     Returns:
         The problems (a saved tensor with no counterpart in the base, or of another shape).
-
-    Raises:
-        Nothing.
 
     Example:
         >>> plan_replacements(state)  # doctest: +SKIP
@@ -186,9 +181,6 @@ def plan_lora(st: PlanState) -> list[str]:
     Returns:
         The problems: missing targets, shape mismatches (one per adapter and kind of module), bad magnitudes.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> plan_lora(state)  # doctest: +SKIP
         []
@@ -238,9 +230,6 @@ def plan_lora_bias(st: PlanState, mod: LoraModule) -> list[str]:
     Returns:
         The problems (a missing bias the allowlist refuses is left to it, which names the fix).
 
-    Raises:
-        Nothing.
-
     Example:
         >>> plan_lora_bias(state, module)  # doctest: +SKIP
         []
@@ -265,9 +254,6 @@ def plan_peft_ops(st: PlanState) -> list[str]:
 
     Returns:
         The problems (a layer that does not fit its base tensor).
-
-    Raises:
-        Nothing.
 
     Example:
         >>> plan_peft_ops(state)  # doctest: +SKIP
@@ -302,9 +288,6 @@ def plan_tokens(st: PlanState) -> list[str]:
 
     Returns:
         The problems (a missing target, rows that do not fit).
-
-    Raises:
-        Nothing.
 
     Example:
         >>> plan_tokens(state)  # doctest: +SKIP
@@ -344,9 +327,6 @@ def plan_ties(st: PlanState) -> tuple[list[str], list[str]]:
     Returns:
         ``(problems, untied names)``.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> plan_ties(state)  # doctest: +SKIP
         ([], ['lm_head.weight', 'model.embed_tokens.weight'])
@@ -375,9 +355,6 @@ def plan_vocab(st: PlanState) -> list[str]:
 
     Returns:
         The problems.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> plan_vocab(state)  # doctest: +SKIP

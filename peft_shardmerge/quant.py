@@ -227,9 +227,6 @@ def quant_state_fields(shape: tuple[int, ...], dtype: torch.dtype, settings: Nf4
     Returns:
         The dict whose JSON is stored as the ``quant_state.bitsandbytes__<type>`` tensor.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> quant_state_fields((4, 64), torch.bfloat16, Nf4Settings(double_quant=False))
         {'quant_type': 'nf4', 'blocksize': 64, 'dtype': 'bfloat16', 'shape': [4, 64]}
@@ -247,7 +244,8 @@ def packed_4bit_layout(shape: tuple[int, ...], dtype: torch.dtype,
 
     Packed codes hold two 4-bit values a byte; ``absmax`` holds one scale per block (one byte each with double
     quantization, which adds one float32 scale per 256 blocks and the 256-entry map); the quant-state JSON is
-    given a fixed length, room for any ``nested_offset``, and :func:`pad_quant_state` pads bitsandbytes' own JSON with spaces.
+    given a fixed length, room for any ``nested_offset``, and :func:`pad_quant_state` pads bitsandbytes' own JSON with
+    spaces.
 
     Args:
         shape: the weight's shape.
@@ -257,9 +255,6 @@ def packed_4bit_layout(shape: tuple[int, ...], dtype: torch.dtype,
     Returns:
         ``(key suffix, safetensors dtype, shape)`` in the order bitsandbytes writes them; the suffix is ``""`` for
         the packed codes, else the part after ``<weight name>.``.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> [(k, d, s) for k, d, s in packed_4bit_layout((7, 5), torch.bfloat16, Nf4Settings())][:3]
@@ -273,7 +268,8 @@ def packed_4bit_layout(shape: tuple[int, ...], dtype: torch.dtype,
            ("quant_map", "F32", (16,))]
     if settings.double_quant:
         out += [("nested_absmax", "F32", (-(-blocks // 256),)), ("nested_quant_map", "F32", (256,))]
-    out.append((f"quant_state.bitsandbytes__{settings.quant_type}", "U8", (quant_state_length(shape, dtype, settings),)))
+    out.append((f"quant_state.bitsandbytes__{settings.quant_type}", "U8",
+                (quant_state_length(shape, dtype, settings),)))
     return out
 
 
@@ -287,9 +283,6 @@ def quant_state_length(shape: tuple[int, ...], dtype: torch.dtype, settings: Nf4
 
     Returns:
         The length in bytes.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> quant_state_length((4, 64), torch.bfloat16, Nf4Settings(double_quant=False))

@@ -51,7 +51,8 @@ class Bnb4bitDecoder(Decoder):
     ``[start, stop)`` are flat elements ``[start * in, stop * in)``, extended to whole blocks, whose packed bytes (two
     values a byte) and absmax are read, dequantized and cut. With double quant the absmax are 8-bit codes in blocks
     of ``nested_blocksize`` with one float32 scale each, read over whole nested blocks and dequantized as
-    ``dequantize_4bit`` does (:func:`~peft_shardmerge.quant.dequantize_blockwise_exact`, plus the offset). Every step is elementwise per block: the rows equal those of the whole weight.
+    ``dequantize_4bit`` does (:func:`~peft_shardmerge.quant.dequantize_blockwise_exact`, plus the offset). Every step
+    is elementwise per block: the rows equal those of the whole weight.
 
     Attributes:
         stored: ``(packed weight, absmax, quant_map, quant_state[, nested_absmax, nested_quant_map])``.
@@ -134,7 +135,8 @@ def _bits(qc: dict, tensors: list[TensorInfo]) -> int:
     four = bool(qc.get("load_in_4bit", qc.get("_load_in_4bit")))
     eight = bool(qc.get("load_in_8bit", qc.get("_load_in_8bit")))
     if four and eight:
-        raise InputError("config.json's quantization_config says bitsandbytes with both load_in_4bit and load_in_8bit; "
+        raise InputError("config.json's quantization_config says bitsandbytes with both load_in_4bit and "
+                         "load_in_8bit; "
                          "fix config.json to say how the weights were saved")
     stored = [b for b, aux, code in ((4, AUX_4BIT, "U8"), (8, AUX_8BIT, "I8"))
               if any(t.name.endswith(aux) or (t.dtype == code and t.name.endswith(".weight")) for t in tensors)]
@@ -151,12 +153,14 @@ def _refuse_variants(config: dict, qc: dict, bits: int) -> None:
     storage = qc.get("bnb_4bit_quant_storage") or "uint8"
     if bits == 4 and storage != "uint8":
         raise InputError(f"the base's 4-bit weights are packed into {storage} (bnb_4bit_quant_storage); this version "
-                         f"reads the default uint8 only: save_pretrained the base after transformers' model.dequantize()")
+                         f"reads the default uint8 only: save_pretrained the base after transformers' "
+                         f"model.dequantize()")
     types = {config.get("model_type")} | {(config.get("text_config") or {}).get("model_type")}
     if types & CONV1D_MODELS:
         raise InputError(f"the base ({', '.join(sorted(t for t in types if t))}) has Conv1D projections, stored "
-                         f"transposed by bitsandbytes, which model.dequantize() turns into nn.Linear weights the model "
-                         f"class cannot load; merge into the unquantized checkpoint the quantized one was made from")
+                         f"transposed by bitsandbytes, which model.dequantize() turns into nn.Linear weights the "
+                         f"model class cannot load; merge into the unquantized checkpoint the quantized one was made "
+                         f"from")
 
 
 def _groups(tensors: list[TensorInfo], bits: int) -> dict[str, dict[str, TensorInfo]]:
@@ -208,7 +212,8 @@ def _state_fields(state: dict, quant_type: str, where: str) -> tuple[tuple[int, 
     """``(shape, blocksize, dtype, nested_blocksize)`` of a quant state, each checked."""
     shape, blocksize, dtype = state.get("shape"), state.get("blocksize"), state.get("dtype")
     if state.get("quant_type") != quant_type:
-        raise CorruptFileError(f"{where}: quant_type {state.get('quant_type')!r} does not match the key's {quant_type!r}")
+        raise CorruptFileError(f"{where}: quant_type {state.get('quant_type')!r} does not match the key's "
+                               f"{quant_type!r}")
     if not isinstance(shape, list) or not shape or not all(isinstance(s, int) and s > 0 for s in shape):
         raise CorruptFileError(f"{where}: shape {shape!r} is not a list of positive integers; re-save the checkpoint")
     if blocksize not in BLOCKSIZES:
@@ -294,7 +299,8 @@ def _decoder_8bit(weight: str, parts: dict[str, TensorInfo], dtype: str, reader:
         from bitsandbytes import utils
         formats, value = utils.INVERSE_LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING, int(reader.read(fmt).reshape(-1)[0])
         if formats.get(value) != "row":
-            raise InputError(f"{fmt.path}: {weight!r} is stored in bitsandbytes' {formats.get(value, value)!r} layout; "
+            raise InputError(f"{fmt.path}: {weight!r} is stored in bitsandbytes' {formats.get(value, value)!r} "
+                             f"layout; "
                              f"only the 'row' layout is read (as bitsandbytes itself loads); re-save it with a "
                              f"current bitsandbytes")
         stored += (fmt,)

@@ -124,9 +124,6 @@ def recorded_dtype_name(config: dict) -> str | None:
     Returns:
         ``"BF16"``, ``"F16"``, ``"F32"`` or None.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> recorded_dtype_name({"torch_dtype": "float16"}), recorded_dtype_name({})
         ('F16', None)
@@ -149,9 +146,6 @@ def model_dtype_name(config: dict) -> str:
     Returns:
         ``"BF16"``, ``"F16"`` or ``"F32"``.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> model_dtype_name({"torch_dtype": "float16"}), model_dtype_name({})
         ('F16', 'BF16')
@@ -172,9 +166,6 @@ def logical_info(name: str, dtype: str, shape: tuple[int, ...], decoder: Decoder
 
     Returns:
         The TensorInfo, with ``decoder`` set.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> info = logical_info("w", "BF16", (4, 64), decoder)   # doctest: +SKIP
@@ -229,9 +220,6 @@ def quant_method(qc: dict) -> str:
 
     Returns:
         The method name.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> quant_method({"load_in_4bit": True}), quant_method({"quant_method": "fp8"})

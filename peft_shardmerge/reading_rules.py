@@ -29,9 +29,6 @@ def positive_number(value: object, *, integer: bool = False) -> bool:
     Returns:
         True when usable.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> positive_number(16), positive_number(float("nan")), positive_number(float("inf")), positive_number(0)
         (True, False, False, False)
@@ -57,9 +54,6 @@ def stored_key_problems(names: list[str]) -> list[str]:
 
     Returns:
         One problem per kind of key PEFT would not load, naming a few of them and the fix.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> stored_key_problems(["base_model.model.q.lora_A.weight", "base_model.model.q.lora_A.other.weight"])[0][:62]
@@ -118,11 +112,9 @@ def peft_load_problems(folder: str, names: dict[str, tuple[int, ...]], base_conf
         empty when PEFT loads every stored tensor, or when the model cannot be built here (the name rules of
         :func:`stored_key_problems` still apply then).
 
-    Raises:
-        Nothing.
-
     Example:
-        >>> peft_load_problems("adapter", {"x.lora_A.weight": (8, 128)}, AutoConfig.from_pretrained("base"))  # doctest: +SKIP
+        >>> peft_load_problems("adapter", {"x.lora_A.weight": (8, 128)},
+        ...                    AutoConfig.from_pretrained("base"))  # doctest: +SKIP
         ["1 adapter tensor(s) would not be loaded by PEFT ..."]
     """
     import warnings
@@ -143,7 +135,7 @@ def peft_load_problems(folder: str, names: dict[str, tuple[int, ...]], base_conf
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             peft_model = PeftModel(model, config, adapter_name=ADAPTER, low_cpu_mem_usage=True)
-    except Exception as e:  # noqa: BLE001 - the build is PEFT's and transformers'; the plan names real mismatches
+    except Exception as e:  # the build is PEFT's and transformers'; the plan names real mismatches
         log.info("could not rebuild the adapter with PEFT on the meta device (%s); key rules from names only", e)
         return []
     state = {k: torch.empty(shape, device="meta") for k, shape in names.items()}
@@ -151,7 +143,7 @@ def peft_load_problems(folder: str, names: dict[str, tuple[int, ...]], base_conf
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result = set_peft_model_state_dict(peft_model, state, adapter_name=ADAPTER, low_cpu_mem_usage=True)
-    except Exception as e:  # noqa: BLE001 - PeftModel.from_pretrained fails the same way
+    except Exception as e:  # PeftModel.from_pretrained fails the same way
         return [f"PEFT cannot load the adapter in {folder} onto this base ({type(e).__name__}: "
                 f"{str(e).splitlines()[0][:300]}); the adapter does not belong to this base or its file is incomplete"]
     problems = []
@@ -222,9 +214,6 @@ def unmergeable_targets(tensors: list) -> list[str]:
     Returns:
         One problem naming every such tensor, or none.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> unmergeable_targets([])
         []
@@ -256,9 +245,6 @@ def adapter_load_problems(spec, base_folder: str) -> list[str]:
     Returns:
         The problems, empty when PEFT loads every stored tensor.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> adapter_load_problems(load_adapter("adapter"), "base")   # doctest: +SKIP
         []
@@ -271,12 +257,13 @@ def adapter_load_problems(spec, base_folder: str) -> list[str]:
         from transformers import AutoConfig
 
         base_config = AutoConfig.from_pretrained(base_folder, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - a custom architecture: the name rules alone apply
+    except Exception as e:  # a custom architecture: the name rules alone apply
         log.info("no transformers config for %s (%s); adapter keys checked by name only", base_folder, e)
         return []
     problems = []
     for part in spec.parts or [spec]:
-        path = os.path.join(part.scratch.name if part.scratch is not None else part.folder, "adapter_model.safetensors")
+        path = os.path.join(part.scratch.name if part.scratch is not None else part.folder,
+                            "adapter_model.safetensors")
         if part.needs_layers or not os.path.isfile(path):
             continue
         infos, _ = read_header(path)

@@ -59,9 +59,6 @@ def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Returns:
         float32 (float64 for float64) spacings, same shape.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> ulp(torch.tensor([1.0, 3.0]), torch.bfloat16).tolist()
         [0.0078125, 0.015625]
@@ -85,9 +82,6 @@ def merge_settings(record: dict | None, out_dtype: str | None) -> tuple[dict | N
 
     Returns:
         ``(options or None, notes)``.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> merge_settings(None, "bfloat16")[0]["base_precision"]
@@ -229,8 +223,8 @@ def _plan(base: str, adapters: list[str], options: dict):
     builds it (without an output folder)."""
     from .adapter import combine_adapters, load_adapter
     from .model_info import inspect_model
-    from .peft_deltas import rebuild
     from .options import DEFAULT_CHUNK_ELEMS
+    from .peft_deltas import rebuild
     from .plan import build_plan
     from .quant import Nf4Settings
     from .sources import open_checkpoint
@@ -278,7 +272,8 @@ def _identity_notes(record: dict | None, base: str, adapters: list[str]) -> list
 
     notes = []
     wanted = [(base, (record or {}).get("base"), "the base")]
-    wanted += [(a, r, f"adapter {i + 1}") for i, (a, r) in enumerate(zip(adapters, (record or {}).get("adapters") or []))]
+    wanted += [(a, r, f"adapter {i + 1}")
+               for i, (a, r) in enumerate(zip(adapters, (record or {}).get("adapters") or []))]
     for folder, entry, what in wanted:
         files = (entry or {}).get("files") or {}
         if not os.path.isdir(folder):

@@ -127,7 +127,8 @@ def shard_record(path: str) -> dict:
         tensors = {}
         for t in infos:
             begin = t.offset - 8 - n
-            tensors[t.name] = {"offsets": [begin, begin + t.nbytes], "sha256": scan_range(fd, t.offset, t.offset + t.nbytes)[0]}
+            tensors[t.name] = {"offsets": [begin, begin + t.nbytes],
+                               "sha256": scan_range(fd, t.offset, t.offset + t.nbytes)[0]}
     finally:
         os.close(fd)
     return {"size": os.path.getsize(path), "header": {"size": 8 + n, "sha256": header_sha}, "tensors": tensors}
@@ -227,9 +228,6 @@ def live_merge_info(model, out_dtype: torch.dtype, adapter_names: list[str] | No
     Returns:
         A JSON-ready dict (``base_precision`` is ``"dequantized"``).
 
-    Raises:
-        Nothing.
-
     Example:
         >>> live_merge_info(model, torch.bfloat16, None)["base_precision"]   # doctest: +SKIP
         'dequantized'
@@ -302,9 +300,6 @@ def output_files(folder: str) -> list[str]:
     Returns:
         Sorted relative paths.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> output_files("merged")   # doctest: +SKIP
         ['config.json', 'model.safetensors']
@@ -362,9 +357,6 @@ def unlisted_files(folder: str, record: dict) -> list[str]:
 
     Returns:
         Sorted relative paths.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> unlisted_files("merged", record)   # doctest: +SKIP

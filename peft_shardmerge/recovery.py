@@ -9,8 +9,16 @@ import os
 import stat
 
 from .errors import ShardMergeError
-from .outfiles import (MANIFEST, held_signals, is_old_name, kill_point, read_manifest, remove_checked, rename_noreplace,
-                       sidecar)
+from .outfiles import (
+    MANIFEST,
+    held_signals,
+    is_old_name,
+    kill_point,
+    read_manifest,
+    remove_checked,
+    rename_noreplace,
+    sidecar,
+)
 from .outlock import OutputLock
 
 log = logging.getLogger(__name__)
@@ -72,9 +80,6 @@ def fsync_dir(path: str) -> None:
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> fsync_dir("/nonexistent")

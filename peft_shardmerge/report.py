@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 #: what a merge from disk reproduces, by base precision (in process, the merge says it itself)
 _FROM_DISK = {
     "original": "the original base + adapter (for a QLoRA adapter, not the 4-bit model it was trained on: "
@@ -79,7 +78,7 @@ class MergeReport:
         Example:
             >>> MergeReport("out", "base", "adapter", "bfloat16", "original", shards=["model.safetensors"])
             MergeReport(out_dir='out', dtype='bfloat16', base_precision='original', LoRA modules 0/0, 1 shard(s), 0 bytes)
-        """
+        """  # noqa: E501 - a doctest's expected output is one line
         if self.dry_run:
             return f"MergeReport(dry run, out_dir={self.out_dir!r})"
         return (f"MergeReport(out_dir={self.out_dir!r}, dtype={self.dtype!r}, base_precision={self.base_precision!r}, "
@@ -91,9 +90,6 @@ class MergeReport:
 
         Returns:
             Several lines of text.
-
-        Raises:
-            Nothing.
 
         Example:
             >>> print(MergeReport("out", "base", "adapter", "bfloat16", "original").summary())  # doctest: +ELLIPSIS

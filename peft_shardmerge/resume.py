@@ -21,9 +21,6 @@ def range_digest(ranges: list[tuple[str, int, int]]) -> str:
     Returns:
         8 hex characters, or ``"missing"`` when a file cannot be read or is shorter than a range.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> range_digest([])
         '00000000'

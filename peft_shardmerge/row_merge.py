@@ -66,7 +66,7 @@ def check_probe_error(name: str, start: int, stop: int, err: float) -> None:
         >>> check_probe_error("w", 0, 4, float("nan"))
         Traceback (most recent call last):
         peft_shardmerge.errors.MergeCheckError: self-check failed for 'w' rows 0-4: merged weight times probe vectors differs from base + LoRA by nan (relative) > 0.001
-    """
+    """  # noqa: E501 - a doctest's expected exception is one line
     if not err <= PROBE_TOLERANCE:  # also a NaN error, which no comparison with ">" would catch
         raise MergeCheckError(
             f"self-check failed for {name!r} rows {start}-{stop}: merged weight times probe vectors differs from "
@@ -170,7 +170,7 @@ class RowMerger:
         """
         try:
             return step(device)
-        except Exception as e:  # noqa: BLE001 - only out-of-memory is retried
+        except Exception as e:  # only out-of-memory is retried
             if not is_out_of_memory(e):
                 raise
         free_accelerator_cache()
@@ -342,8 +342,8 @@ def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> l
     if worst:
         names = ", ".join(k for _, k in worst[-5:][::-1])
         message = (f"{name} swallowed more than {SWALLOWED_WARNING:.0%} of the LoRA update in {len(worst)} tensor(s) "
-                   f"(worst: {names}); write float32 or float16 to keep it (dtype='float32' in Python, --dtype float32 "
-                   "on the command line)")
+                   f"(worst: {names}); write float32 or float16 to keep it (dtype='float32' in Python, "
+                   "--dtype float32 on the command line)")
         log.warning("%s", message)
         notes.append(message)
     return notes

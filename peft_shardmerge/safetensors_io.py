@@ -351,9 +351,6 @@ def row_blocks(shape: tuple[int, ...], max_elems: int) -> list[tuple[int, int]]:
     Returns:
         The blocks, covering every row once, in order.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> row_blocks((10, 4), 16)
         [(0, 4), (4, 8), (8, 10)]

@@ -51,9 +51,6 @@ def is_weight_file(name: str) -> bool:
         True for ``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf`` (and other weight formats) and
         their ``*.index.json`` files.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> is_weight_file("model-00001-of-00002.safetensors"), is_weight_file("tokenizer.json")
         (True, False)
@@ -101,9 +98,6 @@ def is_adapter_card(path: str) -> bool:
 
     Returns:
         True for a card PEFT's ``save_pretrained`` wrote (or any card whose metadata names the peft library).
-
-    Raises:
-        Nothing.
 
     Example:
         >>> import tempfile
@@ -235,7 +229,8 @@ def _all_files(folder: str) -> list[str]:
     return sorted(found)
 
 
-def copy_side_files(folder: str, dest: str, names: list[str] | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
+def copy_side_files(folder: str, dest: str, names: list[str] | None = None, *,
+                    skip: tuple[str, ...] = ()) -> list[str]:
     """Copy a base folder's side files (:func:`list_side_files`) into ``dest``, sub-folders included.
 
     Contents are copied (never links); a file whose path leaves ``folder`` when resolved is not read.

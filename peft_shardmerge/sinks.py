@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from .record import write_merge_record
 from .errors import MergeCheckError
+from .record import write_merge_record
 from .safetensors_io import read_header
 from .staging import staged_output
 from .writer import ShardWriter, write_json

@@ -12,8 +12,8 @@ import torch
 from .errors import CorruptFileError, InputError, NotFoundError
 from .quantized import QuantView, dequantized_view
 from .safetensors_io import RowReader, TensorInfo, check_with_safetensors, read_header
-from .source_types import BaseTensor
 from .side_files import list_side_files
+from .source_types import BaseTensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -309,9 +309,6 @@ def weights_entry(folder: str, config: dict) -> tuple[str | None, str]:
         ``(name, "")`` with the file name relative to ``folder``, ``(None, "")`` when there is none, or
         ``(None, problem)`` when ``transformers_weights`` names a file transformers refuses.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> weights_entry("/nonexistent", {})
         (None, '')
@@ -368,7 +365,8 @@ def read_json(path: str, what: str) -> dict:
 
 def copy_base_side_files(name_or_path: str, dest: str, *, skip: tuple[str, ...] = ()) -> list[str]:
     """Carry the side files of the folder a model was loaded from (``config._name_or_path``: a local folder or a
-    Hub id in the local cache) into ``dest``, as the disk path does (:func:`~peft_shardmerge.side_files.list_side_files`).
+    Hub id in the local cache) into ``dest``, as the disk path does
+    (:func:`~peft_shardmerge.side_files.list_side_files`).
 
     Args:
         name_or_path: the model's ``config._name_or_path``.

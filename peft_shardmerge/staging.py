@@ -15,8 +15,20 @@ from typing import Callable, Iterator
 
 from .errors import FileSystemError, InputError, OutputChangedError, ShardMergeError
 from .outcheck import replace_problems
-from .outfiles import (MADE_BY, MANIFEST, describe_change, held_signals, kill_point, kill_point_reset, read_manifest,
-                       remove_checked, rename_noreplace, sidecar, sidecar_problems, snapshot)
+from .outfiles import (
+    MADE_BY,
+    MANIFEST,
+    describe_change,
+    held_signals,
+    kill_point,
+    kill_point_reset,
+    read_manifest,
+    remove_checked,
+    rename_noreplace,
+    sidecar,
+    sidecar_problems,
+    snapshot,
+)
 from .outlock import OutputLock, output_lock  # noqa: F401 - output_lock: public here too
 from .record import hash_file
 from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit, write_manifest
@@ -47,9 +59,6 @@ def outcome(out_dir: str) -> str:
     Returns:
         E.g. ``"the partial output was removed and OUT is unchanged"``.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> outcome("/nowhere/merged")
         'nothing was written and OUT is unchanged'
@@ -69,9 +78,6 @@ def partial_dir(out_dir: str) -> str:
 
     Returns:
         The staging folder's path.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> partial_dir("/data/merged/")
@@ -174,7 +180,8 @@ class Staging:
                     p = os.path.join(self.path, os.path.basename(fname))
                     s = lstat_or_none(p)
                     if (s is not None and stat.S_ISREG(s.st_mode) and s.st_size == meta.get("size")
-                            and file_digest(p) == meta.get("digest") and meta.get("inputs") == self.inputs.shard(fname)):
+                            and file_digest(p) == meta.get("digest")
+                            and meta.get("inputs") == self.inputs.shard(fname)):
                         kept[fname] = meta
             for entry in os.listdir(self.path):  # the folder is ours (manifest checked): clear what is not kept
                 if entry not in kept and entry != MANIFEST:
@@ -191,7 +198,8 @@ class Staging:
         self._write_manifest()
 
     def _recorded(self, manifest: dict) -> dict[str, dict]:
-        """The shards a matching earlier run recorded: in the manifest, and each rank of a distributed run in its own."""
+        """The shards a matching earlier run recorded: in the manifest, and each rank of a distributed run in its
+        own."""
         shards = dict(manifest.get("shards") or {})
         for entry in sorted(os.listdir(self.path)):
             part = read_manifest(self.path, entry) if RANK_MANIFEST.fullmatch(entry) else None
@@ -254,7 +262,8 @@ class Staging:
             raise OutputChangedError(
                 f"{self.out_dir} changed while the merge ran ({what}); it was left exactly as it is and the new "
                 f"output is kept in {self.path}: move your files out of the way and run the same command again"
-                + (" (the finished shards are reused)" if self.fingerprint else "") + ", or choose another output folder")
+                + (" (the finished shards are reused)" if self.fingerprint else "")
+                + ", or choose another output folder")
         old = sidecar(self.out_dir, f"old-{secrets.token_hex(4)}") if st is not None else None
         kill_point_reset()
         if lock is not None:  # the journal keeps the manifest, which leaves the folder before it becomes OUT

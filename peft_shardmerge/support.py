@@ -9,8 +9,20 @@ from typing import Any, Iterable, Mapping
 from torch import nn
 
 from .allowlist import (  # noqa: F401 - ADAPTER, CLAIMS, DISK, PATHS, PEFT_TYPES: public here too
-    ADAPTER, CLAIMS, DISK, HANDLED, IN_PROCESS, INERT, INSTEAD, PATHS, PEFT_TYPES, PLAIN_INITS, PROMPT_TYPES, REFUSED,
-    RESIDUAL_INITS, SPEC,
+    ADAPTER,
+    CLAIMS,
+    DISK,
+    HANDLED,
+    IN_PROCESS,
+    INERT,
+    INSTEAD,
+    PATHS,
+    PEFT_TYPES,
+    PLAIN_INITS,
+    PROMPT_TYPES,
+    REFUSED,
+    RESIDUAL_INITS,
+    SPEC,
 )
 from .errors import InputError, UnsupportedError
 
@@ -28,9 +40,6 @@ def is_claimed(peft_type: str, layer: str, variant: str = "plain", path: str = I
     Returns:
         True when claimed (and tested).
 
-    Raises:
-        Nothing.
-
     Example:
         >>> is_claimed("LORA", "Linear", "DoRA", "disk"), is_claimed("OFT", "Linear")
         (True, False)
@@ -47,9 +56,6 @@ def support_table(doc: str | None = None) -> str:
 
     Returns:
         Markdown: one row per PEFT type and group of layers, with the variants and the paths that merge them.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> support_table().splitlines()[0]
@@ -80,9 +86,6 @@ def layer_kind(module: nn.Module) -> str:
     Returns:
         ``"Linear"``, ``"Conv1D"`` (transformers), ``"Embedding"``, ``"Conv2d"``, ``"Conv2d (groups=4)"``,
         ``"MultiheadAttention"``, ``"Linear4bit"``, ``"parameter 3-D"`` (``target_parameters``), or the class name.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> layer_kind(nn.Conv2d(4, 4, 3, groups=2)), layer_kind(nn.Linear(2, 2))
@@ -127,9 +130,6 @@ def peft_type_of(config: Any) -> str:
     Returns:
         The type name, "" when the config has none.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> peft_type_of({"peft_type": "LORA"})
         'LORA'
@@ -147,9 +147,6 @@ def residual_init(init: object) -> bool:
     Returns:
         True for those methods.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> residual_init("pissa_niter_4"), residual_init(True)
         (True, False)
@@ -165,9 +162,6 @@ def config_variants(config: Any) -> tuple[list[str], list[str]]:
 
     Returns:
         Two lists of allowlist variant names.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> config_variants({"peft_type": "LORA", "use_rslora": True, "modules_to_save": ["lm_head"]})
@@ -205,9 +199,6 @@ def check_config(config: Any, *, where: str, path: str) -> list[str]:
 
     Returns:
         The problems (empty when supported).
-
-    Raises:
-        Nothing.
 
     Example:
         >>> check_config({"peft_type": "OFT"}, where="adapter x", path="disk")[0][:60]
@@ -285,9 +276,6 @@ def check_layers(uses: Iterable[tuple[str, str, str, Iterable[str]]], *, path: s
     Returns:
         The problems (empty when every layer is supported).
 
-    Raises:
-        Nothing.
-
     Example:
         >>> check_layers([("attn", "LORA", "MultiheadAttention", [])], path="in_process")[0][:45]
         'attn: LORA on a MultiheadAttention layer is n'
@@ -316,9 +304,6 @@ def check_supported(configs: Mapping[str, Any], layers: Iterable[tuple[str, str,
 
     Returns:
         The problems, each naming what is refused, where, and what to do instead (empty when all is claimed).
-
-    Raises:
-        Nothing.
 
     Example:
         >>> check_supported({"a": {"peft_type": "LORA", "r": 8, "lora_alpha": 16}},
@@ -356,4 +341,5 @@ def raise_if_any(unsupported: list[str], bad: list[str] | None = None) -> None:
 
 
 __all__ = ["CLAIMS", "PEFT_TYPES", "DISK", "IN_PROCESS", "ADAPTER", "is_claimed", "support_table", "layer_kind",
-           "peft_type_of", "residual_init", "config_variants", "check_config", "check_layers", "check_supported", "raise_if_any"]
+           "peft_type_of", "residual_init", "config_variants", "check_config", "check_layers", "check_supported",
+           "raise_if_any"]

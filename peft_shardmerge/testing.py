@@ -52,7 +52,8 @@ def tiny_config(arch: str = "llama", **overrides):
         from transformers import T5Config
 
         kw = dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-                  decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, architectures=["T5ForConditionalGeneration"])
+                  decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                  architectures=["T5ForConditionalGeneration"])
         return T5Config(**{**kw, **overrides})
     if arch == "llava":
         from transformers import CLIPVisionConfig, LlavaConfig
@@ -118,9 +119,6 @@ def default_targets(arch: str) -> list[str]:
 
     Returns:
         Module names for ``LoraConfig(target_modules=...)``.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> default_targets("gpt2")
@@ -188,9 +186,6 @@ def perturb_trainable(model, noise: float = 0.1) -> None:
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> lin = torch.nn.Linear(2, 2); before = lin.weight.clone(); perturb_trainable(lin)

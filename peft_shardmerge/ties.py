@@ -26,9 +26,6 @@ def tie_enabled(config) -> bool:
     Returns:
         True when tied weights share one matrix.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> tie_enabled({"tie_word_embeddings": False}), tie_enabled({"text_config": {"tie_word_embeddings": False}})
         (False, False)
@@ -56,9 +53,6 @@ def untied_names(tied: Mapping[str, str], changed: Iterable[str], present: Itera
     Returns:
         The untied names, sorted, each once.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> untied_names({"lm_head.weight": "emb.weight"}, ["emb.weight"], ["emb.weight", "lm_head.weight"])
         ['emb.weight', 'lm_head.weight']
@@ -80,9 +74,6 @@ def untie_note(names: Iterable[str]) -> str:
     Returns:
         The note.
 
-    Raises:
-        Nothing.
-
     Example:
         >>> untie_note(["lm_head.weight", "emb.weight"])[:55]
         'the adapter changes tied weights (emb.weight, lm_head.w'
@@ -100,9 +91,6 @@ def tokens_on_both_sides(source: str, target: str) -> str:
 
     Returns:
         The message.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> tokens_on_both_sides("emb.weight", "lm_head.weight")[:60]

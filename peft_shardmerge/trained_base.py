@@ -83,7 +83,7 @@ def named_config(name: str) -> dict | None:
 
             found = try_to_load_from_cache(name, "config.json")
             path = found if isinstance(found, str) else None
-        except Exception:  # noqa: BLE001 - an unusable cache is the same as no cached copy
+        except Exception:  # an unusable cache is the same as no cached copy
             path = None
     try:
         with open(path or "", encoding="utf-8") as f:
@@ -200,7 +200,8 @@ def disk_base_choice(requested: str, adapters: list[tuple[str, dict]],
     """
     if stored is not None:
         return ("original" if requested == "auto" else requested), {}, (
-            f"the stored {stored} base, dequantized, + adapter (for an adapter trained on this base, the trained model)")
+            f"the stored {stored} base, dequantized, + adapter (for an adapter trained on this base, the trained "
+            f"model)")
     trained = next((t for t in (trained_base(f, c) for f, c in adapters) if t is not None), None)
     if requested == "nf4":
         return "nf4", {}, "the QLoRA-trained model (dequant(nf4(W)) + adapter)"

@@ -9,10 +9,10 @@ from torch import nn
 from .budget import MemoryBudget
 from .errors import InputError
 from .fsdp_gather import SHARDINGS, sharding_of
-from .model_plan import adapter_selection, model_dtype
 from .live import unwrap, walk
 from .live_merger import LiveMerger
 from .model_check import require_supported
+from .model_plan import adapter_selection, model_dtype
 from .options import parse_dtype
 
 
@@ -32,9 +32,6 @@ def finish_unload(inner: nn.Module, *, untied: list[str] | tuple[str, ...] = ())
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> finish_unload(model, untie=False)   # doctest: +SKIP
@@ -58,9 +55,6 @@ def separate(inner: nn.Module, names: list[str] | tuple[str, ...]) -> None:
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> separate(model, ["lm_head.weight", "model.embed_tokens.weight"])   # doctest: +SKIP
@@ -89,9 +83,6 @@ def remove_peft_modules(root: nn.Module) -> list[str]:
 
     Returns:
         The names of the modules replaced.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> remove_peft_modules(torch.nn.Linear(2, 2))
@@ -131,9 +122,6 @@ def drop_quantization(inner: nn.Module, *, untie: bool) -> None:
 
     Returns:
         None.
-
-    Raises:
-        Nothing.
 
     Example:
         >>> drop_quantization(model, untie=False)   # doctest: +SKIP

@@ -16,8 +16,8 @@ from .errors import NotFoundError, ShardMergeError
 from .integrity import check_integrity, read_record
 from .logits import check_logits
 from .model_info import inspect_model
-from .record import RECORD_FILE
 from .recompute import recompute_and_compare
+from .record import RECORD_FILE
 from .safetensors_io import DTYPES, FLOAT_DTYPES, RowReader, read_header, row_blocks
 from .sources import INDEX_FILE, SINGLE_FILE, safe_shard_name
 
@@ -75,9 +75,6 @@ class VerifyReport:
 
         Returns:
             Several lines of text; the first is ``OK: …``, ``FAILED: …`` or ``UNCHECKED: …``.
-
-        Raises:
-            Nothing.
 
         Example:
             >>> print(VerifyReport("merged").summary())
@@ -193,7 +190,7 @@ def _stage(report: VerifyReport, what: str, fn, *args):
         return fn(*args)
     except ShardMergeError as e:
         report.problems.append(f"{what}: {_first_line(e)}")
-    except Exception as e:  # noqa: BLE001 - a verifier reports what it cannot check
+    except Exception as e:  # a verifier reports what it cannot check
         report.problems.append(f"{what} could not be checked: {type(e).__name__}: {_first_line(e)}")
     return None
 

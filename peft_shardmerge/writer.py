@@ -144,7 +144,7 @@ class ShardWriter:
                 continue
             try:
                 job()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller on its next call
+            except BaseException as e:  # handed to the caller on its next call
                 self._error = e
 
     def _submit(self, job) -> None:

@@ -8,10 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from peft_shardmerge.testing import build_adapter, build_base, token_ids  # noqa: E402
+from peft_shardmerge.testing import build_adapter, build_base, token_ids
 
 #: name -> (arch, dtype, shard size of the saved base, config overrides)
 BASES = {
@@ -83,8 +83,8 @@ def peft_reference():
 
 
 def pytest_collection_modifyitems(config, items):
-    """For the conformance matrix (tests/conformance): ``CONFORMANCE_SHARD=i/n`` keeps the checks of every n-th conformance case from the i-th (to spread the
-    matrix over processes); other tests are kept by shard 0 only."""
+    """For the conformance matrix (tests/conformance): ``CONFORMANCE_SHARD=i/n`` keeps the checks of every n-th
+    conformance case from the i-th (to spread the matrix over processes); other tests are kept by shard 0 only."""
     shard = os.environ.get("CONFORMANCE_SHARD")
     if not shard:
         return

@@ -35,7 +35,7 @@ class FakeHub:
                 self.end_headers()
                 self.wfile.write(raw)
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 hub.auth.append(self.headers.get("Authorization", ""))
                 body = self._body()
                 if self.path == "/api/repos/create":
@@ -67,7 +67,7 @@ class FakeHub:
                 hub.unknown.append(f"POST {self.path}")
                 return self._json(404, {"error": f"not served by the test hub: {self.path}"})
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 hub.unknown.append(f"GET {self.path}")
                 m = re.match(r"^/api/models/([^/]+/[^/]+)(/revision/[^/?]+)?$", self.path)
                 if m:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from conformance_cases import Case
 from conformance_models import CustomModel, arch_config
 from conformance_reference import OUTPUT_TOL, WEIGHT_TOL, Env, Reference, forward, load_peft, output_err
+
 from peft_shardmerge.testing import model_class
 
 #: outcomes that satisfy the invariant ("match-unmerged": PEFT's own merge changes the model's outputs, so no
@@ -182,7 +182,7 @@ def run_check(env: Env, case: Case, path: str, claimed: bool = False) -> Outcome
                            **selection)
     except (UnsupportedError, InputError) as exc:
         refusal = exc
-    except Exception as exc:  # noqa: BLE001 - the invariant allows no other exception
+    except Exception as exc:  # the invariant allows no other exception
         return Outcome("raw", f"{type(exc).__name__}: {str(exc)[:400]}")
     if (_digest(ref.base), [_digest(d) for _, d in ref.adapters]) != digests:
         return Outcome("changed", "the base or adapter folder was modified")
@@ -194,7 +194,7 @@ def run_check(env: Env, case: Case, path: str, claimed: bool = False) -> Outcome
             outputs = forward(result, ref.inputs)
         else:
             got, outputs = _reload(ref, out)
-    except Exception as exc:  # noqa: BLE001 - a result that does not load or run is a wrong result
+    except Exception as exc:  # a result that does not load or run is a wrong result
         return Outcome("wrong", f"the result does not load or run: {type(exc).__name__}: {str(exc)[:300]}")
     left = sorted(p.name for p in work.iterdir() if p.name != "out")
     if left:
@@ -229,7 +229,7 @@ def _roundtrip(model, ref: Reference, out: Path) -> str:
     try:
         model.save_pretrained(str(out))
         _, outputs = _reload(ref, out)
-    except Exception as exc:  # noqa: BLE001 - a returned model that cannot be saved and reloaded is wrong
+    except Exception as exc:  # a returned model that cannot be saved and reloaded is wrong
         return f"the returned model does not survive save_pretrained/from_pretrained: {type(exc).__name__}: {exc}"
     err = output_err(outputs, ref.outputs)
     return "" if err <= OUTPUT_TOL else f"after save_pretrained/from_pretrained the outputs differ: rel err {err:.3g}"

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from conformance_cases import Case
 from conformance_models import CustomModel, arch_config, build_arch, custom_input
-from peft_shardmerge.testing import model_class, model_inputs, perturb_trainable
 from support_view import base_layer_kind
+
+from peft_shardmerge.testing import model_class, model_inputs, perturb_trainable
 
 #: largest relative error of a merged tensor against PEFT's merge (fp32)
 WEIGHT_TOL = 1e-5
@@ -195,7 +195,7 @@ def build_reference(env: Env, case: Case) -> Reference:
         ref.outputs = forward(fresh, ref.inputs)
         ref.layer_kinds = {base_layer_kind(m) for m in fresh.modules() if isinstance(m, BaseTunerLayer)
                            and (type(m).__name__ != "TrainableTokensLayer" or case.peft_type == "TRAINABLETOKENS")}
-    except Exception as exc:  # noqa: BLE001 - PEFT's own failure: the case cannot be checked here
+    except Exception as exc:  # PEFT's own failure: the case cannot be checked here
         raise NotBuildable(f"PEFT cannot build this case: {type(exc).__name__}: {str(exc)[:300]}") from exc
     try:
         merged = (fresh if case.weighted is not None else load_peft(ref)).merge_and_unload(safe_merge=True)
@@ -205,7 +205,7 @@ def build_reference(env: Env, case: Case) -> Reference:
         err = output_err(forward(merged, ref.inputs), ref.outputs)
         if not err <= OUTPUT_TOL:
             ref.peft_inconsistent = f"PEFT's merge_and_unload changes the outputs (rel err {err:.3g})"
-    except Exception as exc:  # noqa: BLE001 - PEFT refuses: only a refusal of ours is right
+    except Exception as exc:  # PEFT refuses: only a refusal of ours is right
         ref.peft_refusal = f"{type(exc).__name__}: {str(exc)[:200]}"
     return ref
 

@@ -9,12 +9,12 @@ import json
 import os
 
 import pytest
-
 from conformance_cases import all_cases as _all_cases
 from conformance_cases import all_checks, sample_ids
 from conformance_harness import GOOD, compare, run_check
 from conformance_reference import Env, NotBuildable
 from support_view import is_claimed
+
 
 @pytest.fixture(scope="session")
 def conformance_env(tmp_path_factory):

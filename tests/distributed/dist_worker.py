@@ -297,9 +297,7 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
 
         live_merger.LiveMerger.produce = full_disk
     if "gatherfail" in sys.argv and RANK == 0:  # rank 0 fails just before its third gather (the others wait in it)
-        from peft_shardmerge import fsdp1_view, fsdp_gather
-
-        from peft_shardmerge import zero3_view
+        from peft_shardmerge import fsdp1_view, fsdp_gather, zero3_view
 
         units = {1: fsdp1_view.Fsdp1Units, 2: fsdp_gather.Fsdp2Units, 3: zero3_view.Zero3Units}[version]
         gather, gathers = units.gather, []
@@ -390,10 +388,9 @@ def refused_8bit(base: str, out: str, result: str) -> int:
 def tensor_parallel(result: str, with_fsdp: bool) -> int:
     """merge_and_save of a tiny Llama whose MLPs ``parallelize_module`` split over the ranks (with_fsdp: and every
     layer sharded by fully_shard over the other mesh dim, 2-D parallelism): refused by name."""
-    from torch.distributed.fsdp import fully_shard
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     dist.init_process_group("gloo")

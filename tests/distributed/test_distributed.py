@@ -168,7 +168,8 @@ def test_a_job_killed_whole_resumes_its_finished_shards_with_another_rank_count(
 
 @pytest.mark.parametrize("scenario,ranks,options", [("fsdp2", 2, ()), ("fsdp2", 3, ("dora",)), ("fsdp2", 2, ("bf16",)),
                                                      ("fsdp2", 2, ("mp", "twice")), ("fsdp1", 2, ("twice",)),
-                                                     ("fsdp1", 2, ("dora", "flat")), ("fsdp1", 2, ("rootonly", "flat"))])
+                                                     ("fsdp1", 2, ("dora", "flat")),
+                                                     ("fsdp1", 2, ("rootonly", "flat"))])
 def test_sharded_merge_and_save_equals_the_unsharded_merge(tmp_path, scenario, ranks, options):
     sys.path.insert(0, os.path.dirname(__file__))
     from dist_worker import tiny_peft
@@ -284,7 +285,8 @@ def test_an_8bit_base_sharded_by_fsdp_is_refused_by_name_on_every_rank(tmp_path,
     assert run.returncode == 0, run.stderr[-3000:]
     for outcome in (json.load(open(result)), json.load(open(result + ".1"))):
         assert outcome["error"] == "InputError", outcome
-        assert "of which merge_and_save gathers only 4-bit Linear4bit ones with their quant state" in outcome["message"]
+        assert ("of which merge_and_save gathers only 4-bit Linear4bit ones with their quant state"
+                in outcome["message"])
         assert "self_attn.q_proj.base_layer (Linear8bitLt)" in outcome["message"]  # int8 bytes are never written
     assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.1"]
 

@@ -19,14 +19,14 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training  # noqa: E402
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-import peft_shardmerge  # noqa: E402
-from peft_shardmerge import InputError, merge_and_save, merge_and_unload, save_pretrained_merged  # noqa: E402
-from peft_shardmerge.testing import build_base, token_ids  # noqa: E402
+import peft_shardmerge
+from peft_shardmerge import InputError, merge_and_save, merge_and_unload, save_pretrained_merged
+from peft_shardmerge.testing import build_base, token_ids
 from tests.helpers import add_adapter_or_skip, logits_of, rel_err
-from tests.integration.test_inprocess import reference_logits, train_one_step  # noqa: E402
+from tests.integration.test_inprocess import reference_logits, train_one_step
 
 NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
            bnb_4bit_compute_dtype=torch.float32)
@@ -383,7 +383,8 @@ def test_adding_chat_tokens_merges_on_every_path(quant, tmp_path):
 
     assert len(AutoTokenizer.from_pretrained(str(tmp_path / "default"))) == 514
 
-    model.save_pretrained(str(tmp_path / "adapter"))  # PEFT 0.21: X.weight, X.modules_to_save.weight, X.original_module.weight
+    # PEFT 0.21: X.weight, X.modules_to_save.weight, X.original_module.weight
+    model.save_pretrained(str(tmp_path / "adapter"))
     r = _cli("merge", base, str(tmp_path / "adapter"), str(tmp_path / "cli"), "--dtype", "float32", "-q")
     assert r.returncode == 0, r.stderr
     assert json.load(open(tmp_path / "cli" / "config.json"))["vocab_size"] == 514
@@ -427,9 +428,9 @@ def test_push_checks_offline_mode_and_hub_access_before_merging(bf16_base, tmp_p
 
 def test_push_to_a_bare_repository_name_with_a_clean_model_card(tmp_path, monkeypatch):
     import huggingface_hub.constants as hc
+    from hub_server import FakeHub
     from huggingface_hub import ModelCard
 
-    from hub_server import FakeHub
     from peft_shardmerge import push_to_hub_merged
 
     cache = _hub_cache(tmp_path, {"v1": build_base(str(tmp_path / "v1"), "llama")}, main="v1")

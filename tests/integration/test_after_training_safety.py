@@ -1,5 +1,5 @@
-"""More of the first hour of a QLoRA user, as the user did it: the cases of issue 14 that tests/integration/test_after_training.py
-covers another way (an unquantized model, a reachable Hub).
+"""More of the first hour of a QLoRA user, as the user did it: the cases of issue 14 that
+tests/integration/test_after_training.py covers another way (an unquantized model, a reachable Hub).
 
 Tiny random Llama on the CPU; 4-bit through transformers' BitsAndBytesConfig with the real bitsandbytes.
 """
@@ -16,14 +16,14 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from peft import LoraConfig, get_peft_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from peft_shardmerge import InputError, merge_and_save, save_pretrained_merged  # noqa: E402
-from peft_shardmerge.testing import build_base  # noqa: E402
-from tests.reliability.test_files_safety import tree  # noqa: E402
-from tests.integration.test_after_training import peft_qlora  # noqa: E402
+from peft_shardmerge import InputError, merge_and_save, save_pretrained_merged
+from peft_shardmerge.testing import build_base
+from tests.integration.test_after_training import peft_qlora
+from tests.reliability.test_files_safety import tree
 
 
 @pytest.fixture()
@@ -81,7 +81,7 @@ class _RefusingHub:
                 self.end_headers()
                 self.wfile.write(raw)
 
-            do_POST = do_GET = do_PUT = _refuse  # noqa: N815
+            do_POST = do_GET = do_PUT = _refuse
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -210,9 +210,8 @@ def test_every_python_spelling_the_command_line_rewrites_is_one_the_library_says
     import subprocess
     import sys
 
-    from peft_shardmerge.cli import FLAGS
-
     import peft_shardmerge
+    from peft_shardmerge.cli import FLAGS
 
     sources = "".join(p.read_text() for p in pathlib.Path(peft_shardmerge.__file__).parent.glob("*.py")
                       if p.name != "cli.py")

@@ -11,6 +11,7 @@ import pytest
 
 from peft_shardmerge.testing import compare_logits
 
+
 def _cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "peft_shardmerge", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=600)

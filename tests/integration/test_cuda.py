@@ -66,7 +66,8 @@ def used_now() -> int:
 
 
 def free_blocks(at_least: int = 1 << 20) -> list[int]:
-    """Sizes of the free blocks inside the segments torch's allocator holds (what a capped allocation may still use)."""
+    """Sizes of the free blocks inside the segments torch's allocator holds (what a capped allocation may still
+    use)."""
     return [b["size"] for seg in torch.cuda.memory_snapshot() if seg.get("device", DEV.index) == DEV.index
             for b in seg["blocks"] if b["state"] == "inactive" and b["size"] >= at_least]
 

@@ -35,7 +35,7 @@ def test_doc_examples_run(doc, tmp_path, monkeypatch):
     env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
     for lang, code in blocks:
         if lang == "python":
-            exec(compile(code, doc, "exec"), namespace)  # noqa: S102 - our own documentation
+            exec(compile(code, doc, "exec"), namespace)  # our own documentation
         else:
             r = subprocess.run(code, shell=True, capture_output=True, text=True, env=env, timeout=600)
             assert r.returncode == 0, f"{code}\n{r.stderr}"

@@ -11,11 +11,11 @@ from safetensors import safe_open
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from peft_shardmerge.inprocess import merge_and_save  # noqa: E402
-from peft_shardmerge.testing import default_targets, token_ids  # noqa: E402
+from peft_shardmerge.inprocess import merge_and_save
+from peft_shardmerge.testing import default_targets, token_ids
 from tests.helpers import add_adapter_or_skip, logits_of, rel_err
 
 
@@ -202,7 +202,8 @@ def test_cpu_repacked_weights_are_unpacked_not_garbage(make_base, tmp_path):
         if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer"):
             w = m.base_layer.weight
             with torch.no_grad():
-                want[f"{name}.weight"] = F.dequantize_4bit(w.data, w.quant_state).float() + m.get_delta_weight("default")
+                want[f"{name}.weight"] = (F.dequantize_4bit(w.data, w.quant_state).float()
+                                          + m.get_delta_weight("default"))
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = True
@@ -290,7 +291,8 @@ def test_merge_and_unload_gives_a_plain_model(arch_base, quant, make_base, tmp_p
     from peft_shardmerge.unload import merge_and_unload
 
     model = qlora(make_base(arch_base), arch_base, quant, target_modules=None if arch_base != "qwen2" else
-                  ["q_proj", "v_proj", "embed_tokens"], **({"modules_to_save": ["lm_head"]} if arch_base == "qwen2" else {}))
+                  ["q_proj", "v_proj", "embed_tokens"],
+                  **({"modules_to_save": ["lm_head"]} if arch_base == "qwen2" else {}))
     out = str(tmp_path / "saved")
     merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False)
     ids = token_ids(model.config.vocab_size, seed=3)
@@ -316,7 +318,6 @@ def test_merge_and_unload_gives_a_plain_model(arch_base, quant, make_base, tmp_p
 @pytest.fixture()
 def fake_hub(monkeypatch):
     import huggingface_hub.constants as hc
-
     from hub_server import FakeHub
 
     with FakeHub() as hub:
@@ -503,7 +504,8 @@ def test_olora_init_rewrote_the_base_so_auto_uses_it(make_base, tmp_path):
 def test_only_the_active_adapter_is_merged(make_base, tmp_path):
     base = make_base("llama")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False), adapter_name="a")
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False),
+                           adapter_name="a")
     model.add_adapter("b", LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False))
     model.set_adapter("a")
     ids = token_ids(model.config.vocab_size, seed=3)

@@ -16,15 +16,15 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from datasets import Dataset  # noqa: E402
-from peft import LoraConfig, PeftModel  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedTokenizerFast  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
+from datasets import Dataset
+from peft import LoraConfig, PeftModel
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
 
-from peft_shardmerge import merge_and_save, merge_and_unload  # noqa: E402
-from peft_shardmerge.testing import build_base, token_ids  # noqa: E402
-from tests.helpers import logits_of, rel_err  # noqa: E402
+from peft_shardmerge import merge_and_save, merge_and_unload
+from peft_shardmerge.testing import build_base, token_ids
+from tests.helpers import logits_of, rel_err
 
 TOL = 1e-4
 

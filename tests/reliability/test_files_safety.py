@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import InputError, check_out_dir, merge_checkpoint, plan_checkpoint_merge
-from peft_shardmerge.outfiles import remove_checked, snapshot
 from peft_shardmerge.errors import FileSystemError, OutputChangedError
+from peft_shardmerge.outfiles import remove_checked, snapshot
 from peft_shardmerge.staging import partial_dir
 
 #: subprocesses, signals and kills: make test-all runs them

@@ -130,8 +130,8 @@ def test_sigterm_and_ctrl_c_clean_up(sig, code, word, medium, tmp_path):
     else:
         pytest.fail("every attempt finished before the signal")
     assert proc.returncode == code, (proc.returncode, proc.stderr_text)
-    assert proc.stderr_text.strip().splitlines() == [f"peft-shardmerge: {word}; the partial output was removed and OUT "
-                                                "is unchanged"]
+    assert proc.stderr_text.strip().splitlines() == [f"peft-shardmerge: {word}; the partial output was removed "
+                                                     "and OUT is unchanged"]
     assert os.listdir(tmp_path) == []
 
 
@@ -215,7 +215,8 @@ def test_disk_full_mid_write_removes_everything(small_fs, make_base, make_adapte
     previous = small_fs / "out"
     previous.mkdir()  # an earlier output of ours: its record lists its files
     (previous / "config.json").write_text("previous output")
-    (previous / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": {}, "files": {"config.json": {}}}')
+    (previous / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": {}, '
+                                                  '"files": {"config.json": {}}}')
     monkeypatch.setattr(api, "check_space", lambda out_dir, nbytes: [])
     with pytest.raises(OSError) as e:
         merge_checkpoint(base, adapter, str(previous), dtype="float32", overwrite=True, progress=False)
@@ -320,7 +321,8 @@ def test_interrupt_while_removing_the_old_output_keeps_the_new_one(make_base, ma
     out = tmp_path / "out"
     out.mkdir()  # an earlier output of ours: its record lists its files
     (out / "config.json").write_text("old")
-    (out / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": {}, "files": {"config.json": {}}}')
+    (out / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": {}, '
+                                             '"files": {"config.json": {}}}')
     real = shutil.rmtree
 
     def interrupted(path, *a, **k):

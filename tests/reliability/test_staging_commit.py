@@ -42,7 +42,8 @@ WRITER = textwrap.dedent('''
 
     def merge(out, version, overwrite):
         shards = {f"model-0000{i}-of-00003.safetensors": f"{version} shard {i} " * 2000 for i in (1, 2, 3)}
-        files = {"config.json": json.dumps({"version": version}), "tokenizer.json": "{}", "1_Pooling/config.json": "{}"}
+        files = {"config.json": json.dumps({"version": version}), "tokenizer.json": "{}",
+                 "1_Pooling/config.json": "{}"}
         with staged_output(out, overwrite=overwrite, fingerprint="fp-" + version, inputs=Inputs(version)) as st:
             for name, text in shards.items():
                 if not st.is_done(name):

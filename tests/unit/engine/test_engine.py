@@ -303,7 +303,8 @@ def test_resized_vocabulary_without_the_new_head_rows_is_refused(make_base, tmp_
     peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["embed_tokens"]))
     adapter = str(tmp_path / "adapter")
     peft_model.save_pretrained(adapter, save_embedding_layers=True)
-    with pytest.raises(InputError, match=r"resizes the vocabulary to 576 rows but has no 'lm_head\.weight' of that size"):
+    with pytest.raises(InputError,
+                       match=r"resizes the vocabulary to 576 rows but has no 'lm_head\.weight' of that size"):
         merge_checkpoint(base, adapter, str(tmp_path / "m"), progress=False)
 
 

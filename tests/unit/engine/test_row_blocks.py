@@ -14,7 +14,6 @@ from peft_shardmerge import MergeOptions, merge_and_save, merge_checkpoint
 from peft_shardmerge import row_merge as row_merge_module
 from peft_shardmerge.maths import merge_block, tile_rows
 from peft_shardmerge.testing import build_adapter, build_base
-
 from tests.helpers import ROOT_DIR, folder_tensors
 
 #: row blocks the same tensor is merged in; 1 and 7 rows take other BLAS kernels than a tile of 16 or more

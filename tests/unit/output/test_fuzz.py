@@ -9,7 +9,6 @@ import struct
 import tempfile
 
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -50,6 +50,7 @@ def test_overwrite_refuses_a_folder_of_the_users_and_names_what_is_there(tiny, t
     assert _tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
 
 
+@pytest.mark.slow
 def test_overwrite_on_the_command_line_refuses_it_too(tiny, tmp_path):
     out = tmp_path / "out"
     before = _user_folder(out)

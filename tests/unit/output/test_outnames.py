@@ -39,7 +39,8 @@ def model(tmp_path_factory):
 def _refused(problems_or_error, name: str = "out") -> str:
     text = "\n".join(problems_or_error) if isinstance(problems_or_error, list) else str(problems_or_error)
     assert "not valid UTF-8" in text and "pass a UTF-8 name" in text, text
-    assert f"{name}\\xff" in text and f"{name}_" in text.split("e.g.")[-1], text  # the bytes shown, and a name to use instead
+    # the bytes shown, and a name to use instead
+    assert f"{name}\\xff" in text and f"{name}_" in text.split("e.g.")[-1], text
     assert "safetensors" not in text.split("not valid UTF-8")[0], text
     text.encode("utf-8")  # printable: no lone surrogates in the message
     return text

@@ -13,16 +13,16 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, GenerationConfig
 
-from peft_shardmerge import InputError, Plan, plan_model_merge  # noqa: E402
-from peft_shardmerge.inprocess import merge_and_save, save_merged_4bit  # noqa: E402
-from peft_shardmerge.quant import Nf4Settings, packed_4bit_layout, pad_quant_state, quant_state_fields  # noqa: E402
-from peft_shardmerge.safetensors_io import read_header  # noqa: E402
-from peft_shardmerge.staging import staged_output  # noqa: E402
-from peft_shardmerge.testing import default_targets  # noqa: E402
-from tests.integration.test_inprocess import no_cpu_repack, qlora, read_all  # noqa: E402
+from peft_shardmerge import InputError, Plan, plan_model_merge
+from peft_shardmerge.inprocess import merge_and_save, save_merged_4bit
+from peft_shardmerge.quant import Nf4Settings, packed_4bit_layout, pad_quant_state, quant_state_fields
+from peft_shardmerge.safetensors_io import read_header
+from peft_shardmerge.staging import staged_output
+from peft_shardmerge.testing import default_targets
+from tests.integration.test_inprocess import no_cpu_repack, qlora, read_all
 
 
 def lora16(base: str):

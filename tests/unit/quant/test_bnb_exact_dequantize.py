@@ -19,6 +19,7 @@ from peft_shardmerge.testing import build_base, perturb_trainable
 from peft_shardmerge.verify import verify_checkpoint
 from tests.helpers import nf4_by_hand
 
+
 @pytest.fixture(scope="module")
 def odd_rows(tmp_path_factory):
     """A tiny Llama with 96-wide rows (and 160-wide MLP rows) loaded in 4-bit NF4 with double quant on the CPU,

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from peft_shardmerge import merge_checkpoint  # noqa: E402
+from peft_shardmerge import merge_checkpoint
 
 
 def _quantized_reference(base: str, adapter: str, quant_type: str, double_quant: bool) -> dict[str, torch.Tensor]:

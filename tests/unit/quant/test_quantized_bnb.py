@@ -15,17 +15,17 @@ from safetensors.torch import save_file
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from peft import PeftModel  # noqa: E402
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from peft_shardmerge import merge_checkpoint  # noqa: E402
-from peft_shardmerge.api import plan_checkpoint_merge  # noqa: E402
-from peft_shardmerge.errors import CorruptFileError, InputError  # noqa: E402
-from peft_shardmerge.inprocess import merge_and_save  # noqa: E402
-from peft_shardmerge.safetensors_io import RowReader, row_blocks  # noqa: E402
-from peft_shardmerge.sources import open_checkpoint  # noqa: E402
-from peft_shardmerge.testing import build_adapter, build_base, token_ids  # noqa: E402
-from tests.helpers import folder_tensors, logits_of, rel_err  # noqa: E402
+from peft_shardmerge import merge_checkpoint
+from peft_shardmerge.api import plan_checkpoint_merge
+from peft_shardmerge.errors import CorruptFileError, InputError
+from peft_shardmerge.inprocess import merge_and_save
+from peft_shardmerge.safetensors_io import RowReader, row_blocks
+from peft_shardmerge.sources import open_checkpoint
+from peft_shardmerge.testing import build_adapter, build_base, token_ids
+from tests.helpers import folder_tensors, logits_of, rel_err
 
 KINDS = {
     "nf4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
@@ -224,7 +224,8 @@ def test_rows_read_only_their_blocks(tmp_path, kind):
     merge_checkpoint(folder, adapter, str(tmp_path / "out"), progress=False, chunk_elems=chunk)
     ours = folder_tensors(str(tmp_path / "out"))
     assert all(torch.equal(ours[k], v) for k, v in ref.items() if "q_proj" not in k)
-    assert not torch.equal(ours["model.layers.0.self_attn.q_proj.weight"], ref["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(ours["model.layers.0.self_attn.q_proj.weight"],
+                           ref["model.layers.0.self_attn.q_proj.weight"])
 
 
 def _rewrite(folder: str, drop=(), config=None) -> None:
@@ -249,7 +250,8 @@ def _rewrite(folder: str, drop=(), config=None) -> None:
      r"is stored as U8 but has no quant_state/absmax"),
     ("fp4-double", ["layers.0.mlp.down_proj.weight.nested_absmax"], None, CorruptFileError,
      r"down_proj.weight' has no .*nested_absmax'"),
-    ("int8", ["layers.0.self_attn.v_proj.SCB"], None, CorruptFileError, r"v_proj.weight' has no .*v_proj.SCB' \(row scales\)"),
+    ("int8", ["layers.0.self_attn.v_proj.SCB"], None, CorruptFileError,
+     r"v_proj.weight' has no .*v_proj.SCB' \(row scales\)"),
     ("nf4", [], {"bnb_4bit_quant_storage": "bfloat16"}, InputError, r"packed into bfloat16"),
     ("int8", [], {"load_in_8bit": False, "load_in_4bit": True, "_load_in_4bit": True}, CorruptFileError,
      r"8-bit piece, but config.json's quantization_config says 4-bit"),

@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 import transformers.integrations.finegrained_fp8 as finegrained_fp8
+from helpers import folder_tensors, logits_of, rel_err
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-from helpers import folder_tensors, logits_of, rel_err
 from peft_shardmerge import merge_and_save, merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.errors import CorruptFileError, InputError
 from peft_shardmerge.safetensors_io import RowReader, row_blocks
@@ -263,7 +263,8 @@ def test_in_process_merge_of_the_dequantized_model_equals_the_disk_merge(fp8):
             gaps[name] = float((t.float() - disk[name].float()).abs().max())
     print(f"in process, as transformers loads it: partial-block tensors differ by {gaps}")
     fixed = in_process_merge(fp8, str(fp8["root"] / "in-process"), fix=True)
-    assert set(fixed) == set(disk) and all(same_or_one_bf16_step(fixed[k], disk[k], k, fp8["base_state"][k]) for k in disk)
+    assert set(fixed) == set(disk) and all(same_or_one_bf16_step(fixed[k], disk[k], k, fp8["base_state"][k])
+                                           for k in disk)
 
 
 def write_one_weight(folder: str, tensors: dict[str, torch.Tensor], qc: dict | None = None) -> str:

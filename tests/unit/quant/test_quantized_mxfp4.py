@@ -42,7 +42,8 @@ def gpt_oss_config(**overrides):
 
 def stored_tensors(config, seed: int) -> dict[str, torch.Tensor]:
     """A random gpt-oss model's tensors as an MXFP4 checkpoint stores them: experts as U8 FP4 blocks
-    ``[E, out, in/32, 16]`` with U8 E8M0 scales ``[E, out, in/32]`` (exponents 2**-11 .. 2**-6, as trained weights have), the rest bf16."""
+    ``[E, out, in/32, 16]`` with U8 E8M0 scales ``[E, out, in/32]`` (exponents 2**-11 .. 2**-6, as trained weights
+    have), the rest bf16."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     out = {}
@@ -154,7 +155,9 @@ def test_merge_matches_peft(bases, layout):
         assert v.dtype == untouched[k].dtype
         assert torch.equal(v, peft_fp32[k].to(torch.bfloat16)), k  # PEFT's float32 merge, rounded once
         if k in merged:
-            worst = max(worst, within_bf16_rounding(v, peft_bf16[k], peft_fp32[k] - untouched[k].float()))  # PEFT's merge in bfloat16
+            worst = max(worst,
+                        within_bf16_rounding(v, peft_bf16[k],
+                                             peft_fp32[k] - untouched[k].float()))  # PEFT's merge in bfloat16
         else:
             assert torch.equal(v, untouched[k]), k
     assert worst > 0  # PEFT's bf16 merge rounds the delta first; ours rounds once

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import CorruptFileError, InputError, MergeCheckError, NotFoundError, merge_checkpoint
-from peft_shardmerge.row_merge import check_probe_error
 from peft_shardmerge.reading_rules import peft_load_problems, positive_number, stored_key_problems
+from peft_shardmerge.row_merge import check_probe_error
 from peft_shardmerge.safetensors_io import DTYPES, RowReader, read_header, row_blocks
 from peft_shardmerge.side_files import list_side_files
 from peft_shardmerge.sources import open_checkpoint
@@ -40,7 +40,7 @@ def _theirs(path: str):
     try:
         with safe_open(path, "pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
-    except Exception:  # noqa: BLE001 - any refusal of the library counts
+    except Exception:  # any refusal of the library counts
         return None
 
 
@@ -72,7 +72,8 @@ ST_CASES = {
     "valid-with-metadata": ({"__metadata__": {"format": "pt"}, "w": _f32([2], [0, 8])}, b"\0" * 8),
     "valid-scalar": ({"w": _f32([], [0, 4])}, b"\3" * 4),
     "valid-empty-file": ({}, b""),
-    "valid-zero-size-tensors": ({"a": _f32([0], [0, 0]), "b": _f32([3, 0], [0, 0]), "c": _f32([1], [0, 4])}, b"\0" * 4),
+    "valid-zero-size-tensors": ({"a": _f32([0], [0, 0]), "b": _f32([3, 0], [0, 0]), "c": _f32([1], [0, 4])},
+                                b"\0" * 4),
     "valid-2**62-by-0": ({"w": _f32([2**62, 0], [0, 0])}, b""),
     "valid-0-by-2**62": ({"w": _f32([0, 2**62], [0, 0])}, b""),
     "valid-extra-entry-field": ({"w": {**_f32([2], [0, 8]), "note": 1}}, b"\0" * 8),
@@ -113,7 +114,8 @@ ST_CASES = {
 
 @pytest.mark.parametrize("dtype", ["F4", "F6_E2M3", "F6_E3M2"])
 def test_sub_byte_dtypes_are_refused_by_name(dtype, tmp_path):
-    path = _write(str(tmp_path / "x.safetensors"), {"w": {"dtype": dtype, "shape": [2], "data_offsets": [0, 1]}}, b"\0")
+    path = _write(str(tmp_path / "x.safetensors"), {"w": {"dtype": dtype, "shape": [2], "data_offsets": [0, 1]}},
+                  b"\0")
     with pytest.raises(CorruptFileError, match=f"stored as {dtype} .*cannot read"):
         read_header(path)
 
@@ -134,7 +136,8 @@ def test_safetensors_agreement(case, tmp_path):
 _DT = [d for d in ("F32", "F16", "BF16", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3") if d in DTYPES]
 
 
-@settings(max_examples=300, deadline=3000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=3000,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(entries=st.lists(st.tuples(st.sampled_from(_DT), st.lists(st.integers(0, 4), max_size=3),
                                   st.integers(-2, 2), st.integers(-2, 2)), max_size=4),
        trailing=st.integers(0, 3) | st.just(0), shuffle=st.randoms())
@@ -144,7 +147,8 @@ def test_safetensors_agreement_generated(tmp_path_factory, entries, trailing, sh
     header, pos = {}, 0
     for i, (dtype, shape, d_begin, d_end) in enumerate(entries):
         n = math.prod(shape) * DTYPES[dtype][1]
-        header[f"t{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [max(0, pos + d_begin), max(0, pos + n + d_end)]}
+        header[f"t{i}"] = {"dtype": dtype, "shape": shape,
+                           "data_offsets": [max(0, pos + d_begin), max(0, pos + n + d_end)]}
         pos += n
     items = list(header.items())
     shuffle.shuffle(items)
@@ -200,9 +204,11 @@ def test_zero_byte_tensor_with_absurd_shape_merges(make_base, make_adapter, tmp_
 def _shifted_single(sharded: str, folder: str, shift: float = 1.0) -> None:
     """Write model.safetensors next to the index, with every float tensor shifted (so the two disagree)."""
     tensors = {}
-    for name in sorted({v for v in json.load(open(os.path.join(sharded, "model.safetensors.index.json")))["weight_map"].values()}):
+    index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
+    for name in sorted({v for v in index["weight_map"].values()}):
         tensors.update(load_file(os.path.join(sharded, name)))
-    save_file({k: v + shift for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v + shift for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def _layout(kind: str, sharded: str, folder: str) -> None:
@@ -247,7 +253,7 @@ def test_base_folder_reads_what_transformers_reads(kind, make_base, tmp_path):
     _layout(kind, make_base("llama_sharded"), folder)
     try:
         state = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
-    except Exception:  # noqa: BLE001 - transformers refuses the folder
+    except Exception:  # transformers refuses the folder
         state = None
     try:
         src = open_checkpoint(folder)
@@ -493,7 +499,8 @@ def st_base_and_adapter(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("st")
     base = _sentence_transformers_base(str(root / "base"))
-    model = get_peft_model(AutoModel.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]))
+    model = get_peft_model(AutoModel.from_pretrained(base),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]))
     perturb_trainable(model, 0.2)
     model.save_pretrained(str(root / "adapter"))
     return base, str(root / "adapter")
@@ -564,7 +571,8 @@ def test_side_files_rules(tmp_path):
     outside = tmp_path / "secret.txt"
     outside.write_text("not yours")
     files = {
-        "config.json": 1, "model.safetensors": 0, "model-00001-of-00002.safetensors": 0, "model.safetensors.index.json": 0,
+        "config.json": 1, "model.safetensors": 0, "model-00001-of-00002.safetensors": 0,
+        "model.safetensors.index.json": 0,
         "pytorch_model.bin": 0, "pytorch_model.bin.index.json": 0, "consolidated.pth": 0, "model.gguf": 0,
         "training_args.pt": 0, "quantize_config.json": 0, "tokenizer.json": 1, "README.md": 1, "modules.json": 1,
         "sentence_bert_config.json": 1, "1_Pooling/config.json": 1, "2_Dense/config.json": 1,

@@ -14,9 +14,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import InputError, UnsupportedError, merge_and_save, merge_checkpoint, save_pretrained_merged
-from peft_shardmerge.unload import merge_and_unload
 from peft_shardmerge.support import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
 from peft_shardmerge.testing import perturb_trainable, token_ids
+from peft_shardmerge.unload import merge_and_unload
 from tests.helpers import ROOT_DIR, logits_of, rel_err
 
 ROOT = ROOT_DIR

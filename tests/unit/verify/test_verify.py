@@ -65,7 +65,8 @@ def test_missing_tensor_and_index_disagreement(merged, tmp_path):
     del tensors[dropped]
     save_file(tensors, shard, metadata={"format": "pt"})
     report = verify_checkpoint(str(out))
-    assert report.integrity is False and any("tensor(s) differ from what the merge wrote" in p for p in report.problems)
+    assert report.integrity is False and any("tensor(s) differ from what the merge wrote" in p
+                                             for p in report.problems)
     assert not report.ok
     assert f"tensor {dropped} is in the index but in no shard" in report.problems
     assert any(p.startswith("index total_size") for p in report.problems)
@@ -311,7 +312,8 @@ def test_inputs_that_do_not_fit_are_listed(merged, make_base, make_adapter, tmp_
     r = _run(out, "--base", other_base, "--adapter", adapter)
     assert r.returncode == 1 and r.stdout.startswith("FAILED: ") and "problem: " in r.stdout, r.stdout
     # an adapter whose factors have the wrong shape (PEFT would dump a load_state_dict error)
-    from safetensors.torch import load_file as load, save_file as save
+    from safetensors.torch import load_file as load
+    from safetensors.torch import save_file as save
 
     bad = shutil.copytree(adapter, tmp_path / "bad-adapter")
     tensors = load(str(bad / "adapter_model.safetensors"))
