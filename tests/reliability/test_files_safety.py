@@ -305,6 +305,8 @@ def test_file_added_to_the_old_out_during_an_overwrite_is_kept(sharded, tmp_path
         assert tree(out) == during != previous  # OUT exactly as the user left it
         if change == "add":  # the user moves their file out, as overwrite replaces only what our record lists
             (out / "mine.txt").unlink()
+        if change == "modify":  # and their edited file, as overwrite replaces only what the merge wrote
+            (out / "config.json").unlink()
         merge_checkpoint(base, adapter, out, max_shard_size="100KB", progress=False, overwrite=True)
         previous = tree(out)
     assert sorted(os.listdir(tmp_path)) == ["out"]
