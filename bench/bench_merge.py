@@ -39,8 +39,8 @@ def build(size: str) -> tuple[str, str]:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from peft_shardmerge.output.writer import ShardWriter, write_json
     from peft_shardmerge.testing import tiny_config
-    from peft_shardmerge.writer import ShardWriter, write_json
 
     base = os.path.join(WORK, f"base-{size}")
     adapter = os.path.join(WORK, f"adapter-{size}")
@@ -101,7 +101,7 @@ def build(size: str) -> tuple[str, str]:
 CHILD = r"""
 import json, os, resource, shutil, sys, threading, time
 import torch, transformers, peft, peft_shardmerge
-from peft_shardmerge.execute import current_rss_bytes
+from peft_shardmerge.engine.execute import current_rss_bytes
 method, base, adapter, out = sys.argv[1:5]
 shutil.rmtree(out, ignore_errors=True)
 extra = {}

@@ -3,7 +3,7 @@
 import sys
 
 try:
-    from .cli import run
+    from .api.cli import run
 except KeyboardInterrupt:  # Ctrl-C while the command itself is still loading: nothing has started
     print("peft-shardmerge: interrupted; nothing was written and OUT is unchanged", file=sys.stderr)
     sys.exit(130)

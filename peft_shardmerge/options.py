@@ -9,9 +9,9 @@ from typing import Sequence
 
 import torch
 
-from .combinations import check_weights
 from .errors import InputError
-from .quant import Nf4Settings
+from .quant.nf4 import Nf4Settings
+from .support.combinations import check_weights
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -119,9 +119,10 @@ def _bool_problem(name: str, value) -> list[str]:
 @dataclass(frozen=True)
 class MergeOptions:
     """How a merge runs: one frozen value for the knobs of both paths, from disk
-    (:func:`~peft_shardmerge.api.merge_checkpoint`, :func:`~peft_shardmerge.api.plan_checkpoint_merge`) and of a
-    loaded model (:func:`~peft_shardmerge.inprocess.merge_and_save`,
-    :func:`~peft_shardmerge.model_plan.plan_model_merge`); their keywords of the same names build one
+    (:func:`~peft_shardmerge.api.disk.merge_checkpoint`, :func:`~peft_shardmerge.api.disk.plan_checkpoint_merge`) and
+    of a
+    loaded model (:func:`~peft_shardmerge.api.inprocess.merge_and_save`,
+    :func:`~peft_shardmerge.model.plan.plan_model_merge`); their keywords of the same names build one
     (``combination_type``, PEFT's name, is ``combination``). A knob that means something on one path only is
     refused on the other when set.
 

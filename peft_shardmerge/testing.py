@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .logits import IMAGE_TOKEN, model_class, model_inputs, token_ids
-from .quiet import quiet_libraries
+from .api.quiet import quiet_libraries
+from .verify.logits import IMAGE_TOKEN, model_class, model_inputs, token_ids
 
 #: architectures with a tiny config; hidden sizes are multiples of 64 so bitsandbytes' CPU kernels apply
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "bert", "t5", "llava", "qwen2_vl")

@@ -174,14 +174,14 @@ def zero3_reference(engine, out: str) -> None:
 
 
 def cli(argv: list[str]) -> int:
-    from peft_shardmerge.cli import main
+    from peft_shardmerge.api.cli import main
 
     return main(argv)
 
 
 def signal_after_shard(rank: int, argv: list[str], pid: int, sig: int) -> int:
     """The command line; once rank ``rank`` finished its first shard, it sends ``sig`` to ``pid``."""
-    from peft_shardmerge import writer
+    from peft_shardmerge.output import writer
 
     close = writer.ShardWriter.close
 
@@ -195,7 +195,7 @@ def signal_after_shard(rank: int, argv: list[str], pid: int, sig: int) -> int:
 
 
 def killall_after_record(rank: int, argv: list[str]) -> int:
-    from peft_shardmerge import staging
+    from peft_shardmerge.output import staging
 
     record = staging.write_manifest
 
@@ -215,7 +215,7 @@ def killall_after_record(rank: int, argv: list[str]) -> int:
 
 
 def fail_finish(rank: int, argv: list[str]) -> int:
-    from peft_shardmerge import sinks
+    from peft_shardmerge.output import shard_sink as sinks
 
     def full_disk(self, tmp, files):
         if RANK == rank:
@@ -226,7 +226,7 @@ def fail_finish(rank: int, argv: list[str]) -> int:
 
 
 def fail(rank: int, argv: list[str]) -> int:
-    from peft_shardmerge import merger
+    from peft_shardmerge.checkpoint import reader as merger
 
     write = merger.PlanMerger.write_tensor
 
@@ -285,7 +285,7 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
     if version == 2:  # as a training step ends (after backward): the root too back to its shards
         model.reshard()
     if "fail" in sys.argv and RANK == 0:  # rank 0's disk fills up at its fifth tensor, units half gathered
-        from peft_shardmerge import live_merger
+        from peft_shardmerge.model import reader as live_merger
 
         produce, calls = live_merger.LiveMerger.produce, []
 
@@ -297,7 +297,9 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
 
         live_merger.LiveMerger.produce = full_disk
     if "gatherfail" in sys.argv and RANK == 0:  # rank 0 fails just before its third gather (the others wait in it)
-        from peft_shardmerge import fsdp1_view, fsdp_gather, zero3_view
+        from peft_shardmerge.distributed import fsdp1 as fsdp1_view
+        from peft_shardmerge.distributed import sharding as fsdp_gather
+        from peft_shardmerge.distributed import zero3 as zero3_view
 
         units = {1: fsdp1_view.Fsdp1Units, 2: fsdp_gather.Fsdp2Units, 3: zero3_view.Zero3Units}[version]
         gather, gathers = units.gather, []
@@ -489,4 +491,5 @@ if __name__ == "__main__":
         raise SystemExit(f"unknown scenario {scenario}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # as peft_shardmerge.cli.run does: no interpreter shutdown for torch's process group to abort in
+    # as peft_shardmerge.api.cli.run does: no interpreter shutdown for torch's process group to abort in
+    os._exit(code)

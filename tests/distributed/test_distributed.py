@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from peft_shardmerge import merge_and_save, merge_checkpoint
-from peft_shardmerge.distributed import assign_shards
+from peft_shardmerge.distributed.world import assign_shards
 from peft_shardmerge.testing import build_adapter, build_base
 
 #: subprocesses, signals and kills: make test-all runs them
@@ -402,7 +402,7 @@ def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(inputs, tmp_path
 
 
 def test_an_output_locked_by_another_merge_is_refused_on_every_rank(inputs, tmp_path):
-    from peft_shardmerge.staging import output_lock
+    from peft_shardmerge.output.staging import output_lock
 
     out = str(tmp_path / "out")
     with output_lock(out):

@@ -238,7 +238,7 @@ def test_merge_and_unload_on_an_offloaded_model_keeps_it_offloaded(bf16_base, tm
     from accelerate import dispatch_model
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    from peft_shardmerge.live import offloaded_modules
+    from peft_shardmerge.model.walk import offloaded_modules
 
     def digest(folder):
         return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
@@ -334,7 +334,7 @@ def test_cli_summary_once_quiet_dtype_aliases_and_bare_help(tmp_path):
 
 def test_help_does_not_import_torch():
     """`peft-shardmerge --help` took 2.3 s importing torch, transformers and peft; it now imports none."""
-    code = "import sys, peft_shardmerge.cli as c, peft_shardmerge as p; print(sorted({'torch', 'transformers', " \
+    code = "import sys, peft_shardmerge.api.cli as c, peft_shardmerge as p; print(sorted({'torch', 'transformers', " \
            "'peft'} & set(sys.modules)))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr

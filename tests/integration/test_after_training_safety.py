@@ -134,7 +134,7 @@ def bf16_base_tok(base_with_tokenizer):
 def test_python_errors_name_keywords_and_the_command_line_names_flags(make_base, make_adapter, tmp_path, capsys):
     """A Python caller is told ``overwrite=True`` (no flag); the command line's user ``--overwrite`` (no keyword)."""
     from peft_shardmerge import merge_checkpoint
-    from peft_shardmerge.cli import main as cli_main
+    from peft_shardmerge.api.cli import main as cli_main
 
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     out = tmp_path / "out"
@@ -159,7 +159,7 @@ def test_an_unsloth_style_resave_never_deletes_a_file_that_appears_before_the_lo
     lock: a file another process puts into the folder in between is kept, and the save is refused."""
     import warnings
 
-    from peft_shardmerge import outlock
+    from peft_shardmerge.output import lock as outlock
 
     model = peft_qlora(bf16_base_tok)
     out = tmp_path / "merged"
@@ -211,16 +211,16 @@ def test_every_python_spelling_the_command_line_rewrites_is_one_the_library_says
     import sys
 
     import peft_shardmerge
-    from peft_shardmerge.cli import FLAGS
+    from peft_shardmerge.api.cli import FLAGS
 
-    sources = "".join(p.read_text() for p in pathlib.Path(peft_shardmerge.__file__).parent.glob("*.py")
+    sources = "".join(p.read_text() for p in pathlib.Path(peft_shardmerge.__file__).parent.rglob("*.py")
                       if p.name != "cli.py")
     for python in FLAGS:
         assert python in sources, python
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    run = subprocess.run([sys.executable, "-m", "peft_shardmerge.cli", "merge", make_base("llama"),
+    run = subprocess.run([sys.executable, "-m", "peft_shardmerge.api.cli", "merge", make_base("llama"),
                           make_adapter("llama", "default"), str(out)], capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 2, run.stderr
@@ -235,7 +235,8 @@ def test_merge_and_unload_of_an_offloaded_model_without_room_for_its_merged_weig
 
     from accelerate import dispatch_model
 
-    from peft_shardmerge import merge_and_unload, module_sink
+    from peft_shardmerge import merge_and_unload
+    from peft_shardmerge.model import module_sink
 
     torch.manual_seed(0)
     ref = get_peft_model(AutoModelForCausalLM.from_pretrained(base_with_tokenizer, dtype=torch.float32),

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import CorruptFileError, InputError, NotFoundError, UnsupportedError, merge_checkpoint
-from peft_shardmerge.cli import main as cli_main
+from peft_shardmerge.api.cli import main as cli_main
 from peft_shardmerge.testing import build_adapter, build_base
 
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from peft_shardmerge.api import plan_checkpoint_merge
-from peft_shardmerge.cli import main
+from peft_shardmerge.api.cli import main
+from peft_shardmerge.api.disk import plan_checkpoint_merge
 
 
 def test_each_note_is_printed_once(make_base, make_adapter, tmp_path, capsys, caplog):

@@ -99,7 +99,7 @@ def capped(extra: int):
 
 
 def test_budget_hands_back_cached_blocks_before_refusing():
-    from peft_shardmerge.budget import MemoryBudget
+    from peft_shardmerge.engine.budget import MemoryBudget
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

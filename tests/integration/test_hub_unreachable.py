@@ -1,4 +1,5 @@
-"""A Hub that cannot be reached (peft_shardmerge/hub.py): said as a network problem naming the address, not as a token
+"""A Hub that cannot be reached (peft_shardmerge/api/hub.py): said as a network problem naming the address, not as a
+token
 problem; a Hub that answers and refuses is still a token or name problem."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from peft_shardmerge.api.hub import prepare_repo
 from peft_shardmerge.errors import HubUploadError
-from peft_shardmerge.hub import prepare_repo
 
 
 def _closed_port() -> int:

@@ -14,7 +14,7 @@ bnb = pytest.importorskip("bitsandbytes")
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from peft_shardmerge.inprocess import merge_and_save
+from peft_shardmerge.api.inprocess import merge_and_save
 from peft_shardmerge.testing import default_targets, token_ids
 from tests.helpers import add_adapter_or_skip, logits_of, rel_err
 
@@ -225,7 +225,7 @@ def test_cpu_repacked_weights_are_unpacked_not_garbage(make_base, tmp_path):
 
 
 def test_oom_on_one_module_is_retried_on_cpu(make_base, tmp_path, monkeypatch):
-    import peft_shardmerge.live_merger as live_merger
+    import peft_shardmerge.model.reader as live_merger
 
     model = qlora(make_base("llama"), "llama", "nf4")
     real = live_merger.LiveMerger._merge_weight
@@ -288,7 +288,7 @@ def test_memory_budget_is_validated(value, make_base, tmp_path):
 @pytest.mark.parametrize("arch_base,quant", [("llama", "nf4"), ("qwen2", "nf4"), ("gpt2", "nf4"), ("llama", "8bit"),
                                              ("llama", "none")])
 def test_merge_and_unload_gives_a_plain_model(arch_base, quant, make_base, tmp_path):
-    from peft_shardmerge.unload import merge_and_unload
+    from peft_shardmerge.api.unload import merge_and_unload
 
     model = qlora(make_base(arch_base), arch_base, quant, target_modules=None if arch_base != "qwen2" else
                   ["q_proj", "v_proj", "embed_tokens"],
@@ -549,7 +549,7 @@ def test_a_model_whose_transformers_refuses_its_peft_merges_as_before(make_base,
     attached to merges as before: the active adapter is read off its LoRA layers, not asked of transformers."""
     import transformers.integrations.peft as hf_peft
 
-    from peft_shardmerge.model_check import selected_adapters
+    from peft_shardmerge.support.model import selected_adapters
 
     model = AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32)
     monkeypatch.setattr(hf_peft, "check_peft_version", lambda min_version: None)
@@ -574,7 +574,7 @@ def test_a_model_whose_transformers_refuses_its_peft_merges_as_before(make_base,
 
 
 def test_self_check_and_precision_report_in_process(make_base, tmp_path, monkeypatch):
-    import peft_shardmerge.maths as maths
+    import peft_shardmerge.engine.maths as maths
     from peft_shardmerge import MergeCheckError
 
     model = qlora(make_base("llama"), "llama", "nf4")

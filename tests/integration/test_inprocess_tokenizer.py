@@ -1,4 +1,4 @@
-"""merge_and_save / save_pretrained_merged with ``tokenizer=`` a name or a folder (peft_shardmerge/inprocess.py):
+"""merge_and_save / save_pretrained_merged with ``tokenizer=`` a name or a folder (peft_shardmerge/api/inprocess.py):
 loaded with AutoTokenizer and saved, or refused by name before anything is written."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from peft_shardmerge import merge_and_save, merge_checkpoint
-from peft_shardmerge.quiet import DEEPSPEED_LOGGER, quiet_libraries
+from peft_shardmerge.api.quiet import DEEPSPEED_LOGGER, quiet_libraries
 from tests.helpers import ROOT_DIR as ROOT
 
 #: what the libraries printed on a first run before (DeepSpeed, bitsandbytes, transformers' warning and bars)
@@ -98,7 +98,7 @@ def test_the_libraries_are_held_back_for_the_call_and_restored_after(bars):
                 assert not logging.getLogger(DEEPSPEED_LOGGER).filter(record)
                 warnings.warn_explicit("deprecated", FutureWarning, "modeling_utils.py", 1,
                                        module="transformers.modeling_utils")
-                warnings.warn_explicit("ours", UserWarning, "inprocess.py", 1, module="peft_shardmerge.inprocess")
+                warnings.warn_explicit("ours", UserWarning, "inprocess.py", 1, module="peft_shardmerge.api.inprocess")
                 warnings.filterwarnings("ignore", message="a filter an import adds")  # numpy's, scipy's, ...
             assert [str(w.message) for w in caught] == ["ours"]
             assert warnings.filters[0][1].pattern == "a filter an import adds"  # kept
@@ -126,7 +126,7 @@ def test_debug_logging_holds_nothing_back():
 @pytest.mark.slow
 def test_the_command_line_prints_only_our_output_and_imports_no_deepspeed(make_base, make_adapter, tmp_path):
     base, adapter = make_base("llama"), make_adapter("llama", "default")
-    code = ("import sys; from peft_shardmerge.cli import main; code = main(sys.argv[1:]); "
+    code = ("import sys; from peft_shardmerge.api.cli import main; code = main(sys.argv[1:]); "
             "print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(code)")
     r = subprocess.run([sys.executable, "-c", code, "merge", base, adapter, str(tmp_path / "m"), "--dtype", "float32"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)

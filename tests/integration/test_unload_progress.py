@@ -1,4 +1,5 @@
-"""merge_and_unload(progressbar=True), PEFT's call site (peft_shardmerge/dropins.py): a tqdm bar over the modules."""
+"""merge_and_unload(progressbar=True), PEFT's call site (peft_shardmerge/api/dropins.py): a tqdm bar over the
+modules."""
 
 from __future__ import annotations
 

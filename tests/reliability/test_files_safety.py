@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import InputError, check_out_dir, merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.errors import FileSystemError, OutputChangedError
-from peft_shardmerge.outfiles import remove_checked, snapshot
-from peft_shardmerge.staging import partial_dir
+from peft_shardmerge.output.files import remove_checked, snapshot
+from peft_shardmerge.output.staging import partial_dir
 
 #: subprocesses, signals and kills: make test-all runs them
 pytestmark = pytest.mark.slow
@@ -63,7 +63,7 @@ def run_cli(tmp_path, args, patch: str = "", cwd=None, timeout=300) -> subproces
     """``peft-shardmerge ARGS`` in a fresh process, after ``patch`` (Python run first, to pick a moment)."""
     script = tmp_path / f"run-{time.monotonic_ns()}.py"
     script.write_text("import os, signal, sys\n" + textwrap.dedent(patch) +
-                      "\nfrom peft_shardmerge.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+                      "\nfrom peft_shardmerge.api.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -327,7 +327,7 @@ def test_removing_the_previous_output_deletes_only_what_was_checked(tmp_path):
 # ------------------------------------------------------------------------------------ resume keyed on content
 
 KILL_AFTER = """
-import peft_shardmerge.staging as st
+import peft_shardmerge.output.staging as st
 _record = st.Staging.record
 def record(self, fname, digest):
     _record(self, fname, digest)
@@ -398,7 +398,7 @@ def test_resume_with_unchanged_inputs_keeps_the_finished_shards(sharded, referen
 # ------------------------------------------------------------------------------------ interrupts and kills
 
 SIGNAL_AFTER = """
-import peft_shardmerge.staging as st
+import peft_shardmerge.output.staging as st
 _orig = st.Staging.{method}
 def wrapped(self, *a, **k):
     {before}
@@ -472,7 +472,7 @@ def test_interrupt_after_the_commit_says_the_output_is_complete(sharded, referen
 
 
 KILL_IN_COMMIT = """
-import peft_shardmerge.staging as st
+import peft_shardmerge.output.staging as st
 _rename, _remove = st.rename_noreplace, st.remove_checked
 calls = []
 def rename(src, dst):
@@ -515,7 +515,7 @@ def test_kill_during_an_overwrite_commit_is_finished_by_the_next_run(sharded, re
 def test_filesystem_error_mid_merge_is_in_the_family_and_says_what_happened(sharded, tmp_path, monkeypatch):
     import errno
 
-    import peft_shardmerge.staging as st
+    import peft_shardmerge.output.staging as st
 
     base, adapter = sharded
     out = tmp_path / "out"

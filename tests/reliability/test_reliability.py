@@ -16,7 +16,7 @@ import pytest
 
 from peft_shardmerge import InputError, merge_checkpoint
 from peft_shardmerge.errors import OutputLockedError
-from peft_shardmerge.staging import output_lock, partial_dir
+from peft_shardmerge.output.staging import output_lock, partial_dir
 from peft_shardmerge.testing import build_adapter, build_base
 
 #: subprocesses, signals and kills: make test-all runs them
@@ -209,7 +209,7 @@ def test_disk_full_is_refused_up_front(small_fs, make_base, make_adapter):
 
 def test_disk_full_mid_write_removes_everything(small_fs, make_base, make_adapter, monkeypatch):
     """The up-front check is told there is room; the kernel's real ENOSPC then hits the writer."""
-    import peft_shardmerge.api as api
+    import peft_shardmerge.api.disk as api
 
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     previous = small_fs / "out"
@@ -279,8 +279,8 @@ def test_lock_holds_against_a_racing_opener(tmp_path, monkeypatch):
     import fcntl
     import threading
 
-    import peft_shardmerge.outlock as outlock
-    import peft_shardmerge.staging as staging
+    import peft_shardmerge.output.lock as outlock
+    import peft_shardmerge.output.staging as staging
 
     out = str(tmp_path / "out")
     real = fcntl.flock
@@ -316,7 +316,7 @@ def test_lock_holds_against_a_racing_opener(tmp_path, monkeypatch):
 
 
 def test_interrupt_while_removing_the_old_output_keeps_the_new_one(make_base, make_adapter, tmp_path, monkeypatch):
-    import peft_shardmerge.staging as staging
+    import peft_shardmerge.output.staging as staging
 
     out = tmp_path / "out"
     out.mkdir()  # an earlier output of ours: its record lists its files

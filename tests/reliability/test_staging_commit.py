@@ -4,7 +4,8 @@ the complete output and nothing of ours beside OUT.
 
 The steps are this package's own kill points (``PEFT_SHARDMERGE_KILL_AT=<step>#<n>``: every unlink, rename, rmdir,
 fsync and lock-record write of the commit and of the lock's release); they are listed by tracing an uninterrupted
-commit (``PEFT_SHARDMERGE_STEPS``). The merges are :func:`~peft_shardmerge.staging.staged_output` writing a small
+commit (``PEFT_SHARDMERGE_STEPS``). The merges are :func:`~peft_shardmerge.output.staging.staged_output` writing a
+small
 output with a record of ours, each in a process forked from one child that imported the package once."""
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import textwrap
 
 import pytest
 
-from peft_shardmerge.outcheck import check_out_dir
+from peft_shardmerge.output.checks import check_out_dir
 
 WRITER = textwrap.dedent('''
     import json, os, sys, traceback
-    from peft_shardmerge.staging import file_digest, staged_output
+    from peft_shardmerge.output.staging import file_digest, staged_output
 
     class Inputs:  # the inputs of every shard: one digest per version
         def __init__(self, version):

@@ -25,7 +25,7 @@ ERRORS = "errors"
 
 @dataclass
 class Module:
-    name: str  # dotted, e.g. "peft_shardmerge.staging"; a package's __init__ is the package's name
+    name: str  # dotted, e.g. "peft_shardmerge.output.staging"; a package's __init__ is the package's name
     path: str
     source: str
     tree: ast.Module

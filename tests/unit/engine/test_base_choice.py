@@ -1,4 +1,5 @@
-"""One rule for both entry points (peft_shardmerge/trained_base.py, original.default_dtype): the CLI and merge_and_save
+"""One rule for both entry points (peft_shardmerge/checkpoint/trained_base.py, original.default_dtype): the CLI and
+merge_and_save
 reproduce the trained model (a QLoRA adapter's 4-bit base when its files show one) and write the base's own dtype; the
 dry run says which model the output reproduces; an adapter naming another base gets a note."""
 
@@ -16,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from peft_shardmerge import merge_and_save, merge_checkpoint
-from peft_shardmerge.cli import main
+from peft_shardmerge.api.cli import main
 from peft_shardmerge.testing import build_base, default_targets, token_ids
 from tests.helpers import folder_tensors, logits_of, rel_err
 

@@ -221,7 +221,7 @@ def test_pickle_with_code_is_refused(make_base, make_adapter, tmp_path):
 
 
 def test_self_check_catches_a_wrong_merge(make_base, make_adapter, tmp_path, monkeypatch):
-    import peft_shardmerge.maths as maths
+    import peft_shardmerge.engine.maths as maths
     from peft_shardmerge import MergeCheckError
 
     real = maths.add_lora_
@@ -355,7 +355,7 @@ def test_dora_on_embeddings_and_conv1d(layout, make_base, make_adapter, peft_ref
     """DoRA norms run over stored columns here: two passes over row blocks (tiny blocks force several)."""
     from peft import PeftModel
 
-    from peft_shardmerge.inprocess import merge_and_save
+    from peft_shardmerge.api.inprocess import merge_and_save
 
     arch, targets, extra = DORA_LAYOUTS[layout]
     base = make_base(arch)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import peft_shardmerge.execute as execute
-import peft_shardmerge.row_merge as row_merge
+import peft_shardmerge.engine.execute as execute
+import peft_shardmerge.engine.row_merge as row_merge
 from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
 
 

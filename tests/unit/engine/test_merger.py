@@ -10,7 +10,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import merge_checkpoint
-from peft_shardmerge.inprocess import merge_and_save
+from peft_shardmerge.api.inprocess import merge_and_save
 
 #: the DoRA adapters of tests/unit/engine/test_engine.py (same bases, tags and settings: built once per session)
 DORA_LAYOUTS = {

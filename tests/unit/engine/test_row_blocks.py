@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from peft_shardmerge import MergeOptions, merge_and_save, merge_checkpoint
-from peft_shardmerge import row_merge as row_merge_module
-from peft_shardmerge.maths import merge_block, tile_rows
+from peft_shardmerge.engine import row_merge as row_merge_module
+from peft_shardmerge.engine.maths import merge_block, tile_rows
 from peft_shardmerge.testing import build_adapter, build_base
 from tests.helpers import ROOT_DIR, folder_tensors
 

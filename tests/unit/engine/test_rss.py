@@ -1,4 +1,5 @@
-"""The merge's own peak resident memory (peft_shardmerge/rss.py): memory held before the merge is not counted, memory
+"""The merge's own peak resident memory (peft_shardmerge/engine/rss.py): memory held before the merge is not counted,
+memory
 used inside it is, and the report names how it was measured."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import time
 
 import pytest
 
-from peft_shardmerge import rss
-from peft_shardmerge.api import merge_checkpoint
+from peft_shardmerge.api.disk import merge_checkpoint
+from peft_shardmerge.engine import rss
 
 MiB = 1 << 20
 

@@ -6,11 +6,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from peft_shardmerge.live import walk
-from peft_shardmerge.live_plan import LiveSource
-from peft_shardmerge.safetensors_io import RowReader, row_blocks
-from peft_shardmerge.source_types import Source
-from peft_shardmerge.sources import open_checkpoint
+from peft_shardmerge.checkpoint.source import open_checkpoint
+from peft_shardmerge.engine.source import Source
+from peft_shardmerge.io.safetensors_io import RowReader, row_blocks
+from peft_shardmerge.model.planner import LiveSource
+from peft_shardmerge.model.walk import walk
 
 
 def _both(base: str, dtype=torch.float32):

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peft_shardmerge import ShardMergeError
+from peft_shardmerge.checkpoint.source import open_checkpoint
 from peft_shardmerge.errors import CorruptFileError
-from peft_shardmerge.safetensors_io import read_header
-from peft_shardmerge.sources import open_checkpoint
+from peft_shardmerge.io.safetensors_io import read_header
 
 FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 _DIR = tempfile.mkdtemp(prefix="peft-shardmerge-fuzz-")
@@ -98,7 +98,7 @@ def test_nothing_unpickles_but_the_weights_only_adapter_reader():
 
     root = os.path.dirname(peft_shardmerge.__file__)
     loads = []
-    for name in sorted(os.listdir(root)):
+    for name in sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs):
         if not name.endswith(".py"):
             continue
         for node in ast.walk(ast.parse(open(os.path.join(root, name)).read())):
@@ -109,7 +109,7 @@ def test_nothing_unpickles_but_the_weights_only_adapter_reader():
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
                 safe = any(k.arg == "weights_only" and getattr(k.value, "value", None) is True for k in node.keywords)
                 loads.append((name, safe))
-    assert loads == [("adapter.py", True)]
+    assert loads == [(os.path.join("checkpoint", "adapter.py"), True)]
 
 
 def test_code_in_a_checkpoint_is_never_run(tmp_path, make_base, make_adapter):

@@ -93,7 +93,7 @@ def test_a_plan_or_dry_run_touches_nothing_a_killed_merge_left_and_the_merge_its
     import json
 
     from peft_shardmerge import plan_checkpoint_merge
-    from peft_shardmerge.outfiles import MADE_BY, sidecar
+    from peft_shardmerge.output.files import MADE_BY, sidecar
 
     out = tmp_path / "out"
     merge_checkpoint(*tiny, str(out), progress=False)

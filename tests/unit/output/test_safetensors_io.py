@@ -11,8 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from peft_shardmerge import CorruptFileError, MergeCheckError
-from peft_shardmerge.safetensors_io import RowReader, read_header, row_blocks
-from peft_shardmerge.writer import ShardWriter
+from peft_shardmerge.io.safetensors_io import RowReader, read_header, row_blocks
+from peft_shardmerge.output.writer import ShardWriter
 
 TENSORS = {
     "a.weight": torch.randn(37, 16, dtype=torch.bfloat16),

@@ -48,7 +48,7 @@ def _merge_limited(tmp_path, args) -> subprocess.CompletedProcess:
     script.write_text(textwrap.dedent(f"""
         import resource, sys
         resource.setrlimit(resource.RLIMIT_AS, ({LIMIT}, {LIMIT}))
-        from peft_shardmerge.cli import main
+        from peft_shardmerge.api.cli import main
         sys.exit(main(sys.argv[1:]))
     """))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from peft_shardmerge import merge_checkpoint
-from peft_shardmerge.side_files import list_side_files
+from peft_shardmerge.output.side_files import list_side_files
 from peft_shardmerge.testing import build_adapter
 
 #: files of a model folder that are carried (config.json is written anew)

@@ -17,10 +17,10 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from peft_shardmerge import InputError, Plan, plan_model_merge
-from peft_shardmerge.inprocess import merge_and_save, save_merged_4bit
-from peft_shardmerge.quant import Nf4Settings, packed_4bit_layout, pad_quant_state, quant_state_fields
-from peft_shardmerge.safetensors_io import read_header
-from peft_shardmerge.staging import staged_output
+from peft_shardmerge.api.inprocess import merge_and_save, save_merged_4bit
+from peft_shardmerge.io.safetensors_io import read_header
+from peft_shardmerge.output.staging import staged_output
+from peft_shardmerge.quant.nf4 import Nf4Settings, packed_4bit_layout, pad_quant_state, quant_state_fields
 from peft_shardmerge.testing import default_targets
 from tests.integration.test_inprocess import no_cpu_repack, qlora, read_all
 

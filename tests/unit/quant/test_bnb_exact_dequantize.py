@@ -1,4 +1,5 @@
-"""One exact 4-bit dequantization on every path (peft_shardmerge.quant.dequantize_state, used by live_bnb, quant_bnb
+"""One exact 4-bit dequantization on every path (peft_shardmerge.quant.nf4.dequantize_state, used by live_bnb,
+quant_bnb
 and verify's logits reference), checked against the NF4 definition written here from the spec, on rows that are
 not whole 64-value blocks (hidden size 96), where bitsandbytes' CPU dequantize_4bit is wrong."""
 
@@ -14,9 +15,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from peft_shardmerge import merge_and_save, merge_checkpoint
-from peft_shardmerge.logits import dequantized_base
 from peft_shardmerge.testing import build_base, perturb_trainable
-from peft_shardmerge.verify import verify_checkpoint
+from peft_shardmerge.verify.logits import dequantized_base
+from peft_shardmerge.verify.report import verify_checkpoint
 from tests.helpers import nf4_by_hand
 
 

@@ -13,9 +13,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from peft_shardmerge import merge_and_save
-from peft_shardmerge.integrity import read_record
 from peft_shardmerge.testing import build_base, token_ids
-from peft_shardmerge.verify import verify_checkpoint
+from peft_shardmerge.verify.integrity import read_record
+from peft_shardmerge.verify.report import verify_checkpoint
 from tests.integration.test_inprocess import train_one_step
 
 

@@ -90,7 +90,7 @@ def test_dora_merged_into_the_nf4_base_matches_the_4bit_adapter_model(make_base,
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from peft_shardmerge.inprocess import merge_and_save
+    from peft_shardmerge.api.inprocess import merge_and_save
 
     base = make_base("llama_bf16")
     adapter = make_adapter("llama_bf16", "dora", use_dora=True, target_modules=["q_proj", "v_proj", "up_proj"])

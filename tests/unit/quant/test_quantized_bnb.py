@@ -19,11 +19,11 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from peft_shardmerge import merge_checkpoint
-from peft_shardmerge.api import plan_checkpoint_merge
+from peft_shardmerge.api.disk import plan_checkpoint_merge
+from peft_shardmerge.api.inprocess import merge_and_save
+from peft_shardmerge.checkpoint.source import open_checkpoint
 from peft_shardmerge.errors import CorruptFileError, InputError
-from peft_shardmerge.inprocess import merge_and_save
-from peft_shardmerge.safetensors_io import RowReader, row_blocks
-from peft_shardmerge.sources import open_checkpoint
+from peft_shardmerge.io.safetensors_io import RowReader, row_blocks
 from peft_shardmerge.testing import build_adapter, build_base, token_ids
 from tests.helpers import folder_tensors, logits_of, rel_err
 
@@ -314,7 +314,7 @@ def test_in_process_merge_and_disk_merge_agree(tiny):
 def test_rows_of_weights_whose_rows_do_not_fill_quantization_blocks(tmp_path, kind):
     """Row lengths 68 and 131 are not multiples of the block size (64): every single row, cut anywhere inside a
     quantization block, equals transformers' dequantization."""
-    from peft_shardmerge.sources import open_checkpoint
+    from peft_shardmerge.checkpoint.source import open_checkpoint
 
     base = build_base(str(tmp_path / "base"), dtype=torch.bfloat16, hidden_size=68, intermediate_size=131,
                       num_attention_heads=2, num_key_value_heads=2)
@@ -337,7 +337,7 @@ def test_verify_says_ok_for_a_merge_from_an_odd_sided_4bit_base(tmp_path):
     dequantized by transformers, not that kernel's forward (which asserted), and the merge is read in row blocks
     that cut quantization blocks."""
     from peft_shardmerge.options import MergeOptions
-    from peft_shardmerge.verify import verify_checkpoint
+    from peft_shardmerge.verify.report import verify_checkpoint
 
     base = build_base(str(tmp_path / "base"), dtype=torch.bfloat16, hidden_size=68, intermediate_size=131,
                       num_attention_heads=2, num_key_value_heads=2)

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from peft_shardmerge import merge_and_save, merge_checkpoint, plan_checkpoint_merge
+from peft_shardmerge.checkpoint.source import open_checkpoint
 from peft_shardmerge.errors import CorruptFileError, InputError
-from peft_shardmerge.safetensors_io import RowReader, row_blocks
-from peft_shardmerge.sources import open_checkpoint
+from peft_shardmerge.io.safetensors_io import RowReader, row_blocks
 from peft_shardmerge.testing import tiny_config, token_ids
 
 #: q/o [256, 256] and k/v [64, 256] fill their blocks' sides or sit inside one; gate/up [200, 256] and down
@@ -346,7 +346,7 @@ def test_a_malformed_base_stops_the_merge_before_anything_is_written(tmp_path, f
 def test_verify_says_ok_for_a_merge_from_an_fp8_base(fp8):
     """verify's logits reference is the base dequantized by transformers with the format's blocks, not a quantized
     forward (which failed on the CPU) nor the loader's partial blocks."""
-    from peft_shardmerge.verify import verify_checkpoint
+    from peft_shardmerge.verify.report import verify_checkpoint
 
     report = verify_checkpoint(fp8["out"], base=fp8["base"], adapter=fp8["adapter"])
     assert report.status == "OK" and "checked: logits vs base + adapter" in report.summary(), report.summary()

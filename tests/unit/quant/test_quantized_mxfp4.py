@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 from peft_shardmerge import merge_and_save, merge_checkpoint, plan_checkpoint_merge
+from peft_shardmerge.checkpoint.source import open_checkpoint
 from peft_shardmerge.errors import CorruptFileError, InputError
-from peft_shardmerge.safetensors_io import RowReader
-from peft_shardmerge.sources import open_checkpoint
+from peft_shardmerge.io.safetensors_io import RowReader
 from tests.helpers import folder_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -287,7 +287,7 @@ def test_config_and_weights_disagree(tmp_path, bases):
 def test_param_delta_lays_out_experts_as_peft_does(bases):
     """param_delta multiplies in float32 what PEFT's get_delta_weight multiplies; on a float32 model PEFT does not
     round, so the two must be equal: a layout drift in PEFT shows here."""
-    from peft_shardmerge.peft_deltas import param_delta
+    from peft_shardmerge.checkpoint.peft_deltas import param_delta
 
     model = peft.PeftModel.from_pretrained(load_dequantized(bases["single"], dtype=torch.float32), bases["adapter"])
     wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
@@ -299,7 +299,7 @@ def test_param_delta_lays_out_experts_as_peft_does(bases):
 
 
 def test_verify_says_ok_for_a_merge_from_an_mxfp4_base(bases):
-    from peft_shardmerge.verify import verify_checkpoint
+    from peft_shardmerge.verify.report import verify_checkpoint
 
     out = str(bases["root"] / "verified")
     merge_checkpoint(bases["single"], bases["adapter"], out, progress=False)

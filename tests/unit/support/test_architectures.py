@@ -12,7 +12,7 @@ from peft import PeftModel
 from safetensors import safe_open
 
 from peft_shardmerge import merge_checkpoint
-from peft_shardmerge.inprocess import merge_and_save
+from peft_shardmerge.api.inprocess import merge_and_save
 from peft_shardmerge.testing import build_adapter, build_base, model_class, model_inputs
 from tests.helpers import nf4_by_hand
 
@@ -71,7 +71,7 @@ def test_disk_engine(arch, models, tmp_path):
     assert report.lora_modules_merged == report.lora_modules_total > 0
     assert keys(out) == keys(base)  # the base's own key names (and tied-weight omissions) are kept
     check(out, cls, inputs, ref)
-    from peft_shardmerge.verify import verify_checkpoint
+    from peft_shardmerge.verify.report import verify_checkpoint
 
     verdict = verify_checkpoint(out, base=base, adapter=adapter)
     assert verdict.ok and verdict.logits_max_rel_err < 1e-5, verdict.summary()

@@ -14,9 +14,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import InputError, UnsupportedError, merge_and_save, merge_checkpoint, save_pretrained_merged
-from peft_shardmerge.support import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
+from peft_shardmerge.api.unload import merge_and_unload
+from peft_shardmerge.support.check import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
 from peft_shardmerge.testing import perturb_trainable, token_ids
-from peft_shardmerge.unload import merge_and_unload
 from tests.helpers import ROOT_DIR, logits_of, rel_err
 
 ROOT = ROOT_DIR
@@ -196,7 +196,7 @@ def test_a_plain_torch_module_is_refused_not_crashed(targets, tmp_path):
     ("Linear4bit", "disk", r"m: LORA plain on Linear4bit is supported only in process"),
 ])
 def test_layer_refusals_name_the_layer_and_the_fix(kind, path, message):
-    from peft_shardmerge.support import check_layers
+    from peft_shardmerge.support.check import check_layers
 
     problems = check_layers([("m", "LORA", kind, [])], path=path)
     assert len(problems) == 1 and re.match(message, problems[0]), problems
@@ -288,7 +288,7 @@ def test_every_field_of_the_claimed_peft_configs_is_classified():
 
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
-    from peft_shardmerge import allowlist
+    from peft_shardmerge.support import allowlist
 
     for peft_type in PEFT_TYPES:
         fields = {f.name for f in dataclasses.fields(PEFT_TYPE_TO_CONFIG_MAPPING[peft_type])}
@@ -302,7 +302,7 @@ def test_every_field_of_the_claimed_peft_configs_is_classified():
     (dict(use_bdlora={"nblocks": 2}), r"block-diagonal"), (dict(megatron_config={"a": 1}), r"Megatron"),
 ])
 def test_config_options_that_change_the_forward_are_refused_on_both_paths(options, message):
-    from peft_shardmerge.support import check_config
+    from peft_shardmerge.support.check import check_config
 
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, **options}
     for path in ("disk", "in_process"):

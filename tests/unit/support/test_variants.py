@@ -8,7 +8,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import InputError, merge_checkpoint
-from peft_shardmerge.inprocess import merge_and_save
+from peft_shardmerge.api.inprocess import merge_and_save
 from peft_shardmerge.testing import build_adapter, perturb_trainable, token_ids
 from tests.helpers import logits_of, rel_err
 
@@ -83,7 +83,7 @@ def test_weighted_adapters_in_process(combination, base_precision, two_adapters,
 
 
 def test_weighted_merge_and_unload(two_adapters):
-    from peft_shardmerge.unload import merge_and_unload
+    from peft_shardmerge.api.unload import merge_and_unload
 
     base, a, b, _ = two_adapters
     peft_model, ref, ids = peft_weighted(base, [a, b], [1.0, -1.0], "cat")
@@ -118,7 +118,7 @@ def test_linear_needs_equal_ranks(two_adapters, tmp_path):
 
 
 def test_cli_merges_several_adapters(two_adapters, tmp_path):
-    from peft_shardmerge.cli import main
+    from peft_shardmerge.api.cli import main
 
     base, a, b, _ = two_adapters
     _, ref, ids = peft_weighted(base, [a, b], [0.7, 0.3], "cat")
@@ -350,7 +350,7 @@ def test_merge_and_unload_takes_every_kind(make_base):
     from peft import IA3Config, LoHaConfig, LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from peft_shardmerge.unload import merge_and_unload
+    from peft_shardmerge.api.unload import merge_and_unload
 
     base = make_base("llama")
     for config in (LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),

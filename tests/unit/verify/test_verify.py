@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import merge_checkpoint
-from peft_shardmerge.verify import verify_checkpoint
+from peft_shardmerge.verify.report import verify_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from transformers import AutoModel
 
 from peft_shardmerge import merge_checkpoint
 from peft_shardmerge.testing import build_adapter, build_base, perturb_trainable
-from peft_shardmerge.verify import verify_checkpoint
+from peft_shardmerge.verify.report import verify_checkpoint
 
 ATTENTION = ["query", "key", "value"]
 

@@ -16,9 +16,9 @@ from test_quantized_fp8 import quantize
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from peft_shardmerge import merge_checkpoint
-from peft_shardmerge.logits import model_inputs
 from peft_shardmerge.testing import tiny_config
-from peft_shardmerge.verify import verify_checkpoint
+from peft_shardmerge.verify.logits import model_inputs
+from peft_shardmerge.verify.report import verify_checkpoint
 
 BLOCK = (128, 128)
 #: gate/up are [320, 256]: 320 rows end in a partial 64-row block; down is [256, 320]
@@ -120,7 +120,7 @@ def test_damaged_merge_fails(fp8_320):
 def test_a_reference_transformers_cannot_build_is_unchecked_not_failed(fp8_320, monkeypatch):
     """With transformers' own FP8 loader as the reference's base (what verify used before), the reference cannot be
     built for this checkpoint: the correct merge is UNCHECKED with transformers' reason, not FAILED."""
-    from peft_shardmerge import logits
+    from peft_shardmerge.verify import logits
 
     def transformers_loader(cls, base):
         return cls.from_pretrained(base, quantization_config=FineGrainedFP8Config(dequantize=True)).float()

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 
 from peft_shardmerge import merge_checkpoint
-from peft_shardmerge.record import RECORD_FILE, shard_record
-from peft_shardmerge.verify import verify_checkpoint
-from peft_shardmerge.writer import ShardWriter, TensorDigests
+from peft_shardmerge.output.record import RECORD_FILE, shard_record
+from peft_shardmerge.output.writer import ShardWriter, TensorDigests
+from peft_shardmerge.verify.report import verify_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +312,7 @@ def test_tensor_digests_split_any_chunking():
 
 def test_crafted_record_with_a_valid_digest_is_handled(outputs, tmp_path):
     """A record rewritten with a matching digest but hostile entries: problems, never a read outside OUT."""
-    from peft_shardmerge.record import record_digest
+    from peft_shardmerge.output.record import record_digest
 
     folder = _copy(outputs["fp32"], tmp_path)
     path = os.path.join(folder, RECORD_FILE)

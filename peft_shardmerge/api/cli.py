@@ -1,0 +1,283 @@
+"""The peft-shardmerge command line: argument parsing, logging levels and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from ..errors import ShardMergeError
+from ..version import __version__
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+
+
+class Terminated(BaseException):
+    """Raised in the main thread when SIGTERM arrives, so that the staging folder is cleaned up; in a distributed
+    job the launcher sends it when a rank died or the scheduler stops the job, so the finished shards are kept for a
+    rerun instead (``keep_partial``)."""
+
+    keep_partial = False
+
+
+def _on_sigterm(signum, frame):  # signal handler signature
+    error = Terminated()
+    error.keep_partial = _rank() is not None
+    raise error
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser (``peft-shardmerge merge ...``).
+
+    Returns:
+        The parser.
+
+    Example:
+        >>> build_parser().parse_args(["merge", "base", "adapter", "out"]).dtype is None
+        True
+    """
+    p = argparse.ArgumentParser(
+        prog="peft-shardmerge",
+        description="Merge LoRA adapters into 16-bit checkpoints with flat memory.",
+    )
+    p.add_argument("--version", action="version", version=f"peft-shardmerge {__version__}")
+    sub = p.add_subparsers(dest="command")
+    m = sub.add_parser(
+        "merge",
+        help="merge a base checkpoint and a LoRA adapter folder into a new checkpoint",
+        description="Merge BASE + ADAPTER into OUT, one row block at a time. Under torchrun (torchrun "
+                    "--nproc_per_node N -m peft_shardmerge merge ...) the output shards are split over the ranks; "
+                    "rank 0 commits, and the bytes are those one process writes.",
+    )
+    m.add_argument("base", metavar="BASE", help="base checkpoint folder, or a Hub id in the local cache")
+    m.add_argument("adapter", metavar="ADAPTER", help="PEFT LoRA adapter folder, or a Hub id in the local cache")
+    m.add_argument("out", metavar="OUT", help="output folder (created; replaced only with --overwrite)")
+    m.add_argument("--add-adapter", action="append", default=[], metavar="FOLDER",
+                   help="another adapter to merge with ADAPTER (repeatable); see --weights and --combination")
+    m.add_argument("--weights", type=float, nargs="+", metavar="W",
+                   help="one weight per adapter, ADAPTER first (default 1.0 each)")
+    m.add_argument("--combination", choices=["cat", "linear"], default="cat",
+                   help="how several adapters combine: cat = exactly sum of w_i * delta_i (default); linear = "
+                        "PEFT add_weighted_adapter's 'linear' (equal ranks, cross terms included)")
+    m.add_argument("--dtype", type=_dtype_arg, default=None, metavar="{bfloat16,float16,float32,auto}",
+                   help="dtype written (bf16, fp16, fp32 too; default or 'auto': the base's)")
+    m.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
+    m.add_argument("--base-precision", choices=["auto", "original", "nf4"], default="auto",
+                   help="auto (default): reproduce the trained model, i.e. nf4 where the adapter's files show a 4-bit "
+                        "base, else original; original: the checkpoint's weights; nf4: dequant(nf4(W)), the weights "
+                        "a QLoRA adapter was trained against")
+    m.add_argument("--nf4-quant-type", choices=["nf4", "fp4"], default="nf4",
+                   help="4-bit type used in training (with --base-precision nf4)")
+    m.add_argument("--nf4-blocksize", type=int, default=64, help="4-bit block size used in training (default 64)")
+    m.add_argument("--no-nf4-double-quant", dest="nf4_double_quant", action="store_false",
+                   help="training did not use double quantization")
+    m.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
+                   help="where the maths runs (under torchrun, cuda is each rank's own GPU: cuda:LOCAL_RANK)")
+    m.add_argument("--dry-run", action="store_true", help="print the plan and exit; read no tensor data")
+    m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    v = sub.add_parser(
+        "verify",
+        help="check a merged checkpoint (every byte against its merge record; with --base/--adapter, every tensor "
+             "recomputed and the logits)",
+        description="Check OUT: every byte against the SHA-256 digests in merge_manifest.json, headers, index, "
+                    "format metadata, no NaN/Inf, names and shapes, config consistency; with --base and --adapter, "
+                    "every tensor recomputed from base + adapter and the logits. Exit 0 OK, 1 FAILED, 3 UNCHECKED "
+                    "(no merge record and no --base/--adapter), 2 OUT is not a checkpoint.",
+    )
+    v.add_argument("out", metavar="OUT", help="the merged checkpoint folder")
+    v.add_argument("--base", help="the base checkpoint the merge came from")
+    v.add_argument("--adapter", action="append", help="the adapter that was merged (repeat it, in order, for a "
+                                                      "combination of several)")
+    v.add_argument("--prompts", help="a text file, one prompt a line, to compare logits on (default: random ids)")
+    v.add_argument("--tolerance", type=float, help="largest accepted relative logits error")
+    verbosity = m.add_mutually_exclusive_group()
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="errors and warnings only, no progress bar")
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: arguments without the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        0 on success, 2 for a user error or a filesystem failure such as a full disk (message, no traceback),
+        130 when interrupted (Ctrl-C), 143 on SIGTERM.
+
+    Raises:
+        SystemExit: from argparse, for ``--help``, ``--version`` or unparsable arguments (status 2).
+        Exception: an unexpected failure (a bug) propagates with its traceback.
+
+    Example:
+        >>> main(["merge", "base", "adapter", "out", "--dry-run"])   # doctest: +SKIP
+        0
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `peft-shardmerge`: say what it does rather than fail on a missing argument
+        parser.print_help()
+        return 0
+    if args.command == "verify":
+        return _verify(args, parser)
+    rank = _rank()
+    level = logging.WARNING if args.quiet or (rank and not args.verbose) else \
+        logging.DEBUG if args.verbose else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s " + ("" if rank is None else f"[rank {rank}] ")
+                        + "%(name)s: %(message)s")
+    if not args.verbose:
+        for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        from ..output.files import held_signals
+
+        with held_signals():  # Ctrl-C while torch loads would break the import; it is delivered once loaded
+            from .disk import merge_checkpoint
+
+        adapters = [args.adapter, *args.add_adapter]
+        report = merge_checkpoint(
+            args.base, adapters[0] if len(adapters) == 1 else adapters, args.out,
+            weights=args.weights, combination=args.combination,
+            dtype=args.dtype, max_shard_size=args.max_shard_size, base_precision=args.base_precision,
+            nf4_quant_type=args.nf4_quant_type, nf4_blocksize=args.nf4_blocksize,
+            nf4_double_quant=args.nf4_double_quant, device=args.device, overwrite=args.overwrite,
+            dry_run=args.dry_run, progress=not args.quiet and not rank, distributed=True,
+        )
+    except ShardMergeError as e:
+        print(f"{_who(rank)}: error: {command_line_text(str(e))}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"{_who(rank)}: interrupted; {_out_state(args.out)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"{_who(rank)}: terminated; {_out_state(args.out)}", file=sys.stderr)
+        return EXIT_TERMINATED
+    except OSError as e:
+        print(f"{_who(rank)}: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(args.out)}",
+              file=sys.stderr)
+        return EXIT_USER_ERROR
+    if (args.dry_run or not args.quiet) and not rank:  # a dry run's plan is its output; -q silences the summary
+        _print(report.summary())
+    return 0
+
+
+def run() -> None:
+    """The ``peft-shardmerge`` command and ``python -m peft_shardmerge``: :func:`main`, then exit with its status.
+
+    A process of a distributed job (``WORLD_SIZE`` above 1) leaves at once (``os._exit``) once its output is
+    flushed: torch's process-group machinery can abort at interpreter shutdown ("terminate called without an
+    active exception", seen in about 1 of 10 three-rank runs on a busy machine, after ``destroy_process_group``),
+    which would turn a finished merge into a failed job.
+
+    Returns:
+        Never.
+
+    Raises:
+        SystemExit: with :func:`main`'s status.
+
+    Example:
+        >>> run()   # doctest: +SKIP
+    """
+    code = main()
+    if _rank() is None:
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _rank() -> int | None:
+    """This process's rank in a job a launcher started (``RANK``, with ``WORLD_SIZE`` above 1); None outside one."""
+    try:
+        return int(os.environ.get("RANK", 0)) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None
+    except ValueError:
+        return None
+
+
+def _who(rank: int | None) -> str:
+    """The name messages start with: the program, and the rank in a distributed job."""
+    return "peft-shardmerge" if rank is None else f"peft-shardmerge[rank {rank}]"
+
+
+def _print(text: str) -> None:
+    """Print to stdout; a reader that stopped early (``| head``) ends the output quietly, not with a traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+
+
+def _out_state(out: str) -> str:
+    """What became of OUT (``staging.outcome``); nothing was written when the staging module was never loaded."""
+    staging = sys.modules.get("peft_shardmerge.output.staging")
+    return staging.outcome(out) if staging is not None else "nothing was written and OUT is unchanged"
+
+
+def _dtype_arg(value: str) -> str | None:
+    """``--dtype``: the names the Python API accepts (``bf16``, ``torch.bfloat16``, ...); ``auto`` is the default."""
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    name = aliases.get(value.lower().removeprefix("torch."), value.lower().removeprefix("torch."))
+    if name == "auto":
+        return None
+    if name not in ("bfloat16", "float16", "float32"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from bfloat16, float16, float32, or "
+                                         "bf16, fp16, fp32, auto)")
+    return name
+
+
+def _verify(args, parser) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    if (args.base is None) != (args.adapter is None):
+        parser.error("--base and --adapter go together")
+    from ..verify.report import verify_checkpoint
+
+    prompts = None
+    try:
+        if args.prompts:
+            with open(args.prompts, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        report = verify_checkpoint(args.out, base=args.base, adapter=args.adapter, prompts=prompts,
+                                   tolerance=args.tolerance)
+    except (ShardMergeError, OSError) as e:
+        print(f"peft-shardmerge: error: {command_line_text(str(e))}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    _print(report.summary())
+    return report.exit_code  # 0 OK, 1 FAILED, 3 UNCHECKED (no merge record and no --base/--adapter)
+
+
+#: the Python spellings of options in the library's messages, and the flags the command line takes instead
+FLAGS = {"overwrite=True": "--overwrite", "device='cpu' or 'auto'": "--device cpu or auto"}
+
+
+def command_line_text(message: str) -> str:
+    """A library message as the command line says it: options named by their flags, not their Python keywords.
+
+    Args:
+        message: the error text.
+
+    Returns:
+        The text with each Python spelling of :data:`FLAGS` replaced by its flag.
+
+    Example:
+        >>> command_line_text("output folder m is not empty; pass overwrite=True to replace it")
+        'output folder m is not empty; pass --overwrite to replace it'
+    """
+    for python, flag in FLAGS.items():
+        message = message.replace(python, flag)
+    return message
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

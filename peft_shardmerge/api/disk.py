@@ -1,0 +1,299 @@
+"""The public disk-to-disk API: merge_checkpoint and plan_checkpoint_merge, thin wrappers over MergeOptions."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+
+from ..checkpoint.adapter import combine_adapters, load_adapter
+from ..checkpoint.peft_deltas import rebuild
+from ..checkpoint.planner import build_plan
+from ..checkpoint.source import check_base_files, open_checkpoint
+from ..checkpoint.trained_base import base_name_notes, disk_base_choice
+from ..distributed.ranks import STEPS, agree_on_plan, failed
+from ..distributed.world import JobSteps, World, joined_world
+from ..engine.execute import execute_plan, resolve_device
+from ..engine.model_info import inspect_model
+from ..engine.plan import Plan
+from ..engine.report import MergeReport
+from ..errors import FileSystemError, InputError, ShardMergeError
+from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
+from ..output.checks import check_out_dir, check_space, path_argument
+from ..output.staging import NOTHING_WRITTEN
+from ..support.peft_reading import adapter_load_problems
+from .quiet import quiet_libraries
+
+log = logging.getLogger(__name__)
+
+
+def plan_checkpoint_merge(
+    base: str | os.PathLike,
+    adapter: str | os.PathLike | Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    *,
+    weights: Sequence[float] | None = None,
+    combination: str = "cat",
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    base_precision: str = "auto",
+    nf4_quant_type: str = "nf4",
+    nf4_blocksize: int = 64,
+    nf4_double_quant: bool = True,
+    device: str = "auto",
+    overwrite: bool = False,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    options: MergeOptions | None = None,
+) -> Plan:
+    """Check every input and decide the whole merge without reading tensor data (what ``--dry-run`` prints).
+
+    Args:
+        base: base checkpoint folder, or a Hub id in the local cache.
+        adapter: PEFT LoRA adapter folder, or a Hub id in the local cache; or a list of them, merged as the
+            weighted combination ``weights``/``combination`` describe.
+        out_dir: the output folder.
+        weights: one weight per adapter (default 1.0 each).
+        combination: ``"cat"`` (exactly ``sum_i w_i * dW_i``, any ranks) or ``"linear"`` (PEFT's
+            ``add_weighted_adapter`` linear factors, equal ranks); see
+            :func:`~peft_shardmerge.checkpoint.adapter.combine_adapters`.
+        dtype: output dtype (``"bfloat16"``, ``"float16"``, ``"float32"`` or a torch dtype); None keeps the base's.
+        max_shard_size: largest output shard (``"5GB"``, ``"500MB"`` or bytes).
+        base_precision: ``"auto"`` (the default) reproduces the trained model: ``"nf4"`` where the adapter's
+            files show it was trained on a 4-bit base (with the 4-bit settings they record), else ``"original"``;
+            ``"original"`` merges into the checkpoint's weights; ``"nf4"`` merges into dequant(quantize_4bit(W)),
+            the weights a QLoRA adapter was trained against. The plan's ``reproduces`` says which model results.
+        nf4_quant_type: ``"nf4"`` or ``"fp4"`` for ``base_precision="nf4"``.
+        nf4_blocksize: 4-bit block size used during training.
+        nf4_double_quant: whether training used double quantization.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        overwrite: allow replacing a non-empty ``out_dir``.
+        chunk_elems: elements per row block (bounds peak memory).
+        options: the same knobs as one :class:`~peft_shardmerge.options.MergeOptions`; a keyword left at its
+            default defers to it, a keyword set to another value wins over a field left at its default, and a
+            keyword and a field set to different values are refused.
+
+    Returns:
+        The :class:`~peft_shardmerge.engine.plan.Plan`; ``print(plan.describe())`` shows it.
+
+    Raises:
+        InputError: every problem with the options (conflicts between keywords and ``options`` too), the output
+            folder and the adapter/base pairing, at once.
+        NotFoundError: the base or adapter cannot be found.
+        UnsupportedError: the adapter type or an adapter option cannot be merged.
+        CorruptFileError: a checkpoint or adapter file is malformed.
+
+    Example:
+        >>> plan = plan_checkpoint_merge("tiny-base", "tiny-adapter", "merged")   # doctest: +SKIP
+        >>> print(plan.describe())   # doctest: +SKIP
+    """
+    opts, problems = MergeOptions.merged(
+        options, weights=weights, combination=combination, dtype=dtype, max_shard_size=max_shard_size,
+        base_precision=base_precision, nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize,
+        nf4_double_quant=nf4_double_quant, device=device, overwrite=overwrite, chunk_elems=chunk_elems)
+    return plan_with_options(base, adapter, out_dir, opts, problems)
+
+
+def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequence[str | os.PathLike],
+                      out_dir: str | os.PathLike, opts: MergeOptions, problems: list[str] | None = None, *,
+                      recover: bool = False) -> Plan:
+    """:func:`plan_checkpoint_merge` with its knobs as one :class:`~peft_shardmerge.options.MergeOptions`.
+
+    Args:
+        base: base checkpoint folder, or a cached Hub id.
+        adapter: an adapter folder or cached Hub id, or a list of them.
+        out_dir: the output folder.
+        opts: the options (their problems are reported with the rest).
+        problems: problems found already (conflicts between keywords and ``options``), reported with the rest.
+        recover: first finish or undo the commit of a killed merge into ``out_dir`` (a merge about to run; a plan
+            alone touches nothing).
+
+    Returns:
+        The :class:`~peft_shardmerge.engine.plan.Plan`.
+
+    Raises:
+        InputError, NotFoundError, UnsupportedError, CorruptFileError: as :func:`plan_checkpoint_merge`.
+
+    Example:
+        >>> opts = MergeOptions(dtype="bf16")
+        >>> plan = plan_with_options("tiny-base", "tiny-adapter", "merged", opts)  # doctest: +SKIP
+    """
+    problems = list(problems if problems is not None else opts.problems())
+    opts = opts.for_path("disk")
+    base, bad_base = path_argument(base, "base")
+    locations, bad = _adapter_locations(adapter)
+    if bad_base or bad:  # unreadable path arguments: nothing else can be checked
+        raise InputError(bad_base + bad + problems + check_out_dir(out_dir, inputs={}, overwrite=opts.overwrite))
+    out_dir = os.fspath(out_dir) if isinstance(out_dir, os.PathLike) else out_dir
+    try:
+        resolve_device(opts.device)
+    except InputError as e:
+        problems += [p for p in e.problems if p not in problems]
+    src = open_checkpoint(base, check_files=False)  # mapped whole by safetensors: after the space check
+    try:
+        spec = combine_adapters([load_adapter(a) for a in locations], opts.weights, opts.combination)
+    except InputError as e:  # nothing further can be planned: every problem found so far, at once
+        raise InputError(problems + [p for p in e.problems if p not in problems]) from e
+    adapters = [(part.folder, part.config) for part in spec.parts or [spec]]
+    precision, nf4_fields, reproduces = disk_base_choice(
+        opts.base_precision, adapters, src.quantized.method if src.quantized is not None else None)
+    opts = replace(opts, base_precision=precision, **nf4_fields)
+    inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
+                                     for i, f in enumerate(spec.folders)}}
+    problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
+    info = inspect_model(src.folder)
+    problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
+    if spec.needs_layers:
+        from transformers import AutoConfig
+
+        spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
+                              skip=spec.layer_skip)
+    # a bad chunk size is among problems: build_plan raises them before any Plan holds it
+    plan = build_plan(src, spec, info, dtype=opts.dtype, max_shard_size=opts.max_shard_size,
+                      base_precision=opts.base_precision, nf4=opts.nf4, chunk_elems=opts.chunk_elems,
+                      problems=problems)
+    plan.reproduces = reproduces
+    plan.notes[:0] = base_name_notes(adapters, base, src.folder)
+    space = check_space(out_dir, plan.total_size + sum(
+        os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files))
+    if space:
+        raise InputError(space)
+    check_base_files(src)
+    return plan
+
+
+def _adapter_locations(adapter) -> tuple[list, list[str]]:
+    """The adapter path arguments (one or a list), with the problems of unreadable ones."""
+    many = not isinstance(adapter, (str, bytes, os.PathLike)) and isinstance(adapter, Sequence)
+    locations, problems = [], []
+    for i, a in enumerate(adapter if many else [adapter]):
+        a, bad = path_argument(a, f"adapter {i + 1}" if many else "adapter")
+        locations.append(a)
+        problems += bad
+    if not locations:
+        problems.append("adapter is an empty list; pass at least one adapter folder")
+    return locations, problems
+
+
+def merge_checkpoint(
+    base: str | os.PathLike,
+    adapter: str | os.PathLike | Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    *,
+    # the adapters and how they combine
+    weights: Sequence[float] | None = None, combination: str = "cat",
+    # what is written
+    dtype: str | torch.dtype | None = None, max_shard_size: int | str = "5GB", base_precision: str = "auto",
+    nf4_quant_type: str = "nf4", nf4_blocksize: int = 64, nf4_double_quant: bool = True,
+    # how it runs
+    device: str = "auto", overwrite: bool = False, dry_run: bool = False,
+    progress: bool = True,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    before_commit: Callable[[str], None] | None = None,
+    resume: bool = True,
+    options: MergeOptions | None = None,
+    distributed: bool = False,
+) -> MergeReport:
+    """Merge a LoRA adapter into a base checkpoint on disk, streaming one row block at a time.
+
+    The output is a transformers checkpoint (``model.safetensors`` or shards with an index, ``config.json``
+    without ``quantization_config``, generation and tokenizer files) that ``from_pretrained`` loads as is.
+    Peak memory is one row block, whatever the model or shard size. The folder appears only when complete.
+
+    With ``distributed=True``, in a job a launcher started (``torchrun``: ``WORLD_SIZE`` above 1, or a process group
+    already initialized), every rank calls this with the same arguments: the output shards are split over the ranks,
+    which write them into one staging folder (on a filesystem every node shares); rank 0 writes the rest and commits.
+    The result is the same bytes as one process writes. See ``docs/distributed.md``.
+
+    Args:
+        base: base checkpoint folder, or a Hub id already in the local Hugging Face cache.
+        adapter: PEFT LoRA adapter folder, or a cached Hub id; or a list of them (a weighted combination).
+        out_dir: the output folder.
+        weights: one weight per adapter (default 1.0 each).
+        combination: ``"cat"`` or ``"linear"`` (see :func:`plan_checkpoint_merge`).
+        dtype: output dtype; None keeps the base's.
+        max_shard_size: largest output shard (decimal units: ``"5GB"`` is 5e9 bytes).
+        base_precision: ``"auto"`` (reproduce the trained model), ``"original"`` or ``"nf4"`` (see
+            :func:`plan_checkpoint_merge`).
+        nf4_quant_type: ``"nf4"`` or ``"fp4"``.
+        nf4_blocksize: 4-bit block size used in training.
+        nf4_double_quant: whether training used double quantization.
+        device: where the maths runs: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        overwrite: allow replacing a non-empty ``out_dir`` (replaced only after the new one is complete).
+        dry_run: plan and check only; nothing is read beyond headers and nothing is written.
+        progress: show a progress bar.
+        chunk_elems: elements per row block.
+        before_commit: called with the temporary output folder before it is checked and moved into place
+            (to add files, e.g. ``tokenizer.save_pretrained``).
+        resume: when an earlier run of the same merge (same inputs and options) was killed, keep its
+            finished and verified shards (``.<OUT>.partial/manifest.json``) and redo the rest.
+        options: the knobs above as one :class:`~peft_shardmerge.options.MergeOptions` (all but ``dry_run``,
+            ``before_commit`` and ``distributed``); the precedence of :func:`plan_checkpoint_merge` applies.
+        distributed: split the merge over the ranks of the job this process belongs to; every rank must call this
+            (the command line does under ``torchrun``). False (the default) merges in this process alone, inside a
+            job too (``if rank == 0: merge_checkpoint(...)``).
+
+    Returns:
+        A :class:`~peft_shardmerge.engine.report.MergeReport` (``report.summary()`` for a one-screen summary).
+
+    Raises:
+        InputError: problems with inputs or options, all reported at once, before anything is written.
+        NotFoundError: the base or adapter cannot be found.
+        UnsupportedError: the adapter cannot be merged by this version.
+        CorruptFileError: a file is malformed.
+        MergeCheckError: a consistency check failed after writing; nothing was committed.
+        OutputLockedError: another merge is writing ``out_dir``.
+        OutputChangedError: ``out_dir`` changed while the merge ran; it was left as it is and the new output
+            kept in ``.<OUT>.partial`` (the message says so).
+        FileSystemError: the filesystem failed (disk full, I/O error); an ``OSError`` too, whose message says
+            what became of ``out_dir``.
+        PeerFailedError: (distributed) another rank failed; its message, and what became of ``out_dir``.
+
+    Example:
+        >>> from peft_shardmerge import merge_checkpoint
+        >>> report = merge_checkpoint("tiny-base", "tiny-adapter", "merged", dtype="bfloat16")  # doctest: +SKIP
+        >>> print(report.summary())   # doctest: +SKIP
+    """
+    opts, problems = MergeOptions.merged(
+        options, weights=weights, combination=combination, dtype=dtype, max_shard_size=max_shard_size,
+        base_precision=base_precision, nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize,
+        nf4_double_quant=nf4_double_quant, device=device, overwrite=overwrite, progress=progress,
+        chunk_elems=chunk_elems, resume=resume)
+    with quiet_libraries():
+        if not distributed:
+            return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, JobSteps(World(), STEPS))
+        with joined_world(opts.device) as world:
+            steps = JobSteps(world, ("plan",) if dry_run else STEPS)
+            try:
+                return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, steps)
+            except BaseException as e:
+                if not world.distributed:
+                    raise
+                raise failed(steps, e, out_dir)
+
+
+def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_run: bool, before_commit,
+           steps: JobSteps) -> MergeReport:
+    """Plan (every rank agreeing on the plan in a distributed job), then carry the plan out or describe it."""
+    try:
+        plan = plan_with_options(base, adapter, out_dir, opts, problems, recover=not dry_run)
+    except OSError as e:  # the filesystem failed while reading the inputs: say so in the family, with OUT's state
+        if isinstance(e, ShardMergeError):
+            raise
+        raise FileSystemError(e, NOTHING_WRITTEN) from e
+    agree_on_plan(steps, plan, out_dir)
+    out_dir = os.path.abspath(os.fspath(out_dir))  # resolved once: every later step uses this path
+    for note in plan.notes if steps.world.rank == 0 else ():
+        log.debug("%s", note)  # the report's summary (the CLI prints it) shows each note once
+    if dry_run:
+        return MergeReport(
+            out_dir=os.path.abspath(out_dir), base=plan.base.folder, adapter=", ".join(plan.adapter.folders),
+            dtype=str(plan.dtype).removeprefix("torch."), base_precision=plan.base_precision,
+            tensors_written=0, lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
+            notes=list(plan.notes), dry_run=True, plan_text=plan.describe(), reproduces=plan.reproduces,
+        )
+    return execute_plan(plan, out_dir, device=opts.device, progress=opts.progress and steps.world.rank == 0,
+                        before_commit=before_commit, resume=opts.resume, overwrite=opts.overwrite,
+                        steps=steps if steps.world.distributed else None)

@@ -1,0 +1,400 @@
+"""Drop-ins for Unsloth's and PEFT's call sites: save_pretrained_merged, push_to_hub_merged, merge_and_unload,
+patch_peft."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..checkpoint.source import TOKENIZER_FILES
+from ..engine.report import MergeReport
+from ..errors import InputError
+from ..model.walk import unwrap
+from ..output.checks import check_out_dir, path_argument, source_folders
+from ..output.record import unlisted_files
+from ..output.staging import REPLACE_CHECK
+from ..verify.integrity import read_record
+from .inprocess import merge_and_save, save_merged_4bit
+from .unload import merge_and_unload as _merge_and_unload
+
+#: every ``save_method`` Unsloth documents, mapped to what is done here (None: refused, with the alternative)
+SAVE_METHODS = {
+    "merged_16bit": "merged_16bit",
+    "merged_4bit": "merged_4bit",
+    "merged_4bit_forced": "merged_4bit",
+    "lora": "lora",
+    "mxfp4": None,
+}
+REFUSED_METHODS = {
+    "mxfp4": "save_method='mxfp4' (gpt-oss's native format) is not written here; use save_method='merged_16bit' "
+             "(a bf16 checkpoint that vLLM and transformers load as is)",
+}
+
+#: the files of an adapter-only save (``save_method="lora"``)
+_LORA_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors", *TOKENIZER_FILES}
+
+
+def _earlier_save(folder: str) -> str:
+    """What an existing non-empty folder holds: ``"merged"`` (a merged checkpoint whose every file our merge record
+    lists, or our model card), ``"adapter"`` (only the files of an adapter save) or ``""`` (anything else)."""
+    record, problems = read_record(folder)  # self-checked: a damaged record is no proof the folder is ours
+    if record is not None and not problems:
+        extra = [n for n in unlisted_files(folder, record) if not (n == "README.md" and _our_card(folder))]
+        return "" if extra else "merged"
+    names = os.listdir(folder)
+    if "adapter_config.json" in names and all(
+            n in _LORA_FILES and os.path.isfile(os.path.join(folder, n))
+            and not os.path.islink(os.path.join(folder, n))
+            for n in names):
+        return "adapter"
+    return ""
+
+
+def _our_card(folder: str) -> bool:
+    """Whether the folder's README.md is the model card a push of ours wrote beside the merge (it names us)."""
+    try:
+        with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+            return "peft-shardmerge" in f.read(1 << 16)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _replace_problems(save_directory: str, model: nn.Module, method: str | None, any_content: bool = False
+                      ) -> list[str]:
+    """Problems with saving into ``save_directory`` as Unsloth does: an earlier save there is replaced (a merged
+    checkpoint by any save, an adapter folder by an adapter save); an input folder, or a folder with other content,
+    never is."""
+    problems = check_out_dir(save_directory, inputs=source_folders(model), overwrite=True, only_ours=any_content,
+                             recover=True)
+    if problems or any_content:
+        return problems
+    return _not_an_earlier_save(save_directory, method)
+
+
+def _not_an_earlier_save(save_directory: str, method: str | None) -> list[str]:
+    """Why a non-empty folder may not be replaced by this save (empty when it holds an earlier save it may
+    replace); run again under the output lock."""
+    if not os.path.isdir(save_directory) or not os.listdir(save_directory):
+        return []
+    problems, held = [], _earlier_save(save_directory)
+    if held == "adapter" and method not in (None, "lora"):
+        problems.append(f"{save_directory} holds an adapter (adapter_config.json), perhaps the one this model was "
+                        "loaded from; a merged save does not replace it: choose another folder (or pass "
+                        "overwrite=True)")
+    elif not held:
+        extra = sorted(n for n in os.listdir(save_directory) if n not in _LORA_FILES)[:5]
+        problems.append(f"{save_directory} is not an earlier save (it holds {', '.join(extra)}); a folder is "
+                        "replaced only when it holds an earlier save: choose an empty or new folder (or pass "
+                        "overwrite=True)")
+    return problems
+
+
+def _check_compat(save_method, state_dict, safe_serialization, variant) -> list[str]:
+    problems = []
+    method = save_method.lower().replace(" ", "_") if isinstance(save_method, str) else save_method
+    if method in REFUSED_METHODS:
+        problems.append(REFUSED_METHODS[method])
+    elif method not in SAVE_METHODS:
+        offered = ", ".join(repr(k) for k, v in SAVE_METHODS.items() if v)
+        problems.append(f"save_method must be one of {offered}, got {save_method!r}")
+    if state_dict is not None:
+        problems.append("state_dict is not supported: the merge reads the model itself; leave it None")
+    if not safe_serialization:
+        problems.append("safe_serialization=False is not supported: only safetensors are written")
+    if variant is not None:
+        problems.append("variant is not supported; leave it None")
+    return problems
+
+
+def _save_lora(model: nn.Module, folder: str, tokenizer: Any) -> None:
+    """The adapter alone, as ``model.save_pretrained``, staged beside ``folder`` and renamed into place."""
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.lora-", dir=parent)
+    try:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        old = None
+        if os.path.isdir(folder):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.old-", dir=parent)
+            os.rename(folder, os.path.join(old, "x"))
+        os.rename(staging, folder)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging)
+
+
+def _save(model, folder, tokenizer, method, *, dtype, max_shard_size, maximum_memory_usage, base_precision,
+          overwrite, progress) -> MergeReport | None:
+    if method == "lora":
+        _save_lora(model, folder, tokenizer)
+        return None
+    if method == "merged_4bit":
+        return save_merged_4bit(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
+                                maximum_memory_usage=maximum_memory_usage, overwrite=overwrite, progress=progress)
+    return merge_and_save(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
+                          maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
+                          overwrite=overwrite, progress=progress)
+
+
+def save_pretrained_merged(
+    model: nn.Module,
+    save_directory: str,
+    tokenizer: Any = None,
+    save_method: str = "merged_16bit",
+    push_to_hub: bool = False,
+    token: str | None = None,
+    is_main_process: bool = True,
+    state_dict: dict | None = None,
+    save_function: Callable | None = None,
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = True,
+    variant: str | None = None,
+    save_peft_format: bool = True,
+    tags: list[str] | None = None,
+    temporary_location: str | None = None,
+    maximum_memory_usage: float = 0.9,
+    private: bool | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    base_precision: str = "auto",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> MergeReport | None:
+    """Unsloth's ``save_pretrained_merged``: same parameters, flat memory, honoured shard size and budget.
+
+    Like Unsloth's, running it again replaces the earlier save in ``save_directory`` (a merged checkpoint by any
+    ``save_method``, an adapter folder by ``"lora"``); a folder the model was loaded from, an adapter folder asked
+    to take a merged model, or a folder holding other files is never replaced (the error says which files).
+
+    Args:
+        model: the trained ``PeftModel``.
+        save_directory: the output folder (for ``push_to_hub=True``, also the repository name, ``"name"`` or
+            ``"user/name"``).
+        tokenizer: saved with the model when given.
+        save_method: ``"merged_16bit"`` (default), ``"merged_4bit"`` / ``"merged_4bit_forced"`` (the merged weights
+            re-quantized to bitsandbytes 4-bit, with one warning: lossy) or ``"lora"`` (the adapter only);
+            ``"mxfp4"`` is refused, naming ``"merged_16bit"``.
+        push_to_hub: upload the folder afterwards; Hub access is checked before merging.
+        token: Hub token (never logged).
+        is_main_process: when False nothing is done (distributed training).
+        state_dict: not supported (the merge reads the model itself); must be None.
+        save_function: ignored (safetensors are written directly).
+        max_shard_size: largest shard (``"5GB"``).
+        safe_serialization: must be True (only safetensors are written).
+        variant: not supported; must be None.
+        save_peft_format: ignored (kept for compatibility).
+        tags: extra model card tags when pushing.
+        temporary_location: ignored (output is staged beside ``save_directory``).
+        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
+        private: create the Hub repository private.
+        dtype: output dtype; None or ``"auto"`` writes the checkpoint's own 16-bit dtype (see :func:`merge_and_save`).
+        base_precision: ``"auto"``, ``"original"`` or ``"dequantized"`` (see :func:`merge_and_save`).
+        overwrite: also replace a folder holding other files (never a folder the model was loaded from).
+        progress: show progress bars.
+
+    Returns:
+        The :class:`MergeReport` for merged methods, None for ``"lora"`` or when not the main process.
+
+    Raises:
+        InputError: every problem with the options and the folder, at once, before anything is written.
+        HubUploadError: the Hub cannot be reached or the upload failed.
+
+    Example:
+        >>> save_pretrained_merged(model, "outputs/merged", tokenizer, save_method="merged_16bit")  # doctest: +SKIP
+    """
+    if not is_main_process:
+        return None
+    path, problems = path_argument(save_directory, "output folder")  # str, bytes or os.PathLike
+    problems += _check_compat(save_method, state_dict, safe_serialization, variant)
+    method = SAVE_METHODS.get(save_method.lower().replace(" ", "_")) if isinstance(save_method, str) else None
+    if path is None:
+        raise InputError(problems)
+    save_directory = path
+    problems += _replace_problems(save_directory, model, method, any_content=overwrite)
+    repo_id = save_directory.strip("/")
+    if push_to_hub and (repo_id.count("/") > 1 or os.path.isabs(save_directory) or not all(repo_id.split("/"))):
+        problems.append(f"with push_to_hub=True, save_directory is also the Hub repository id ('name' or "
+                        f"'user/name'); got {save_directory!r} (use push_to_hub_merged(model, 'user/name') to push "
+                        "without keeping a local folder)")
+    if problems:
+        raise InputError(problems)
+    if push_to_hub:
+        from .hub import prepare_repo
+
+        repo_id = prepare_repo(repo_id, token=token, private=private)
+    recheck = None if overwrite else REPLACE_CHECK.set(lambda out: _not_an_earlier_save(out, method))
+    try:  # checked again under the output lock: a file that appeared since is never deleted
+        report = _save(model, save_directory, tokenizer, method,
+                       dtype=dtype, max_shard_size=max_shard_size, maximum_memory_usage=maximum_memory_usage,
+                       base_precision=base_precision, overwrite=True, progress=progress)
+    finally:
+        if recheck is not None:
+            REPLACE_CHECK.reset(recheck)
+    if push_to_hub:
+        _push(save_directory, repo_id, model, report, save_method, token=token, private=private, tags=tags)
+    return report
+
+
+def push_to_hub_merged(
+    model: nn.Module,
+    repo_id: str,
+    tokenizer: Any = None,
+    save_method: str = "merged_16bit",
+    use_temp_dir: bool | None = None,
+    commit_message: str | None = "Trained with peft-shardmerge",
+    private: bool | None = None,
+    token: str | None = None,
+    max_shard_size: int | str = "5GB",
+    create_pr: bool = False,
+    safe_serialization: bool = True,
+    revision: str | None = None,
+    commit_description: str | None = None,
+    tags: list[str] | None = None,
+    temporary_location: str | None = None,
+    maximum_memory_usage: float = 0.9,
+    *,
+    dtype: str | torch.dtype | None = None,
+    base_precision: str = "auto",
+    progress: bool = True,
+) -> str:
+    """Unsloth's ``push_to_hub_merged``: check Hub access, merge into a temporary folder, add a model card, upload.
+
+    The repository is created (or found writable) before any merge work, so a wrong token, a name taken by
+    someone else or offline mode fails in seconds.
+
+    Args:
+        model: the trained ``PeftModel``.
+        repo_id: ``"user/name"``, or a bare ``"name"`` in the token owner's namespace (as huggingface_hub).
+        tokenizer: uploaded with the model when given.
+        save_method: as in :func:`save_pretrained_merged`.
+        use_temp_dir: ignored (always a temporary folder).
+        commit_message: the commit title.
+        private: create the repository private.
+        token: Hub token (never logged).
+        max_shard_size: largest shard.
+        create_pr: open a pull request.
+        safe_serialization: must be True.
+        revision: branch to push to.
+        commit_description: ignored.
+        tags: extra model card tags.
+        temporary_location: ignored.
+        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
+        dtype: output dtype; None or ``"auto"`` writes the checkpoint's own 16-bit dtype.
+        base_precision: ``"auto"``, ``"original"`` or ``"dequantized"``.
+        progress: show progress bars.
+
+    Returns:
+        The URL of the commit.
+
+    Raises:
+        InputError: bad options or offline mode (all named, before anything is merged).
+        HubUploadError: the Hub cannot be reached, refuses the repository, or the upload failed (token masked).
+
+    Example:
+        >>> push_to_hub_merged(model, "me/llama-merged", tokenizer, token=os.environ["HF_TOKEN"])   # doctest: +SKIP
+    """
+    from .hub import prepare_repo
+
+    problems = _check_compat(save_method, None, safe_serialization, None)
+    if problems:
+        raise InputError(problems)
+    repo_id = prepare_repo(repo_id, token=token, private=private)
+    method = SAVE_METHODS[save_method.lower().replace(" ", "_")]
+    with tempfile.TemporaryDirectory(prefix="peft-shardmerge-push-") as tmp:
+        folder = os.path.join(tmp, repo_id.split("/")[-1])
+        report = _save(model, folder, tokenizer, method, dtype=dtype, max_shard_size=max_shard_size,
+                       maximum_memory_usage=maximum_memory_usage, base_precision=base_precision, overwrite=False,
+                       progress=progress)
+        if report is not None:
+            report.out_dir = f"hf://{repo_id}"  # the temporary folder is gone when the caller reads the report
+        return _push(folder, repo_id, model, report, save_method, token=token, private=private, tags=tags,
+                     commit_message=commit_message or "Upload merged model", revision=revision, create_pr=create_pr)
+
+
+def _push(folder, repo_id, model, report, save_method, *, token, private, tags, commit_message="Upload merged model",
+          revision=None, create_pr=False) -> str:
+    from .hub import publish
+
+    base = getattr(unwrap(model).config, "_name_or_path", None)
+    cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
+    return publish(folder, repo_id, base_model=base, peft_config=cfg, report=report, save_method=save_method,
+                   token=token, private=private, tags=tags, commit_message=commit_message, revision=revision,
+                   create_pr=create_pr)
+
+
+def merge_and_unload(
+    model: nn.Module,
+    progressbar: bool = False,
+    safe_merge: bool = False,
+    adapter_names: list[str] | None = None,
+    *,
+    maximum_memory_usage: float = 0.9,
+    dtype: str | torch.dtype | None = None,
+    weights: list[float] | None = None,
+    combination_type: str = "cat",
+) -> nn.Module:
+    """PEFT's ``merge_and_unload(progressbar, safe_merge, adapter_names)`` without re-quantizing: a plain 16-bit model.
+
+    Takes PEFT's parameters in PEFT's order. Every merge here runs the checks PEFT's ``safe_merge=True`` asks for
+    (each merged block checked finite and against the unmerged layer on probe vectors), so ``safe_merge`` only
+    documents that; ``progressbar`` shows a tqdm bar over the modules merged, as PEFT's does. The rest is
+    :func:`peft_shardmerge.api.unload.merge_and_unload`.
+
+    Args:
+        model: a ``PeftModel`` (or a transformers model after ``add_adapter``), base 4-bit, 8-bit or unquantized.
+        progressbar: show a progress bar over the modules merged (tqdm, on stderr).
+        safe_merge: accepted for PEFT compatibility; the checks always run.
+        adapter_names: adapters to merge; None merges the active adapter(s).
+        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
+        dtype: dtype of the returned model; None or ``"auto"`` keeps the checkpoint's own 16-bit dtype.
+        weights: one weight per adapter of ``adapter_names``.
+        combination_type: ``"cat"`` or ``"linear"``.
+
+    Returns:
+        The transformers model, with no PEFT or bitsandbytes layers.
+
+    Raises:
+        InputError: the model has no adapter (a ``ValueError``, as PEFT raises), bad options, or accelerate-offloaded
+            modules whose merged weights cannot be written back; the model is left as it was, with no
+            ``peft_config`` attribute added.
+
+    Example:
+        >>> from peft_shardmerge import merge_and_unload
+        >>> plain = merge_and_unload(model, progressbar=True, safe_merge=True)   # doctest: +SKIP
+    """
+    del safe_merge  # see the docstring
+    return _merge_and_unload(model, maximum_memory_usage=maximum_memory_usage, dtype=dtype,
+                             adapter_names=adapter_names, weights=weights, combination_type=combination_type,
+                             progress=bool(progressbar))
+
+
+def patch_peft() -> None:
+    """Opt in to ``model.save_pretrained_merged(...)``, ``model.push_to_hub_merged(...)`` and
+    ``model.merge_and_save(...)`` on every ``PeftModel``, as in Unsloth.
+
+    PEFT's own ``merge_and_unload`` is left alone; call :func:`merge_and_unload` for the lossless one.
+
+    Returns:
+        None.
+
+    Example:
+        >>> import peft_shardmerge
+        >>> peft_shardmerge.patch_peft()
+        >>> from peft import PeftModel
+        >>> hasattr(PeftModel, "save_pretrained_merged")
+        True
+    """
+    from peft import PeftModel
+
+    PeftModel.save_pretrained_merged = save_pretrained_merged
+    PeftModel.push_to_hub_merged = push_to_hub_merged
+    PeftModel.merge_and_save = merge_and_save

@@ -1,0 +1,298 @@
+"""After training, in the same process: merge_and_save and the 4-bit re-quantized save, planned then written."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..distributed import fsdp1 as fsdp1_view
+from ..distributed import zero3 as zero3_view
+from ..distributed.ranks import STEPS, agree_on_plan, failed
+from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
+from ..distributed.world import JobSteps, current_world
+from ..engine.budget import MemoryBudget
+from ..engine.execute import execute_plan
+from ..engine.live_execute import execute_live_plan
+from ..engine.report import MergeReport
+from ..errors import InputError
+from ..model.plan import (  # noqa: F401 - public
+    BASE_PRECISIONS,
+    adapter_selection,
+    build_model_plan,
+    model_dtype,
+    plan_model_merge,
+    save_adapter_untouched,
+)
+from ..model.planner import LiveSource, plan_live, valid_generation_config
+from ..model.walk import unwrap, walk
+from ..options import MODEL, MergeOptions, parse_dtype, parse_size
+from ..output.checks import check_out_dir, foreign_model_problems, source_folders
+from ..output.record import live_merge_info
+from ..support.model import require_supported
+from .quiet import quiet_libraries
+
+#: the shardings planned from a view of the model unsharded (FSDP2 shows full shapes as it is)
+VIEWS = {"fsdp1": fsdp1_view.planning_view, "zero3": zero3_view.planning_view}
+
+
+def merge_and_save(
+    model: nn.Module,
+    out_dir: str,
+    *,
+    tokenizer: Any = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    maximum_memory_usage: float = 0.9,
+    base_precision: str = "auto",
+    adapter_names: list[str] | None = None,
+    weights: list[float] | None = None,
+    combination_type: str = "cat",
+    overwrite: bool = False,
+    progress: bool = True,
+    options: MergeOptions | None = None,
+) -> MergeReport:
+    """Write base + LoRA of a loaded model (bitsandbytes 4-bit, 8-bit or unquantized base) as a 16-bit checkpoint.
+
+    Walks the model one module at a time: each bitsandbytes weight is dequantized, the active adapter's
+    delta is added in fp32, the result is cast once and streamed into sharded safetensors. The full 16-bit
+    model is never built, and the caller's model is left exactly as it was.
+
+    A model sharded by FSDP2 (``fully_shard``), FSDP1 (``FullyShardedDataParallel``) or DeepSpeed ZeRO-3 (the engine
+    or the PeftModel inside it) is merged collectively: call this on every rank. Each unit (FSDP unit, ZeRO-3
+    module) is gathered in turn on every rank and released before the next; rank 0 merges and writes (onto its own
+    disk) and every rank returns its report. A model that is not sharded is merged by the process that calls this,
+    inside a distributed job too (see ``docs/distributed.md``).
+
+    Args:
+        model: a ``PeftModel`` (or a transformers model with a LoRA attached by ``add_adapter``).
+        out_dir: the output folder; it appears only when complete.
+        tokenizer: saved into ``out_dir`` when given: a tokenizer (or processor) object, or what
+            ``AutoTokenizer.from_pretrained`` accepts (a local folder, a Hub id), loaded before anything is written.
+        dtype: output dtype (``torch.bfloat16`` or ``"bfloat16"``, ``"float16"``, ``"float32"``); None or ``"auto"``
+            writes the base checkpoint's own dtype (its config.json), as a merge from disk does, else the dtype of
+            the model's weights (a note says which).
+        max_shard_size: largest shard (``"5GB"``, ``"500MB"`` or bytes).
+        maximum_memory_usage: fraction (0, 0.95] of the accelerator's memory the process may occupy while
+            merging. A module whose working set would go over it is merged on the CPU; on out-of-memory it is
+            retried on the CPU and counted in the report. On the CPU, which is the last resort, a module over
+            the same fraction of host RAM is merged anyway, with a warning.
+        base_precision: ``"auto"`` reproduces the trained model: the weights in memory (dequantized) for a
+            quantized model; for an unquantized one the original checkpoint when it holds the same weights, else
+            the weights in memory. ``"original"`` merges into the 16-bit checkpoint the model was loaded from
+            (``config._name_or_path``: a folder, or any revision of that Hub id in the offline cache), used only
+            when a sample of its tensors matches the model in memory; ``"dequantized"`` merges into the weights in
+            memory. The report's ``reproduces`` and first note say which, why, and how far the original merge of a
+            quantized model is from the trained one.
+        adapter_names: adapters of the model to merge together; None merges the active adapter(s).
+        weights: one weight per adapter of ``adapter_names`` (default 1.0 each).
+        combination_type: ``"cat"`` adds ``sum_i w_i * dW_i`` exactly (any ranks); ``"linear"`` merges the factors
+            PEFT's ``add_weighted_adapter(combination_type="linear")`` builds (equal ranks, cross terms included).
+        overwrite: replace a non-empty ``out_dir`` (after the new output is complete).
+        progress: show progress bars.
+        options: the same knobs (and ``chunk_elems``) as one :class:`~peft_shardmerge.options.MergeOptions`, the
+            object :func:`~peft_shardmerge.api.disk.merge_checkpoint` takes; a keyword left at its default defers to
+            it, and a keyword and a field set to different values are refused.
+
+    Returns:
+        A :class:`~peft_shardmerge.engine.report.MergeReport`; ``base_precision`` says which base was used and
+        ``reproduces`` what the result reproduces.
+
+    Raises:
+        InputError: bad options, output folder problems, or ``base_precision="original"`` without a local
+            original checkpoint (the reason is given).
+        UnsupportedError: the adapter uses a feature that cannot be merged (named).
+        MergeCheckError: a LoRA layer was not applied exactly once.
+        PeerFailedError: (FSDP) another rank failed; its message, and what became of ``out_dir``.
+
+    Example:
+        >>> from peft_shardmerge import merge_and_save
+        >>> report = merge_and_save(model, "merged", tokenizer=tokenizer)   # doctest: +SKIP
+        >>> print(report.summary())                                        # doctest: +SKIP
+    """
+    opts, problems = MergeOptions.merged(options, path=MODEL, dtype=dtype, max_shard_size=max_shard_size,
+                                         maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
+                                         weights=weights, combination=combination_type, overwrite=overwrite,
+                                         progress=progress)
+    with quiet_libraries():
+        budget = None
+        try:
+            budget = MemoryBudget(opts.maximum_memory_usage)
+        except InputError as e:  # reported with every other problem
+            problems += e.problems
+        wrapper, sharding = type(model).__name__, sharding_of(model)
+        if wrapper in ("DeepSpeedEngine", "DistributedDataParallel") and sharding is None:
+            raise InputError([f"the model is a {wrapper} around the PeftModel, whose weights every rank holds "
+                              "whole (it is not sharded): merge its .module from one rank, `if rank == 0: "
+                              "merge_and_save(model.module, OUT)`"] + problems)
+        if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
+            raise InputError(sharding_problems(model, opts.base_precision) + problems)
+        if sharding is not None:
+            return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
+        planned = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True)
+        overwrite, progress = opts.overwrite, opts.progress
+        save_extra = _side_saver(tokenizer)
+        plan = planned.plan
+        if plan.live is None:  # merged from the original checkpoint on disk
+            try:
+                report = execute_plan(plan, os.path.abspath(os.fspath(out_dir)), device=planned.device,
+                                      progress=progress, before_commit=save_extra, overwrite=overwrite)
+            finally:
+                for folder in plan.resources:
+                    folder.cleanup()
+        else:
+            report = execute_live_plan(plan, out_dir, budget=budget, overwrite=overwrite, progress=progress,
+                                       before_commit=save_extra)
+        report.reproduces = planned.reproduces
+        return report
+
+
+def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_names, problems: list[str],
+                   budget: MemoryBudget | None, tokenizer: Any) -> MergeReport:
+    """``merge_and_save`` of a model sharded by FSDP2, FSDP1 or ZeRO-3, called on every rank: each rank plans (FSDP1,
+    ZeRO-3: from its unsharded view), the plans must agree, every rank gathers one unit at a time in plan order,
+    rank 0 writes and commits."""
+    world = current_world()
+    steps = JobSteps(world, STEPS)
+    try:
+        kind = sharding_of(model)
+        if kind in VIEWS:  # planned from a view of the model unsharded
+            problems += sharding_problems(model, opts.base_precision)
+            if problems:
+                raise InputError(problems)
+            with VIEWS[kind](model) as peft_model:
+                planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded=kind,
+                                           recover=True)
+                src = planned.plan.live
+                info = live_merge_info(src.live.model, planned.plan.dtype, src.adapter_names, src.quant4, src.weights,
+                                       src.combination)
+        else:
+            planned, info = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True), None
+        agree_on_plan(steps, planned.plan, out_dir)
+        report = execute_live_plan(planned.plan, out_dir, budget=budget, overwrite=opts.overwrite,
+                                   progress=opts.progress and world.rank == 0, before_commit=_side_saver(tokenizer),
+                                   steps=steps, root=model, merge_info=info)
+    except BaseException as e:
+        raise failed(steps, e, out_dir) if world.distributed else e
+    report.reproduces = planned.reproduces
+    return report
+
+
+def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
+    """What saves ``tokenizer`` into the staging folder: a tokenizer object, or a name or local folder loaded with
+    ``AutoTokenizer.from_pretrained`` now, before anything is written."""
+    if tokenizer is None:
+        return None
+    tokenizer = load_tokenizer(tokenizer)
+
+    def save(folder: str) -> None:
+        from ..checkpoint.source import TOKENIZER_FILES
+
+        for name in TOKENIZER_FILES:  # no file of the base's tokenizer may outlive the one given
+            path = os.path.join(folder, name)
+            if os.path.exists(path):
+                os.remove(path)
+        tokenizer.save_pretrained(folder)
+
+    return save
+
+
+def load_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer to save beside a merged model: an object with ``save_pretrained`` as is, a name or a folder
+    loaded with ``AutoTokenizer.from_pretrained``.
+
+    Args:
+        tokenizer: a tokenizer or processor object, a local folder, or a Hub id (offline settings apply).
+
+    Returns:
+        An object with ``save_pretrained``.
+
+    Raises:
+        InputError: the name cannot be loaded, or the object cannot be saved (named, with what to pass instead).
+
+    Example:
+        >>> load_tokenizer(42)
+        Traceback (most recent call last):
+        ...
+        peft_shardmerge.errors.InputError: 1 problem found before writing anything:
+          - tokenizer must be a tokenizer object (with save_pretrained), a local folder or a Hub id, got int 42
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+        except Exception as e:  # any failure to load is the user's to fix, said by name
+            why = (str(e).strip().splitlines() or [""])[0]
+            raise InputError(f"tokenizer {os.fspath(tokenizer)!r} could not be loaded with AutoTokenizer."
+                             f"from_pretrained ({type(e).__name__}: {why}); pass a tokenizer object, a local folder "
+                             "holding one, or a Hub id reachable from here") from e
+    if not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise InputError(f"tokenizer must be a tokenizer object (with save_pretrained), a local folder or a Hub id, "
+                         f"got {type(tokenizer).__name__} {tokenizer!r}")
+    return tokenizer
+
+
+def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, dtype: str | torch.dtype | None = None,
+                     max_shard_size: int | str = "5GB", maximum_memory_usage: float = 0.9, overwrite: bool = False,
+                     progress: bool = True) -> MergeReport:
+    """Merge in fp32 as :func:`merge_and_save` does, then store every weight bitsandbytes quantizes in 4-bit again.
+
+    Warns once (``UserWarning``): the result is not the trained model, each weight moves by its 4-bit error.
+
+    Args:
+        model: the trained ``PeftModel``.
+        out_dir: the output folder.
+        tokenizer: saved with the model when given.
+        dtype: the compute dtype recorded for the 4-bit layers (a 16-bit dtype; fp32 becomes bf16).
+        max_shard_size: largest shard.
+        maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
+        overwrite: replace a non-empty ``out_dir``.
+        progress: show progress bars.
+
+    Returns:
+        The :class:`MergeReport`; its first note names the 4-bit settings.
+
+    Raises:
+        InputError: bad options or output folder.
+
+    Example:
+        >>> save_merged_4bit(model, "merged-4bit")   # doctest: +SKIP
+    """
+    import warnings
+
+    from transformers import BitsAndBytesConfig
+
+    budget = MemoryBudget(maximum_memory_usage)
+    inner = unwrap(model)
+    out_problems = check_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite, recover=True)
+    problems = require_supported(model, None, out_problems + foreign_model_problems(out_dir))
+    if sharding_of(model) is not None:
+        problems.append(f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
+                        "gather it; merge_and_save (called on every rank) writes the 16-bit merge")
+    out_dtype = parse_dtype(dtype) or model_dtype(inner)
+    if out_dtype == torch.float32:
+        out_dtype = torch.bfloat16
+    limit = parse_size(max_shard_size)
+    if problems:
+        raise InputError(problems)
+    qc = getattr(inner.config, "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
+    quant4 = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=qc.get("bnb_4bit_quant_type", "nf4") if qc.get("load_in_4bit") else "nf4",
+        bnb_4bit_use_double_quant=bool(qc.get("bnb_4bit_use_double_quant", True)) if qc.get("load_in_4bit") else True,
+        bnb_4bit_compute_dtype=out_dtype,
+    ).to_dict()
+    message = ("save_method='merged_4bit' re-quantizes the merged weights to 4-bit: the result is not the model "
+               "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy")
+    warnings.warn(message, UserWarning, stacklevel=3)  # once: a log record as well would show it twice
+    plan = plan_live(LiveSource(walk(model, None), quant4=quant4, generation_config=valid_generation_config(inner)),
+                     out_dtype, limit)
+    report = execute_live_plan(plan, out_dir, budget=budget, overwrite=overwrite, progress=progress,
+                               before_commit=_side_saver(tokenizer))
+    report.notes.insert(0, f"weights re-quantized to 4-bit ({quant4['bnb_4bit_quant_type']}, "
+                           f"{'double quant' if quant4['bnb_4bit_use_double_quant'] else 'no double quant'})")
+    return report

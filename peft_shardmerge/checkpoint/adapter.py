@@ -1,0 +1,409 @@
+"""What a PEFT LoRA adapter folder says: its config and, per target module, where A, B and scaling come from."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine.maths import linear_factors
+from ..errors import CorruptFileError, InputError
+from ..io.safetensors_io import RowReader
+from ..support.check import DISK, check_layers, raise_if_any, residual_init
+from ..support.combinations import COMBINATIONS, check_weights, combination_problems
+from ..support.peft_reading import stored_key_problems
+from .adapter_files import (
+    ADAPTER_BIN,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    TOKENS_SUFFIXES,
+    AdapterTensor,
+    TokenRows,
+    add_token_rows,
+    check_adapter_config,
+    pattern_key,
+    read_adapter_tensors,
+)
+from .peft_deltas import DELTA_TYPES
+from .source import read_json, resolve_folder
+
+__all__ = ["ADAPTER_BIN", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "COMBINATIONS", "PREFIX", "AdapterSpec",
+           "AdapterTensor", "LoraModule", "TokenRows", "check_weights", "combine_adapters", "load_adapter",
+           "modifies_base"]
+
+PREFIX = "base_model.model."
+
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+    r"(?:\.(?!weight$|bias$)[^.]+)?(?:\.(?P<leaf>weight|bias))?$"
+)
+
+
+@dataclass
+class LoraModule:
+    """One LoRA-wrapped module of the base model.
+
+    Attributes:
+        path: the module's name in the base model, e.g. ``model.layers.0.self_attn.q_proj``.
+        kind: ``"linear"`` (``lora_A``/``lora_B``), ``"conv"`` (``nn.Conv2d``/``Conv3d``: ``B @ A`` gives the weight
+            flattened to ``[out, in * kernel]``) or ``"embedding"`` (``lora_embedding_A``/``_B``).
+        a: the A factor, ``[r, in_features]`` (embedding: ``[r, num_embeddings]``).
+        b: the B factor, ``[out_features, r]`` (embedding: ``[embedding_dim, r]``).
+        bias: ``lora_B.bias`` when the adapter was trained with ``lora_bias=True``.
+        rank: r of this module (from ``rank_pattern`` or ``r``).
+        alpha: lora_alpha of this module (from ``alpha_pattern`` or ``lora_alpha``).
+        scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
+        magnitude: DoRA's ``lora_magnitude_vector`` (one value per output row), None for plain LoRA.
+        key: a name unique within the spec (the path, or ``"<adapter>:<path>"`` in a combination).
+    """
+
+    path: str
+    kind: str
+    a: AdapterTensor
+    b: AdapterTensor
+    bias: AdapterTensor | None
+    rank: int
+    alpha: float
+    scaling: float
+    magnitude: AdapterTensor | None = None
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.path
+
+
+@dataclass
+class AdapterSpec:
+    """A LoRA adapter, read once: config, LoRA modules and whole-tensor replacements.
+
+    Attributes:
+        folder: the adapter folder.
+        config: the parsed ``adapter_config.json``.
+        modules: LoRA modules by module path.
+        replacements: adapter tensors that replace a base tensor outright, by base tensor name
+            (``modules_to_save`` weights, trained biases, saved embedding layers).
+        fan_in_fan_out: the config's flag (Conv1D layers store weights transposed).
+        tokenizer_files: tokenizer files saved beside the adapter.
+        scratch: the folder of a legacy ``.bin`` converted to safetensors (removed with the spec).
+        folders: every adapter folder this spec was read from (several for a combination).
+        combination: how several adapters were combined (``"cat"``/``"linear"`` with their weights), or "".
+        parts: the adapters of a combination.
+        tokens: trainable-token rows by module path (``trainable_token_indices``).
+        peft_type: the config's ``peft_type`` (``"LORA"``, ``"TRAINABLE_TOKENS"``, ``"LOHA"``, ...).
+        layers: for LoHa/LoKr/VeRA/IA3, the layers PEFT rebuilt
+        (:func:`~peft_shardmerge.checkpoint.peft_deltas.rebuild`).
+        layer_skip: adapter tensor names the rebuilt layers do not take (saved modules, token rows).
+        saved_copies: replacements that are ``modules_to_save`` copies (the adapter model's tied partner keeps
+            the base's weights), as opposed to embedding layers saved after a resize (which stay tied).
+    """
+
+    folder: str
+    config: dict
+    modules: dict[str, LoraModule] = field(default_factory=dict)
+    replacements: dict[str, AdapterTensor] = field(default_factory=dict)
+    fan_in_fan_out: bool = False
+    tokenizer_files: list[str] = field(default_factory=list)
+    scratch: tempfile.TemporaryDirectory | None = None
+    folders: list[str] = field(default_factory=list)
+    combination: str = ""
+    parts: list["AdapterSpec"] = field(default_factory=list)
+    tokens: dict[str, TokenRows] = field(default_factory=dict)
+    peft_type: str = "LORA"
+    layers: Any = None
+    layer_skip: set = field(default_factory=set)
+    saved_copies: set = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.folders = self.folders or [self.folder]
+
+    @property
+    def needs_layers(self) -> bool:
+        """Whether the merge goes through PEFT's rebuilt layers (LoHa/LoKr/VeRA/IA3, LoRA on parameters)."""
+        return self.peft_type in DELTA_TYPES or bool(self.config.get("target_parameters"))
+
+    @property
+    def base_model_name(self) -> str | None:
+        return self.config.get("base_model_name_or_path")
+
+
+def load_adapter(location: str) -> AdapterSpec:
+    """Read a PEFT LoRA adapter folder into an :class:`AdapterSpec` (tensor data stays on disk).
+
+    Args:
+        location: a folder with ``adapter_config.json`` and ``adapter_model.safetensors`` (or a legacy
+            ``adapter_model.bin``, read with ``torch.load(weights_only=True)``), or a cached Hub id.
+
+    Returns:
+        The adapter spec.
+
+    Raises:
+        NotFoundError: the folder, config or weights file is missing.
+        UnsupportedError: the adapter is not LoRA, or uses an option that cannot be merged (all named).
+        InputError: config fields are missing or of the wrong type, or A/B shapes disagree.
+        CorruptFileError: the weights file is malformed.
+
+    Example:
+        >>> spec = load_adapter("./my-adapter")   # doctest: +SKIP
+        >>> len(spec.modules), spec.config["r"]     # doctest: +SKIP
+        (28, 16)
+    """
+    from .source import TOKENIZER_FILES
+
+    folder = resolve_folder(location, what="adapter", must_have=(ADAPTER_CONFIG,))
+    config = read_json(os.path.join(folder, ADAPTER_CONFIG), "adapter_config.json")
+    check_adapter_config(config, folder)
+    tensors, scratch = _adapter_tensors(folder)
+    key_problems = stored_key_problems(list(tensors))  # keys PeftModel.from_pretrained would not load
+    if key_problems:
+        raise InputError(key_problems)
+    spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)), scratch=scratch,
+                       peft_type=str(config.get("peft_type")))
+    spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    problems: list[str] = []
+    parts = _sort_tensors(spec, tensors, problems)
+    if spec.needs_layers:
+        if scratch is not None:
+            problems.append(f"adapter {folder}: a {spec.peft_type} adapter on PEFT's own layers must be saved as "
+                            "safetensors")
+        if problems:
+            raise InputError(problems)
+        return spec
+    unsupported: list[str] = []  # the allowlist's refusals (support.py)
+    for path, p in sorted(parts.items()):
+        module = _lora_module(config, path, p, problems, unsupported)
+        if module is not None:
+            spec.modules[path] = module
+    if (config.get("trainable_token_indices") or config.get("peft_type") == "TRAINABLE_TOKENS") and not spec.tokens:
+        problems.append("adapter_config.json asks for trainable tokens but the weights hold no "
+                        "trainable_tokens_delta; the config does not belong to these weights")
+    raise_if_any(unsupported, problems)
+    if not spec.modules and not spec.replacements and not spec.tokens:
+        raise InputError(f"adapter {folder} holds no LoRA weights; is it the right folder?")
+    return spec
+
+
+def _sort_tensors(spec: AdapterSpec, tensors: dict[str, AdapterTensor], problems: list[str]
+                  ) -> dict[str, dict[str, AdapterTensor]]:
+    """File every adapter tensor: token rows and replacements into ``spec``; LoRA factors returned by module."""
+    parts: dict[str, dict[str, AdapterTensor]] = {}
+    saved_modules = spec.config.get("modules_to_save") or []
+    for name, t in tensors.items():
+        key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+        if key.endswith(".trainable_tokens_original"):
+            continue  # the rows before training, kept by PEFT for unmerging
+        if key.endswith(TOKENS_SUFFIXES):
+            add_token_rows(spec, name, key, t, problems)
+            spec.layer_skip.add(name)
+            continue
+        if ".original_module." in key:
+            continue  # the layer as it was before training, kept by PEFT beside its modules_to_save copy
+        base_name = key.replace(".token_adapter.", ".").replace(".base_layer.", ".").replace(".modules_to_save.", ".")
+        module = base_name.rsplit(".", 1)[0]
+        if ".modules_to_save." in key or any(module == m or module.endswith("." + m) for m in saved_modules):
+            spec.saved_copies.add(base_name)  # a trained copy: in the adapter model it is tied to nothing
+        if spec.needs_layers:  # the rest is loaded into PEFT's own layers by the planner, except saved modules
+            if base_name in spec.saved_copies:
+                spec.replacements[base_name] = t
+                spec.layer_skip.add(name)
+            continue
+        m = _LORA_KEY.match(key)
+        if m is None:
+            if "lora_" in key:
+                problems.append(f"adapter tensor {name!r} is not a LoRA tensor this version knows")
+                continue
+            # PEFT 0.21 saves a layer of modules_to_save as X.weight and X.modules_to_save.weight, loads X.weight
+            if ".modules_to_save." not in key or base_name not in spec.replacements:
+                spec.replacements[base_name] = t
+            continue
+        part = m.group("part") + ("." + m.group("leaf") if m.group("leaf") == "bias" else "")
+        parts.setdefault(m.group("module"), {})[part] = t
+    return parts
+
+
+def _lora_module(config: dict, path: str, p: dict[str, AdapterTensor], problems: list[str],
+                 unsupported: list[str]) -> LoraModule | None:
+    """The LoRA module of ``path`` from its factors, or None with the problem recorded."""
+    if "lora_A" in p or "lora_B" in p:
+        kind, a, b = "linear", p.get("lora_A"), p.get("lora_B")
+    else:
+        kind, a, b = "embedding", p.get("lora_embedding_A"), p.get("lora_embedding_B")
+    if a is None or b is None:
+        problems.append(f"LoRA module {path!r} has only one of its A/B factors in the adapter weights")
+        return None
+    if kind == "linear" and len(a.shape) in (4, 5) and len(b.shape) == len(a.shape):
+        kind = "conv"  # nn.Conv2d/Conv3d: A is [r, in, *kernel], B is [out, r, 1, ...]
+    ok = len(a.shape) == 2 and len(b.shape) == 2 if kind != "conv" else all(k == 1 for k in b.shape[2:])
+    if kind == "conv" and ok and b.shape[1] < a.shape[0] and a.shape[0] % b.shape[1] == 0:  # B [out, r/groups]
+        unsupported += check_layers([(path, "LORA", f"Conv{len(a.shape) - 2}d (groups={a.shape[0] // b.shape[1]})",
+                                      [])], path=DISK)
+        return None
+    if not ok or a.shape[0] != b.shape[1]:
+        problems.append(
+            f"LoRA module {path!r}: A {list(a.shape)} and B {list(b.shape)} do not form a rank-r pair "
+            "(A is [r, in], B is [out, r]; for a convolution A is [r, in, *kernel], B is [out, r, 1, ...])"
+        )
+        return None
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    rank_key, alpha_key = pattern_key(rank_pattern, path), pattern_key(alpha_pattern, path)
+    rank = int(rank_pattern[rank_key]) if rank_key else config.get("r")
+    alpha = alpha_pattern[alpha_key] if alpha_key else config.get("lora_alpha")
+    if a.shape[0] != rank:
+        problems.append(
+            f"LoRA module {path!r} has rank {a.shape[0]} in its weights but adapter_config.json says "
+            f"r={rank}; the config does not belong to these weights"
+        )
+        return None
+    scaling = alpha / math.sqrt(rank) if bool(config.get("use_rslora", False)) else alpha / rank
+    magnitude = p.get("lora_magnitude_vector")
+    if bool(config.get("use_dora")) != (magnitude is not None):
+        problems.append(f"LoRA module {path!r}: use_dora={config.get('use_dora')!r} in adapter_config.json but "
+                        f"the weights {'have' if magnitude is not None else 'lack'} a lora_magnitude_vector")
+        return None
+    return LoraModule(path, kind, a, b, p.get("lora_B.bias"), rank, float(alpha), scaling, magnitude)
+
+
+def _adapter_tensors(folder: str) -> tuple[dict[str, AdapterTensor], tempfile.TemporaryDirectory | None]:
+    """The adapter's tensors, and the scratch folder holding a legacy ``.bin`` converted to safetensors."""
+    st_path, bin_path, scratch = os.path.join(folder, ADAPTER_WEIGHTS), os.path.join(folder, ADAPTER_BIN), None
+    if not os.path.isfile(st_path) and os.path.isfile(bin_path):
+        scratch = tempfile.TemporaryDirectory(prefix="peft-shardmerge-adapter-")
+        st_path = _bin_to_safetensors(bin_path, os.path.join(scratch.name, ADAPTER_WEIGHTS))
+    return read_adapter_tensors(folder, st_path), scratch
+
+
+def _bin_to_safetensors(bin_path: str, st_path: str) -> str:
+    """Read a legacy adapter_model.bin without unpickling code and write it as safetensors (adapters are small)."""
+    from safetensors.torch import save_file
+
+    try:
+        state: Any = torch.load(bin_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CorruptFileError(
+            f"{bin_path} cannot be read safely with torch.load(weights_only=True) ({e}); re-save the adapter "
+            "as safetensors"
+        ) from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CorruptFileError(f"{bin_path} is not a flat dict of tensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, st_path, metadata={"format": "pt"})
+    return st_path
+
+
+def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = None,
+                     combination: str = "cat") -> AdapterSpec:
+    """Several LoRA adapters as one: the weighted combination PEFT's ``add_weighted_adapter`` builds.
+
+    ``"cat"`` gives exactly ``sum_i w_i * scaling_i * B_i @ A_i`` on every module (each adapter's factors are
+    kept and applied with scaling ``w_i * scaling_i``; nothing is formed at full size). ``"linear"`` forms
+    PEFT's combined factors ``A = sum_i sign_i sqrt(|w_i s_i|) A_i`` and ``B = sum_i sqrt(|w_i s_i|) B_i`` with
+    scaling 1, which includes the cross terms ``B_i @ A_j``; it needs equal ranks. ``modules_to_save`` and other
+    whole-tensor replacements are taken from the one adapter that has them.
+
+    Args:
+        specs: the adapters (from :func:`load_adapter`), at least one.
+        weights: one weight per adapter; None means 1.0 each.
+        combination: ``"cat"`` or ``"linear"``.
+
+    Returns:
+        A spec whose modules carry keys ``"<index>:<path>"`` (the path alone for one adapter with weight 1).
+
+    Raises:
+        InputError: weights of the wrong length or not finite, an unknown combination, unequal ranks with
+            ``"linear"``, DoRA or IA3 adapters (:func:`~peft_shardmerge.support.combinations.combination_problems`),
+            adapters that disagree on the layout (``fan_in_fan_out``), or two
+            adapters replacing the same tensor.
+
+    Example:
+        >>> spec = combine_adapters([load_adapter("a"), load_adapter("b")], [0.7, 0.3])   # doctest: +SKIP
+    """
+    if not specs:
+        raise InputError("no adapter given")
+    weights, problems = combination_problems([s.config for s in specs], [s.folder for s in specs], weights,
+                                             combination)
+    if problems:
+        raise InputError(problems)
+    if len(specs) == 1 and weights[0] == 1.0:
+        return specs[0]
+    others = [f"{s.folder} ({s.peft_type}{' on target_parameters' if s.peft_type == 'LORA' else ''})"
+              for s in specs if s.needs_layers and s.peft_type != "IA3"]  # IA3: refused above
+    if others:
+        problems.append(f"only LoRA adapters on modules (not on target_parameters) can be combined on disk: "
+                        f"{', '.join(others)}; combine them in process with merge_and_save(adapter_names=...)")
+    if len({s.fan_in_fan_out for s in specs}) > 1:
+        problems.append("the adapters disagree on fan_in_fan_out; they were trained on different layouts")
+    out = AdapterSpec(specs[0].folder, dict(specs[0].config), fan_in_fan_out=specs[0].fan_in_fan_out,
+                      folders=[f for s in specs for f in s.folders],
+                      combination=f"{combination} " + ", ".join(f"{w:g}" for w in weights))
+    out.tokenizer_files = next((s.tokenizer_files for s in specs if s.tokenizer_files), [])
+    if out.tokenizer_files:
+        out.folder = next(s.folder for s in specs if s.tokenizer_files)
+    out.parts = list(specs)  # keeps the parts' scratch folders (legacy .bin conversions) alive
+    problems += _take_whole_tensors(out, specs)
+    if problems:
+        raise InputError(problems)
+    if combination == "cat":
+        for i, (s, w) in enumerate(zip(specs, weights)):
+            for path, m in s.modules.items():
+                key = f"{i}:{path}"
+                out.modules[key] = LoraModule(m.path, m.kind, m.a, m.b, m.bias, m.rank, m.alpha, m.scaling * w,
+                                              key=key)
+        return out
+    with RowReader() as reader:
+        for path in sorted({p for s in specs for p in s.modules}):
+            out.modules[path] = _linear_module(reader, path, [(s.modules[path], w) for s, w in zip(specs, weights)
+                                                              if path in s.modules])
+    return out
+
+
+def _take_whole_tensors(out: AdapterSpec, specs: list[AdapterSpec]) -> list[str]:
+    """Gather the replacements and token rows of every adapter into ``out``; two adapters may not share one."""
+    problems = []
+    for s in specs:
+        out.saved_copies |= s.saved_copies
+        for name, t in s.replacements.items():
+            if name in out.replacements:
+                problems.append(f"two adapters replace {name!r} (modules_to_save or a trained bias); only one may")
+            out.replacements[name] = t
+        for path, tr in s.tokens.items():
+            if path in out.tokens:
+                problems.append(f"two adapters train tokens of {path!r}; their rows cannot be combined")
+            out.tokens[path] = tr
+    return problems
+
+
+def _linear_module(reader: RowReader, path: str, members: list[tuple[LoraModule, float]]) -> LoraModule:
+    """PEFT's ``linear`` combination of one module's factors, with scaling 1."""
+    first = members[0][0]
+    a, b, _ = linear_factors([(m.a.load(reader), m.b.load(reader), w * m.scaling) for m, w in members])
+    bias = None
+    for m, w in members:  # lora_bias terms add like the deltas: sum_i w_i * scaling_i * bias_i
+        if m.bias is not None:
+            t = m.bias.load(reader).float() * (w * m.scaling)
+            bias = t if bias is None else bias + t
+    if bias is not None:
+        bias = AdapterTensor(f"{path}.lora_B.bias", tuple(bias.shape), "F32", None, bias)
+    return LoraModule(path, first.kind, AdapterTensor(f"{path}.lora_A", tuple(a.shape), "F32", None, a),
+                      AdapterTensor(f"{path}.lora_B", tuple(b.shape), "F32", None, b), bias, first.rank,
+                      float(first.rank), 1.0)
+
+
+def modifies_base(init_lora_weights: object) -> bool:
+    """Whether a LoRA initialisation rewrites the base weights (PiSSA, OLoRA, CorDA, LoftQ).
+
+    Args:
+        init_lora_weights: the ``init_lora_weights`` value of a LoRA config.
+
+    Returns:
+        True for the methods that subtract the initial LoRA from the base.
+
+    Example:
+        >>> modifies_base("pissa_niter_4"), modifies_base(True)
+        (True, False)
+    """
+    return residual_init(init_lora_weights)  # one definition, the allowlist's
+
+

@@ -1,0 +1,126 @@
+"""The changes an adapter makes to one base tensor, as typed data the per-tensor merge applies on both paths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .maths import Factors
+
+
+@dataclass
+class WholeDelta:
+    """A change computed for the whole tensor at once (LoHa, LoKr, VeRA, LoRA on a parameter), added row by row.
+
+    Attributes:
+        delta: float32, ``[rows, -1]`` like the rows the merge works on.
+
+    Example:
+        >>> rows = torch.zeros(2, 2)
+        >>> WholeDelta(torch.ones(4, 2)).apply_(rows, 1, 3).tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
+    """
+
+    delta: torch.Tensor
+
+    def apply_(self, rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Add rows ``[start, stop)`` of the delta to ``rows`` in place and return ``rows``."""
+        rows += self.delta[start:stop].to(rows.device)
+        return rows
+
+
+@dataclass
+class Scale:
+    """IA3's change: a multiplier of the rows (sliced with each block) or of the columns (whole).
+
+    Attributes:
+        multiplier: from :func:`~peft_shardmerge.engine.maths.ia3_multiplier`.
+        per_row: the multiplier has one entry per row.
+
+    Example:
+        >>> Scale(torch.tensor([[2.0], [3.0]]), True).apply_(torch.ones(1, 2), 1, 2).tolist()
+        [[3.0, 3.0]]
+    """
+
+    multiplier: torch.Tensor
+    per_row: bool
+
+    def apply_(self, rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Scale rows ``[start, stop)`` in place and return them."""
+        rows *= (self.multiplier[start:stop] if self.per_row else self.multiplier).to(rows.device)
+        return rows
+
+
+@dataclass
+class TokenRows:
+    """Trainable tokens: whole rows that replace the base's before LoRA deltas are added.
+
+    Attributes:
+        index: the token ids (int64), one per row of ``rows``.
+        rows: the trained rows, float32.
+    """
+
+    index: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass
+class Changes:
+    """Everything an adapter changes in one stored tensor, in the order the merge applies it: token rows replace
+    base rows; LoRA factors and ``lora_bias`` deltas are added; PEFT's whole deltas and IA3 scales follow; DoRA
+    rescales last.
+
+    Attributes:
+        factors: ``(A, B, scaling)`` of each LoRA module, A flattened to ``[r, columns]`` (convolutions).
+        transposed: the stored weight is the transpose of ``B @ A`` (Conv1D, embeddings); DoRA's norms then run
+            over the stored columns, so a first pass over the blocks gathers them.
+        bias_deltas: whole float32 deltas of a 1-D tensor (``lora_B.bias * scaling``).
+        magnitudes: DoRA's ``lora_magnitude_vector`` of each module (one value per row, or per column).
+        tokens: trainable-token rows.
+        peft: whole deltas and IA3 scales, in order.
+        keys: the count-check key of each change, counted once when the whole tensor is merged.
+
+    Example:
+        >>> Changes().empty
+        True
+    """
+
+    factors: list[Factors] = field(default_factory=list)
+    transposed: bool = False
+    bias_deltas: list[torch.Tensor] = field(default_factory=list)
+    magnitudes: list[torch.Tensor] = field(default_factory=list)
+    tokens: list[TokenRows] = field(default_factory=list)
+    peft: list[WholeDelta | Scale] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to apply (the tensor is the base, cast)."""
+        return not (self.factors or self.bias_deltas or self.magnitudes or self.tokens or self.peft)
+
+
+@dataclass(frozen=True)
+class ChangeKey:
+    """The count-check key of one adapter change, on both paths: each must be applied exactly once (``lora_bias``
+    keys are counted on disk only; in process a bias change is part of its layer's key).
+
+    Attributes:
+        kind: ``"lora"``, ``"lora_bias"``, ``"tokens"`` or ``"peft"``.
+        name: the change's own key (a LoRA module's key, ``"tokens:<module>"``, ``"<module>::<parameter>"``).
+        tensor: the stored tensor, for changes that reach several (tied token rows); "" otherwise.
+
+    Example:
+        >>> str(ChangeKey("lora_bias", "model.q_proj"))
+        'model.q_proj.bias'
+        >>> str(ChangeKey("tokens", "tokens:model.embed_tokens", "lm_head.weight"))
+        'tokens:model.embed_tokens@lm_head.weight'
+    """
+
+    kind: str
+    name: str
+    tensor: str = ""
+
+    def __str__(self) -> str:
+        suffix = ".bias" if self.kind == "lora_bias" else ""
+        return f"{self.name}{suffix}@{self.tensor}" if self.tensor else f"{self.name}{suffix}"

@@ -1,0 +1,373 @@
+"""The per-tensor merge of both paths: base rows in, adapter changes applied in fp32, checked, counted, cast."""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections import Counter
+from typing import Callable, Iterator, TypeVar
+
+import torch
+
+from ..errors import MergeCheckError
+from ..io.safetensors_io import row_blocks
+from ..options import DEFAULT_CHUNK_ELEMS
+from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
+from .changes import Changes
+from .maths import dora_rescale_, merge_block, probe_rows, replace_rows_, tile_rows, update_counts
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: probe vectors per merged weight, and the largest relative error the self-check accepts
+PROBES = 2
+
+PROBE_TOLERANCE = 1e-3
+
+
+def probe_vectors(name: str, columns: int) -> torch.Tensor:
+    """Reproducible random probe vectors for the self-check of one tensor (seeded by its name).
+
+    Args:
+        name: the tensor's name.
+        columns: its number of columns (the length of each vector).
+
+    Returns:
+        A float32 tensor ``[columns, PROBES]``.
+
+    Example:
+        >>> probe_vectors("w", 3).shape
+        torch.Size([3, 2])
+    """
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(columns, PROBES, generator=g)
+
+
+def check_probe_error(name: str, start: int, stop: int, err: float) -> None:
+    """Fail the self-check of rows ``[start, stop)`` of tensor ``name`` when the probe error is over
+    :data:`PROBE_TOLERANCE`.
+
+    Args:
+        name: the tensor.
+        start: first row of the block.
+        stop: one past the last row.
+        err: the relative error from :func:`~peft_shardmerge.engine.maths.add_lora_checked_`.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: the error is over the tolerance, or not a number.
+
+    Example:
+        >>> check_probe_error("w", 0, 4, 1e-7)
+        >>> check_probe_error("w", 0, 4, float("nan"))
+        Traceback (most recent call last):
+        peft_shardmerge.errors.MergeCheckError: self-check failed for 'w' rows 0-4: merged weight times probe vectors differs from base + LoRA by nan (relative) > 0.001
+    """  # noqa: E501 - a doctest's expected exception is one line
+    if not err <= PROBE_TOLERANCE:  # also a NaN error, which no comparison with ">" would catch
+        raise MergeCheckError(
+            f"self-check failed for {name!r} rows {start}-{stop}: merged weight times probe vectors differs from "
+            f"base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
+
+
+def check_range(name: str, cast: torch.Tensor, dtype: torch.dtype) -> None:
+    """float16 tops out at 65504: a larger value would be written as inf.
+
+    Args:
+        name: the tensor.
+        cast: rows of it in the output dtype.
+        dtype: the output dtype.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: a float16 output holds an infinity.
+
+    Example:
+        >>> check_range("w", torch.tensor([1.0]).half(), torch.float16)
+    """
+    if dtype == torch.float16 and bool(cast.isinf().any()):
+        raise MergeCheckError(f"{name!r} has values beyond float16's range (65504); write bfloat16 or float32")
+
+
+def choose_device(name: str, preferred: torch.device, nbytes: int, budget: MemoryBudget | None) -> torch.device:
+    """Where to merge a tensor whose working set is ``nbytes``: ``preferred`` while it fits the memory budget
+    (``maximum_memory_usage``), else the CPU; the CPU, the last resort, is used even over the budget.
+
+    Args:
+        name: the tensor (for the log).
+        preferred: where its data lives or the merge was asked to run.
+        nbytes: the working set.
+        budget: the budget; None means no limit.
+
+    Returns:
+        The device.
+
+    Example:
+        >>> choose_device("w", torch.device("cpu"), 4, None)
+        device(type='cpu')
+    """
+    if budget is None or budget.fits(nbytes, preferred):
+        return preferred
+    if preferred.type != "cpu":
+        log.info("%s: over the memory budget on %s; merging it on the CPU", name, preferred)
+        return torch.device("cpu")
+    log.warning("%s needs about %d MiB, which goes over maximum_memory_usage of host RAM; merging it anyway",
+                name, nbytes >> 20)
+    return preferred
+
+
+class RowMerger:
+    """The per-tensor merge both paths run, and what it counted.
+
+    Attributes:
+        chunk_elems: elements per row block.
+        applied: how often each change key was applied.
+        fallbacks: out-of-memory failures redone on the CPU.
+        probe_err: the largest self-check error seen.
+        swallowed: per tensor, ``(sampled entries the adapter changed, of those rounded back to the base value)``.
+
+    Example:
+        >>> from peft_shardmerge.engine.changes import Changes
+        >>> m = RowMerger()
+        >>> changes = Changes(factors=[(torch.ones(1, 2), torch.ones(2, 1), 1.0)], keys=["q"])
+        >>> [c.tolist() for *_, c in m.merge_rows("w", lambda a, b: torch.zeros(b - a, 2), changes, (2, 2),
+        ...                                           torch.float32, torch.device("cpu"))]
+        [[[1.0, 1.0], [1.0, 1.0]]]
+        >>> m.applied
+        Counter({'q': 1})
+    """
+
+    def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+        self.chunk_elems = chunk_elems
+        self.applied: Counter[str] = Counter()
+        self.fallbacks = 0
+        self.probe_err = 0.0
+        self.swallowed: dict[str, tuple[int, int]] = {}
+
+    def on_device(self, step: Callable[[torch.device], T], device: torch.device, what: str) -> T:
+        """Run ``step(device)``; when it runs out of memory, free the accelerator's cache, count it, and run
+        ``step`` again on the CPU.
+
+        Args:
+            step: the work, given the device to run on.
+            device: where to try first.
+            what: what is computed (for the log).
+
+        Returns:
+            What ``step`` returned.
+
+        Raises:
+            Exception: whatever ``step`` raised other than an out-of-memory, or on its CPU retry.
+
+        Example:
+            >>> RowMerger().on_device(lambda device: device.type, torch.device("cpu"), "w")
+            'cpu'
+        """
+        try:
+            return step(device)
+        except Exception as e:  # only out-of-memory is retried
+            if not is_out_of_memory(e):
+                raise
+        free_accelerator_cache()
+        self.fallbacks += 1
+        log.warning("out of memory on %s for %s; redoing it on the CPU", device, what)
+        return step(torch.device("cpu"))
+
+    def merge_rows(self, name: str, rows: Callable[[int, int], torch.Tensor], changes: Changes,
+                   shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device, *, inplace: bool = False
+                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+        """Merge one tensor block by block: rows ``[start, stop)`` of the base, the changes added in fp32 on
+        ``device`` (an out-of-memory block redone on the CPU), the self-check, DoRA's rescale, the finite and
+        range checks and the rounding count (taken on the output values, after DoRA), then the cast. The changes'
+        keys are counted once the last block is out.
+
+        Args:
+            name: the tensor's name (probe seed, messages, rounding count).
+            rows: ``rows(start, stop)`` gives those base rows (any float dtype, any device; not modified unless
+                ``inplace``).
+            changes: what the adapter changes.
+            shape: the stored tensor's shape.
+            out_dtype: the dtype written.
+            device: where the LoRA product is computed.
+            inplace: ``rows`` gives float32 blocks of a copy the merge may overwrite, and only the merged float32
+                rows are wanted (no cast beyond what the checks need); the caller retries an out-of-memory.
+
+        Yields:
+            ``(start, stop, merged float32 rows, the same cast to out_dtype or None with inplace)``, shaped
+            ``[stop - start, *shape[1:]]``, on the base rows' device.
+
+        Raises:
+            MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
+
+        Example:
+            >>> for start, stop, merged, cast in merger.merge_rows(name, rows, changes, shape, dtype, device):
+            ...     sink.write(cast)   # doctest: +SKIP
+        """
+        blocks = row_blocks(shape, self.chunk_elems)
+        width = math.prod(shape[1:]) if shape else 1
+        probes = probe_vectors(name, width) if changes.factors and len(shape) >= 2 else None
+        columns, first = self._column_scale(name, rows, changes, shape, device, probes) \
+            if changes.magnitudes and changes.transposed else (None, None)
+        if first is not None:  # merged whole for PEFT's own norm: one block
+            blocks = [(0, shape[0])]
+        changed = lost = 0
+        count = bool(changes.factors) and out_dtype != torch.float32  # estimated on the self-check's sample rows
+        for start, stop in blocks:
+            base, merged = first if first is not None else (_base_rows(rows(start, stop), changes, start, stop), None)
+            sample = probe_rows(stop - start, base.device) if count else None
+            before = base[sample] if count else None  # an index tensor: a copy, kept when rows change in place
+            if merged is None:
+                merged = self._changed_rows(name, base, changes, start, stop, device, probes, inplace)
+            if columns is not None:
+                merged *= columns.to(merged.device).unsqueeze(0)
+            else:
+                for magnitude in changes.magnitudes:  # m * (W + dW) / ||W + dW||, norms per output row, as PEFT
+                    dora_rescale_(merged, magnitude[start:stop])
+            if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
+                raise MergeCheckError(f"merged tensor {name!r} has NaN or Inf in rows {start}-{stop}")
+            merged = merged.reshape(stop - start, *shape[1:])
+            cast = merged.to(out_dtype) if not inplace or out_dtype == torch.float16 else None
+            if cast is not None:
+                check_range(name, cast, out_dtype)
+            if count:
+                sampled = merged[sample]
+                c, lo = update_counts(before.reshape(sampled.shape), sampled,
+                                      cast[sample] if cast is not None else sampled.to(out_dtype))
+                changed, lost = changed + c, lost + lo
+            yield start, stop, merged, cast
+        if changed:
+            self.swallowed[name] = (changed, lost)
+        self.applied.update(changes.keys)
+
+    def _column_scale(self, name, rows, changes: Changes, shape, device, probes):
+        """DoRA on a Conv1D or an embedding: PEFT's norms run over the stored rows (one per column). A tensor of at
+        most :data:`WHOLE_NORM_ELEMS` is merged whole and takes PEFT's own float32 norm, bit for bit (its merged
+        rows are kept for the second pass); a larger one accumulates the squares in float64 tile by tile, on the
+        grid of :func:`~peft_shardmerge.engine.maths.tile_rows`, so the scale does not depend on the row block.
+
+        Returns ``(column scale, (base rows, merged rows) of a tensor merged whole or None)``."""
+        total, width = shape[0], math.prod(shape[1:])
+        if total * width <= WHOLE_NORM_ELEMS:
+            base = _base_rows(rows(0, total), changes, 0, total)
+            merged = self._changed_rows(name, base, changes, 0, total, device, probes, False)
+            scale = changes.magnitudes[0].to(merged.device, torch.float32) / torch.linalg.norm(merged, dim=0)
+            return scale, (base, merged)
+        step = tile_rows(width)
+        per_block = max(step, (self.chunk_elems // max(1, width)) // step * step)
+        sumsq = None
+        for start in range(0, total, per_block):
+            stop = min(total, start + per_block)
+            base = _base_rows(rows(start, stop), changes, start, stop)
+            merged = self._changed_rows(name, base, changes, start, stop, device, None, False)
+            for t in range(0, stop - start, step):
+                part = merged[t:t + step].double().pow(2).sum(0)
+                sumsq = part if sumsq is None else sumsq + part
+        return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float(), None
+
+    def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes, inplace) -> torch.Tensor:
+        """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA. In place,
+        a failure may leave the rows half-changed: the caller redoes the whole tensor."""
+        if inplace:
+            merged, err = self._lora_rows(base, changes, start, stop, device, probes, True)
+        else:
+            merged, err = self.on_device(lambda dev: self._lora_rows(base, changes, start, stop, dev, probes),
+                                         device, f"{name} rows {start}-{stop}")
+        merged = merged.to(base.device)
+        if probes is not None:
+            self.probe_err = max(self.probe_err, err)
+            check_probe_error(name, start, stop, err)
+        for change in changes.peft:
+            change.apply_(merged, start, stop)
+        return merged
+
+    @staticmethod
+    def _lora_rows(base, changes: Changes, start, stop, device, probes, inplace=False) -> tuple[torch.Tensor, float]:
+        """The step run on the accelerator: fp32 rows plus the LoRA products and bias deltas, and the self-check
+        error (0.0 without probes)."""
+        factors = changes.factors
+        if device.type != "cpu":  # LoRA factors are small next to a row block: move them with it
+            factors = [(a.to(device), b.to(device), s) for a, b, s in factors]
+        got = merge_block(base.to(device), factors, start, stop, transposed=changes.transposed,
+                          bias_deltas=changes.bias_deltas, probes=probes, inplace=inplace)
+        return got if probes is not None else (got, 0.0)
+
+
+def _base_rows(rows: torch.Tensor, changes: Changes, start: int, stop: int) -> torch.Tensor:
+    """Base rows as the merge works on them: convolutions flattened to ``[out, in * kernel]``, trainable-token
+    rows put in place (in fp32, on a copy)."""
+    if rows.dim() > 2:
+        rows = rows.reshape(rows.shape[0], -1)
+    if changes.tokens:
+        rows = rows.to(torch.float32, copy=True)
+    for t in changes.tokens:
+        replace_rows_(rows, t.index, t.rows, start, stop)
+    return rows
+
+
+#: DoRA on a Conv1D or an embedding: a tensor up to this size is merged whole for PEFT's float32 column norm
+WHOLE_NORM_ELEMS = 1 << 22
+
+#: above this fraction of swallowed updates a tensor is named in a warning
+SWALLOWED_WARNING = 0.5
+
+
+def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> list[str]:
+    """A note on how much of the LoRA update the output dtype kept, and a warning (also logged) naming the
+    tensors where it swallowed more than :data:`SWALLOWED_WARNING` of it.
+
+    Args:
+        counts: per tensor, ``(sampled entries, entries rounded back to the base value)``.
+        dtype: the output dtype.
+
+    Returns:
+        Notes for the report (none when nothing was sampled).
+
+    Example:
+        >>> precision_notes({"w": (100, 1)}, torch.bfloat16)[0][:40]
+        'bfloat16 kept the LoRA update in 99.0% o'
+    """
+    if not counts:
+        return []
+    changed = sum(c for c, _ in counts.values())
+    lost = sum(s for _, s in counts.values())
+    name = str(dtype).removeprefix("torch.")
+    notes = [f"{name} kept the LoRA update in {100 * (1 - lost / changed):.1f}% of the merged entries "
+             f"({lost} of {changed} sampled entries rounded back to the base value)"]
+    worst = sorted((s / c, k) for k, (c, s) in counts.items() if s / c > SWALLOWED_WARNING)
+    if worst:
+        names = ", ".join(k for _, k in worst[-5:][::-1])
+        message = (f"{name} swallowed more than {SWALLOWED_WARNING:.0%} of the LoRA update in {len(worst)} tensor(s) "
+                   f"(worst: {names}); write float32 or float16 to keep it (dtype='float32' in Python, "
+                   "--dtype float32 on the command line)")
+        log.warning("%s", message)
+        notes.append(message)
+    return notes
+
+
+def check_applied(expected: list[str], applied: Counter) -> None:
+    """The count check of every merge: each adapter change (LoRA module, ``lora_bias``, token rows, PEFT layer)
+    applied exactly once.
+
+    Args:
+        expected: the keys of every change that must be applied.
+        applied: how often each key was applied.
+
+    Returns:
+        None.
+
+    Raises:
+        MergeCheckError: naming what was never applied and what was applied more than once.
+
+    Example:
+        >>> check_applied(["a"], Counter({"a": 1}))
+    """
+    if applied != Counter(expected):
+        missing = sorted(set(expected) - set(applied))
+        twice = sorted(k for k, v in applied.items() if v > 1)
+        raise MergeCheckError(
+            f"adapter changes not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}")

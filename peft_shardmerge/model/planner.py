@@ -1,0 +1,179 @@
+"""The plan of a loaded model's merge: every output tensor, its dtype, shape, bytes and shard, from the model alone."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..checkpoint.planner import TORCH_TO_ST, output_config
+from ..engine.plan import Plan, PlannedTensor, assign_shards
+from ..engine.source import BaseTensor
+from ..io.safetensors_io import DTYPES, TensorInfo
+from ..options import DEFAULT_CHUNK_ELEMS
+from ..quant.nf4 import Nf4Settings, packed_4bit_layout
+from .original import base_config
+from .walk import LiveEntry, LiveModel, materialized, offload_owner
+from .weights import entry_base
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LiveSource:
+    """What produces the tensors of a loaded model's plan.
+
+    Attributes:
+        live: the walked model.
+        adapter_names: the adapters merged (None: the active ones).
+        weights: weight per adapter (empty: 1.0 each).
+        combination: ``"cat"`` or ``"linear"``.
+        quant4: the ``BitsAndBytesConfig`` dict when weights are re-quantized to 4-bit, else None.
+        generation_config: the model's generation config when transformers can save it, else None.
+    """
+
+    live: LiveModel
+    adapter_names: list[str] | None = None
+    weights: dict[str, float] = field(default_factory=dict)
+    combination: str = "cat"
+    quant4: dict | None = None
+    generation_config: object = None
+
+    def base_tensors(self) -> list[BaseTensor]:
+        """Every tensor of the walked model as the merge reads it (:class:`~peft_shardmerge.engine.source.Source`):
+        floating tensors in float32 (weights dequantized), others as stored."""
+        out = []
+        for e in self.live.entries:
+            stored = getattr(e.holder, e.attr, None) if "." not in e.attr else None
+            dtype = torch.float32 if e.floating else getattr(stored, "dtype", torch.float32)
+            out.append(BaseTensor(e.name, dtype, tuple(e.shape)))
+        return out
+
+    def base_rows(self, name: str, device: torch.device):
+        """``rows(start, stop)`` of the base tensor of entry ``name``: a float32 copy on ``device``, taken with its
+        module brought in when it is offloaded, in the output layout
+        (:class:`~peft_shardmerge.engine.source.Source`)."""
+        entry = next(e for e in self.live.entries if e.name == name)
+        with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
+            w = entry_base(entry, device)
+        w = w.T if entry.transpose_out else w
+        flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w
+        return lambda start, stop: flat[start:stop]
+
+    @property
+    def settings(self) -> Nf4Settings | None:
+        """The 4-bit settings of the re-quantized weights, or None."""
+        if self.quant4 is None:
+            return None
+        return Nf4Settings(quant_type=self.quant4["bnb_4bit_quant_type"], blocksize=64,
+                           double_quant=bool(self.quant4["bnb_4bit_use_double_quant"]))
+
+
+def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Plan:
+    """The plan of a walked model's merge: each entry's output tensors, sized from shapes alone.
+
+    Args:
+        source: the walked model and the adapter selection.
+        out_dtype: the floating-point dtype written.
+        limit: the largest shard in bytes.
+        chunk_elems: elements per row block.
+
+    Returns:
+        A :class:`~peft_shardmerge.engine.plan.Plan` with ``live`` set.
+
+    Example:
+        >>> plan = plan_live(LiveSource(walk(model, None)), torch.bfloat16, 5 * 10**9)   # doctest: +SKIP
+    """
+    live = source.live
+    q4 = live.info.linear_weights if source.quant4 is not None else set()
+    groups = [_entry_tensors(live, e, out_dtype, source.settings if e.name in q4 else None) for e in live.entries]
+    indices, names = assign_shards([sum(t.nbytes for t in g) for g in groups], limit)
+    tensors = []
+    for g, shard in zip(groups, indices):
+        for t in g:
+            t.shard = shard
+            tensors.append(t)
+    config = output_config(base_config(live.model), out_dtype, untie=bool(live.untied))
+    if source.quant4 is not None:
+        config["quantization_config"] = source.quant4
+    return Plan(base=None, adapter=None, tensors=tensors, shard_names=names, dtype=out_dtype,
+                base_precision="dequantized", nf4=None, config=config, chunk_elems=chunk_elems,
+                untied=list(live.untied), notes=list(live.notes), live=source,
+                origin=getattr(live.model.config, "_name_or_path", "") or type(live.model).__name__,
+                adapter_text=in_memory_text(source.adapter_names, source.weights))
+
+
+def in_memory_text(names: list[str] | None, weights: dict[str, float]) -> str:
+    """How a plan and its report name the adapters of a loaded model: ``(in memory: adapter 'a' x 0.5, ...)``.
+
+    Args:
+        names: the adapters merged (None: the active ones, unnamed).
+        weights: weight per adapter (empty: 1.0 each, not shown).
+
+    Returns:
+        The text.
+
+    Example:
+        >>> in_memory_text(["a", "b"], {"a": 0.5, "b": 1.0})
+        "(in memory: adapter 'a' x 0.5, adapter 'b' x 1)"
+    """
+    text = ", ".join(f"adapter {a!r}" + (f" x {weights[a]:g}" if a in weights else "") for a in names or [])
+    return f"(in memory: {text or 'active adapter'})"
+
+
+def _entry_tensors(live: LiveModel, e: LiveEntry, out_dtype: torch.dtype,
+                   settings: Nf4Settings | None) -> list[PlannedTensor]:
+    """The planned tensors an entry becomes: one, or a weight's packed 4-bit codes and its quant state."""
+    if settings is not None:
+        shape = e.shape[::-1] if e.transpose_out or e.name in live.info.transposed else e.shape  # bnb: [out, in]
+        return [PlannedTensor(name=f"{e.name}.{suffix}" if suffix else e.name, out_dtype=st,
+                              source=TensorInfo(e.name, st, tuple(s), "", 0, 0), entry=e, part=suffix,
+                              kind="quantize4")
+                for suffix, st, s in packed_4bit_layout(shape, out_dtype, settings)]
+    held = _stored_dtype(e)
+    st = TORCH_TO_ST[out_dtype] if e.floating else TORCH_TO_ST[held]
+    stored = TORCH_TO_ST.get(held, st)
+    if e.kind in ("plain", "saved"):
+        kind = "copy" if stored == st else "cast"
+    else:
+        kind = "dequantize" if e.kind == "quantized" else "merge"
+    return [PlannedTensor(name=e.name, out_dtype=st, source=TensorInfo(e.name, stored, tuple(e.shape), "", 0,
+                                                                       e.numel * DTYPES[stored][1]),
+                          entry=e, kind=kind)]
+
+
+def _stored_dtype(e: LiveEntry) -> torch.dtype:
+    # never call state_dict() on a bitsandbytes layer: it undoes the CPU repacking in place
+    if e.kind not in ("plain", "saved"):
+        return torch.float32
+    if "." in e.attr:
+        return e.holder.state_dict(keep_vars=True)[e.attr].dtype
+    return getattr(e.holder, e.attr).dtype
+
+
+def valid_generation_config(inner: nn.Module):
+    """The model's generation config if transformers can save it, else None (with a warning), checked before
+    any shard is written.
+
+    Args:
+        inner: the transformers model.
+
+    Returns:
+        Its ``GenerationConfig``, or None.
+
+    Example:
+        >>> valid_generation_config(model)   # doctest: +SKIP
+    """
+    gen = getattr(inner, "generation_config", None)
+    if gen is None:
+        return None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            gen.save_pretrained(tmp)
+    except Exception as e:  # transformers raises ValueError for inconsistent settings
+        log.warning("the model's generation_config cannot be saved (%s); the merged folder will have none", e)
+        return None
+    return gen

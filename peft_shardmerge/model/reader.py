@@ -1,0 +1,180 @@
+"""The in-process side of the per-tensor merge: a walked model's base tensors and the changes read off its live
+PEFT modules, handed to the one row merge on a device chosen within the memory budget."""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint.peft_deltas import peft_delta
+from ..engine.budget import MemoryBudget
+from ..engine.changes import Changes, Scale, TokenRows, WholeDelta
+from ..engine.maths import ia3_multiplier, linear_factors, lora_bias_delta
+from ..engine.row_merge import RowMerger, choose_device
+from ..options import DEFAULT_CHUNK_ELEMS
+from .walk import (
+    LiveEntry,
+    LiveModel,
+    change_key,
+    materialized,
+    offload_owner,
+)
+from .weights import entry_base
+
+
+class LiveMerger(RowMerger):
+    """Produces each output tensor of a walked model, within the memory budget.
+
+    Attributes:
+        live: the walked model.
+        budget: the memory budget (``maximum_memory_usage``).
+        out_dtype: the dtype the tensors will be written in (range check, rounding count).
+        weights: per adapter, the weight its changes are multiplied by.
+        combination: ``"cat"`` or ``"linear"`` (PEFT's ``add_weighted_adapter`` combinations).
+        repacked: 4-bit weights bitsandbytes had repacked for its CPU kernel.
+        chunk_elems: elements per row block.
+
+    Example:
+        >>> merger = LiveMerger(walk(peft_model), MemoryBudget(0.9))   # doctest: +SKIP
+    """
+
+    def __init__(self, live: LiveModel, budget: MemoryBudget, out_dtype: torch.dtype = torch.float32,
+                 weights: dict[str, float] | None = None, combination: str = "cat",
+                 chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+        super().__init__(chunk_elems)
+        self.live = live
+        self.weights = weights or {}
+        self.combination = combination
+        self.budget = budget
+        self.out_dtype = out_dtype
+        self.repacked: list[str] = []
+
+    def compute_device(self, entry: LiveEntry) -> torch.device:
+        """Where an entry is merged: where its weight lives (an offloaded one: its execution device) while its
+        working set (an fp32 copy and one more) fits the budget, else the CPU.
+
+        Args:
+            entry: the entry.
+
+        Returns:
+            The device.
+
+        Example:
+            >>> merger.compute_device(live.entries[1])   # doctest: +SKIP
+            device(type='cuda', index=0)
+        """
+        tensor = getattr(entry.holder, entry.attr, None)
+        dev = tensor.device if tensor is not None and entry.kind in ("lora", "quantized", "delta", "ia3") \
+            else torch.device("cpu")
+        if dev.type == "meta":
+            hooks = (getattr(entry.holder, "_hf_hook", None),  # the layer's own hook first (a dispatched PeftModel)
+                     getattr(offload_owner(self.live.model, entry.name, entry.holder), "_hf_hook", None))
+            dev = torch.device(next((h.execution_device for h in hooks
+                                     if getattr(h, "execution_device", None) is not None), "cpu"))
+        return choose_device(entry.name, dev, entry.numel * 4 * 2, self.budget)
+
+    def produce(self, entry: LiveEntry) -> torch.Tensor:
+        """The tensor in the output layout (float32 for merged weights; as stored for plain tensors).
+
+        Args:
+            entry: the entry.
+
+        Returns:
+            The tensor, on the device it was merged on.
+
+        Raises:
+            MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
+
+        Example:
+            >>> merger.produce(live.entries[1]).dtype   # doctest: +SKIP
+            torch.float32
+        """
+        with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
+            if entry.kind in ("plain", "saved"):
+                return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
+                    entry.holder.state_dict(keep_vars=True)[entry.attr]
+            if entry.kind in ("tokens", "lora_bias"):  # merged where the tensor lives
+                dev = getattr(entry.holder, entry.attr).device
+            else:
+                dev = self.compute_device(entry)
+            return self.on_device(lambda d: self._merge_weight(entry, d), dev, entry.name)
+
+    def _merge_weight(self, entry: LiveEntry, device: torch.device) -> torch.Tensor:
+        """One entry merged whole on ``device``: its base (dequantized) and its changes through the row merge."""
+        notes: list[str] = []
+        w = entry_base(entry, device, notes)
+        if notes:
+            self.repacked.append(entry.name)
+        changes = self.changes(entry)
+        if not changes.empty:
+            flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w
+            for start, stop, merged, _ in self.merge_rows(entry.name, lambda a, b: flat[a:b], changes,
+                                                          tuple(w.shape), self.out_dtype, device, inplace=True):
+                if merged.data_ptr() != flat[start:stop].data_ptr():  # else merged in place already
+                    flat[start:stop] = merged.reshape(flat[start:stop].shape)
+        return w.T if entry.transpose_out else w
+
+    def changes(self, entry: LiveEntry) -> Changes:
+        """The changes of an entry, read off its live PEFT module (scaled by each adapter's weight).
+
+        Args:
+            entry: a ``"lora"``, ``"lora_bias"``, ``"tokens"``, ``"delta"``, ``"ia3"`` or ``"quantized"`` entry.
+
+        Returns:
+            The :class:`~peft_shardmerge.engine.changes.Changes` (none for a quantized base without adapter).
+
+        Raises:
+            RuntimeError: from torch, when the adapters' ranks differ in a ``"linear"`` combination.
+
+        Example:
+            >>> merger.changes(live.entries[1]).keys   # doctest: +SKIP
+            ['model.layers.0.self_attn.q_proj']
+        """
+        m, adapters = entry.module, entry.adapters
+        counted = bool(adapters) and not (entry.kind == "ia3" and entry.attr == "bias") and \
+            not (entry.kind == "tokens" and m.tied_adapter is not None)  # a tied head shares the embedding's rows
+        keys = [change_key(entry)] if counted and entry.kind != "lora_bias" else []
+        if entry.kind == "tokens":
+            return Changes(tokens=[TokenRows(torch.tensor(m.token_indices[a]),
+                                             m.trainable_tokens_delta[a].detach().float()) for a in adapters],
+                           keys=keys)
+        if entry.kind == "lora_bias":
+            return Changes(bias_deltas=[lora_bias_delta(m.lora_B[a].bias.detach(), self._scaling(m, a))
+                                        for a in adapters])
+        if entry.kind in ("delta", "ia3"):
+            return Changes(peft=[self._peft_change(entry, a) for a in adapters], keys=keys)
+        if entry.kind != "lora":
+            return Changes()
+        return self._lora_changes(entry, keys)
+
+    def _scaling(self, module, adapter: str) -> float:
+        return module.scaling[adapter] * self.weights.get(adapter, 1.0)
+
+    def _peft_change(self, entry: LiveEntry, adapter: str) -> WholeDelta | Scale:
+        """PEFT's own delta of a LoHa/LoKr/VeRA layer or LoRA on a parameter, or IA3's scaling."""
+        layer = entry.module
+        shape = entry.shape[::-1] if entry.transpose_out else entry.shape  # as held (a 4-bit weight is packed)
+        if entry.kind == "ia3":
+            return Scale(*ia3_multiplier(layer.ia3_l[adapter].detach(), shape, feedforward=layer.is_feedforward,
+                                         bias=entry.attr == "bias",
+                                         fan_in_fan_out=getattr(layer, "fan_in_fan_out", False)))
+        delta = peft_delta(layer, adapter) * self.weights.get(adapter, 1.0)
+        return WholeDelta(delta.reshape(shape[0], -1) if len(shape) > 1 else delta)
+
+    def _lora_changes(self, entry: LiveEntry, keys: list[str]) -> Changes:
+        """LoRA factors (convolution factors flattened like the weight's rows) and DoRA magnitudes."""
+        m = entry.module
+        factors = []
+        for a in entry.adapters:
+            if a in m.lora_A:
+                factors.append((m.lora_A[a].weight.detach().flatten(1), m.lora_B[a].weight.detach().flatten(1),
+                                self._scaling(m, a)))
+            else:
+                factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), self._scaling(m, a)))
+        if self.combination == "linear" and len(factors) > 1:
+            factors = [linear_factors(factors)]
+        embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
+        transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
+        magnitudes = [m.lora_magnitude_vector[a].weight.detach().reshape(-1) for a in entry.adapters
+                      if getattr(m, "use_dora", {}).get(a)]
+        return Changes(factors=factors, transposed=transposed, magnitudes=magnitudes,
+                       keys=keys)

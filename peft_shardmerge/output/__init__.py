@@ -1,0 +1,1 @@
+"""The output folder: shard sinks, the streaming writer, staging and commit, recovery, lock, record, side files."""

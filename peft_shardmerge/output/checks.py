@@ -1,0 +1,409 @@
+"""Which output folders a merge may write: never an input, a protected folder, or one holding a model we did not
+write."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+from .files import is_nonempty, name_problems, sidecar_problems, snapshot
+from .recovery import finish_killed_commit
+
+log = logging.getLogger(__name__)
+
+
+def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.PathLike | None],
+                  overwrite: bool, only_ours: bool = True, recover: bool = False) -> list[str]:
+    """Find every problem with an output folder, touching nothing but what a killed merge into it left.
+
+    ``out_dir`` is resolved once (a trailing slash changes nothing). Refused whatever ``overwrite`` says: an empty
+    path, the filesystem root, the current working folder or a folder holding it, the home folder or a folder
+    holding it, an input folder, a folder inside an input or holding one, a symlink, a mount point. Also named
+    here: a parent that is a file, a parent that cannot be written, a name too long for the staging folder and
+    lock beside it, and those names taken by something the merge did not make. A commit that a merge killed outright
+    left half done is finished or undone first, and that merge's lock removed, when ``recover`` is set
+    (:func:`~peft_shardmerge.output.recovery.finish_killed_commit`): a merge about to run does that; a plan or a dry
+    run
+    touches nothing.
+
+    Args:
+        out_dir: the output folder (``str`` or ``os.PathLike``).
+        inputs: folders that must survive the merge, by role (``{"base": ..., "adapter": ...}``); None values
+            are skipped.
+        overwrite: whether a non-empty ``out_dir`` may be replaced: only an earlier output of peft-shardmerge,
+            holding nothing its merge record does not list (:func:`replace_problems`).
+        only_ours: False lets the caller decide which non-empty folders ``overwrite`` replaces (the Unsloth-style
+            saves replace their own earlier saves).
+        recover: finish or undo the commit of a merge into ``out_dir`` that was killed (a merge about to run).
+
+    Returns:
+        The problems, each a sentence with the fix; empty when ``out_dir`` is fine.
+
+    Raises:
+        Nothing: problems are returned, so that the caller can report them with others.
+
+    Example:
+        >>> for p in check_out_dir("/tmp/base/merged", inputs={"base": "/tmp/base"}, overwrite=False):
+        ...     print(p)
+        output folder /tmp/base/merged is inside the base folder /tmp/base; choose a folder outside it
+        >>> check_out_dir("", inputs={}, overwrite=True)
+        ["output folder is an empty path (''); name the folder to create, e.g. ./merged"]
+    """
+    raw, problems = path_argument(out_dir, "output folder")
+    if raw is None:
+        return problems
+    if not raw.strip():
+        return [f"output folder is an empty path ({raw!r}); name the folder to create, e.g. ./merged"]
+    bad_name = _not_utf8_problem(raw)
+    if bad_name:
+        return [bad_name]
+    out = os.path.abspath(raw)
+    real = os.path.realpath(out)
+    as_the_system_reads = os.path.realpath(os.path.join(_here() or os.sep, raw))
+    if ".." in raw.split(os.sep) and as_the_system_reads != real:
+        return [f"output folder {raw} has '..' after a symbolic link: the system reads it as {as_the_system_reads}, "
+                f"not {out}; pass the path without '..'"]
+    if real == os.sep:
+        return [f"output folder {raw} is the filesystem root; name a new folder, e.g. {os.path.join(raw, 'merged')}"]
+    for what, folder in (("the current working folder", _here()), ("your home folder", os.path.expanduser("~"))):
+        folder = os.path.realpath(folder) if folder else None
+        if folder and (real == folder or folder.startswith(real.rstrip(os.sep) + os.sep)):
+            where = "is" if real == folder else "holds"
+            return [f"output folder {raw} ({real}) {where} {what}, which the merge would replace; name a new folder, "
+                    f"e.g. {os.path.join(raw, 'merged')}"]
+    problems += _unresolved_input_problems(raw, real, inputs)
+    seen = set()
+    for role, folder in _with_link_targets(inputs):
+        src = os.path.realpath(os.fspath(folder)) if folder is not None else None
+        if src is None or src in seen:
+            continue
+        seen.add(src)
+        if real == src or real.startswith(src.rstrip(os.sep) + os.sep):
+            where = "is" if real == src else "is inside"
+            problems.append(f"output folder {raw} {where} the {role} folder {os.fspath(folder)}; choose a folder "
+                            "outside it")
+        elif src.startswith(real.rstrip(os.sep) + os.sep):
+            problems.append(
+                f"the {role} folder {os.fspath(folder)} is inside the output folder {raw}; replacing it would destroy "
+                f"the {role}; choose another output folder"
+            )
+    problems += name_problems(out)
+    problems += _parent_problems(raw, out)
+    if recover and not problems:  # a merge killed in its commit: OUT is judged once it is finished or undone
+        finish_killed_commit(out)
+    if os.path.islink(out):
+        if not problems:
+            problems.append(f"output {raw} is a symlink; the output is staged beside it and renamed into place, "
+                            f"which would replace the link: pass the real path ({real})")
+    elif os.path.ismount(out):
+        problems.append(f"output {raw} is a mount point; the output is staged beside it and renamed, which cannot "
+                        "replace a mount point: choose a folder inside it")
+    elif os.path.lexists(out):
+        if not os.path.isdir(out):
+            problems.append(f"output {raw} exists and is not a folder; remove it or choose another path")
+        elif not overwrite and is_nonempty(out):
+            problems.append(f"output folder {raw} is not empty; pass overwrite=True to replace it")
+        elif overwrite and only_ours:
+            problems += replace_problems(out, raw)
+    return problems + sidecar_problems(out)
+
+
+def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> list[str]:
+    """Why ``overwrite`` may not replace an existing folder: only an empty folder, or an earlier output of
+    peft-shardmerge holding nothing but what its merge record (``merge_manifest.json``) lists, is ever replaced.
+
+    Args:
+        out_dir: the existing output folder.
+        shown: how to name it in the message (default: ``out_dir``).
+
+    Returns:
+        The problem (what is there, a few names, and how to proceed), or an empty list when it may be replaced.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> replace_problems(folder)
+        []
+        >>> _ = open(os.path.join(folder, "notes.txt"), "w").write("mine")
+        >>> print(replace_problems(folder, "out")[0].split(";")[0])
+        output folder out holds files peft-shardmerge did not write (notes.txt)
+    """
+    folder, shown = os.fspath(out_dir), shown if shown is not None else os.fspath(out_dir)
+    try:
+        found = snapshot(folder)
+    except OSError as e:
+        return [(f"output folder {shown} cannot be read ({e.strerror}); overwrite replaces only a folder it can "
+                 "check: remove it yourself or choose another output folder")]
+    listed, changed = _record_listing(folder)
+    ours = set()
+    for rel in listed:
+        while rel:
+            ours.add(rel)
+            rel = os.path.dirname(rel)
+    foreign = sorted(rel for rel in found if rel != "." and rel not in ours)
+    if changed:
+        names = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        return [(f"output folder {shown} holds files changed since peft-shardmerge wrote them ({names}); overwrite "
+                 "replaces only an empty folder or an earlier output of peft-shardmerge as it wrote it: copy your "
+                 "changes out (or remove the folder yourself), or choose another output folder")]
+    if not foreign:
+        return []
+    names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    what = ("is not an output of peft-shardmerge (no merge_manifest.json of ours) and holds" if not listed else
+            "holds files its merge record (merge_manifest.json) does not list, added after the merge:")
+    return [(f"output folder {shown} holds files peft-shardmerge did not write ({names}); overwrite replaces only "
+             f"an empty folder or an earlier output of peft-shardmerge, and this folder {what} {len(foreign)} such "
+             "entries: move them out (or remove the folder yourself), or choose another output folder")]
+
+
+def _record_listing(folder: str) -> tuple[set[str], list[str]]:
+    """The entries an earlier output's merge record names (the record itself included; empty when it has none of
+    ours: missing, a link, not JSON, or not our record's format), and those changed since: a side file whose
+    SHA-256 differs from the record's, a shard whose size does (shards are not hashed again here)."""
+    import json
+
+    from .files import read_regular_file
+    from .record import RECORD_FILE, RECORD_FORMAT
+
+    data = read_regular_file(os.path.join(folder, RECORD_FILE))
+    try:
+        record = json.loads(data) if data is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return set(), []
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        return set(), []
+    listed, changed = {RECORD_FILE}, []
+    for key in ("shards", "files"):
+        if isinstance(record.get(key), dict):
+            for name, entry in record[key].items():
+                rel = os.path.normpath(str(name))
+                listed.add(rel)
+                if isinstance(entry, dict) and _changed(os.path.join(folder, rel), entry, key == "files"):
+                    changed.append(rel)
+    return listed, sorted(changed)
+
+
+def _changed(path: str, entry: dict, hashed: bool) -> bool:
+    """Whether a file differs from its record entry (its size; for a side file its SHA-256 too)."""
+    from .record import file_sha256
+
+    try:
+        if not os.path.isfile(path) or os.path.islink(path):
+            return False  # gone or not a file: the snapshot's comparison names it
+        if "size" in entry and os.path.getsize(path) != entry["size"]:
+            return True
+        return hashed and "sha256" in entry and file_sha256(path) != entry["sha256"]
+    except OSError:
+        return True
+
+
+def path_argument(value, what: str) -> tuple[str | None, list[str]]:
+    """A path argument as ``str`` (``str``, ``bytes`` and ``os.PathLike`` accepted), or the problem with it.
+
+    Args:
+        value: the argument.
+        what: its role, for the message.
+
+    Returns:
+        ``(path, [])``, or ``(None, [problem])``.
+
+    Example:
+        >>> from pathlib import Path
+        >>> path_argument(Path("a/b"), "base")
+        ('a/b', [])
+    """
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        return None, [f"{what} must be a path (str or os.PathLike), got {type(value).__name__} {value!r:.60}"]
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if "\0" in path:
+        return None, [f"{what} {path!r} contains a NUL character; pass a valid path"]
+    return path, []
+
+
+def source_folders(model) -> dict[str, str]:
+    """The local folders a loaded model came from, which a save must never write over, into or around.
+
+    Args:
+        model: a transformers model or a PEFT model.
+
+    Returns:
+        ``{"model": folder}`` (``config._name_or_path``) and ``{"base of adapter 'name'": folder}`` (each adapter
+        config's ``base_model_name_or_path``), when they are local folders, and ``{"adapter 'name'": folder}``
+        where PEFT recorded one.
+
+    Example:
+        >>> source_folders(object())
+        {}
+    """
+    folders: dict[str, str] = {}
+    inner = model
+    for attr in ("base_model", "model"):  # PeftModel -> LoraModel -> transformers model
+        if hasattr(inner, "peft_config") and hasattr(inner, attr):
+            inner = getattr(inner, attr)
+    candidates = [("model", getattr(getattr(model, "config", None), "_name_or_path", None)),
+                  ("model", getattr(getattr(inner, "config", None), "_name_or_path", None))]
+    for name, cfg in (getattr(model, "peft_config", None) or {}).items():
+        candidates.append((f"base of adapter {name!r}", getattr(cfg, "base_model_name_or_path", None)))
+        for attr in ("adapter_path", "model_id"):
+            candidates.append((f"adapter {name!r}", getattr(cfg, attr, None)))
+    for role, folder in candidates:
+        if (isinstance(folder, str) and folder and not os.path.isabs(folder) and not os.path.exists(folder)
+                and role not in folders):  # relative, loaded from another working folder (or a Hub id)
+            folders[role] = folder
+        elif isinstance(folder, (str, os.PathLike)) and os.fspath(folder) and os.path.isdir(folder):
+            real = os.path.realpath(folder)
+            if real not in {os.path.realpath(f) for f in folders.values()}:
+                folders[role if role not in folders else f"{role} ({len(folders)})"] = os.fspath(folder)
+    return folders
+
+
+def foreign_model_problems(out_dir: str | os.PathLike) -> list[str]:
+    """Problems with replacing ``out_dir`` from a loaded model: a folder holding a model or an adapter that
+    peft-shardmerge did not write (no merge record) may be the one the model was loaded from, which PEFT does not
+    record for adapters, so it is never replaced, ``overwrite`` or not.
+
+    Args:
+        out_dir: the output folder.
+
+    Returns:
+        The problems, each a sentence with the fix; empty when ``out_dir`` holds no such files.
+
+    Example:
+        >>> foreign_model_problems("/nonexistent/merged")
+        []
+    """
+    folder = os.fspath(out_dir)
+    if (not os.path.isdir(folder) or os.path.islink(folder)
+            or os.path.isfile(os.path.join(folder, "merge_manifest.json"))):
+        return []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    held = sorted(n for n in names
+                  if n == "adapter_config.json" or n.endswith((".safetensors", ".bin", ".pt", ".pth")))
+    if not held:
+        return []
+    return [f"output folder {folder} holds a model or adapter that peft-shardmerge did not write "
+            f"({', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}); it may be the one this model was loaded from, so it is never "
+            "replaced: choose another folder, or remove it yourself first"]
+
+
+def _with_link_targets(inputs: dict) -> list[tuple[str, str]]:
+    """Each input folder, then the folders its linked files really live in (a Hub snapshot's ``blobs/``): replacing
+    those would destroy the input as surely as replacing the folder itself."""
+    pairs = []
+    for role, folder in inputs.items():
+        pairs.append((role, folder))
+        if folder is None or not os.path.isdir(folder):
+            continue
+        for root, dirs, files in os.walk(folder):
+            for name in dirs + files:
+                path = os.path.join(root, name)
+                if os.path.islink(path):
+                    pairs.append((f"{role} (the files its links point to)", os.path.dirname(os.path.realpath(path))))
+            if len(pairs) > 10_000:
+                break
+    return pairs
+
+
+def _unresolved_input_problems(raw: str, real: str, inputs: dict) -> list[str]:
+    """An input recorded as a relative path that no longer resolves (the working folder changed since the model was
+    loaded) may be the output folder under another spelling: refuse an OUT whose path ends with it."""
+    problems = []
+    for role, folder in inputs.items():
+        name = os.fspath(folder) if folder is not None else ""
+        if not name or os.path.isabs(name) or os.path.exists(name):
+            continue
+        tail = os.sep + os.path.normpath(name).strip(os.sep)
+        if (real + os.sep).find(tail + os.sep) >= 0:
+            problems.append(f"output folder {raw} may be the {role} folder, recorded as the relative path {name!r} "
+                            "when the model was loaded (the working folder has changed since); choose another folder")
+    return problems
+
+
+def _not_utf8_problem(raw: str) -> str | None:
+    """An output path that is not valid UTF-8 (bytes such as ``b"out\\xff"``, or a ``str`` holding the surrogates
+    ``os.fsdecode`` makes of them) cannot be written: safetensors, ``config.json`` and the Hub take UTF-8 names only,
+    and the name cannot even be printed. Refused up front, with a UTF-8 name to use instead."""
+    full = os.path.join(_here() or os.sep, raw)
+    try:
+        encoded = os.fsencode(full)
+    except UnicodeEncodeError:  # a lone surrogate that no file name can hold
+        shown = raw.encode("utf-8", "backslashreplace").decode("utf-8")
+        return (f"output folder {shown} is not a valid file name (it holds a lone UTF-16 surrogate); pass the name "
+                "as UTF-8 text")
+    try:
+        encoded.decode("utf-8")
+    except UnicodeDecodeError:
+        shown = os.fsencode(raw).decode("utf-8", "backslashreplace")
+        where = "its name" if _utf8(raw) is None else "a folder above it (the working folder or a parent)"
+        fix = "".join("_" if "\udc80" <= c <= "\udcff" else c for c in raw) if _utf8(raw) is None else None
+        return (f"output folder {shown}: {where} is not valid UTF-8 (bytes shown as \\x..); safetensors, config.json "
+                "and the Hub need UTF-8 file names, so nothing can be written there; pass a UTF-8 name"
+                + (f", e.g. {fix}" if fix else ", in a folder whose path is UTF-8"))
+    return None
+
+
+def _utf8(raw: str) -> str | None:
+    """``raw`` when it is valid UTF-8 text, else None."""
+    try:
+        return os.fsencode(raw).decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return None
+
+
+def _here() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # the working folder was deleted
+        return None
+
+
+def _parent_problems(raw: str, out: str) -> list[str]:
+    """The nearest existing ancestor of ``out`` must be a folder this process can create entries in."""
+    existing = os.path.dirname(out)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return [f"cannot create {raw}: {existing} is a file, not a folder; choose another output path"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"cannot write in {existing} (read-only or no permission) to create {raw}; choose another output "
+                "folder"]
+    return []
+
+
+def check_space(out_dir: str, nbytes: int) -> list[str]:
+    """Whether ``out_dir`` can be created and ``nbytes`` written beside it, without writing anything.
+
+    Args:
+        out_dir: the output folder (it and its parents may not exist yet).
+        nbytes: the bytes the merge will write.
+
+    Returns:
+        The problems (read-only or missing-permission parent, not enough free space), each with the fix.
+
+    Example:
+        >>> check_space("/tmp/merged", 1000)
+        []
+    """
+    existing = os.path.dirname(os.path.abspath(out_dir))  # the staging folder and lock live in OUT's parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    folder = existing if os.path.isdir(existing) else os.path.dirname(existing)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.access(folder, os.W_OK):
+        return [f"cannot write in {folder} (read-only or no permission) to create {out_dir}; choose another "
+                "output folder"]
+    free = shutil.disk_usage(folder).free
+    need = nbytes + (1 << 20)
+    if free < need:
+        return [f"not enough free space for {out_dir}: the merge writes {need / 1e9:.3f} GB and the filesystem of "
+                f"{parent if os.path.exists(parent) else folder} has {free / 1e9:.3f} GB free; free some space or "
+                "choose another output folder"]
+    return []

@@ -1,0 +1,314 @@
+"""Streaming safetensors output: the header first, then tensor bytes as they are produced (with a SHA-256 per
+tensor and of the header, recorded while writing), then the index."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import queue
+import threading
+import zlib
+
+import torch
+
+from ..errors import MergeCheckError
+from ..io.safetensors_io import build_header
+
+_COPY_PIECE = 64 << 20
+_FALLBACK_PIECE = 8 << 20
+
+
+class Crc32:
+    """A running CRC-32 with a hashlib-like interface: fast (GB/s), and enough to tell a finished shard from a
+    damaged or truncated one (the manifest also records sizes). Not a defence against tampering.
+
+    Example:
+        >>> h = Crc32(); h.update(b"abc"); h.hexdigest()
+        '352441c2'
+    """
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data) -> None:
+        """Add bytes."""
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        """The digest as 8 hex characters."""
+        return f"{self.value:08x}"
+
+
+class TensorDigests:
+    """SHA-256 of each tensor's bytes in a stream of consecutive tensors, split at the tensors' boundaries.
+
+    Args:
+        entries: ``(name, nbytes)`` of every tensor, in the order their bytes arrive.
+
+    Example:
+        >>> d = TensorDigests([("a", 2), ("b", 1)]); d.update(b"xyz"); d.digests()["b"][:8]
+        '594e519a'
+    """
+
+    def __init__(self, entries: list[tuple[str, int]]):
+        self._entries = list(entries)
+        self._done: dict[str, str] = {}
+        self._i = 0
+        self._left = 0
+        self._hash = None
+        self._next()
+
+    def _next(self) -> None:
+        """Start the next tensor with bytes to come (finishing any empty ones on the way)."""
+        while self._i < len(self._entries):
+            name, nbytes = self._entries[self._i]
+            if nbytes > 0:
+                self._hash, self._left = hashlib.sha256(), nbytes
+                return
+            self._done[name] = hashlib.sha256().hexdigest()
+            self._i += 1
+        self._hash, self._left = None, 0
+
+    def update(self, data) -> None:
+        """Add the next bytes of the stream.
+
+        Raises:
+            ValueError: more bytes than the entries announced.
+        """
+        view = memoryview(data).cast("B")
+        while view:
+            if self._hash is None:
+                raise ValueError(f"{len(view)} bytes beyond the last tensor")
+            take = min(self._left, len(view))
+            self._hash.update(view[:take])
+            view, self._left = view[take:], self._left - take
+            if self._left == 0:
+                self._done[self._entries[self._i][0]] = self._hash.hexdigest()
+                self._i += 1
+                self._next()
+
+    def digests(self) -> dict[str, str]:
+        """Hex SHA-256 per finished tensor, in stream order (complete once every byte has arrived)."""
+        return dict(self._done)
+
+
+class ShardWriter:
+    """Writes one safetensors file whose header is known before any data.
+
+    Writes happen on a background thread so that computing the next block overlaps writing this one; at
+    most ``depth`` blocks wait in between, so memory stays bounded by a few blocks.
+
+    Args:
+        path: the file to create (must not exist).
+        entries: ``(name, dtype, shape, nbytes)`` of every tensor, in write order.
+        metadata: the ``__metadata__`` map; ``{"format": "pt"}`` is always included.
+
+    Raises:
+        FileExistsError: ``path`` exists.
+
+    Example:
+        >>> with ShardWriter("x.safetensors", [("w", "F32", (2,), 8)]) as w:   # doctest: +SKIP
+        ...     w.write(torch.ones(2))
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...], int]],
+                 metadata: dict[str, str] | None = None, *, depth: int = 2):
+        self.path = path
+        self.expected = sum(e[3] for e in entries)
+        self.written = 0
+        meta = {"format": "pt", **(metadata or {})}
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._error: BaseException | None = None
+        self._hash = Crc32()
+        self._entries = [(e[0], e[3]) for e in entries]
+        self._tensors = TensorDigests(self._entries)
+        header = build_header(entries, meta)
+        self._header = (len(header), hashlib.sha256(header).hexdigest())
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
+        self._thread.start()
+        try:
+            self._write_all(memoryview(header), data=False)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _drain(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._error is not None:
+                continue
+            try:
+                job()
+            except BaseException as e:  # handed to the caller on its next call
+                self._error = e
+
+    def _submit(self, job) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(job)
+
+    def _write_all(self, view: memoryview, data: bool = True) -> None:
+        self._hash.update(view)
+        if data:
+            self._tensors.update(view)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Append a tensor's (or a row block's) bytes, in its own dtype.
+
+        The tensor must not be modified afterwards: it is written in the background.
+
+        Args:
+            tensor: the data; it is made contiguous on the CPU.
+
+        Raises:
+            OSError: an earlier background write failed (disk full, ...).
+        """
+        t = tensor.detach().to("cpu").contiguous()
+        if t.numel() == 0:
+            return
+        raw = t.reshape(-1).view(torch.uint8).numpy()
+        self.written += raw.nbytes
+        self._submit(lambda: self._write_all(memoryview(raw).cast("B")))
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        """Append ``nbytes`` copied from another file, in the kernel where the filesystem allows.
+
+        Args:
+            fd: a readable file descriptor (kept open until :meth:`close`).
+            offset: where to start reading in it.
+            nbytes: how many bytes to copy.
+
+        Raises:
+            OSError: an earlier background write failed.
+        """
+        self.written += nbytes
+        self._submit(lambda: self._copy(fd, offset, nbytes))
+
+    def _copy(self, fd: int, offset: int, nbytes: int) -> None:
+        done = 0
+        use_kernel = hasattr(os, "copy_file_range")
+        while done < nbytes:
+            want = min(_COPY_PIECE, nbytes - done)
+            n = 0
+            if use_kernel:
+                try:
+                    n = os.copy_file_range(fd, self._fd, want, offset + done)
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                        raise
+                    use_kernel = False
+            if not use_kernel or n == 0:
+                use_kernel = False
+                data = os.pread(fd, min(_FALLBACK_PIECE, want), offset + done)
+                if not data:
+                    raise MergeCheckError(f"source file ended early while copying into {self.path}")
+                self._write_all(memoryview(data))
+                n = len(data)
+            else:  # copied in the kernel: read the same bytes back from the page cache for the digest
+                for pos in range(0, n, _FALLBACK_PIECE):
+                    piece = os.pread(fd, min(_FALLBACK_PIECE, n - pos), offset + done + pos)
+                    self._hash.update(piece)
+                    self._tensors.update(piece)
+            done += n
+
+    def digest(self) -> str:
+        """CRC-32 hex digest of every byte written (header included), as :func:`file_digest` computes it.
+
+        Returns:
+            8 hex characters; complete only after :meth:`close`.
+        """
+        return self._hash.hexdigest()
+
+    def record(self) -> dict:
+        """What the merge record (``merge_manifest.json``) keeps of this shard: its size, the header's length and
+        SHA-256, and each tensor's byte range (relative to the data, as in the header) and SHA-256, all
+        computed from the bytes as they were written.
+
+        Returns:
+            ``{"size", "header": {"size", "sha256"}, "tensors": {name: {"offsets": [begin, end], "sha256"}}}``;
+            complete only after :meth:`close`.
+
+        Raises:
+            MergeCheckError: called before every tensor's bytes were written.
+        """
+        digests = self._tensors.digests()
+        if len(digests) != len(self._entries):
+            raise MergeCheckError(f"{self.path}: digests asked for before every tensor was written")
+        tensors, begin = {}, 0
+        for name, nbytes in self._entries:
+            tensors[name] = {"offsets": [begin, begin + nbytes], "sha256": digests[name]}
+            begin += nbytes
+        size, sha = self._header
+        return {"size": size + begin, "header": {"size": size, "sha256": sha}, "tensors": tensors}
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def close(self) -> None:
+        """Finish the background writes, flush to disk and check the byte count.
+
+        Raises:
+            MergeCheckError: more or fewer bytes were written than the header announced.
+            OSError: a background write failed.
+        """
+        if self._fd < 0:
+            return
+        try:
+            self._stop()
+            if self._error is not None:
+                raise self._error
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+        if self.written != self.expected:
+            raise MergeCheckError(f"{self.path}: wrote {self.written} data bytes, header announced {self.expected}")
+
+    def abort(self) -> None:
+        """Close without checks (after an error)."""
+        self._stop()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write a JSON file the way transformers does (indent 2, sorted keys, trailing newline), fsynced.
+
+    Args:
+        path: the file.
+        data: the object.
+
+    Returns:
+        None.
+
+    Raises:
+        OSError: the file cannot be written.
+        TypeError: ``data`` is not JSON-serializable.
+
+    Example:
+        >>> write_json("config.json", {"model_type": "llama"})   # doctest: +SKIP
+    """
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

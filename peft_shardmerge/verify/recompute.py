@@ -1,0 +1,413 @@
+"""Checking a merged checkpoint against its inputs: every tensor recomputed from base + adapter by the disk
+engine's own plan and merge code, one row block at a time, and compared with the stored bytes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ShardMergeError
+from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TensorInfo
+
+#: beyond one unit in the last place of the output dtype, a merged value may differ by this many float32
+#: epsilons of the largest value in its row block (a different summation order of the LoRA product)
+SUM_ORDER_EPS = 8
+#: how far a weight an in-process merge read from bitsandbytes' CPU repacking may be from the exact 4-bit base, as a
+#: fraction of its row block's largest value: the repacking keeps each block scale in bf16 (relative error <= 2^-9),
+#: and undoing it in place (a state_dict()) re-quantizes those scales with a new double-quant offset (measured up to
+#: 1.5 * 2^-8 on tiny Llamas); a wrong base (another checkpoint, garbage) is off by far more
+REPACK_LOSS = 2.0**-6
+_PIECE = 8 << 20
+
+
+@dataclass
+class RecomputeResult:
+    """What :func:`recompute_and_compare` found.
+
+    Attributes:
+        problems: every difference, each a sentence.
+        checks: what was checked, one line each.
+        notes: limits of the comparison (what could not be recomputed and why).
+        compared: tensors compared.
+        bitwise: tensors equal byte for byte.
+        complete: every tensor of the output was recomputed and compared.
+        fits: False when base + adapter do not give the checkpoint's tensors (they cannot be planned, or names,
+            dtypes or shapes differ); None when not recomputed.
+        unchecked: checks without a verdict, each with the reason: tensors that differ from the recomputation only
+            within the loss of bitsandbytes' CPU repacking the merge read them from (the record names those weights).
+    """
+
+    problems: list[str] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    compared: int = 0
+    bitwise: int = 0
+    complete: bool = False
+    fits: bool | None = None
+    unchecked: list[str] = field(default_factory=list)
+
+
+def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at each of ``values`` (the smallest normal's below it).
+
+    Args:
+        values: any floating-point values.
+        dtype: a floating-point dtype.
+
+    Returns:
+        float32 (float64 for float64) spacings, same shape.
+
+    Example:
+        >>> ulp(torch.tensor([1.0, 3.0]), torch.bfloat16).tolist()
+        [0.0078125, 0.015625]
+    """
+    info = torch.finfo(dtype)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    _, exponent = torch.frexp(values.to(work).abs().clamp_min(info.tiny))
+    return torch.ldexp(torch.full_like(values, info.eps, dtype=work), exponent - 1)
+
+
+def merge_settings(record: dict | None, out_dtype: str | None) -> tuple[dict | None, list[str]]:
+    """How to redo the merge a record describes with the disk engine: ``(options, notes)``.
+
+    ``options`` are the settings for :func:`~peft_shardmerge.checkpoint.planner.build_plan` plus ``weights``,
+    ``combination``
+    and ``held`` (the dtype an in-process merge held the base in, or quantized it from); a note explains any
+    guess or limit. ``options`` is None when the merge cannot be redone from disk.
+
+    Args:
+        record: the ``merge`` section of ``merge_manifest.json``, or None.
+        out_dtype: the output's floating-point dtype (torch name), used when there is no record.
+
+    Returns:
+        ``(options or None, notes)``.
+
+    Example:
+        >>> merge_settings(None, "bfloat16")[0]["base_precision"]
+        'original'
+    """
+    if record is None:
+        return ({"dtype": out_dtype, "base_precision": "original", "nf4": None, "chunk_elems": None,
+                 "weights": None, "combination": "cat", "held": None},
+                [f"no merge record: recomputed as a merge into the original base, written as {out_dtype}"])
+    options = {"dtype": record.get("dtype"), "base_precision": "original", "nf4": None,
+               "chunk_elems": record.get("chunk_elems"), "weights": record.get("weights"),
+               "combination": record.get("combination") or "cat", "held": None}
+    if record.get("output_quantization"):
+        return None, ["the output was re-quantized to 4-bit: its tensors are not recomputed"]
+    if record.get("path") == "disk":
+        options["base_precision"] = record.get("base_precision", "original")
+        options["nf4"] = record.get("nf4")
+        return options, []
+    quant = record.get("quantization")
+    if quant and quant.get("bits") == 8:
+        return None, ["the merge used an 8-bit base held in memory: its tensors are not recomputed"]
+    if quant:
+        options["base_precision"] = "nf4"
+        options["nf4"] = {k: quant.get(k) for k in ("quant_type", "blocksize", "double_quant")}
+        options["held"] = quant.get("quantized_from")
+        return options, []
+    options["held"] = record.get("held_dtype")
+    return options, []
+
+
+def _reproducible(held: str | None, plan) -> str:
+    """Why the disk engine cannot reproduce an in-process merge whose base was held in (or quantized from)
+    ``held``, or "" when it can: every stored value of a changed weight must survive the cast to ``held``."""
+    if held is None or not hasattr(torch, str(held)):
+        return ""
+    held_dtype = getattr(torch, held)
+    for t in plan.tensors:
+        stored = DTYPES[t.source.dtype][0] if t.source.dtype in DTYPES else None
+        if t.op != "merge" or stored is None or not stored.is_floating_point or stored == held_dtype:
+            continue
+        if torch.finfo(held_dtype).bits <= torch.finfo(stored).bits:
+            return (f"the merge held the base in {held}, the checkpoint stores {str(stored)[6:]}: the disk engine "
+                    "cannot reproduce that rounding, so the tensors are not recomputed")
+    return ""
+
+
+class _Compare:
+    """A sink for :func:`~peft_shardmerge.engine.execute.stream_tensors`: compares each produced block with the bytes
+    at
+    the same place in the merged checkpoint."""
+
+    def __init__(self, stored: dict[str, TensorInfo], repacked: set[str] = frozenset()):
+        self.stored = stored
+        self.repacked = repacked
+        self.fds: dict[str, int] = {}
+        self.current = None
+        self.differ: list[tuple[str, str]] = []
+        self.within_repacking: list[str] = []
+        self.compared = self.bitwise = 0
+
+    def begin(self, t) -> None:
+        self.finish()
+        info = self.stored[t.name]
+        if info.path not in self.fds:
+            self.fds[info.path] = os.open(info.path, os.O_RDONLY)
+        self.current = {"t": t, "info": info, "pos": 0, "equal": True, "bad": 0, "worst": 0.0, "short": False,
+                        "rounding": t.op == "merge" or info.name in self.repacked, "loose": info.name in self.repacked,
+                        "repack": False}
+
+    def _stored(self, n: int) -> bytes:
+        c = self.current
+        data = os.pread(self.fds[c["info"].path], n, c["info"].offset + c["pos"])
+        c["pos"] += n
+        if len(data) != n:
+            c["short"] = True
+        return data
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        for pos in range(0, nbytes, _PIECE):
+            n = min(_PIECE, nbytes - pos)
+            if os.pread(fd, n, offset + pos) != self._stored(n):
+                self.current["equal"] = False
+                self.current["bad"] += 1
+
+    def write(self, tensor: torch.Tensor) -> None:
+        c = self.current
+        want = tensor.detach().to("cpu").contiguous().reshape(-1)
+        raw = self._stored(want.numel() * want.element_size())
+        if c["short"]:
+            c["equal"] = False
+            return
+        if raw == want.view(torch.uint8).numpy().tobytes():
+            return
+        c["equal"] = False
+        if not (c["rounding"] and want.is_floating_point()):
+            c["bad"] += int((torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                             != want.view(torch.uint8)).sum())
+            return
+        got = torch.frombuffer(bytearray(raw), dtype=want.dtype)
+        work = torch.float64 if want.dtype == torch.float64 else torch.float32
+        g, w = got.to(work), want.to(work)
+        diff = (g - w).abs()
+        tol = ulp(w, want.dtype) + SUM_ORDER_EPS * torch.finfo(torch.float32).eps * w.abs().max()
+        if c["loose"]:  # read from bitsandbytes' CPU repacking: within its loss is no verdict either way
+            c["repack"] = c["repack"] or not bool((diff <= tol).all())
+            tol = tol + REPACK_LOSS * w.abs().max()
+        bad = ~(diff <= tol)  # NaN on either side counts as a difference
+        c["bad"] += int(bad.sum())
+        if bool(bad.any()):
+            worst = float(torch.where(bad, diff / tol, torch.zeros_like(diff)).nan_to_num(float("inf")).max())
+            c["worst"] = max(c["worst"], worst)
+
+    def finish(self) -> None:
+        c, self.current = self.current, None
+        if c is None:
+            return
+        self.compared += 1
+        name = c["t"].name
+        if c["short"]:
+            self.differ.append((name, "the stored tensor is shorter than its header says"))
+        elif c["pos"] != c["info"].nbytes:
+            self.differ.append((name, f"{c['pos']} bytes recomputed, {c['info'].nbytes} stored"))
+        elif c["equal"]:
+            self.bitwise += 1
+        elif c["bad"]:
+            what = "values beyond rounding" if c["rounding"] else "bytes"
+            worst = f" (worst {c['worst']:.3g}x the allowed rounding)" if c["worst"] else ""
+            self.differ.append((name, f"{c['bad']} {what} differ from base + adapter{worst}"))
+        elif c["repack"]:
+            self.within_repacking.append(c["info"].name)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _plan(base: str, adapters: list[str], options: dict):
+    """``(model info, plan)``: the disk engine's plan for ``options``, built the way ``plan_checkpoint_merge``
+    builds it (without an output folder)."""
+    from ..checkpoint.adapter import combine_adapters, load_adapter
+    from ..checkpoint.peft_deltas import rebuild
+    from ..checkpoint.planner import build_plan
+    from ..checkpoint.source import open_checkpoint
+    from ..engine.model_info import inspect_model
+    from ..options import DEFAULT_CHUNK_ELEMS
+    from ..quant.nf4 import Nf4Settings
+
+    src = open_checkpoint(base)
+    spec = combine_adapters([load_adapter(a) for a in adapters], options["weights"], options["combination"])
+    info = inspect_model(src.folder)
+    if spec.needs_layers:
+        from transformers import AutoConfig
+
+        spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
+                              skip=spec.layer_skip)
+    nf4 = Nf4Settings(**{**options["nf4"], "skip_modules": tuple(options["nf4"].get("skip_modules") or ())}) \
+        if options["nf4"] else None
+    return info, build_plan(src, spec, info, dtype=options["dtype"], max_shard_size=1 << 62,
+                      base_precision=options["base_precision"], nf4=nf4,
+                      chunk_elems=options["chunk_elems"] or DEFAULT_CHUNK_ELEMS)
+
+
+def _match_names(planned: dict, stored: dict[str, TensorInfo], info) -> tuple[dict[str, str], set, set]:
+    """``(planned name -> stored name, fused planned names, fused stored names)``: each of the base's checkpoint keys
+    matches the same key, or the name transformers loads it under (an in-process merge writes in-memory names,
+    e.g. LLaVA's ``model.language_model.*`` for ``language_model.model.*``); keys that loading fuses into one
+    tensor (per-expert MoE weights into ``experts.gate_up_proj``) are returned apart, with the fused tensors."""
+    target = {n: n for n in planned if n in stored}
+    rest = [n for n in planned if n not in stored]
+    fused, fused_stored = set(), set()
+    if rest:
+        taken = set(target.values())
+        for name, (memory, converted) in info.memory_names(rest).items():
+            if memory in stored and memory not in taken:
+                if converted:
+                    fused.add(name)
+                    fused_stored.add(memory)
+                else:
+                    target[name] = memory
+                    taken.add(memory)
+    return target, fused, fused_stored
+
+
+def _identity_notes(record: dict | None, base: str, adapters: list[str]) -> list[str]:
+    """Notes where the given inputs are not the files the record says the merge read (the recomputation decides
+    whether that matters: another copy of the same weights gives the same tensors)."""
+    from ..output.record import file_sha256
+
+    notes = []
+    wanted = [(base, (record or {}).get("base"), "the base")]
+    wanted += [(a, r, f"adapter {i + 1}")
+               for i, (a, r) in enumerate(zip(adapters, (record or {}).get("adapters") or []))]
+    for folder, entry, what in wanted:
+        files = (entry or {}).get("files") or {}
+        if not os.path.isdir(folder):
+            continue
+        for name, meta in sorted(files.items(), key=lambda kv: not kv[0].endswith((".safetensors", ".bin"))):
+            if name == "README.md":
+                continue
+            path = os.path.join(folder, name)
+            if "sha256" in meta and os.path.isfile(path) and file_sha256(path) != meta["sha256"]:
+                notes.append(f"{what} given differs from the one merged: its {name} is not the file the merge read")
+                break
+    return notes
+
+
+def _check_layout(result: RecomputeResult, planned: dict, stored: dict[str, TensorInfo], info) -> tuple[dict, list]:
+    """Match the planned tensors with the stored ones and add every missing, extra or reshaped tensor to
+    ``result`` (``fits`` says whether all match); returns ``(planned name -> stored name, planned names of another
+    dtype or shape)``."""
+    target, fused, fused_stored = _match_names(planned, stored, info)
+    missing = sorted(set(planned) - set(target) - fused)
+    extra = sorted(set(stored) - set(target.values()) - fused_stored)
+    if fused:
+        result.notes.append(f"{len(fused_stored)} tensor(s) stored fused as transformers loads them (e.g. "
+                            f"{sorted(fused_stored)[0]}), built from {len(fused)} checkpoint keys: not recomputed "
+                            "(the logits cover them)")
+    if missing:
+        result.problems.append(f"{len(missing)} tensor(s) that base + adapter give are not in the checkpoint: "
+                               f"{', '.join(missing[:5])}")
+    if extra:
+        result.problems.append(f"{len(extra)} tensor(s) of the checkpoint do not come from base + adapter: "
+                               f"{', '.join(extra[:5])}")
+    shapes = [n for n in sorted(target) if (planned[n].out_dtype, tuple(planned[n].shape))
+              != (stored[target[n]].dtype, tuple(stored[target[n]].shape))]
+    for n in shapes[:5]:
+        got = stored[target[n]]
+        result.problems.append(f"{target[n]}: the checkpoint has {got.dtype} {list(got.shape)}, base + adapter "
+                               f"give {planned[n].out_dtype} {list(planned[n].shape)}")
+    if len(shapes) > 5:
+        result.problems.append(f"... and {len(shapes) - 5} more tensor(s) of another dtype or shape")
+    result.fits = not (missing or extra or shapes)
+    return target, shapes
+
+
+def _summarize(result: RecomputeResult, sink: _Compare, options: dict, n_stored: int) -> None:
+    """Add the comparison's outcome to ``result``: the tensors that differ (ten named) and the one-line check."""
+    result.compared, result.bitwise = sink.compared, sink.bitwise
+    for name, why in sink.differ[:10]:
+        result.problems.append(f"{name}: {why}")
+    if len(sink.differ) > 10:
+        result.problems.append(f"... and {len(sink.differ) - 10} more tensor(s) differ from base + adapter")
+    near = sink.within_repacking
+    if near:
+        result.unchecked.append(
+            f"{len(near)} tensor(s) ({', '.join(near[:3])}{', ...' if len(near) > 3 else ''}) differ from base + "
+            "adapter, within the loss of "
+            "bitsandbytes' CPU repacking: the merge read them from 4-bit weights repacked for its CPU kernel (an eval "
+            "forward on a CPU with AVX512-BF16), whose block scales were rounded to bf16, so their exact base was not "
+            "the one merged; merge again from a model loaded with module.support_avx512bf16_for_cpu = False")
+    result.complete = not result.problems and not result.unchecked and result.compared == n_stored
+    nf4 = options["nf4"]
+    precision = options["base_precision"] + (f" ({nf4['quant_type']}, blocksize {nf4['blocksize']}, "
+                                             f"{'' if nf4['double_quant'] else 'no '}double quant)" if nf4 else "")
+    result.checks.append(f"recomputed {result.compared} tensors from base + adapter (base precision {precision}): "
+                         f"{result.bitwise} equal byte for byte, "
+                         f"{result.compared - result.bitwise - len(sink.differ) - len(near)} within rounding, "
+                         + (f"{len(near)} within the CPU repacking's loss, " if near else "")
+                         + f"{len(sink.differ)} different")
+
+
+def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: list[str], record: dict | None,
+                          *, device: str = "cpu") -> RecomputeResult:
+    """Recompute every tensor of a merged checkpoint from ``base`` + ``adapters`` with the disk engine (the plan
+    and merge code the merge itself runs, one row block at a time, into the base precision the record names) and
+    compare it with the stored bytes: byte for byte where the result is the same, else each merged value within
+    one rounding to the output dtype plus :data:`SUM_ORDER_EPS` float32 epsilons of its block's largest value (a
+    different summation order). Tensors no adapter changes must be equal byte for byte.
+
+    Args:
+        stored: the checkpoint's tensors by name (from its headers).
+        base: the base checkpoint.
+        adapters: the adapter folders, in the order they were combined.
+        record: the ``merge`` section of ``merge_manifest.json``, or None.
+        device: where the maths runs.
+
+    Returns:
+        The :class:`RecomputeResult`.
+
+    Raises:
+        Nothing: inputs that do not fit are problems.
+
+    Example:
+        >>> recompute_and_compare(stored, "base", ["adapter"], None).problems   # doctest: +SKIP
+        []
+    """
+    from ..engine.execute import stream_tensors
+
+    result = RecomputeResult()
+    floats = {DTYPES[t.dtype][0] for t in stored.values() if t.dtype in FLOAT_DTYPES}
+    out_dtype = str(next(iter(floats))).removeprefix("torch.") if len(floats) == 1 else None
+    options, notes = merge_settings(record, out_dtype)
+    result.notes += notes
+    if options is None:
+        return result
+    n_recorded = len((record or {}).get("adapters") or [])
+    if n_recorded and n_recorded != len(adapters):
+        result.problems.append(f"the merge combined {n_recorded} adapter(s), {len(adapters)} given: give each "
+                               "one, in the order they were merged")
+        result.fits = False
+        return result
+    result.notes += _identity_notes(record, base, adapters)
+    try:
+        info, plan = _plan(base, adapters, options)
+    except ShardMergeError as e:
+        lines = getattr(e, "problems", None) or [str(e)]
+        result.problems += [f"base + adapter cannot be planned: {p}" for p in lines]
+        result.fits = False
+        return result
+    why = _reproducible(options["held"], plan)
+    if why:
+        result.notes.append(why)
+        return result
+    planned = {t.name: t for t in plan.tensors}
+    target, shapes = _check_layout(result, planned, stored, info)
+    todo = [t for t in plan.tensors if t.name in target and t.name not in shapes]
+    sink = _Compare({n: stored[m] for n, m in target.items()}, set((record or {}).get("cpu_repacked") or ()))
+    try:
+        stream_tensors(plan, sink, todo, device=device)
+        sink.finish()
+    except ShardMergeError as e:
+        result.problems.append(f"recomputing failed: {str(e).splitlines()[0]}")
+        return result
+    finally:
+        sink.close()
+    _summarize(result, sink, options, len(stored))
+    return result
