@@ -3,6 +3,7 @@ with a reference."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from importlib.metadata import version
 
@@ -84,3 +85,22 @@ def nf4_by_hand(packed: torch.Tensor, state) -> torch.Tensor:
         absmax = state.absmax.reshape(-1).to(torch.float32)
     values = torch.tensor(NF4)[nibbles[:n]] * absmax[torch.arange(n) // BLOCK]
     return values.to(state.dtype).to(torch.float32).reshape(state.shape)
+
+
+def tree(folder) -> dict[str, str]:
+    """Every entry under ``folder`` without following links: files by SHA-256, links by target, folders."""
+    out = {}
+    folder = str(folder)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if os.path.islink(path):
+                out[rel] = "link -> " + os.readlink(path)
+            elif os.path.isdir(path):
+                out[rel] = "folder"
+            elif not os.path.isfile(path):  # a fifo or socket: opening it would block
+                out[rel] = f"special {os.lstat(path).st_mode:o}"
+            else:
+                out[rel] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from peft_shardmerge import InputError, merge_and_save, save_pretrained_merged
 from peft_shardmerge.testing import build_base
+from tests.helpers import tree
 from tests.integration.test_after_training import peft_qlora
-from tests.reliability.test_files_safety import tree
 
 
 @pytest.fixture()

@@ -25,30 +25,12 @@ from peft_shardmerge import InputError, check_out_dir, merge_checkpoint, plan_ch
 from peft_shardmerge.errors import FileSystemError, OutputChangedError
 from peft_shardmerge.output.files import remove_checked, snapshot
 from peft_shardmerge.output.staging import partial_dir
+from tests.helpers import tree
 
 #: subprocesses, signals and kills: make test-all runs them
 pytestmark = pytest.mark.slow
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-def tree(folder) -> dict[str, str]:
-    """Every entry under ``folder`` without following links: files by SHA-256, links by target, folders."""
-    out = {}
-    folder = str(folder)
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, folder)
-            if os.path.islink(path):
-                out[rel] = "link -> " + os.readlink(path)
-            elif os.path.isdir(path):
-                out[rel] = "folder"
-            elif not os.path.isfile(path):  # a fifo or socket: opening it would block
-                out[rel] = f"special {os.lstat(path).st_mode:o}"
-            else:
-                out[rel] = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    return out
 
 
 def user_folder(path: Path) -> Path:

@@ -10,7 +10,6 @@ output with a record of ours, each in a process forked from one child that impor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ import textwrap
 import pytest
 
 from peft_shardmerge.output.checks import check_out_dir
+from tests.helpers import tree
 
 WRITER = textwrap.dedent('''
     import json, os, sys, traceback
@@ -93,19 +93,6 @@ def merger(tmp_path_factory):
     proc.wait(timeout=60)
 
 
-def _tree(folder) -> dict[str, str]:
-    out = {}
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            path = os.path.join(root, name)
-            if os.path.isdir(path):
-                out[os.path.relpath(path, folder)] = "folder"
-            else:
-                with open(path, "rb") as f:
-                    out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory, merger):
     """The complete old and new outputs, and the steps of an uninterrupted commit over an old output (with
@@ -124,9 +111,9 @@ def outputs(tmp_path_factory, merger):
             assert merger(out, "old", False) == 0
         trace = root / f"steps-{overwrite}.txt"
         assert merger(out, "new", overwrite, {"PEFT_SHARDMERGE_STEPS": str(trace)}) == 0
-        assert _tree(out) == _tree(new)
+        assert tree(out) == tree(new)
         steps[overwrite] = [s for s in trace.read_text().split("\n") if s]
-    return _tree(old), _tree(new), steps
+    return tree(old), tree(new), steps
 
 
 def _beside(out) -> list[str]:
@@ -146,16 +133,16 @@ def test_a_kill_at_every_step_of_the_commit_is_recovered(outputs, merger, tmp_pa
         if overwrite:
             assert merger(out, "old", False) == 0
         assert merger(out, "new", overwrite, {"PEFT_SHARDMERGE_KILL_AT": step}) == -signal.SIGKILL, step
-        now = _tree(out) if out.exists() else None
+        now = tree(out) if out.exists() else None
         assert now in ((None, old) if overwrite else (None,)) or now == new, step
         # the up-front check of any next run finishes the cut commit and removes the dead merge's lock ...
         problems = check_out_dir(str(out), inputs={}, overwrite=overwrite, recover=True)  # a run about to merge
         assert problems == [] or (not overwrite and "is not empty" in problems[0]), (step, problems)
-        assert _tree(out) in (old, new) if out.exists() else not overwrite, step
+        assert tree(out) in (old, new) if out.exists() else not overwrite, step
         assert ".out.lock" not in _beside(out), step
         # ... and the same command again ends with the complete new output and nothing beside it
         if problems:
-            assert _tree(out) == new, step
+            assert tree(out) == new, step
         else:
             assert merger(out, "new", overwrite) == 0, step
-        assert _tree(out) == new and _beside(out) == [], (step, _beside(out))
+        assert tree(out) == new and _beside(out) == [], (step, _beside(out))

@@ -3,7 +3,6 @@ merge record lists; a folder with anything else is refused before anything is wr
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -11,19 +10,7 @@ import sys
 import pytest
 
 from peft_shardmerge import InputError, merge_checkpoint
-
-
-def _tree(folder) -> dict[str, str]:
-    out = {}
-    for root, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            path = os.path.join(root, name)
-            if os.path.isdir(path):
-                out[os.path.relpath(path, folder)] = "folder"
-            else:
-                with open(path, "rb") as f:
-                    out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
-    return out
+from tests.helpers import tree
 
 
 @pytest.fixture()
@@ -36,7 +23,7 @@ def _user_folder(out):
     (out / "notes.txt").write_text("my notes")
     (out / "README.md").write_text("my readme")
     (out / "sub" / "data.bin").write_bytes(b"1234")
-    return _tree(out)
+    return tree(out)
 
 
 def test_overwrite_refuses_a_folder_of_the_users_and_names_what_is_there(tiny, tmp_path):
@@ -47,7 +34,7 @@ def test_overwrite_refuses_a_folder_of_the_users_and_names_what_is_there(tiny, t
     text = str(e.value)
     assert "holds files peft-shardmerge did not write (README.md, notes.txt, sub, sub/data.bin)" in text
     assert "no merge_manifest.json of ours" in text and "choose another output folder" in text
-    assert _tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+    assert tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
 
 
 @pytest.mark.slow
@@ -59,17 +46,17 @@ def test_overwrite_on_the_command_line_refuses_it_too(tiny, tmp_path):
                        check=False)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "did not write (README.md, notes.txt, sub, sub/data.bin)" in r.stderr
-    assert _tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+    assert tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
 
 
 def test_a_file_added_to_an_earlier_output_is_never_deleted(tiny, tmp_path):
     out = tmp_path / "out"
     merge_checkpoint(*tiny, str(out), progress=False)
     (out / "notes.txt").write_text("added after the merge")
-    before = _tree(out)
+    before = tree(out)
     with pytest.raises(InputError, match=r"did not write \(notes\.txt\).*does not list, added after the merge"):
         merge_checkpoint(*tiny, str(out), overwrite=True, dtype="float16", progress=False)
-    assert _tree(out) == before
+    assert tree(out) == before
 
 
 def test_merge_and_save_with_overwrite_refuses_a_folder_of_the_users(tiny, tmp_path):
@@ -84,7 +71,7 @@ def test_merge_and_save_with_overwrite_refuses_a_folder_of_the_users(tiny, tmp_p
     before = _user_folder(out)
     with pytest.raises(InputError, match=r"did not write \(README\.md, notes\.txt, sub, sub/data\.bin\)"):
         merge_and_save(model, str(out), overwrite=True, progress=False)
-    assert _tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+    assert tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
 
 
 def test_a_plan_or_dry_run_touches_nothing_a_killed_merge_left_and_the_merge_itself_clears_it(tiny, tmp_path):
@@ -100,10 +87,10 @@ def test_a_plan_or_dry_run_touches_nothing_a_killed_merge_left_and_the_merge_its
     lock = sidecar(str(out), "lock")
     with open(lock, "w") as f:  # what a merge killed after its commit leaves: its record, no process holding it
         json.dump({"made_by": MADE_BY, "pid": 2**22 + 7, "host": "gone", "started": "then"}, f)
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     plan_checkpoint_merge(*tiny, str(out), overwrite=True)
     merge_checkpoint(*tiny, str(out), overwrite=True, dry_run=True, progress=False)
-    assert _tree(tmp_path) == before
+    assert tree(tmp_path) == before
     merge_checkpoint(*tiny, str(out), overwrite=True, progress=False)
     assert not os.path.lexists(lock) and sorted(os.listdir(tmp_path)) == ["out"]
 
@@ -113,10 +100,10 @@ def test_overwrite_refuses_an_earlier_output_whose_files_the_user_edited(tiny, t
     merge_checkpoint(*tiny, str(out), progress=False)
     with open(out / "config.json", "a") as f:
         f.write("\n")  # an edit after the merge: still a file the record lists, no longer the bytes it wrote
-    before = _tree(out)
+    before = tree(out)
     with pytest.raises(InputError, match=r"holds files changed since peft-shardmerge wrote them \(config\.json\)"):
         merge_checkpoint(*tiny, str(out), overwrite=True, progress=False)
-    assert _tree(out) == before
+    assert tree(out) == before
     (out / "config.json").write_bytes(b"")  # replaced by the user: refused too
     with pytest.raises(InputError, match="changed since"):
         merge_checkpoint(*tiny, str(out), overwrite=True, progress=False)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import InputError, check_out_dir, merge_and_save, merge_checkpoint, save_pretrained_merged
 from peft_shardmerge.testing import build_base
-from tests.reliability.test_files_safety import tree
+from tests.helpers import tree
 
 BAD = b"out\xff"
 
