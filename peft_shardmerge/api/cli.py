@@ -113,10 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: from argparse, for ``--help``, ``--version`` or unparsable arguments (status 2).
         Exception: an unexpected failure (a bug) propagates with its traceback.
-
-    Example:
-        >>> main(["merge", "base", "adapter", "out", "--dry-run"])   # doctest: +SKIP
-        0
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -180,9 +176,6 @@ def run() -> None:
 
     Raises:
         SystemExit: with :func:`main`'s status.
-
-    Example:
-        >>> run()   # doctest: +SKIP
     """
     code = main()
     if _rank() is None:

@@ -115,21 +115,8 @@ TOKENS_SUFFIXES = (".token_adapter.trainable_tokens_delta", ".trainable_tokens_d
 
 
 def add_token_rows(spec, name: str, key: str, t: AdapterTensor, problems: list[str]) -> None:
-    """Record an adapter's trainable-token rows for their module (``spec.tokens``), or the problem with them.
-
-    Args:
-        spec: the :class:`~peft_shardmerge.checkpoint.adapter.AdapterSpec` being read.
-        name: the tensor's stored name.
-        key: the name without PEFT's prefix.
-        t: the tensor.
-        problems: where a problem goes.
-
-    Returns:
-        None.
-
-    Example:
-        >>> add_token_rows(spec, name, key, tensor, problems)   # doctest: +SKIP
-    """
+    """Record an adapter's trainable-token rows for their module (``spec.tokens``), or the problem with them in
+    ``problems``; ``key`` is the stored ``name`` without PEFT's prefix."""
     path = key.removesuffix(".trainable_tokens_delta").removesuffix(".token_adapter")
     indices = token_indices(spec.config, path)
     if indices is None:
@@ -206,9 +193,6 @@ def read_adapter_tensors(folder: str, path: str) -> dict[str, AdapterTensor]:
         NotFoundError: the file does not exist.
         CorruptFileError: the file is malformed.
         InputError: a weight is NaN or Inf.
-
-    Example:
-        >>> tensors = read_adapter_tensors("./a", "./a/adapter_model.safetensors")   # doctest: +SKIP
     """
     if not os.path.isfile(path):
         raise NotFoundError(f"adapter {folder} has neither {ADAPTER_WEIGHTS} nor {ADAPTER_BIN}")

@@ -129,10 +129,6 @@ def plan_replacements(st: PlanState) -> list[str]:
 
     Returns:
         The problems (a saved tensor with no counterpart in the base, or of another shape).
-
-    Example:
-        >>> plan_replacements(state)  # doctest: +SKIP
-        []
     """
     problems = []
     for memory_name, rep, name, pt in st.targets(st.adapter.replacements):
@@ -180,10 +176,6 @@ def plan_lora(st: PlanState) -> list[str]:
 
     Returns:
         The problems: missing targets, shape mismatches (one per adapter and kind of module), bad magnitudes.
-
-    Example:
-        >>> plan_lora(state)  # doctest: +SKIP
-        []
     """
     problems = []
     mismatches: dict[tuple, list[tuple[str, str]]] = {}  # one line per adapter and module kind, not per layer
@@ -229,10 +221,6 @@ def plan_lora_bias(st: PlanState, mod: LoraModule) -> list[str]:
 
     Returns:
         The problems (a missing bias the allowlist refuses is left to it, which names the fix).
-
-    Example:
-        >>> plan_lora_bias(state, module)  # doctest: +SKIP
-        []
     """
     out_f = mod.b.shape[0]
     bname = st.to_file(f"{mod.path}.bias")
@@ -254,10 +242,6 @@ def plan_peft_ops(st: PlanState) -> list[str]:
 
     Returns:
         The problems (a layer that does not fit its base tensor).
-
-    Example:
-        >>> plan_peft_ops(state)  # doctest: +SKIP
-        []
     """
     problems = []
     adapter = st.adapter
@@ -288,10 +272,6 @@ def plan_tokens(st: PlanState) -> list[str]:
 
     Returns:
         The problems (a missing target, rows that do not fit).
-
-    Example:
-        >>> plan_tokens(state)  # doctest: +SKIP
-        []
     """
     problems = []
     for path, tr, wname, pt in st.targets(st.adapter.tokens, ".weight"):
@@ -326,10 +306,6 @@ def plan_ties(st: PlanState) -> tuple[list[str], list[str]]:
 
     Returns:
         ``(problems, untied names)``.
-
-    Example:
-        >>> plan_ties(state)  # doctest: +SKIP
-        ([], ['lm_head.weight', 'model.embed_tokens.weight'])
     """
     if not st.tie_on:
         return [], []
@@ -355,10 +331,6 @@ def plan_vocab(st: PlanState) -> list[str]:
 
     Returns:
         The problems.
-
-    Example:
-        >>> plan_vocab(state)  # doctest: +SKIP
-        []
     """
     if st.new_vocab is None:
         return []

@@ -32,10 +32,6 @@ def planning_view(root: nn.Module) -> Iterator[nn.Module]:
 
     Returns:
         A context manager yielding the wrapped model; on exit the tree and the parameters are as they were.
-
-    Example:
-        >>> with planning_view(fsdp_model) as peft_model:   # doctest: +SKIP
-        ...     plan = build_model_plan(peft_model, "merged", opts, None, sharded="fsdp1")
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -74,9 +70,6 @@ class Fsdp1Units:
 
     Args:
         root: the outermost ``FullyShardedDataParallel``.
-
-    Example:
-        >>> units = Fsdp1Units(fsdp_model); units.gather(0); units.release(0)   # doctest: +SKIP
     """
 
     label = "FSDP unit"

@@ -111,12 +111,6 @@ class UnitGatherer:
 
     Attributes:
         peak_numel: the most elements held unsharded at once (a unit or two, never the model).
-
-    Example:
-        >>> g = UnitGatherer(model, plan.tensors)   # doctest: +SKIP
-        >>> for t in plan.tensors:                  # doctest: +SKIP
-        ...     g.before(t)
-        >>> g.close()                               # doctest: +SKIP
     """
 
     def __init__(self, model: nn.Module, tensors: list):
@@ -216,9 +210,6 @@ class Fsdp2Units:
 
     Args:
         model: the sharded model.
-
-    Example:
-        >>> units = Fsdp2Units(model); units.gather(1); units.release(1)   # doctest: +SKIP
     """
 
     label = "FSDP unit"

@@ -49,10 +49,6 @@ def planning_view(model: nn.Module) -> Iterator[nn.Module]:
 
     Returns:
         A context manager yielding the PeftModel; on exit every parameter is the one it was.
-
-    Example:
-        >>> with planning_view(engine) as peft_model:   # doctest: +SKIP
-        ...     plan = build_model_plan(peft_model, "merged", opts, None, sharded="zero3")
     """
     inner = inner_model(model)
     saved: dict = {}
@@ -78,9 +74,6 @@ class Zero3Units:
 
     Args:
         model: the partitioned PeftModel, or the DeepSpeed engine around it.
-
-    Example:
-        >>> units = Zero3Units(engine); units.gather(0); units.release(0)   # doctest: +SKIP
     """
 
     label = "ZeRO-3 module"

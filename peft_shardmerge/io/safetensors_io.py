@@ -100,9 +100,13 @@ def read_header(path: str, *, check: bool = True) -> tuple[list[TensorInfo], dic
         FileNotFoundError: the file does not exist.
 
     Example:
-        >>> tensors, meta = read_header("model.safetensors")  # doctest: +SKIP
-        >>> tensors[0].name, meta.get("format")                # doctest: +SKIP
-        ('model.embed_tokens.weight', 'pt')
+        >>> import tempfile
+        >>> from safetensors.torch import save_file
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> save_file({"w": torch.arange(6.0).reshape(3, 2)}, path, metadata={"format": "pt"})
+        >>> tensors, meta = read_header(path)
+        >>> tensors[0].name, tensors[0].dtype, tensors[0].shape, meta
+        ('w', 'F32', (3, 2), {'format': 'pt'})
     """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -234,9 +238,15 @@ class RowReader:
     count file pages as resident memory.
 
     Example:
-        >>> reader = RowReader()
-        >>> rows = reader.read_rows(info, 0, 128).float()   # doctest: +SKIP
-        >>> reader.close()                                  # doctest: +SKIP
+        >>> import tempfile
+        >>> from safetensors.torch import save_file
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> save_file({"w": torch.arange(6.0).reshape(3, 2)}, path)
+        >>> info = read_header(path)[0][0]
+        >>> with RowReader() as reader:
+        ...     reader.read_rows(info, 1, 3).clone()
+        tensor([[2., 3.],
+                [4., 5.]])
     """
 
     def __init__(self) -> None:

@@ -39,11 +39,6 @@ class ModuleSink:
 
     Raises:
         InputError: an offloaded module whose merged weights cannot be written back (nothing is changed).
-
-    Example:
-        >>> sink = ModuleSink(plan_live(LiveSource(walk(model, None)), torch.bfloat16, 1 << 62), torch.bfloat16)
-        ... # doctest: +SKIP
-        >>> sink.write(LiveMerger(sink.live, budget, torch.bfloat16))   # doctest: +SKIP
     """
 
     def __init__(self, plan: Plan, dtype: torch.dtype):
@@ -64,14 +59,8 @@ class ModuleSink:
             merger: the per-tensor merger of the walked model.
             progress: show a progress bar over the modules (PEFT's ``progressbar``).
 
-        Returns:
-            None.
-
         Raises:
             MergeCheckError: a layer was not applied exactly once, or a merged value is not finite.
-
-        Example:
-            >>> sink.write(merger)   # doctest: +SKIP
         """
         from tqdm.auto import tqdm
         from transformers.pytorch_utils import Conv1D
@@ -105,12 +94,6 @@ class ModuleSink:
 
         Args:
             model: the model given by the caller (a PeftModel, or the transformers model itself).
-
-        Returns:
-            None.
-
-        Example:
-            >>> sink.cast(model)   # doctest: +SKIP
         """
         inner = self.live.model
         if self.offloaded:  # accelerate's model.to refuses offloaded models: each module is cast, each hook too

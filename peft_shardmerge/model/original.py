@@ -173,14 +173,8 @@ def find_original(live: LiveModel) -> OriginalCheck:
         live: the walked model (:func:`~peft_shardmerge.model.walk.walk`).
 
     Returns:
-        An :class:`OriginalCheck`; ``folder`` is None with the reason when no candidate matches.
-
-    Raises:
-        Nothing: problems become the reason.
-
-    Example:
-        >>> find_original(walk(model)).folder   # doctest: +SKIP
-        '/home/me/tiny-llama'
+        An :class:`OriginalCheck`; ``folder`` is None with the reason when no candidate matches (problems become
+        the reason, never raised).
     """
     name = getattr(live.model.config, "_name_or_path", "") or ""
     if not name:

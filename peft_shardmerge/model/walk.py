@@ -32,10 +32,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     Raises:
         InputError: the model carries no PEFT adapter.
-
-    Example:
-        >>> unwrap(peft_model).__class__.__name__   # doctest: +SKIP
-        'LlamaForCausalLM'
     """
     try:
         from peft import PeftModel
@@ -71,11 +67,6 @@ def walk(model: nn.Module, adapter_names: list[str] | None = None) -> LiveModel:
         InputError: no adapter, adapters already merged into the base, or LoRA factors with no weights (on the
             meta device, where PEFT leaves them on a layer accelerate had offloaded).
         UnsupportedError: DoRA or other LoRA variants, trainable tokens (all named).
-
-    Example:
-        >>> live = walk(peft_model)              # doctest: +SKIP
-        >>> [e.name for e in live.entries][:2]   # doctest: +SKIP
-        ['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight']
     """
     inner = unwrap(model)
     if adapter_names is not None:

@@ -30,10 +30,6 @@ def entry_base(entry, device: torch.device, notes: list[str] | None = None) -> t
 
     Raises:
         MissingDependencyError: a bitsandbytes weight without bitsandbytes installed.
-
-    Example:
-        >>> entry_base(live.entries[1], torch.device("cpu")).dtype   # doctest: +SKIP
-        torch.float32
     """
     if entry.attr == "weight" and entry.kind != "tokens":
         return dequantize(entry.holder, device, notes)
@@ -51,10 +47,6 @@ def materialized(module: nn.Module | None) -> Iterator[None]:
 
     Returns:
         A context manager.
-
-    Example:
-        >>> with materialized(layer):   # doctest: +SKIP
-        ...     w = layer.weight.detach().clone()
     """
     if module is None:
         yield
@@ -204,14 +196,8 @@ def store_offloaded(holder: nn.Module, path: str, changed: dict[str, torch.Tenso
         changed: new tensors by attribute name.
         folder: a folder of our own for the files, or None to keep the tensors in CPU memory.
 
-    Returns:
-        None.
-
     Raises:
         OSError: the files cannot be written (the module is then unchanged).
-
-    Example:
-        >>> store_offloaded(layer, "model.layers.0.mlp.up_proj", {"weight": merged}, None)   # doctest: +SKIP
     """
     from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset
     from accelerate.utils.offload import offload_weight

@@ -38,10 +38,8 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
         recover: finish or undo the commit of a merge into ``out_dir`` that was killed (a merge about to run).
 
     Returns:
-        The problems, each a sentence with the fix; empty when ``out_dir`` is fine.
-
-    Raises:
-        Nothing: problems are returned, so that the caller can report them with others.
+        The problems, each a sentence with the fix; empty when ``out_dir`` is fine. They are returned, never
+        raised, so that the caller can report them with others.
 
     Example:
         >>> for p in check_out_dir("/tmp/base/merged", inputs={"base": "/tmp/base"}, overwrite=False):

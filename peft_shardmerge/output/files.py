@@ -250,7 +250,13 @@ def snapshot(folder: str) -> dict[str, list[int]]:
         OSError: the folder cannot be listed.
 
     Example:
-        >>> snapshot("/nonexistent")   # doctest: +SKIP
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> os.mkdir(os.path.join(folder, "sub"))
+        >>> _ = open(os.path.join(folder, "sub", "a.txt"), "w").write("hi")
+        >>> snap = snapshot(folder)
+        >>> sorted(snap), len(snap["sub"]), snap[os.path.join("sub", "a.txt")][1]
+        (['.', 'sub', 'sub/a.txt'], 2, 2)
     """
     out: dict[str, list[int]] = {}
 
@@ -331,15 +337,21 @@ def rename_noreplace(src: str, dst: str) -> None:
         src: what to move.
         dst: where.
 
-    Returns:
-        None.
-
     Raises:
         FileExistsError: ``dst`` exists (as anything, a link or an empty folder included).
         OSError: the rename failed.
 
     Example:
-        >>> rename_noreplace("/tmp/a", "/tmp/b")   # doctest: +SKIP
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> a, b = os.path.join(folder, "a"), os.path.join(folder, "b")
+        >>> for path in (a, b):
+        ...     _ = open(path, "w").write(path)
+        >>> rename_noreplace(a, b)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        FileExistsError: [Errno 17] File exists: '.../b'
+        >>> os.remove(b); rename_noreplace(a, b); os.listdir(folder)
+        ['b']
     """
     global _libc
     if _libc is None:

@@ -25,10 +25,6 @@ class OutputLock:
 
     Args:
         out_dir: the output folder.
-
-    Example:
-        >>> lock = OutputLock("merged")   # doctest: +SKIP
-        >>> lock.acquire(); lock.release()   # doctest: +SKIP
     """
 
     def __init__(self, out_dir: str):
@@ -161,8 +157,13 @@ def output_lock(out_dir: str) -> Iterator[OutputLock]:
         OSError: the lock file cannot be created (e.g. a read-only parent folder).
 
     Example:
-        >>> with output_lock("merged"):   # doctest: +SKIP
-        ...     pass
+        >>> import tempfile
+        >>> out = os.path.join(tempfile.mkdtemp(), "merged")
+        >>> with output_lock(out):
+        ...     os.listdir(os.path.dirname(out))
+        ['.merged.lock']
+        >>> os.listdir(os.path.dirname(out))
+        []
     """
     lock = OutputLock(out_dir)
     with held_signals():

@@ -61,8 +61,11 @@ def file_sha256(path: str) -> str:
         OSError: the file cannot be read.
 
     Example:
-        >>> file_sha256("config.json")   # doctest: +SKIP
-        '5f1c…'
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
+        >>> _ = open(path, "wb").write(b"abc")
+        >>> file_sha256(path)
+        'ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad'
     """
     return hash_file(path, hashlib.sha256())
 
@@ -114,10 +117,6 @@ def shard_record(path: str) -> dict:
     Raises:
         CorruptFileError: the file is not valid safetensors.
         OSError: it cannot be read.
-
-    Example:
-        >>> shard_record("model.safetensors")["header"]["size"] % 8   # doctest: +SKIP
-        0
     """
     infos, _ = read_header(path)
     fd = os.open(path, os.O_RDONLY)
@@ -159,10 +158,6 @@ def input_identity(folder: str, *, hash_files: bool) -> dict:
 
     Raises:
         OSError: a file cannot be read.
-
-    Example:
-        >>> input_identity("adapter", hash_files=True)["name"]   # doctest: +SKIP
-        'adapter'
     """
     out = _hub_identity(folder)
     files = {}
@@ -188,10 +183,6 @@ def disk_merge_info(plan) -> dict:
 
     Raises:
         OSError: an input file cannot be read.
-
-    Example:
-        >>> disk_merge_info(plan)["base_precision"]   # doctest: +SKIP
-        'original'
     """
     nf4 = plan.nf4
     kind, _, weights = (plan.adapter.combination or "").partition(" ")  # e.g. "cat 1, 0.5"
@@ -227,10 +218,6 @@ def live_merge_info(model, out_dtype: torch.dtype, adapter_names: list[str] | No
 
     Returns:
         A JSON-ready dict (``base_precision`` is ``"dequantized"``).
-
-    Example:
-        >>> live_merge_info(model, torch.bfloat16, None)["base_precision"]   # doctest: +SKIP
-        'dequantized'
     """
     config = getattr(model, "config", None)
     qc = getattr(config, "quantization_config", None)
@@ -298,11 +285,16 @@ def output_files(folder: str) -> list[str]:
         folder: the output folder.
 
     Returns:
-        Sorted relative paths.
+        Relative paths, top-down: a folder's files (sorted) before its sub-folders' (sorted).
 
     Example:
-        >>> output_files("merged")   # doctest: +SKIP
-        ['config.json', 'model.safetensors']
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> os.mkdir(os.path.join(folder, "1_Pooling"))
+        >>> for rel in ("config.json", os.path.join("1_Pooling", "config.json"), RECORD_FILE):
+        ...     _ = open(os.path.join(folder, rel), "w").write("{}")
+        >>> output_files(folder)
+        ['config.json', '1_Pooling/config.json']
     """
     out = []
     for root, dirs, files in os.walk(folder):
@@ -324,15 +316,9 @@ def write_merge_record(folder: str, shards: dict[str, dict], merge: dict) -> Non
         shards: records of shards written by this run, by file name (from ``ShardWriter.record()``).
         merge: what the merge used (:func:`disk_merge_info` or :func:`live_merge_info`).
 
-    Returns:
-        None.
-
     Raises:
         OSError: a file cannot be read or the record cannot be written.
         CorruptFileError: a shard without a record is not valid safetensors.
-
-    Example:
-        >>> write_merge_record(tmp, {"model.safetensors": w.record()}, disk_merge_info(plan))   # doctest: +SKIP
     """
     shard_records, files = {}, {}
     for rel in output_files(folder):
@@ -359,7 +345,11 @@ def unlisted_files(folder: str, record: dict) -> list[str]:
         Sorted relative paths.
 
     Example:
-        >>> unlisted_files("merged", record)   # doctest: +SKIP
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> for name in ("model.safetensors", "config.json", "notes.txt"):
+        ...     _ = open(os.path.join(folder, name), "w").write("")
+        >>> unlisted_files(folder, {"shards": {"model.safetensors": {}}, "files": {"config.json": {}}})
         ['notes.txt']
     """
     return sorted(set(output_files(folder)) - set(record["shards"]) - set(record["files"]))

@@ -160,16 +160,11 @@ def finish_killed_commit(out: str) -> None:
     remove the lock it left, so that OUT is either the previous or the new complete output and nothing of a dead
     merge's lock stays beside it, even when this run is then refused. A lock held by a live merge, or anything under
     the lock's name that is not provably ours (:meth:`~peft_shardmerge.output.lock.OutputLock.acquire` refuses it
-    without writing), is left alone: the checks name it.
+    without writing), is left alone: the checks name it. Nothing is raised: what cannot be recovered now is left
+    for the merge itself, which names it.
 
     Args:
         out: the absolute output folder.
-
-    Returns:
-        None.
-
-    Raises:
-        Nothing: what cannot be recovered now is left for the merge itself, which names it.
 
     Example:
         >>> finish_killed_commit("/nonexistent/merged")
@@ -199,14 +194,15 @@ def write_manifest(path: str, data: dict) -> None:
         path: the manifest's path in a staging folder.
         data: its JSON content.
 
-    Returns:
-        None.
-
     Raises:
         OSError: the filesystem failed.
 
     Example:
-        >>> write_manifest(os.path.join(staging.path, "manifest.rank-1.json"), {})   # doctest: +SKIP
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "manifest.json")
+        >>> write_manifest(path, {"done": ["model.safetensors"]})
+        >>> open(path).read(), os.listdir(os.path.dirname(path))
+        ('{"done": ["model.safetensors"]}', ['manifest.json'])
     """
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -65,11 +65,6 @@ class InputDigests:
 
     Args:
         plan: the :class:`~peft_shardmerge.engine.plan.Plan`.
-
-    Example:
-        >>> d = InputDigests(plan)             # doctest: +SKIP
-        >>> d.shard("model-00001-of-00002.safetensors")   # doctest: +SKIP
-        '5be1c2a0'
     """
 
     def __init__(self, plan):

@@ -157,10 +157,7 @@ def list_side_files(folder: str) -> list[str]:
         folder: the base folder.
 
     Returns:
-        Relative paths (``/``-separated), sorted.
-
-    Raises:
-        Nothing: unreadable folders are skipped.
+        Relative paths (``/``-separated), sorted; an unreadable folder is skipped, never raised on.
 
     Example:
         >>> import tempfile
@@ -248,8 +245,14 @@ def copy_side_files(folder: str, dest: str, names: list[str] | None = None, *,
         OSError: a file could not be read or written.
 
     Example:
-        >>> copy_side_files("./base", "./staging")   # doctest: +SKIP
-        ['README.md', 'modules.json', '1_Pooling/config.json', 'tokenizer.json']
+        >>> import tempfile
+        >>> base, staging = tempfile.mkdtemp(), tempfile.mkdtemp()
+        >>> for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md"):
+        ...     _ = open(os.path.join(base, name), "w").write("{}")
+        >>> copy_side_files(base, staging)
+        ['README.md', 'tokenizer.json']
+        >>> sorted(os.listdir(staging))
+        ['README.md', 'tokenizer.json']
     """
     roots = _allowed_roots(folder)
     copied = []

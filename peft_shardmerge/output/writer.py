@@ -109,8 +109,13 @@ class ShardWriter:
         FileExistsError: ``path`` exists.
 
     Example:
-        >>> with ShardWriter("x.safetensors", [("w", "F32", (2,), 8)]) as w:   # doctest: +SKIP
+        >>> import tempfile
+        >>> from safetensors.torch import load_file
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> with ShardWriter(path, [("w", "F32", (2,), 8)]) as w:
         ...     w.write(torch.ones(2))
+        >>> load_file(path)
+        {'w': tensor([1., 1.])}
     """
 
     def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...], int]],
@@ -298,15 +303,19 @@ def write_json(path: str, data: dict) -> None:
         path: the file.
         data: the object.
 
-    Returns:
-        None.
-
     Raises:
         OSError: the file cannot be written.
         TypeError: ``data`` is not JSON-serializable.
 
     Example:
-        >>> write_json("config.json", {"model_type": "llama"})   # doctest: +SKIP
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
+        >>> write_json(path, {"vocab_size": 32000, "model_type": "llama"})
+        >>> print(open(path).read(), end="")
+        {
+          "model_type": "llama",
+          "vocab_size": 32000
+        }
     """
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -65,9 +65,6 @@ class Bnb4bitDecoder(Decoder):
         nested_blocksize: absmax values per nested scale; 0 without double quant.
         nested_offset: the mean absmax subtracted before the nested quantization.
         method: the function doing the arithmetic.
-
-    Example:
-        >>> rows = info.decoder.rows(reader, 0, 16)   # doctest: +SKIP
     """
 
     shape: tuple[int, ...]
@@ -117,9 +114,6 @@ class Bnb8bitDecoder(Decoder):
         stored: ``(int8 weight, SCB)``, then ``weight_format`` when stored.
         dtype: the logical dtype (``model.config.dtype``).
         method: the function doing the arithmetic.
-
-    Example:
-        >>> rows = info.decoder.rows(reader, 0, 16)   # doctest: +SKIP
     """
 
     method: ClassVar[str] = METHOD_8BIT
@@ -326,11 +320,6 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
             Conv1D models, a custom quant map, a legacy 8-bit layout), or no tensor is quantized at all.
         CorruptFileError: a quantized weight's absmax, quant state, quant map or SCB is missing or does not fit it.
         MissingDependencyError: bitsandbytes is not installed.
-
-    Example:
-        >>> v = view(tensors, config, config["quantization_config"])   # doctest: +SKIP
-        >>> v.method   # doctest: +SKIP
-        'bitsandbytes 4-bit (nf4, double quant)'
     """
     bits = _bits(qc, tensors)
     _refuse_variants(config, qc, bits)

@@ -53,9 +53,6 @@ class Decoder:
         dtype: the logical (dequantized) dtype.
         method: what does the arithmetic, e.g. ``"bitsandbytes.functional.dequantize_4bit"`` (a class attribute of
             each format's decoder).
-
-    Example:
-        >>> rows = info.decoder.rows(reader, 0, 16)   # doctest: +SKIP
     """
 
     stored: tuple[TensorInfo, ...]
@@ -77,10 +74,6 @@ class Decoder:
 
         Raises:
             CorruptFileError: a file ended early.
-
-        Example:
-            >>> info.decoder.rows(reader, 0, 16).shape   # doctest: +SKIP
-            torch.Size([16, 200])
         """
         return self.decode(reader, start, stop)
 
@@ -166,9 +159,6 @@ def logical_info(name: str, dtype: str, shape: tuple[int, ...], decoder: Decoder
 
     Returns:
         The TensorInfo, with ``decoder`` set.
-
-    Example:
-        >>> info = logical_info("w", "BF16", (4, 64), decoder)   # doctest: +SKIP
     """
     return replace(decoder.stored[0], name=name, dtype=dtype, shape=tuple(shape),
                    nbytes=math.prod(shape) * DTYPES[dtype][1], decoder=decoder)

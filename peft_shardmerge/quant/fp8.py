@@ -51,9 +51,6 @@ class Fp8Decoder(Decoder):
         dtype: the logical dtype (that of transformers' dequantized parameter).
         block: ``(rows, columns)`` of a block; None for one scale per tensor.
         method: what does the arithmetic.
-
-    Example:
-        >>> rows = info.decoder.rows(reader, 0, 16)   # doctest: +SKIP
     """
 
     block: tuple[int, int] | None
@@ -218,11 +215,6 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
             ``input_scale`` tensor (not part of this format: transformers does not read it), or no FP8 weight at all.
         CorruptFileError: an FP8 weight without its scales, scales of the wrong shape or dtype, or scales without an
             FP8 weight.
-
-    Example:
-        >>> qv = view(src_tensors, config, config["quantization_config"])   # doctest: +SKIP
-        >>> qv.method   # doctest: +SKIP
-        'fine-grained FP8 (F8_E4M3 weights, one float32 scale per 128x128 block)'
     """
     _check_config(qc)
     block = block_size(qc)

@@ -38,9 +38,6 @@ class Mxfp4Decoder(Decoder):
         stored: ``(blocks, scales)``.
         method: the function doing the arithmetic.
         dtype: the logical dtype (the dtype transformers' dequantized parameter has).
-
-    Example:
-        >>> rows = info.decoder.rows(reader, 0, 2)   # doctest: +SKIP
     """
 
     method: ClassVar[str] = METHOD
@@ -113,11 +110,6 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
         CorruptFileError: blocks without their scales, scales without their blocks, blocks and scales whose shapes
             or dtypes do not fit, or a dequantized shape that disagrees with ``config.json``.
         InputError: the config says MXFP4 but no tensor is stored as MXFP4 blocks.
-
-    Example:
-        >>> qv = view(tensors, config, config["quantization_config"])   # doctest: +SKIP
-        >>> qv.method   # doctest: +SKIP
-        'MXFP4 (FP4 E2M1 blocks of 32 with E8M0 scales)'
     """
     by_name = {t.name: t for t in tensors}
     dtype_name = model_dtype_name(config)

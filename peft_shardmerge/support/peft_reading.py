@@ -111,11 +111,6 @@ def peft_load_problems(folder: str, names: dict[str, tuple[int, ...]], base_conf
         Problems, each naming stored tensors PEFT would not load (or why PEFT cannot load the adapter at all);
         empty when PEFT loads every stored tensor, or when the model cannot be built here (the name rules of
         :func:`stored_key_problems` still apply then).
-
-    Example:
-        >>> peft_load_problems("adapter", {"x.lora_A.weight": (8, 128)},
-        ...                    AutoConfig.from_pretrained("base"))  # doctest: +SKIP
-        ["1 adapter tensor(s) would not be loaded by PEFT ..."]
     """
     import warnings
 
@@ -244,10 +239,6 @@ def adapter_load_problems(spec, base_folder: str) -> list[str]:
 
     Returns:
         The problems, empty when PEFT loads every stored tensor.
-
-    Example:
-        >>> adapter_load_problems(load_adapter("adapter"), "base")   # doctest: +SKIP
-        []
     """
     import os
 

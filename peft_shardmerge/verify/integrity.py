@@ -50,8 +50,13 @@ def read_record(folder: str) -> tuple[dict | None, list[str]]:
         ``(record or None, problems)``: ``(None, [])`` when there is no record at all.
 
     Example:
-        >>> read_record("merged")[1]   # doctest: +SKIP
-        []
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> read_record(folder)
+        (None, [])
+        >>> _ = open(os.path.join(folder, RECORD_FILE), "w").write("{")
+        >>> read_record(folder)
+        (None, ['merge_manifest.json cannot be read (JSONDecodeError): it was damaged or edited'])
     """
     path = os.path.join(folder, RECORD_FILE)
     if not os.path.lexists(path):
@@ -82,14 +87,8 @@ def check_integrity(folder: str) -> IntegrityResult:
         folder: the merged checkpoint.
 
     Returns:
-        The :class:`IntegrityResult`; ``record`` is None when the folder has no usable record.
-
-    Raises:
-        Nothing: unreadable files are problems.
-
-    Example:
-        >>> check_integrity("merged").problems   # doctest: +SKIP
-        []
+        The :class:`IntegrityResult`; ``record`` is None when the folder has no usable record. An unreadable file
+        is one of its problems, never raised.
     """
     result = IntegrityResult()
     record, problems = read_record(folder)

@@ -115,14 +115,8 @@ def check_logits(folder: str, base: str, adapters: list[str], prompts: list[str]
         record: the ``merge`` section of its record, or None.
         report: the :class:`~peft_shardmerge.verify.report.VerifyReport` to add checks, notes and problems to.
 
-    Returns:
-        None.
-
     Raises:
         Exception: transformers cannot load or run the merged checkpoint (the caller lists it as a problem).
-
-    Example:
-        >>> check_logits("merged", "base", ["adapter"], None, None, {}, None, report)   # doctest: +SKIP
     """
     from transformers import AutoConfig
 
@@ -235,9 +229,6 @@ def reference_model(cls, base: str, adapter: str, options: dict):
 
     Raises:
         MissingDependencyError: a 4-bit base is needed and bitsandbytes is not installed.
-
-    Example:
-        >>> ref = reference_model(LlamaForCausalLM, "base", "adapter", options)   # doctest: +SKIP
     """
     from peft import PeftModel
 
@@ -271,10 +262,6 @@ def exact_dequantize(model: torch.nn.Module) -> torch.nn.Module:
 
     Raises:
         MissingDependencyError: bitsandbytes is not installed.
-
-    Example:
-        >>> exact_dequantize(AutoModelForCausalLM.from_pretrained("tiny-bnb-4bit")).dtype   # doctest: +SKIP
-        torch.float32
     """
     from ..quant.bnb_layers import bnb_layer_kind, dequantize
 
@@ -306,10 +293,6 @@ def dequantized_base(cls, base: str) -> torch.nn.Module:
 
     Raises:
         OSError: the checkpoint cannot be read.
-
-    Example:
-        >>> dequantized_base(LlamaForCausalLM, "tiny-bnb-4bit").dtype   # doctest: +SKIP
-        torch.float32
     """
     from ..checkpoint.source import open_checkpoint
     from ..quant.formats import quant_method

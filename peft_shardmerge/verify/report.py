@@ -122,10 +122,6 @@ def verify_checkpoint(
 
     Raises:
         NotFoundError: ``folder`` is not a folder or has no ``config.json``.
-
-    Example:
-        >>> print(verify_checkpoint("merged", base="base", adapter="adapter").summary())   # doctest: +SKIP
-        OK: merged
     """
     report = VerifyReport(os.path.abspath(folder))
     if not os.path.isfile(os.path.join(folder, "config.json")):
