@@ -101,7 +101,7 @@ def build(size: str) -> tuple[str, str]:
 CHILD = r"""
 import json, os, resource, shutil, sys, threading, time
 import torch, transformers, peft, peft_shardmerge
-from peft_shardmerge.engine.execute import current_rss_bytes
+from peft_shardmerge.engine.rss import current_rss_bytes
 method, base, adapter, out = sys.argv[1:5]
 shutil.rmtree(out, ignore_errors=True)
 extra = {}

@@ -4,7 +4,7 @@ options."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Sequence
 
 import torch
@@ -127,6 +127,8 @@ class MergeOptions:
     refused on the other when set.
 
     Building one never raises; :meth:`problems` lists every problem at once and :meth:`check` raises them.
+    ``dtype`` and ``max_shard_size`` are parsed once, when the options are made: :attr:`out_dtype` and
+    :attr:`shard_bytes` give the parsed values to the planners.
 
     Attributes:
         weights: one weight per adapter (None: 1.0 each); kept as a tuple.
@@ -151,6 +153,9 @@ class MergeOptions:
     Example:
         >>> MergeOptions(dtype="bf16", chunk_elems=0).problems()
         ['chunk_elems must be a positive int, got 0']
+        >>> opts = MergeOptions(dtype="bf16", max_shard_size="2GiB")
+        >>> opts.out_dtype, opts.shard_bytes
+        (torch.bfloat16, 2147483648)
     """
 
     weights: Sequence[float] | None = None
@@ -168,11 +173,47 @@ class MergeOptions:
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     resume: bool = True
     maximum_memory_usage: float = 0.9
+    # dtype and max_shard_size parsed once, in __post_init__: the value, or the problems of one that does not parse
+    _out_dtype: torch.dtype | None = field(default=None, init=False, repr=False, compare=False)
+    _shard_bytes: int = field(default=0, init=False, repr=False, compare=False)
+    _unparsed: dict[str, list[str]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         weights = self.weights
         if weights is not None and not isinstance(weights, (str, bytes)) and hasattr(weights, "__iter__"):
             object.__setattr__(self, "weights", tuple(self.weights))
+        unparsed: dict[str, list[str]] = {}
+        for name, parse, private in (("dtype", parse_dtype, "_out_dtype"),
+                                     ("max_shard_size", parse_size, "_shard_bytes")):
+            try:
+                object.__setattr__(self, private, parse(getattr(self, name)))
+            except InputError as e:
+                unparsed[name] = e.problems
+        object.__setattr__(self, "_unparsed", unparsed)
+
+    @property
+    def out_dtype(self) -> torch.dtype | None:
+        """The output dtype, parsed from ``dtype`` when the options were made (None keeps the base's).
+
+        Raises:
+            InputError: ``dtype`` does not parse (:meth:`problems` names it with the rest).
+        """
+        self._refuse_unparsed("dtype")
+        return self._out_dtype
+
+    @property
+    def shard_bytes(self) -> int:
+        """The largest output shard in bytes, parsed from ``max_shard_size`` when the options were made.
+
+        Raises:
+            InputError: ``max_shard_size`` does not parse (:meth:`problems` names it with the rest).
+        """
+        self._refuse_unparsed("max_shard_size")
+        return self._shard_bytes
+
+    def _refuse_unparsed(self, name: str) -> None:
+        if name in self._unparsed:  # a value that does not parse never reaches a plan
+            raise InputError(self._unparsed[name])
 
     @property
     def nf4(self) -> Nf4Settings | None:
@@ -206,11 +247,7 @@ class MergeOptions:
         elif path == DISK:
             problems.append(f"adapter weights must be finite numbers, got {self.weights!r}")
             problems += check_weights(0, None, self.combination)[1]
-        for parse, value in ((parse_dtype, self.dtype), (parse_size, self.max_shard_size)):
-            try:
-                parse(value)
-            except InputError as e:
-                problems += e.problems
+        problems += self._unparsed.get("dtype", []) + self._unparsed.get("max_shard_size", [])
         allowed = BASE_PRECISIONS if path == DISK else MODEL_BASE_PRECISIONS
         if self.base_precision is not None and self.base_precision not in allowed:
             problems.append(f"base_precision must be one of {', '.join(allowed)}, got {self.base_precision!r}")
@@ -223,7 +260,7 @@ class MergeOptions:
             problems.append(f"chunk_elems must be a positive int, got {self.chunk_elems!r}")
         for name in ("nf4_double_quant", "overwrite", "progress", "resume"):
             problems += _bool_problem(name, getattr(self, name))
-        defaults = {f.name: f.default for f in fields(self)}
+        defaults = {f.name: f.default for f in fields(self) if f.init}
         for name, (only, why) in _ONE_PATH.items():
             if only != path and not _same(getattr(self, name), defaults[name]):
                 problems.append(f"{name}={getattr(self, name)!r}: {why}")
@@ -295,16 +332,14 @@ class MergeOptions:
         if not isinstance(options, cls):
             raise InputError(f"options must be a MergeOptions, got {type(options).__name__}")
         values, conflicts = {}, []
-        for f in fields(cls):
+        for f in (f for f in fields(cls) if f.init):
             default = _PATH_DEFAULTS[path].get(f.name, f.default)
             mine, theirs = given.get(f.name, default), getattr(options, f.name)
             if f.name in _PATH_DEFAULTS[path] and theirs is None:  # None: the path's own default
                 theirs = default
             if f.name == "weights" and mine is not None and hasattr(mine, "__iter__"):
                 mine = tuple(mine)
-            same = [_same(_canonical(f.name, a), _canonical(f.name, b)) for a, b in ((mine, default),
-                                                                                       (mine, theirs),
-                                                                                       (theirs, default))]
+            same = [_equivalent(f.name, a, b) for a, b in ((mine, default), (mine, theirs), (theirs, default))]
             if same[0] or same[1]:
                 values[f.name] = theirs
             elif same[2]:
@@ -316,14 +351,17 @@ class MergeOptions:
         return out.for_path(path), conflicts + out.problems(path)
 
 
-def _canonical(name: str, value):
-    """One spelling per value of a knob (``"bf16"``, ``"bfloat16"`` and ``torch.bfloat16``; ``"5GB"`` and 5e9 bytes),
-    for comparing a keyword with ``options``; a value that does not parse is compared as given."""
+def _equivalent(name: str, a, b) -> bool:
+    """Whether two values of a knob mean the same, for comparing a keyword with ``options``: ``"bf16"``,
+    ``"bfloat16"`` and ``torch.bfloat16`` do, as do ``"5GB"`` and 5e9 bytes; a value that does not parse is compared
+    as given."""
     parse = {"dtype": parse_dtype, "max_shard_size": parse_size}.get(name)
-    try:
-        return parse(value) if parse is not None and value is not None else value
-    except InputError:
-        return value
+    if parse is not None:
+        try:
+            return _same(parse(a), parse(b))
+        except InputError:
+            pass
+    return _same(a, b)
 
 
 def _same(a, b) -> bool:

@@ -12,11 +12,13 @@ import torch
 from ..checkpoint.adapter import combine_adapters, load_adapter
 from ..checkpoint.peft_deltas import rebuild
 from ..checkpoint.planner import build_plan
+from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.source import check_base_files, open_checkpoint
 from ..checkpoint.trained_base import base_name_notes, disk_base_choice
+from ..distributed.coordinators import SpreadShards
 from ..distributed.ranks import STEPS, agree_on_plan, failed
 from ..distributed.world import JobSteps, World, joined_world
-from ..engine.execute import execute_plan, resolve_device
+from ..engine.execute import resolve_device, run
 from ..engine.model_info import inspect_model
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
@@ -151,9 +153,7 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
         spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
                               skip=spec.layer_skip)
     # a bad chunk size is among problems: build_plan raises them before any Plan holds it
-    plan = build_plan(src, spec, info, dtype=opts.dtype, max_shard_size=opts.max_shard_size,
-                      base_precision=opts.base_precision, nf4=opts.nf4, chunk_elems=opts.chunk_elems,
-                      problems=problems)
+    plan = build_plan(src, spec, info, opts, problems=problems)
     plan.reproduces = reproduces
     plan.notes[:0] = base_name_notes(adapters, base, src.folder)
     space = check_space(out_dir, plan.total_size + sum(
@@ -294,6 +294,6 @@ def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_
             tensors_written=0, lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
             notes=list(plan.notes), dry_run=True, plan_text=plan.describe(), reproduces=plan.reproduces,
         )
-    return execute_plan(plan, out_dir, device=opts.device, progress=opts.progress and steps.world.rank == 0,
-                        before_commit=before_commit, resume=opts.resume, overwrite=opts.overwrite,
-                        steps=steps if steps.world.distributed else None)
+    reader = CheckpointReader(plan, steps.world.device(resolve_device(opts.device)), resume=opts.resume)
+    return run(plan, reader, out_dir, overwrite=opts.overwrite, progress=opts.progress, before_commit=before_commit,
+               coordinator=SpreadShards(plan, steps) if steps.world.distributed else None)

@@ -15,11 +15,11 @@ from ..checkpoint.source import TOKENIZER_FILES
 from ..engine.report import MergeReport
 from ..errors import InputError
 from ..model.walk import unwrap
+from ..options import MODEL, MergeOptions
 from ..output.checks import check_out_dir, path_argument, source_folders
 from ..output.record import unlisted_files
-from ..output.staging import REPLACE_CHECK
 from ..verify.integrity import read_record
-from .inprocess import merge_and_save, save_merged_4bit
+from .inprocess import merge_and_save, save_merged_4bit, save_model
 from .unload import merge_and_unload as _merge_and_unload
 
 #: every ``save_method`` Unsloth documents, mapped to what is done here (None: refused, with the alternative)
@@ -132,17 +132,18 @@ def _save_lora(model: nn.Module, folder: str, tokenizer: Any) -> None:
             shutil.rmtree(staging)
 
 
-def _save(model, folder, tokenizer, method, *, dtype, max_shard_size, maximum_memory_usage, base_precision,
-          overwrite, progress) -> MergeReport | None:
-    if method == "lora":
-        _save_lora(model, folder, tokenizer)
-        return None
+def _save_merged(model, folder, tokenizer, method, *, dtype, max_shard_size, maximum_memory_usage, base_precision,
+                 overwrite, progress, replace_check: Callable[[str], list[str]] | None = None) -> MergeReport:
+    """A merged save (``"merged_16bit"`` or ``"merged_4bit"``); ``replace_check`` refuses, under the output lock, a
+    non-empty folder that ``overwrite`` would replace."""
     if method == "merged_4bit":
         return save_merged_4bit(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
-                                maximum_memory_usage=maximum_memory_usage, overwrite=overwrite, progress=progress)
-    return merge_and_save(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
-                          maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
-                          overwrite=overwrite, progress=progress)
+                                maximum_memory_usage=maximum_memory_usage, overwrite=overwrite, progress=progress,
+                                replace_check=replace_check)
+    opts, problems = MergeOptions.merged(None, path=MODEL, dtype=dtype, max_shard_size=max_shard_size,
+                                         maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
+                                         overwrite=overwrite, progress=progress)
+    return save_model(model, folder, opts, problems, tokenizer=tokenizer, replace_check=replace_check)
 
 
 def save_pretrained_merged(
@@ -209,7 +210,17 @@ def save_pretrained_merged(
         HubUploadError: the Hub cannot be reached or the upload failed.
 
     Example:
-        >>> save_pretrained_merged(model, "outputs/merged", tokenizer, save_method="merged_16bit")  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from transformers import LlamaForCausalLM
+        >>> from peft_shardmerge import save_pretrained_merged
+        >>> from peft_shardmerge.testing import tiny_config
+        >>> model = get_peft_model(LlamaForCausalLM(tiny_config()), LoraConfig(target_modules=["q_proj", "v_proj"]))
+        >>> out = os.path.join(tempfile.mkdtemp(), "merged")
+        >>> report = save_pretrained_merged(model, out, save_method="merged_16bit", progress=False)
+        >>> report.lora_modules_merged, "config.json" in os.listdir(out)
+        (4, True)
+        >>> report = save_pretrained_merged(model, out, progress=False)  # run again: replaces the earlier save
     """
     if not is_main_process:
         return None
@@ -231,14 +242,14 @@ def save_pretrained_merged(
         from .hub import prepare_repo
 
         repo_id = prepare_repo(repo_id, token=token, private=private)
-    recheck = None if overwrite else REPLACE_CHECK.set(lambda out: _not_an_earlier_save(out, method))
-    try:  # checked again under the output lock: a file that appeared since is never deleted
-        report = _save(model, save_directory, tokenizer, method,
-                       dtype=dtype, max_shard_size=max_shard_size, maximum_memory_usage=maximum_memory_usage,
-                       base_precision=base_precision, overwrite=True, progress=progress)
-    finally:
-        if recheck is not None:
-            REPLACE_CHECK.reset(recheck)
+    report = None
+    if method == "lora":
+        _save_lora(model, save_directory, tokenizer)
+    else:  # checked again under the output lock: a file that appeared since is never deleted
+        report = _save_merged(model, save_directory, tokenizer, method, dtype=dtype, max_shard_size=max_shard_size,
+                              maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
+                              overwrite=True, progress=progress,
+                              replace_check=None if overwrite else lambda out: _not_an_earlier_save(out, method))
     if push_to_hub:
         _push(save_directory, repo_id, model, report, save_method, token=token, private=private, tags=tags)
     return report
@@ -300,7 +311,18 @@ def push_to_hub_merged(
         HubUploadError: the Hub cannot be reached, refuses the repository, or the upload failed (token masked).
 
     Example:
-        >>> push_to_hub_merged(model, "me/llama-merged", tokenizer, token=os.environ["HF_TOKEN"])   # doctest: +SKIP
+        An upload needs the Hub and a token; what is refused is refused before the Hub is contacted:
+
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from transformers import LlamaForCausalLM
+        >>> from peft_shardmerge import push_to_hub_merged
+        >>> from peft_shardmerge.testing import tiny_config
+        >>> model = get_peft_model(LlamaForCausalLM(tiny_config()), LoraConfig(target_modules=["q_proj"]))
+        >>> push_to_hub_merged(model, "me/llama-merged", save_method="mxfp4")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        peft_shardmerge.errors.InputError: 1 problem found before writing anything:
+          - save_method='mxfp4' (gpt-oss's native format) is not written here; use save_method='merged_16bit' ...
     """
     from .hub import prepare_repo
 
@@ -311,10 +333,13 @@ def push_to_hub_merged(
     method = SAVE_METHODS[save_method.lower().replace(" ", "_")]
     with tempfile.TemporaryDirectory(prefix="peft-shardmerge-push-") as tmp:
         folder = os.path.join(tmp, repo_id.split("/")[-1])
-        report = _save(model, folder, tokenizer, method, dtype=dtype, max_shard_size=max_shard_size,
-                       maximum_memory_usage=maximum_memory_usage, base_precision=base_precision, overwrite=False,
-                       progress=progress)
-        if report is not None:
+        report = None
+        if method == "lora":
+            _save_lora(model, folder, tokenizer)
+        else:
+            report = _save_merged(model, folder, tokenizer, method, dtype=dtype, max_shard_size=max_shard_size,
+                                  maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
+                                  overwrite=False, progress=progress)
             report.out_dir = f"hf://{repo_id}"  # the temporary folder is gone when the caller reads the report
         return _push(folder, repo_id, model, report, save_method, token=token, private=private, tags=tags,
                      commit_message=commit_message or "Upload merged model", revision=revision, create_pr=create_pr)
@@ -368,8 +393,14 @@ def merge_and_unload(
             ``peft_config`` attribute added.
 
     Example:
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from transformers import LlamaForCausalLM
         >>> from peft_shardmerge import merge_and_unload
-        >>> plain = merge_and_unload(model, progressbar=True, safe_merge=True)   # doctest: +SKIP
+        >>> from peft_shardmerge.testing import tiny_config
+        >>> model = get_peft_model(LlamaForCausalLM(tiny_config()), LoraConfig(target_modules=["q_proj"]))
+        >>> plain = merge_and_unload(model, safe_merge=True)
+        >>> type(plain).__name__, type(plain.model.layers[0].self_attn.q_proj).__name__
+        ('LlamaForCausalLM', 'Linear')
     """
     del safe_merge  # see the docstring
     return _merge_and_unload(model, maximum_memory_usage=maximum_memory_usage, dtype=dtype,

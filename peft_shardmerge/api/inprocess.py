@@ -8,14 +8,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..checkpoint.reader import CheckpointReader
 from ..distributed import fsdp1 as fsdp1_view
 from ..distributed import zero3 as zero3_view
+from ..distributed.coordinators import GatherUnits
 from ..distributed.ranks import STEPS, agree_on_plan, failed
 from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
 from ..distributed.world import JobSteps, current_world
 from ..engine.budget import MemoryBudget
-from ..engine.execute import execute_plan
-from ..engine.live_execute import execute_live_plan
+from ..engine.execute import run
 from ..engine.report import MergeReport
 from ..errors import InputError
 from ..model.plan import (  # noqa: F401 - public
@@ -27,6 +28,7 @@ from ..model.plan import (  # noqa: F401 - public
     save_adapter_untouched,
 )
 from ..model.planner import LiveSource, plan_live, valid_generation_config
+from ..model.reader import ModelReader
 from ..model.walk import unwrap, walk
 from ..options import MODEL, MergeOptions, parse_dtype, parse_size
 from ..output.checks import check_out_dir, foreign_model_problems, source_folders
@@ -108,14 +110,29 @@ def merge_and_save(
         PeerFailedError: (FSDP) another rank failed; its message, and what became of ``out_dir``.
 
     Example:
+        >>> import os, tempfile
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from transformers import LlamaForCausalLM
         >>> from peft_shardmerge import merge_and_save
-        >>> report = merge_and_save(model, "merged", tokenizer=tokenizer)   # doctest: +SKIP
-        >>> print(report.summary())                                        # doctest: +SKIP
+        >>> from peft_shardmerge.testing import tiny_config
+        >>> model = get_peft_model(LlamaForCausalLM(tiny_config()), LoraConfig(target_modules=["q_proj", "v_proj"]))
+        >>> report = merge_and_save(model, os.path.join(tempfile.mkdtemp(), "merged"), progress=False)
+        >>> report.lora_modules_merged, report.base_precision, report.dtype
+        (4, 'dequantized', 'float32')
     """
     opts, problems = MergeOptions.merged(options, path=MODEL, dtype=dtype, max_shard_size=max_shard_size,
                                          maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
                                          weights=weights, combination=combination_type, overwrite=overwrite,
                                          progress=progress)
+    return save_model(model, out_dir, opts, problems, adapter_names=adapter_names, tokenizer=tokenizer)
+
+
+def save_model(model: nn.Module, out_dir: str, opts: MergeOptions, problems: list[str], *,
+               adapter_names: list[str] | None = None, tokenizer: Any = None,
+               replace_check: Callable[[str], list[str]] | None = None) -> MergeReport:
+    """:func:`merge_and_save` with its options parsed (``problems``: theirs, reported with the rest); with
+    ``overwrite``, ``replace_check(out_dir)`` names what forbids replacing a non-empty ``out_dir`` (checked again
+    under the output lock, as the drop-ins' re-save needs)."""
     with quiet_libraries():
         budget = None
         try:
@@ -130,27 +147,21 @@ def merge_and_save(
         if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
             raise InputError(sharding_problems(model, opts.base_precision) + problems)
         if sharding is not None:
-            return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer)
+            return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer, replace_check)
         planned = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True)
-        overwrite, progress = opts.overwrite, opts.progress
-        save_extra = _side_saver(tokenizer)
         plan = planned.plan
-        if plan.live is None:  # merged from the original checkpoint on disk
-            try:
-                report = execute_plan(plan, os.path.abspath(os.fspath(out_dir)), device=planned.device,
-                                      progress=progress, before_commit=save_extra, overwrite=overwrite)
-            finally:
-                for folder in plan.resources:
-                    folder.cleanup()
-        else:
-            report = execute_live_plan(plan, out_dir, budget=budget, overwrite=overwrite, progress=progress,
-                                       before_commit=save_extra)
-        report.reproduces = planned.reproduces
-        return report
+        source = CheckpointReader(plan, torch.device(planned.device)) if plan.live is None else \
+            ModelReader(plan, budget)  # from the original checkpoint on disk, or from memory
+        try:
+            return run(plan, source, os.path.abspath(os.fspath(out_dir)), overwrite=opts.overwrite,
+                       progress=opts.progress, before_commit=_side_saver(tokenizer), replace_check=replace_check)
+        finally:
+            for folder in plan.resources:
+                folder.cleanup()
 
 
 def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_names, problems: list[str],
-                   budget: MemoryBudget | None, tokenizer: Any) -> MergeReport:
+                   budget: MemoryBudget | None, tokenizer: Any, replace_check=None) -> MergeReport:
     """``merge_and_save`` of a model sharded by FSDP2, FSDP1 or ZeRO-3, called on every rank: each rank plans (FSDP1,
     ZeRO-3: from its unsharded view), the plans must agree, every rank gathers one unit at a time in plan order,
     rank 0 writes and commits."""
@@ -171,13 +182,11 @@ def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_n
         else:
             planned, info = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True), None
         agree_on_plan(steps, planned.plan, out_dir)
-        report = execute_live_plan(planned.plan, out_dir, budget=budget, overwrite=opts.overwrite,
-                                   progress=opts.progress and world.rank == 0, before_commit=_side_saver(tokenizer),
-                                   steps=steps, root=model, merge_info=info)
+        return run(planned.plan, ModelReader(planned.plan, budget, info, copy=True), out_dir,
+                   overwrite=opts.overwrite, progress=opts.progress, before_commit=_side_saver(tokenizer),
+                   coordinator=GatherUnits(planned.plan, steps, model), replace_check=replace_check)
     except BaseException as e:
         raise failed(steps, e, out_dir) if world.distributed else e
-    report.reproduces = planned.reproduces
-    return report
 
 
 def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
@@ -237,7 +246,7 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
 def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, dtype: str | torch.dtype | None = None,
                      max_shard_size: int | str = "5GB", maximum_memory_usage: float = 0.9, overwrite: bool = False,
-                     progress: bool = True) -> MergeReport:
+                     progress: bool = True, replace_check: Callable[[str], list[str]] | None = None) -> MergeReport:
     """Merge in fp32 as :func:`merge_and_save` does, then store every weight bitsandbytes quantizes in 4-bit again.
 
     Warns once (``UserWarning``): the result is not the trained model, each weight moves by its 4-bit error.
@@ -251,15 +260,13 @@ def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, d
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
         overwrite: replace a non-empty ``out_dir``.
         progress: show progress bars.
+        replace_check: as for :func:`save_model`.
 
     Returns:
         The :class:`MergeReport`; its first note names the 4-bit settings.
 
     Raises:
         InputError: bad options or output folder.
-
-    Example:
-        >>> save_merged_4bit(model, "merged-4bit")   # doctest: +SKIP
     """
     import warnings
 
@@ -291,8 +298,8 @@ def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, d
     warnings.warn(message, UserWarning, stacklevel=3)  # once: a log record as well would show it twice
     plan = plan_live(LiveSource(walk(model, None), quant4=quant4, generation_config=valid_generation_config(inner)),
                      out_dtype, limit)
-    report = execute_live_plan(plan, out_dir, budget=budget, overwrite=overwrite, progress=progress,
-                               before_commit=_side_saver(tokenizer))
+    report = run(plan, ModelReader(plan, budget), out_dir, overwrite=overwrite, progress=progress,
+                 before_commit=_side_saver(tokenizer), replace_check=replace_check)
     report.notes.insert(0, f"weights re-quantized to 4-bit ({quant4['bnb_4bit_quant_type']}, "
                            f"{'double quant' if quant4['bnb_4bit_use_double_quant'] else 'no double quant'})")
     return report

@@ -32,9 +32,6 @@ def finish_unload(inner: nn.Module, *, untied: list[str] | tuple[str, ...] = ())
 
     Returns:
         None.
-
-    Example:
-        >>> finish_unload(model, untie=False)   # doctest: +SKIP
     """
     remove_peft_modules(inner)
     drop_quantization(inner, untie=bool(untied))
@@ -55,9 +52,6 @@ def separate(inner: nn.Module, names: list[str] | tuple[str, ...]) -> None:
 
     Returns:
         None.
-
-    Example:
-        >>> separate(model, ["lm_head.weight", "model.embed_tokens.weight"])   # doctest: +SKIP
     """
     seen: set[int] = set()
     for name in names:
@@ -122,9 +116,6 @@ def drop_quantization(inner: nn.Module, *, untie: bool) -> None:
 
     Returns:
         None.
-
-    Example:
-        >>> drop_quantization(model, untie=False)   # doctest: +SKIP
     """
     for module in inner.modules():
         for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"):
@@ -199,11 +190,6 @@ def merge_and_unload(
         InputError: bad options, no adapter, an adapter already merged, or accelerate-offloaded modules whose merged
             weights cannot be written back where accelerate keeps them (the model is then unchanged).
         UnsupportedError: an adapter feature that cannot be merged (named).
-
-    Example:
-        >>> from peft_shardmerge import merge_and_unload
-        >>> plain = merge_and_unload(model)             # doctest: +SKIP
-        >>> plain.save_pretrained("merged")             # doctest: +SKIP
     """
     from ..model.module_sink import ModuleSink
     from ..model.planner import LiveSource, plan_live

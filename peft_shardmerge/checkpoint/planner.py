@@ -7,19 +7,21 @@ import importlib.util
 
 import torch
 
-from ..engine.model_info import ModelInfo
+from ..engine.model_info import ModelInfo, inspect_model
 from ..engine.plan import Plan, assign_shards
 from ..engine.ties import untie_note
 from ..errors import InputError
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST
-from ..options import BASE_PRECISIONS, DEFAULT_CHUNK_ELEMS, OUTPUT_DTYPES, parse_dtype, parse_size
+from ..options import BASE_PRECISIONS, OUTPUT_DTYPES, MergeOptions
 from ..quant.nf4 import Nf4Settings
 from ..support.check import DISK, check_layers, config_variants, raise_if_any
 from ..support.model import check_model, no_bias_problem
-from ..support.peft_reading import unmergeable_targets
-from .adapter import AdapterSpec
+from ..support.peft_reading import adapter_load_problems, unmergeable_targets
+from .adapter import AdapterSpec, combine_adapters, load_adapter
+from .peft_deltas import rebuild
 from .planners import PlanState, plan_lora, plan_peft_ops, plan_replacements, plan_ties, plan_tokens, plan_vocab
-from .source import CheckpointSource
+from .source import CheckpointSource, check_base_files, open_checkpoint
+from .trained_base import base_name_notes
 
 
 def _base_dtype(base: CheckpointSource) -> torch.dtype:
@@ -120,10 +122,6 @@ def disk_layer_problems(adapter: AdapterSpec, info: ModelInfo) -> list[str]:
 
     Returns:
         The refusals (empty when every layer is claimed for the disk path).
-
-    Example:
-        >>> disk_layer_problems(load_adapter("adapter"), inspect_model("base"))  # doctest: +SKIP
-        []
     """
     per_layer, _ = config_variants(adapter.config)
     uses = []
@@ -142,45 +140,29 @@ def disk_layer_problems(adapter: AdapterSpec, info: ModelInfo) -> list[str]:
     return problems
 
 
-def build_plan(
-    base: CheckpointSource,
-    adapter: AdapterSpec,
-    info: ModelInfo,
-    *,
-    dtype: str | torch.dtype | None = None,
-    max_shard_size: int | str = "5GB",
-    base_precision: str = "original",
-    nf4: Nf4Settings | None = None,
-    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-    problems: list[str] | None = None,
-) -> Plan:
+def build_plan(base: CheckpointSource, adapter: AdapterSpec, info: ModelInfo, opts: MergeOptions, *,
+               problems: list[str] | None = None) -> Plan:
     """Decide every output tensor, its LoRA deltas and its shard, from headers and configs only.
 
     Args:
         base: the base checkpoint.
         adapter: the LoRA adapter.
         info: the model structure (:func:`~peft_shardmerge.engine.model_info.inspect_model`).
-        dtype: output dtype; None keeps the base's.
-        max_shard_size: largest shard, bytes or a string such as ``"5GB"``.
-        base_precision: ``"original"`` (merge into W) or ``"nf4"`` (into dequant(quantize_4bit(W))).
-        nf4: 4-bit settings for ``base_precision="nf4"`` (defaults: nf4, blocksize 64, double quant).
-        chunk_elems: elements per row block when merging.
-        problems: problems already found by the caller, reported together with the plan's.
+        opts: the options, ``base_precision`` resolved to ``"original"`` (merge into W) or ``"nf4"`` (into
+            dequant(quantize_4bit(W)), with ``opts.nf4``); their parsed ``out_dtype`` (None keeps the base's) and
+            ``shard_bytes`` and their ``chunk_elems`` are planned with.
+        problems: problems already found by the caller (the options' own among them), reported together with the
+            plan's.
 
     Returns:
         The :class:`Plan`.
 
     Raises:
         InputError: every problem found (missing targets, shape mismatches, bad options), at once.
-
-    Example:
-        >>> plan = build_plan(open_checkpoint("base"), load_adapter("adapter"),
-        ...                   inspect_model("base"))  # doctest: +SKIP
-        >>> print(plan.describe())  # doctest: +SKIP
     """
     problems = list(problems or [])
     info, to_file, parts = in_file_names(info, list(base.by_name))
-    out_torch, shard_limit, nf4, bad = _parse_options(base, info, dtype, max_shard_size, base_precision, nf4)
+    out_torch, nf4, bad = _plan_options(base, info, opts)
     st = PlanState(base, adapter, info, to_file, parts, TORCH_TO_ST[out_torch])
     problems += [p for p in bad if p not in problems]  # the caller may have checked the options already
     problems += plan_replacements(st) + plan_lora(st) + plan_peft_ops(st) + plan_tokens(st)
@@ -201,7 +183,7 @@ def build_plan(
     raise_if_any(disk_layer_problems(adapter, info), problems)
 
     tensors = [st.planned[n] for n in list(base.by_name) + [n for n in st.virtual if n in untied]]
-    indices, names = assign_shards([t.nbytes for t in tensors], shard_limit)
+    indices, names = assign_shards([t.nbytes for t in tensors], opts.shard_bytes)
     for t, i in zip(tensors, indices):
         t.shard = i
     config = output_config(base.config, out_torch, untie=bool(untied))
@@ -210,34 +192,31 @@ def build_plan(
             if isinstance(sub, dict) and "vocab_size" in sub:
                 sub["vocab_size"] = st.new_vocab
         notes.append(f"the adapter resized the vocabulary: {base.config.get('vocab_size')} -> {st.new_vocab} rows")
-    return Plan(base, adapter, tensors, names, out_torch, base_precision, nf4, config, chunk_elems, untied, notes)
+    return Plan(base, adapter, tensors, names, out_torch, opts.base_precision, nf4, config, opts.chunk_elems, untied,
+                notes)
 
 
-def _parse_options(base: CheckpointSource, info: ModelInfo, dtype, max_shard_size, base_precision: str,
-                   nf4: Nf4Settings | None) -> tuple[torch.dtype, int, Nf4Settings | None, list[str]]:
-    """The output dtype, the shard limit and the 4-bit settings of a plan, with every problem of the options."""
+def _plan_options(base: CheckpointSource, info: ModelInfo, opts: MergeOptions
+                  ) -> tuple[torch.dtype, Nf4Settings | None, list[str]]:
+    """The output dtype and the 4-bit settings of a plan, with every problem of the options it plans with."""
     problems: list[str] = []
     try:
-        out_torch = parse_dtype(dtype) or _base_dtype(base)
-    except InputError as e:
+        out_torch = opts.out_dtype or _base_dtype(base)
+    except InputError as e:  # named with the plan's own problems: the plan is refused before it is made
         problems += e.problems
-        out_torch = torch.float32
-    try:
-        shard_limit = parse_size(max_shard_size)
-    except InputError as e:
-        problems += e.problems
-        shard_limit = 1
+        out_torch = _base_dtype(base)
+    base_precision = opts.base_precision
     if base_precision not in BASE_PRECISIONS:
         problems.append(f"base_precision must be one of {', '.join(BASE_PRECISIONS)}, got {base_precision!r}")
     if base_precision != "nf4":
-        return out_torch, shard_limit, None, problems
+        return out_torch, None, problems
     if base.quantized is not None:
         problems.append(
             f"base precision 'nf4' re-quantizes a 16-bit base, but this base is already stored as "
             f"{base.quantized.method}: drop base precision 'nf4'; the adapter is then merged into the stored "
             "weights dequantized, which for an adapter trained on this base are the weights it was trained on")
-        return out_torch, shard_limit, None, problems
-    nf4 = nf4 or Nf4Settings()
+        return out_torch, None, problems
+    nf4 = opts.nf4
     problems += nf4.validate()
     if importlib.util.find_spec("bitsandbytes") is None:
         problems.append("base precision 'nf4' (what 'auto' picks for an adapter trained on a 4-bit base) quantizes "
@@ -248,4 +227,43 @@ def _parse_options(base: CheckpointSource, info: ModelInfo, dtype, max_shard_siz
             "base precision 'nf4' needs to know which weights bitsandbytes quantized, but the model class "
             "could not be built from config.json; use base precision 'original'"
         )
-    return out_torch, shard_limit, nf4, problems
+    return out_torch, nf4, problems
+
+
+def plan_from_folders(base_folder: str, adapter_folders: list[str], opts: MergeOptions,
+                      problems: list[str] | None = None) -> Plan:
+    """Plan the merge of adapter folders into a base checkpoint folder, for a caller that checked the output folder
+    itself (the original checkpoint of a loaded model): the planning steps of a merge from disk, with no path or
+    output-folder check.
+
+    Args:
+        base_folder: the base checkpoint folder.
+        adapter_folders: the adapter folders, combined as ``opts.weights`` and ``opts.combination`` say.
+        opts: the options (see :func:`build_plan`: ``base_precision`` resolved).
+        problems: problems already found, reported with the plan's.
+
+    Returns:
+        The :class:`Plan`; its first notes compare the base with the one the adapters name.
+
+    Raises:
+        InputError: every problem found, at once.
+        CorruptFileError: a checkpoint or adapter file is malformed.
+    """
+    problems = list(problems or [])
+    src = open_checkpoint(base_folder, check_files=False)
+    try:
+        spec = combine_adapters([load_adapter(a) for a in adapter_folders], opts.weights, opts.combination)
+    except InputError as e:  # nothing further can be planned: every problem found so far, at once
+        raise InputError(problems + [p for p in e.problems if p not in problems]) from e
+    info = inspect_model(src.folder)
+    problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
+    if spec.needs_layers:
+        from transformers import AutoConfig
+
+        spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
+                              skip=spec.layer_skip)
+    plan = build_plan(src, spec, info, opts, problems=problems)
+    plan.notes[:0] = base_name_notes([(part.folder, part.config) for part in spec.parts or [spec]], base_folder,
+                                     src.folder)
+    check_base_files(src)
+    return plan

@@ -1,23 +1,29 @@
-"""The disk engine's side of the per-tensor merge: a planned tensor's base rows and adapter changes, read from the
-checkpoint and adapter files, handed to the one row merge; and the checks every merge ends with."""
+"""The disk Source: a planned tensor's base rows and adapter changes read from the checkpoint and adapter files,
+handed to the one row merge; the side files, record and count check of a merge from disk."""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import torch
 
 from ..engine.changes import ChangeKey, Changes, Scale, TokenRows, WholeDelta
 from ..engine.maths import lora_bias_delta
-from ..engine.plan import Plan, PlannedTensor
+from ..engine.plan import Op, Plan, PlannedTensor
 from ..engine.row_merge import RowMerger, check_applied, check_range
 from ..io.safetensors_io import DTYPES, RowReader, row_blocks
+from ..output.record import disk_merge_info
+from ..output.resume import InputDigests
+from ..output.side_files import copy_side_files
 from ..output.writer import ShardWriter
 from ..quant.nf4 import quantize_roundtrip
+from .source import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlanMerger", "check_counts", "planned_keys"]
+__all__ = ["CheckpointReader", "check_counts", "planned_keys", "stream_tensors"]
 
 
 def _flat(factor: torch.Tensor) -> torch.Tensor:
@@ -34,10 +40,6 @@ def planned_keys(t: PlannedTensor) -> list[ChangeKey]:
 
     Returns:
         One key per change.
-
-    Example:
-        >>> planned_keys(plan.tensors[0])   # doctest: +SKIP
-        [ChangeKey(kind='lora', name='model.layers.0.self_attn.q_proj', tensor='')]
     """
     keys = [ChangeKey("lora", m.key) for m in t.loras]
     keys += [ChangeKey("lora_bias", m.key) for m in t.bias_loras]
@@ -45,40 +47,72 @@ def planned_keys(t: PlannedTensor) -> list[ChangeKey]:
     return keys + [ChangeKey("peft", o.key) for o in t.peft_ops]
 
 
-class PlanMerger(RowMerger):
-    """State of one execution: reader, device, counters, progress bar.
+class CheckpointReader(RowMerger):
+    """The disk :class:`~peft_shardmerge.engine.source.Source`: each planned tensor copied, cast or merged from the
+    checkpoint's and adapter's files, one row block at a time.
+
+    Args:
+        plan: the plan carried out.
+        device: where LoRA products are computed.
+        resume: offer the executor the plan's fingerprint and input digests, so that a rerun keeps finished shards.
 
     Attributes:
-        plan: the plan executed.
-        device: where LoRA products are computed.
         replacements: tensors taken from the adapter (``modules_to_save``).
-
-    Example:
-        >>> merger = PlanMerger(plan, torch.device("cpu"), progress=False)   # doctest: +SKIP
     """
 
-    def __init__(self, plan: Plan, device: torch.device, progress: bool):
-        from tqdm.auto import tqdm
-
+    def __init__(self, plan: Plan, device: torch.device = torch.device("cpu"), resume: bool = False):
         super().__init__(plan.chunk_elems)
         self.plan = plan
         self.device = device
+        self.resume = resume
         self.reader = RowReader()
         self.replacements = 0
         self.parts: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
-        self.bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not progress)
 
     def close(self) -> None:
-        """Close the progress bar and the files read."""
-        self.bar.close()
+        """Close the files read."""
         self.reader.close()
 
     def skip(self, tensors: list[PlannedTensor]) -> None:
-        """Account for tensors of a shard kept from an interrupted run (already merged and verified)."""
+        """Count the changes of tensors of a shard kept from an interrupted run (already merged and verified)."""
         for t in tensors:
             self.replacements += t.from_adapter
             self.applied.update(str(k) for k in planned_keys(t))
-            self.bar.update(t.nbytes)
+
+    def resume_keys(self) -> tuple[str, InputDigests] | None:
+        """The plan's fingerprint and its inputs' digests (None without ``resume``)."""
+        return (self.plan.fingerprint(), InputDigests(self.plan)) if self.resume else None
+
+    def side_files(self, folder: str) -> None:
+        """Every non-weight file of the base the allowlist carries (tokenizer, sentence-transformers pipeline,
+        README...), then the adapter's tokenizer files, which replace the base's tokenizer as a whole."""
+        plan = self.plan
+        skip = TOKENIZER_FILES if plan.adapter.tokenizer_files else ()
+        written = set(plan.shard_names) | {"model.safetensors.index.json"}
+        copy_side_files(plan.base.folder, folder, [n for n in plan.base.extra_files if n not in written], skip=skip)
+        for fname in plan.adapter.tokenizer_files:
+            shutil.copyfile(os.path.join(plan.adapter.folder, fname), os.path.join(folder, fname))
+
+    def merge_info(self) -> dict:
+        """The record's ``merge`` part: inputs, options and the adapter's files."""
+        return disk_merge_info(self.plan)
+
+    def check(self) -> None:
+        """Every LoRA module, ``lora_bias``, token row and PEFT change of the plan applied exactly once."""
+        check_counts(self.plan, self)
+
+    def report_fields(self) -> dict:
+        """The report's fields of a merge from disk."""
+        plan = self.plan
+        return dict(
+            base=plan.base.folder,
+            adapter=(plan.adapter_text or ", ".join(plan.adapter.folders))
+            + (f" ({plan.adapter.combination})" if plan.adapter.combination else ""),
+            base_precision=plan.base_precision,
+            lora_modules_merged=len({k.split("@")[0] for k in self.applied
+                                     if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")}),
+            replacements_applied=self.replacements, device=str(self.device), untied=list(plan.untied),
+            notes=list(plan.notes))
 
     def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         """Write one planned tensor: its bytes copied, cast, or merged block by block.
@@ -92,30 +126,22 @@ class PlanMerger(RowMerger):
 
         Raises:
             MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
-
-        Example:
-            >>> merger.write_tensor(plan.tensors[0], writer)   # doctest: +SKIP
         """
         src = t.source
         if t.from_adapter:
             self.replacements += 1
-        if t.op == "copy":
+        if t.op is Op.COPY:
             w.copy_from(self.reader.fd(src.path), src.offset, src.nbytes)
-            self.bar.update(t.nbytes)
             return
         out_dtype = DTYPES[t.out_dtype][0]
-        row_bytes = t.nbytes // max(1, t.shape[0] if t.shape else 1)
-        if t.op in ("cast", "dequantize"):
+        if t.op in (Op.CAST, Op.DEQUANTIZE):
             for start, stop in row_blocks(t.shape, self.plan.chunk_elems):
                 cast = self.reader.read_rows(src, start, stop).to(out_dtype)
                 check_range(t.name, cast, out_dtype)
                 w.write(cast)
-                self.bar.update((stop - start) * row_bytes)
             return
-        for start, stop, _, cast in self.merge_rows(t.name, self._base(t), self.changes(t), t.shape, out_dtype,
-                                                    self.device):
+        for _, _, _, cast in self.merge_rows(t.name, self._base(t), self.changes(t), t.shape, out_dtype, self.device):
             w.write(cast)
-            self.bar.update((stop - start) * row_bytes)
 
     def _base(self, t: PlannedTensor):
         """``rows(start, stop)`` of the base as read, or of dequant(quantize(base)) for a 4-bit base."""
@@ -139,10 +165,6 @@ class PlanMerger(RowMerger):
 
         Raises:
             OSError: an adapter file cannot be read.
-
-        Example:
-            >>> merger.changes(plan.tensors[1]).keys   # doctest: +SKIP
-            ['model.layers.0.self_attn.q_proj']
         """
         load = self.reader
         return Changes(
@@ -180,7 +202,7 @@ class PlanMerger(RowMerger):
         return pieces[part.file_name].float()
 
 
-def check_counts(plan: Plan, merger: PlanMerger) -> None:
+def check_counts(plan: Plan, merger: RowMerger) -> None:
     """The count check of a checkpoint merge: every LoRA module of the adapter (and its ``lora_bias``), every
     token-row and PEFT change of the plan applied exactly once.
 
@@ -193,9 +215,6 @@ def check_counts(plan: Plan, merger: PlanMerger) -> None:
 
     Raises:
         MergeCheckError: naming what was never applied and what was applied more than once.
-
-    Example:
-        >>> check_counts(plan, merger)   # doctest: +SKIP
     """
     modules = plan.adapter.modules.values()
     expected = [ChangeKey("lora", m.key) for m in modules]
@@ -204,3 +223,29 @@ def check_counts(plan: Plan, merger: PlanMerger) -> None:
     check_applied([str(k) for k in expected], merger.applied)
 
 
+
+
+def stream_tensors(plan: Plan, sink, tensors: list[PlannedTensor] | None = None, *,
+                   device: torch.device = torch.device("cpu")) -> None:
+    """Produce planned tensors with the very code a merge writes them with, into ``sink`` instead of a shard
+    (``peft-shardmerge verify`` compares them with a merged checkpoint this way).
+
+    Args:
+        plan: the plan.
+        sink: an object with ``begin(t)`` (called before each tensor's bytes), ``write(tensor)`` and
+            ``copy_from(fd, offset, nbytes)`` (the calls a :class:`~peft_shardmerge.output.writer.ShardWriter`
+            receives).
+        tensors: the planned tensors to produce (default: all, in write order).
+        device: where the maths runs.
+
+    Raises:
+        MergeCheckError: a merged value is not finite or the self-check fails.
+    """
+    reader = CheckpointReader(plan, device)
+    try:
+        with torch.no_grad():
+            for t in plan.tensors if tensors is None else tensors:
+                sink.begin(t)
+                reader.write_tensor(t, sink)
+    finally:
+        reader.close()

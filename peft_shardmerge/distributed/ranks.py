@@ -95,15 +95,13 @@ class OtherRanks:
 
     Args:
         plan: the plan every rank agreed on.
-        merger: rank 0's merger (the other ranks' counts are added to it, for the count check and the report).
+        merger: rank 0's source (the other ranks' counts are added to it, for the count check and the report).
         steps: the job's steps.
-
-    Example:
-        >>> sink.write(produce, files, ranks=OtherRanks(plan, merger, steps))   # doctest: +SKIP
+        bar: rank 0's progress bar (it shows the other ranks' bytes too).
     """
 
-    def __init__(self, plan: Plan, merger, steps: JobSteps):
-        self.plan, self.merger, self.steps = plan, merger, steps
+    def __init__(self, plan: Plan, merger, steps: JobSteps, bar):
+        self.plan, self.merger, self.steps, self.bar = plan, merger, steps, bar
         self.theirs: list[tuple[str, int]] = []  # (path, planned bytes) of the shards the other ranks write
         self.seen, self.polled = 0, 0.0
 
@@ -138,7 +136,7 @@ class OtherRanks:
             except OSError:
                 pass
         if written > self.seen:
-            self.merger.bar.update(written - self.seen)
+            self.bar.update(written - self.seen)
             self.seen = written
 
     def stopped(self, error: BaseException) -> None:
@@ -170,7 +168,7 @@ class OtherRanks:
             m.fallbacks += c["fallbacks"]
             m.probe_err = max(m.probe_err, c["probe_err"])
             m.swallowed.update(c["swallowed"])
-        self.merger.bar.update(sum(planned for _, planned in self.theirs) - self.seen)  # their last bytes
+        self.bar.update(sum(planned for _, planned in self.theirs) - self.seen)  # their last bytes
 
 
 def _sizes(plan: Plan) -> list[int]:

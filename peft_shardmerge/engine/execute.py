@@ -1,28 +1,22 @@
-"""Carrying out a plan: read each tensor in row blocks, merge in fp32, stream into shards, check, commit."""
+"""The one executor: a plan's tensors from a Source streamed into shards, checked, committed, reported."""
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from typing import Callable
 
 import torch
 
-from ..checkpoint.reader import PlanMerger, check_counts
-from ..distributed.ranks import OtherRanks, check_stop, write_share
-from ..distributed.world import JobSteps, World
 from ..errors import InputError
 from ..options import DEVICES
-from ..output.record import disk_merge_info
-from ..output.resume import InputDigests
 from ..output.shard_sink import FolderFiles, ShardSink
-from ..output.side_files import copy_side_files
-from .plan import Plan, PlannedTensor
+from .plan import Plan
 from .report import MergeReport
 from .row_merge import precision_notes
-from .rss import PeakRss, current_rss_bytes  # noqa: F401 - bench/ reads current_rss_bytes from here
+from .rss import PeakRss
+from .source import Alone, Coordinator, Source
 
 log = logging.getLogger(__name__)
 
@@ -57,165 +51,108 @@ def resolve_device(device: str | torch.device) -> torch.device:
     raise InputError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
-def execute_plan(plan: Plan, out_dir: str, *, device: str | torch.device = "auto",
-                 progress: bool = True, before_commit: Callable[[str], None] | None = None,
-                 resume: bool = True, overwrite: bool, steps: JobSteps | None = None) -> MergeReport:
-    """Write the planned checkpoint into a temporary folder beside ``out_dir``, check it, then move it into place.
+def run(plan: Plan, source: Source, out_dir: str, *, overwrite: bool, progress: bool = True,
+        before_commit: Callable[[str], None] | None = None, coordinator: Coordinator | None = None,
+        replace_check: Callable[[str], list[str]] | None = None) -> MergeReport:
+    """Carry out a plan: every planned tensor from ``source`` streamed into shards in a staging folder beside
+    ``out_dir``, then the index, config, side files and record; checked, then moved into place.
 
-    ``out_dir`` is replaced only after every file is complete and checked; on any failure the temporary
-    folder is removed and ``out_dir`` is left as it was.
+    The one executor of both paths: a checkpoint on disk and a loaded model differ only in their ``source``; a job's
+    ranks only in the ``coordinator``'s hooks. ``out_dir`` is replaced only after every file is complete and checked;
+    on any failure the staging folder goes and ``out_dir`` is left as it was.
 
     Args:
-        plan: the plan from :func:`~peft_shardmerge.checkpoint.planner.build_plan`.
+        plan: the plan (from :func:`~peft_shardmerge.api.disk.plan_checkpoint_merge` or
+            :func:`~peft_shardmerge.model.plan.plan_model_merge`).
+        source: what produces each planned tensor (:class:`~peft_shardmerge.engine.source.Source`).
         out_dir: the output folder (validated by the caller).
-        device: where the merge maths runs: ``"auto"``, ``"cpu"`` or ``"cuda"``.
-        progress: show a progress bar over bytes written.
-        before_commit: called with the temporary folder once the weights are written, before the checks and
-            the move into place (e.g. to save a tokenizer there).
-        resume: keep the verified finished shards of an earlier run of the same merge that was killed.
         overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the output lock).
-        steps: in a distributed job (:mod:`peft_shardmerge.distributed.world`), the steps left after ``plan``: the
-            shards are split over the ranks, rank 0 commits, and every rank returns rank 0's report.
+        progress: show a progress bar over the bytes written.
+        before_commit: called with the staging folder after the side files (e.g. to save a tokenizer there).
+        coordinator: the job's ranks (default: this process alone).
 
     Returns:
-        The :class:`MergeReport`.
+        The :class:`~peft_shardmerge.engine.report.MergeReport` (on every rank of a job: the leader's).
 
     Raises:
-        MergeCheckError: a LoRA module was not applied exactly once, a merged value is not finite, or a
-            written file does not match the plan.
-        InputError: the device is not available.
+        MergeCheckError: a change was not applied exactly once, a merged value is not finite, or a written file
+            does not match the plan.
+        InputError: ``out_dir`` became non-empty meanwhile and ``overwrite`` is False.
         OSError: the filesystem failed (disk full, permissions); nothing is left behind.
 
     Example:
-        >>> report = execute_plan(plan, "merged", overwrite=False)   # doctest: +SKIP
+        >>> import os, tempfile
+        >>> from peft_shardmerge import plan_checkpoint_merge
+        >>> from peft_shardmerge.checkpoint.reader import CheckpointReader
+        >>> from peft_shardmerge.testing import build_adapter, build_base
+        >>> tmp = tempfile.mkdtemp()
+        >>> base = build_base(os.path.join(tmp, "base"))
+        >>> adapter = build_adapter(base, os.path.join(tmp, "adapter"))
+        >>> out = os.path.join(tmp, "merged")
+        >>> plan = plan_checkpoint_merge(base, adapter, out)
+        >>> report = run(plan, CheckpointReader(plan), out, overwrite=False, progress=False)
+        >>> report.lora_modules_merged == report.lora_modules_total == 14, sorted(os.listdir(out))[:2]
+        (True, ['config.json', 'generation_config.json'])
     """
+    from tqdm.auto import tqdm
+
     t0 = time.perf_counter()
     meter = PeakRss().start()
-    world = steps.world if steps is not None else World()
-    dev = world.device(resolve_device(device))
-    merger = PlanMerger(plan, dev, progress and world.rank == 0)
-    ranks = OtherRanks(plan, merger, steps) if world.distributed and world.rank == 0 else None
-    sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite,
-                     fingerprint=plan.fingerprint() if resume else None,
-                     inputs=InputDigests(plan) if resume else None)
+    coordinator = coordinator if coordinator is not None else Alone()
+    keys = source.resume_keys()
+    sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, fingerprint=keys[0] if keys else None,
+                     inputs=keys[1] if keys else None, replace_check=replace_check)
+    bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging",
+               disable=not (progress and coordinator.leads))
+    coordinator.start(source, bar)
 
     def produce(i: int, w) -> None:
+        counted = _Counted(w, bar)
         for t in plan.shard_tensors(i):
-            if steps is not None:
-                check_stop(steps)
-            if ranks is not None:
-                ranks.poll()
-            merger.write_tensor(t, w)
+            coordinator.before(t)
+            source.write_tensor(t, counted)
 
-    if world.rank != 0:
-        try:
-            return write_share(plan, out_dir, steps, sink, produce, merger)
-        finally:
-            merger.close()
+    def skip(i: int) -> None:
+        source.skip(plan.shard_tensors(i))
+        bar.update(sum(t.nbytes for t in plan.shard_tensors(i)))
 
-    files = FolderFiles(config=plan.config, index=plan.index(), side_files=lambda tmp: _copy_side_files(plan, tmp),
-                        before_commit=before_commit, merge_info=lambda: disk_merge_info(plan),
-                        checks=[lambda: check_counts(plan, merger)])
     try:
-        sink.write(produce, files, skip=lambda i: merger.skip(plan.shard_tensors(i)), ranks=ranks)
+        if not coordinator.leads:
+            return coordinator.follow(out_dir, sink, produce)
+        files = FolderFiles(config=plan.config, index=plan.index(), side_files=source.side_files,
+                            before_commit=before_commit, merge_info=source.merge_info, checks=[source.check])
+        sink.write(produce, files, skip=skip, ranks=coordinator.ranks)
     finally:
-        merger.close()
-    resumed = sink.resumed
-    out_dir = os.path.abspath(out_dir)
-    report = merge_report(
-        plan, merger, out_dir, t0, meter,
-        base=plan.base.folder,
-        adapter=(plan.adapter_text or ", ".join(plan.adapter.folders))
-        + (f" ({plan.adapter.combination})" if plan.adapter.combination else ""),
-        base_precision=plan.base_precision,
-        lora_modules_merged=len({k.split("@")[0] for k in merger.applied
-                                 if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")}),
-        replacements_applied=merger.replacements,
-        device=str(dev),
-        untied=list(plan.untied),
-        notes=list(plan.notes) + ([f"resumed: {len(resumed)} shard(s) kept from an interrupted run"]
-                                  if resumed else [])
-        + ([f"spread over {world.size} ranks; the peak memory above is rank 0's"] if world.distributed else []),
-        reproduces=plan.reproduces,
-    )
-    log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
-    if steps is not None:
-        steps.step("committed", report)
-    return report
-
-
-def stream_tensors(plan: Plan, sink, tensors: list[PlannedTensor] | None = None, *,
-                   device: str | torch.device = "cpu") -> None:
-    """Produce planned tensors with the very code :func:`execute_plan` writes them with, into ``sink`` instead of a
-    shard (``peft-shardmerge verify`` compares them with a merged checkpoint this way).
-
-    Args:
-        plan: the plan.
-        sink: an object with ``begin(t)`` (called before each tensor's bytes), ``write(tensor)`` and
-            ``copy_from(fd, offset, nbytes)`` (the calls a :class:`~peft_shardmerge.output.writer.ShardWriter`
-            receives).
-        tensors: the planned tensors to produce (default: all, in write order).
-        device: where the maths runs.
-
-    Returns:
-        None.
-
-    Raises:
-        MergeCheckError: a merged value is not finite or the self-check fails.
-
-    Example:
-        >>> stream_tensors(plan, sink)   # doctest: +SKIP
-    """
-    merger = PlanMerger(plan, resolve_device(device), False)
-    try:
-        with torch.no_grad():
-            for t in plan.tensors if tensors is None else tensors:
-                sink.begin(t)
-                merger.write_tensor(t, sink)
-    finally:
-        merger.close()
-
-
-def _copy_side_files(plan: Plan, tmp: str) -> None:
-    """Carry every non-weight file of the base into the output (tokenizer, sentence-transformers pipeline, README,
-    ...), then the adapter's tokenizer files, which replace the base's tokenizer as a whole."""
-    from ..checkpoint.source import TOKENIZER_FILES
-
-    skip = TOKENIZER_FILES if plan.adapter.tokenizer_files else ()
-    written = set(plan.shard_names) | {"model.safetensors.index.json"}
-    copy_side_files(plan.base.folder, tmp, [n for n in plan.base.extra_files if n not in written], skip=skip)
-    for fname in plan.adapter.tokenizer_files:
-        shutil.copyfile(os.path.join(plan.adapter.folder, fname), os.path.join(tmp, fname))
-
-
-
-
-
-def merge_report(plan: Plan, merger, out_dir: str, started: float, meter: PeakRss, **fields) -> MergeReport:
-    """The report of a finished merge on either path: what the plan wrote and what the merger counted.
-
-    Args:
-        plan: the plan that was carried out.
-        merger: its per-tensor merger (``fallbacks``, ``probe_err``, ``swallowed``).
-        out_dir: the output folder.
-        started: ``time.perf_counter()`` when the merge started.
-        meter: the measure of the merge's peak resident memory, started when the merge started (stopped here).
-        **fields: the path's own :class:`MergeReport` fields (base, adapter, counts, device, notes, ...).
-
-    Returns:
-        The :class:`MergeReport`; the note on the update lost to rounding follows the path's notes.
-
-    Example:
-        >>> report = merge_report(plan, merger, "merged", t0, meter, base="b", adapter="a")   # doctest: +SKIP
-    """
+        bar.close()
+        source.close()
+    fields = source.report_fields()
+    fields["notes"] = (list(fields.get("notes", ())) + (
+        [f"resumed: {len(sink.resumed)} shard(s) kept from an interrupted run"] if sink.resumed else [])
+        + coordinator.notes())
     meter.stop()
     report = MergeReport(
         out_dir=os.path.abspath(out_dir), dtype=str(plan.dtype).removeprefix("torch."),
         tensors_written=len(plan.tensors), lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
-        bytes_written=plan.total_size, wall_time_s=time.perf_counter() - started, peak_rss_bytes=meter.peak,
-        baseline_rss_bytes=meter.baseline, peak_rss_method=meter.method, cpu_fallbacks=merger.fallbacks,
-        self_check_max_rel_err=merger.probe_err,
-        swallowed={k: v[1] / v[0] for k, v in merger.swallowed.items()}, **fields)
-    report.notes = list(report.notes) + precision_notes(merger.swallowed, plan.dtype)
+        bytes_written=plan.total_size, wall_time_s=time.perf_counter() - t0, peak_rss_bytes=meter.peak,
+        baseline_rss_bytes=meter.baseline, peak_rss_method=meter.method, cpu_fallbacks=source.fallbacks,
+        self_check_max_rel_err=source.probe_err, reproduces=plan.reproduces,
+        swallowed={k: v[1] / v[0] for k, v in source.swallowed.items()}, **fields)
+    report.notes = list(report.notes) + precision_notes(source.swallowed, plan.dtype)
+    log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
+    coordinator.committed(report)
     return report
 
+
+class _Counted:
+    """A shard writer that moves the progress bar by the bytes written through it."""
+
+    def __init__(self, w, bar):
+        self.w, self.bar = w, bar
+
+    def write(self, tensor) -> None:
+        self.w.write(tensor)
+        self.bar.update(tensor.numel() * tensor.element_size())
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        self.w.copy_from(fd, offset, nbytes)
+        self.bar.update(nbytes)

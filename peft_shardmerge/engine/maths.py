@@ -21,9 +21,9 @@ def merge_block(
     bias_deltas: Sequence[torch.Tensor] = (),
     probes: torch.Tensor | None = None,
     inplace: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, float]:
+) -> tuple[torch.Tensor, float]:
     """Rows ``[start, stop)`` of ``W + sum(scaling * B @ A)`` in fp32, computed in place on a fp32 copy (or on
-    ``base_rows`` itself, with ``inplace`` and float32 rows).
+    ``base_rows`` itself, with ``inplace`` and float32 rows), and the self-check's error on them.
 
     For a weight stored ``[out, in]`` the rows come from rows of B; for one stored ``[in, out]`` (Conv1D with
     ``fan_in_fan_out``) or an embedding (``lora_embedding_A`` is ``[r, num_embeddings]``) they come from
@@ -42,9 +42,9 @@ def merge_block(
         inplace: float32 ``base_rows`` are a copy the merge may overwrite (no second copy is made).
 
     Returns:
-        A new float32 tensor shaped like ``base_rows`` (``base_rows`` itself with ``inplace`` and float32 rows);
-        with ``probes``, ``(tensor, relative error)`` where the error is
-        ``max |(W + dW) x - (W x + lora(x))| / max |W x + lora(x)|``.
+        ``(rows, error)``: a new float32 tensor shaped like ``base_rows`` (``base_rows`` itself with ``inplace`` and
+        float32 rows), and the relative error ``max |(W + dW) x - (W x + lora(x))| / max |W x + lora(x)|`` of the
+        self-check (0.0 without ``probes``: nothing was checked).
 
     Raises:
         RuntimeError: from torch, when the shapes do not fit.
@@ -53,14 +53,16 @@ def merge_block(
         >>> w = torch.zeros(4, 3)
         >>> a, b = torch.ones(1, 3), torch.arange(4.0).reshape(4, 1)
         >>> merge_block(w[2:], [(a, b, 1.0)], 2, 4, transposed=False)
-        tensor([[2., 2., 2.],
-                [3., 3., 3.]])
+        (tensor([[2., 2., 2.],
+                [3., 3., 3.]]), 0.0)
+        >>> merge_block(w[2:], [(a, b, 1.0)], 2, 4, transposed=False, probes=torch.ones(3, 1))[1] < 1e-6
+        True
     """
     out = base_rows if inplace and base_rows.dtype == torch.float32 else base_rows.to(torch.float32, copy=True)
     err = add_lora_checked_(out, factors, start, stop, transposed=transposed, probes=probes)
     for d in bias_deltas:
         out += d[start:stop].to(out.device)
-    return out if probes is None else (out, err)
+    return out, err
 
 
 def add_lora_checked_(

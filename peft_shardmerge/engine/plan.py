@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -11,6 +12,26 @@ from ..checkpoint.source import CheckpointSource
 from ..io.safetensors_io import DTYPES, TensorInfo, row_blocks
 from ..quant.nf4 import Nf4Settings
 from ..version import __version__
+
+
+class Op(str, Enum):
+    """What the executor does to make one planned tensor.
+
+    Example:
+        >>> Op("cast") is Op.CAST, f"{Op.MERGE}"
+        (True, 'merge')
+    """
+
+    COPY = "copy"  #: its bytes unchanged
+    CAST = "cast"  #: a dtype change only
+    DEQUANTIZE = "dequantize"  #: a quantized base weight, dequantized and cast
+    MERGE = "merge"  #: the base with its changes added in fp32, then cast
+    QUANTIZE4 = "quantize4"  #: one stored part of a merged weight quantized to 4-bit again
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
 
 
 @dataclass
@@ -60,7 +81,7 @@ class PlannedTensor:
         entry: for a merge of a loaded model, the :class:`~peft_shardmerge.model.walk.LiveEntry` it is produced from
             (``source`` then describes the output tensor itself: its stored dtype and output shape).
         part: for a weight re-quantized to 4-bit, ``""`` for its packed codes, else the quant-state key it holds.
-        kind: the operation named by :attr:`op` when set (``"merge"``, ``"dequantize"``, ``"quantize4"``, ...).
+        kind: the operation, when the planner names it (a loaded model's tensors); else :attr:`op` derives it.
     """
 
     name: str
@@ -76,7 +97,7 @@ class PlannedTensor:
     peft_ops: list = field(default_factory=list)
     entry: object = None
     part: str = ""
-    kind: str = ""
+    kind: Op | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -87,15 +108,15 @@ class PlannedTensor:
         return self.source.numel * DTYPES[self.out_dtype][1]
 
     @property
-    def op(self) -> str:
-        """``"copy"`` (bytes unchanged), ``"cast"`` (dtype change only), ``"merge"``, or the planned ``kind``."""
-        if self.kind:
+    def op(self) -> Op:
+        """The planned ``kind``, else what the tensor's changes and dtypes call for."""
+        if self.kind is not None:
             return self.kind
         if self.loras or self.bias_loras or self.quantize or self.token_rows or self.peft_ops:
-            return "merge"
+            return Op.MERGE
         if self.source.decoder is not None:
-            return "dequantize"
-        return "copy" if self.out_dtype == self.source.dtype else "cast"
+            return Op.DEQUANTIZE
+        return Op.COPY if self.out_dtype == self.source.dtype else Op.CAST
 
 
 @dataclass
@@ -303,11 +324,11 @@ def assign_shards(sizes: list[int], limit: int) -> tuple[list[int], list[str]]:
 
 
 def _working_set(t: PlannedTensor, chunk_elems: int) -> int:
-    if t.op == "copy":
+    if t.op is Op.COPY:
         return 8 << 20
     if t.entry is not None:  # a loaded model's tensor: an fp32 copy, its cast, and 4-bit codes when re-quantized
         n = t.entry.numel
-        return n * (4 + 4 + DTYPES[t.source.dtype][1]) + (n // 2 if t.op == "quantize4" else 0)
+        return n * (4 + 4 + DTYPES[t.source.dtype][1]) + (n // 2 if t.op is Op.QUANTIZE4 else 0)
     src_item, out_item = DTYPES[t.source.dtype][1], DTYPES[t.out_dtype][1]
     factors = sum(4 * (m.a.shape[0] * m.a.shape[1] + m.b.shape[0] * m.b.shape[1]) for m in t.loras)
     if t.quantize:

@@ -203,10 +203,6 @@ class RowMerger:
 
         Raises:
             MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
-
-        Example:
-            >>> for start, stop, merged, cast in merger.merge_rows(name, rows, changes, shape, dtype, device):
-            ...     sink.write(cast)   # doctest: +SKIP
         """
         blocks = row_blocks(shape, self.chunk_elems)
         width = math.prod(shape[1:]) if shape else 1
@@ -292,9 +288,8 @@ class RowMerger:
         factors = changes.factors
         if device.type != "cpu":  # LoRA factors are small next to a row block: move them with it
             factors = [(a.to(device), b.to(device), s) for a, b, s in factors]
-        got = merge_block(base.to(device), factors, start, stop, transposed=changes.transposed,
-                          bias_deltas=changes.bias_deltas, probes=probes, inplace=inplace)
-        return got if probes is not None else (got, 0.0)
+        return merge_block(base.to(device), factors, start, stop, transposed=changes.transposed,
+                           bias_deltas=changes.bias_deltas, probes=probes, inplace=inplace)
 
 
 def _base_rows(rows: torch.Tensor, changes: Changes, start: int, stop: int) -> torch.Tensor:

@@ -1,51 +1,127 @@
-"""The Source protocol: which base tensors a merge reads (name, dtype, shape) and their rows on a chosen device."""
+"""What the one executor runs a plan with: the Source of the planned tensors, and the Coordinator of a job's ranks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # annotations only: the executor never imports an implementation
+    from .plan import PlannedTensor
+    from .report import MergeReport
 
-__all__ = ["BaseTensor", "Source"]
-
-
-@dataclass(frozen=True)
-class BaseTensor:
-    """One base tensor a source holds, as the merged checkpoint names it.
-
-    Attributes:
-        name: its key.
-        dtype: its dtype once read (a quantized weight's dequantized dtype).
-        shape: its shape once read.
-    """
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+__all__ = ["Alone", "Coordinator", "Source"]
 
 
 @runtime_checkable
 class Source(Protocol):
-    """Where a merge's base weights come from. Two implementations: a checkpoint on disk
-    (:class:`~peft_shardmerge.checkpoint.source.CheckpointSource`: bounded reads, quantized formats dequantized per
-    row block)
-    and a loaded model (:class:`~peft_shardmerge.model.planner.LiveSource`: bitsandbytes layers dequantized, offloaded
-    modules brought in). Changes, plans, the row merge and the sinks are the same for both.
+    """Where the planned tensors' bytes come from. Two implementations: a checkpoint on disk read in row blocks
+    (:class:`~peft_shardmerge.checkpoint.reader.CheckpointReader`) and a loaded model read module by module
+    (:class:`~peft_shardmerge.model.reader.ModelReader`). Both merge through the same
+    :class:`~peft_shardmerge.engine.row_merge.RowMerger`, whose counts (``applied``, ``fallbacks``, ``probe_err``,
+    ``swallowed``) they carry; everything else a merge does (shards, progress, staging, record, checks, commit, the
+    report, the ranks) is the executor's, the same for both.
 
-    Example:
-        >>> from peft_shardmerge.checkpoint.source import open_checkpoint
-        >>> src = open_checkpoint("tiny-llama")                        # doctest: +SKIP
-        >>> isinstance(src, Source), src.base_tensors()[0].name       # doctest: +SKIP
-        (True, 'model.embed_tokens.weight')
+    Attributes:
+        applied: how often each change key was applied (the count check compares it with the plan).
+        fallbacks: out-of-memory failures redone on the CPU.
+        probe_err: the largest self-check error seen.
+        swallowed: per tensor, (sampled entries the adapter changed, of those rounded back to the base value).
     """
 
-    def base_tensors(self) -> list[BaseTensor]:
-        """Every base tensor, in the order the merged checkpoint lists them."""
+    applied: dict
+    fallbacks: int
+    probe_err: float
+    swallowed: dict
+
+    def write_tensor(self, t: PlannedTensor, w) -> None:
+        """Write planned tensor ``t``'s bytes into ``w`` (``write(tensor)``, ``copy_from(fd, offset, nbytes)``)."""
         ...  # pragma: no cover - a protocol
 
-    def base_rows(self, name: str, device: torch.device) -> Callable[[int, int], torch.Tensor]:
-        """``rows(start, stop)``: rows of base tensor ``name`` along dimension 0 (reshaped ``[rows, -1]`` for more
-        than two dimensions), in float32 or the stored dtype, on ``device``; a returned block is valid until the
-        next call."""
+    def skip(self, tensors: list[PlannedTensor]) -> None:
+        """Count the changes of tensors kept from an interrupted run, as if written."""
         ...  # pragma: no cover - a protocol
+
+    def resume_keys(self) -> tuple[str, object] | None:
+        """``(fingerprint, input digests)`` when finished shards of a killed run may be kept, else None."""
+        ...  # pragma: no cover - a protocol
+
+    def side_files(self, folder: str) -> None:
+        """Write the files the output holds besides weights, config and index (tokenizer, generation config...)."""
+        ...  # pragma: no cover - a protocol
+
+    def merge_info(self) -> dict:
+        """The ``merge`` part of the output's ``merge_manifest.json``."""
+        ...  # pragma: no cover - a protocol
+
+    def check(self) -> None:
+        """Raise :class:`~peft_shardmerge.errors.MergeCheckError` unless every change was applied exactly once."""
+        ...  # pragma: no cover - a protocol
+
+    def report_fields(self) -> dict:
+        """The source's own :class:`~peft_shardmerge.engine.report.MergeReport` fields (base, adapter, counts,
+        device, notes...)."""
+        ...  # pragma: no cover - a protocol
+
+    def close(self) -> None:
+        """Release the files and bars the source holds."""
+        ...  # pragma: no cover - a protocol
+
+
+class Coordinator(Protocol):
+    """The ranks of a job the executor runs in: hooks it calls, never branches of its own. One process is
+    :class:`Alone`; a merge from disk spread over ranks and a sharded model gathered unit by unit are in
+    :mod:`peft_shardmerge.distributed.coordinators`.
+
+    Attributes:
+        leads: this process writes the folder's own files and commits (rank 0).
+        ranks: the other ranks' side, for :meth:`~peft_shardmerge.output.shard_sink.ShardSink.write` (None alone).
+    """
+
+    leads: bool
+    ranks: object
+
+    def start(self, source: Source, progress) -> None:
+        """Called once before the first tensor, with the source and the progress bar."""
+        ...  # pragma: no cover - a protocol
+
+    def before(self, t: PlannedTensor) -> None:
+        """Called before each tensor this process writes."""
+        ...  # pragma: no cover - a protocol
+
+    def follow(self, out_dir: str, sink, produce: Callable) -> MergeReport:
+        """On a rank that does not lead: take this rank's part, then return the leader's report."""
+        ...  # pragma: no cover - a protocol
+
+    def notes(self) -> list[str]:
+        """What the report says of the ranks."""
+        ...  # pragma: no cover - a protocol
+
+    def committed(self, report: MergeReport) -> None:
+        """Called on the leader once the output is in place (hands the report to the others)."""
+        ...  # pragma: no cover - a protocol
+
+
+class Alone:
+    """The coordinator of a merge run by one process: every hook does nothing.
+
+    Example:
+        >>> Alone().leads, Alone().notes()
+        (True, [])
+    """
+
+    leads = True
+    ranks = None
+
+    def start(self, source: Source, progress) -> None:
+        pass
+
+    def before(self, t: PlannedTensor) -> None:
+        pass
+
+    def follow(self, out_dir: str, sink, produce: Callable) -> MergeReport:
+        raise AssertionError("a single process leads")  # pragma: no cover - never called: leads is True
+
+    def notes(self) -> list[str]:
+        return []
+
+    def committed(self, report: MergeReport) -> None:
+        pass

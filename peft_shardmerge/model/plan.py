@@ -10,14 +10,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..api.disk import plan_checkpoint_merge
 from ..checkpoint.adapter import check_weights, modifies_base
 from ..checkpoint.peft_deltas import DELTA_TYPES
+from ..checkpoint.planner import plan_from_folders
 from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
 from ..engine.plan import Plan
 from ..errors import FileSystemError, InputError, ShardMergeError
-from ..options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions, parse_dtype, parse_size
-from ..output.checks import check_out_dir, foreign_model_problems, source_folders
+from ..options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions
+from ..output.checks import check_out_dir, check_space, foreign_model_problems, source_folders
 from ..output.staging import NOTHING_WRITTEN
 from ..support.combinations import combination_problems
 from ..support.model import require_supported, selected_adapters
@@ -39,10 +39,6 @@ def model_dtype(inner: nn.Module) -> torch.dtype:
 
     Returns:
         ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
-
-    Example:
-        >>> model_dtype(model)   # doctest: +SKIP
-        torch.bfloat16
     """
     cfg = getattr(getattr(inner, "config", None), "dtype", None) or getattr(inner.config, "torch_dtype", None)
     if isinstance(cfg, str):
@@ -143,9 +139,6 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
 
     Raises:
         OSError: the folder cannot be written.
-
-    Example:
-        >>> save_adapter_untouched(model, "default", "adapter-copy")   # doctest: +SKIP
     """
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
@@ -209,8 +202,16 @@ def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None,
         UnsupportedError: the adapter uses a feature that cannot be merged.
 
     Example:
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from transformers import LlamaForCausalLM
         >>> from peft_shardmerge import plan_model_merge
-        >>> print(plan_model_merge(model).describe())   # doctest: +SKIP
+        >>> from peft_shardmerge.testing import tiny_config
+        >>> model = get_peft_model(LlamaForCausalLM(tiny_config()), LoraConfig(target_modules=["q_proj", "v_proj"]))
+        >>> plan = plan_model_merge(model, dtype="bfloat16", max_shard_size="200KB")
+        >>> plan.dtype, len(plan.shard_names), plan.layer_count
+        (torch.bfloat16, 5, 4)
+        >>> print(plan.describe().splitlines()[5])
+        changed layers:  4
     """
     opts, problems = MergeOptions.merged(options, path=MODEL, dtype=dtype, max_shard_size=max_shard_size,
                                          base_precision=base_precision, weights=weights,
@@ -240,22 +241,14 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
 
     Raises:
         InputError: any problem.
-
-    Example:
-        >>> opts, problems = MergeOptions.merged(None, path="model")           # doctest: +SKIP
-        >>> build_model_plan(model, "merged", opts, None, problems)         # doctest: +SKIP
     """
     problems = list(problems or [])
     base_precision, weights, combination_type = opts.base_precision, opts.weights, opts.combination
-    out_dtype, limit = _parse(opts.dtype, opts.max_shard_size)
     inner = unwrap(model)
     names, weight_map, selection_problems = adapter_selection(
         model, adapter_names, list(weights) if weights is not None else None, combination_type)
     problems = require_supported(model, names, problems + selection_problems)
     adapters = names or selected_adapters(model, None)
-    dtype_note = ""
-    if out_dtype is None:
-        out_dtype, dtype_note = default_dtype(inner, model_dtype(inner))
     original, reason, check = None, "base_precision='dequantized'", OriginalCheck(None)
     if sharded is None and sharding_of(model) is not None:
         sharded = sharding_of(model)
@@ -270,51 +263,45 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
         inputs = {**source_folders(model), **({"base": original} if original else {})}
         problems += (check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
                      + foreign_model_problems(out_dir))
-    if problems:
+    if problems:  # among them any option value that does not parse: the parsed values are read only past here
         raise InputError(problems)
+    out_dtype, dtype_note = opts.out_dtype, ""
+    if out_dtype is None:
+        out_dtype, dtype_note = default_dtype(inner, model_dtype(inner))
     reproduces, note = describe_base(original, check, is_quantized(inner), reason)
     if original is not None:
-        result = _plan_from_original(model, inner, original, out_dir, out_dtype, opts, adapters, weight_map)
+        result = _plan_from_original(model, inner, original, out_dir, replace(opts, dtype=out_dtype), adapters,
+                                     weight_map)
     else:
         source = LiveSource(walk(model, names), names, weight_map, combination_type,
                             generation_config=valid_generation_config(inner))
-        result = ModelPlan(plan_live(source, out_dtype, limit, opts.chunk_elems), "")
+        result = ModelPlan(plan_live(source, out_dtype, opts.shard_bytes, opts.chunk_elems), "")
     result.plan.adapter_text = in_memory_text(adapters, weight_map)
     result.reproduces = result.plan.reproduces = reproduces
     result.plan.notes[:0] = [f"base precision {base_precision!r}: {note}"] + ([dtype_note] if dtype_note else [])
     return result
 
 
-def _parse(dtype, max_shard_size) -> tuple[torch.dtype | None, int]:
-    """The output dtype and shard limit; a value that does not parse was reported by ``MergeOptions.problems``, and
-    the plan is refused with it before these stand-ins are used."""
-    try:
-        out_dtype = parse_dtype(dtype)
-    except InputError:
-        out_dtype = None
-    try:
-        limit = parse_size(max_shard_size)
-    except InputError:
-        limit = 1
-    return out_dtype, limit
+def _plan_from_original(model, inner, original: str, out_dir, opts: MergeOptions, adapters: list[str],
+                        weight_map: dict[str, float]) -> ModelPlan:
+    """Plan the merge into the original checkpoint of the adapters saved in a temporary folder kept by the plan.
 
-
-def _plan_from_original(model, inner, original, out_dir, out_dtype, opts: MergeOptions, adapters,
-                        weight_map) -> ModelPlan:
-    """Plan the merge into the original checkpoint of the adapters saved in a temporary folder kept by the plan."""
+    The output folder was checked by the caller; only its free space is checked here, once the plan's size is known
+    (None: no folder is checked). ``opts.dtype`` is the dtype written, resolved."""
     folder = tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-")
     folders = []
     for i, adapter in enumerate(adapters):
         folders.append(os.path.join(folder.name, str(i)))
         save_adapter_untouched(model, adapter, folders[-1])
     device = "cuda" if any(p.is_cuda for p in inner.parameters()) else "cpu"
+    opts = replace(opts, base_precision="original",
+                   weights=[weight_map[a] for a in adapters] if weight_map else None)
     try:
-        plan = plan_checkpoint_merge(original, folders[0] if len(folders) == 1 else folders,
-                                     os.path.join(folder.name, "out") if out_dir is None else out_dir,
-                                     weights=[weight_map[a] for a in adapters] if weight_map else None,
-                                     combination=opts.combination, dtype=out_dtype, base_precision="original",
-                                     max_shard_size=opts.max_shard_size, device=device, overwrite=opts.overwrite,
-                                     chunk_elems=opts.chunk_elems)
+        plan = plan_from_folders(original, folders, opts)
+        space = [] if out_dir is None else check_space(os.fspath(out_dir), plan.total_size + sum(
+            os.path.getsize(os.path.join(plan.base.folder, f)) for f in plan.base.extra_files))
+        if space:
+            raise InputError(space)
     except BaseException as e:
         folder.cleanup()
         if isinstance(e, OSError) and not isinstance(e, ShardMergeError):  # reading the inputs failed

@@ -10,14 +10,12 @@ import torch
 from torch import nn
 
 from ..checkpoint.planner import TORCH_TO_ST, output_config
-from ..engine.plan import Plan, PlannedTensor, assign_shards
-from ..engine.source import BaseTensor
+from ..engine.plan import Op, Plan, PlannedTensor, assign_shards
 from ..io.safetensors_io import DTYPES, TensorInfo
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..quant.nf4 import Nf4Settings, packed_4bit_layout
 from .original import base_config
-from .walk import LiveEntry, LiveModel, materialized, offload_owner
-from .weights import entry_base
+from .walk import LiveEntry, LiveModel
 
 log = logging.getLogger(__name__)
 
@@ -42,27 +40,6 @@ class LiveSource:
     quant4: dict | None = None
     generation_config: object = None
 
-    def base_tensors(self) -> list[BaseTensor]:
-        """Every tensor of the walked model as the merge reads it (:class:`~peft_shardmerge.engine.source.Source`):
-        floating tensors in float32 (weights dequantized), others as stored."""
-        out = []
-        for e in self.live.entries:
-            stored = getattr(e.holder, e.attr, None) if "." not in e.attr else None
-            dtype = torch.float32 if e.floating else getattr(stored, "dtype", torch.float32)
-            out.append(BaseTensor(e.name, dtype, tuple(e.shape)))
-        return out
-
-    def base_rows(self, name: str, device: torch.device):
-        """``rows(start, stop)`` of the base tensor of entry ``name``: a float32 copy on ``device``, taken with its
-        module brought in when it is offloaded, in the output layout
-        (:class:`~peft_shardmerge.engine.source.Source`)."""
-        entry = next(e for e in self.live.entries if e.name == name)
-        with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
-            w = entry_base(entry, device)
-        w = w.T if entry.transpose_out else w
-        flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w
-        return lambda start, stop: flat[start:stop]
-
     @property
     def settings(self) -> Nf4Settings | None:
         """The 4-bit settings of the re-quantized weights, or None."""
@@ -83,9 +60,6 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
 
     Returns:
         A :class:`~peft_shardmerge.engine.plan.Plan` with ``live`` set.
-
-    Example:
-        >>> plan = plan_live(LiveSource(walk(model, None)), torch.bfloat16, 5 * 10**9)   # doctest: +SKIP
     """
     live = source.live
     q4 = live.info.linear_weights if source.quant4 is not None else set()
@@ -131,15 +105,15 @@ def _entry_tensors(live: LiveModel, e: LiveEntry, out_dtype: torch.dtype,
         shape = e.shape[::-1] if e.transpose_out or e.name in live.info.transposed else e.shape  # bnb: [out, in]
         return [PlannedTensor(name=f"{e.name}.{suffix}" if suffix else e.name, out_dtype=st,
                               source=TensorInfo(e.name, st, tuple(s), "", 0, 0), entry=e, part=suffix,
-                              kind="quantize4")
+                              kind=Op.QUANTIZE4)
                 for suffix, st, s in packed_4bit_layout(shape, out_dtype, settings)]
     held = _stored_dtype(e)
     st = TORCH_TO_ST[out_dtype] if e.floating else TORCH_TO_ST[held]
     stored = TORCH_TO_ST.get(held, st)
     if e.kind in ("plain", "saved"):
-        kind = "copy" if stored == st else "cast"
+        kind = Op.COPY if stored == st else Op.CAST
     else:
-        kind = "dequantize" if e.kind == "quantized" else "merge"
+        kind = Op.DEQUANTIZE if e.kind == "quantized" else Op.MERGE
     return [PlannedTensor(name=e.name, out_dtype=st, source=TensorInfo(e.name, stored, tuple(e.shape), "", 0,
                                                                        e.numel * DTYPES[stored][1]),
                           entry=e, kind=kind)]
@@ -163,9 +137,6 @@ def valid_generation_config(inner: nn.Module):
 
     Returns:
         Its ``GenerationConfig``, or None.
-
-    Example:
-        >>> valid_generation_config(model)   # doctest: +SKIP
     """
     gen = getattr(inner, "generation_config", None)
     if gen is None:

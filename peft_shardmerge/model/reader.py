@@ -1,16 +1,22 @@
-"""The in-process side of the per-tensor merge: a walked model's base tensors and the changes read off its live
-PEFT modules, handed to the one row merge on a device chosen within the memory budget."""
+"""The loaded-model Source: a walked model's base tensors and the changes read off its live PEFT modules, handed to
+the one row merge on a device chosen within the memory budget; re-quantization to 4-bit, side files and record."""
 
 from __future__ import annotations
 
 import torch
 
 from ..checkpoint.peft_deltas import peft_delta
+from ..checkpoint.source import copy_base_side_files
 from ..engine.budget import MemoryBudget
 from ..engine.changes import Changes, Scale, TokenRows, WholeDelta
 from ..engine.maths import ia3_multiplier, linear_factors, lora_bias_delta
-from ..engine.row_merge import RowMerger, choose_device
+from ..engine.plan import Op, Plan, PlannedTensor
+from ..engine.row_merge import RowMerger, check_applied, choose_device
+from ..errors import MergeCheckError
+from ..io.safetensors_io import DTYPES, row_blocks
 from ..options import DEFAULT_CHUNK_ELEMS
+from ..output.record import live_merge_info
+from ..quant.nf4 import pad_quant_state, quant_state_length, require_bitsandbytes
 from .walk import (
     LiveEntry,
     LiveModel,
@@ -178,3 +184,112 @@ class LiveMerger(RowMerger):
                       if getattr(m, "use_dora", {}).get(a)]
         return Changes(factors=factors, transposed=transposed, magnitudes=magnitudes,
                        keys=keys)
+
+
+REPACKED_NOTE = (
+    "{} 4-bit weight(s) had been repacked by bitsandbytes for its CPU kernel (an eval forward on a CPU with "
+    "AVX512-BF16): 4-bit codes exact, block scales rounded to bf16 by the repacking (and re-quantized where "
+    "bitsandbytes undid it in place, e.g. at a save_pretrained), so the trained model's exact 4-bit base could not be "
+    "read back bit for bit; those tensors are merged within that loss, and `verify` reports them UNCHECKED, not "
+    "equal. Re-quantizing the original 16-bit weights gives the very 4-bit bytes the model was loaded with: load "
+    "it again with module.support_avx512bf16_for_cpu = False set on every Linear4bit after loading, load the "
+    "adapter, and merge"
+)
+
+
+class ModelReader(LiveMerger):
+    """The loaded-model :class:`~peft_shardmerge.engine.source.Source`: each planned tensor produced whole on the
+    device the budget allows (retried on the CPU on out-of-memory), then written in row blocks; a weight re-quantized
+    to 4-bit is written as the parts bitsandbytes stores.
+
+    Args:
+        plan: a loaded model's plan (``plan.live`` set, from :func:`~peft_shardmerge.model.planner.plan_live`).
+        budget: the memory budget (``maximum_memory_usage``).
+        merge_info: the record's ``merge`` part when the caller took it already (an FSDP1 model holds no whole
+            parameter outside its planning view); default: taken from the model when the output is complete.
+        copy: always copy what is written (a gathered FSDP unit's storage must be free of the writer's views when
+            it is released).
+    """
+
+    def __init__(self, plan: Plan, budget: MemoryBudget, merge_info: dict | None = None, copy: bool = False):
+        src = plan.live
+        super().__init__(src.live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems)
+        self.plan, self.src, self.info, self.copy = plan, src, merge_info, copy
+        self.parts: dict[str, torch.Tensor] = {}
+
+    def write_tensor(self, t: PlannedTensor, w) -> None:
+        """Write one planned tensor: a part of a re-quantized weight, or an entry produced and cast in row blocks."""
+        if t.op is Op.QUANTIZE4:
+            if not t.part:
+                self.parts = self._quantize(t)
+            data = self.parts[t.part]
+            if tuple(data.shape) != tuple(t.shape) or DTYPES[t.out_dtype][0] != data.dtype:
+                raise MergeCheckError(f"{t.name}: quantized to {list(data.shape)} {data.dtype}, planned "
+                                      f"{list(t.shape)} {t.out_dtype}")
+            w.write(data)
+            return
+        e = t.entry
+        data = self.produce(e)
+        if tuple(data.shape) != e.shape:
+            raise MergeCheckError(f"{e.name}: produced shape {list(data.shape)}, expected {list(e.shape)}")
+        if e.kind != "plain" and not e.adapters and data.is_floating_point() and not torch.isfinite(data.sum()):
+            raise MergeCheckError(f"tensor {e.name!r} has NaN or Inf")  # the row merge checked every changed one
+        target = DTYPES[t.out_dtype][0]
+        for start, stop in row_blocks(e.shape, self.chunk_elems):
+            w.write(data[start:stop].detach().to(device="cpu", dtype=target, copy=self.copy))
+
+    def _quantize(self, t: PlannedTensor) -> dict[str, torch.Tensor]:
+        """The merged weight quantized with bitsandbytes as transformers stores it, by key suffix (``""``: the
+        codes), on the CPU; the quant-state JSON padded to its planned length."""
+        F = require_bitsandbytes()
+        e, settings, dtype = t.entry, self.src.settings, self.plan.dtype
+        w = self.produce(e)
+        if e.transpose_out or e.name in self.live.info.transposed:  # bitsandbytes holds Conv1D as [out, in]
+            w = w.T
+        q, state = F.quantize_4bit(w.to(device="cpu", dtype=dtype).contiguous(), blocksize=settings.blocksize,
+                                   compress_statistics=settings.double_quant, quant_type=settings.quant_type,
+                                   quant_storage=torch.uint8)
+        parts = {"": q.cpu()}
+        for key, value in state.as_dict(packed=True).items():
+            parts[key] = value.cpu()
+        key = f"quant_state.bitsandbytes__{settings.quant_type}"
+        parts[key] = pad_quant_state(parts[key], quant_state_length(tuple(w.shape), dtype, settings))
+        return parts
+
+    def skip(self, tensors: list[PlannedTensor]) -> None:
+        """Never called: a loaded model's merge keeps no shard of an earlier run."""
+
+    def resume_keys(self) -> None:
+        """None: what is in memory has no files to fingerprint, so a rerun starts afresh."""
+        return None
+
+    def side_files(self, folder: str) -> None:
+        """The base's tokenizer and pipeline files (when it was loaded from a folder), and the generation config."""
+        copy_base_side_files(getattr(self.live.model.config, "_name_or_path", "") or "", folder)
+        if self.src.generation_config is not None:
+            self.src.generation_config.save_pretrained(folder)
+
+    def merge_info(self) -> dict:
+        """The record's ``merge`` part, naming the weights read from bitsandbytes' lossy CPU repacking (``verify``
+        then knows which tensors cannot equal a recomputation from the original base byte for byte)."""
+        src = self.src
+        info = self.info or live_merge_info(self.live.model, self.plan.dtype, src.adapter_names, src.quant4,
+                                            src.weights, src.combination)
+        return {**info, "cpu_repacked": sorted(self.repacked)} if self.repacked else info
+
+    def check(self) -> None:
+        """Every LoRA layer of the walked model applied exactly once."""
+        check_applied(self.live.lora_layers, self.applied)
+
+    def close(self) -> None:
+        """Nothing to release: the model stays the caller's."""
+
+    def report_fields(self) -> dict:
+        """The report's fields of a loaded model's merge."""
+        live, plan = self.live, self.plan
+        return dict(
+            base=plan.origin, adapter="(in memory)", base_precision="dequantized",
+            lora_modules_merged=sum(not k.startswith("tokens:") for k in self.applied),
+            replacements_applied=sum(1 for e in live.entries if e.kind == "saved"),
+            device=str(next((p.device for p in live.model.parameters()), "cpu")), untied=list(live.untied),
+            notes=list(plan.notes) + ([REPACKED_NOTE.format(len(self.repacked))] if self.repacked else []))

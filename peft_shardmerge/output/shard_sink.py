@@ -56,6 +56,9 @@ class ShardSink:
         fingerprint: identity of the merge for resuming (None: never resume).
         inputs: digests of the inputs per shard (:class:`~peft_shardmerge.output.resume.InputDigests`), for resuming.
         depth: blocks queued to the writer thread.
+        replace_check: with ``overwrite``, the problems that forbid replacing a non-empty ``out_dir``, checked again
+            under the output lock (see :func:`~peft_shardmerge.output.staging.staged_output`); None: an earlier
+            output of ours may be replaced.
 
     Example:
         >>> sink = ShardSink("merged", [("model.safetensors", [("w", "F32", (2,), 8)])], overwrite=False)
@@ -63,10 +66,12 @@ class ShardSink:
     """
 
     def __init__(self, out_dir: str, shards: list[tuple[str, list[Entry]]], *, overwrite: bool,
-                 fingerprint: str | None = None, inputs=None, depth: int = 2):
+                 fingerprint: str | None = None, inputs=None, depth: int = 2,
+                 replace_check: Callable[[str], list[str]] | None = None):
         self.out_dir = out_dir
         self.shards = shards
         self.overwrite = overwrite
+        self.replace_check = replace_check
         self.fingerprint = fingerprint
         self.inputs = inputs
         self.depth = depth
@@ -98,7 +103,7 @@ class ShardSink:
             >>> sink.write(produce, FolderFiles(config=config))   # doctest: +SKIP
         """
         with staged_output(self.out_dir, fingerprint=self.fingerprint, overwrite=self.overwrite,
-                           inputs=self.inputs) as staging, torch.no_grad():
+                           inputs=self.inputs, replace_check=self.replace_check) as staging, torch.no_grad():
             tmp = staging.path
             mine = None if ranks is None else ranks.opened(staging)
             try:

@@ -10,7 +10,6 @@ import secrets
 import shutil
 import stat
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Callable, Iterator
 
 from ..errors import FileSystemError, InputError, OutputChangedError, ShardMergeError
@@ -33,10 +32,6 @@ from .lock import OutputLock, output_lock  # noqa: F401 - output_lock: public he
 from .record import hash_file
 from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit, write_manifest
 from .writer import Crc32
-
-#: a check of a non-empty OUT run again under the output lock before it is replaced, returning problems (the
-#: Unsloth-style saves replace only their own earlier save: a file that appeared in between is never deleted)
-REPLACE_CHECK: ContextVar[Callable[[str], list[str]] | None] = ContextVar("replace_check", default=None)
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +113,6 @@ class Staging:
         out_dir: the final folder.
         fingerprint: identity of the merge; None disables resuming.
         inputs: digests of the inputs (``common()`` and ``shard(name)``); None disables resuming.
-
-    Example:
-        >>> with staged_output("merged", fingerprint="abc", overwrite=False) as st:   # doctest: +SKIP
-        ...     st.is_done("model-00001-of-00002.safetensors")
-        False
     """
 
     def __init__(self, out_dir: str, fingerprint: str | None, inputs=None):
@@ -321,8 +311,8 @@ class Staging:
 
 
 @contextmanager
-def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = None,
-                  inputs=None) -> Iterator[Staging]:
+def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = None, inputs=None,
+                  replace_check: Callable[[str], list[str]] | None = None) -> Iterator[Staging]:
     """Lock ``out_dir``, yield its :class:`Staging`, and move it into place when the block succeeds.
 
     On any exception (KeyboardInterrupt and SIGTERM included) the staging folder is removed and ``out_dir`` is
@@ -337,8 +327,11 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
         overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the lock, in case another
             merge finished in between); required, so that no caller forgets to pass its own.
         inputs: digests of the inputs each shard is computed from
-        (:class:`~peft_shardmerge.output.resume.InputDigests`);
-            resuming needs them.
+            (:class:`~peft_shardmerge.output.resume.InputDigests`); resuming needs them.
+        replace_check: with ``overwrite``, what may replace a non-empty ``out_dir``: called with it under the lock,
+            it returns the problems that forbid replacing it (the Unsloth-style saves replace only their own earlier
+            save, so a file that appeared since it was checked is never deleted); None: an earlier output of ours
+            may be replaced, nothing else.
 
     Returns:
         A context manager yielding the :class:`Staging` (its ``path`` is where to write).
@@ -346,13 +339,9 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
     Raises:
         OutputLockedError: another merge is writing ``out_dir``.
         OutputChangedError: ``out_dir`` changed while the merge ran; it was left as it is.
-        InputError: ``out_dir`` became non-empty and ``overwrite`` is False, or a name beside it is taken by
-            something we did not make.
+        InputError: ``out_dir`` became non-empty and ``overwrite`` is False, ``replace_check`` refuses it, or a
+            name beside it is taken by something we did not make.
         FileSystemError: the filesystem failed (its message says what became of ``out_dir``).
-
-    Example:
-        >>> with staged_output("merged", overwrite=False) as st:   # doctest: +SKIP
-        ...     open(os.path.join(st.path, "config.json"), "w").write("{}")
     """
     out = os.path.abspath(os.fspath(out_dir))
     _OUTCOME[out] = NOTHING_WRITTEN
@@ -371,8 +360,8 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
                 elif not overwrite and os.listdir(out):
                     problems.append(f"output folder {out} is not empty (it changed since it was checked); pass "
                                     "overwrite=True to replace it")
-                elif REPLACE_CHECK.get() is not None and os.listdir(out):
-                    problems += REPLACE_CHECK.get()(out)
+                elif replace_check is not None and os.listdir(out):
+                    problems += replace_check(out)
                 else:  # overwrite replaces an empty folder or an earlier output of ours, nothing else
                     problems += replace_problems(out)
             if problems:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.plan import Op
 from ..errors import ShardMergeError
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TensorInfo
 
@@ -121,7 +122,7 @@ def _reproducible(held: str | None, plan) -> str:
     held_dtype = getattr(torch, held)
     for t in plan.tensors:
         stored = DTYPES[t.source.dtype][0] if t.source.dtype in DTYPES else None
-        if t.op != "merge" or stored is None or not stored.is_floating_point or stored == held_dtype:
+        if t.op is not Op.MERGE or stored is None or not stored.is_floating_point or stored == held_dtype:
             continue
         if torch.finfo(held_dtype).bits <= torch.finfo(stored).bits:
             return (f"the merge held the base in {held}, the checkpoint stores {str(stored)[6:]}: the disk engine "
@@ -148,9 +149,9 @@ class _Compare:
         info = self.stored[t.name]
         if info.path not in self.fds:
             self.fds[info.path] = os.open(info.path, os.O_RDONLY)
+        repacked = info.name in self.repacked
         self.current = {"t": t, "info": info, "pos": 0, "equal": True, "bad": 0, "worst": 0.0, "short": False,
-                        "rounding": t.op == "merge" or info.name in self.repacked, "loose": info.name in self.repacked,
-                        "repack": False}
+                        "rounding": t.op is Op.MERGE or repacked, "loose": repacked, "repack": False}
 
     def _stored(self, n: int) -> bytes:
         c = self.current
@@ -228,8 +229,7 @@ def _plan(base: str, adapters: list[str], options: dict):
     from ..checkpoint.planner import build_plan
     from ..checkpoint.source import open_checkpoint
     from ..engine.model_info import inspect_model
-    from ..options import DEFAULT_CHUNK_ELEMS
-    from ..quant.nf4 import Nf4Settings
+    from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
 
     src = open_checkpoint(base)
     spec = combine_adapters([load_adapter(a) for a in adapters], options["weights"], options["combination"])
@@ -239,11 +239,10 @@ def _plan(base: str, adapters: list[str], options: dict):
 
         spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
                               skip=spec.layer_skip)
-    nf4 = Nf4Settings(**{**options["nf4"], "skip_modules": tuple(options["nf4"].get("skip_modules") or ())}) \
-        if options["nf4"] else None
-    return info, build_plan(src, spec, info, dtype=options["dtype"], max_shard_size=1 << 62,
-                      base_precision=options["base_precision"], nf4=nf4,
-                      chunk_elems=options["chunk_elems"] or DEFAULT_CHUNK_ELEMS)
+    nf4 = {f"nf4_{k}": tuple(v) if k == "skip_modules" else v for k, v in (options["nf4"] or {}).items()}
+    opts = MergeOptions(dtype=options["dtype"], max_shard_size=1 << 62, base_precision=options["base_precision"],
+                        chunk_elems=options["chunk_elems"] or DEFAULT_CHUNK_ELEMS, **nf4)
+    return info, build_plan(src, spec, info, opts)
 
 
 def _match_names(planned: dict, stored: dict[str, TensorInfo], info) -> tuple[dict[str, str], set, set]:
@@ -370,7 +369,8 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
         >>> recompute_and_compare(stored, "base", ["adapter"], None).problems   # doctest: +SKIP
         []
     """
-    from ..engine.execute import stream_tensors
+    from ..checkpoint.reader import stream_tensors
+    from ..engine.execute import resolve_device
 
     result = RecomputeResult()
     floats = {DTYPES[t.dtype][0] for t in stored.values() if t.dtype in FLOAT_DTYPES}
@@ -402,7 +402,7 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
     todo = [t for t in plan.tensors if t.name in target and t.name not in shapes]
     sink = _Compare({n: stored[m] for n, m in target.items()}, set((record or {}).get("cpu_repacked") or ()))
     try:
-        stream_tensors(plan, sink, todo, device=device)
+        stream_tensors(plan, sink, todo, device=resolve_device(device))
         sink.finish()
     except ShardMergeError as e:
         result.problems.append(f"recomputing failed: {str(e).splitlines()[0]}")

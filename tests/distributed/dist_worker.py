@@ -228,14 +228,14 @@ def fail_finish(rank: int, argv: list[str]) -> int:
 def fail(rank: int, argv: list[str]) -> int:
     from peft_shardmerge.checkpoint import reader as merger
 
-    write = merger.PlanMerger.write_tensor
+    write = merger.CheckpointReader.write_tensor
 
     def full_disk(self, t, w):
         if RANK == rank:
             raise OSError(errno.ENOSPC, "No space left on device", "shard")
         return write(self, t, w)
 
-    merger.PlanMerger.write_tensor = full_disk
+    merger.CheckpointReader.write_tensor = full_disk
     return cli(argv)
 
 

@@ -16,10 +16,9 @@ ALLOWED = {
     TOP: {"api", "quant", "support", "verify"},  # __init__'s lazy public names, options' 4-bit settings, testing
     "api": {TOP, "checkpoint", "distributed", "engine", "model", "output", "support", "verify"},
     "checkpoint": {TOP, "engine", "io", "output", "quant", "support"},
-    "model": {TOP, "checkpoint", "distributed", "engine", "io", "output", "quant", "support",
-              "api"},  # to remove: model/plan.py plans the original checkpoint through api/disk.py
+    "model": {TOP, "checkpoint", "distributed", "engine", "io", "output", "quant", "support"},
     "engine": {TOP, "io", "output", "quant", "support",
-               "checkpoint", "model", "distributed"},  # to remove: the executors reach into both sources and ranks
+               "checkpoint"},  # to remove: engine/plan.py names the disk plan's types
     "distributed": {TOP, "engine", "output", "quant"},
     "verify": {TOP, "checkpoint", "engine", "io", "output", "quant"},
     "support": {TOP, "engine", "io"},

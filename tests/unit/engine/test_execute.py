@@ -11,6 +11,7 @@ from safetensors import safe_open
 import peft_shardmerge.engine.execute as execute
 import peft_shardmerge.engine.row_merge as row_merge
 from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
+from peft_shardmerge.checkpoint.reader import CheckpointReader
 
 
 def _leftovers(folder) -> list[str]:
@@ -52,7 +53,7 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     that block is redone on the CPU, counted, and the output equals an all-CPU merge."""
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     victim = "model.layers.1.mlp.down_proj.weight"
-    real = execute.PlanMerger._lora_rows
+    real = CheckpointReader._lora_rows
 
     def lora_rows(base_rows, changes, start, stop, device, probes):
         if device.type != "cpu":
@@ -61,11 +62,11 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
             device = torch.device("cpu")
         return real(base_rows, changes, start, stop, device, probes)
 
-    monkeypatch.setattr(execute.PlanMerger, "_lora_rows", staticmethod(lora_rows))
+    monkeypatch.setattr(CheckpointReader, "_lora_rows", staticmethod(lora_rows))
     # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
     plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="float32", device="cpu")
-    report = execute.execute_plan(plan, str(tmp_path / "a"), device=torch.device("meta"), progress=False,
-                                  overwrite=False)
+    report = execute.run(plan, CheckpointReader(plan, torch.device("meta")), str(tmp_path / "a"), progress=False,
+                         overwrite=False)
     assert report.cpu_fallbacks == 1
     assert "redone on the CPU" in report.summary()
     monkeypatch.undo()

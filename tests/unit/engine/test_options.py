@@ -65,6 +65,27 @@ def test_conflict_refused_by_the_public_functions(make_base, make_adapter, tmp_p
     assert plan.dtype == torch.bfloat16 and len(plan.shard_names) > 1
 
 
+def test_dtype_and_shard_size_are_parsed_once_and_a_value_that_does_not_parse_never_reaches_a_plan(make_base,
+                                                                                                    make_adapter):
+    from peft_shardmerge.checkpoint.adapter import load_adapter
+    from peft_shardmerge.checkpoint.planner import build_plan
+    from peft_shardmerge.checkpoint.source import open_checkpoint
+    from peft_shardmerge.engine.model_info import inspect_model
+
+    opts = MergeOptions(dtype="fp16", max_shard_size="2GiB")
+    assert (opts.out_dtype, opts.shard_bytes, MergeOptions(dtype="auto").out_dtype) == (torch.float16, 2 << 30, None)
+    assert dataclasses.replace(opts, max_shard_size="1MB").shard_bytes == 10**6
+    assert opts == MergeOptions(dtype="fp16", max_shard_size="2GiB") and "_out_dtype" not in repr(opts)
+    bad = MergeOptions(dtype="int4", max_shard_size="lots", base_precision="original")
+    for value, words in (("out_dtype", "dtype 'int4'"), ("shard_bytes", "max_shard_size 'lots'")):
+        with pytest.raises(InputError, match=words):
+            getattr(bad, value)
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    with pytest.raises(InputError) as e:  # the caller passed no problems: the planner names them itself
+        build_plan(open_checkpoint(base), load_adapter(adapter), inspect_model(base), bad)
+    assert any("dtype 'int4'" in p for p in e.value.problems)
+
+
 def _files(folder: str) -> dict[str, bytes]:
     names = [n for n in sorted(os.listdir(folder)) if n != "merge_manifest.json"]
     return {n: open(os.path.join(folder, n), "rb").read() for n in names}

@@ -22,7 +22,7 @@ STEPS = (1, 7, 64, 333, 10**9)
 
 def _blocked(w: torch.Tensor, factors, step: int, transposed: bool) -> torch.Tensor:
     m = w.shape[0]
-    return torch.cat([merge_block(w[i:min(m, i + step)], factors, i, min(m, i + step), transposed=transposed)
+    return torch.cat([merge_block(w[i:min(m, i + step)], factors, i, min(m, i + step), transposed=transposed)[0]
                       for i in range(0, m, step)])
 
 
@@ -34,7 +34,7 @@ def check_blocks() -> list[str]:
         w = torch.randn(m, n)
         a, b = (torch.randn(r, m), torch.randn(n, r)) if transposed else (torch.randn(r, n), torch.randn(m, r))
         factors = [(a, b, 0.37), (a * 0.5, b, -1.25)]
-        whole = merge_block(w, factors, 0, m, transposed=transposed)
+        whole = merge_block(w, factors, 0, m, transposed=transposed)[0]
         differ += [f"{m}x{n} step {s}" for s in STEPS if not torch.equal(_blocked(w, factors, s, transposed), whole)]
     return differ
 
@@ -55,7 +55,8 @@ def test_blocks_that_a_plain_matmul_would_round_differently_agree():
     if torch.equal(plain, b @ a):
         pytest.skip("this CPU's BLAS rounds a 7-row product as the 1000-row one: the test below cannot tell")
     w = torch.zeros(1000, 4096)
-    assert torch.equal(_blocked(w, [(a, b, 1.0)], 7, False), merge_block(w, [(a, b, 1.0)], 0, 1000, transposed=False))
+    assert torch.equal(_blocked(w, [(a, b, 1.0)], 7, False),
+                       merge_block(w, [(a, b, 1.0)], 0, 1000, transposed=False)[0])
 
 
 @pytest.mark.slow

@@ -54,6 +54,30 @@ def test_staged_output_needs_the_callers_overwrite(tmp_path):
             pass
 
 
+def test_what_overwrite_may_replace_is_the_callers_argument_checked_under_the_lock(tmp_path):
+    """The Unsloth-style saves replace only their own earlier save: their check is passed down as ``replace_check``
+    (no hidden state) and run once the output lock is held."""
+    from peft_shardmerge.output import lock as outlock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "earlier.txt").write_text("an earlier save")
+    seen = []
+
+    def refuse(folder: str) -> list[str]:
+        seen.append((folder, os.path.exists(outlock.OutputLock(folder).path)))
+        return [f"{folder} is not an earlier save"]
+
+    with pytest.raises(InputError, match="is not an earlier save"):
+        with staged_output(str(out), overwrite=True, replace_check=refuse):
+            pytest.fail("nothing is staged into a folder the check refuses")
+    assert seen == [(str(out), True)] and os.listdir(out) == ["earlier.txt"]
+    with staged_output(str(out), overwrite=True, replace_check=lambda folder: []) as staging:
+        with open(os.path.join(staging.path, "config.json"), "w") as f:
+            f.write("{}")
+    assert os.listdir(out) == ["config.json"]
+
+
 class WinnerSavesFirst(GenerationConfig):
     """The loser's generation config: saving it (a check made after the output folder was found empty, before
     the output lock is taken) lets another merge, in another thread, finish into the same folder."""
