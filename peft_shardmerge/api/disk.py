@@ -4,29 +4,22 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 
-from ..checkpoint.adapter import combine_adapters, load_adapter
-from ..checkpoint.peft_deltas import rebuild
-from ..checkpoint.planner import build_plan
+from ..checkpoint.planner import plan_from_folders
 from ..checkpoint.reader import CheckpointReader
-from ..checkpoint.source import check_base_files, open_checkpoint
-from ..checkpoint.trained_base import base_name_notes, disk_base_choice
 from ..distributed.coordinators import SpreadShards
 from ..distributed.ranks import STEPS, agree_on_plan, failed
 from ..distributed.world import JobSteps, World, joined_world
 from ..engine.execute import resolve_device, run
-from ..engine.model_info import inspect_model
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
 from ..errors import FileSystemError, InputError, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
-from ..output.checks import check_out_dir, check_space, path_argument
+from ..output.checks import check_out_dir, path_argument
 from ..output.staging import NOTHING_WRITTEN
-from ..support.peft_reading import adapter_load_problems
 from .quiet import quiet_libraries
 
 log = logging.getLogger(__name__)
@@ -88,8 +81,18 @@ def plan_checkpoint_merge(
         CorruptFileError: a checkpoint or adapter file is malformed.
 
     Example:
-        >>> plan = plan_checkpoint_merge("tiny-base", "tiny-adapter", "merged")   # doctest: +SKIP
-        >>> print(plan.describe())   # doctest: +SKIP
+        >>> import os, tempfile
+        >>> from peft_shardmerge import plan_checkpoint_merge
+        >>> from peft_shardmerge.testing import build_adapter, build_base
+        >>> tmp = tempfile.mkdtemp()
+        >>> base = build_base(os.path.join(tmp, "base"))
+        >>> adapter = build_adapter(base, os.path.join(tmp, "adapter"), target_modules=["q_proj"])
+        >>> plan = plan_checkpoint_merge(base, adapter, os.path.join(tmp, "merged"), dtype="bfloat16")
+        >>> [(t.name, t.op) for t in plan.tensors if t.loras]   # doctest: +NORMALIZE_WHITESPACE
+        [('model.layers.0.self_attn.q_proj.weight', <Op.MERGE: 'merge'>),
+         ('model.layers.1.self_attn.q_proj.weight', <Op.MERGE: 'merge'>)]
+        >>> os.path.exists(os.path.join(tmp, "merged"))   # a plan writes nothing
+        False
     """
     opts, problems = MergeOptions.merged(
         options, weights=weights, combination=combination, dtype=dtype, max_shard_size=max_shard_size,
@@ -118,9 +121,6 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
     Raises:
         InputError, NotFoundError, UnsupportedError, CorruptFileError: as :func:`plan_checkpoint_merge`.
 
-    Example:
-        >>> opts = MergeOptions(dtype="bf16")
-        >>> plan = plan_with_options("tiny-base", "tiny-adapter", "merged", opts)  # doctest: +SKIP
     """
     problems = list(problems if problems is not None else opts.problems())
     opts = opts.for_path("disk")
@@ -133,35 +133,7 @@ def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequ
         resolve_device(opts.device)
     except InputError as e:
         problems += [p for p in e.problems if p not in problems]
-    src = open_checkpoint(base, check_files=False)  # mapped whole by safetensors: after the space check
-    try:
-        spec = combine_adapters([load_adapter(a) for a in locations], opts.weights, opts.combination)
-    except InputError as e:  # nothing further can be planned: every problem found so far, at once
-        raise InputError(problems + [p for p in e.problems if p not in problems]) from e
-    adapters = [(part.folder, part.config) for part in spec.parts or [spec]]
-    precision, nf4_fields, reproduces = disk_base_choice(
-        opts.base_precision, adapters, src.quantized.method if src.quantized is not None else None)
-    opts = replace(opts, base_precision=precision, **nf4_fields)
-    inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
-                                     for i, f in enumerate(spec.folders)}}
-    problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
-    info = inspect_model(src.folder)
-    problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
-    if spec.needs_layers:
-        from transformers import AutoConfig
-
-        spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
-                              skip=spec.layer_skip)
-    # a bad chunk size is among problems: build_plan raises them before any Plan holds it
-    plan = build_plan(src, spec, info, opts, problems=problems)
-    plan.reproduces = reproduces
-    plan.notes[:0] = base_name_notes(adapters, base, src.folder)
-    space = check_space(out_dir, plan.total_size + sum(
-        os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files))
-    if space:
-        raise InputError(space)
-    check_base_files(src)
-    return plan
+    return plan_from_folders(base, locations, opts, problems, out_dir=out_dir, check_out=True, recover=recover)
 
 
 def _adapter_locations(adapter) -> tuple[list, list[str]]:
@@ -252,9 +224,15 @@ def merge_checkpoint(
         PeerFailedError: (distributed) another rank failed; its message, and what became of ``out_dir``.
 
     Example:
+        >>> import os, tempfile
         >>> from peft_shardmerge import merge_checkpoint
-        >>> report = merge_checkpoint("tiny-base", "tiny-adapter", "merged", dtype="bfloat16")  # doctest: +SKIP
-        >>> print(report.summary())   # doctest: +SKIP
+        >>> from peft_shardmerge.testing import build_adapter, build_base
+        >>> tmp = tempfile.mkdtemp()
+        >>> base = build_base(os.path.join(tmp, "base"))
+        >>> adapter = build_adapter(base, os.path.join(tmp, "adapter"))
+        >>> report = merge_checkpoint(base, adapter, os.path.join(tmp, "merged"), dtype="bfloat16", progress=False)
+        >>> report.lora_modules_merged, report.dtype, report.shards
+        (14, 'bfloat16', ['model.safetensors'])
     """
     opts, problems = MergeOptions.merged(
         options, weights=weights, combination=combination, dtype=dtype, max_shard_size=max_shard_size,
@@ -289,7 +267,8 @@ def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_
         log.debug("%s", note)  # the report's summary (the CLI prints it) shows each note once
     if dry_run:
         return MergeReport(
-            out_dir=os.path.abspath(out_dir), base=plan.base.folder, adapter=", ".join(plan.adapter.folders),
+            out_dir=os.path.abspath(out_dir), base=plan.inputs.base.folder,
+            adapter=", ".join(plan.inputs.adapter.folders),
             dtype=str(plan.dtype).removeprefix("torch."), base_precision=plan.base_precision,
             tensors_written=0, lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
             notes=list(plan.notes), dry_run=True, plan_text=plan.describe(), reproduces=plan.reproduces,

@@ -150,8 +150,8 @@ def save_model(model: nn.Module, out_dir: str, opts: MergeOptions, problems: lis
             return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer, replace_check)
         planned = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True)
         plan = planned.plan
-        source = CheckpointReader(plan, torch.device(planned.device)) if plan.live is None else \
-            ModelReader(plan, budget)  # from the original checkpoint on disk, or from memory
+        source = ModelReader(plan, budget) if isinstance(plan.inputs, LiveSource) else \
+            CheckpointReader(plan, torch.device(planned.device))  # from memory, or the original checkpoint on disk
         try:
             return run(plan, source, os.path.abspath(os.fspath(out_dir)), overwrite=opts.overwrite,
                        progress=opts.progress, before_commit=_side_saver(tokenizer), replace_check=replace_check)
@@ -176,7 +176,7 @@ def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_n
             with VIEWS[kind](model) as peft_model:
                 planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded=kind,
                                            recover=True)
-                src = planned.plan.live
+                src = planned.plan.inputs
                 info = live_merge_info(src.live.model, planned.plan.dtype, src.adapter_names, src.quant4, src.weights,
                                        src.combination)
         else:

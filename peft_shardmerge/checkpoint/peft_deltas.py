@@ -119,6 +119,31 @@ def expert_factors(layer: torch.nn.Module, adapter: str) -> tuple[torch.Tensor, 
 
 
 @dataclass
+class PartOp:
+    """A PEFT delta of an in-memory tensor, for one of the checkpoint keys that store it.
+
+    Attributes:
+        op: the PEFT layer's change (:class:`PeftOp`).
+        memory_name: the in-memory tensor, e.g. ``model.layers.0.mlp.experts.gate_up_proj``.
+        file_name: the checkpoint key this part is written to.
+        count: how many checkpoint keys share the delta.
+    """
+
+    op: PeftOp
+    memory_name: str
+    file_name: str
+    count: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.op.key}@{self.file_name}"
+
+    @property
+    def kind(self) -> str:
+        return "part"
+
+
+@dataclass
 class PeftLayers:
     """The layers of a non-LoRA adapter, rebuilt without the base weights.
 
@@ -224,8 +249,8 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
         raise UnsupportedError("the VeRA adapter was saved with save_projection=False: its shared projections are "
                                "not in the folder; merge it in process with peft_shardmerge.merge_and_save")
     config = PeftConfig.from_pretrained(adapter_folder)
-    from ..engine.model_info import build_on_meta
     from ..support.model import adapter_keys
+    from ..support.model_info import build_on_meta
 
     model = build_on_meta(base_config, model_class)
     if model is None:

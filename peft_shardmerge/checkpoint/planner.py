@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine.model_info import ModelInfo, inspect_model
-from ..engine.plan import Plan, assign_shards
-from ..engine.ties import untie_note
+from ..engine.plan import Op, Plan, PlannedTensor, assign_shards
 from ..errors import InputError
-from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST
+from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, row_blocks
 from ..options import BASE_PRECISIONS, OUTPUT_DTYPES, MergeOptions
+from ..output.checks import check_out_dir, check_space
 from ..quant.nf4 import Nf4Settings
 from ..support.check import DISK, check_layers, config_variants, raise_if_any
 from ..support.model import check_model, no_bias_problem
+from ..support.model_info import ModelInfo, inspect_model
 from ..support.peft_reading import adapter_load_problems, unmergeable_targets
+from ..support.ties import untie_note
 from .adapter import AdapterSpec, combine_adapters, load_adapter
 from .peft_deltas import rebuild
 from .planners import PlanState, plan_lora, plan_peft_ops, plan_replacements, plan_ties, plan_tokens, plan_vocab
 from .source import CheckpointSource, check_base_files, open_checkpoint
-from .trained_base import base_name_notes
+from .trained_base import base_name_notes, disk_base_choice
 
 
 def _base_dtype(base: CheckpointSource) -> torch.dtype:
@@ -140,6 +143,84 @@ def disk_layer_problems(adapter: AdapterSpec, info: ModelInfo) -> list[str]:
     return problems
 
 
+@dataclass
+class CheckpointInputs:
+    """What a plan from disk reads (:class:`~peft_shardmerge.engine.plan.PlanInputs`).
+
+    Attributes:
+        base: the base checkpoint.
+        adapter: the adapter (or the combination of several).
+        nf4: the 4-bit settings when ``base_precision == "nf4"``.
+    """
+
+    base: CheckpointSource
+    adapter: AdapterSpec
+    nf4: Nf4Settings | None = None
+
+    def header(self, plan: Plan) -> list[str]:
+        adapter = self.adapter
+        return [
+            f"base:            {self.base.folder}",
+            f"adapter:         {plan.adapter_text or ', '.join(adapter.folders)}"
+            + (f" (combined: {adapter.combination})" if adapter.combination else ""),
+            f"dtype:           {str(plan.dtype).removeprefix('torch.')}",
+            f"base precision:  {plan.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else "")
+            + (f" (the stored {self.base.quantized.method}, dequantized)" if self.base.quantized else ""),
+            *([f"reproduces:      {plan.reproduces}"] if plan.reproduces else []),
+            f"LoRA modules:    {len(adapter.modules)}" if adapter.layers is None else
+            f"{adapter.peft_type} layers: {len(adapter.layers.ops)}",
+        ]
+
+    def annotate(self, t: PlannedTensor) -> str:
+        extra = " +" + ",".join(f"lora(r={m.rank})" for m in t.loras) if t.loras else ""
+        if t.bias_loras:
+            extra += " +lora_bias"
+        if t.token_rows:
+            extra += " +" + ",".join(f"tokens({len(r.indices)})" for r in t.token_rows)
+        for o in t.peft_ops:
+            extra += f" +{self.adapter.peft_type.lower()}({o.kind})"
+        if t.from_adapter:
+            extra += " (from adapter)"
+        if t.quantize:
+            extra += " (4-bit base)"
+        return extra
+
+    def parameters(self, plan: Plan) -> int:
+        return sum(t.source.numel for t in plan.tensors)
+
+    def changed_layers(self) -> int:
+        ops = self.adapter.layers.ops.values() if self.adapter.layers is not None else ()
+        return len(self.adapter.modules) + sum(o.attr != "bias" for o in ops)
+
+    def identity(self) -> dict:
+        """The input files (names, sizes, modification times), the combination and the 4-bit settings."""
+        return {"base": [self.base.folder, _files(self.base.folder)],
+                "adapter": [[f, _files(f)] for f in self.adapter.folders],
+                "combination": self.adapter.combination, "nf4": self.nf4.describe() if self.nf4 else None}
+
+    def working_set(self, t: PlannedTensor, chunk_elems: int) -> int:
+        """A row block read, widened, merged and cast, plus the LoRA factors (a 4-bit base: the whole tensor)."""
+        if t.op is Op.COPY:
+            return 8 << 20
+        src_item, out_item = DTYPES[t.source.dtype][1], DTYPES[t.out_dtype][1]
+        factors = sum(4 * (m.a.shape[0] * m.a.shape[1] + m.b.shape[0] * m.b.shape[1]) for m in t.loras)
+        if t.quantize:
+            return t.source.numel * (src_item + 4 * 3 + out_item) + factors
+        start, stop = row_blocks(t.shape, chunk_elems)[0]
+        n = (stop - start) * (t.source.numel // max(1, t.shape[0] if t.shape else 1))
+        return n * (src_item + 4 * 2 + out_item) + factors
+
+
+def _files(folder: str) -> list:
+    out = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            st = os.stat(path)
+            out.append([name, st.st_size, st.st_mtime_ns])
+    return out
+
+
 def build_plan(base: CheckpointSource, adapter: AdapterSpec, info: ModelInfo, opts: MergeOptions, *,
                problems: list[str] | None = None) -> Plan:
     """Decide every output tensor, its LoRA deltas and its shard, from headers and configs only.
@@ -147,7 +228,7 @@ def build_plan(base: CheckpointSource, adapter: AdapterSpec, info: ModelInfo, op
     Args:
         base: the base checkpoint.
         adapter: the LoRA adapter.
-        info: the model structure (:func:`~peft_shardmerge.engine.model_info.inspect_model`).
+        info: the model structure (:func:`~peft_shardmerge.support.model_info.inspect_model`).
         opts: the options, ``base_precision`` resolved to ``"original"`` (merge into W) or ``"nf4"`` (into
             dequant(quantize_4bit(W)), with ``opts.nf4``); their parsed ``out_dtype`` (None keeps the base's) and
             ``shard_bytes`` and their ``chunk_elems`` are planned with.
@@ -192,8 +273,8 @@ def build_plan(base: CheckpointSource, adapter: AdapterSpec, info: ModelInfo, op
             if isinstance(sub, dict) and "vocab_size" in sub:
                 sub["vocab_size"] = st.new_vocab
         notes.append(f"the adapter resized the vocabulary: {base.config.get('vocab_size')} -> {st.new_vocab} rows")
-    return Plan(base, adapter, tensors, names, out_torch, opts.base_precision, nf4, config, opts.chunk_elems, untied,
-                notes)
+    return Plan(CheckpointInputs(base, adapter, nf4), tensors, names, out_torch, opts.base_precision, config,
+                opts.chunk_elems, untied, notes)
 
 
 def _plan_options(base: CheckpointSource, info: ModelInfo, opts: MergeOptions
@@ -230,31 +311,44 @@ def _plan_options(base: CheckpointSource, info: ModelInfo, opts: MergeOptions
     return out_torch, nf4, problems
 
 
-def plan_from_folders(base_folder: str, adapter_folders: list[str], opts: MergeOptions,
-                      problems: list[str] | None = None) -> Plan:
-    """Plan the merge of adapter folders into a base checkpoint folder, for a caller that checked the output folder
-    itself (the original checkpoint of a loaded model): the planning steps of a merge from disk, with no path or
-    output-folder check.
+def plan_from_folders(base: str, adapters: list[str], opts: MergeOptions, problems: list[str] | None = None, *,
+                      out_dir: str | None = None, check_out: bool = False, recover: bool = False) -> Plan:
+    """Plan the merge of adapter folders into a base checkpoint: the one planner entry of a merge from disk (the
+    command line, :func:`~peft_shardmerge.api.disk.merge_checkpoint`, a loaded model's original checkpoint).
 
     Args:
-        base_folder: the base checkpoint folder.
-        adapter_folders: the adapter folders, combined as ``opts.weights`` and ``opts.combination`` say.
-        opts: the options (see :func:`build_plan`: ``base_precision`` resolved).
+        base: the base checkpoint folder (or cached Hub id), checked as a path argument by the caller.
+        adapters: the adapter folders (or cached Hub ids), combined as ``opts.weights`` and ``opts.combination``
+            say.
+        opts: the options; ``base_precision`` ``"auto"`` is resolved here from the adapters' training settings.
         problems: problems already found, reported with the plan's.
+        out_dir: the output folder: its free space is checked (and, with ``check_out``, everything else about it).
+        check_out: check ``out_dir`` as :func:`~peft_shardmerge.output.checks.check_out_dir` does (False: the
+            caller did).
+        recover: with ``check_out``, first finish or undo the commit of a killed merge into ``out_dir``.
 
     Returns:
-        The :class:`Plan`; its first notes compare the base with the one the adapters name.
+        The :class:`Plan`; its ``reproduces`` says which model the output is, its first notes compare the base with
+        the one the adapters name.
 
     Raises:
         InputError: every problem found, at once.
         CorruptFileError: a checkpoint or adapter file is malformed.
     """
     problems = list(problems or [])
-    src = open_checkpoint(base_folder, check_files=False)
+    src = open_checkpoint(base, check_files=False)  # mapped whole by safetensors: after the space check
     try:
-        spec = combine_adapters([load_adapter(a) for a in adapter_folders], opts.weights, opts.combination)
+        spec = combine_adapters([load_adapter(a) for a in adapters], opts.weights, opts.combination)
     except InputError as e:  # nothing further can be planned: every problem found so far, at once
         raise InputError(problems + [p for p in e.problems if p not in problems]) from e
+    trained = [(part.folder, part.config) for part in spec.parts or [spec]]
+    precision, nf4_fields, reproduces = disk_base_choice(
+        opts.base_precision, trained, src.quantized.method if src.quantized is not None else None)
+    opts = replace(opts, base_precision=precision, **nf4_fields)
+    if check_out:
+        inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
+                                         for i, f in enumerate(spec.folders)}}
+        problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
     info = inspect_model(src.folder)
     problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
     if spec.needs_layers:
@@ -262,8 +356,12 @@ def plan_from_folders(base_folder: str, adapter_folders: list[str], opts: MergeO
 
         spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
                               skip=spec.layer_skip)
-    plan = build_plan(src, spec, info, opts, problems=problems)
-    plan.notes[:0] = base_name_notes([(part.folder, part.config) for part in spec.parts or [spec]], base_folder,
-                                     src.folder)
+    plan = build_plan(src, spec, info, opts, problems=problems)  # raises every problem, a bad chunk size too
+    plan.reproduces = reproduces
+    plan.notes[:0] = base_name_notes(trained, base, src.folder)
+    space = [] if out_dir is None else check_space(out_dir, plan.total_size + sum(
+        os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files))
+    if space:
+        raise InputError(space)
     check_base_files(src)
     return plan

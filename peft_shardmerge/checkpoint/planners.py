@@ -9,11 +9,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..engine.model_info import ModelInfo
-from ..engine.plan import PartOp, PlannedTensor
-from ..engine.ties import tie_enabled, tokens_on_both_sides, untied_names
+from ..engine.plan import PlannedTensor
 from ..io.safetensors_io import FLOAT_DTYPES, TensorInfo
+from ..support.model_info import ModelInfo
+from ..support.ties import tie_enabled, tokens_on_both_sides, untied_names
 from .adapter import AdapterSpec, LoraModule
+from .peft_deltas import PartOp
 from .source import CheckpointSource
 
 

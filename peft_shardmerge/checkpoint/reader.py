@@ -86,12 +86,12 @@ class CheckpointReader(RowMerger):
     def side_files(self, folder: str) -> None:
         """Every non-weight file of the base the allowlist carries (tokenizer, sentence-transformers pipeline,
         README...), then the adapter's tokenizer files, which replace the base's tokenizer as a whole."""
-        plan = self.plan
-        skip = TOKENIZER_FILES if plan.adapter.tokenizer_files else ()
-        written = set(plan.shard_names) | {"model.safetensors.index.json"}
-        copy_side_files(plan.base.folder, folder, [n for n in plan.base.extra_files if n not in written], skip=skip)
-        for fname in plan.adapter.tokenizer_files:
-            shutil.copyfile(os.path.join(plan.adapter.folder, fname), os.path.join(folder, fname))
+        base, adapter = self.plan.inputs.base, self.plan.inputs.adapter
+        skip = TOKENIZER_FILES if adapter.tokenizer_files else ()
+        written = set(self.plan.shard_names) | {"model.safetensors.index.json"}
+        copy_side_files(base.folder, folder, [n for n in base.extra_files if n not in written], skip=skip)
+        for fname in adapter.tokenizer_files:
+            shutil.copyfile(os.path.join(adapter.folder, fname), os.path.join(folder, fname))
 
     def merge_info(self) -> dict:
         """The record's ``merge`` part: inputs, options and the adapter's files."""
@@ -105,9 +105,9 @@ class CheckpointReader(RowMerger):
         """The report's fields of a merge from disk."""
         plan = self.plan
         return dict(
-            base=plan.base.folder,
-            adapter=(plan.adapter_text or ", ".join(plan.adapter.folders))
-            + (f" ({plan.adapter.combination})" if plan.adapter.combination else ""),
+            base=plan.inputs.base.folder,
+            adapter=(plan.adapter_text or ", ".join(plan.inputs.adapter.folders))
+            + (f" ({plan.inputs.adapter.combination})" if plan.inputs.adapter.combination else ""),
             base_precision=plan.base_precision,
             lora_modules_merged=len({k.split("@")[0] for k in self.applied
                                      if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")}),
@@ -150,7 +150,7 @@ class CheckpointReader(RowMerger):
             return lambda start, stop: self.reader.read_rows(src, start, stop)
         # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
         weight = self.reader.read(src)
-        whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.nf4)
+        whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.inputs.nf4)
         whole = whole.T.contiguous() if t.transposed else whole
         return lambda start, stop: whole[start:stop]
 
@@ -188,12 +188,12 @@ class CheckpointReader(RowMerger):
         """One checkpoint key's slice of a delta the checkpoint stores in parts: from that expert's factors alone
         when the layout allows, else the whole delta is computed and cut once, and dropped when its last part is
         written."""
-        own = self.plan.adapter.layers.part_delta(part.op, part.memory_name, part.file_name)
+        own = self.plan.inputs.adapter.layers.part_delta(part.op, part.memory_name, part.file_name)
         if own is not None:
             return own
         if part.memory_name not in self.parts:
             delta = part.op.delta()
-            self.parts[part.memory_name] = (self.plan.adapter.layers.split(part.memory_name, delta), part.count)
+            self.parts[part.memory_name] = (self.plan.inputs.adapter.layers.split(part.memory_name, delta), part.count)
         pieces, left = self.parts[part.memory_name]
         if left == 1:
             del self.parts[part.memory_name]
@@ -216,7 +216,7 @@ def check_counts(plan: Plan, merger: RowMerger) -> None:
     Raises:
         MergeCheckError: naming what was never applied and what was applied more than once.
     """
-    modules = plan.adapter.modules.values()
+    modules = plan.inputs.adapter.modules.values()
     expected = [ChangeKey("lora", m.key) for m in modules]
     expected += [ChangeKey("lora_bias", m.key) for m in modules if m.bias is not None]
     expected += [k for t in plan.tensors for k in planned_keys(t) if k.kind in ("tokens", "peft")]

@@ -3,7 +3,6 @@ shards into the one staging folder; rank 0 holds the lock, writes the index, con
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -37,14 +36,10 @@ def agree_on_plan(steps: JobSteps, plan: Plan, out_dir: str) -> None:
     Raises:
         InputError: the ranks planned different merges (they see different files or were given different options).
         PeerFailedError: another rank could not plan.
-
-    Example:
-        >>> agree_on_plan(steps, plan)   # doctest: +SKIP
     """
     if not steps.world.distributed:
         return
-    digest = plan.fingerprint() if plan.live is None else hashlib.sha256(plan.describe().encode()).hexdigest()
-    prints = steps.step("plan", (digest, os.path.abspath(os.fspath(out_dir))))
+    prints = steps.step("plan", (plan.fingerprint(), os.path.abspath(os.fspath(out_dir))))
     if len(set(prints)) > 1:
         odd = [r for r, p in enumerate(prints) if p != prints[0]]
         raise InputError(f"rank(s) {odd} planned a different merge than rank 0: every rank must be given the same "
@@ -199,9 +194,6 @@ def write_share(plan: Plan, out_dir: str, steps: JobSteps, sink, produce, merger
         PeerFailedError: another rank failed.
         MergeCheckError: a merged value is not finite, or the self-check failed.
         OSError: the filesystem failed.
-
-    Example:
-        >>> report = write_share(plan, "merged", steps, sink, produce, merger)   # doctest: +SKIP
     """
     note_outcome(out_dir, UNKNOWN)
     opened = steps.step("open", None)[0]
@@ -220,9 +212,6 @@ class LiveRanks:
     Args:
         steps: the job's steps.
         gatherer: the :class:`~peft_shardmerge.distributed.sharding.UnitGatherer` every rank drives in plan order.
-
-    Example:
-        >>> sink.write(produce, files, ranks=LiveRanks(steps, gatherer))   # doctest: +SKIP
     """
 
     def __init__(self, steps: JobSteps, gatherer):
@@ -262,9 +251,6 @@ def follow_plan(plan: Plan, out_dir: str, steps: JobSteps, gatherer):
 
     Raises:
         PeerFailedError: rank 0 or another rank failed.
-
-    Example:
-        >>> report = follow_plan(plan, "merged", steps, gatherer)   # doctest: +SKIP
     """
     note_outcome(out_dir, UNKNOWN)
     steps.step("open", None)
@@ -288,9 +274,6 @@ def failed(steps: JobSteps, error: BaseException, out_dir: str) -> BaseException
 
     Returns:
         The exception to raise.
-
-    Example:
-        >>> raise failed(steps, e, "merged")   # doctest: +SKIP
     """
     rank = steps.world.rank
     if rank != 0:

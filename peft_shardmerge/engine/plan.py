@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 import torch
 
-from ..checkpoint.adapter import AdapterSpec, LoraModule
-from ..checkpoint.source import CheckpointSource
-from ..io.safetensors_io import DTYPES, TensorInfo, row_blocks
-from ..quant.nf4 import Nf4Settings
+from ..io.safetensors_io import DTYPES, TensorInfo
 from ..version import __version__
 
 
@@ -34,29 +32,11 @@ class Op(str, Enum):
     __format__ = str.__format__
 
 
-@dataclass
-class PartOp:
-    """A PEFT delta of an in-memory tensor, for one of the checkpoint keys that store it.
-
-    Attributes:
-        op: the PEFT layer's change (:class:`~peft_shardmerge.checkpoint.peft_deltas.PeftOp`).
-        memory_name: the in-memory tensor, e.g. ``model.layers.0.mlp.experts.gate_up_proj``.
-        file_name: the checkpoint key this part is written to.
-        count: how many checkpoint keys share the delta.
-    """
-
-    op: object
-    memory_name: str
-    file_name: str
-    count: int
+class Change(Protocol):
+    """A change a planned tensor receives (a LoRA module, trainable-token rows, a PEFT layer), counted by its key."""
 
     @property
-    def key(self) -> str:
-        return f"{self.op.key}@{self.file_name}"
-
-    @property
-    def kind(self) -> str:
-        return "part"
+    def key(self) -> str: ...  # pragma: no cover - a protocol
 
 
 @dataclass
@@ -68,7 +48,8 @@ class PlannedTensor:
         out_dtype: safetensors dtype written.
         source: where its base data is read from (a base tensor, or an adapter tensor replacing it).
         from_adapter: True when ``source`` is an adapter tensor (``modules_to_save`` and similar).
-        loras: LoRA modules whose weight delta is added.
+        loras: LoRA modules whose weight delta is added
+            (:class:`~peft_shardmerge.checkpoint.adapter.LoraModule`).
         bias_loras: LoRA modules whose ``lora_B.bias`` is added (this tensor is a bias).
         transposed: the stored weight is ``[in, out]`` (Conv1D), or an embedding with LoRA (whose delta is
             built transposed).
@@ -78,8 +59,9 @@ class PlannedTensor:
         rows
             before LoRA deltas are added (PEFT nests the token layer inside the LoRA layer).
         peft_ops: LoHa/LoKr/VeRA deltas and IA3 scalings (:class:`~peft_shardmerge.checkpoint.peft_deltas.PeftOp`).
-        entry: for a merge of a loaded model, the :class:`~peft_shardmerge.model.walk.LiveEntry` it is produced from
-            (``source`` then describes the output tensor itself: its stored dtype and output shape).
+        entry: for a merge of a loaded model, the :class:`~peft_shardmerge.model.walk.LiveEntry` it is produced from,
+            a handle only its source reads (``source`` then describes the output tensor itself: its stored dtype and
+            output shape).
         part: for a weight re-quantized to 4-bit, ``""`` for its packed codes, else the quant-state key it holds.
         kind: the operation, when the planner names it (a loaded model's tensors); else :attr:`op` derives it.
     """
@@ -88,13 +70,13 @@ class PlannedTensor:
     out_dtype: str
     source: TensorInfo
     from_adapter: bool = False
-    loras: list[LoraModule] = field(default_factory=list)
-    bias_loras: list[LoraModule] = field(default_factory=list)
+    loras: list[Change] = field(default_factory=list)
+    bias_loras: list[Change] = field(default_factory=list)
     transposed: bool = False
     quantize: bool = False
     shard: int = 0
-    token_rows: list = field(default_factory=list)
-    peft_ops: list = field(default_factory=list)
+    token_rows: list[Change] = field(default_factory=list)
+    peft_ops: list[Change] = field(default_factory=list)
     entry: object = None
     part: str = ""
     kind: Op | None = None
@@ -119,43 +101,64 @@ class PlannedTensor:
         return Op.COPY if self.out_dtype == self.source.dtype else Op.CAST
 
 
+class PlanInputs(Protocol):
+    """What a plan reads, as the plan shows it: a checkpoint and adapter folders
+    (:class:`~peft_shardmerge.checkpoint.planner.CheckpointInputs`) or a loaded model
+    (:class:`~peft_shardmerge.model.planner.LiveSource`)."""
+
+    def header(self, plan: Plan) -> list[str]:
+        """The first lines of :meth:`Plan.describe`: base, adapter, precision, changed layers."""
+        ...  # pragma: no cover - a protocol
+
+    def annotate(self, t: PlannedTensor) -> str:
+        """What :meth:`Plan.describe` adds after a tensor's operation (its changes), or ``""``."""
+        ...  # pragma: no cover - a protocol
+
+    def parameters(self, plan: Plan) -> int:
+        """The model's parameter count (the index's ``total_parameters``)."""
+        ...  # pragma: no cover - a protocol
+
+    def changed_layers(self) -> int:
+        """The layers whose weights the merge changes (the report's ``lora_modules_total``)."""
+        ...  # pragma: no cover - a protocol
+
+    def identity(self) -> dict:
+        """What decides the output bytes beside the plan's tensors (input files, options), for the fingerprint."""
+        ...  # pragma: no cover - a protocol
+
+    def working_set(self, t: PlannedTensor, chunk_elems: int) -> int:
+        """Bytes held at once while ``t`` is produced, beyond the imported libraries."""
+        ...  # pragma: no cover - a protocol
+
+
 @dataclass
 class Plan:
     """Everything the executor will write, decided from headers and configs alone.
 
     Attributes:
-        base: the base checkpoint.
-        adapter: the adapter.
+        inputs: what the plan reads (:class:`PlanInputs`).
         tensors: output tensors in write order.
         shard_names: output file names, in order.
         dtype: the floating-point dtype written.
-        base_precision: ``"original"`` or ``"nf4"``.
-        nf4: the 4-bit settings when ``base_precision == "nf4"``.
+        base_precision: what the changes are added to: ``"original"``, ``"nf4"`` or ``"dequantized"``.
         config: the ``config.json`` to write.
         chunk_elems: elements per row block.
         untied: tied weights written separately because the adapter changed one side.
         notes: things the user should know (logged and kept in the report).
-        live: for a merge of a loaded model (then ``base`` and ``adapter`` are None), what produces its tensors
-            (:class:`~peft_shardmerge.model.planner.LiveSource`).
-        origin: for a merge of a loaded model, what its base is (the name it was loaded from).
-        adapter_text: for a merge of a loaded model, which adapters are merged (shown instead of folders).
+        adapter_text: which adapters are merged, when the inputs' own description is not the one to show.
         resources: what the plan's inputs live in, kept as long as the plan (a temporary folder).
         reproduces: which model the output reproduces (the trained model, or the original base + adapter).
     """
 
-    base: CheckpointSource
-    adapter: AdapterSpec
+    inputs: PlanInputs
     tensors: list[PlannedTensor]
     shard_names: list[str]
     dtype: torch.dtype
     base_precision: str
-    nf4: Nf4Settings | None
     config: dict
     chunk_elems: int
     untied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    live: object = None
-    origin: str = ""
     adapter_text: str = ""
     resources: list = field(default_factory=list)
     reproduces: str = ""
@@ -166,17 +169,12 @@ class Plan:
 
     @property
     def total_parameters(self) -> int:
-        if self.live is not None:  # a 4-bit weight counts its elements once, not its packed parts
-            return sum(e.numel for e in self.live.live.entries)
-        return sum(t.source.numel for t in self.tensors)
+        return self.inputs.parameters(self)
 
     @property
     def layer_count(self) -> int:
         """LoRA modules plus PEFT layers (and LoRA-on-parameter wrappers) whose weights change."""
-        if self.live is not None:
-            return sum(not k.startswith("tokens:") for k in self.live.live.lora_layers)
-        ops = self.adapter.layers.ops.values() if self.adapter.layers is not None else ()
-        return len(self.adapter.modules) + sum(o.attr != "bias" for o in ops)
+        return self.inputs.changed_layers()
 
     def shard_tensors(self, i: int) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.shard == i]
@@ -195,54 +193,41 @@ class Plan:
         }
 
     def fingerprint(self) -> str:
-        """A digest of everything that decides the output bytes: input files (names, sizes, modification
-        times), options and the plan itself. A resumed run keeps earlier shards only when it matches.
+        """A digest of everything that decides the output bytes: the inputs (files, options) and the plan itself.
+        A resumed run keeps earlier shards only when it matches; the ranks of a job agree on it.
 
         Returns:
             A hex SHA-256 digest.
         """
         import hashlib
         import json
-        import os
-
-        def files(folder: str) -> list:
-            out = []
-            for name in sorted(os.listdir(folder)):
-                path = os.path.join(folder, name)
-                if os.path.isfile(path):
-                    st = os.stat(path)
-                    out.append([name, st.st_size, st.st_mtime_ns])
-            return out
 
         data = {
             "version": __version__,
-            "base": [self.base.folder, files(self.base.folder)],
-            "adapter": [[f, files(f)] for f in self.adapter.folders],
-            "combination": self.adapter.combination,
+            "inputs": self.inputs.identity(),
             "dtype": str(self.dtype),
             "base_precision": self.base_precision,
-            "nf4": self.nf4.describe() if self.nf4 else None,
             "chunk_elems": self.chunk_elems,
             "shards": self.shard_names,
             "tensors": [[t.name, t.out_dtype, t.shard, t.op, [m.key for m in t.loras],
                          [r.key for r in t.token_rows], [o.key for o in t.peft_ops]] for t in self.tensors],
         }
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
     def peak_bytes(self) -> int:
         """Estimated peak working memory of the executor, beyond the imported libraries."""
-        return max((_working_set(t, self.chunk_elems) for t in self.tensors if not t.part), default=0)
+        return max((self.inputs.working_set(t, self.chunk_elems) for t in self.tensors if not t.part), default=0)
 
     def describe(self) -> str:
         """A human-readable plan: every tensor with shard, dtype, shape, bytes and operation, then totals."""
-        lines = self._describe_inputs() + [
+        lines = self.inputs.header(self) + [
             "",
             f"{'shard':<36} {'tensor':<56} {'dtype':<5} {'shape':<16} {'bytes':>12}  op",
         ]
         for t in self.tensors:
             lines.append(
                 f"{self.shard_names[t.shard]:<36} {t.name:<56} {t.out_dtype:<5} {str(list(t.shape)):<16} "
-                f"{t.nbytes:>12}  {t.op}{self._extra(t)}"
+                f"{t.nbytes:>12}  {t.op}{self.inputs.annotate(t)}"
             )
         lines += [
             "",
@@ -252,46 +237,6 @@ class Plan:
         ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-    def _describe_inputs(self) -> list[str]:
-        if self.live is not None:
-            return [
-                f"base:            {self.origin} (in memory)",
-                f"adapter:         {self.adapter_text}",
-                f"dtype:           {str(self.dtype).removeprefix('torch.')}",
-                f"base precision:  {self.base_precision}",
-                *([f"reproduces:      {self.reproduces}"] if self.reproduces else []),
-                f"changed layers:  {self.layer_count}",
-            ] + ([f"re-quantized:    4-bit {self.live.quant4['bnb_4bit_quant_type']}"] if self.live.quant4 else [])
-        return [
-            f"base:            {self.base.folder}",
-            f"adapter:         {self.adapter_text or ', '.join(self.adapter.folders)}"
-            + (f" (combined: {self.adapter.combination})" if self.adapter.combination else ""),
-            f"dtype:           {str(self.dtype).removeprefix('torch.')}",
-            f"base precision:  {self.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else "")
-            + (f" (the stored {self.base.quantized.method}, dequantized)" if self.base.quantized else ""),
-            *([f"reproduces:      {self.reproduces}"] if self.reproduces else []),
-            f"LoRA modules:    {len(self.adapter.modules)}" if self.adapter.layers is None else
-            f"{self.adapter.peft_type} layers: {len(self.adapter.layers.ops)}",
-        ]
-
-    def _extra(self, t: PlannedTensor) -> str:
-        if self.live is not None:
-            return f" ({t.entry.kind})" if t.entry is not None and t.entry.kind not in ("plain", t.op) else ""
-        extra = ""
-        if t.loras:
-            extra = " +" + ",".join(f"lora(r={m.rank})" for m in t.loras)
-        if t.bias_loras:
-            extra += " +lora_bias"
-        if t.token_rows:
-            extra += " +" + ",".join(f"tokens({len(r.indices)})" for r in t.token_rows)
-        for o in t.peft_ops:
-            extra += f" +{self.adapter.peft_type.lower()}({o.kind})"
-        if t.from_adapter:
-            extra += " (from adapter)"
-        if t.quantize:
-            extra += " (4-bit base)"
-        return extra
 
 
 def assign_shards(sizes: list[int], limit: int) -> tuple[list[int], list[str]]:
@@ -321,19 +266,3 @@ def assign_shards(sizes: list[int], limit: int) -> tuple[list[int], list[str]]:
     names = ["model.safetensors"] if count == 1 else [
         f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     return indices, names
-
-
-def _working_set(t: PlannedTensor, chunk_elems: int) -> int:
-    if t.op is Op.COPY:
-        return 8 << 20
-    if t.entry is not None:  # a loaded model's tensor: an fp32 copy, its cast, and 4-bit codes when re-quantized
-        n = t.entry.numel
-        return n * (4 + 4 + DTYPES[t.source.dtype][1]) + (n // 2 if t.op is Op.QUANTIZE4 else 0)
-    src_item, out_item = DTYPES[t.source.dtype][1], DTYPES[t.out_dtype][1]
-    factors = sum(4 * (m.a.shape[0] * m.a.shape[1] + m.b.shape[0] * m.b.shape[1]) for m in t.loras)
-    if t.quantize:
-        n = t.source.numel
-        return n * (src_item + 4 * 3 + out_item) + factors
-    start, stop = row_blocks(t.shape, chunk_elems)[0]
-    n = (stop - start) * (t.source.numel // max(1, t.shape[0] if t.shape else 1))
-    return n * (src_item + 4 * 2 + out_item) + factors

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..engine.model_info import ModelInfo
+from ..support.model_info import ModelInfo
 
 
 @dataclass

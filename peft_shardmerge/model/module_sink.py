@@ -34,7 +34,7 @@ class ModuleSink:
     can refuse runs when the sink is made, before anything changes.
 
     Args:
-        plan: the plan of the loaded model (``plan.live`` set).
+        plan: the plan of the loaded model (from :func:`~peft_shardmerge.model.planner.plan_live`).
         dtype: the dtype of the returned model.
 
     Raises:
@@ -42,7 +42,7 @@ class ModuleSink:
     """
 
     def __init__(self, plan: Plan, dtype: torch.dtype):
-        self.live: LiveModel = plan.live.live
+        self.live: LiveModel = plan.inputs.live
         self.dtype = dtype
         self.groups: dict[str, list[LiveEntry]] = {}  # the tensors of each PEFT or bitsandbytes module, by its path
         for t in plan.tensors:

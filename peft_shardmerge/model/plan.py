@@ -17,7 +17,7 @@ from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
 from ..engine.plan import Plan
 from ..errors import FileSystemError, InputError, ShardMergeError
 from ..options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions
-from ..output.checks import check_out_dir, check_space, foreign_model_problems, source_folders
+from ..output.checks import check_out_dir, foreign_model_problems, source_folders
 from ..output.staging import NOTHING_WRITTEN
 from ..support.combinations import combination_problems
 from ..support.model import require_supported, selected_adapters
@@ -297,11 +297,7 @@ def _plan_from_original(model, inner, original: str, out_dir, opts: MergeOptions
     opts = replace(opts, base_precision="original",
                    weights=[weight_map[a] for a in adapters] if weight_map else None)
     try:
-        plan = plan_from_folders(original, folders, opts)
-        space = [] if out_dir is None else check_space(os.fspath(out_dir), plan.total_size + sum(
-            os.path.getsize(os.path.join(plan.base.folder, f)) for f in plan.base.extra_files))
-        if space:
-            raise InputError(space)
+        plan = plan_from_folders(original, folders, opts, out_dir=None if out_dir is None else os.fspath(out_dir))
     except BaseException as e:
         folder.cleanup()
         if isinstance(e, OSError) and not isinstance(e, ShardMergeError):  # reading the inputs failed

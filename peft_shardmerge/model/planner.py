@@ -41,6 +41,45 @@ class LiveSource:
     generation_config: object = None
 
     @property
+    def origin(self) -> str:
+        """What the base is: the name the model was loaded from, else its class."""
+        model = self.live.model
+        return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+    def header(self, plan: Plan) -> list[str]:
+        return [
+            f"base:            {self.origin} (in memory)",
+            f"adapter:         {plan.adapter_text}",
+            f"dtype:           {str(plan.dtype).removeprefix('torch.')}",
+            f"base precision:  {plan.base_precision}",
+            *([f"reproduces:      {plan.reproduces}"] if plan.reproduces else []),
+            f"changed layers:  {self.changed_layers()}",
+        ] + ([f"re-quantized:    4-bit {self.quant4['bnb_4bit_quant_type']}"] if self.quant4 else [])
+
+    def annotate(self, t: PlannedTensor) -> str:
+        return f" ({t.entry.kind})" if t.entry is not None and t.entry.kind not in ("plain", t.op) else ""
+
+    def parameters(self, plan: Plan) -> int:
+        """Each entry's elements once (a 4-bit weight counts its elements, not its packed parts)."""
+        return sum(e.numel for e in self.live.entries)
+
+    def changed_layers(self) -> int:
+        return sum(not k.startswith("tokens:") for k in self.live.lora_layers)
+
+    def identity(self) -> dict:
+        """The model's name, every entry's name, kind and shape, the adapters and the 4-bit settings."""
+        return {"origin": self.origin, "entries": [[e.name, e.kind, list(e.shape)] for e in self.live.entries],
+                "adapters": in_memory_text(self.adapter_names, self.weights), "combination": self.combination,
+                "quant4": self.quant4}
+
+    def working_set(self, t: PlannedTensor, chunk_elems: int) -> int:
+        """An fp32 copy of the entry, its cast, and the 4-bit codes when re-quantized."""
+        if t.op is Op.COPY:
+            return 8 << 20
+        n = t.entry.numel
+        return n * (4 + 4 + DTYPES[t.source.dtype][1]) + (n // 2 if t.op is Op.QUANTIZE4 else 0)
+
+    @property
     def settings(self) -> Nf4Settings | None:
         """The 4-bit settings of the re-quantized weights, or None."""
         if self.quant4 is None:
@@ -73,10 +112,8 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
     config = output_config(base_config(live.model), out_dtype, untie=bool(live.untied))
     if source.quant4 is not None:
         config["quantization_config"] = source.quant4
-    return Plan(base=None, adapter=None, tensors=tensors, shard_names=names, dtype=out_dtype,
-                base_precision="dequantized", nf4=None, config=config, chunk_elems=chunk_elems,
-                untied=list(live.untied), notes=list(live.notes), live=source,
-                origin=getattr(live.model.config, "_name_or_path", "") or type(live.model).__name__,
+    return Plan(source, tensors=tensors, shard_names=names, dtype=out_dtype, base_precision="dequantized",
+                config=config, chunk_elems=chunk_elems, untied=list(live.untied), notes=list(live.notes),
                 adapter_text=in_memory_text(source.adapter_names, source.weights))
 
 

@@ -38,9 +38,6 @@ class LiveMerger(RowMerger):
         combination: ``"cat"`` or ``"linear"`` (PEFT's ``add_weighted_adapter`` combinations).
         repacked: 4-bit weights bitsandbytes had repacked for its CPU kernel.
         chunk_elems: elements per row block.
-
-    Example:
-        >>> merger = LiveMerger(walk(peft_model), MemoryBudget(0.9))   # doctest: +SKIP
     """
 
     def __init__(self, live: LiveModel, budget: MemoryBudget, out_dtype: torch.dtype = torch.float32,
@@ -63,10 +60,6 @@ class LiveMerger(RowMerger):
 
         Returns:
             The device.
-
-        Example:
-            >>> merger.compute_device(live.entries[1])   # doctest: +SKIP
-            device(type='cuda', index=0)
         """
         tensor = getattr(entry.holder, entry.attr, None)
         dev = tensor.device if tensor is not None and entry.kind in ("lora", "quantized", "delta", "ia3") \
@@ -89,10 +82,6 @@ class LiveMerger(RowMerger):
 
         Raises:
             MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
-
-        Example:
-            >>> merger.produce(live.entries[1]).dtype   # doctest: +SKIP
-            torch.float32
         """
         with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
             if entry.kind in ("plain", "saved"):
@@ -130,10 +119,6 @@ class LiveMerger(RowMerger):
 
         Raises:
             RuntimeError: from torch, when the adapters' ranks differ in a ``"linear"`` combination.
-
-        Example:
-            >>> merger.changes(live.entries[1]).keys   # doctest: +SKIP
-            ['model.layers.0.self_attn.q_proj']
         """
         m, adapters = entry.module, entry.adapters
         counted = bool(adapters) and not (entry.kind == "ia3" and entry.attr == "bias") and \
@@ -203,7 +188,7 @@ class ModelReader(LiveMerger):
     to 4-bit is written as the parts bitsandbytes stores.
 
     Args:
-        plan: a loaded model's plan (``plan.live`` set, from :func:`~peft_shardmerge.model.planner.plan_live`).
+        plan: a loaded model's plan (from :func:`~peft_shardmerge.model.planner.plan_live`).
         budget: the memory budget (``maximum_memory_usage``).
         merge_info: the record's ``merge`` part when the caller took it already (an FSDP1 model holds no whole
             parameter outside its planning view); default: taken from the model when the output is complete.
@@ -212,7 +197,7 @@ class ModelReader(LiveMerger):
     """
 
     def __init__(self, plan: Plan, budget: MemoryBudget, merge_info: dict | None = None, copy: bool = False):
-        src = plan.live
+        src = plan.inputs
         super().__init__(src.live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems)
         self.plan, self.src, self.info, self.copy = plan, src, merge_info, copy
         self.parts: dict[str, torch.Tensor] = {}
@@ -288,7 +273,7 @@ class ModelReader(LiveMerger):
         """The report's fields of a loaded model's merge."""
         live, plan = self.live, self.plan
         return dict(
-            base=plan.origin, adapter="(in memory)", base_precision="dequantized",
+            base=self.src.origin, adapter="(in memory)", base_precision="dequantized",
             lora_modules_merged=sum(not k.startswith("tokens:") for k in self.applied),
             replacements_applied=sum(1 for e in live.entries if e.kind == "saved"),
             device=str(next((p.device for p in live.model.parameters()), "cpu")), untied=list(live.untied),

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from ..engine.changes import ChangeKey
-from ..engine.model_info import ModelInfo, inspect_model
-from ..engine.ties import tie_enabled, tokens_on_both_sides, untie_note, untied_names
 from ..errors import InputError, UnsupportedError
 from ..quant.bnb_layers import REPACK_ABSMAX_REL_ERROR, bnb_kind, bnb_layer_kind, dequantize, logical_shape
 from ..support.model import adapter_keys, transformers_model
+from ..support.model_info import ModelInfo, inspect_model
+from ..support.ties import tie_enabled, tokens_on_both_sides, untie_note, untied_names
 from .entries import LiveEntry, LiveModel
 from .weights import materialized, offload_owner, offloaded_modules
 

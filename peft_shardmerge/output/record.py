@@ -184,8 +184,8 @@ def disk_merge_info(plan) -> dict:
     Raises:
         OSError: an input file cannot be read.
     """
-    nf4 = plan.nf4
-    kind, _, weights = (plan.adapter.combination or "").partition(" ")  # e.g. "cat 1, 0.5"
+    nf4 = plan.inputs.nf4
+    kind, _, weights = (plan.inputs.adapter.combination or "").partition(" ")  # e.g. "cat 1, 0.5"
     return {
         "path": "disk",
         "base_precision": plan.base_precision,
@@ -194,8 +194,8 @@ def disk_merge_info(plan) -> dict:
         if nf4 else None,
         "dtype": str(plan.dtype).removeprefix("torch."),
         "chunk_elems": plan.chunk_elems,
-        "base": input_identity(plan.base.folder, hash_files=False),
-        "adapters": [input_identity(f, hash_files=True) for f in plan.adapter.folders],
+        "base": input_identity(plan.inputs.base.folder, hash_files=False),
+        "adapters": [input_identity(f, hash_files=True) for f in plan.inputs.adapter.folders],
         "combination": kind or None,
         "weights": [float(w) for w in weights.split(",")] if weights else None,
     }

@@ -79,13 +79,13 @@ class InputDigests:
         """The digest of the inputs every shard depends on (``"missing"`` when one cannot be read)."""
         try:
             ranges = []
-            for folder in self.plan.adapter.folders:
+            for folder in self.plan.inputs.adapter.folders:
                 ranges += [_whole(os.path.join(folder, n)) for n in ADAPTER_FILES
                            if os.path.isfile(os.path.join(folder, n))]
-            base = self.plan.base.folder
+            base = self.plan.inputs.base.folder
             ranges += [_whole(os.path.join(base, n)) for n in ("config.json", "model.safetensors.index.json")
                        if os.path.isfile(os.path.join(base, n))]
-            ranges += [_header(p) for p in sorted({t.path for t in self.plan.base.stored})]
+            ranges += [_header(p) for p in sorted({t.path for t in self.plan.inputs.base.stored})]
         except OSError:
             return "missing"
         return range_digest(ranges)

@@ -120,7 +120,7 @@ def peft_load_problems(folder: str, names: dict[str, tuple[int, ...]], base_conf
         from peft import PeftConfig, PeftModel
         from peft.utils.save_and_load import set_peft_model_state_dict
 
-        from ..engine.model_info import build_on_meta
+        from .model_info import build_on_meta
 
         config = PeftConfig.from_pretrained(folder)
         model = build_on_meta(base_config, model_class)

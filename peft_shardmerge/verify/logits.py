@@ -19,7 +19,7 @@ IMAGE_TOKEN = 500
 def model_class(config):
     """The transformers class a config's checkpoint loads into: its ``architectures`` entry when transformers
     has it, else the causal-LM, seq2seq or image-text-to-text Auto class that knows the config, else
-    ``AutoModel`` (see :func:`~peft_shardmerge.engine.model_info.model_classes`).
+    ``AutoModel`` (see :func:`~peft_shardmerge.support.model_info.model_classes`).
 
     Args:
         config: a transformers config.
@@ -32,7 +32,7 @@ def model_class(config):
         >>> model_class(T5Config(architectures=["T5ForConditionalGeneration"])).__name__
         'T5ForConditionalGeneration'
     """
-    from ..engine.model_info import model_classes
+    from ..support.model_info import model_classes
 
     return model_classes(config)[0]  # AutoModel, last, always knows a transformers config
 
@@ -317,8 +317,8 @@ def _fp8_base(cls, src) -> torch.nn.Module:
 
     from transformers import AutoConfig
 
-    from ..engine.model_info import build_on_meta
     from ..io.safetensors_io import RowReader
+    from ..support.model_info import build_on_meta
 
     config = AutoConfig.from_pretrained(src.folder)
     for sub in (config, getattr(config, "text_config", None)):

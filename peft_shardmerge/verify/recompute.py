@@ -228,8 +228,8 @@ def _plan(base: str, adapters: list[str], options: dict):
     from ..checkpoint.peft_deltas import rebuild
     from ..checkpoint.planner import build_plan
     from ..checkpoint.source import open_checkpoint
-    from ..engine.model_info import inspect_model
     from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
+    from ..support.model_info import inspect_model
 
     src = open_checkpoint(base)
     spec = combine_adapters([load_adapter(a) for a in adapters], options["weights"], options["combination"])
@@ -364,10 +364,6 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
 
     Raises:
         Nothing: inputs that do not fit are problems.
-
-    Example:
-        >>> recompute_and_compare(stored, "base", ["adapter"], None).problems   # doctest: +SKIP
-        []
     """
     from ..checkpoint.reader import stream_tensors
     from ..engine.execute import resolve_device

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.source import INDEX_FILE, SINGLE_FILE, safe_shard_name
-from ..engine.model_info import inspect_model
 from ..errors import NotFoundError, ShardMergeError
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, RowReader, read_header, row_blocks
 from ..output.record import RECORD_FILE
+from ..support.model_info import inspect_model
 from .integrity import check_integrity, read_record
 from .logits import check_logits
 from .recompute import recompute_and_compare

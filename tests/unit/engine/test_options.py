@@ -70,7 +70,7 @@ def test_dtype_and_shard_size_are_parsed_once_and_a_value_that_does_not_parse_ne
     from peft_shardmerge.checkpoint.adapter import load_adapter
     from peft_shardmerge.checkpoint.planner import build_plan
     from peft_shardmerge.checkpoint.source import open_checkpoint
-    from peft_shardmerge.engine.model_info import inspect_model
+    from peft_shardmerge.support.model_info import inspect_model
 
     opts = MergeOptions(dtype="fp16", max_shard_size="2GiB")
     assert (opts.out_dtype, opts.shard_bytes, MergeOptions(dtype="auto").out_dtype) == (torch.float16, 2 << 30, None)

@@ -72,7 +72,7 @@ def test_per_expert_and_whole_delta_routes_are_float32(bf16_moe):
     plan = plan_checkpoint_merge(str(root / "base"), str(root / "adapter"), str(root / "plan2"))
     parts = [o for t in plan.tensors for o in t.peft_ops if o.kind == "part"]
     assert len(parts) == 2 * 3 * 4  # layers x (gate, up, down) x experts
-    layers = plan.adapter.layers
+    layers = plan.inputs.adapter.layers
     for part in parts:
         whole = part.op.delta()
         want = ref[part.memory_name] - base[part.memory_name]

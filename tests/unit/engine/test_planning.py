@@ -10,9 +10,9 @@ from peft import IA3Config, LoraConfig
 from transformers import AutoConfig
 
 from peft_shardmerge import InputError, merge_checkpoint
-from peft_shardmerge.engine.model_info import inspect_model
-from peft_shardmerge.engine.ties import tie_enabled, untie_note, untied_names
 from peft_shardmerge.support.combinations import combination_problems
+from peft_shardmerge.support.model_info import inspect_model
+from peft_shardmerge.support.ties import tie_enabled, untie_note, untied_names
 from peft_shardmerge.testing import build_adapter
 
 

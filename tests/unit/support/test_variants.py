@@ -269,8 +269,8 @@ def test_lora_on_fused_moe_experts(arch, tmp_path):
     parts = [o for t in plan.tensors for o in t.peft_ops if o.kind == "part"]
     assert len(parts) == 2 * 3 * 4  # layers x (gate, up, down) x experts
     for part in parts[:6]:
-        own = plan.adapter.layers.part_delta(part.op, part.memory_name, part.file_name)
-        whole = plan.adapter.layers.split(part.memory_name, part.op.delta())[part.file_name]
+        own = plan.inputs.adapter.layers.part_delta(part.op, part.memory_name, part.file_name)
+        whole = plan.inputs.adapter.layers.split(part.memory_name, part.op.delta())[part.file_name]
         assert own is not None and torch.allclose(own, whole, atol=1e-7)
     report = merge_and_save(model, str(tmp_path / "auto"), dtype="float32", progress=False)
     assert report.base_precision == "original"

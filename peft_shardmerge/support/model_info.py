@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..support.check import layer_kind
+from .check import layer_kind
 from .ties import tie_enabled
 
 log = logging.getLogger(__name__)
