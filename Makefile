@@ -10,7 +10,7 @@ LATEST_VENV := .venv-latest
 LATEST := requirements/latest.txt
 PYTEST := HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --durations=20
 FAST := -m "not slow and not matrix"
-LINT := $(BIN)/ruff check peft_shardmerge tests examples bench
+LINT := $(BIN)/ruff check peft_shardmerge tests examples bench && $(BIN)/ruff format --check peft_shardmerge tests examples bench
 
 .PHONY: setup demo test test-all test-latest lock bench clean
 
@@ -27,13 +27,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/demo.py
 
-# ruff check first (a lint error fails the target), then the fast suite: no subprocess, kill, torchrun/DeepSpeed or
-# docs-run tests, a seeded sample of the conformance matrix
+# ruff check and ruff format --check first (a lint or format error fails the target), then the fast suite: no
+# subprocess, kill, torchrun/DeepSpeed or docs-run tests, a seeded sample of the conformance matrix
 test: $(STAMP)
 	$(LINT)
 	$(PYTEST) $(FAST)
 
-# everything (what CI runs): ruff check, the slow tests and the whole conformance matrix too
+# everything (what CI runs): ruff check and format, the slow tests and the whole conformance matrix too
 test-all: $(STAMP)
 	$(LINT)
 	$(PYTEST)

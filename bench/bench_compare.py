@@ -23,8 +23,14 @@ import bench_merge  # the models and the measuring subprocess
 def imported_from(tree: str) -> str:
     """The folder ``import peft_shardmerge`` resolves to with ``tree`` first on PYTHONPATH."""
     env = {**os.environ, "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, "-c", "import peft_shardmerge, os; print(os.path.dirname("
-                          "peft_shardmerge.__file__))"], capture_output=True, text=True, env=env, cwd="/", check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import peft_shardmerge, os; print(os.path.dirname(peft_shardmerge.__file__))"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+        check=True,
+    )
     return out.stdout.strip()
 
 
@@ -41,11 +47,13 @@ def main() -> int:
         got = imported_from(tree)
         if not got.startswith(tree):
             raise SystemExit(f"{tag}: peft_shardmerge is imported from {got}, not from {tree}")
-    jobs = [(s, "peft_shardmerge") for s in args.sizes.split(",") if s] + \
-        [(s, "merge_and_save_4bit") for s in args.inprocess_sizes.split(",") if s]
-    lines = ["| base | method | old: wall (s) | new: wall (s) | new / old | old: peak RSS (MiB) | "
-             "new: peak RSS (MiB) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    jobs = [(s, "peft_shardmerge") for s in args.sizes.split(",") if s] + [
+        (s, "merge_and_save_4bit") for s in args.inprocess_sizes.split(",") if s
+    ]
+    lines = [
+        "| base | method | old: wall (s) | new: wall (s) | new / old | old: peak RSS (MiB) | new: peak RSS (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for size, method in jobs:
         base, adapter = bench_merge.build(size)
         runs: dict[str, list[dict]] = {"old": [], "new": []}
@@ -54,13 +62,18 @@ def main() -> int:
                 os.environ["PYTHONPATH"] = tree
                 r = bench_merge.run(method, base, adapter)
                 runs[tag].append(r)
-                print(f"{size} {method} {tag}: {r['wall_s']:.2f} s, +{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f}"
-                      " MiB", flush=True)
+                print(
+                    f"{size} {method} {tag}: {r['wall_s']:.2f} s, +{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f}"
+                    " MiB",
+                    flush=True,
+                )
         old, new = bench_merge.summarize(runs["old"]), bench_merge.summarize(runs["new"])
-        lines.append(f"| {size} | {method} | {old['wall_s']:.2f} [{old['wall_min']:.2f}–{old['wall_max']:.2f}] | "
-                     f"{new['wall_s']:.2f} [{new['wall_min']:.2f}–{new['wall_max']:.2f}] | "
-                     f"{new['wall_s'] / old['wall_s']:.2f} | {old['rss_over'] / 2**20:.0f} | "
-                     f"{new['rss_over'] / 2**20:.0f} |")
+        lines.append(
+            f"| {size} | {method} | {old['wall_s']:.2f} [{old['wall_min']:.2f}–{old['wall_max']:.2f}] | "
+            f"{new['wall_s']:.2f} [{new['wall_min']:.2f}–{new['wall_max']:.2f}] | "
+            f"{new['wall_s'] / old['wall_s']:.2f} | {old['rss_over'] / 2**20:.0f} | "
+            f"{new['rss_over'] / 2**20:.0f} |"
+        )
     os.environ.pop("PYTHONPATH", None)
     print("\n".join(lines))
     return 0

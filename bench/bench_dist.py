@@ -30,8 +30,15 @@ WORK = os.path.join(HERE, "_work")
 SECTION = "## Many processes (1 -> 2 ranks)"
 
 #: a Llama-like base of ~0.38B parameters (~0.76 GB in bf16)
-SIZE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=20, num_attention_heads=16,
-            num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+SIZE = dict(
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=20,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+)
 
 
 def build() -> tuple[str, str]:
@@ -63,8 +70,16 @@ def command(ranks: int, base: str, adapter: str, out: str, dry: bool = False) ->
     tail += ["--dry-run"] if dry else []
     if ranks == 1:
         return [sys.executable, *tail]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-            "--master_port", str(free_port()), *tail]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(ranks),
+        "--master_port",
+        str(free_port()),
+        *tail,
+    ]
 
 
 def run(ranks: int, base: str, adapter: str, out: str, dry: bool = False) -> float:
@@ -72,8 +87,9 @@ def run(ranks: int, base: str, adapter: str, out: str, dry: bool = False) -> flo
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     os.sync()  # no dirty pages of the previous run being written back during this one
     t0 = time.perf_counter()
-    p = subprocess.run(command(ranks, base, adapter, out, dry), capture_output=True, text=True, env=env, timeout=1200,
-                       check=False)
+    p = subprocess.run(
+        command(ranks, base, adapter, out, dry), capture_output=True, text=True, env=env, timeout=1200, check=False
+    )
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RunFailed(f"{ranks} rank(s) failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
@@ -103,8 +119,11 @@ def identical(a: str, b: str) -> tuple[bool, int, list[str]]:
     files_a = sorted(os.path.relpath(os.path.join(d, f), a) for d, _, fs in os.walk(a) for f in fs)
     files_b = sorted(os.path.relpath(os.path.join(d, f), b) for d, _, fs in os.walk(b) for f in fs)
     differ = sorted(set(files_a) ^ set(files_b))
-    differ += [f for f in files_a if f in set(files_b) and not filecmp.cmp(os.path.join(a, f), os.path.join(b, f),
-                                                                           shallow=False)]
+    differ += [
+        f
+        for f in files_a
+        if f in set(files_b) and not filecmp.cmp(os.path.join(a, f), os.path.join(b, f), shallow=False)
+    ]
     return not differ, len(files_a), differ
 
 
@@ -127,8 +146,14 @@ def median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
-def section(base: str, walls: dict[int, list[float]], dry: dict[int, list[float]],
-            same: tuple[bool, int, list[str]], repeats: int, load: float) -> str:
+def section(
+    base: str,
+    walls: dict[int, list[float]],
+    dry: dict[int, list[float]],
+    same: tuple[bool, int, list[str]],
+    repeats: int,
+    load: float,
+) -> str:
     import torch
 
     total = sum(os.path.getsize(os.path.join(base, f)) for f in os.listdir(base) if f.endswith(".safetensors"))
@@ -140,7 +165,8 @@ def section(base: str, walls: dict[int, list[float]], dry: dict[int, list[float]
         "",
         "Produced by `bench/bench_dist.py`:",
         "",
-        "    python bench/bench_dist.py" + (f" --repeats {repeats}" if repeats != 3 else "")
+        "    python bench/bench_dist.py"
+        + (f" --repeats {repeats}" if repeats != 3 else "")
         + " --write docs/benchmarks.md",
         "",
         "which times, alternating, these two commands on the same inputs (`torchrun` run as",
@@ -153,20 +179,24 @@ def section(base: str, walls: dict[int, list[float]], dry: dict[int, list[float]
         f"{time.strftime('%Y-%m-%d')}.",
         "",
         textwrap.fill(
-        f"The base is a random bf16 Llama (hidden {SIZE['hidden_size']}, intermediate {SIZE['intermediate_size']}, "
-        f"{SIZE['num_hidden_layers']} layers, vocabulary {SIZE['vocab_size']}, untied; {total / 1e9:.2f} GB in "
-        f"{n_in} input shards of at most 200 MB), the adapter a rank-8 LoRA on all seven projections. Wall time is "
-        "the whole command's, from start to exit: starting Python (every rank), importing torch and transformers, "
-        f"joining the process group, the merge and the fsyncs; median of {repeats} alternating runs (range in "
-        "brackets), each started after `sync` with the inputs in the page cache. "
-        f"Load average (1 min) when the timing began: {load:.2f}.", width=115),
+            f"The base is a random bf16 Llama (hidden {SIZE['hidden_size']}, "
+            f"intermediate {SIZE['intermediate_size']}, "
+            f"{SIZE['num_hidden_layers']} layers, vocabulary {SIZE['vocab_size']}, untied; {total / 1e9:.2f} GB in "
+            f"{n_in} input shards of at most 200 MB), the adapter a rank-8 LoRA on all seven projections. "
+            "Wall time is "
+            "the whole command's, from start to exit: starting Python (every rank), importing torch and transformers, "
+            f"joining the process group, the merge and the fsyncs; median of {repeats} alternating runs (range in "
+            "brackets), each started after `sync` with the inputs in the page cache. "
+            f"Load average (1 min) when the timing began: {load:.2f}.",
+            width=115,
+        ),
     ]
     if dry[1]:
         d1, d2 = median(dry[1]), median(dry[2])
         lines += [
             "",
             "The same commands with `--dry-run` (start-up, imports, joining the process group, planning; no tensor",
-            "is read or written) are timed too, alternating with the merges; \"merge alone\" is the difference of",
+            'is read or written) are timed too, alternating with the merges; "merge alone" is the difference of',
             "the medians, and its speed-up the ratio of those differences.",
             "",
             "| processes | wall time (s) | speed-up over 1 | `--dry-run` wall (s) | merge alone (s) | "
@@ -189,9 +219,13 @@ def section(base: str, walls: dict[int, list[float]], dry: dict[int, list[float]
         ]
     lines += [
         "",
-        textwrap.fill(f"The two outputs are byte-identical: all {files} files (shards, index, config, side files, "
-                      "`merge_manifest.json`) compared with `filecmp.cmp(shallow=False)`." if ok else
-                      f"The two outputs DIFFER in: {', '.join(differ)}.", width=115),
+        textwrap.fill(
+            f"The two outputs are byte-identical: all {files} files (shards, index, config, side files, "
+            "`merge_manifest.json`) compared with `filecmp.cmp(shallow=False)`."
+            if ok
+            else f"The two outputs DIFFER in: {', '.join(differ)}.",
+            width=115,
+        ),
     ]
     if FAILURES:
         lines += ["", f"{len(FAILURES)} command(s) exited non-zero and were run again (not timed):", ""]
@@ -230,12 +264,12 @@ def main() -> int:
     walls: dict[int, list[float]] = {1: [], 2: []}
     dry: dict[int, list[float]] = {1: [], 2: []}
     for i in range(args.repeats):
-        for ranks in ((1, 2) if i % 2 == 0 else (2, 1)):  # alternating, so load on the machine hits both alike
+        for ranks in (1, 2) if i % 2 == 0 else (2, 1):  # alternating, so load on the machine hits both alike
             w = run_counted(ranks, base, adapter, out[ranks])
             walls[ranks].append(w)
             print(f"{ranks} rank(s): {w:.2f} s", flush=True)
         if not args.no_dry_run:  # the same commands with --dry-run: start-up, imports, joining, planning
-            for ranks in ((1, 2) if i % 2 == 0 else (2, 1)):
+            for ranks in (1, 2) if i % 2 == 0 else (2, 1):
                 w = run_counted(ranks, base, adapter, out[ranks] + "-dry", dry=True)
                 dry[ranks].append(w)
                 print(f"{ranks} rank(s), --dry-run: {w:.2f} s", flush=True)

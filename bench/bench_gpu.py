@@ -46,14 +46,38 @@ import time
 import torch
 
 SIZES = {
-    "tiny": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024),
-    "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "3B": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-               num_key_value_heads=8, vocab_size=128256),
-    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
+    "1B": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "3B": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "8B": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
 }
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda:0" if CUDA else "cpu")
@@ -77,8 +101,15 @@ def build_base(size: str, folder: str) -> tuple[str, float]:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**SIZES[size], max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
-                         eos_token_id=2, dtype="bfloat16", architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(
+        **SIZES[size],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+    )
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     params = sum(torch.Size(s).numel() for s in shapes.values())
@@ -124,10 +155,15 @@ def load_qlora(base: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map=str(DEV),
-                                                 dtype=torch.bfloat16)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=qc, device_map=str(DEV), dtype=torch.bfloat16
+    )
     if not CUDA:
         import bitsandbytes as bnb
 
@@ -135,8 +171,9 @@ def load_qlora(base: str):
             if isinstance(m, bnb.nn.Linear4bit):
                 m.support_avx512bf16_for_cpu = False
     torch.manual_seed(0)
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
-                                            init_lora_weights=False)).eval()
+    return get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
+    ).eval()
 
 
 class Counter(logging.Handler):
@@ -234,8 +271,10 @@ def compare(a: str, b: str) -> dict:
     assert files == sorted(f for f in os.listdir(a) if f.endswith(".safetensors")), (a, b)
     out = dict(tensors=0, equal=0, elements=0, differing=0, max_ulps=0, max_rel=0.0)
     for f in files:
-        with safe_open(os.path.join(a, f), "pt", device=str(DEV)) as ha, \
-                safe_open(os.path.join(b, f), "pt", device=str(DEV)) as hb:
+        with (
+            safe_open(os.path.join(a, f), "pt", device=str(DEV)) as ha,
+            safe_open(os.path.join(b, f), "pt", device=str(DEV)) as hb,
+        ):
             assert set(ha.keys()) == set(hb.keys()), f
             for k in hb.keys():
                 x, y = ha.get_tensor(k), hb.get_tensor(k)
@@ -274,8 +313,14 @@ def run_merge(model, out: str, fraction: float, ref: str | None, rec: dict, arou
     try:
         with around(), Sampler() as s:
             t0 = time.perf_counter()
-            report = merge_and_save(model, out, dtype="bfloat16", base_precision="dequantized",
-                                    maximum_memory_usage=fraction, progress=False)
+            report = merge_and_save(
+                model,
+                out,
+                dtype="bfloat16",
+                base_precision="dequantized",
+                maximum_memory_usage=fraction,
+                progress=False,
+            )
             sync()
             wall = time.perf_counter() - t0
     finally:
@@ -284,15 +329,25 @@ def run_merge(model, out: str, fraction: float, ref: str | None, rec: dict, arou
     peak_reserved = torch.cuda.max_memory_reserved(DEV) if CUDA else 0
     modules = report.lora_modules_total
     rec.update(
-        maximum_memory_usage=round(fraction, 5), budget_gib=fraction * total / 2**30, device_total_gib=total / 2**30,
-        used_before_gib=used0 / 2**30, peak_used_gib=s.peak / 2**30,
+        maximum_memory_usage=round(fraction, 5),
+        budget_gib=fraction * total / 2**30,
+        device_total_gib=total / 2**30,
+        used_before_gib=used0 / 2**30,
+        peak_used_gib=s.peak / 2**30,
         exceeded_budget=bool(s.peak > max(fraction * total, used0)),
-        max_allocated_gib=peak_alloc / 2**30, max_reserved_gib=peak_reserved / 2**30,
+        max_allocated_gib=peak_alloc / 2**30,
+        max_reserved_gib=peak_reserved / 2**30,
         merge_allocated_mib=(peak_alloc - alloc0) / 2**20,
-        modules=modules, modules_cpu_budget=counter.budget_cpu, modules_cpu_oom=counter.oom_cpu,
-        cpu_fallbacks=report.cpu_fallbacks, modules_gpu=modules - counter.budget_cpu - counter.oom_cpu,
-        merged=f"{report.lora_modules_merged}/{report.lora_modules_total}", wall_s=wall,
-        report_wall_s=report.wall_time_s, gb=report.bytes_written / 1e9, gb_per_s=report.bytes_written / 1e9 / wall,
+        modules=modules,
+        modules_cpu_budget=counter.budget_cpu,
+        modules_cpu_oom=counter.oom_cpu,
+        cpu_fallbacks=report.cpu_fallbacks,
+        modules_gpu=modules - counter.budget_cpu - counter.oom_cpu,
+        merged=f"{report.lora_modules_merged}/{report.lora_modules_total}",
+        wall_s=wall,
+        report_wall_s=report.wall_time_s,
+        gb=report.bytes_written / 1e9,
+        gb_per_s=report.bytes_written / 1e9 / wall,
         self_check=report.self_check_max_rel_err,
     )
     if ref is not None:
@@ -305,8 +360,20 @@ def run_merge(model, out: str, fraction: float, ref: str | None, rec: dict, arou
 def disk_engine(base: str, adapter: str, out: str, device: str, ref: str | None, rec: dict) -> dict:
     """``peft-shardmerge merge`` in a subprocess; wall time of the command and the report's."""
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--dtype", "bfloat16",
-           "--device", device, "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "peft_shardmerge",
+        "merge",
+        base,
+        adapter,
+        out,
+        "--dtype",
+        "bfloat16",
+        "--device",
+        device,
+        "-q",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     subprocess.run(["sync"])
     t0 = time.perf_counter()
@@ -314,8 +381,12 @@ def disk_engine(base: str, adapter: str, out: str, device: str, ref: str | None,
     wall = time.perf_counter() - t0
     assert done.returncode == 0, done.stderr[-3000:]
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
-    rec.update(command="peft-shardmerge merge BASE ADAPTER OUT --dtype bfloat16 --device " + device,
-               command_wall_s=wall, gb=size / 1e9, gb_per_s=size / 1e9 / wall)
+    rec.update(
+        command="peft-shardmerge merge BASE ADAPTER OUT --dtype bfloat16 --device " + device,
+        command_wall_s=wall,
+        gb=size / 1e9,
+        gb_per_s=size / 1e9 / wall,
+    )
     m = re.search(r"wall time ([0-9.]+) s", done.stdout + done.stderr)
     if m:
         rec["report_wall_s"] = float(m.group(1))
@@ -352,11 +423,17 @@ def unload(model, rec: dict) -> dict:
         gen = plain.generate(input_ids=ids[:, :8], max_new_tokens=16, do_sample=False, pad_token_id=0)
     rel = float((after_logits - before_logits).abs().max() / before_logits.abs().max())
     kinds = sorted({type(m).__name__ for m in plain.modules() if "Linear" in type(m).__name__})
-    rec.update(wall_s=wall, allocated_4bit_lora_gib=alloc0 / 2**30, allocated_after_gib=alloc1 / 2**30,
-               peak_allocated_gib=peak / 2**30, generated_tokens=int(gen.shape[1] - 8),
-               logits_rel_diff_vs_4bit=rel, linear_types=kinds,
-               weight_device=str(plain.model.layers[0].mlp.up_proj.weight.device),
-               weight_dtype=str(plain.model.layers[0].mlp.up_proj.weight.dtype))
+    rec.update(
+        wall_s=wall,
+        allocated_4bit_lora_gib=alloc0 / 2**30,
+        allocated_after_gib=alloc1 / 2**30,
+        peak_allocated_gib=peak / 2**30,
+        generated_tokens=int(gen.shape[1] - 8),
+        logits_rel_diff_vs_4bit=rel,
+        linear_types=kinds,
+        weight_device=str(plain.model.layers[0].mlp.up_proj.weight.device),
+        weight_dtype=str(plain.model.layers[0].mlp.up_proj.weight.dtype),
+    )
     return rec
 
 
@@ -373,8 +450,16 @@ def bench_size(size: str, args) -> None:
     gc.collect()
     alloc = torch.cuda.memory_allocated(DEV) if CUDA else 0
     used, total = device_used()
-    emit(dict(size=size, step="load_4bit", wall_s=time.perf_counter() - t0, allocated_gib=alloc / 2**30,
-              device_used_gib=used / 2**30), args.json)
+    emit(
+        dict(
+            size=size,
+            step="load_4bit",
+            wall_s=time.perf_counter() - t0,
+            allocated_gib=alloc / 2**30,
+            device_used_gib=used / 2**30,
+        ),
+        args.json,
+    )
 
     cfg = model.config
     attn_need = cfg.hidden_size * cfg.hidden_size * 8  # the budget's working set: fp32 weight + one copy
@@ -385,14 +470,26 @@ def bench_size(size: str, args) -> None:
         emit(run_merge(model, ref, 0.01, None, dict(size=size, step="merge_and_save", scenario="cpu")), args.json)
     refarg = ref if os.path.exists(ref) else None
     if "gpu" in scenarios:
-        emit(run_merge(model, os.path.join(work, "out"), 0.9, refarg,
-                       dict(size=size, step="merge_and_save", scenario="gpu")), args.json)
+        emit(
+            run_merge(
+                model, os.path.join(work, "out"), 0.9, refarg, dict(size=size, step="merge_and_save", scenario="gpu")
+            ),
+            args.json,
+        )
     if "tight" in scenarios and CUDA:
         gc.collect()
         torch.cuda.empty_cache()
         used, total = device_used()
-        emit(run_merge(model, os.path.join(work, "out"), (used + 1.5 * attn_need) / total, refarg,
-                       dict(size=size, step="merge_and_save", scenario="tight")), args.json)
+        emit(
+            run_merge(
+                model,
+                os.path.join(work, "out"),
+                (used + 1.5 * attn_need) / total,
+                refarg,
+                dict(size=size, step="merge_and_save", scenario="tight"),
+            ),
+            args.json,
+        )
     if "cap" in scenarios and CUDA:
         gc.collect()
         torch.cuda.empty_cache()
@@ -409,6 +506,7 @@ def bench_size(size: str, args) -> None:
         rec = dict(size=size, step="merge_and_save", scenario="cap", cap_gib=cap_bytes / 2**30)
         emit(run_merge(model, os.path.join(work, "out"), 0.95, refarg, rec, capped), args.json)
     if "other" in scenarios and CUDA:
+
         @contextlib.contextmanager
         def other():
             proc, stop = start_other(2 * mlp_numel, work)
@@ -430,8 +528,17 @@ def bench_size(size: str, args) -> None:
         dref = os.path.join(work, "disk-cpu")
         emit(disk_engine(base, adapter, dref, "cpu", None, dict(size=size, step="disk", device="cpu")), args.json)
         if CUDA:
-            emit(disk_engine(base, adapter, os.path.join(work, "disk-cuda"), "cuda", dref,
-                             dict(size=size, step="disk", device="cuda")), args.json)
+            emit(
+                disk_engine(
+                    base,
+                    adapter,
+                    os.path.join(work, "disk-cuda"),
+                    "cuda",
+                    dref,
+                    dict(size=size, step="disk", device="cuda"),
+                ),
+                args.json,
+            )
         shutil.rmtree(dref, ignore_errors=True)
         shutil.rmtree(os.path.join(work, "disk-cuda"), ignore_errors=True)
     if "unload" in scenarios:
@@ -457,15 +564,22 @@ def main() -> None:
     import peft
     import transformers
 
-    machine = dict(step="machine", torch=torch.__version__, transformers=transformers.__version__,
-                   peft=peft.__version__, bitsandbytes=bitsandbytes.__version__, python=sys.version.split()[0],
-                   cpus=os.cpu_count())
+    machine = dict(
+        step="machine",
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        peft=peft.__version__,
+        bitsandbytes=bitsandbytes.__version__,
+        python=sys.version.split()[0],
+        cpus=os.cpu_count(),
+    )
     if CUDA:
         props = torch.cuda.get_device_properties(DEV)
         machine.update(gpu=props.name, gpu_total_gib=props.total_memory / 2**30, cuda=torch.version.cuda)
         try:
-            machine["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                               capture_output=True, text=True).stdout.strip()
+            machine["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+            ).stdout.strip()
         except OSError:
             pass
     emit(machine, args.json)

@@ -24,10 +24,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORK = os.path.join(HERE, "_work")
 
 SIZES = {
-    "0.5B": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1B": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "0.5B": dict(
+        arch="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "1B": dict(
+        arch="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -81,8 +97,10 @@ def build(size: str) -> tuple[str, str]:
                     w.write(block.to(torch.bfloat16))
                 weight_map[n] = fname
     total = sum(2 * int(torch.Size(s).numel()) for s in shapes.values())
-    write_json(os.path.join(base, "model.safetensors.index.json"),
-               {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(
+        os.path.join(base, "model.safetensors.index.json"),
+        {"metadata": {"total_size": total}, "weight_map": weight_map},
+    )
     config.save_pretrained(base)
 
     os.makedirs(adapter, exist_ok=True)
@@ -166,8 +184,13 @@ def run(method: str, base: str, adapter: str) -> dict:
     out = os.path.join(WORK, f"out-{method}")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     os.sync()  # start every run with no dirty pages from the previous one being written back
-    p = subprocess.run([sys.executable, "-c", CHILD, method, base, adapter, out], capture_output=True, text=True,
-                       env=env, timeout=3600)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, method, base, adapter, out],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
     shutil.rmtree(out, ignore_errors=True)
     os.sync()
     if p.returncode != 0:
@@ -179,8 +202,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.5B,1B")
     ap.add_argument("--methods", default="copy,copy_fsync,peft_shardmerge,peft_shardmerge_500MB,peft")
-    ap.add_argument("--inprocess-sizes", default="0.5B",
-                    help="sizes for the in-process merge_and_save benchmark on a 4-bit model ('' to skip)")
+    ap.add_argument(
+        "--inprocess-sizes",
+        default="0.5B",
+        help="sizes for the in-process merge_and_save benchmark on a 4-bit model ('' to skip)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per method; the median is reported")
     ap.add_argument("--write", help="write the Markdown table to this file")
     ap.add_argument("--keep", action="store_true", help="keep the generated models under bench/_work")
@@ -194,9 +220,11 @@ def main() -> int:
             for method in args.methods.split(","):
                 r = run(method, base, adapter)
                 runs.setdefault(method, []).append(r)
-                print(f"{size} {method}: {r['wall_s']:.2f} s, "
-                      f"peak RSS +{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB",
-                      flush=True)
+                print(
+                    f"{size} {method}: {r['wall_s']:.2f} s, "
+                    f"peak RSS +{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB",
+                    flush=True,
+                )
         summary = {m: summarize(rs) for m, rs in runs.items()}
         copy_wall = summary.get("copy", {}).get("wall_s")
         for method, r in summary.items():
@@ -206,8 +234,11 @@ def main() -> int:
         base, adapter = build(size)
         rs = [run("merge_and_save_4bit", base, adapter) for _ in range(args.repeats)]
         for r in rs:
-            print(f"{size} merge_and_save (4-bit): {r['wall_s']:.2f} s, peak RSS over the loaded model "
-                  f"+{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB", flush=True)
+            print(
+                f"{size} merge_and_save (4-bit): {r['wall_s']:.2f} s, peak RSS over the loaded model "
+                f"+{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB",
+                flush=True,
+            )
         inproc.append((size, summarize(rs)))
     table = format_table(rows, args, inproc)
     print(table)
@@ -216,7 +247,7 @@ def main() -> int:
         if os.path.exists(args.write):
             old = open(args.write).read()
             if "\n## On a CUDA GPU" in old:
-                kept = old[old.index("\n## On a CUDA GPU"):]
+                kept = old[old.index("\n## On a CUDA GPU") :]
         with open(args.write, "w") as f:
             f.write(table.rstrip("\n") + "\n" + kept)
     if not args.keep:
@@ -227,16 +258,22 @@ def main() -> int:
 def summarize(runs: list[dict]) -> dict:
     """Median wall time with its range, and the highest peak RSS over baseline, of repeated runs."""
     walls = sorted(r["wall_s"] for r in runs)
-    return {"wall_s": walls[len(walls) // 2], "wall_min": walls[0], "wall_max": walls[-1],
-            "rss_over": max(r["peak_rss"] - r["baseline_rss"] for r in runs),
-            "largest_module_fp32": runs[0].get("largest_module_fp32")}
+    return {
+        "wall_s": walls[len(walls) // 2],
+        "wall_min": walls[0],
+        "wall_max": walls[-1],
+        "rss_over": max(r["peak_rss"] - r["baseline_rss"] for r in runs),
+        "largest_module_fp32": runs[0].get("largest_module_fp32"),
+    }
 
 
 def format_table(rows, args, inproc=()) -> str:
     import torch
 
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, "
-               f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM")
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+    )
     lines = [
         "# Benchmarks",
         "",
@@ -258,14 +295,19 @@ def format_table(rows, args, inproc=()) -> str:
         "| base | params | method | wall time (s) | × copy | peak RSS over baseline (MiB) |",
         "|---|---:|---|---:|---:|---:|",
     ]
-    names = {"copy": "copy the files (`shutil.copyfile`)", "copy_fsync": "copy the files, then fsync each",
-             "peft_shardmerge": "peft-shardmerge merge (fsyncs its output)",
-             "peft_shardmerge_500MB": "peft-shardmerge merge, `max_shard_size=\"500MB\"`",
-             "peft": "PEFT reload + merge_and_unload + save_pretrained"}
+    names = {
+        "copy": "copy the files (`shutil.copyfile`)",
+        "copy_fsync": "copy the files, then fsync each",
+        "peft_shardmerge": "peft-shardmerge merge (fsyncs its output)",
+        "peft_shardmerge_500MB": 'peft-shardmerge merge, `max_shard_size="500MB"`',
+        "peft": "PEFT reload + merge_and_unload + save_pretrained",
+    }
     for size, params, method, r, copy_wall in rows:
         ratio = f"{r['wall_s'] / copy_wall:.2f}" if copy_wall else "-"
-        lines.append(f"| {size} | {params / 1e9:.2f}B | {names.get(method, method)} | {r['wall_s']:.2f} "
-                     f"[{r['wall_min']:.2f}–{r['wall_max']:.2f}] | {ratio} | {r['rss_over'] / 2**20:.0f} |")
+        lines.append(
+            f"| {size} | {params / 1e9:.2f}B | {names.get(method, method)} | {r['wall_s']:.2f} "
+            f"[{r['wall_min']:.2f}–{r['wall_max']:.2f}] | {ratio} | {r['rss_over'] / 2**20:.0f} |"
+        )
     lines += [
         "",
         "Reading the table: the peak RSS of a peft-shardmerge merge is one row block plus the writer's queue and",
@@ -281,7 +323,7 @@ def format_table(rows, args, inproc=()) -> str:
             "",
             "The base is loaded with `BitsAndBytesConfig(load_in_4bit=True, nf4, double quant)` on the CPU, a",
             "rank-16 LoRA (non-zero B) is attached to all seven projections, and `merge_and_save(model, out,",
-            "base_precision=\"dequantized\")` writes bf16. Peak RSS is measured over the RSS of the process with",
+            'base_precision="dequantized")` writes bf16. Peak RSS is measured over the RSS of the process with',
             "the model loaded and every weight page touched once (as after training; transformers memory-maps",
             "checkpoints, so untouched weights are not yet resident), against the largest quantized module's",
             "weight in fp32 (the working set of one module).",
@@ -290,8 +332,10 @@ def format_table(rows, args, inproc=()) -> str:
             "|---|---:|---:|---:|",
         ]
         for size, r in inproc:
-            lines.append(f"| {size} | {r['wall_s']:.2f} [{r['wall_min']:.2f}–{r['wall_max']:.2f}] | "
-                         f"{r['rss_over'] / 2**20:.0f} | {r['largest_module_fp32'] / 2**20:.0f} |")
+            lines.append(
+                f"| {size} | {r['wall_s']:.2f} [{r['wall_min']:.2f}–{r['wall_max']:.2f}] | "
+                f"{r['rss_over'] / 2**20:.0f} | {r['largest_module_fp32'] / 2**20:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -48,12 +48,24 @@ def main(workdir: str, steps: int) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    base = build_base(os.path.join(workdir, "base"), "llama", dtype=torch.bfloat16, hidden_size=256,
-                      intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=quant, device_map="cpu",
-                                                 dtype=torch.float32)
+    base = build_base(
+        os.path.join(workdir, "base"),
+        "llama",
+        dtype=torch.bfloat16,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=quant, device_map="cpu", dtype=torch.float32
+    )
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
@@ -69,8 +81,10 @@ def main(workdir: str, steps: int) -> int:
     model.eval()
     held_out = patterns(vocab, 16, 64, seed=10_000)
 
-    rows = [("base alone (bf16)", loss_of(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), held_out)),
-            ("trained QLoRA model (4-bit base + adapter)", loss_of(model, held_out))]
+    rows = [
+        ("base alone (bf16)", loss_of(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), held_out)),
+        ("trained QLoRA model (4-bit base + adapter)", loss_of(model, held_out)),
+    ]
     for precision in ("original", "dequantized"):
         out = os.path.join(workdir, f"merged-{precision}")
         merge_and_save(model, out, dtype="bfloat16", base_precision=precision, progress=False)

@@ -29,11 +29,16 @@ def main(workdir: str) -> int:
     hf_logging.set_verbosity_error()
     base = build_base(os.path.join(workdir, "tiny-llama"), "llama", dtype=torch.bfloat16)
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     # float32 for the layers bitsandbytes leaves alone, so the comparison below is exact maths, not bf16 noise
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=quant, device_map="cpu",
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=quant, device_map="cpu", dtype=torch.float32
+    )
     for module in model.modules():  # keep bitsandbytes from repacking weights for its CPU kernel
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False

@@ -127,8 +127,10 @@ class PeerLostError(ShardMergeError, RuntimeError):
         self.detail = detail
         said = (detail.splitlines() or ["no detail"])[0]
         said = said.split("] ", 1)[-1] if said.startswith("[") else said  # gloo starts with its source file
-        super().__init__(f"another rank stopped answering (torch.distributed: {said.split('. ')[0][:160]})"
-                         + (f"; {state}" if state else ""))
+        super().__init__(
+            f"another rank stopped answering (torch.distributed: {said.split('. ')[0][:160]})"
+            + (f"; {state}" if state else "")
+        )
 
 
 class Stopped(Exception):

@@ -19,9 +19,22 @@ OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -104,11 +117,15 @@ _ONE_PATH = {
     "nf4_blocksize": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
     "nf4_double_quant": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
     "nf4_skip_modules": (DISK, "the 4-bit settings of base_precision='nf4' apply to merges from disk"),
-    "device": (DISK, "device applies to merges from disk; a loaded model merges where its weights are, within "
-                     "maximum_memory_usage"),
+    "device": (
+        DISK,
+        "device applies to merges from disk; a loaded model merges where its weights are, within maximum_memory_usage",
+    ),
     "resume": (DISK, "resume applies to merges from disk"),
-    "maximum_memory_usage": (MODEL, "maximum_memory_usage applies to merges of a loaded model; from disk, "
-                                    "device= chooses where the maths runs"),
+    "maximum_memory_usage": (
+        MODEL,
+        "maximum_memory_usage applies to merges of a loaded model; from disk, device= chooses where the maths runs",
+    ),
 }
 
 
@@ -183,8 +200,10 @@ class MergeOptions:
         if weights is not None and not isinstance(weights, (str, bytes)) and hasattr(weights, "__iter__"):
             object.__setattr__(self, "weights", tuple(self.weights))
         unparsed: dict[str, list[str]] = {}
-        for name, parse, private in (("dtype", parse_dtype, "_out_dtype"),
-                                     ("max_shard_size", parse_size, "_shard_bytes")):
+        for name, parse, private in (
+            ("dtype", parse_dtype, "_out_dtype"),
+            ("max_shard_size", parse_size, "_shard_bytes"),
+        ):
             try:
                 object.__setattr__(self, private, parse(getattr(self, name)))
             except InputError as e:
@@ -220,8 +239,9 @@ class MergeOptions:
         """The 4-bit settings for ``base_precision="nf4"``, else None."""
         if self.base_precision != "nf4":
             return None
-        return Nf4Settings(self.nf4_quant_type, self.nf4_blocksize, self.nf4_double_quant,
-                           tuple(self.nf4_skip_modules))
+        return Nf4Settings(
+            self.nf4_quant_type, self.nf4_blocksize, self.nf4_double_quant, tuple(self.nf4_skip_modules)
+        )
 
     def problems(self, path: str = DISK) -> list[str]:
         """Every problem with these options for one path, at once (the number of weights is checked against the
@@ -253,8 +273,11 @@ class MergeOptions:
             problems.append(f"base_precision must be one of {', '.join(allowed)}, got {self.base_precision!r}")
         elif self.nf4 is not None:
             problems += self.nf4.validate()
-        if not isinstance(self.device, torch.device) and self.device not in DEVICES and not (
-                isinstance(self.device, str) and self.device.startswith("cuda:")):
+        if (
+            not isinstance(self.device, torch.device)
+            and self.device not in DEVICES
+            and not (isinstance(self.device, str) and self.device.startswith("cuda:"))
+        ):
             problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not isinstance(self.chunk_elems, int) or isinstance(self.chunk_elems, bool) or self.chunk_elems <= 0:
             problems.append(f"chunk_elems must be a positive int, got {self.chunk_elems!r}")
@@ -302,8 +325,7 @@ class MergeOptions:
         return self
 
     @classmethod
-    def merged(cls, options: "MergeOptions | None", *, path: str = DISK,
-               **given) -> tuple["MergeOptions", list[str]]:
+    def merged(cls, options: "MergeOptions | None", *, path: str = DISK, **given) -> tuple["MergeOptions", list[str]]:
         """The options of a call that takes both keywords and ``options=``.
 
         Precedence, per option: a keyword left at its default defers to ``options``; a keyword set to another

@@ -11,6 +11,7 @@ from .verify.logits import IMAGE_TOKEN, model_class, model_inputs, token_ids
 #: architectures with a tiny config; hidden sizes are multiples of 64 so bitsandbytes' CPU kernels apply
 ARCHITECTURES = ("llama", "qwen2", "gpt2", "bert", "t5", "llava", "qwen2_vl")
 
+
 def tiny_config(arch: str = "llama", **overrides):
     """A small transformers config of the given architecture.
 
@@ -32,12 +33,26 @@ def tiny_config(arch: str = "llama", **overrides):
 
     common = dict(vocab_size=512, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
-        kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+        kw = dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
         return LlamaConfig(**{**common, **kw, **overrides})
     if arch == "qwen2":
-        kw = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+        kw = dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+        )
         return Qwen2Config(**{**common, **kw, **overrides})
     if arch == "gpt2":
         kw = dict(n_embd=128, n_layer=2, n_head=4, n_positions=256)
@@ -45,42 +60,109 @@ def tiny_config(arch: str = "llama", **overrides):
     if arch == "bert":
         from transformers import BertConfig
 
-        kw = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                  max_position_embeddings=128, architectures=["BertForMaskedLM"])
+        kw = dict(
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=128,
+            architectures=["BertForMaskedLM"],
+        )
         return BertConfig(**{**kw, **overrides})
     if arch == "t5":
         from transformers import T5Config
 
-        kw = dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-                  decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-                  architectures=["T5ForConditionalGeneration"])
+        kw = dict(
+            vocab_size=512,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+            architectures=["T5ForConditionalGeneration"],
+        )
         return T5Config(**{**kw, **overrides})
     if arch == "llava":
         from transformers import CLIPVisionConfig, LlavaConfig
 
-        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  image_size=32, patch_size=8, projection_dim=32)
-        text = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-        kw = dict(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN, vision_feature_layer=-2,
-                  vision_feature_select_strategy="default", architectures=["LlavaForConditionalGeneration"])
+        vision = CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+            projection_dim=32,
+        )
+        text = LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+        kw = dict(
+            vision_config=vision,
+            text_config=text,
+            image_token_id=IMAGE_TOKEN,
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+            architectures=["LlavaForConditionalGeneration"],
+        )
         return LlavaConfig(**{**kw, **overrides})
     if arch == "qwen2_vl":
         from transformers import Qwen2VLConfig
 
-        text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=256,
-                    rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]})
-        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-        kw = dict(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=501,
-                  vision_start_token_id=502, vision_end_token_id=503,
-                  architectures=["Qwen2VLForConditionalGeneration"])
+        text = dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+        )
+        vision = dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=4,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        )
+        kw = dict(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=IMAGE_TOKEN,
+            video_token_id=501,
+            vision_start_token_id=502,
+            vision_end_token_id=503,
+            architectures=["Qwen2VLForConditionalGeneration"],
+        )
         return Qwen2VLConfig(**{**kw, **overrides})
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
 
-def build_base(folder: str, arch: str = "llama", *, dtype: torch.dtype = torch.float32,
-               max_shard_size: int | str | None = None, seed: int = 0, **overrides) -> str:
+
+def build_base(
+    folder: str,
+    arch: str = "llama",
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str | None = None,
+    seed: int = 0,
+    **overrides,
+) -> str:
     """Build a random tiny causal LM and save it as a transformers checkpoint.
 
     Args:
@@ -107,6 +189,7 @@ def build_base(folder: str, arch: str = "llama", *, dtype: torch.dtype = torch.f
         model.save_pretrained(folder, **kwargs)
         return folder
 
+
 def default_targets(arch: str) -> list[str]:
     """The usual LoRA target modules of an architecture.
 
@@ -132,8 +215,10 @@ def default_targets(arch: str) -> list[str]:
         return ["q_proj", "v_proj", "qkv", "patch_embed.proj"]
     return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, seed: int = 1,
-                  noise: float = 0.02, **lora_kwargs) -> str:
+
+def build_adapter(
+    base_folder: str, folder: str, *, arch: str | None = None, seed: int = 1, noise: float = 0.02, **lora_kwargs
+) -> str:
     """Build a LoRA adapter on a saved base, with every trainable tensor moved off its initial value
     (as after training), and save it with ``save_pretrained``.
 
@@ -167,6 +252,7 @@ def build_adapter(base_folder: str, folder: str, *, arch: str | None = None, see
         perturb_trainable(peft_model, noise)
         peft_model.save_pretrained(folder)
         return folder
+
 
 def perturb_trainable(model, noise: float = 0.1) -> None:
     """Move every trainable tensor of a model off its initial value, as training would (LoRA B starts at zero,
@@ -219,5 +305,17 @@ def compare_logits(base_folder: str, adapter_folder: str, merged_folder: str, *,
             got = merged(**inputs).logits
         return float((ref - got).abs().max())
 
-__all__ = ["ARCHITECTURES", "IMAGE_TOKEN", "tiny_config", "build_base", "build_adapter", "default_targets",
-           "model_class", "model_inputs", "perturb_trainable", "token_ids", "compare_logits"]
+
+__all__ = [
+    "ARCHITECTURES",
+    "IMAGE_TOKEN",
+    "tiny_config",
+    "build_base",
+    "build_adapter",
+    "default_targets",
+    "model_class",
+    "model_inputs",
+    "perturb_trainable",
+    "token_ids",
+    "compare_logits",
+]

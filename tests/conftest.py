@@ -37,8 +37,9 @@ def make_base(workdir):
     def make(name: str) -> str:
         if name not in cache:
             arch, dtype, shard, overrides = BASES[name]
-            cache[name] = build_base(str(workdir / f"base-{name}"), arch, dtype=dtype, max_shard_size=shard,
-                                     **overrides)
+            cache[name] = build_base(
+                str(workdir / f"base-{name}"), arch, dtype=dtype, max_shard_size=shard, **overrides
+            )
         return cache[name]
 
     return make
@@ -52,8 +53,9 @@ def make_adapter(workdir, make_base):
     def make(base: str, tag: str = "default", **kwargs) -> str:
         key = (base, tag)
         if key not in cache:
-            cache[key] = build_adapter(make_base(base), str(workdir / f"adapter-{base}-{tag}"),
-                                       arch=BASES[base][0], **kwargs)
+            cache[key] = build_adapter(
+                make_base(base), str(workdir / f"adapter-{base}-{tag}"), arch=BASES[base][0], **kwargs
+            )
         return cache[key]
 
     return make

@@ -47,8 +47,10 @@ def add_adapter_refusal() -> str | None:
     try:
         check_peft_version(min_version=MIN_PEFT_VERSION)
     except ValueError as e:
-        return (f"transformers {version('transformers')} refuses PEFT {version('peft')} in its own add_adapter "
-                f"integration (it asks for PEFT >= {MIN_PEFT_VERSION}): {e}")
+        return (
+            f"transformers {version('transformers')} refuses PEFT {version('peft')} in its own add_adapter "
+            f"integration (it asks for PEFT >= {MIN_PEFT_VERSION}): {e}"
+        )
     return None
 
 
@@ -61,9 +63,24 @@ def add_adapter_or_skip(model, *args, **kwargs) -> None:
 
 
 #: the NF4 code book of the QLoRA paper (Dettmers et al. 2023, appendix E)
-NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+NF4 = [
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+]
 BLOCK = 64  # values per absmax
 NESTED_BLOCK = 256  # absmax codes per nested float32 scale (double quant)
 

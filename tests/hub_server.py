@@ -49,8 +49,15 @@ class FakeHub:
                 m = re.match(r"^/api/models/([^/]+/[^/]+)/preupload/(.+)$", self.path)
                 if m:
                     req = json.loads(body)
-                    return self._json(200, {"files": [{"path": f["path"], "uploadMode": "regular",
-                                                       "shouldIgnore": False, "oid": None} for f in req["files"]]})
+                    return self._json(
+                        200,
+                        {
+                            "files": [
+                                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None}
+                                for f in req["files"]
+                            ]
+                        },
+                    )
                 m = re.match(r"^/api/models/([^/]+/[^/]+)/commit/(.+?)(\?.*)?$", self.path)
                 if m:
                     repo = m.group(1)
@@ -62,8 +69,14 @@ class FakeHub:
                             hub.files.setdefault(repo, {})[v["path"]] = base64.b64decode(v["content"])
                             commit["files"].append(v["path"])
                     hub.commits.append(commit)
-                    return self._json(200, {"commitUrl": f"{hub.url}/{repo}/commit/{'a' * 40}",
-                                            "commitOid": "a" * 40, "pullRequestUrl": None})
+                    return self._json(
+                        200,
+                        {
+                            "commitUrl": f"{hub.url}/{repo}/commit/{'a' * 40}",
+                            "commitOid": "a" * 40,
+                            "pullRequestUrl": None,
+                        },
+                    )
                 hub.unknown.append(f"POST {self.path}")
                 return self._json(404, {"error": f"not served by the test hub: {self.path}"})
 

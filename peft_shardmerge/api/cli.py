@@ -50,48 +50,86 @@ def build_parser() -> argparse.ArgumentParser:
         "merge",
         help="merge a base checkpoint and a LoRA adapter folder into a new checkpoint",
         description="Merge BASE + ADAPTER into OUT, one row block at a time. Under torchrun (torchrun "
-                    "--nproc_per_node N -m peft_shardmerge merge ...) the output shards are split over the ranks; "
-                    "rank 0 commits, and the bytes are those one process writes.",
+        "--nproc_per_node N -m peft_shardmerge merge ...) the output shards are split over the ranks; "
+        "rank 0 commits, and the bytes are those one process writes.",
     )
     m.add_argument("base", metavar="BASE", help="base checkpoint folder, or a Hub id in the local cache")
     m.add_argument("adapter", metavar="ADAPTER", help="PEFT LoRA adapter folder, or a Hub id in the local cache")
     m.add_argument("out", metavar="OUT", help="output folder (created; replaced only with --overwrite)")
-    m.add_argument("--add-adapter", action="append", default=[], metavar="FOLDER",
-                   help="another adapter to merge with ADAPTER (repeatable); see --weights and --combination")
-    m.add_argument("--weights", type=float, nargs="+", metavar="W",
-                   help="one weight per adapter, ADAPTER first (default 1.0 each)")
-    m.add_argument("--combination", choices=["cat", "linear"], default="cat",
-                   help="how several adapters combine: cat = exactly sum of w_i * delta_i (default); linear = "
-                        "PEFT add_weighted_adapter's 'linear' (equal ranks, cross terms included)")
-    m.add_argument("--dtype", type=_dtype_arg, default=None, metavar="{bfloat16,float16,float32,auto}",
-                   help="dtype written (bf16, fp16, fp32 too; default or 'auto': the base's)")
+    m.add_argument(
+        "--add-adapter",
+        action="append",
+        default=[],
+        metavar="FOLDER",
+        help="another adapter to merge with ADAPTER (repeatable); see --weights and --combination",
+    )
+    m.add_argument(
+        "--weights",
+        type=float,
+        nargs="+",
+        metavar="W",
+        help="one weight per adapter, ADAPTER first (default 1.0 each)",
+    )
+    m.add_argument(
+        "--combination",
+        choices=["cat", "linear"],
+        default="cat",
+        help="how several adapters combine: cat = exactly sum of w_i * delta_i (default); linear = "
+        "PEFT add_weighted_adapter's 'linear' (equal ranks, cross terms included)",
+    )
+    m.add_argument(
+        "--dtype",
+        type=_dtype_arg,
+        default=None,
+        metavar="{bfloat16,float16,float32,auto}",
+        help="dtype written (bf16, fp16, fp32 too; default or 'auto': the base's)",
+    )
     m.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
-    m.add_argument("--base-precision", choices=["auto", "original", "nf4"], default="auto",
-                   help="auto (default): reproduce the trained model, i.e. nf4 where the adapter's files show a 4-bit "
-                        "base, else original; original: the checkpoint's weights; nf4: dequant(nf4(W)), the weights "
-                        "a QLoRA adapter was trained against")
-    m.add_argument("--nf4-quant-type", choices=["nf4", "fp4"], default="nf4",
-                   help="4-bit type used in training (with --base-precision nf4)")
+    m.add_argument(
+        "--base-precision",
+        choices=["auto", "original", "nf4"],
+        default="auto",
+        help="auto (default): reproduce the trained model, i.e. nf4 where the adapter's files show a 4-bit "
+        "base, else original; original: the checkpoint's weights; nf4: dequant(nf4(W)), the weights "
+        "a QLoRA adapter was trained against",
+    )
+    m.add_argument(
+        "--nf4-quant-type",
+        choices=["nf4", "fp4"],
+        default="nf4",
+        help="4-bit type used in training (with --base-precision nf4)",
+    )
     m.add_argument("--nf4-blocksize", type=int, default=64, help="4-bit block size used in training (default 64)")
-    m.add_argument("--no-nf4-double-quant", dest="nf4_double_quant", action="store_false",
-                   help="training did not use double quantization")
-    m.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto",
-                   help="where the maths runs (under torchrun, cuda is each rank's own GPU: cuda:LOCAL_RANK)")
+    m.add_argument(
+        "--no-nf4-double-quant",
+        dest="nf4_double_quant",
+        action="store_false",
+        help="training did not use double quantization",
+    )
+    m.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "auto"],
+        default="auto",
+        help="where the maths runs (under torchrun, cuda is each rank's own GPU: cuda:LOCAL_RANK)",
+    )
     m.add_argument("--dry-run", action="store_true", help="print the plan and exit; read no tensor data")
     m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     v = sub.add_parser(
         "verify",
         help="check a merged checkpoint (every byte against its merge record; with --base/--adapter, every tensor "
-             "recomputed and the logits)",
+        "recomputed and the logits)",
         description="Check OUT: every byte against the SHA-256 digests in merge_manifest.json, headers, index, "
-                    "format metadata, no NaN/Inf, names and shapes, config consistency; with --base and --adapter, "
-                    "every tensor recomputed from base + adapter and the logits. Exit 0 OK, 1 FAILED, 3 UNCHECKED "
-                    "(no merge record and no --base/--adapter), 2 OUT is not a checkpoint.",
+        "format metadata, no NaN/Inf, names and shapes, config consistency; with --base and --adapter, "
+        "every tensor recomputed from base + adapter and the logits. Exit 0 OK, 1 FAILED, 3 UNCHECKED "
+        "(no merge record and no --base/--adapter), 2 OUT is not a checkpoint.",
     )
     v.add_argument("out", metavar="OUT", help="the merged checkpoint folder")
     v.add_argument("--base", help="the base checkpoint the merge came from")
-    v.add_argument("--adapter", action="append", help="the adapter that was merged (repeat it, in order, for a "
-                                                      "combination of several)")
+    v.add_argument(
+        "--adapter",
+        action="append",
+        help="the adapter that was merged (repeat it, in order, for a combination of several)",
+    )
     v.add_argument("--prompts", help="a text file, one prompt a line, to compare logits on (default: random ids)")
     v.add_argument("--tolerance", type=float, help="largest accepted relative logits error")
     verbosity = m.add_mutually_exclusive_group()
@@ -122,10 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         return _verify(args, parser)
     rank = _rank()
-    level = logging.WARNING if args.quiet or (rank and not args.verbose) else \
-        logging.DEBUG if args.verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(levelname)s " + ("" if rank is None else f"[rank {rank}] ")
-                        + "%(name)s: %(message)s")
+    level = (
+        logging.WARNING
+        if args.quiet or (rank and not args.verbose)
+        else logging.DEBUG
+        if args.verbose
+        else logging.INFO
+    )
+    logging.basicConfig(
+        level=level, format="%(levelname)s " + ("" if rank is None else f"[rank {rank}] ") + "%(name)s: %(message)s"
+    )
     if not args.verbose:
         for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -138,12 +182,22 @@ def main(argv: list[str] | None = None) -> int:
 
         adapters = [args.adapter, *args.add_adapter]
         report = merge_checkpoint(
-            args.base, adapters[0] if len(adapters) == 1 else adapters, args.out,
-            weights=args.weights, combination=args.combination,
-            dtype=args.dtype, max_shard_size=args.max_shard_size, base_precision=args.base_precision,
-            nf4_quant_type=args.nf4_quant_type, nf4_blocksize=args.nf4_blocksize,
-            nf4_double_quant=args.nf4_double_quant, device=args.device, overwrite=args.overwrite,
-            dry_run=args.dry_run, progress=not args.quiet and not rank, distributed=True,
+            args.base,
+            adapters[0] if len(adapters) == 1 else adapters,
+            args.out,
+            weights=args.weights,
+            combination=args.combination,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            base_precision=args.base_precision,
+            nf4_quant_type=args.nf4_quant_type,
+            nf4_blocksize=args.nf4_blocksize,
+            nf4_double_quant=args.nf4_double_quant,
+            device=args.device,
+            overwrite=args.overwrite,
+            dry_run=args.dry_run,
+            progress=not args.quiet and not rank,
+            distributed=True,
         )
     except ShardMergeError as e:
         print(f"{_who(rank)}: error: {command_line_text(str(e))}", file=sys.stderr)
@@ -155,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{_who(rank)}: terminated; {_out_state(args.out)}", file=sys.stderr)
         return EXIT_TERMINATED
     except OSError as e:
-        print(f"{_who(rank)}: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(args.out)}",
-              file=sys.stderr)
+        print(
+            f"{_who(rank)}: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(args.out)}",
+            file=sys.stderr,
+        )
         return EXIT_USER_ERROR
     if (args.dry_run or not args.quiet) and not rank:  # a dry run's plan is its output; -q silences the summary
         _print(report.summary())
@@ -223,8 +279,9 @@ def _dtype_arg(value: str) -> str | None:
     if name == "auto":
         return None
     if name not in ("bfloat16", "float16", "float32"):
-        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from bfloat16, float16, float32, or "
-                                         "bf16, fp16, fp32, auto)")
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {value!r} (choose from bfloat16, float16, float32, or bf16, fp16, fp32, auto)"
+        )
     return name
 
 
@@ -241,8 +298,9 @@ def _verify(args, parser) -> int:
         if args.prompts:
             with open(args.prompts, encoding="utf-8") as f:
                 prompts = [line.rstrip("\n") for line in f if line.strip()]
-        report = verify_checkpoint(args.out, base=args.base, adapter=args.adapter, prompts=prompts,
-                                   tolerance=args.tolerance)
+        report = verify_checkpoint(
+            args.out, base=args.base, adapter=args.adapter, prompts=prompts, tolerance=args.tolerance
+        )
     except (ShardMergeError, OSError) as e:
         print(f"peft-shardmerge: error: {command_line_text(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -95,15 +95,31 @@ def plan_checkpoint_merge(
         False
     """
     opts, problems = MergeOptions.merged(
-        options, weights=weights, combination=combination, dtype=dtype, max_shard_size=max_shard_size,
-        base_precision=base_precision, nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize,
-        nf4_double_quant=nf4_double_quant, device=device, overwrite=overwrite, chunk_elems=chunk_elems)
+        options,
+        weights=weights,
+        combination=combination,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        base_precision=base_precision,
+        nf4_quant_type=nf4_quant_type,
+        nf4_blocksize=nf4_blocksize,
+        nf4_double_quant=nf4_double_quant,
+        device=device,
+        overwrite=overwrite,
+        chunk_elems=chunk_elems,
+    )
     return plan_with_options(base, adapter, out_dir, opts, problems)
 
 
-def plan_with_options(base: str | os.PathLike, adapter: str | os.PathLike | Sequence[str | os.PathLike],
-                      out_dir: str | os.PathLike, opts: MergeOptions, problems: list[str] | None = None, *,
-                      recover: bool = False) -> Plan:
+def plan_with_options(
+    base: str | os.PathLike,
+    adapter: str | os.PathLike | Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    opts: MergeOptions,
+    problems: list[str] | None = None,
+    *,
+    recover: bool = False,
+) -> Plan:
     """:func:`plan_checkpoint_merge` with its knobs as one :class:`~peft_shardmerge.options.MergeOptions`.
 
     Args:
@@ -155,12 +171,19 @@ def merge_checkpoint(
     out_dir: str | os.PathLike,
     *,
     # the adapters and how they combine
-    weights: Sequence[float] | None = None, combination: str = "cat",
+    weights: Sequence[float] | None = None,
+    combination: str = "cat",
     # what is written
-    dtype: str | torch.dtype | None = None, max_shard_size: int | str = "5GB", base_precision: str = "auto",
-    nf4_quant_type: str = "nf4", nf4_blocksize: int = 64, nf4_double_quant: bool = True,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    base_precision: str = "auto",
+    nf4_quant_type: str = "nf4",
+    nf4_blocksize: int = 64,
+    nf4_double_quant: bool = True,
     # how it runs
-    device: str = "auto", overwrite: bool = False, dry_run: bool = False,
+    device: str = "auto",
+    overwrite: bool = False,
+    dry_run: bool = False,
     progress: bool = True,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     before_commit: Callable[[str], None] | None = None,
@@ -235,10 +258,21 @@ def merge_checkpoint(
         (14, 'bfloat16', ['model.safetensors'])
     """
     opts, problems = MergeOptions.merged(
-        options, weights=weights, combination=combination, dtype=dtype, max_shard_size=max_shard_size,
-        base_precision=base_precision, nf4_quant_type=nf4_quant_type, nf4_blocksize=nf4_blocksize,
-        nf4_double_quant=nf4_double_quant, device=device, overwrite=overwrite, progress=progress,
-        chunk_elems=chunk_elems, resume=resume)
+        options,
+        weights=weights,
+        combination=combination,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        base_precision=base_precision,
+        nf4_quant_type=nf4_quant_type,
+        nf4_blocksize=nf4_blocksize,
+        nf4_double_quant=nf4_double_quant,
+        device=device,
+        overwrite=overwrite,
+        progress=progress,
+        chunk_elems=chunk_elems,
+        resume=resume,
+    )
     with quiet_libraries():
         if not distributed:
             return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, JobSteps(World(), STEPS))
@@ -252,8 +286,9 @@ def merge_checkpoint(
                 raise failed(steps, e, out_dir)
 
 
-def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_run: bool, before_commit,
-           steps: JobSteps) -> MergeReport:
+def _merge(
+    base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_run: bool, before_commit, steps: JobSteps
+) -> MergeReport:
     """Plan (every rank agreeing on the plan in a distributed job), then carry the plan out or describe it."""
     try:
         plan = plan_with_options(base, adapter, out_dir, opts, problems, recover=not dry_run)
@@ -267,12 +302,26 @@ def _merge(base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_
         log.debug("%s", note)  # the report's summary (the CLI prints it) shows each note once
     if dry_run:
         return MergeReport(
-            out_dir=os.path.abspath(out_dir), base=plan.inputs.base.folder,
+            out_dir=os.path.abspath(out_dir),
+            base=plan.inputs.base.folder,
             adapter=", ".join(plan.inputs.adapter.folders),
-            dtype=str(plan.dtype).removeprefix("torch."), base_precision=plan.base_precision,
-            tensors_written=0, lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
-            notes=list(plan.notes), dry_run=True, plan_text=plan.describe(), reproduces=plan.reproduces,
+            dtype=str(plan.dtype).removeprefix("torch."),
+            base_precision=plan.base_precision,
+            tensors_written=0,
+            lora_modules_total=plan.layer_count,
+            shards=list(plan.shard_names),
+            notes=list(plan.notes),
+            dry_run=True,
+            plan_text=plan.describe(),
+            reproduces=plan.reproduces,
         )
     reader = CheckpointReader(plan, steps.world.device(resolve_device(opts.device)), resume=opts.resume)
-    return run(plan, reader, out_dir, overwrite=opts.overwrite, progress=opts.progress, before_commit=before_commit,
-               coordinator=SpreadShards(plan, steps) if steps.world.distributed else None)
+    return run(
+        plan,
+        reader,
+        out_dir,
+        overwrite=opts.overwrite,
+        progress=opts.progress,
+        before_commit=before_commit,
+        coordinator=SpreadShards(plan, steps) if steps.world.distributed else None,
+    )

@@ -32,7 +32,7 @@ SAVE_METHODS = {
 }
 REFUSED_METHODS = {
     "mxfp4": "save_method='mxfp4' (gpt-oss's native format) is not written here; use save_method='merged_16bit' "
-             "(a bf16 checkpoint that vLLM and transformers load as is)",
+    "(a bf16 checkpoint that vLLM and transformers load as is)",
 }
 
 #: the files of an adapter-only save (``save_method="lora"``)
@@ -48,9 +48,9 @@ def _earlier_save(folder: str) -> str:
         return "" if extra else "merged"
     names = os.listdir(folder)
     if "adapter_config.json" in names and all(
-            n in _LORA_FILES and os.path.isfile(os.path.join(folder, n))
-            and not os.path.islink(os.path.join(folder, n))
-            for n in names):
+        n in _LORA_FILES and os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))
+        for n in names
+    ):
         return "adapter"
     return ""
 
@@ -64,13 +64,15 @@ def _our_card(folder: str) -> bool:
         return False
 
 
-def _replace_problems(save_directory: str, model: nn.Module, method: str | None, any_content: bool = False
-                      ) -> list[str]:
+def _replace_problems(
+    save_directory: str, model: nn.Module, method: str | None, any_content: bool = False
+) -> list[str]:
     """Problems with saving into ``save_directory`` as Unsloth does: an earlier save there is replaced (a merged
     checkpoint by any save, an adapter folder by an adapter save); an input folder, or a folder with other content,
     never is."""
-    problems = check_out_dir(save_directory, inputs=source_folders(model), overwrite=True, only_ours=any_content,
-                             recover=True)
+    problems = check_out_dir(
+        save_directory, inputs=source_folders(model), overwrite=True, only_ours=any_content, recover=True
+    )
     if problems or any_content:
         return problems
     return _not_an_earlier_save(save_directory, method)
@@ -83,14 +85,18 @@ def _not_an_earlier_save(save_directory: str, method: str | None) -> list[str]:
         return []
     problems, held = [], _earlier_save(save_directory)
     if held == "adapter" and method not in (None, "lora"):
-        problems.append(f"{save_directory} holds an adapter (adapter_config.json), perhaps the one this model was "
-                        "loaded from; a merged save does not replace it: choose another folder (or pass "
-                        "overwrite=True)")
+        problems.append(
+            f"{save_directory} holds an adapter (adapter_config.json), perhaps the one this model was "
+            "loaded from; a merged save does not replace it: choose another folder (or pass "
+            "overwrite=True)"
+        )
     elif not held:
         extra = sorted(n for n in os.listdir(save_directory) if n not in _LORA_FILES)[:5]
-        problems.append(f"{save_directory} is not an earlier save (it holds {', '.join(extra)}); a folder is "
-                        "replaced only when it holds an earlier save: choose an empty or new folder (or pass "
-                        "overwrite=True)")
+        problems.append(
+            f"{save_directory} is not an earlier save (it holds {', '.join(extra)}); a folder is "
+            "replaced only when it holds an earlier save: choose an empty or new folder (or pass "
+            "overwrite=True)"
+        )
     return problems
 
 
@@ -132,17 +138,44 @@ def _save_lora(model: nn.Module, folder: str, tokenizer: Any) -> None:
             shutil.rmtree(staging)
 
 
-def _save_merged(model, folder, tokenizer, method, *, dtype, max_shard_size, maximum_memory_usage, base_precision,
-                 overwrite, progress, replace_check: Callable[[str], list[str]] | None = None) -> MergeReport:
+def _save_merged(
+    model,
+    folder,
+    tokenizer,
+    method,
+    *,
+    dtype,
+    max_shard_size,
+    maximum_memory_usage,
+    base_precision,
+    overwrite,
+    progress,
+    replace_check: Callable[[str], list[str]] | None = None,
+) -> MergeReport:
     """A merged save (``"merged_16bit"`` or ``"merged_4bit"``); ``replace_check`` refuses, under the output lock, a
     non-empty folder that ``overwrite`` would replace."""
     if method == "merged_4bit":
-        return save_merged_4bit(model, folder, tokenizer=tokenizer, dtype=dtype, max_shard_size=max_shard_size,
-                                maximum_memory_usage=maximum_memory_usage, overwrite=overwrite, progress=progress,
-                                replace_check=replace_check)
-    opts, problems = MergeOptions.merged(None, path=MODEL, dtype=dtype, max_shard_size=max_shard_size,
-                                         maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
-                                         overwrite=overwrite, progress=progress)
+        return save_merged_4bit(
+            model,
+            folder,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            maximum_memory_usage=maximum_memory_usage,
+            overwrite=overwrite,
+            progress=progress,
+            replace_check=replace_check,
+        )
+    opts, problems = MergeOptions.merged(
+        None,
+        path=MODEL,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        maximum_memory_usage=maximum_memory_usage,
+        base_precision=base_precision,
+        overwrite=overwrite,
+        progress=progress,
+    )
     return save_model(model, folder, opts, problems, tokenizer=tokenizer, replace_check=replace_check)
 
 
@@ -233,9 +266,11 @@ def save_pretrained_merged(
     problems += _replace_problems(save_directory, model, method, any_content=overwrite)
     repo_id = save_directory.strip("/")
     if push_to_hub and (repo_id.count("/") > 1 or os.path.isabs(save_directory) or not all(repo_id.split("/"))):
-        problems.append(f"with push_to_hub=True, save_directory is also the Hub repository id ('name' or "
-                        f"'user/name'); got {save_directory!r} (use push_to_hub_merged(model, 'user/name') to push "
-                        "without keeping a local folder)")
+        problems.append(
+            f"with push_to_hub=True, save_directory is also the Hub repository id ('name' or "
+            f"'user/name'); got {save_directory!r} (use push_to_hub_merged(model, 'user/name') to push "
+            "without keeping a local folder)"
+        )
     if problems:
         raise InputError(problems)
     if push_to_hub:
@@ -246,10 +281,19 @@ def save_pretrained_merged(
     if method == "lora":
         _save_lora(model, save_directory, tokenizer)
     else:  # checked again under the output lock: a file that appeared since is never deleted
-        report = _save_merged(model, save_directory, tokenizer, method, dtype=dtype, max_shard_size=max_shard_size,
-                              maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
-                              overwrite=True, progress=progress,
-                              replace_check=None if overwrite else lambda out: _not_an_earlier_save(out, method))
+        report = _save_merged(
+            model,
+            save_directory,
+            tokenizer,
+            method,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            maximum_memory_usage=maximum_memory_usage,
+            base_precision=base_precision,
+            overwrite=True,
+            progress=progress,
+            replace_check=None if overwrite else lambda out: _not_an_earlier_save(out, method),
+        )
     if push_to_hub:
         _push(save_directory, repo_id, model, report, save_method, token=token, private=private, tags=tags)
     return report
@@ -337,23 +381,66 @@ def push_to_hub_merged(
         if method == "lora":
             _save_lora(model, folder, tokenizer)
         else:
-            report = _save_merged(model, folder, tokenizer, method, dtype=dtype, max_shard_size=max_shard_size,
-                                  maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
-                                  overwrite=False, progress=progress)
+            report = _save_merged(
+                model,
+                folder,
+                tokenizer,
+                method,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                maximum_memory_usage=maximum_memory_usage,
+                base_precision=base_precision,
+                overwrite=False,
+                progress=progress,
+            )
             report.out_dir = f"hf://{repo_id}"  # the temporary folder is gone when the caller reads the report
-        return _push(folder, repo_id, model, report, save_method, token=token, private=private, tags=tags,
-                     commit_message=commit_message or "Upload merged model", revision=revision, create_pr=create_pr)
+        return _push(
+            folder,
+            repo_id,
+            model,
+            report,
+            save_method,
+            token=token,
+            private=private,
+            tags=tags,
+            commit_message=commit_message or "Upload merged model",
+            revision=revision,
+            create_pr=create_pr,
+        )
 
 
-def _push(folder, repo_id, model, report, save_method, *, token, private, tags, commit_message="Upload merged model",
-          revision=None, create_pr=False) -> str:
+def _push(
+    folder,
+    repo_id,
+    model,
+    report,
+    save_method,
+    *,
+    token,
+    private,
+    tags,
+    commit_message="Upload merged model",
+    revision=None,
+    create_pr=False,
+) -> str:
     from .hub import publish
 
     base = getattr(unwrap(model).config, "_name_or_path", None)
     cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
-    return publish(folder, repo_id, base_model=base, peft_config=cfg, report=report, save_method=save_method,
-                   token=token, private=private, tags=tags, commit_message=commit_message, revision=revision,
-                   create_pr=create_pr)
+    return publish(
+        folder,
+        repo_id,
+        base_model=base,
+        peft_config=cfg,
+        report=report,
+        save_method=save_method,
+        token=token,
+        private=private,
+        tags=tags,
+        commit_message=commit_message,
+        revision=revision,
+        create_pr=create_pr,
+    )
 
 
 def merge_and_unload(
@@ -403,9 +490,15 @@ def merge_and_unload(
         ('LlamaForCausalLM', 'Linear')
     """
     del safe_merge  # see the docstring
-    return _merge_and_unload(model, maximum_memory_usage=maximum_memory_usage, dtype=dtype,
-                             adapter_names=adapter_names, weights=weights, combination_type=combination_type,
-                             progress=bool(progressbar))
+    return _merge_and_unload(
+        model,
+        maximum_memory_usage=maximum_memory_usage,
+        dtype=dtype,
+        adapter_names=adapter_names,
+        weights=weights,
+        combination_type=combination_type,
+        progress=bool(progressbar),
+    )
 
 
 def patch_peft() -> None:

@@ -29,8 +29,18 @@ def _masked(e: BaseException, token: str | None) -> str:
 
 #: exception class names of the HTTP libraries huggingface_hub uses (httpx, requests, urllib3) that mean the server
 #: was not reached at all
-_NETWORK_ERRORS = {"ConnectError", "ConnectTimeout", "ConnectionError", "NewConnectionError", "MaxRetryError",
-                   "NameResolutionError", "ProxyError", "ReadTimeout", "Timeout", "TimeoutException"}
+_NETWORK_ERRORS = {
+    "ConnectError",
+    "ConnectTimeout",
+    "ConnectionError",
+    "NewConnectionError",
+    "MaxRetryError",
+    "NameResolutionError",
+    "ProxyError",
+    "ReadTimeout",
+    "Timeout",
+    "TimeoutException",
+}
 
 
 def unreachable(error: BaseException) -> bool:
@@ -52,8 +62,9 @@ def unreachable(error: BaseException) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, (ConnectionError, TimeoutError)) or any(c.__name__ in _NETWORK_ERRORS
-                                                                  for c in type(e).__mro__):
+        if isinstance(e, (ConnectionError, TimeoutError)) or any(
+            c.__name__ in _NETWORK_ERRORS for c in type(e).__mro__
+        ):
             return True
         todo += [e.__cause__, e.__context__]
     return False
@@ -80,13 +91,20 @@ def prepare_repo(repo_id: str, *, token: str | None = None, private: bool | None
     import huggingface_hub.constants as hc
 
     problems = []
-    if not isinstance(repo_id, str) or not repo_id.strip("/") or repo_id.strip("/").count("/") > 1 \
-            or os.path.isabs(repo_id) or repo_id.startswith((".", "~")):
+    if (
+        not isinstance(repo_id, str)
+        or not repo_id.strip("/")
+        or repo_id.strip("/").count("/") > 1
+        or os.path.isabs(repo_id)
+        or repo_id.startswith((".", "~"))
+    ):
         problems.append(f"repo_id must be 'name' or 'user/name', got {repo_id!r}")
     if hc.HF_HUB_OFFLINE:
-        problems.append("the Hub cannot be reached in offline mode (HF_HUB_OFFLINE=1); unset HF_HUB_OFFLINE to push, "
-                        "or save locally with save_pretrained_merged(model, 'folder') and upload later with "
-                        "`hf upload`")
+        problems.append(
+            "the Hub cannot be reached in offline mode (HF_HUB_OFFLINE=1); unset HF_HUB_OFFLINE to push, "
+            "or save locally with save_pretrained_merged(model, 'folder') and upload later with "
+            "`hf upload`"
+        )
     if problems:
         raise InputError(problems)
     api = _hf_api(token)
@@ -94,12 +112,16 @@ def prepare_repo(repo_id: str, *, token: str | None = None, private: bool | None
         url = api.create_repo(repo_id.strip("/"), private=private, exist_ok=True, repo_type="model")
     except Exception as e:  # any failure is reported, without the token, before merging
         if unreachable(e):
-            raise HubUploadError(f"the Hub at {api.endpoint} could not be reached ({_masked(e, token)}): a network "
-                                 "problem, not the token; nothing was merged. Check the connection, a proxy, or "
-                                 "HF_ENDPOINT, then push again") from None
-        raise HubUploadError(f"cannot create or write the Hub repository {repo_id!r} at {api.endpoint} "
-                             f"({_masked(e, token)}); nothing was merged. Check the token (`hf auth login`) and "
-                             "the repository name") from None
+            raise HubUploadError(
+                f"the Hub at {api.endpoint} could not be reached ({_masked(e, token)}): a network "
+                "problem, not the token; nothing was merged. Check the connection, a proxy, or "
+                "HF_ENDPOINT, then push again"
+            ) from None
+        raise HubUploadError(
+            f"cannot create or write the Hub repository {repo_id!r} at {api.endpoint} "
+            f"({_masked(e, token)}); nothing was merged. Check the token (`hf auth login`) and "
+            "the repository name"
+        ) from None
     return getattr(url, "repo_id", None) or repo_id.strip("/")
 
 
@@ -115,14 +137,14 @@ def _summarise_targets(targets) -> str:
 
 def _hub_id(name: str | None) -> str | None:
     """``name`` when it looks like a Hub id (``org/name``), never a local path."""
-    if not name or os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") != 1 \
-            or os.path.exists(name):
+    if not name or os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") != 1 or os.path.exists(name):
         return None
     return name
 
 
-def model_card(*, repo_id: str, base_model: str | None, adapter: str | None = None, settings: dict,
-               tags=None, target_modules=None) -> str:
+def model_card(
+    *, repo_id: str, base_model: str | None, adapter: str | None = None, settings: dict, tags=None, target_modules=None
+) -> str:
     """A README.md for a merged model, built with huggingface_hub's ``ModelCard``/``ModelCardData``.
 
     The metadata carries ``base_model`` (only when it is a Hub id: a local path is never written),
@@ -156,9 +178,12 @@ def model_card(*, repo_id: str, base_model: str | None, adapter: str | None = No
     from huggingface_hub import ModelCard, ModelCardData
 
     hub_base = _hub_id(base_model)
-    data = ModelCardData(base_model=hub_base, library_name="transformers",
-                         tags=["peft-shardmerge", "merged-lora", *[t for t in (tags or []) if t]],
-                         **({"base_model_relation": "finetune"} if hub_base else {}))
+    data = ModelCardData(
+        base_model=hub_base,
+        library_name="transformers",
+        tags=["peft-shardmerge", "merged-lora", *[t for t in (tags or []) if t]],
+        **({"base_model_relation": "finetune"} if hub_base else {}),
+    )
     rows = dict(settings)
     targets = _summarise_targets(target_modules)
     if targets:
@@ -166,16 +191,30 @@ def model_card(*, repo_id: str, base_model: str | None, adapter: str | None = No
     table = "\n".join(f"| {k} | {v} |" for k, v in rows.items())
     origin = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else "The base model"
     name = repo_id.split("/")[-1]
-    body = (f"\n# {name}\n\n{origin} with a {adapter or 'LoRA'} adapter merged into its weights by "
-            "[peft-shardmerge](https://pypi.org/project/peft-shardmerge/). It loads with "
-            f"`AutoModelForCausalLM.from_pretrained(\"{repo_id}\")`; no PEFT or bitsandbytes is needed.\n\n"
-            f"| merge setting | value |\n|---|---|\n{table}\n")
+    body = (
+        f"\n# {name}\n\n{origin} with a {adapter or 'LoRA'} adapter merged into its weights by "
+        "[peft-shardmerge](https://pypi.org/project/peft-shardmerge/). It loads with "
+        f'`AutoModelForCausalLM.from_pretrained("{repo_id}")`; no PEFT or bitsandbytes is needed.\n\n'
+        f"| merge setting | value |\n|---|---|\n{table}\n"
+    )
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
-def publish(folder: str, repo_id: str, *, base_model: str | None, peft_config=None, report=None,
-            save_method: str = "merged_16bit", token: str | None = None, private: bool | None = None, tags=None,
-            commit_message: str = "Upload merged model", revision: str | None = None, create_pr: bool = False) -> str:
+def publish(
+    folder: str,
+    repo_id: str,
+    *,
+    base_model: str | None,
+    peft_config=None,
+    report=None,
+    save_method: str = "merged_16bit",
+    token: str | None = None,
+    private: bool | None = None,
+    tags=None,
+    commit_message: str = "Upload merged model",
+    revision: str | None = None,
+    create_pr: bool = False,
+) -> str:
     """Write the model card of a merged folder and upload the folder.
 
     Args:
@@ -200,22 +239,50 @@ def publish(folder: str, repo_id: str, *, base_model: str | None, peft_config=No
     """
     settings = {"save method": save_method, "peft-shardmerge": __version__}
     if report is not None:
-        settings.update({"dtype": report.dtype, "base precision": report.base_precision,
-                         "LoRA layers merged": f"{report.lora_modules_merged}/{report.lora_modules_total}",
-                         "shards": len(report.shards), "bytes": report.bytes_written})
+        settings.update(
+            {
+                "dtype": report.dtype,
+                "base precision": report.base_precision,
+                "LoRA layers merged": f"{report.lora_modules_merged}/{report.lora_modules_total}",
+                "shards": len(report.shards),
+                "bytes": report.bytes_written,
+            }
+        )
     if peft_config is not None:
         settings.update({"r": getattr(peft_config, "r", ""), "lora_alpha": getattr(peft_config, "lora_alpha", "")})
     peft_type = str(getattr(getattr(peft_config, "peft_type", None), "value", "LoRA")).replace("LORA", "LoRA")
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
-        f.write(model_card(repo_id=repo_id, base_model=base_model, adapter=peft_type, settings=settings, tags=tags,
-                           target_modules=getattr(peft_config, "target_modules", None)))
-    return upload_folder(folder, repo_id, token=token, private=private, commit_message=commit_message,
-                         revision=revision, create_pr=create_pr)
+        f.write(
+            model_card(
+                repo_id=repo_id,
+                base_model=base_model,
+                adapter=peft_type,
+                settings=settings,
+                tags=tags,
+                target_modules=getattr(peft_config, "target_modules", None),
+            )
+        )
+    return upload_folder(
+        folder,
+        repo_id,
+        token=token,
+        private=private,
+        commit_message=commit_message,
+        revision=revision,
+        create_pr=create_pr,
+    )
 
 
-def upload_folder(folder: str, repo_id: str, *, token: str | None = None, private: bool | None = None,
-                  commit_message: str = "Upload merged model", revision: str | None = None,
-                  create_pr: bool = False) -> str:
+def upload_folder(
+    folder: str,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool | None = None,
+    commit_message: str = "Upload merged model",
+    revision: str | None = None,
+    create_pr: bool = False,
+) -> str:
     """Create the repository if needed and upload ``folder`` to it (large folders resumably).
 
     The Hub address comes from ``HF_ENDPOINT`` as in huggingface_hub. The token is passed to
@@ -243,11 +310,18 @@ def upload_folder(folder: str, repo_id: str, *, token: str | None = None, privat
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if size > LARGE_FOLDER_BYTES and not create_pr:
             log.info("uploading %.1f GB with the resumable large-folder upload", size / 1e9)
-            api.upload_large_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision,
-                                    private=private)
+            api.upload_large_folder(
+                repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision, private=private
+            )
             return f"{api.endpoint}/{repo_id}"
-        info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
-                                 revision=revision, create_pr=create_pr, repo_type="model")
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            commit_message=commit_message,
+            revision=revision,
+            create_pr=create_pr,
+            repo_type="model",
+        )
         return str(getattr(info, "commit_url", info))
     except Exception as e:  # any failure is reported without the token
         where = f": the Hub at {api.endpoint} could not be reached (network)" if unreachable(e) else ""

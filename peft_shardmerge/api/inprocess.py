@@ -120,16 +120,31 @@ def merge_and_save(
         >>> report.lora_modules_merged, report.base_precision, report.dtype
         (4, 'dequantized', 'float32')
     """
-    opts, problems = MergeOptions.merged(options, path=MODEL, dtype=dtype, max_shard_size=max_shard_size,
-                                         maximum_memory_usage=maximum_memory_usage, base_precision=base_precision,
-                                         weights=weights, combination=combination_type, overwrite=overwrite,
-                                         progress=progress)
+    opts, problems = MergeOptions.merged(
+        options,
+        path=MODEL,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        maximum_memory_usage=maximum_memory_usage,
+        base_precision=base_precision,
+        weights=weights,
+        combination=combination_type,
+        overwrite=overwrite,
+        progress=progress,
+    )
     return save_model(model, out_dir, opts, problems, adapter_names=adapter_names, tokenizer=tokenizer)
 
 
-def save_model(model: nn.Module, out_dir: str, opts: MergeOptions, problems: list[str], *,
-               adapter_names: list[str] | None = None, tokenizer: Any = None,
-               replace_check: Callable[[str], list[str]] | None = None) -> MergeReport:
+def save_model(
+    model: nn.Module,
+    out_dir: str,
+    opts: MergeOptions,
+    problems: list[str],
+    *,
+    adapter_names: list[str] | None = None,
+    tokenizer: Any = None,
+    replace_check: Callable[[str], list[str]] | None = None,
+) -> MergeReport:
     """:func:`merge_and_save` with its options parsed (``problems``: theirs, reported with the rest); with
     ``overwrite``, ``replace_check(out_dir)`` names what forbids replacing a non-empty ``out_dir`` (checked again
     under the output lock, as the drop-ins' re-save needs)."""
@@ -141,27 +156,50 @@ def save_model(model: nn.Module, out_dir: str, opts: MergeOptions, problems: lis
             problems += e.problems
         wrapper, sharding = type(model).__name__, sharding_of(model)
         if wrapper in ("DeepSpeedEngine", "DistributedDataParallel") and sharding is None:
-            raise InputError([f"the model is a {wrapper} around the PeftModel, whose weights every rank holds "
-                              "whole (it is not sharded): merge its .module from one rank, `if rank == 0: "
-                              "merge_and_save(model.module, OUT)`"] + problems)
+            raise InputError(
+                [
+                    f"the model is a {wrapper} around the PeftModel, whose weights every rank holds "
+                    "whole (it is not sharded): merge its .module from one rank, `if rank == 0: "
+                    "merge_and_save(model.module, OUT)`"
+                ]
+                + problems
+            )
         if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
             raise InputError(sharding_problems(model, opts.base_precision) + problems)
         if sharding is not None:
             return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer, replace_check)
         planned = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True)
         plan = planned.plan
-        source = ModelReader(plan, budget) if isinstance(plan.inputs, LiveSource) else \
-            CheckpointReader(plan, torch.device(planned.device))  # from memory, or the original checkpoint on disk
+        source = (
+            ModelReader(plan, budget)
+            if isinstance(plan.inputs, LiveSource)
+            else CheckpointReader(plan, torch.device(planned.device))
+        )  # from memory, or the original checkpoint on disk
         try:
-            return run(plan, source, os.path.abspath(os.fspath(out_dir)), overwrite=opts.overwrite,
-                       progress=opts.progress, before_commit=_side_saver(tokenizer), replace_check=replace_check)
+            return run(
+                plan,
+                source,
+                os.path.abspath(os.fspath(out_dir)),
+                overwrite=opts.overwrite,
+                progress=opts.progress,
+                before_commit=_side_saver(tokenizer),
+                replace_check=replace_check,
+            )
         finally:
             for folder in plan.resources:
                 folder.cleanup()
 
 
-def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_names, problems: list[str],
-                   budget: MemoryBudget | None, tokenizer: Any, replace_check=None) -> MergeReport:
+def _merge_sharded(
+    model: nn.Module,
+    out_dir: str,
+    opts: MergeOptions,
+    adapter_names,
+    problems: list[str],
+    budget: MemoryBudget | None,
+    tokenizer: Any,
+    replace_check=None,
+) -> MergeReport:
     """``merge_and_save`` of a model sharded by FSDP2, FSDP1 or ZeRO-3, called on every rank: each rank plans (FSDP1,
     ZeRO-3: from its unsharded view), the plans must agree, every rank gathers one unit at a time in plan order,
     rank 0 writes and commits."""
@@ -174,17 +212,26 @@ def _merge_sharded(model: nn.Module, out_dir: str, opts: MergeOptions, adapter_n
             if problems:
                 raise InputError(problems)
             with VIEWS[kind](model) as peft_model:
-                planned = build_model_plan(peft_model, out_dir, opts, adapter_names, problems, sharded=kind,
-                                           recover=True)
+                planned = build_model_plan(
+                    peft_model, out_dir, opts, adapter_names, problems, sharded=kind, recover=True
+                )
                 src = planned.plan.inputs
-                info = live_merge_info(src.live.model, planned.plan.dtype, src.adapter_names, src.quant4, src.weights,
-                                       src.combination)
+                info = live_merge_info(
+                    src.live.model, planned.plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination
+                )
         else:
             planned, info = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True), None
         agree_on_plan(steps, planned.plan, out_dir)
-        return run(planned.plan, ModelReader(planned.plan, budget, info, copy=True), out_dir,
-                   overwrite=opts.overwrite, progress=opts.progress, before_commit=_side_saver(tokenizer),
-                   coordinator=GatherUnits(planned.plan, steps, model), replace_check=replace_check)
+        return run(
+            planned.plan,
+            ModelReader(planned.plan, budget, info, copy=True),
+            out_dir,
+            overwrite=opts.overwrite,
+            progress=opts.progress,
+            before_commit=_side_saver(tokenizer),
+            coordinator=GatherUnits(planned.plan, steps, model),
+            replace_check=replace_check,
+        )
     except BaseException as e:
         raise failed(steps, e, out_dir) if world.distributed else e
 
@@ -235,18 +282,31 @@ def load_tokenizer(tokenizer: Any) -> Any:
             return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
         except Exception as e:  # any failure to load is the user's to fix, said by name
             why = (str(e).strip().splitlines() or [""])[0]
-            raise InputError(f"tokenizer {os.fspath(tokenizer)!r} could not be loaded with AutoTokenizer."
-                             f"from_pretrained ({type(e).__name__}: {why}); pass a tokenizer object, a local folder "
-                             "holding one, or a Hub id reachable from here") from e
+            raise InputError(
+                f"tokenizer {os.fspath(tokenizer)!r} could not be loaded with AutoTokenizer."
+                f"from_pretrained ({type(e).__name__}: {why}); pass a tokenizer object, a local folder "
+                "holding one, or a Hub id reachable from here"
+            ) from e
     if not callable(getattr(tokenizer, "save_pretrained", None)):
-        raise InputError(f"tokenizer must be a tokenizer object (with save_pretrained), a local folder or a Hub id, "
-                         f"got {type(tokenizer).__name__} {tokenizer!r}")
+        raise InputError(
+            f"tokenizer must be a tokenizer object (with save_pretrained), a local folder or a Hub id, "
+            f"got {type(tokenizer).__name__} {tokenizer!r}"
+        )
     return tokenizer
 
 
-def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, dtype: str | torch.dtype | None = None,
-                     max_shard_size: int | str = "5GB", maximum_memory_usage: float = 0.9, overwrite: bool = False,
-                     progress: bool = True, replace_check: Callable[[str], list[str]] | None = None) -> MergeReport:
+def save_merged_4bit(
+    model: nn.Module,
+    out_dir: str,
+    *,
+    tokenizer: Any = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    maximum_memory_usage: float = 0.9,
+    overwrite: bool = False,
+    progress: bool = True,
+    replace_check: Callable[[str], list[str]] | None = None,
+) -> MergeReport:
     """Merge in fp32 as :func:`merge_and_save` does, then store every weight bitsandbytes quantizes in 4-bit again.
 
     Warns once (``UserWarning``): the result is not the trained model, each weight moves by its 4-bit error.
@@ -277,8 +337,10 @@ def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, d
     out_problems = check_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite, recover=True)
     problems = require_supported(model, None, out_problems + foreign_model_problems(out_dir))
     if sharding_of(model) is not None:
-        problems.append(f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
-                        "gather it; merge_and_save (called on every rank) writes the 16-bit merge")
+        problems.append(
+            f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
+            "gather it; merge_and_save (called on every rank) writes the 16-bit merge"
+        )
     out_dtype = parse_dtype(dtype) or model_dtype(inner)
     if out_dtype == torch.float32:
         out_dtype = torch.bfloat16
@@ -293,13 +355,28 @@ def save_merged_4bit(model: nn.Module, out_dir: str, *, tokenizer: Any = None, d
         bnb_4bit_use_double_quant=bool(qc.get("bnb_4bit_use_double_quant", True)) if qc.get("load_in_4bit") else True,
         bnb_4bit_compute_dtype=out_dtype,
     ).to_dict()
-    message = ("save_method='merged_4bit' re-quantizes the merged weights to 4-bit: the result is not the model "
-               "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy")
+    message = (
+        "save_method='merged_4bit' re-quantizes the merged weights to 4-bit: the result is not the model "
+        "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy"
+    )
     warnings.warn(message, UserWarning, stacklevel=3)  # once: a log record as well would show it twice
-    plan = plan_live(LiveSource(walk(model, None), quant4=quant4, generation_config=valid_generation_config(inner)),
-                     out_dtype, limit)
-    report = run(plan, ModelReader(plan, budget), out_dir, overwrite=overwrite, progress=progress,
-                 before_commit=_side_saver(tokenizer), replace_check=replace_check)
-    report.notes.insert(0, f"weights re-quantized to 4-bit ({quant4['bnb_4bit_quant_type']}, "
-                           f"{'double quant' if quant4['bnb_4bit_use_double_quant'] else 'no double quant'})")
+    plan = plan_live(
+        LiveSource(walk(model, None), quant4=quant4, generation_config=valid_generation_config(inner)),
+        out_dtype,
+        limit,
+    )
+    report = run(
+        plan,
+        ModelReader(plan, budget),
+        out_dir,
+        overwrite=overwrite,
+        progress=progress,
+        before_commit=_side_saver(tokenizer),
+        replace_check=replace_check,
+    )
+    report.notes.insert(
+        0,
+        f"weights re-quantized to 4-bit ({quant4['bnb_4bit_quant_type']}, "
+        f"{'double quant' if quant4['bnb_4bit_use_double_quant'] else 'no double quant'})",
+    )
     return report

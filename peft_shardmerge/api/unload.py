@@ -197,9 +197,11 @@ def merge_and_unload(
     budget = MemoryBudget(maximum_memory_usage)
     out_dtype = parse_dtype(dtype)
     if sharding_of(model) is not None:  # first: the other checks do not know its wrappers
-        raise InputError(f"the model is sharded by {SHARDINGS[sharding_of(model)]}: each rank holds only a slice of "
-                         "every weight, so merge_and_unload cannot give back a whole merged model; call "
-                         "merge_and_save(model, out_dir) on every rank to write the merged checkpoint instead")
+        raise InputError(
+            f"the model is sharded by {SHARDINGS[sharding_of(model)]}: each rank holds only a slice of "
+            "every weight, so merge_and_unload cannot give back a whole merged model; call "
+            "merge_and_save(model, out_dir) on every rank to write the merged checkpoint instead"
+        )
     inner = unwrap(model)
     names, weight_map, problems = adapter_selection(model, adapter_names, weights, combination_type)
     problems = require_supported(model, names, problems)
@@ -213,5 +215,3 @@ def merge_and_unload(
     finish_unload(inner, untied=live.untied)
     sink.cast(model)
     return inner
-
-

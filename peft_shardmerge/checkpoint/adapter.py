@@ -32,9 +32,21 @@ from .adapter_files import (
 from .peft_deltas import DELTA_TYPES
 from .source import read_json, resolve_folder
 
-__all__ = ["ADAPTER_BIN", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "COMBINATIONS", "PREFIX", "AdapterSpec",
-           "AdapterTensor", "LoraModule", "TokenRows", "check_weights", "combine_adapters", "load_adapter",
-           "modifies_base"]
+__all__ = [
+    "ADAPTER_BIN",
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "COMBINATIONS",
+    "PREFIX",
+    "AdapterSpec",
+    "AdapterTensor",
+    "LoraModule",
+    "TokenRows",
+    "check_weights",
+    "combine_adapters",
+    "load_adapter",
+    "modifies_base",
+]
 
 PREFIX = "base_model.model."
 
@@ -156,15 +168,21 @@ def load_adapter(location: str) -> AdapterSpec:
     key_problems = stored_key_problems(list(tensors))  # keys PeftModel.from_pretrained would not load
     if key_problems:
         raise InputError(key_problems)
-    spec = AdapterSpec(folder, config, fan_in_fan_out=bool(config.get("fan_in_fan_out", False)), scratch=scratch,
-                       peft_type=str(config.get("peft_type")))
+    spec = AdapterSpec(
+        folder,
+        config,
+        fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+        scratch=scratch,
+        peft_type=str(config.get("peft_type")),
+    )
     spec.tokenizer_files = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     problems: list[str] = []
     parts = _sort_tensors(spec, tensors, problems)
     if spec.needs_layers:
         if scratch is not None:
-            problems.append(f"adapter {folder}: a {spec.peft_type} adapter on PEFT's own layers must be saved as "
-                            "safetensors")
+            problems.append(
+                f"adapter {folder}: a {spec.peft_type} adapter on PEFT's own layers must be saved as safetensors"
+            )
         if problems:
             raise InputError(problems)
         return spec
@@ -174,21 +192,24 @@ def load_adapter(location: str) -> AdapterSpec:
         if module is not None:
             spec.modules[path] = module
     if (config.get("trainable_token_indices") or config.get("peft_type") == "TRAINABLE_TOKENS") and not spec.tokens:
-        problems.append("adapter_config.json asks for trainable tokens but the weights hold no "
-                        "trainable_tokens_delta; the config does not belong to these weights")
+        problems.append(
+            "adapter_config.json asks for trainable tokens but the weights hold no "
+            "trainable_tokens_delta; the config does not belong to these weights"
+        )
     raise_if_any(unsupported, problems)
     if not spec.modules and not spec.replacements and not spec.tokens:
         raise InputError(f"adapter {folder} holds no LoRA weights; is it the right folder?")
     return spec
 
 
-def _sort_tensors(spec: AdapterSpec, tensors: dict[str, AdapterTensor], problems: list[str]
-                  ) -> dict[str, dict[str, AdapterTensor]]:
+def _sort_tensors(
+    spec: AdapterSpec, tensors: dict[str, AdapterTensor], problems: list[str]
+) -> dict[str, dict[str, AdapterTensor]]:
     """File every adapter tensor: token rows and replacements into ``spec``; LoRA factors returned by module."""
     parts: dict[str, dict[str, AdapterTensor]] = {}
     saved_modules = spec.config.get("modules_to_save") or []
     for name, t in tensors.items():
-        key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+        key = name[len(PREFIX) :] if name.startswith(PREFIX) else name
         if key.endswith(".trainable_tokens_original"):
             continue  # the rows before training, kept by PEFT for unmerging
         if key.endswith(TOKENS_SUFFIXES):
@@ -220,8 +241,9 @@ def _sort_tensors(spec: AdapterSpec, tensors: dict[str, AdapterTensor], problems
     return parts
 
 
-def _lora_module(config: dict, path: str, p: dict[str, AdapterTensor], problems: list[str],
-                 unsupported: list[str]) -> LoraModule | None:
+def _lora_module(
+    config: dict, path: str, p: dict[str, AdapterTensor], problems: list[str], unsupported: list[str]
+) -> LoraModule | None:
     """The LoRA module of ``path`` from its factors, or None with the problem recorded."""
     if "lora_A" in p or "lora_B" in p:
         kind, a, b = "linear", p.get("lora_A"), p.get("lora_B")
@@ -234,8 +256,9 @@ def _lora_module(config: dict, path: str, p: dict[str, AdapterTensor], problems:
         kind = "conv"  # nn.Conv2d/Conv3d: A is [r, in, *kernel], B is [out, r, 1, ...]
     ok = len(a.shape) == 2 and len(b.shape) == 2 if kind != "conv" else all(k == 1 for k in b.shape[2:])
     if kind == "conv" and ok and b.shape[1] < a.shape[0] and a.shape[0] % b.shape[1] == 0:  # B [out, r/groups]
-        unsupported += check_layers([(path, "LORA", f"Conv{len(a.shape) - 2}d (groups={a.shape[0] // b.shape[1]})",
-                                      [])], path=DISK)
+        unsupported += check_layers(
+            [(path, "LORA", f"Conv{len(a.shape) - 2}d (groups={a.shape[0] // b.shape[1]})", [])], path=DISK
+        )
         return None
     if not ok or a.shape[0] != b.shape[1]:
         problems.append(
@@ -256,8 +279,10 @@ def _lora_module(config: dict, path: str, p: dict[str, AdapterTensor], problems:
     scaling = alpha / math.sqrt(rank) if bool(config.get("use_rslora", False)) else alpha / rank
     magnitude = p.get("lora_magnitude_vector")
     if bool(config.get("use_dora")) != (magnitude is not None):
-        problems.append(f"LoRA module {path!r}: use_dora={config.get('use_dora')!r} in adapter_config.json but "
-                        f"the weights {'have' if magnitude is not None else 'lack'} a lora_magnitude_vector")
+        problems.append(
+            f"LoRA module {path!r}: use_dora={config.get('use_dora')!r} in adapter_config.json but "
+            f"the weights {'have' if magnitude is not None else 'lack'} a lora_magnitude_vector"
+        )
         return None
     return LoraModule(path, kind, a, b, p.get("lora_B.bias"), rank, float(alpha), scaling, magnitude)
 
@@ -288,8 +313,9 @@ def _bin_to_safetensors(bin_path: str, st_path: str) -> str:
     return st_path
 
 
-def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = None,
-                     combination: str = "cat") -> AdapterSpec:
+def combine_adapters(
+    specs: list[AdapterSpec], weights: list[float] | None = None, combination: str = "cat"
+) -> AdapterSpec:
     """Several LoRA adapters as one: the weighted combination PEFT's ``add_weighted_adapter`` builds.
 
     ``"cat"`` gives exactly ``sum_i w_i * scaling_i * B_i @ A_i`` on every module (each adapter's factors are
@@ -314,22 +340,32 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
     """
     if not specs:
         raise InputError("no adapter given")
-    weights, problems = combination_problems([s.config for s in specs], [s.folder for s in specs], weights,
-                                             combination)
+    weights, problems = combination_problems(
+        [s.config for s in specs], [s.folder for s in specs], weights, combination
+    )
     if problems:
         raise InputError(problems)
     if len(specs) == 1 and weights[0] == 1.0:
         return specs[0]
-    others = [f"{s.folder} ({s.peft_type}{' on target_parameters' if s.peft_type == 'LORA' else ''})"
-              for s in specs if s.needs_layers and s.peft_type != "IA3"]  # IA3: refused above
+    others = [
+        f"{s.folder} ({s.peft_type}{' on target_parameters' if s.peft_type == 'LORA' else ''})"
+        for s in specs
+        if s.needs_layers and s.peft_type != "IA3"
+    ]  # IA3: refused above
     if others:
-        problems.append(f"only LoRA adapters on modules (not on target_parameters) can be combined on disk: "
-                        f"{', '.join(others)}; combine them in process with merge_and_save(adapter_names=...)")
+        problems.append(
+            f"only LoRA adapters on modules (not on target_parameters) can be combined on disk: "
+            f"{', '.join(others)}; combine them in process with merge_and_save(adapter_names=...)"
+        )
     if len({s.fan_in_fan_out for s in specs}) > 1:
         problems.append("the adapters disagree on fan_in_fan_out; they were trained on different layouts")
-    out = AdapterSpec(specs[0].folder, dict(specs[0].config), fan_in_fan_out=specs[0].fan_in_fan_out,
-                      folders=[f for s in specs for f in s.folders],
-                      combination=f"{combination} " + ", ".join(f"{w:g}" for w in weights))
+    out = AdapterSpec(
+        specs[0].folder,
+        dict(specs[0].config),
+        fan_in_fan_out=specs[0].fan_in_fan_out,
+        folders=[f for s in specs for f in s.folders],
+        combination=f"{combination} " + ", ".join(f"{w:g}" for w in weights),
+    )
     out.tokenizer_files = next((s.tokenizer_files for s in specs if s.tokenizer_files), [])
     if out.tokenizer_files:
         out.folder = next(s.folder for s in specs if s.tokenizer_files)
@@ -341,13 +377,15 @@ def combine_adapters(specs: list[AdapterSpec], weights: list[float] | None = Non
         for i, (s, w) in enumerate(zip(specs, weights)):
             for path, m in s.modules.items():
                 key = f"{i}:{path}"
-                out.modules[key] = LoraModule(m.path, m.kind, m.a, m.b, m.bias, m.rank, m.alpha, m.scaling * w,
-                                              key=key)
+                out.modules[key] = LoraModule(
+                    m.path, m.kind, m.a, m.b, m.bias, m.rank, m.alpha, m.scaling * w, key=key
+                )
         return out
     with RowReader() as reader:
         for path in sorted({p for s in specs for p in s.modules}):
-            out.modules[path] = _linear_module(reader, path, [(s.modules[path], w) for s, w in zip(specs, weights)
-                                                              if path in s.modules])
+            out.modules[path] = _linear_module(
+                reader, path, [(s.modules[path], w) for s, w in zip(specs, weights) if path in s.modules]
+            )
     return out
 
 
@@ -378,9 +416,16 @@ def _linear_module(reader: RowReader, path: str, members: list[tuple[LoraModule,
             bias = t if bias is None else bias + t
     if bias is not None:
         bias = AdapterTensor(f"{path}.lora_B.bias", tuple(bias.shape), "F32", None, bias)
-    return LoraModule(path, first.kind, AdapterTensor(f"{path}.lora_A", tuple(a.shape), "F32", None, a),
-                      AdapterTensor(f"{path}.lora_B", tuple(b.shape), "F32", None, b), bias, first.rank,
-                      float(first.rank), 1.0)
+    return LoraModule(
+        path,
+        first.kind,
+        AdapterTensor(f"{path}.lora_A", tuple(a.shape), "F32", None, a),
+        AdapterTensor(f"{path}.lora_B", tuple(b.shape), "F32", None, b),
+        bias,
+        first.rank,
+        float(first.rank),
+        1.0,
+    )
 
 
 def modifies_base(init_lora_weights: object) -> bool:
@@ -397,5 +442,3 @@ def modifies_base(init_lora_weights: object) -> bool:
         (True, False)
     """
     return residual_init(init_lora_weights)  # one definition, the allowlist's
-
-

@@ -120,8 +120,10 @@ def add_token_rows(spec, name: str, key: str, t: AdapterTensor, problems: list[s
     path = key.removesuffix(".trainable_tokens_delta").removesuffix(".token_adapter")
     indices = token_indices(spec.config, path)
     if indices is None:
-        problems.append(f"adapter tensor {name!r} holds trainable tokens but adapter_config.json gives no "
-                        f"token indices for {path!r}")
+        problems.append(
+            f"adapter tensor {name!r} holds trainable tokens but adapter_config.json gives no "
+            f"token indices for {path!r}"
+        )
     elif len(t.shape) != 2 or t.shape[0] != len(indices):
         problems.append(f"adapter tensor {name!r} has shape {list(t.shape)} but {len(indices)} token indices")
     else:
@@ -169,8 +171,9 @@ def check_adapter_config(config: dict, folder: str) -> None:
             if key == "rank_pattern" and not positive_number(v, integer=True):
                 problems.append(f"adapter_config.json rank_pattern[{k!r}] must be a positive int, got {v!r}")
             if key == "alpha_pattern" and not positive_number(v):
-                problems.append(f"adapter_config.json alpha_pattern[{k!r}] must be a positive finite number, "
-                                f"got {v!r}")
+                problems.append(
+                    f"adapter_config.json alpha_pattern[{k!r}] must be a positive finite number, got {v!r}"
+                )
             try:
                 re.compile(rf"(.*\.)?({k})$")
             except re.error as e:

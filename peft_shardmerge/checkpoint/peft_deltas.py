@@ -45,8 +45,13 @@ class PeftOp:
         :func:`~peft_shardmerge.engine.maths.ia3_multiplier`."""
         from ..engine.maths import ia3_multiplier
 
-        return ia3_multiplier(self.layer.ia3_l[ADAPTER].detach(), shape, feedforward=self.layer.is_feedforward,
-                              fan_in_fan_out=getattr(self.layer, "fan_in_fan_out", False), bias=self.attr == "bias")
+        return ia3_multiplier(
+            self.layer.ia3_l[ADAPTER].detach(),
+            shape,
+            feedforward=self.layer.is_feedforward,
+            fan_in_fan_out=getattr(self.layer, "fan_in_fan_out", False),
+            bias=self.attr == "bias",
+        )
 
 
 def peft_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
@@ -220,8 +225,13 @@ class PeftLayers:
         return out
 
 
-def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, model_class: type | None,
-            skip: "set[str] | frozenset[str]" = frozenset()) -> PeftLayers:
+def rebuild(
+    adapter_folder: str,
+    adapter_config: dict,
+    base_config: object,
+    model_class: type | None,
+    skip: "set[str] | frozenset[str]" = frozenset(),
+) -> PeftLayers:
     """Rebuild a LoHa, LoKr, VeRA or IA3 adapter's layers with PEFT on a meta-device copy of the base model and
     load the adapter's tensors into them (on the CPU); the base weights are never read.
 
@@ -246,31 +256,47 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
 
     peft_type = str(adapter_config.get("peft_type"))
     if peft_type == "VERA" and not adapter_config.get("save_projection", True):
-        raise UnsupportedError("the VeRA adapter was saved with save_projection=False: its shared projections are "
-                               "not in the folder; merge it in process with peft_shardmerge.merge_and_save")
+        raise UnsupportedError(
+            "the VeRA adapter was saved with save_projection=False: its shared projections are "
+            "not in the folder; merge it in process with peft_shardmerge.merge_and_save"
+        )
     config = PeftConfig.from_pretrained(adapter_folder)
     from ..support.model import adapter_keys
     from ..support.model_info import build_on_meta
 
     model = build_on_meta(base_config, model_class)
     if model is None:
-        raise UnsupportedError(f"the base model class for {type(base_config).__name__} cannot be built, so the "
-                               f"{peft_type} layers cannot be rebuilt; merge in process with merge_and_save")
+        raise UnsupportedError(
+            f"the base model class for {type(base_config).__name__} cannot be built, so the "
+            f"{peft_type} layers cannot be rebuilt; merge in process with merge_and_save"
+        )
     try:
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     except (ValueError, RuntimeError, TypeError, KeyError) as e:
-        raise InputError(f"PEFT cannot build the {peft_type} layers of {adapter_folder} on this base "
-                         f"({str(e).splitlines()[0]}); the adapter was trained on a different model") from e
+        raise InputError(
+            f"PEFT cannot build the {peft_type} layers of {adapter_folder} on this base "
+            f"({str(e).splitlines()[0]}); the adapter was trained on a different model"
+        ) from e
     names = {_without_adapter(k): k for k in peft_model.state_dict()}
-    state = {k: v for k, v in load_file(os.path.join(adapter_folder, "adapter_model.safetensors")).items()
-             if k not in skip}
+    state = {
+        k: v for k, v in load_file(os.path.join(adapter_folder, "adapter_model.safetensors")).items() if k not in skip
+    }
     unknown = [k for k in state if k not in names]
     if unknown:
-        raise InputError(f"adapter tensors {unknown[:3]} have no place in the {peft_type} layers PEFT builds on this "
-                         "base; the adapter was trained on a different model")
+        raise InputError(
+            f"adapter tensors {unknown[:3]} have no place in the {peft_type} layers PEFT builds on this "
+            "base; the adapter was trained on a different model"
+        )
     peft_model.load_state_dict({names[k]: v for k, v in state.items()}, strict=False, assign=True)  # stay on CPU
-    missing = sorted(k for k, v in peft_model.state_dict().items() if ADAPTER in k.split(".") and v.is_meta
-                     and "modules_to_save" not in k and "token_adapter" not in k and "trainable_tokens" not in k)
+    missing = sorted(
+        k
+        for k, v in peft_model.state_dict().items()
+        if ADAPTER in k.split(".")
+        and v.is_meta
+        and "modules_to_save" not in k
+        and "token_adapter" not in k
+        and "trainable_tokens" not in k
+    )
     if missing:
         raise InputError(f"the adapter lacks {missing[:3]}; is adapter_model.safetensors complete?")
     out = PeftLayers(peft_type, model=peft_model)
@@ -291,8 +317,10 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
         elif hasattr(module, "get_delta_weight"):
             out.ops[f"{path}.weight"] = PeftOp(f"{path}::weight", path, "weight", "delta", module)
         elif type(module).__name__ != "TrainableTokensLayer":  # token rows are merged from the adapter's tensors
-            raise UnsupportedError(f"{type(module).__name__} at {path!r} has no weight delta PEFT can compute; "
-                                   "this adapter cannot be merged")
+            raise UnsupportedError(
+                f"{type(module).__name__} at {path!r} has no weight delta PEFT can compute; "
+                "this adapter cannot be merged"
+            )
     if not out.ops:
         raise InputError(f"the {peft_type} adapter in {adapter_folder} changes no layer of this base")
     log.debug("rebuilt %d %s layer(s) on the meta device", len(out.ops), peft_type)
@@ -302,5 +330,3 @@ def rebuild(adapter_folder: str, adapter_config: dict, base_config: object, mode
 def _without_adapter(key: str) -> str:
     parts = key.split(".")
     return ".".join(p for p in parts if p != ADAPTER)
-
-

@@ -130,12 +130,16 @@ def disk_layer_problems(adapter: AdapterSpec, info: ModelInfo) -> list[str]:
     uses = []
     for path, mod in sorted(adapter.modules.items()):
         kind = info.layers.get(path) or {"embedding": "Embedding", "conv": f"Conv{len(mod.a.shape) - 2}d"}.get(
-            mod.kind, "Conv1D" if adapter.fan_in_fan_out else "Linear")
+            mod.kind, "Conv1D" if adapter.fan_in_fan_out else "Linear"
+        )
         variants = per_layer + ["DoRA"] * (mod.magnitude is not None) + ["lora_bias"] * (mod.bias is not None)
         uses.append((path, "LORA", kind, variants))
     problems = check_layers(uses, path=DISK)
-    no_bias = [p for p, m in sorted(adapter.modules.items()) if m.bias is not None and info.available
-               and f"{p}.bias" not in info.state_names]
+    no_bias = [
+        p
+        for p, m in sorted(adapter.modules.items())
+        if m.bias is not None and info.available and f"{p}.bias" not in info.state_names
+    ]
     if no_bias:
         problems.append(no_bias_problem(no_bias))
     if adapter.layers is not None and adapter.layers.model is not None:
@@ -164,11 +168,13 @@ class CheckpointInputs:
             f"adapter:         {plan.adapter_text or ', '.join(adapter.folders)}"
             + (f" (combined: {adapter.combination})" if adapter.combination else ""),
             f"dtype:           {str(plan.dtype).removeprefix('torch.')}",
-            f"base precision:  {plan.base_precision}" + (f" ({self.nf4.describe()})" if self.nf4 else "")
+            f"base precision:  {plan.base_precision}"
+            + (f" ({self.nf4.describe()})" if self.nf4 else "")
             + (f" (the stored {self.base.quantized.method}, dequantized)" if self.base.quantized else ""),
             *([f"reproduces:      {plan.reproduces}"] if plan.reproduces else []),
-            f"LoRA modules:    {len(adapter.modules)}" if adapter.layers is None else
-            f"{adapter.peft_type} layers: {len(adapter.layers.ops)}",
+            f"LoRA modules:    {len(adapter.modules)}"
+            if adapter.layers is None
+            else f"{adapter.peft_type} layers: {len(adapter.layers.ops)}",
         ]
 
     def annotate(self, t: PlannedTensor) -> str:
@@ -194,9 +200,12 @@ class CheckpointInputs:
 
     def identity(self) -> dict:
         """The input files (names, sizes, modification times), the combination and the 4-bit settings."""
-        return {"base": [self.base.folder, _files(self.base.folder)],
-                "adapter": [[f, _files(f)] for f in self.adapter.folders],
-                "combination": self.adapter.combination, "nf4": self.nf4.describe() if self.nf4 else None}
+        return {
+            "base": [self.base.folder, _files(self.base.folder)],
+            "adapter": [[f, _files(f)] for f in self.adapter.folders],
+            "combination": self.adapter.combination,
+            "nf4": self.nf4.describe() if self.nf4 else None,
+        }
 
     def working_set(self, t: PlannedTensor, chunk_elems: int) -> int:
         """A row block read, widened, merged and cast, plus the LoRA factors (a 4-bit base: the whole tensor)."""
@@ -221,8 +230,14 @@ def _files(folder: str) -> list:
     return out
 
 
-def build_plan(base: CheckpointSource, adapter: AdapterSpec, info: ModelInfo, opts: MergeOptions, *,
-               problems: list[str] | None = None) -> Plan:
+def build_plan(
+    base: CheckpointSource,
+    adapter: AdapterSpec,
+    info: ModelInfo,
+    opts: MergeOptions,
+    *,
+    problems: list[str] | None = None,
+) -> Plan:
     """Decide every output tensor, its LoRA deltas and its shard, from headers and configs only.
 
     Args:
@@ -254,8 +269,12 @@ def build_plan(base: CheckpointSource, adapter: AdapterSpec, info: ModelInfo, op
         notes.append(base.quantized.note(out_torch))
     if nf4 is not None:
         for name, pt in st.planned.items():
-            if name in info.linear_weights and pt.source.dtype in FLOAT_DTYPES and not pt.from_adapter \
-                    and nf4.quantizes(name.removesuffix(".weight")):
+            if (
+                name in info.linear_weights
+                and pt.source.dtype in FLOAT_DTYPES
+                and not pt.from_adapter
+                and nf4.quantizes(name.removesuffix(".weight"))
+            ):
                 pt.quantize = True
         notes.append(f"merging into the 4-bit base the adapter was trained on ({nf4.describe()})")
     if adapter.tokenizer_files:
@@ -273,12 +292,22 @@ def build_plan(base: CheckpointSource, adapter: AdapterSpec, info: ModelInfo, op
             if isinstance(sub, dict) and "vocab_size" in sub:
                 sub["vocab_size"] = st.new_vocab
         notes.append(f"the adapter resized the vocabulary: {base.config.get('vocab_size')} -> {st.new_vocab} rows")
-    return Plan(CheckpointInputs(base, adapter, nf4), tensors, names, out_torch, opts.base_precision, config,
-                opts.chunk_elems, untied, notes)
+    return Plan(
+        CheckpointInputs(base, adapter, nf4),
+        tensors,
+        names,
+        out_torch,
+        opts.base_precision,
+        config,
+        opts.chunk_elems,
+        untied,
+        notes,
+    )
 
 
-def _plan_options(base: CheckpointSource, info: ModelInfo, opts: MergeOptions
-                  ) -> tuple[torch.dtype, Nf4Settings | None, list[str]]:
+def _plan_options(
+    base: CheckpointSource, info: ModelInfo, opts: MergeOptions
+) -> tuple[torch.dtype, Nf4Settings | None, list[str]]:
     """The output dtype and the 4-bit settings of a plan, with every problem of the options it plans with."""
     problems: list[str] = []
     try:
@@ -295,14 +324,17 @@ def _plan_options(base: CheckpointSource, info: ModelInfo, opts: MergeOptions
         problems.append(
             f"base precision 'nf4' re-quantizes a 16-bit base, but this base is already stored as "
             f"{base.quantized.method}: drop base precision 'nf4'; the adapter is then merged into the stored "
-            "weights dequantized, which for an adapter trained on this base are the weights it was trained on")
+            "weights dequantized, which for an adapter trained on this base are the weights it was trained on"
+        )
         return out_torch, None, problems
     nf4 = opts.nf4
     problems += nf4.validate()
     if importlib.util.find_spec("bitsandbytes") is None:
-        problems.append("base precision 'nf4' (what 'auto' picks for an adapter trained on a 4-bit base) quantizes "
-                        "with bitsandbytes, which is not installed: pip install 'peft-shardmerge[bnb]', or pass "
-                        "base precision 'original' to merge into the checkpoint's own weights")
+        problems.append(
+            "base precision 'nf4' (what 'auto' picks for an adapter trained on a 4-bit base) quantizes "
+            "with bitsandbytes, which is not installed: pip install 'peft-shardmerge[bnb]', or pass "
+            "base precision 'original' to merge into the checkpoint's own weights"
+        )
     if not info.available:
         problems.append(
             "base precision 'nf4' needs to know which weights bitsandbytes quantized, but the model class "
@@ -311,8 +343,16 @@ def _plan_options(base: CheckpointSource, info: ModelInfo, opts: MergeOptions
     return out_torch, nf4, problems
 
 
-def plan_from_folders(base: str, adapters: list[str], opts: MergeOptions, problems: list[str] | None = None, *,
-                      out_dir: str | None = None, check_out: bool = False, recover: bool = False) -> Plan:
+def plan_from_folders(
+    base: str,
+    adapters: list[str],
+    opts: MergeOptions,
+    problems: list[str] | None = None,
+    *,
+    out_dir: str | None = None,
+    check_out: bool = False,
+    recover: bool = False,
+) -> Plan:
     """Plan the merge of adapter folders into a base checkpoint: the one planner entry of a merge from disk (the
     command line, :func:`~peft_shardmerge.api.disk.merge_checkpoint`, a loaded model's original checkpoint).
 
@@ -343,24 +383,33 @@ def plan_from_folders(base: str, adapters: list[str], opts: MergeOptions, proble
         raise InputError(problems + [p for p in e.problems if p not in problems]) from e
     trained = [(part.folder, part.config) for part in spec.parts or [spec]]
     precision, nf4_fields, reproduces = disk_base_choice(
-        opts.base_precision, trained, src.quantized.method if src.quantized is not None else None)
+        opts.base_precision, trained, src.quantized.method if src.quantized is not None else None
+    )
     opts = replace(opts, base_precision=precision, **nf4_fields)
     if check_out:
-        inputs = {"base": src.folder, **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f
-                                         for i, f in enumerate(spec.folders)}}
+        inputs = {
+            "base": src.folder,
+            **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f for i, f in enumerate(spec.folders)},
+        }
         problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
     info = inspect_model(src.folder)
     problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
     if spec.needs_layers:
         from transformers import AutoConfig
 
-        spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
-                              skip=spec.layer_skip)
+        spec.layers = rebuild(
+            spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None, skip=spec.layer_skip
+        )
     plan = build_plan(src, spec, info, opts, problems=problems)  # raises every problem, a bad chunk size too
     plan.reproduces = reproduces
     plan.notes[:0] = base_name_notes(trained, base, src.folder)
-    space = [] if out_dir is None else check_space(out_dir, plan.total_size + sum(
-        os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files))
+    space = (
+        []
+        if out_dir is None
+        else check_space(
+            out_dir, plan.total_size + sum(os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files)
+        )
+    )
     if space:
         raise InputError(space)
     check_base_files(src)

@@ -115,10 +115,13 @@ def shape_mismatch_problems(mismatches: dict[tuple, list[tuple[str, str]]]) -> l
     """
     out = []
     for (folder, pattern, delta, wpattern, base), pairs in mismatches.items():
-        path, wname = (f"{pattern!r} ({len(pairs)} layers)", wpattern) if len(pairs) > 1 else (repr(pairs[0][0]),
-                                                                                                 pairs[0][1])
-        out.append(f"adapter {folder}: LoRA module {path} gives a delta of shape {list(delta)} but the base weight "
-                   f"{wname!r} is {list(base)}; the adapter was trained on a different model")
+        path, wname = (
+            (f"{pattern!r} ({len(pairs)} layers)", wpattern) if len(pairs) > 1 else (repr(pairs[0][0]), pairs[0][1])
+        )
+        out.append(
+            f"adapter {folder}: LoRA module {path} gives a delta of shape {list(delta)} but the base weight "
+            f"{wname!r} is {list(base)}; the adapter was trained on a different model"
+        )
     return out
 
 
@@ -134,11 +137,17 @@ def plan_replacements(st: PlanState) -> list[str]:
     problems = []
     for memory_name, rep, name, pt in st.targets(st.adapter.replacements):
         if pt is None:
-            problems.append(f"adapter tensor {name!r} (modules_to_save or a trained bias) has no counterpart in the "
-                            "base")
+            problems.append(
+                f"adapter tensor {name!r} (modules_to_save or a trained bias) has no counterpart in the base"
+            )
             continue
-        resized = (name in st.embeddings and len(rep.shape) == 2 and len(pt.shape) == 2
-                   and rep.shape[1] == pt.shape[1] and rep.shape[0] != pt.shape[0])
+        resized = (
+            name in st.embeddings
+            and len(rep.shape) == 2
+            and len(pt.shape) == 2
+            and rep.shape[1] == pt.shape[1]
+            and rep.shape[0] != pt.shape[0]
+        )
         if tuple(rep.shape) != pt.shape and not resized:
             problems.append(
                 f"adapter tensor {name!r} has shape {list(rep.shape)} but the base has {list(pt.shape)}; the adapter "
@@ -189,8 +198,16 @@ def plan_lora(st: PlanState) -> list[str]:
             continue
         transposed, expected = _lora_shape(st, mod, wname)
         if pt.shape != expected:
-            mismatches.setdefault((_adapter_of(st.adapter, mod), re.sub(r"\.\d+\.", ".*.", path), expected,
-                                   re.sub(r"\.\d+\.", ".*.", wname), pt.shape), []).append((path, wname))
+            mismatches.setdefault(
+                (
+                    _adapter_of(st.adapter, mod),
+                    re.sub(r"\.\d+\.", ".*.", path),
+                    expected,
+                    re.sub(r"\.\d+\.", ".*.", wname),
+                    pt.shape,
+                ),
+                [],
+            ).append((path, wname))
             continue
         bad = _dora_problems(mod)
         if bad:
@@ -209,8 +226,9 @@ def _dora_problems(mod: LoraModule) -> list[str]:
     out_f = mod.b.shape[0]
     if mod.magnitude is None or math.prod(mod.magnitude.shape) == out_f:
         return []
-    return [f"DoRA module {mod.path!r}: lora_magnitude_vector has shape {list(mod.magnitude.shape)}, "
-            f"expected [{out_f}]"]
+    return [
+        f"DoRA module {mod.path!r}: lora_magnitude_vector has shape {list(mod.magnitude.shape)}, expected [{out_f}]"
+    ]
 
 
 def plan_lora_bias(st: PlanState, mod: LoraModule) -> list[str]:
@@ -256,9 +274,11 @@ def plan_peft_ops(st: PlanState) -> list[str]:
         pt = st.planned_for(name)
         base_t = getattr(op.layer.get_base_layer(), op.attr, None)
         if pt is None or base_t is None or tuple(base_t.shape) != pt.shape:
-            problems.append(f"{adapter.peft_type} layer {op.path!r} does not fit the base tensor {name!r}"
-                            f"{'' if pt is None else ' ' + str(list(pt.shape))}; the adapter was trained on a "
-                            "different model")
+            problems.append(
+                f"{adapter.peft_type} layer {op.path!r} does not fit the base tensor {name!r}"
+                f"{'' if pt is None else ' ' + str(list(pt.shape))}; the adapter was trained on a "
+                "different model"
+            )
             continue
         pt.peft_ops.append(op)
         st.touched.add(name)
@@ -281,8 +301,10 @@ def plan_tokens(st: PlanState) -> list[str]:
             continue
         rows = pt.source.shape[0] if pt.from_adapter else pt.shape[0]
         if len(pt.shape) != 2 or tr.rows.shape[1] != pt.shape[1] or not all(0 <= i < rows for i in tr.indices):
-            problems.append(f"trainable tokens of {path!r} ({len(tr.indices)} rows of width {tr.rows.shape[1]}, "
-                            f"ids up to {max(tr.indices, default=0)}) do not fit {wname!r} {list(pt.shape)}")
+            problems.append(
+                f"trainable tokens of {path!r} ({len(tr.indices)} rows of width {tr.rows.shape[1]}, "
+                f"ids up to {max(tr.indices, default=0)}) do not fit {wname!r} {list(pt.shape)}"
+            )
             continue
         pt.token_rows.append(tr)
         st.with_tokens.add(wname)
@@ -312,8 +334,7 @@ def plan_ties(st: PlanState) -> tuple[list[str], list[str]]:
         return [], []
     problems = []
     for target, src in st.info.tied.items():
-        if target in st.with_tokens and src in st.with_tokens and not _same_rows(st.planned[target],
-                                                                                st.planned[src]):
+        if target in st.with_tokens and src in st.with_tokens and not _same_rows(st.planned[target], st.planned[src]):
             problems.append(tokens_on_both_sides(src, target))
     changed = [(t, s) for t, s in st.info.tied.items() if t in st.touched or s in st.touched]
     present = [n for t, s in changed if st.planned_for(t) and st.planned_for(s) for n in (t, s)]

@@ -109,10 +109,18 @@ class CheckpointReader(RowMerger):
             adapter=(plan.adapter_text or ", ".join(plan.inputs.adapter.folders))
             + (f" ({plan.inputs.adapter.combination})" if plan.inputs.adapter.combination else ""),
             base_precision=plan.base_precision,
-            lora_modules_merged=len({k.split("@")[0] for k in self.applied
-                                     if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")}),
-            replacements_applied=self.replacements, device=str(self.device), untied=list(plan.untied),
-            notes=list(plan.notes))
+            lora_modules_merged=len(
+                {
+                    k.split("@")[0]
+                    for k in self.applied
+                    if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")
+                }
+            ),
+            replacements_applied=self.replacements,
+            device=str(self.device),
+            untied=list(plan.untied),
+            notes=list(plan.notes),
+        )
 
     def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         """Write one planned tensor: its bytes copied, cast, or merged block by block.
@@ -174,7 +182,8 @@ class CheckpointReader(RowMerger):
             magnitudes=[m.magnitude.load(load).float().reshape(-1) for m in t.loras if m.magnitude is not None],
             tokens=[TokenRows(torch.tensor(r.indices), r.rows.load(load).float()) for r in t.token_rows],
             peft=[self._peft_change(o, t) for o in t.peft_ops],
-            keys=[str(k) for k in planned_keys(t)])
+            keys=[str(k) for k in planned_keys(t)],
+        )
 
     def _peft_change(self, o, t: PlannedTensor) -> WholeDelta | Scale:
         """LoHa/LoKr/VeRA/LoRA-on-parameter changes as the whole tensor's delta (``[rows, -1]``, once), IA3 as its
@@ -223,10 +232,9 @@ def check_counts(plan: Plan, merger: RowMerger) -> None:
     check_applied([str(k) for k in expected], merger.applied)
 
 
-
-
-def stream_tensors(plan: Plan, sink, tensors: list[PlannedTensor] | None = None, *,
-                   device: torch.device = torch.device("cpu")) -> None:
+def stream_tensors(
+    plan: Plan, sink, tensors: list[PlannedTensor] | None = None, *, device: torch.device = torch.device("cpu")
+) -> None:
     """Produce planned tensors with the very code a merge writes them with, into ``sink`` instead of a shard
     (``peft-shardmerge verify`` compares them with a merged checkpoint this way).
 

@@ -75,20 +75,26 @@ def resolve_folder(location: str, *, what: str, must_have: tuple[str, ...]) -> s
 
 
 def _swapped_hint(path: str, what: str) -> str:
-    """"BASE and ADAPTER look swapped: " and why, when the base folder holds an adapter or the adapter folder a model;
+    """ "BASE and ADAPTER look swapped: " and why, when the base folder holds an adapter or the adapter folder a model;
     else ""."""
+
     def has(name: str) -> bool:
         return os.path.exists(os.path.join(path, name))
 
     if what == "base" and has("adapter_config.json"):
         holds = "adapter_config.json, an adapter"
-    elif what == "adapter" and has("config.json") and any(
-            n.endswith((".safetensors", ".safetensors.index.json")) for n in os.listdir(path)):
+    elif (
+        what == "adapter"
+        and has("config.json")
+        and any(n.endswith((".safetensors", ".safetensors.index.json")) for n in os.listdir(path))
+    ):
         holds = "config.json and model weights, a base checkpoint"
     else:
         return ""
-    return (f"BASE and ADAPTER look swapped: the {what} folder {path} holds {holds}; pass the base checkpoint first, "
-            "then the adapter (peft-shardmerge merge BASE ADAPTER OUT, merge_checkpoint(base, adapter, out)). ")
+    return (
+        f"BASE and ADAPTER look swapped: the {what} folder {path} holds {holds}; pass the base checkpoint first, "
+        "then the adapter (peft-shardmerge merge BASE ADAPTER OUT, merge_checkpoint(base, adapter, out)). "
+    )
 
 
 def _from_hf_cache(repo_id: str) -> str | None:
@@ -218,8 +224,10 @@ def open_checkpoint(location: str, *, check_files: bool = True) -> CheckpointSou
     logical = {t.name: t for t in view.tensors}
     if len(logical) != len(view.tensors):  # a dequantized name that is also stored as a tensor of its own
         twice = sorted(n for n, count in Counter(t.name for t in view.tensors).items() if count > 1)
-        raise CorruptFileError(f"base {folder}: {', '.join(twice[:5])} stored both quantized and unquantized; the "
-                               "checkpoint is inconsistent: re-download or re-convert it")
+        raise CorruptFileError(
+            f"base {folder}: {', '.join(twice[:5])} stored both quantized and unquantized; the "
+            "checkpoint is inconsistent: re-download or re-convert it"
+        )
     return CheckpointSource(folder, config, view.tensors, logical, list_side_files(folder), tensors, view)
 
 

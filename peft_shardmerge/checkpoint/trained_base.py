@@ -36,9 +36,13 @@ def _from_settings(settings: dict, evidence: str) -> TrainedBase | None:
     if str(settings.get("quant_method", "bitsandbytes")).lower() != "bitsandbytes":
         return None
     if _truthy(settings.get("load_in_4bit", settings.get("_load_in_4bit"))):
-        return TrainedBase(4, str(settings.get("bnb_4bit_quant_type") or "nf4"),
-                           _truthy(settings.get("bnb_4bit_use_double_quant")), evidence,
-                           _names(settings.get("llm_int8_skip_modules")))
+        return TrainedBase(
+            4,
+            str(settings.get("bnb_4bit_quant_type") or "nf4"),
+            _truthy(settings.get("bnb_4bit_use_double_quant")),
+            evidence,
+            _names(settings.get("llm_int8_skip_modules")),
+        )
     if _truthy(settings.get("load_in_8bit", settings.get("_load_in_8bit"))):
         return TrainedBase(8, "", False, evidence)
     return None
@@ -103,7 +107,7 @@ def _card_settings(adapter_folder: str) -> dict:
     if CARD_PREFIX not in lines:
         return {}
     settings = {}
-    for line in lines[lines.index(CARD_PREFIX) + 1:]:
+    for line in lines[lines.index(CARD_PREFIX) + 1 :]:
         if not line.strip():
             if settings:
                 break
@@ -138,13 +142,19 @@ def trained_base(adapter_folder: str, adapter_config: dict) -> TrainedBase | Non
     config = named_config(name) or {}
     for settings in (config.get("quantization_config"), (config.get("text_config") or {}).get("quantization_config")):
         if isinstance(settings, dict):
-            found = _from_settings(settings, f"the model it names, {name}, is stored quantized by bitsandbytes "
-                                             "(quantization_config in its config.json)")
+            found = _from_settings(
+                settings,
+                f"the model it names, {name}, is stored quantized by bitsandbytes "
+                "(quantization_config in its config.json)",
+            )
             if found is not None:
                 return found
     card = _card_settings(adapter_folder)
-    return _from_settings(card, "its README.md (PEFT's model card) lists the bitsandbytes settings of training") \
-        if card else None
+    return (
+        _from_settings(card, "its README.md (PEFT's model card) lists the bitsandbytes settings of training")
+        if card
+        else None
+    )
 
 
 def same_model(named: str, base_argument: str, base_folder: str) -> bool:
@@ -172,13 +182,17 @@ def same_model(named: str, base_argument: str, base_folder: str) -> bool:
         return True
     last = named.rstrip("/").rsplit("/", 1)[-1].lower()
     cached = "models--" + named.replace("/", "--")
-    candidates = {str(base_argument).rstrip("/").lower(), os.path.basename(str(base_argument).rstrip("/")).lower(),
-                  os.path.basename(base_folder.rstrip("/")).lower()}
+    candidates = {
+        str(base_argument).rstrip("/").lower(),
+        os.path.basename(str(base_argument).rstrip("/")).lower(),
+        os.path.basename(base_folder.rstrip("/")).lower(),
+    }
     return named.lower() in candidates or last in candidates or cached in base_folder.split(os.sep)
 
 
-def disk_base_choice(requested: str, adapters: list[tuple[str, dict]],
-                     stored: str | None = None) -> tuple[str, dict, str]:
+def disk_base_choice(
+    requested: str, adapters: list[tuple[str, dict]], stored: str | None = None
+) -> tuple[str, dict, str]:
     """What a merge from disk merges into, and what its output reproduces.
 
     The rule both paths follow: reproduce the trained model. ``"auto"`` (the default) merges into dequant(4-bit(W))
@@ -199,27 +213,58 @@ def disk_base_choice(requested: str, adapters: list[tuple[str, dict]],
         'original'
     """
     if stored is not None:
-        return ("original" if requested == "auto" else requested), {}, (
-            f"the stored {stored} base, dequantized, + adapter (for an adapter trained on this base, the trained "
-            f"model)")
+        return (
+            ("original" if requested == "auto" else requested),
+            {},
+            (
+                f"the stored {stored} base, dequantized, + adapter (for an adapter trained on this base, the trained "
+                f"model)"
+            ),
+        )
     trained = next((t for t in (trained_base(f, c) for f, c in adapters) if t is not None), None)
     if requested == "nf4":
         return "nf4", {}, "the QLoRA-trained model (dequant(nf4(W)) + adapter)"
     if trained is not None and trained.bits == 4 and requested == "auto":
-        return "nf4", {"nf4_quant_type": trained.quant_type, "nf4_double_quant": trained.double_quant,
-                       "nf4_skip_modules": trained.skip_modules}, (
-            f"the trained model: the base quantized to 4-bit {trained.quant_type} and dequantized, + adapter (base "
-            f"precision auto: the adapter was trained on a 4-bit base, {trained.evidence})")
+        return (
+            "nf4",
+            {
+                "nf4_quant_type": trained.quant_type,
+                "nf4_double_quant": trained.double_quant,
+                "nf4_skip_modules": trained.skip_modules,
+            },
+            (
+                f"the trained model: the base quantized to 4-bit {trained.quant_type} and dequantized, + adapter "
+                f"(base precision auto: the adapter was trained on a 4-bit base, {trained.evidence})"
+            ),
+        )
     if trained is not None and trained.bits == 4:
-        return "original", {}, (f"the original base + adapter, NOT the trained 4-bit model ({trained.evidence}); base "
-                                "precision nf4 (or auto) reproduces the trained model")
+        return (
+            "original",
+            {},
+            (
+                f"the original base + adapter, NOT the trained 4-bit model ({trained.evidence}); base "
+                "precision nf4 (or auto) reproduces the trained model"
+            ),
+        )
     if trained is not None:
-        return "original", {}, (f"the original base + adapter, not the trained model: the adapter was trained on an "
-                                f"8-bit base ({trained.evidence}), which a merge from disk does not reproduce "
-                                "(merge_and_save of the trained model in memory does)")
-    return "original", {}, ("the original base + adapter: the trained model for an adapter trained on this base "
-                            "unquantized (nothing in the adapter's files shows a 4-bit base; for one trained on a "
-                            "4-bit base (QLoRA), base precision nf4 reproduces the trained model)")
+        return (
+            "original",
+            {},
+            (
+                f"the original base + adapter, not the trained model: the adapter was trained on an "
+                f"8-bit base ({trained.evidence}), which a merge from disk does not reproduce "
+                "(merge_and_save of the trained model in memory does)"
+            ),
+        )
+    return (
+        "original",
+        {},
+        (
+            "the original base + adapter: the trained model for an adapter trained on this base "
+            "unquantized (nothing in the adapter's files shows a 4-bit base; for one trained on a "
+            "4-bit base (QLoRA), base precision nf4 reproduces the trained model)"
+        ),
+    )
 
 
 def base_name_notes(adapters: list[tuple[str, dict]], base_argument: str, base_folder: str) -> list[str]:
@@ -241,7 +286,9 @@ def base_name_notes(adapters: list[tuple[str, dict]], base_argument: str, base_f
     for folder, config in adapters:
         named = str(config.get("base_model_name_or_path") or "")
         if not same_model(named, base_argument, base_folder):
-            notes.append(f"the adapter {folder} was trained on {named} (base_model_name_or_path in its "
-                         f"adapter_config.json), but the base given is {base_folder}: their shapes match, so it was "
-                         "merged; check that this is the model the adapter was trained on")
+            notes.append(
+                f"the adapter {folder} was trained on {named} (base_model_name_or_path in its "
+                f"adapter_config.json), but the base given is {base_folder}: their shapes match, so it was "
+                "merged; check that this is the model the adapter was trained on"
+            )
     return notes

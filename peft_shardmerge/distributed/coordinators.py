@@ -78,10 +78,14 @@ class GatherUnits:
     def notes(self) -> list[str]:
         units, notes = self.gatherer.units, []
         if getattr(units, "masters", None):
-            notes.append(f"{len(units.masters)} trainable tensor(s) read from DeepSpeed's fp32 master weights (the "
-                         "model holds 16-bit copies of them)")
-        notes.append(f"gathered from {self.steps.world.size} ranks one {units.label} at a time (at most "
-                     f"{self.gatherer.peak_numel:,} elements at once); the peak memory above is rank 0's")
+            notes.append(
+                f"{len(units.masters)} trainable tensor(s) read from DeepSpeed's fp32 master weights (the "
+                "model holds 16-bit copies of them)"
+            )
+        notes.append(
+            f"gathered from {self.steps.world.size} ranks one {units.label} at a time (at most "
+            f"{self.gatherer.peak_numel:,} elements at once); the peak memory above is rank 0's"
+        )
         return notes
 
     def committed(self, report: MergeReport) -> None:

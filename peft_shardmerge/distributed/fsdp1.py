@@ -53,8 +53,9 @@ def planning_view(root: nn.Module) -> Iterator[nn.Module]:
                         put_param(m, name, None, saved)
             stand_ins = {}
             for info, shape in zip(fp._param_infos, fp._shapes):
-                stand_ins[(id(info.module), info.param_name)] = put_stand_in(info.module, info.param_name, shape,
-                                                                          fp.dtype, saved)
+                stand_ins[(id(info.module), info.param_name)] = put_stand_in(
+                    info.module, info.param_name, shape, fp.dtype, saved
+                )
             for info in fp._shared_param_infos:  # tied: the same stand-in, so that the tie is seen
                 stand_in = stand_ins[(id(info.prim_module), info.prim_param_name)]
                 put_param(info.module, info.param_name, stand_in, saved)

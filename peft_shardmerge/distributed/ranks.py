@@ -42,8 +42,10 @@ def agree_on_plan(steps: JobSteps, plan: Plan, out_dir: str) -> None:
     prints = steps.step("plan", (plan.fingerprint(), os.path.abspath(os.fspath(out_dir))))
     if len(set(prints)) > 1:
         odd = [r for r, p in enumerate(prints) if p != prints[0]]
-        raise InputError(f"rank(s) {odd} planned a different merge than rank 0: every rank must be given the same "
-                         "BASE, ADAPTER, OUT and options and see the same files (a filesystem shared by every node)")
+        raise InputError(
+            f"rank(s) {odd} planned a different merge than rank 0: every rank must be given the same "
+            "BASE, ADAPTER, OUT and options and see the same files (a filesystem shared by every node)"
+        )
 
 
 #: the file a failing rank leaves in the staging folder, so that the others stop at their next tensor
@@ -79,8 +81,13 @@ def _leave_stop(steps: JobSteps) -> None:
 
 
 def _counts(merger) -> dict:
-    return {"applied": merger.applied, "replacements": merger.replacements, "fallbacks": merger.fallbacks,
-            "probe_err": merger.probe_err, "swallowed": merger.swallowed}
+    return {
+        "applied": merger.applied,
+        "replacements": merger.replacements,
+        "fallbacks": merger.fallbacks,
+        "probe_err": merger.probe_err,
+        "swallowed": merger.swallowed,
+    }
 
 
 class OtherRanks:
@@ -113,8 +120,9 @@ class OtherRanks:
         self.steps.staging = staging.path
         share = _share(self.plan, sorted(staging.done), self.steps)
         sizes = _sizes(self.plan)
-        self.theirs = [(os.path.join(staging.path, self.plan.shard_names[i]), sizes[i])
-                       for other in share[1:] for i in other]
+        self.theirs = [
+            (os.path.join(staging.path, self.plan.shard_names[i]), sizes[i]) for other in share[1:] for i in other
+        ]
         return set(share[0])
 
     def poll(self) -> None:

@@ -15,8 +15,12 @@ from .param_swap import put_param, restore
 log = logging.getLogger(__name__)
 
 #: what each sharding a model can carry is called in messages
-SHARDINGS = {"fsdp2": "FSDP2 (fully_shard)", "fsdp1": "FSDP1 (FullyShardedDataParallel)",
-             "zero3": "DeepSpeed ZeRO-3", "dtensor": "DTensor parameters outside FSDP (tensor parallelism)"}
+SHARDINGS = {
+    "fsdp2": "FSDP2 (fully_shard)",
+    "fsdp1": "FSDP1 (FullyShardedDataParallel)",
+    "zero3": "DeepSpeed ZeRO-3",
+    "dtensor": "DTensor parameters outside FSDP (tensor parallelism)",
+}
 
 
 def sharding_of(model: nn.Module) -> str | None:
@@ -65,36 +69,55 @@ def sharding_problems(model: nn.Module, base_precision: str) -> list[str]:
     kind = sharding_of(model)
     if kind is None:
         return []
-    instead = ("save the adapter on rank 0 (model.save_pretrained) and merge from disk, on as many processes as you "
-               "like: torchrun --nproc_per_node N -m peft_shardmerge merge BASE ADAPTER OUT")
+    instead = (
+        "save the adapter on rank 0 (model.save_pretrained) and merge from disk, on as many processes as you "
+        "like: torchrun --nproc_per_node N -m peft_shardmerge merge BASE ADAPTER OUT"
+    )
     name = SHARDINGS[kind]
     if kind == "dtensor":
-        return [f"the model holds {name}, which merge_and_save does not gather (FSDP2, FSDP1 and DeepSpeed ZeRO-3 are "
-                f"supported); {instead}"]
+        return [
+            f"the model holds {name}, which merge_and_save does not gather (FSDP2, FSDP1 and DeepSpeed ZeRO-3 are "
+            f"supported); {instead}"
+        ]
     problems = []
     if kind == "fsdp2" and any(_tensor_parallel(p) for p in model.parameters()):
-        problems.append(f"the model is sharded by {name} over a mesh that also splits weights by tensor parallelism "
-                        f"(DTensor placements beyond FSDP's Shard(0)), which merge_and_save does not gather; "
-                        f"{instead}")
-    if kind == "zero3" and any(hasattr(getattr(p, t, None), "ds_quant_scale") for p in model.parameters()
-                               for t in ("ds_tensor", "ds_secondary_tensor")):
-        problems.append(f"the model is sharded by {name} with quantized weights (ZeRO++ "
-                        "zero_quantized_nontrainable_weights or a quantized secondary partition): their gathers are "
-                        f"lossy, so the merge would not be of the weights trained; turn it off, or {instead}")
+        problems.append(
+            f"the model is sharded by {name} over a mesh that also splits weights by tensor parallelism "
+            f"(DTensor placements beyond FSDP's Shard(0)), which merge_and_save does not gather; "
+            f"{instead}"
+        )
+    if kind == "zero3" and any(
+        hasattr(getattr(p, t, None), "ds_quant_scale")
+        for p in model.parameters()
+        for t in ("ds_tensor", "ds_secondary_tensor")
+    ):
+        problems.append(
+            f"the model is sharded by {name} with quantized weights (ZeRO++ "
+            "zero_quantized_nontrainable_weights or a quantized secondary partition): their gathers are "
+            f"lossy, so the merge would not be of the weights trained; turn it off, or {instead}"
+        )
     if base_precision == "original":
-        problems.append(f"base_precision='original' is not available for a model sharded by {name} (each rank "
-                        f"would read the original checkpoint whole): use 'auto' or 'dequantized', or {instead}")
-    odd = [f"{n} ({type(m).__name__}{', no quant state' if is_bnb_layer(m, 'Linear4bit') else ''})"
-           for n, m in model.named_modules() if is_bnb_layer(m) and not _four_bit_with_state(m)]
+        problems.append(
+            f"base_precision='original' is not available for a model sharded by {name} (each rank "
+            f"would read the original checkpoint whole): use 'auto' or 'dequantized', or {instead}"
+        )
+    odd = [
+        f"{n} ({type(m).__name__}{', no quant state' if is_bnb_layer(m, 'Linear4bit') else ''})"
+        for n, m in model.named_modules()
+        if is_bnb_layer(m) and not _four_bit_with_state(m)
+    ]
     odd += [f"{n} (Int8Params)" for n, p in model.named_parameters() if bnb_kind(p) == "8bit"]
     if odd:
-        problems.append(f"the model is sharded by {name} over bitsandbytes layers, of which merge_and_save gathers "
-                        f"only 4-bit Linear4bit ones with their quant state (QLoRA): {', '.join(odd[:3])}"
-                        f"{f' and {len(odd) - 3} more' if len(odd) > 3 else ''}; load the base in 4-bit with "
-                        f"BitsAndBytesConfig(load_in_4bit=True) before sharding it, or {instead}")
+        problems.append(
+            f"the model is sharded by {name} over bitsandbytes layers, of which merge_and_save gathers "
+            f"only 4-bit Linear4bit ones with their quant state (QLoRA): {', '.join(odd[:3])}"
+            f"{f' and {len(odd) - 3} more' if len(odd) > 3 else ''}; load the base in 4-bit with "
+            f"BitsAndBytesConfig(load_in_4bit=True) before sharding it, or {instead}"
+        )
     if kind in ("fsdp1", "zero3") and not any(type(m).__name__.startswith("PeftModel") for m in model.modules()):
-        problems.append(f"the model is sharded by {name} but holds no PeftModel; pass the model wrapped after "
-                        "get_peft_model")
+        problems.append(
+            f"the model is sharded by {name} but holds no PeftModel; pass the model wrapped after get_peft_model"
+        )
     return problems
 
 
@@ -195,8 +218,9 @@ def _tensor_parallel(p) -> bool:
 
 
 def _four_bit_with_state(module: nn.Module) -> bool:
-    return is_bnb_layer(module, "Linear4bit") and bnb_layer_kind(module) == "4bit" \
-        and quant_state_of(module) is not None
+    return (
+        is_bnb_layer(module, "Linear4bit") and bnb_layer_kind(module) == "4bit" and quant_state_of(module) is not None
+    )
 
 
 def _units(owned) -> tuple[int, ...]:
@@ -238,7 +262,6 @@ class Fsdp2Units:
         the merge reads the weights trained rather than their rounding."""
         from torch.distributed.tensor import DTensor
 
-
         unit = self.units[i]
         unit.reshard()  # a unit a forward left unsharded holds its parameters in the compute dtype
         owned = [m for m in unit.modules() if self.owner.get(id(m)) == i]
@@ -262,6 +285,10 @@ class Fsdp2Units:
         """Elements unit ``i`` holds unsharded: its own parameters, not those of units inside it."""
         from torch.distributed.tensor import DTensor
 
-        return sum(p.numel() for m in self.units[i].modules() if self.owner.get(id(m)) == i
-                   for p in m.parameters(recurse=False) if not isinstance(p, DTensor))
-
+        return sum(
+            p.numel()
+            for m in self.units[i].modules()
+            if self.owner.get(id(m)) == i
+            for p in m.parameters(recurse=False)
+            if not isinstance(p, DTensor)
+        )

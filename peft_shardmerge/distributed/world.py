@@ -113,10 +113,11 @@ def joined_world(device: str = "auto") -> Iterator[World]:
     if size > 1 and not (dist.is_available() and dist.is_initialized()):
         missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing or not dist.is_available():
-            raise InputError(f"WORLD_SIZE={size} says this is a distributed job, but "
-                             + (f"{', '.join(missing)} is not set" if missing
-                                else "torch.distributed is not available")
-                             + ": start it with torchrun (or accelerate launch), or unset WORLD_SIZE")
+            raise InputError(
+                f"WORLD_SIZE={size} says this is a distributed job, but "
+                + (f"{', '.join(missing)} is not set" if missing else "torch.distributed is not available")
+                + ": start it with torchrun (or accelerate launch), or unset WORLD_SIZE"
+            )
         cuda = torch.cuda.is_available() and (device == "auto" or str(device).startswith("cuda"))
         if cuda:
             torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
@@ -178,8 +179,11 @@ class JobSteps:
         except RuntimeError as e:  # a rank died or its node was lost: the group is gone
             self.broken = True
             raise PeerLostError(str(e)) from e
-        failures = [(v.get("stopped", False), r) for r, (status, v) in enumerate(got)
-                    if status == "failed" and r != self.world.rank]
+        failures = [
+            (v.get("stopped", False), r)
+            for r, (status, v) in enumerate(got)
+            if status == "failed" and r != self.world.rank
+        ]
         if failures and (self.failure is None or self.failure.stopped):  # a rank's own failure before a stop
             stopped, rank = min(failures)
             v = got[rank][1]
@@ -234,8 +238,10 @@ class JobSteps:
             message = f"rank {rank}: {error.strerror} ({error.filename or 'output'})"
         else:
             message = f"rank {rank}: {error}" if str(error) else f"rank {rank}: {type(error).__name__}"
-        item = ("failed",
-                {"message": message, "state": state, "stopped": isinstance(error, (Stopped, PeerFailedError))})
+        item = (
+            "failed",
+            {"message": message, "state": state, "stopped": isinstance(error, (Stopped, PeerFailedError))},
+        )
         said = state if rank == 0 else None
         while self.taken < len(self.names) and self.names[self.taken] != until and not self.broken:
             try:

@@ -104,7 +104,6 @@ class Zero3Units:
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
-
         ctx = deepspeed.zero.GatheredParameters(self.units[i], modifier_rank=None)
         ctx.__enter__()
         saved: dict = {}

@@ -47,8 +47,10 @@ class MemoryBudget:
     fraction: float = 0.9
 
     def __post_init__(self) -> None:
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not (
-            0 < self.fraction <= 0.95
+        if (
+            isinstance(self.fraction, bool)
+            or not isinstance(self.fraction, (int, float))
+            or not (0 < self.fraction <= 0.95)
         ):
             raise InputError(
                 f"maximum_memory_usage must be a fraction in (0, 0.95], got {self.fraction!r}; 0.9 is a good default"

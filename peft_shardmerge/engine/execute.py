@@ -21,7 +21,6 @@ from .source import Alone, Coordinator, Source
 log = logging.getLogger(__name__)
 
 
-
 def resolve_device(device: str | torch.device) -> torch.device:
     """Turn ``"auto"``, ``"cpu"`` or ``"cuda"`` (``"cuda:N"``) into the device the merge maths runs on.
 
@@ -51,9 +50,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     raise InputError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
-def run(plan: Plan, source: Source, out_dir: str, *, overwrite: bool, progress: bool = True,
-        before_commit: Callable[[str], None] | None = None, coordinator: Coordinator | None = None,
-        replace_check: Callable[[str], list[str]] | None = None) -> MergeReport:
+def run(
+    plan: Plan,
+    source: Source,
+    out_dir: str,
+    *,
+    overwrite: bool,
+    progress: bool = True,
+    before_commit: Callable[[str], None] | None = None,
+    coordinator: Coordinator | None = None,
+    replace_check: Callable[[str], list[str]] | None = None,
+) -> MergeReport:
     """Carry out a plan: every planned tensor from ``source`` streamed into shards in a staging folder beside
     ``out_dir``, then the index, config, side files and record; checked, then moved into place.
 
@@ -100,10 +107,17 @@ def run(plan: Plan, source: Source, out_dir: str, *, overwrite: bool, progress: 
     meter = PeakRss().start()
     coordinator = coordinator if coordinator is not None else Alone()
     keys = source.resume_keys()
-    sink = ShardSink(out_dir, plan.shard_entries(), overwrite=overwrite, fingerprint=keys[0] if keys else None,
-                     inputs=keys[1] if keys else None, replace_check=replace_check)
-    bar = tqdm(total=plan.total_size, unit="B", unit_scale=True, desc="merging",
-               disable=not (progress and coordinator.leads))
+    sink = ShardSink(
+        out_dir,
+        plan.shard_entries(),
+        overwrite=overwrite,
+        fingerprint=keys[0] if keys else None,
+        inputs=keys[1] if keys else None,
+        replace_check=replace_check,
+    )
+    bar = tqdm(
+        total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not (progress and coordinator.leads)
+    )
     coordinator.start(source, bar)
 
     def produce(i: int, w) -> None:
@@ -119,24 +133,42 @@ def run(plan: Plan, source: Source, out_dir: str, *, overwrite: bool, progress: 
     try:
         if not coordinator.leads:
             return coordinator.follow(out_dir, sink, produce)
-        files = FolderFiles(config=plan.config, index=plan.index(), side_files=source.side_files,
-                            before_commit=before_commit, merge_info=source.merge_info, checks=[source.check])
+        files = FolderFiles(
+            config=plan.config,
+            index=plan.index(),
+            side_files=source.side_files,
+            before_commit=before_commit,
+            merge_info=source.merge_info,
+            checks=[source.check],
+        )
         sink.write(produce, files, skip=skip, ranks=coordinator.ranks)
     finally:
         bar.close()
         source.close()
     fields = source.report_fields()
-    fields["notes"] = (list(fields.get("notes", ())) + (
-        [f"resumed: {len(sink.resumed)} shard(s) kept from an interrupted run"] if sink.resumed else [])
-        + coordinator.notes())
+    fields["notes"] = (
+        list(fields.get("notes", ()))
+        + ([f"resumed: {len(sink.resumed)} shard(s) kept from an interrupted run"] if sink.resumed else [])
+        + coordinator.notes()
+    )
     meter.stop()
     report = MergeReport(
-        out_dir=os.path.abspath(out_dir), dtype=str(plan.dtype).removeprefix("torch."),
-        tensors_written=len(plan.tensors), lora_modules_total=plan.layer_count, shards=list(plan.shard_names),
-        bytes_written=plan.total_size, wall_time_s=time.perf_counter() - t0, peak_rss_bytes=meter.peak,
-        baseline_rss_bytes=meter.baseline, peak_rss_method=meter.method, cpu_fallbacks=source.fallbacks,
-        self_check_max_rel_err=source.probe_err, reproduces=plan.reproduces,
-        swallowed={k: v[1] / v[0] for k, v in source.swallowed.items()}, **fields)
+        out_dir=os.path.abspath(out_dir),
+        dtype=str(plan.dtype).removeprefix("torch."),
+        tensors_written=len(plan.tensors),
+        lora_modules_total=plan.layer_count,
+        shards=list(plan.shard_names),
+        bytes_written=plan.total_size,
+        wall_time_s=time.perf_counter() - t0,
+        peak_rss_bytes=meter.peak,
+        baseline_rss_bytes=meter.baseline,
+        peak_rss_method=meter.method,
+        cpu_fallbacks=source.fallbacks,
+        self_check_max_rel_err=source.probe_err,
+        reproduces=plan.reproduces,
+        swallowed={k: v[1] / v[0] for k, v in source.swallowed.items()},
+        **fields,
+    )
     report.notes = list(report.notes) + precision_notes(source.swallowed, plan.dtype)
     log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
     coordinator.committed(report)

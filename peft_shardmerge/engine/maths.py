@@ -288,7 +288,7 @@ def add_lora_(
             delta = torch.mm(lhs[t0:t1].clone(memory_format=torch.contiguous_format), rhs)
             delta.mul_(scaling)
             lo, hi = max(t0, start), min(t1, stop)
-            rows32[lo - start:hi - start] += delta[lo - t0:hi - t0]
+            rows32[lo - start : hi - start] += delta[lo - t0 : hi - t0]
     return rows32
 
 
@@ -364,8 +364,9 @@ def linear_factors(factors: Sequence[Factors]) -> Factors:
     return a_sum, b_sum, 1.0
 
 
-def replace_rows_(rows: torch.Tensor, index: torch.Tensor, new_rows: torch.Tensor, start: int, stop: int
-                  ) -> torch.Tensor:
+def replace_rows_(
+    rows: torch.Tensor, index: torch.Tensor, new_rows: torch.Tensor, start: int, stop: int
+) -> torch.Tensor:
     """Trainable tokens' merge on rows ``[start, stop)`` of a weight, in place: row ``index[j]`` becomes
     ``new_rows[j]`` (PEFT's ``TrainableTokensLayer.merge``, an ``index_copy``).
 
@@ -393,8 +394,9 @@ def replace_rows_(rows: torch.Tensor, index: torch.Tensor, new_rows: torch.Tenso
     return rows
 
 
-def ia3_multiplier(vec: torch.Tensor, shape: tuple[int, ...], *, feedforward: bool, fan_in_fan_out: bool = False,
-                   bias: bool = False) -> tuple[torch.Tensor, bool]:
+def ia3_multiplier(
+    vec: torch.Tensor, shape: tuple[int, ...], *, feedforward: bool, fan_in_fan_out: bool = False, bias: bool = False
+) -> tuple[torch.Tensor, bool]:
     """IA3's merge as a multiplier of the weight's rows (flattened to ``[rows, -1]``), as PEFT's ``merge`` scales
     it: a non-feedforward layer scales its outputs (and its bias), a feedforward one its inputs.
 

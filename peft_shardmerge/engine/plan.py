@@ -182,8 +182,10 @@ class Plan:
     def shard_entries(self) -> list[tuple[str, list[tuple[str, str, tuple[int, ...], int]]]]:
         """``(file name, [(tensor name, safetensors dtype, shape, bytes), ...])`` per shard, in write order: the
         headers a :class:`~peft_shardmerge.output.shard_sink.ShardSink` writes first."""
-        return [(name, [(t.name, t.out_dtype, t.shape, t.nbytes) for t in self.shard_tensors(i)])
-                for i, name in enumerate(self.shard_names)]
+        return [
+            (name, [(t.name, t.out_dtype, t.shape, t.nbytes) for t in self.shard_tensors(i)])
+            for i, name in enumerate(self.shard_names)
+        ]
 
     def index(self) -> dict:
         """The ``model.safetensors.index.json`` content (used when there is more than one shard)."""
@@ -209,8 +211,18 @@ class Plan:
             "base_precision": self.base_precision,
             "chunk_elems": self.chunk_elems,
             "shards": self.shard_names,
-            "tensors": [[t.name, t.out_dtype, t.shard, t.op, [m.key for m in t.loras],
-                         [r.key for r in t.token_rows], [o.key for o in t.peft_ops]] for t in self.tensors],
+            "tensors": [
+                [
+                    t.name,
+                    t.out_dtype,
+                    t.shard,
+                    t.op,
+                    [m.key for m in t.loras],
+                    [r.key for r in t.token_rows],
+                    [o.key for o in t.peft_ops],
+                ]
+                for t in self.tensors
+            ],
         }
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -263,6 +275,9 @@ def assign_shards(sizes: list[int], limit: int) -> tuple[list[int], list[str]]:
         indices.append(shard)
         size += n
     count = shard + 1
-    names = ["model.safetensors"] if count == 1 else [
-        f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    names = (
+        ["model.safetensors"]
+        if count == 1
+        else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
     return indices, names

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 #: what a merge from disk reproduces, by base precision (in process, the merge says it itself)
 _FROM_DISK = {
     "original": "the original base + adapter (for a QLoRA adapter, not the 4-bit model it was trained on: "
-                "base precision nf4 reproduces that)",
+    "base precision nf4 reproduces that)",
     "nf4": "the QLoRA-trained model (dequant(nf4(W)) + adapter)",
 }
 
@@ -81,9 +81,11 @@ class MergeReport:
         """  # noqa: E501 - a doctest's expected output is one line
         if self.dry_run:
             return f"MergeReport(dry run, out_dir={self.out_dir!r})"
-        return (f"MergeReport(out_dir={self.out_dir!r}, dtype={self.dtype!r}, base_precision={self.base_precision!r}, "
-                f"LoRA modules {self.lora_modules_merged}/{self.lora_modules_total}, {len(self.shards)} shard(s), "
-                f"{self.bytes_written} bytes)")
+        return (
+            f"MergeReport(out_dir={self.out_dir!r}, dtype={self.dtype!r}, base_precision={self.base_precision!r}, "
+            f"LoRA modules {self.lora_modules_merged}/{self.lora_modules_total}, {len(self.shards)} shard(s), "
+            f"{self.bytes_written} bytes)"
+        )
 
     def summary(self) -> str:
         """A one-screen summary of the merge.
@@ -101,19 +103,27 @@ class MergeReport:
         lines = [
             f"merged {self.base} + {self.adapter} -> {self.out_dir}",
             f"  dtype {self.dtype}, base precision {self.base_precision}, device {self.device}",
-            *([f"  reproduces {self.reproduces or _FROM_DISK.get(self.base_precision)}"]
-              if self.reproduces or self.base_precision in _FROM_DISK else []),
+            *(
+                [f"  reproduces {self.reproduces or _FROM_DISK.get(self.base_precision)}"]
+                if self.reproduces or self.base_precision in _FROM_DISK
+                else []
+            ),
             f"  tensors {self.tensors_written}, LoRA modules merged {self.lora_modules_merged}/"
             f"{self.lora_modules_total}, tensors from adapter {self.replacements_applied}",
             f"  shards {len(self.shards)}, {self.bytes_written} bytes ({gb:.3f} GB)",
-            (f"  wall time {self.wall_time_s:.2f} s, peak RSS during the merge {self.peak_rss_bytes / 2**20:.0f} MiB "
-             f"(+{max(0, self.peak_rss_bytes - self.baseline_rss_bytes) / 2**20:.0f} MiB over the "
-             f"{self.baseline_rss_bytes / 2**20:.0f} MiB at its start)"
-             + (f", measured by {self.peak_rss_method}" if self.peak_rss_method else "")),
+            (
+                f"  wall time {self.wall_time_s:.2f} s, "
+                f"peak RSS during the merge {self.peak_rss_bytes / 2**20:.0f} MiB "
+                f"(+{max(0, self.peak_rss_bytes - self.baseline_rss_bytes) / 2**20:.0f} MiB over the "
+                f"{self.baseline_rss_bytes / 2**20:.0f} MiB at its start)"
+                + (f", measured by {self.peak_rss_method}" if self.peak_rss_method else "")
+            ),
         ]
         if self.self_check_max_rel_err:
-            lines.append(f"  self-check: (W + dW) x vs W x + lora(x) on random probes, max relative error "
-                         f"{self.self_check_max_rel_err:.1e}")
+            lines.append(
+                f"  self-check: (W + dW) x vs W x + lora(x) on random probes, max relative error "
+                f"{self.self_check_max_rel_err:.1e}"
+            )
         if self.cpu_fallbacks:
             lines.append(f"  {self.cpu_fallbacks} block(s) redone on the CPU after out-of-memory")
         lines += [f"  note: {n}" for n in self.notes]

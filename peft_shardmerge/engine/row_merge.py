@@ -70,7 +70,8 @@ def check_probe_error(name: str, start: int, stop: int, err: float) -> None:
     if not err <= PROBE_TOLERANCE:  # also a NaN error, which no comparison with ">" would catch
         raise MergeCheckError(
             f"self-check failed for {name!r} rows {start}-{stop}: merged weight times probe vectors differs from "
-            f"base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}")
+            f"base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}"
+        )
 
 
 def check_range(name: str, cast: torch.Tensor, dtype: torch.dtype) -> None:
@@ -116,8 +117,11 @@ def choose_device(name: str, preferred: torch.device, nbytes: int, budget: Memor
     if preferred.type != "cpu":
         log.info("%s: over the memory budget on %s; merging it on the CPU", name, preferred)
         return torch.device("cpu")
-    log.warning("%s needs about %d MiB, which goes over maximum_memory_usage of host RAM; merging it anyway",
-                name, nbytes >> 20)
+    log.warning(
+        "%s needs about %d MiB, which goes over maximum_memory_usage of host RAM; merging it anyway",
+        name,
+        nbytes >> 20,
+    )
     return preferred
 
 
@@ -178,9 +182,17 @@ class RowMerger:
         log.warning("out of memory on %s for %s; redoing it on the CPU", device, what)
         return step(torch.device("cpu"))
 
-    def merge_rows(self, name: str, rows: Callable[[int, int], torch.Tensor], changes: Changes,
-                   shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device, *, inplace: bool = False
-                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+    def merge_rows(
+        self,
+        name: str,
+        rows: Callable[[int, int], torch.Tensor],
+        changes: Changes,
+        shape: tuple[int, ...],
+        out_dtype: torch.dtype,
+        device: torch.device,
+        *,
+        inplace: bool = False,
+    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
         """Merge one tensor block by block: rows ``[start, stop)`` of the base, the changes added in fp32 on
         ``device`` (an out-of-memory block redone on the CPU), the self-check, DoRA's rescale, the finite and
         range checks and the rounding count (taken on the output values, after DoRA), then the cast. The changes'
@@ -207,8 +219,11 @@ class RowMerger:
         blocks = row_blocks(shape, self.chunk_elems)
         width = math.prod(shape[1:]) if shape else 1
         probes = probe_vectors(name, width) if changes.factors and len(shape) >= 2 else None
-        columns, first = self._column_scale(name, rows, changes, shape, device, probes) \
-            if changes.magnitudes and changes.transposed else (None, None)
+        columns, first = (
+            self._column_scale(name, rows, changes, shape, device, probes)
+            if changes.magnitudes and changes.transposed
+            else (None, None)
+        )
         if first is not None:  # merged whole for PEFT's own norm: one block
             blocks = [(0, shape[0])]
         changed = lost = 0
@@ -232,8 +247,9 @@ class RowMerger:
                 check_range(name, cast, out_dtype)
             if count:
                 sampled = merged[sample]
-                c, lo = update_counts(before.reshape(sampled.shape), sampled,
-                                      cast[sample] if cast is not None else sampled.to(out_dtype))
+                c, lo = update_counts(
+                    before.reshape(sampled.shape), sampled, cast[sample] if cast is not None else sampled.to(out_dtype)
+                )
                 changed, lost = changed + c, lost + lo
             yield start, stop, merged, cast
         if changed:
@@ -261,7 +277,7 @@ class RowMerger:
             base = _base_rows(rows(start, stop), changes, start, stop)
             merged = self._changed_rows(name, base, changes, start, stop, device, None, False)
             for t in range(0, stop - start, step):
-                part = merged[t:t + step].double().pow(2).sum(0)
+                part = merged[t : t + step].double().pow(2).sum(0)
                 sumsq = part if sumsq is None else sumsq + part
         return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float(), None
 
@@ -271,8 +287,11 @@ class RowMerger:
         if inplace:
             merged, err = self._lora_rows(base, changes, start, stop, device, probes, True)
         else:
-            merged, err = self.on_device(lambda dev: self._lora_rows(base, changes, start, stop, dev, probes),
-                                         device, f"{name} rows {start}-{stop}")
+            merged, err = self.on_device(
+                lambda dev: self._lora_rows(base, changes, start, stop, dev, probes),
+                device,
+                f"{name} rows {start}-{stop}",
+            )
         merged = merged.to(base.device)
         if probes is not None:
             self.probe_err = max(self.probe_err, err)
@@ -288,8 +307,16 @@ class RowMerger:
         factors = changes.factors
         if device.type != "cpu":  # LoRA factors are small next to a row block: move them with it
             factors = [(a.to(device), b.to(device), s) for a, b, s in factors]
-        return merge_block(base.to(device), factors, start, stop, transposed=changes.transposed,
-                           bias_deltas=changes.bias_deltas, probes=probes, inplace=inplace)
+        return merge_block(
+            base.to(device),
+            factors,
+            start,
+            stop,
+            transposed=changes.transposed,
+            bias_deltas=changes.bias_deltas,
+            probes=probes,
+            inplace=inplace,
+        )
 
 
 def _base_rows(rows: torch.Tensor, changes: Changes, start: int, stop: int) -> torch.Tensor:
@@ -331,14 +358,18 @@ def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> l
     changed = sum(c for c, _ in counts.values())
     lost = sum(s for _, s in counts.values())
     name = str(dtype).removeprefix("torch.")
-    notes = [f"{name} kept the LoRA update in {100 * (1 - lost / changed):.1f}% of the merged entries "
-             f"({lost} of {changed} sampled entries rounded back to the base value)"]
+    notes = [
+        f"{name} kept the LoRA update in {100 * (1 - lost / changed):.1f}% of the merged entries "
+        f"({lost} of {changed} sampled entries rounded back to the base value)"
+    ]
     worst = sorted((s / c, k) for k, (c, s) in counts.items() if s / c > SWALLOWED_WARNING)
     if worst:
         names = ", ".join(k for _, k in worst[-5:][::-1])
-        message = (f"{name} swallowed more than {SWALLOWED_WARNING:.0%} of the LoRA update in {len(worst)} tensor(s) "
-                   f"(worst: {names}); write float32 or float16 to keep it (dtype='float32' in Python, "
-                   "--dtype float32 on the command line)")
+        message = (
+            f"{name} swallowed more than {SWALLOWED_WARNING:.0%} of the LoRA update in {len(worst)} tensor(s) "
+            f"(worst: {names}); write float32 or float16 to keep it (dtype='float32' in Python, "
+            "--dtype float32 on the command line)"
+        )
         log.warning("%s", message)
         notes.append(message)
     return notes
@@ -365,4 +396,5 @@ def check_applied(expected: list[str], applied: Counter) -> None:
         missing = sorted(set(expected) - set(applied))
         twice = sorted(k for k, v in applied.items() if v > 1)
         raise MergeCheckError(
-            f"adapter changes not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}")
+            f"adapter changes not applied exactly once: never applied {missing[:10]}, applied twice {twice[:10]}"
+        )

@@ -102,8 +102,12 @@ class PeakRss:
         self.peak = self.baseline
         if self.baseline:
             self.method = SAMPLED
-            self._thread = threading.Thread(target=_sample, args=(weakref.ref(self), self._done, self.interval),
-                                            name="peft-shardmerge-rss", daemon=True)
+            self._thread = threading.Thread(
+                target=_sample,
+                args=(weakref.ref(self), self._done, self.interval),
+                name="peft-shardmerge-rss",
+                daemon=True,
+            )
             self._thread.start()
         else:  # no /proc: the lifetime mark is all there is
             self.method = LIFETIME

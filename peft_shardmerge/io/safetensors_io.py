@@ -26,9 +26,14 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "BOOL": (torch.bool, 1),
     "C64": (torch.complex64, 8),
 }
-for _name, _attr, _size in (("F8_E4M3", "float8_e4m3fn", 1), ("F8_E5M2", "float8_e5m2", 1),
-                            ("F8_E8M0", "float8_e8m0fnu", 1), ("U16", "uint16", 2), ("U32", "uint32", 4),
-                            ("U64", "uint64", 8)):
+for _name, _attr, _size in (
+    ("F8_E4M3", "float8_e4m3fn", 1),
+    ("F8_E5M2", "float8_e5m2", 1),
+    ("F8_E8M0", "float8_e8m0fnu", 1),
+    ("U16", "uint16", 2),
+    ("U32", "uint32", 4),
+    ("U64", "uint64", 8),
+):
     if hasattr(torch, _attr):
         DTYPES[_name] = (getattr(torch, _attr), _size)
 
@@ -138,8 +143,10 @@ def read_header(path: str, *, check: bool = True) -> tuple[list[TensorInfo], dic
             raise CorruptFileError(f"{path}: tensor {t.name!r} overlaps another or leaves a gap in the data")
         pos += t.nbytes
     if pos != size:
-        raise CorruptFileError(f"{path}: {size - pos} byte(s) follow the last tensor's data; safetensors refuses "
-                               "such a file (the file is corrupted or was appended to)")
+        raise CorruptFileError(
+            f"{path}: {size - pos} byte(s) follow the last tensor's data; safetensors refuses "
+            "such a file (the file is corrupted or was appended to)"
+        )
     if check:
         check_with_safetensors(path)
     return tensors, dict(metadata)
@@ -152,16 +159,20 @@ def _entry(path: str, name: str, entry: object, data_start: int, size: int) -> T
     except (TypeError, KeyError) as e:
         raise CorruptFileError(f"{path}: entry {name!r} lacks dtype/shape/data_offsets") from e
     if dtype in UNREADABLE_DTYPES:
-        raise CorruptFileError(f"{path}: tensor {name!r} is stored as {dtype} (sub-byte floats), which this "
-                               "version cannot read; merge into a 16-bit checkpoint of the model")
+        raise CorruptFileError(
+            f"{path}: tensor {name!r} is stored as {dtype} (sub-byte floats), which this "
+            "version cannot read; merge into a 16-bit checkpoint of the model"
+        )
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CorruptFileError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
-        raise CorruptFileError(f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of integers "
-                               "from 0 to 2**63 - 1")
+        raise CorruptFileError(
+            f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of integers from 0 to 2**63 - 1"
+        )
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
-        raise CorruptFileError(f"{path}: tensor {name!r} has data_offsets {offsets!r}; they are two integers "
-                               "from 0 to 2**63 - 1")
+        raise CorruptFileError(
+            f"{path}: tensor {name!r} has data_offsets {offsets!r}; they are two integers from 0 to 2**63 - 1"
+        )
     shape, (begin, end) = tuple(shape), offsets
     info = TensorInfo(name, dtype, shape, path, data_start + begin, end - begin)
     if end < begin or info.nbytes != info.numel * DTYPES[dtype][1]:
@@ -208,18 +219,23 @@ def check_with_safetensors(path: str) -> None:
     except (RuntimeError, MemoryError, OSError) as e:
         if not _mapping_failed(e):
             if isinstance(e, OSError):
-                raise CorruptFileError(f"{path}: safetensors refuses the file ({str(e).splitlines()[0]}); the file "
-                                       "is corrupted; re-save it") from e
+                raise CorruptFileError(
+                    f"{path}: safetensors refuses the file ({str(e).splitlines()[0]}); the file "
+                    "is corrupted; re-save it"
+                ) from e
             raise
         from ..errors import InputError
 
-        raise InputError(f"{path} ({os.path.getsize(path)} bytes) cannot be mapped into memory to be read: this "
-                         "process's address space or memory is too small for it (an address-space limit such as "
-                         "`ulimit -v`, or a memory limit); raise the limit (e.g. `ulimit -v unlimited`) or run the "
-                         "merge where more memory is available") from None
+        raise InputError(
+            f"{path} ({os.path.getsize(path)} bytes) cannot be mapped into memory to be read: this "
+            "process's address space or memory is too small for it (an address-space limit such as "
+            "`ulimit -v`, or a memory limit); raise the limit (e.g. `ulimit -v unlimited`) or run the "
+            "merge where more memory is available"
+        ) from None
     except (SafetensorError, ValueError, TypeError, OverflowError) as e:
-        raise CorruptFileError(f"{path}: safetensors refuses the file ({str(e).splitlines()[0]}); the file is "
-                               "corrupted; re-save it") from e
+        raise CorruptFileError(
+            f"{path}: safetensors refuses the file ({str(e).splitlines()[0]}); the file is corrupted; re-save it"
+        ) from e
 
 
 def _mapping_failed(e: BaseException) -> bool:
@@ -227,8 +243,12 @@ def _mapping_failed(e: BaseException) -> bool:
     import errno
 
     text = str(e)
-    return (isinstance(e, MemoryError) or getattr(e, "errno", None) == errno.ENOMEM
-            or "unable to mmap" in text or "Cannot allocate memory" in text)
+    return (
+        isinstance(e, MemoryError)
+        or getattr(e, "errno", None) == errno.ENOMEM
+        or "unable to mmap" in text
+        or "Cannot allocate memory" in text
+    )
 
 
 class RowReader:

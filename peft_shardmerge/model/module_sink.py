@@ -69,20 +69,29 @@ class ModuleSink:
         done = 0
         try:
             with torch.no_grad():
-                for path, group in tqdm(self.groups.items(), total=len(self.groups),
-                                        desc="Unloading and merging model",
-                                        disable=not progress):
-                    _set_submodule(inner, path, _replacement(group, merger, self.dtype, Conv1D, self.live,
-                                                             self.folders.get(path)))
+                for path, group in tqdm(
+                    self.groups.items(),
+                    total=len(self.groups),
+                    desc="Unloading and merging model",
+                    disable=not progress,
+                ):
+                    _set_submodule(
+                        inner, path, _replacement(group, merger, self.dtype, Conv1D, self.live, self.folders.get(path))
+                    )
                     done += _changes(group)
                 check_applied(self.live.lora_layers, merger.applied)
         except ShardMergeError as e:
             if done:  # the model now mixes merged and unmerged layers: say so, and refuse it from now on
-                message = (f"merge_and_unload stopped after replacing {done} of "
-                           f"{sum(map(_changes, self.groups.values()))} merged modules, so this model now mixes "
-                           "merged and unmerged layers and must not be used or merged again: load it again"
-                           + (f" (merged offloaded weights were written under {sorted(set(self.folders.values()))})"
-                              if any(self.folders.values()) else ""))
+                message = (
+                    f"merge_and_unload stopped after replacing {done} of "
+                    f"{sum(map(_changes, self.groups.values()))} merged modules, so this model now mixes "
+                    "merged and unmerged layers and must not be used or merged again: load it again"
+                    + (
+                        f" (merged offloaded weights were written under {sorted(set(self.folders.values()))})"
+                        if any(self.folders.values())
+                        else ""
+                    )
+                )
                 setattr(inner, HALF_MERGED, message)
                 raise MergeCheckError(f"{e}; {message}") from e
             raise
@@ -107,8 +116,9 @@ def _changes(group: list[LiveEntry]) -> bool:
     return any(e.kind not in ("plain", "saved") for e in group)
 
 
-def _offload_folders(inner: nn.Module, groups: dict[str, list[LiveEntry]],
-                     dtype: torch.dtype) -> dict[str, str | None]:
+def _offload_folders(
+    inner: nn.Module, groups: dict[str, list[LiveEntry]], dtype: torch.dtype
+) -> dict[str, str | None]:
     """Where the merged weights of each offloaded module go (a new folder inside accelerate's offload folder, or
     None for CPU memory), after checking that every one can be written back there; nothing is changed on a
     problem."""
@@ -122,8 +132,10 @@ def _offload_folders(inner: nn.Module, groups: dict[str, list[LiveEntry]],
         hooked = [n for n, m in inner.get_submodule(path).named_modules() if offloads(m) and m is not holder]
         above = [n for n in _ancestors(path) if offloads(inner.get_submodule(n))]
         if above or (offloads(holder) and type(holder).__module__.startswith(("peft.", "bitsandbytes."))):
-            problems.append(f"{path} is offloaded by accelerate as part of {above[0] if above else path}, which "
-                            "merge_and_unload cannot write back; use merge_and_save(model, out_dir)")
+            problems.append(
+                f"{path} is offloaded by accelerate as part of {above[0] if above else path}, which "
+                "merge_and_unload cannot write back; use merge_and_save(model, out_dir)"
+            )
         elif hooked and not all(_is_factor(n) for n in hooked):
             problems.append(f"{path}: offloaded modules {hooked} inside it cannot be written back")
         elif offloads(holder) and disk_folder(holder) is not None:
@@ -133,11 +145,14 @@ def _offload_folders(inner: nn.Module, groups: dict[str, list[LiveEntry]],
     for folder, n in need.items():
         free = free_bytes(folder)
         if free < n + (64 << 20):
-            problems.append(f"the offload folder {folder} has {free >> 20} MiB free; the merged "
-                            f"offloaded weights need {n >> 20} MiB")
+            problems.append(
+                f"the offload folder {folder} has {free >> 20} MiB free; the merged "
+                f"offloaded weights need {n >> 20} MiB"
+            )
     if problems:
-        raise InputError(["merge_and_unload cannot keep this accelerate-offloaded model offloaded; nothing was "
-                          "changed:"] + problems)
+        raise InputError(
+            ["merge_and_unload cannot keep this accelerate-offloaded model offloaded; nothing was changed:"] + problems
+        )
     made = {folder: tempfile.mkdtemp(prefix="merged-", dir=folder) for folder in disk}
     return {path: made[folder] for folder, paths in disk.items() for path in paths}
 
@@ -160,8 +175,14 @@ def _keep_device_map(model: nn.Module, inner: nn.Module) -> None:
         inner.hf_device_map = {k.removeprefix("base_model.model."): v for k, v in outer.items()}
 
 
-def _replacement(group: list[LiveEntry], merger: "LiveMerger", dtype: torch.dtype, conv1d_cls,
-                 live: LiveModel, folder: str | None = None) -> nn.Module:
+def _replacement(
+    group: list[LiveEntry],
+    merger: "LiveMerger",
+    dtype: torch.dtype,
+    conv1d_cls,
+    live: LiveModel,
+    folder: str | None = None,
+) -> nn.Module:
     """The plain module that takes the place of a PEFT or bitsandbytes module, holding its merged tensors (an
     offloaded base layer stays, its merged weights served by its accelerate hook from ``folder`` or memory)."""
     holder = group[0].holder
@@ -173,8 +194,11 @@ def _replacement(group: list[LiveEntry], merger: "LiveMerger", dtype: torch.dtyp
         return holder
     params = list(holder.parameters())
     device = next((p.device for p in params if p.device.type != "meta"), torch.device("cpu"))
-    reusable = not type(holder).__module__.startswith(("peft.", "bitsandbytes.")) and \
-        getattr(holder, "_hf_hook", None) is None and not any(p.is_meta for p in params)
+    reusable = (
+        not type(holder).__module__.startswith(("peft.", "bitsandbytes."))
+        and getattr(holder, "_hf_hook", None) is None
+        and not any(p.is_meta for p in params)
+    )
     if reusable:  # a plain torch layer (Linear, Conv1D, Embedding, Conv2d/3d, fused experts): keep it
         for attr, value in changed.items():
             setattr(holder, attr, nn.Parameter(value.detach().to(device=device, dtype=dtype), requires_grad=False))
@@ -185,9 +209,16 @@ def _replacement(group: list[LiveEntry], merger: "LiveMerger", dtype: torch.dtyp
     bias = next((e for e in group if e.attr == "bias"), None)
     b = (changed.get("bias") if "bias" in changed else merger.produce(bias)) if bias is not None else None
     if isinstance(holder, nn.Embedding):
-        new = nn.Embedding(w.shape[0], w.shape[1], padding_idx=holder.padding_idx, max_norm=holder.max_norm,
-                           norm_type=holder.norm_type, scale_grad_by_freq=holder.scale_grad_by_freq,
-                           sparse=holder.sparse, device="meta")
+        new = nn.Embedding(
+            w.shape[0],
+            w.shape[1],
+            padding_idx=holder.padding_idx,
+            max_norm=holder.max_norm,
+            norm_type=holder.norm_type,
+            scale_grad_by_freq=holder.scale_grad_by_freq,
+            sparse=holder.sparse,
+            device="meta",
+        )
     elif entry.name in live.info.transposed:
         new = conv1d_cls(w.shape[1], w.shape[0])
         new.to("meta")

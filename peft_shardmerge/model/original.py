@@ -75,8 +75,9 @@ def candidate_folders(name: str) -> list[str]:
         pass
     snapshots = os.path.join(HF_HUB_CACHE, "models--" + name.replace("/", "--"), "snapshots")
     if os.path.isdir(snapshots):
-        others = sorted((os.path.join(snapshots, s) for s in os.listdir(snapshots)), key=os.path.getmtime,
-                        reverse=True)
+        others = sorted(
+            (os.path.join(snapshots, s) for s in os.listdir(snapshots)), key=os.path.getmtime, reverse=True
+        )
         folders += [f for f in others if os.path.realpath(f) not in {os.path.realpath(x) for x in folders}]
     return folders
 
@@ -97,7 +98,7 @@ def _samples(live: LiveModel) -> list:
         if e.name not in seen:
             seen.add(e.name)
             out.append(e)
-    return out[:SAMPLES + 1]
+    return out[: SAMPLES + 1]
 
 
 def _compare(live: LiveModel, folder: str) -> tuple[str, tuple[str, ...], list[float]]:
@@ -142,13 +143,19 @@ def _compare(live: LiveModel, folder: str) -> tuple[str, tuple[str, ...], list[f
                         ref = disk
                     else:
                         qs = tensor.quant_state
-                        settings = Nf4Settings(quant_type=qs.quant_type, blocksize=qs.blocksize,
-                                               double_quant=bool(getattr(qs, "nested", False)))
+                        settings = Nf4Settings(
+                            quant_type=qs.quant_type,
+                            blocksize=qs.blocksize,
+                            double_quant=bool(getattr(qs, "nested", False)),
+                        )
                         ref = quantize_roundtrip(disk.to(getattr(qs, "dtype", None) or disk.dtype), settings)
                     rel = float(torch.linalg.norm(w - ref) / torch.linalg.norm(w).clamp_min(1e-30))
                     if not rel < QUANT_MISMATCH:  # NaN counts as a mismatch
-                        return (f"{e.name} in memory is not the disk weight quantized (relative difference "
-                                f"{rel:.3g})"), (), []
+                        return (
+                            (f"{e.name} in memory is not the disk weight quantized (relative difference {rel:.3g})"),
+                            (),
+                            [],
+                        )
                     probes = torch.randn(w.shape[1], 8, generator=torch.Generator().manual_seed(0))
                     out = w @ probes
                     errors.append(float(torch.linalg.norm((disk - w) @ probes) / torch.linalg.norm(out)))
@@ -181,8 +188,11 @@ def find_original(live: LiveModel) -> OriginalCheck:
         return OriginalCheck(None, "the model's config has no _name_or_path")
     folders = candidate_folders(name)
     if not folders:
-        return OriginalCheck(None, f"the 16-bit checkpoint the model was loaded from is not available locally "
-                                   f"({name!r} is neither a local folder nor a Hub id in the local cache)")
+        return OriginalCheck(
+            None,
+            f"the 16-bit checkpoint the model was loaded from is not available locally "
+            f"({name!r} is neither a local folder nor a Hub id in the local cache)",
+        )
     mismatches, unusable = [], []
     for folder in folders:
         try:
@@ -197,11 +207,18 @@ def find_original(live: LiveModel) -> OriginalCheck:
             return OriginalCheck(folder, "", compared, sum(errors) / len(errors) if errors else None)
         mismatches.append(f"{folder}: {problem}")
     if not mismatches:
-        return OriginalCheck(None, "the checkpoint the model was loaded from cannot be merged into from disk ("
-                                   + "; ".join(unusable[:3]) + ")")
+        return OriginalCheck(
+            None,
+            "the checkpoint the model was loaded from cannot be merged into from disk ("
+            + "; ".join(unusable[:3])
+            + ")",
+        )
     where = "; ".join(mismatches[:3]) + (f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
-    return OriginalCheck(None, f"the checkpoint on disk is not the one in memory ({where}): it changed after "
-                               "loading, or the model was loaded from another revision")
+    return OriginalCheck(
+        None,
+        f"the checkpoint on disk is not the one in memory ({where}): it changed after "
+        "loading, or the model was loaded from another revision",
+    )
 
 
 def inner_problems(error: BaseException) -> str:
@@ -236,8 +253,11 @@ def is_quantized(inner: torch.nn.Module) -> bool:
         False
     """
     config = getattr(inner, "config", None)
-    return bool(getattr(inner, "is_loaded_in_4bit", False) or getattr(inner, "is_loaded_in_8bit", False)
-                or getattr(config, "quantization_config", None))
+    return bool(
+        getattr(inner, "is_loaded_in_4bit", False)
+        or getattr(inner, "is_loaded_in_8bit", False)
+        or getattr(config, "quantization_config", None)
+    )
 
 
 def default_dtype(inner: torch.nn.Module, model_dtype: torch.dtype) -> tuple[torch.dtype, str]:
@@ -268,8 +288,9 @@ def default_dtype(inner: torch.nn.Module, model_dtype: torch.dtype) -> tuple[tor
         own = config.get("dtype") or config.get("torch_dtype")
         if own in known:
             return known[own], f"dtype {own}: the checkpoint's own (its config.json); pass dtype= to choose"
-    return model_dtype, (f"dtype {str(model_dtype)[6:]}: the model's (no checkpoint config.json found); pass dtype= "
-                         "to choose")
+    return model_dtype, (
+        f"dtype {str(model_dtype)[6:]}: the model's (no checkpoint config.json found); pass dtype= to choose"
+    )
 
 
 def describe_base(used: str | None, check: OriginalCheck, quantized: bool, reason: str) -> tuple[str, str]:
@@ -290,9 +311,11 @@ def describe_base(used: str | None, check: OriginalCheck, quantized: bool, reaso
     """
     distance = ""
     if quantized and check.quant_error is not None:
-        distance = (f"merging into the original 16-bit weights moves each layer's output by about "
-                    f"{check.quant_error:.1%} from the trained model's (random probes, {len(check.compared)} "
-                    "tensors compared)")
+        distance = (
+            f"merging into the original 16-bit weights moves each layer's output by about "
+            f"{check.quant_error:.1%} from the trained model's (random probes, {len(check.compared)} "
+            "tensors compared)"
+        )
     if used is not None:
         if quantized:
             reproduces = "the original 16-bit base + adapter, NOT the trained 4-bit model"

@@ -51,8 +51,13 @@ def model_dtype(inner: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def _original_checkpoint(model: nn.Module, inner: nn.Module, names: list[str], weight_map: dict[str, float],
-                         base_precision: str = "original") -> tuple[str | None, str, OriginalCheck]:
+def _original_checkpoint(
+    model: nn.Module,
+    inner: nn.Module,
+    names: list[str],
+    weight_map: dict[str, float],
+    base_precision: str = "original",
+) -> tuple[str | None, str, OriginalCheck]:
     """The 16-bit checkpoint to merge into from disk, ``(folder, "", check)``, or ``(None, why not, check)``.
 
     The checkpoint is used only when a sample of its tensors equals the model in memory (any cached revision,
@@ -75,13 +80,22 @@ def _original_checkpoint(model: nn.Module, inner: nn.Module, names: list[str], w
     if memory_only:
         return None, f"the model has a {memory_only}, which is merged in memory only", check
     if any(p.is_meta for n, p in model.named_parameters() if any(f".{a}." in n for a in names)):
-        return (None, "the adapter's weights are offloaded by accelerate (they are read in memory, layer by layer)",
-                check)
+        return (
+            None,
+            "the adapter's weights are offloaded by accelerate (they are read in memory, layer by layer)",
+            check,
+        )
     if check.folder is None:
         return None, check.reason, check
     if base_precision == "auto" and is_quantized(inner):
-        return None, ("'auto' reproduces the trained model, whose base is the quantized one; pass "
-                      "base_precision='original' to merge into the 16-bit checkpoint"), check
+        return (
+            None,
+            (
+                "'auto' reproduces the trained model, whose base is the quantized one; pass "
+                "base_precision='original' to merge into the 16-bit checkpoint"
+            ),
+            check,
+        )
     return check.folder, "", check
 
 
@@ -116,8 +130,9 @@ def adapter_selection(model: nn.Module, adapter_names, weights, combination_type
     problems = check_adapter_names(model, names)
     if problems:
         return names, {}, problems
-    weights, problems = combination_problems([configs[a] for a in names], names, weights, combination_type,
-                                             option="combination_type")
+    weights, problems = combination_problems(
+        [configs[a] for a in names], names, weights, combination_type, option="combination_type"
+    )
     if len(weights) != len(names):
         return names, {}, problems
     return names, dict(zip(names, weights)), problems
@@ -148,10 +163,12 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
     adapter_state = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
     os.makedirs(folder, exist_ok=True)
     # a copy each (tied aliases apart), contiguous (add_weighted_adapter's "svd" factors are transposed views)
-    save_file({k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in adapter_state.items()},
-              os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format) for k, v in adapter_state.items()},
+        os.path.join(folder, "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     model.peft_config[adapter].save_pretrained(folder)
-
 
 
 @dataclass
@@ -170,12 +187,19 @@ class ModelPlan:
     device: str = "cpu"
 
 
-def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None, *,
-                     dtype: str | torch.dtype | None = None,
-                     max_shard_size: int | str = "5GB", base_precision: str = "auto",
-                     adapter_names: list[str] | None = None, weights: list[float] | None = None,
-                     combination_type: str = "cat", overwrite: bool = False,
-                     options: MergeOptions | None = None) -> Plan:
+def plan_model_merge(
+    model: nn.Module,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    base_precision: str = "auto",
+    adapter_names: list[str] | None = None,
+    weights: list[float] | None = None,
+    combination_type: str = "cat",
+    overwrite: bool = False,
+    options: MergeOptions | None = None,
+) -> Plan:
     """Check a loaded model's merge and return what :func:`~peft_shardmerge.api.inprocess.merge_and_save` would write,
     without writing anything or changing the model (the in-process dry run).
 
@@ -213,17 +237,31 @@ def plan_model_merge(model: nn.Module, out_dir: str | os.PathLike | None = None,
         >>> print(plan.describe().splitlines()[5])
         changed layers:  4
     """
-    opts, problems = MergeOptions.merged(options, path=MODEL, dtype=dtype, max_shard_size=max_shard_size,
-                                         base_precision=base_precision, weights=weights,
-                                         combination=combination_type, overwrite=overwrite)
+    opts, problems = MergeOptions.merged(
+        options,
+        path=MODEL,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        base_precision=base_precision,
+        weights=weights,
+        combination=combination_type,
+        overwrite=overwrite,
+    )
     if out_dir is None:
         opts = replace(opts, overwrite=True)
     return build_model_plan(model, out_dir, opts, adapter_names, problems).plan
 
 
-def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_names: list[str] | None,
-                     problems: list[str] | None = None, sharded: str | None = None, *,
-                     recover: bool = False) -> ModelPlan:
+def build_model_plan(
+    model: nn.Module,
+    out_dir,
+    opts: MergeOptions,
+    adapter_names: list[str] | None,
+    problems: list[str] | None = None,
+    sharded: str | None = None,
+    *,
+    recover: bool = False,
+) -> ModelPlan:
     """Check every option of a loaded model's merge (all problems named at once) and plan it.
 
     Args:
@@ -246,7 +284,8 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
     base_precision, weights, combination_type = opts.base_precision, opts.weights, opts.combination
     inner = unwrap(model)
     names, weight_map, selection_problems = adapter_selection(
-        model, adapter_names, list(weights) if weights is not None else None, combination_type)
+        model, adapter_names, list(weights) if weights is not None else None, combination_type
+    )
     problems = require_supported(model, names, problems + selection_problems)
     adapters = names or selected_adapters(model, None)
     original, reason, check = None, "base_precision='dequantized'", OriginalCheck(None)
@@ -261,8 +300,9 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
     if out_dir is not None:
         inputs = {**source_folders(model), **({"base": original} if original else {})}
-        problems += (check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
-                     + foreign_model_problems(out_dir))
+        problems += check_out_dir(
+            out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover
+        ) + foreign_model_problems(out_dir)
     if problems:  # among them any option value that does not parse: the parsed values are read only past here
         raise InputError(problems)
     out_dtype, dtype_note = opts.out_dtype, ""
@@ -270,11 +310,13 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
         out_dtype, dtype_note = default_dtype(inner, model_dtype(inner))
     reproduces, note = describe_base(original, check, is_quantized(inner), reason)
     if original is not None:
-        result = _plan_from_original(model, inner, original, out_dir, replace(opts, dtype=out_dtype), adapters,
-                                     weight_map)
+        result = _plan_from_original(
+            model, inner, original, out_dir, replace(opts, dtype=out_dtype), adapters, weight_map
+        )
     else:
-        source = LiveSource(walk(model, names), names, weight_map, combination_type,
-                            generation_config=valid_generation_config(inner))
+        source = LiveSource(
+            walk(model, names), names, weight_map, combination_type, generation_config=valid_generation_config(inner)
+        )
         result = ModelPlan(plan_live(source, out_dtype, opts.shard_bytes, opts.chunk_elems), "")
     result.plan.adapter_text = in_memory_text(adapters, weight_map)
     result.reproduces = result.plan.reproduces = reproduces
@@ -282,8 +324,9 @@ def build_model_plan(model: nn.Module, out_dir, opts: MergeOptions, adapter_name
     return result
 
 
-def _plan_from_original(model, inner, original: str, out_dir, opts: MergeOptions, adapters: list[str],
-                        weight_map: dict[str, float]) -> ModelPlan:
+def _plan_from_original(
+    model, inner, original: str, out_dir, opts: MergeOptions, adapters: list[str], weight_map: dict[str, float]
+) -> ModelPlan:
     """Plan the merge into the original checkpoint of the adapters saved in a temporary folder kept by the plan.
 
     The output folder was checked by the caller; only its free space is checked here, once the plan's size is known
@@ -294,8 +337,7 @@ def _plan_from_original(model, inner, original: str, out_dir, opts: MergeOptions
         folders.append(os.path.join(folder.name, str(i)))
         save_adapter_untouched(model, adapter, folders[-1])
     device = "cuda" if any(p.is_cuda for p in inner.parameters()) else "cpu"
-    opts = replace(opts, base_precision="original",
-                   weights=[weight_map[a] for a in adapters] if weight_map else None)
+    opts = replace(opts, base_precision="original", weights=[weight_map[a] for a in adapters] if weight_map else None)
     try:
         plan = plan_from_folders(original, folders, opts, out_dir=None if out_dir is None else os.fspath(out_dir))
     except BaseException as e:

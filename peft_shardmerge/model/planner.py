@@ -68,9 +68,13 @@ class LiveSource:
 
     def identity(self) -> dict:
         """The model's name, every entry's name, kind and shape, the adapters and the 4-bit settings."""
-        return {"origin": self.origin, "entries": [[e.name, e.kind, list(e.shape)] for e in self.live.entries],
-                "adapters": in_memory_text(self.adapter_names, self.weights), "combination": self.combination,
-                "quant4": self.quant4}
+        return {
+            "origin": self.origin,
+            "entries": [[e.name, e.kind, list(e.shape)] for e in self.live.entries],
+            "adapters": in_memory_text(self.adapter_names, self.weights),
+            "combination": self.combination,
+            "quant4": self.quant4,
+        }
 
     def working_set(self, t: PlannedTensor, chunk_elems: int) -> int:
         """An fp32 copy of the entry, its cast, and the 4-bit codes when re-quantized."""
@@ -84,8 +88,11 @@ class LiveSource:
         """The 4-bit settings of the re-quantized weights, or None."""
         if self.quant4 is None:
             return None
-        return Nf4Settings(quant_type=self.quant4["bnb_4bit_quant_type"], blocksize=64,
-                           double_quant=bool(self.quant4["bnb_4bit_use_double_quant"]))
+        return Nf4Settings(
+            quant_type=self.quant4["bnb_4bit_quant_type"],
+            blocksize=64,
+            double_quant=bool(self.quant4["bnb_4bit_use_double_quant"]),
+        )
 
 
 def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Plan:
@@ -112,9 +119,18 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
     config = output_config(base_config(live.model), out_dtype, untie=bool(live.untied))
     if source.quant4 is not None:
         config["quantization_config"] = source.quant4
-    return Plan(source, tensors=tensors, shard_names=names, dtype=out_dtype, base_precision="dequantized",
-                config=config, chunk_elems=chunk_elems, untied=list(live.untied), notes=list(live.notes),
-                adapter_text=in_memory_text(source.adapter_names, source.weights))
+    return Plan(
+        source,
+        tensors=tensors,
+        shard_names=names,
+        dtype=out_dtype,
+        base_precision="dequantized",
+        config=config,
+        chunk_elems=chunk_elems,
+        untied=list(live.untied),
+        notes=list(live.notes),
+        adapter_text=in_memory_text(source.adapter_names, source.weights),
+    )
 
 
 def in_memory_text(names: list[str] | None, weights: dict[str, float]) -> str:
@@ -135,15 +151,23 @@ def in_memory_text(names: list[str] | None, weights: dict[str, float]) -> str:
     return f"(in memory: {text or 'active adapter'})"
 
 
-def _entry_tensors(live: LiveModel, e: LiveEntry, out_dtype: torch.dtype,
-                   settings: Nf4Settings | None) -> list[PlannedTensor]:
+def _entry_tensors(
+    live: LiveModel, e: LiveEntry, out_dtype: torch.dtype, settings: Nf4Settings | None
+) -> list[PlannedTensor]:
     """The planned tensors an entry becomes: one, or a weight's packed 4-bit codes and its quant state."""
     if settings is not None:
         shape = e.shape[::-1] if e.transpose_out or e.name in live.info.transposed else e.shape  # bnb: [out, in]
-        return [PlannedTensor(name=f"{e.name}.{suffix}" if suffix else e.name, out_dtype=st,
-                              source=TensorInfo(e.name, st, tuple(s), "", 0, 0), entry=e, part=suffix,
-                              kind=Op.QUANTIZE4)
-                for suffix, st, s in packed_4bit_layout(shape, out_dtype, settings)]
+        return [
+            PlannedTensor(
+                name=f"{e.name}.{suffix}" if suffix else e.name,
+                out_dtype=st,
+                source=TensorInfo(e.name, st, tuple(s), "", 0, 0),
+                entry=e,
+                part=suffix,
+                kind=Op.QUANTIZE4,
+            )
+            for suffix, st, s in packed_4bit_layout(shape, out_dtype, settings)
+        ]
     held = _stored_dtype(e)
     st = TORCH_TO_ST[out_dtype] if e.floating else TORCH_TO_ST[held]
     stored = TORCH_TO_ST.get(held, st)
@@ -151,9 +175,15 @@ def _entry_tensors(live: LiveModel, e: LiveEntry, out_dtype: torch.dtype,
         kind = Op.COPY if stored == st else Op.CAST
     else:
         kind = Op.DEQUANTIZE if e.kind == "quantized" else Op.MERGE
-    return [PlannedTensor(name=e.name, out_dtype=st, source=TensorInfo(e.name, stored, tuple(e.shape), "", 0,
-                                                                       e.numel * DTYPES[stored][1]),
-                          entry=e, kind=kind)]
+    return [
+        PlannedTensor(
+            name=e.name,
+            out_dtype=st,
+            source=TensorInfo(e.name, stored, tuple(e.shape), "", 0, e.numel * DTYPES[stored][1]),
+            entry=e,
+            kind=kind,
+        )
+    ]
 
 
 def _stored_dtype(e: LiveEntry) -> torch.dtype:

@@ -40,9 +40,15 @@ class LiveMerger(RowMerger):
         chunk_elems: elements per row block.
     """
 
-    def __init__(self, live: LiveModel, budget: MemoryBudget, out_dtype: torch.dtype = torch.float32,
-                 weights: dict[str, float] | None = None, combination: str = "cat",
-                 chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+    def __init__(
+        self,
+        live: LiveModel,
+        budget: MemoryBudget,
+        out_dtype: torch.dtype = torch.float32,
+        weights: dict[str, float] | None = None,
+        combination: str = "cat",
+        chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    ):
         super().__init__(chunk_elems)
         self.live = live
         self.weights = weights or {}
@@ -62,13 +68,19 @@ class LiveMerger(RowMerger):
             The device.
         """
         tensor = getattr(entry.holder, entry.attr, None)
-        dev = tensor.device if tensor is not None and entry.kind in ("lora", "quantized", "delta", "ia3") \
+        dev = (
+            tensor.device
+            if tensor is not None and entry.kind in ("lora", "quantized", "delta", "ia3")
             else torch.device("cpu")
+        )
         if dev.type == "meta":
-            hooks = (getattr(entry.holder, "_hf_hook", None),  # the layer's own hook first (a dispatched PeftModel)
-                     getattr(offload_owner(self.live.model, entry.name, entry.holder), "_hf_hook", None))
-            dev = torch.device(next((h.execution_device for h in hooks
-                                     if getattr(h, "execution_device", None) is not None), "cpu"))
+            hooks = (
+                getattr(entry.holder, "_hf_hook", None),  # the layer's own hook first (a dispatched PeftModel)
+                getattr(offload_owner(self.live.model, entry.name, entry.holder), "_hf_hook", None),
+            )
+            dev = torch.device(
+                next((h.execution_device for h in hooks if getattr(h, "execution_device", None) is not None), "cpu")
+            )
         return choose_device(entry.name, dev, entry.numel * 4 * 2, self.budget)
 
     def produce(self, entry: LiveEntry) -> torch.Tensor:
@@ -85,8 +97,11 @@ class LiveMerger(RowMerger):
         """
         with materialized(offload_owner(self.live.model, entry.name, entry.holder)):
             if entry.kind in ("plain", "saved"):
-                return getattr(entry.holder, entry.attr) if "." not in entry.attr else \
-                    entry.holder.state_dict(keep_vars=True)[entry.attr]
+                return (
+                    getattr(entry.holder, entry.attr)
+                    if "." not in entry.attr
+                    else entry.holder.state_dict(keep_vars=True)[entry.attr]
+                )
             if entry.kind in ("tokens", "lora_bias"):  # merged where the tensor lives
                 dev = getattr(entry.holder, entry.attr).device
             else:
@@ -102,8 +117,9 @@ class LiveMerger(RowMerger):
         changes = self.changes(entry)
         if not changes.empty:
             flat = w.reshape(w.shape[0], -1) if w.dim() > 1 else w
-            for start, stop, merged, _ in self.merge_rows(entry.name, lambda a, b: flat[a:b], changes,
-                                                          tuple(w.shape), self.out_dtype, device, inplace=True):
+            for start, stop, merged, _ in self.merge_rows(
+                entry.name, lambda a, b: flat[a:b], changes, tuple(w.shape), self.out_dtype, device, inplace=True
+            ):
                 if merged.data_ptr() != flat[start:stop].data_ptr():  # else merged in place already
                     flat[start:stop] = merged.reshape(flat[start:stop].shape)
         return w.T if entry.transpose_out else w
@@ -121,16 +137,24 @@ class LiveMerger(RowMerger):
             RuntimeError: from torch, when the adapters' ranks differ in a ``"linear"`` combination.
         """
         m, adapters = entry.module, entry.adapters
-        counted = bool(adapters) and not (entry.kind == "ia3" and entry.attr == "bias") and \
-            not (entry.kind == "tokens" and m.tied_adapter is not None)  # a tied head shares the embedding's rows
+        counted = (
+            bool(adapters)
+            and not (entry.kind == "ia3" and entry.attr == "bias")
+            and not (entry.kind == "tokens" and m.tied_adapter is not None)
+        )  # a tied head shares the embedding's rows
         keys = [change_key(entry)] if counted and entry.kind != "lora_bias" else []
         if entry.kind == "tokens":
-            return Changes(tokens=[TokenRows(torch.tensor(m.token_indices[a]),
-                                             m.trainable_tokens_delta[a].detach().float()) for a in adapters],
-                           keys=keys)
+            return Changes(
+                tokens=[
+                    TokenRows(torch.tensor(m.token_indices[a]), m.trainable_tokens_delta[a].detach().float())
+                    for a in adapters
+                ],
+                keys=keys,
+            )
         if entry.kind == "lora_bias":
-            return Changes(bias_deltas=[lora_bias_delta(m.lora_B[a].bias.detach(), self._scaling(m, a))
-                                        for a in adapters])
+            return Changes(
+                bias_deltas=[lora_bias_delta(m.lora_B[a].bias.detach(), self._scaling(m, a)) for a in adapters]
+            )
         if entry.kind in ("delta", "ia3"):
             return Changes(peft=[self._peft_change(entry, a) for a in adapters], keys=keys)
         if entry.kind != "lora":
@@ -145,9 +169,15 @@ class LiveMerger(RowMerger):
         layer = entry.module
         shape = entry.shape[::-1] if entry.transpose_out else entry.shape  # as held (a 4-bit weight is packed)
         if entry.kind == "ia3":
-            return Scale(*ia3_multiplier(layer.ia3_l[adapter].detach(), shape, feedforward=layer.is_feedforward,
-                                         bias=entry.attr == "bias",
-                                         fan_in_fan_out=getattr(layer, "fan_in_fan_out", False)))
+            return Scale(
+                *ia3_multiplier(
+                    layer.ia3_l[adapter].detach(),
+                    shape,
+                    feedforward=layer.is_feedforward,
+                    bias=entry.attr == "bias",
+                    fan_in_fan_out=getattr(layer, "fan_in_fan_out", False),
+                )
+            )
         delta = peft_delta(layer, adapter) * self.weights.get(adapter, 1.0)
         return WholeDelta(delta.reshape(shape[0], -1) if len(shape) > 1 else delta)
 
@@ -157,18 +187,25 @@ class LiveMerger(RowMerger):
         factors = []
         for a in entry.adapters:
             if a in m.lora_A:
-                factors.append((m.lora_A[a].weight.detach().flatten(1), m.lora_B[a].weight.detach().flatten(1),
-                                self._scaling(m, a)))
+                factors.append(
+                    (
+                        m.lora_A[a].weight.detach().flatten(1),
+                        m.lora_B[a].weight.detach().flatten(1),
+                        self._scaling(m, a),
+                    )
+                )
             else:
                 factors.append((m.lora_embedding_A[a].detach(), m.lora_embedding_B[a].detach(), self._scaling(m, a)))
         if self.combination == "linear" and len(factors) > 1:
             factors = [linear_factors(factors)]
         embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
         transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
-        magnitudes = [m.lora_magnitude_vector[a].weight.detach().reshape(-1) for a in entry.adapters
-                      if getattr(m, "use_dora", {}).get(a)]
-        return Changes(factors=factors, transposed=transposed, magnitudes=magnitudes,
-                       keys=keys)
+        magnitudes = [
+            m.lora_magnitude_vector[a].weight.detach().reshape(-1)
+            for a in entry.adapters
+            if getattr(m, "use_dora", {}).get(a)
+        ]
+        return Changes(factors=factors, transposed=transposed, magnitudes=magnitudes, keys=keys)
 
 
 REPACKED_NOTE = (
@@ -209,8 +246,9 @@ class ModelReader(LiveMerger):
                 self.parts = self._quantize(t)
             data = self.parts[t.part]
             if tuple(data.shape) != tuple(t.shape) or DTYPES[t.out_dtype][0] != data.dtype:
-                raise MergeCheckError(f"{t.name}: quantized to {list(data.shape)} {data.dtype}, planned "
-                                      f"{list(t.shape)} {t.out_dtype}")
+                raise MergeCheckError(
+                    f"{t.name}: quantized to {list(data.shape)} {data.dtype}, planned {list(t.shape)} {t.out_dtype}"
+                )
             w.write(data)
             return
         e = t.entry
@@ -231,9 +269,13 @@ class ModelReader(LiveMerger):
         w = self.produce(e)
         if e.transpose_out or e.name in self.live.info.transposed:  # bitsandbytes holds Conv1D as [out, in]
             w = w.T
-        q, state = F.quantize_4bit(w.to(device="cpu", dtype=dtype).contiguous(), blocksize=settings.blocksize,
-                                   compress_statistics=settings.double_quant, quant_type=settings.quant_type,
-                                   quant_storage=torch.uint8)
+        q, state = F.quantize_4bit(
+            w.to(device="cpu", dtype=dtype).contiguous(),
+            blocksize=settings.blocksize,
+            compress_statistics=settings.double_quant,
+            quant_type=settings.quant_type,
+            quant_storage=torch.uint8,
+        )
         parts = {"": q.cpu()}
         for key, value in state.as_dict(packed=True).items():
             parts[key] = value.cpu()
@@ -258,8 +300,9 @@ class ModelReader(LiveMerger):
         """The record's ``merge`` part, naming the weights read from bitsandbytes' lossy CPU repacking (``verify``
         then knows which tensors cannot equal a recomputation from the original base byte for byte)."""
         src = self.src
-        info = self.info or live_merge_info(self.live.model, self.plan.dtype, src.adapter_names, src.quant4,
-                                            src.weights, src.combination)
+        info = self.info or live_merge_info(
+            self.live.model, self.plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination
+        )
         return {**info, "cpu_repacked": sorted(self.repacked)} if self.repacked else info
 
     def check(self) -> None:
@@ -273,8 +316,12 @@ class ModelReader(LiveMerger):
         """The report's fields of a loaded model's merge."""
         live, plan = self.live, self.plan
         return dict(
-            base=self.src.origin, adapter="(in memory)", base_precision="dequantized",
+            base=self.src.origin,
+            adapter="(in memory)",
+            base_precision="dequantized",
             lora_modules_merged=sum(not k.startswith("tokens:") for k in self.applied),
             replacements_applied=sum(1 for e in live.entries if e.kind == "saved"),
-            device=str(next((p.device for p in live.model.parameters()), "cpu")), untied=list(live.untied),
-            notes=list(plan.notes) + ([REPACKED_NOTE.format(len(self.repacked))] if self.repacked else []))
+            device=str(next((p.device for p in live.model.parameters()), "cpu")),
+            untied=list(live.untied),
+            notes=list(plan.notes) + ([REPACKED_NOTE.format(len(self.repacked))] if self.repacked else []),
+        )

@@ -149,8 +149,20 @@ def _walk_delta(w: _Walk, name: str, module: nn.Module) -> None:
         quantized = pname == "weight" and bnb_layer_kind(real) is not None  # an inactive layer over a 4-bit base
         kind = ("ia3" if _is_ia3(layer) else "delta") if adapters else "quantized" if quantized else "plain"
         shape = logical_shape(real) if pname == "weight" else tuple(t.shape)
-        w.entries.append(LiveEntry(prefix + pname, shape, t.is_floating_point(), kind, layer or real, pname, real,
-                                   adapters, numel=_numel(shape), owner=name))
+        w.entries.append(
+            LiveEntry(
+                prefix + pname,
+                shape,
+                t.is_floating_point(),
+                kind,
+                layer or real,
+                pname,
+                real,
+                adapters,
+                numel=_numel(shape),
+                owner=name,
+            )
+        )
         if adapters and kind == "delta" or kind == "ia3" and pname != "bias":
             w.lora_layers.append(change_key(w.entries[-1]))
 
@@ -158,8 +170,10 @@ def _walk_delta(w: _Walk, name: str, module: nn.Module) -> None:
 def _walk_lora(w: _Walk, name: str, module: nn.Module) -> None:
     adapters = [a for a in w.wanted(module.active_adapters) if a in module.lora_A or a in module.lora_embedding_A]
     if getattr(module, "merged", False):
-        w.problems.append(f"{name} has its adapter merged into the base already; call model.unmerge_adapter() first "
-                          "(merging into a 4-bit base re-quantizes it)")
+        w.problems.append(
+            f"{name} has its adapter merged into the base already; call model.unmerge_adapter() first "
+            "(merging into a 4-bit base re-quantizes it)"
+        )
         return
     dora = [a for a in adapters if getattr(module, "use_dora", {}).get(a)]
     if dora and len(adapters) > 1:
@@ -169,9 +183,11 @@ def _walk_lora(w: _Walk, name: str, module: nn.Module) -> None:
             w.unsupported.append(f"{name}: LoRA variant {type(module.lora_variant[a]).__name__} is not supported")
     empty = [a for a in adapters if _without_weights(module, a)]
     if empty:
-        w.problems.append(f"{name}: the LoRA factors of {', '.join(empty)} are on the meta device with no weights "
-                          "behind them (PEFT leaves them so when it attaches an adapter to a layer accelerate had "
-                          "offloaded); attach the adapter before dispatching the model")
+        w.problems.append(
+            f"{name}: the LoRA factors of {', '.join(empty)} are on the meta device with no weights "
+            "behind them (PEFT leaves them so when it attaches an adapter to a layer accelerate had "
+            "offloaded); attach the adapter before dispatching the model"
+        )
     base = module.get_base_layer()
     prefix = f"{name}." if name else ""
     wname = f"{prefix}weight"
@@ -179,15 +195,29 @@ def _walk_lora(w: _Walk, name: str, module: nn.Module) -> None:
     shape = logical_shape(base)
     if transpose_out:
         shape = shape[::-1]
-    w.entries.append(LiveEntry(wname, shape, True, "lora", module, "weight", base, adapters, transpose_out,
-                               _numel(shape), owner=name))
+    w.entries.append(
+        LiveEntry(
+            wname, shape, True, "lora", module, "weight", base, adapters, transpose_out, _numel(shape), owner=name
+        )
+    )
     if adapters:
         w.lora_layers.append(change_key(w.entries[-1]))
     if getattr(base, "bias", None) is not None:
         with_bias = [a for a in adapters if getattr(module, "lora_bias", {}).get(a)]
-        w.entries.append(LiveEntry(f"{prefix}bias", tuple(base.bias.shape), True,
-                                   "lora_bias" if with_bias else "plain", module, "bias", base, with_bias,
-                                   numel=base.bias.numel(), owner=name))
+        w.entries.append(
+            LiveEntry(
+                f"{prefix}bias",
+                tuple(base.bias.shape),
+                True,
+                "lora_bias" if with_bias else "plain",
+                module,
+                "bias",
+                base,
+                with_bias,
+                numel=base.bias.numel(),
+                owner=name,
+            )
+        )
 
 
 def _without_weights(module: nn.Module, adapter: str) -> bool:
@@ -203,36 +233,73 @@ def _walk_saved(w: _Walk, name: str, module: nn.Module) -> None:
     else:
         saved = [a for a in w.adapter_names if a in module.modules_to_save]
     if len(saved) > 1:
-        w.problems.append(f"{name} is a modules_to_save copy in several of the adapters merged ({', '.join(saved)}); "
-                          "these copies cannot be combined")
+        w.problems.append(
+            f"{name} is a modules_to_save copy in several of the adapters merged ({', '.join(saved)}); "
+            "these copies cannot be combined"
+        )
         return
     holder = module.modules_to_save[saved[0]] if saved else module.original_module
     prefix = f"{name}." if name else ""
     for pname, t in holder.state_dict(keep_vars=True).items():
-        w.entries.append(LiveEntry(prefix + pname, tuple(t.shape), t.is_floating_point(),
-                                   "saved" if holder is not module.original_module else "plain",
-                                   module, pname, holder, numel=t.numel(), owner=name))
+        w.entries.append(
+            LiveEntry(
+                prefix + pname,
+                tuple(t.shape),
+                t.is_floating_point(),
+                "saved" if holder is not module.original_module else "plain",
+                module,
+                pname,
+                holder,
+                numel=t.numel(),
+                owner=name,
+            )
+        )
 
 
 def _walk_tokens(w: _Walk, name: str, module: nn.Module) -> None:
     from peft.utils.other import AuxiliaryTrainingWrapper
 
     tokens = _token_layer(module)
-    wanted = w.wanted(module.active_adapters if isinstance(module, AuxiliaryTrainingWrapper)
-                      else tokens.active_adapters)
+    wanted = w.wanted(
+        module.active_adapters if isinstance(module, AuxiliaryTrainingWrapper) else tokens.active_adapters
+    )
     adapters = [a for a in wanted if a in tokens.token_indices]
     if len(adapters) > 1:
-        w.problems.append(f"{name}: several adapters train tokens here ({', '.join(adapters)}); their rows cannot be "
-                          "combined")
+        w.problems.append(
+            f"{name}: several adapters train tokens here ({', '.join(adapters)}); their rows cannot be combined"
+        )
     base = tokens.get_base_layer()
     prefix = f"{name}." if name else ""
-    w.entries.append(LiveEntry(f"{prefix}weight", tuple(base.weight.shape), True, "tokens" if adapters else "plain",
-                               tokens, "weight", base, adapters, numel=base.weight.numel(), owner=name))
+    w.entries.append(
+        LiveEntry(
+            f"{prefix}weight",
+            tuple(base.weight.shape),
+            True,
+            "tokens" if adapters else "plain",
+            tokens,
+            "weight",
+            base,
+            adapters,
+            numel=base.weight.numel(),
+            owner=name,
+        )
+    )
     if adapters and tokens.tied_adapter is None:  # a tied head shares the embedding's rows
         w.lora_layers.append(change_key(w.entries[-1]))
     if getattr(base, "bias", None) is not None:
-        w.entries.append(LiveEntry(f"{prefix}bias", tuple(base.bias.shape), True, "plain", base, "bias", base,
-                                   numel=base.bias.numel(), owner=name))
+        w.entries.append(
+            LiveEntry(
+                f"{prefix}bias",
+                tuple(base.bias.shape),
+                True,
+                "plain",
+                base,
+                "bias",
+                base,
+                numel=base.bias.numel(),
+                owner=name,
+            )
+        )
 
 
 def _walk_unsupported(w: _Walk, name: str, module: nn.Module) -> None:
@@ -245,24 +312,51 @@ def _walk_bnb(w: _Walk, name: str, module: nn.Module) -> None:
     transpose_out = f"{prefix}weight" in w.info.transposed
     if transpose_out:
         shape = shape[::-1]
-    w.entries.append(LiveEntry(f"{prefix}weight", shape, True, "quantized", module, "weight", module,
-                               transpose_out=transpose_out, numel=_numel(shape), owner=name))
+    w.entries.append(
+        LiveEntry(
+            f"{prefix}weight",
+            shape,
+            True,
+            "quantized",
+            module,
+            "weight",
+            module,
+            transpose_out=transpose_out,
+            numel=_numel(shape),
+            owner=name,
+        )
+    )
     if getattr(module, "bias", None) is not None:
-        w.entries.append(LiveEntry(f"{prefix}bias", tuple(module.bias.shape), True, "plain", module, "bias", module,
-                                   numel=module.bias.numel(), owner=name))
+        w.entries.append(
+            LiveEntry(
+                f"{prefix}bias",
+                tuple(module.bias.shape),
+                True,
+                "plain",
+                module,
+                "bias",
+                module,
+                numel=module.bias.numel(),
+                owner=name,
+            )
+        )
 
 
 def _walk_plain(w: _Walk, name: str, module: nn.Module) -> None:
     prefix = f"{name}." if name else ""
     for pname, t in _own_tensors(module):
-        w.entries.append(LiveEntry(prefix + pname, tuple(t.shape), t.is_floating_point(), "plain", module, pname,
-                                   module, numel=t.numel()))
+        w.entries.append(
+            LiveEntry(
+                prefix + pname, tuple(t.shape), t.is_floating_point(), "plain", module, pname, module, numel=t.numel()
+            )
+        )
 
 
 def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """A module's own parameters and persistent buffers (not its children's)."""
     return list(module.named_parameters(recurse=False)) + [
-        (b, t) for b, t in module.named_buffers(recurse=False) if b not in module._non_persistent_buffers_set]
+        (b, t) for b, t in module.named_buffers(recurse=False) if b not in module._non_persistent_buffers_set
+    ]
 
 
 def check_adapter_names(model: nn.Module, adapter_names: list[str]) -> list[str]:
@@ -281,8 +375,9 @@ def check_adapter_names(model: nn.Module, adapter_names: list[str]) -> list[str]
     """
     known = set((getattr(model, "peft_config", None) or {}).keys())
     if not adapter_names or any(a not in known for a in adapter_names):
-        return [f"adapter_names {list(adapter_names)!r} must name loaded adapters; the model has "
-                f"{sorted(known) or 'none'}"]
+        return [
+            f"adapter_names {list(adapter_names)!r} must name loaded adapters; the model has {sorted(known) or 'none'}"
+        ]
     if len(set(adapter_names)) != len(adapter_names):
         return [f"adapter_names {list(adapter_names)!r} names an adapter twice"]
     return []
@@ -350,13 +445,30 @@ def _resolve_ties(inner: nn.Module, info: ModelInfo, entries: list[LiveEntry]) -
         return entries, []
     by_name = {e.name: e for e in entries}
     for target, source in info.tied.items():
-        if target in by_name and source in by_name and by_name[target].kind == by_name[source].kind == "tokens" \
-                and by_name[target].module.tied_adapter is None:
+        if (
+            target in by_name
+            and source in by_name
+            and by_name[target].kind == by_name[source].kind == "tokens"
+            and by_name[target].module.tied_adapter is None
+        ):
             raise UnsupportedError(tokens_on_both_sides(source, target))
     untied = untied_names(info.tied, [n for n, e in by_name.items() if e.kind in ("lora", "saved")], by_name)
     drop = {t for t, s in info.tied.items() if t in by_name and s in by_name and t not in untied}
     return [e for e in entries if e.name not in drop], untied
 
 
-__all__ = ["LiveEntry", "LiveModel", "unwrap", "walk", "materialized", "offload_owner", "offloaded_modules",
-           "dequantize", "adapter_keys", "bnb_kind", "change_key", "check_adapter_names", "REPACK_ABSMAX_REL_ERROR"]
+__all__ = [
+    "LiveEntry",
+    "LiveModel",
+    "unwrap",
+    "walk",
+    "materialized",
+    "offload_owner",
+    "offloaded_modules",
+    "dequantize",
+    "adapter_keys",
+    "bnb_kind",
+    "change_key",
+    "check_adapter_names",
+    "REPACK_ABSMAX_REL_ERROR",
+]

@@ -13,8 +13,14 @@ from .recovery import finish_killed_commit
 log = logging.getLogger(__name__)
 
 
-def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.PathLike | None],
-                  overwrite: bool, only_ours: bool = True, recover: bool = False) -> list[str]:
+def check_out_dir(
+    out_dir: str | os.PathLike,
+    *,
+    inputs: dict[str, str | os.PathLike | None],
+    overwrite: bool,
+    only_ours: bool = True,
+    recover: bool = False,
+) -> list[str]:
     """Find every problem with an output folder, touching nothing but what a killed merge into it left.
 
     ``out_dir`` is resolved once (a trailing slash changes nothing). Refused whatever ``overwrite`` says: an empty
@@ -60,16 +66,20 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
     real = os.path.realpath(out)
     as_the_system_reads = os.path.realpath(os.path.join(_here() or os.sep, raw))
     if ".." in raw.split(os.sep) and as_the_system_reads != real:
-        return [f"output folder {raw} has '..' after a symbolic link: the system reads it as {as_the_system_reads}, "
-                f"not {out}; pass the path without '..'"]
+        return [
+            f"output folder {raw} has '..' after a symbolic link: the system reads it as {as_the_system_reads}, "
+            f"not {out}; pass the path without '..'"
+        ]
     if real == os.sep:
         return [f"output folder {raw} is the filesystem root; name a new folder, e.g. {os.path.join(raw, 'merged')}"]
     for what, folder in (("the current working folder", _here()), ("your home folder", os.path.expanduser("~"))):
         folder = os.path.realpath(folder) if folder else None
         if folder and (real == folder or folder.startswith(real.rstrip(os.sep) + os.sep)):
             where = "is" if real == folder else "holds"
-            return [f"output folder {raw} ({real}) {where} {what}, which the merge would replace; name a new folder, "
-                    f"e.g. {os.path.join(raw, 'merged')}"]
+            return [
+                f"output folder {raw} ({real}) {where} {what}, which the merge would replace; name a new folder, "
+                f"e.g. {os.path.join(raw, 'merged')}"
+            ]
     problems += _unresolved_input_problems(raw, real, inputs)
     seen = set()
     for role, folder in _with_link_targets(inputs):
@@ -79,8 +89,9 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
         seen.add(src)
         if real == src or real.startswith(src.rstrip(os.sep) + os.sep):
             where = "is" if real == src else "is inside"
-            problems.append(f"output folder {raw} {where} the {role} folder {os.fspath(folder)}; choose a folder "
-                            "outside it")
+            problems.append(
+                f"output folder {raw} {where} the {role} folder {os.fspath(folder)}; choose a folder outside it"
+            )
         elif src.startswith(real.rstrip(os.sep) + os.sep):
             problems.append(
                 f"the {role} folder {os.fspath(folder)} is inside the output folder {raw}; replacing it would destroy "
@@ -92,11 +103,15 @@ def check_out_dir(out_dir: str | os.PathLike, *, inputs: dict[str, str | os.Path
         finish_killed_commit(out)
     if os.path.islink(out):
         if not problems:
-            problems.append(f"output {raw} is a symlink; the output is staged beside it and renamed into place, "
-                            f"which would replace the link: pass the real path ({real})")
+            problems.append(
+                f"output {raw} is a symlink; the output is staged beside it and renamed into place, "
+                f"which would replace the link: pass the real path ({real})"
+            )
     elif os.path.ismount(out):
-        problems.append(f"output {raw} is a mount point; the output is staged beside it and renamed, which cannot "
-                        "replace a mount point: choose a folder inside it")
+        problems.append(
+            f"output {raw} is a mount point; the output is staged beside it and renamed, which cannot "
+            "replace a mount point: choose a folder inside it"
+        )
     elif os.path.lexists(out):
         if not os.path.isdir(out):
             problems.append(f"output {raw} exists and is not a folder; remove it or choose another path")
@@ -131,8 +146,12 @@ def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> li
     try:
         found = snapshot(folder)
     except OSError as e:
-        return [(f"output folder {shown} cannot be read ({e.strerror}); overwrite replaces only a folder it can "
-                 "check: remove it yourself or choose another output folder")]
+        return [
+            (
+                f"output folder {shown} cannot be read ({e.strerror}); overwrite replaces only a folder it can "
+                "check: remove it yourself or choose another output folder"
+            )
+        ]
     listed, changed = _record_listing(folder)
     ours = set()
     for rel in listed:
@@ -142,17 +161,28 @@ def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> li
     foreign = sorted(rel for rel in found if rel != "." and rel not in ours)
     if changed:
         names = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-        return [(f"output folder {shown} holds files changed since peft-shardmerge wrote them ({names}); overwrite "
-                 "replaces only an empty folder or an earlier output of peft-shardmerge as it wrote it: copy your "
-                 "changes out (or remove the folder yourself), or choose another output folder")]
+        return [
+            (
+                f"output folder {shown} holds files changed since peft-shardmerge wrote them ({names}); overwrite "
+                "replaces only an empty folder or an earlier output of peft-shardmerge as it wrote it: copy your "
+                "changes out (or remove the folder yourself), or choose another output folder"
+            )
+        ]
     if not foreign:
         return []
     names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-    what = ("is not an output of peft-shardmerge (no merge_manifest.json of ours) and holds" if not listed else
-            "holds files its merge record (merge_manifest.json) does not list, added after the merge:")
-    return [(f"output folder {shown} holds files peft-shardmerge did not write ({names}); overwrite replaces only "
-             f"an empty folder or an earlier output of peft-shardmerge, and this folder {what} {len(foreign)} such "
-             "entries: move them out (or remove the folder yourself), or choose another output folder")]
+    what = (
+        "is not an output of peft-shardmerge (no merge_manifest.json of ours) and holds"
+        if not listed
+        else "holds files its merge record (merge_manifest.json) does not list, added after the merge:"
+    )
+    return [
+        (
+            f"output folder {shown} holds files peft-shardmerge did not write ({names}); overwrite replaces only "
+            f"an empty folder or an earlier output of peft-shardmerge, and this folder {what} {len(foreign)} such "
+            "entries: move them out (or remove the folder yourself), or choose another output folder"
+        )
+    ]
 
 
 def _record_listing(folder: str) -> tuple[set[str], list[str]]:
@@ -242,15 +272,22 @@ def source_folders(model) -> dict[str, str]:
     for attr in ("base_model", "model"):  # PeftModel -> LoraModel -> transformers model
         if hasattr(inner, "peft_config") and hasattr(inner, attr):
             inner = getattr(inner, attr)
-    candidates = [("model", getattr(getattr(model, "config", None), "_name_or_path", None)),
-                  ("model", getattr(getattr(inner, "config", None), "_name_or_path", None))]
+    candidates = [
+        ("model", getattr(getattr(model, "config", None), "_name_or_path", None)),
+        ("model", getattr(getattr(inner, "config", None), "_name_or_path", None)),
+    ]
     for name, cfg in (getattr(model, "peft_config", None) or {}).items():
         candidates.append((f"base of adapter {name!r}", getattr(cfg, "base_model_name_or_path", None)))
         for attr in ("adapter_path", "model_id"):
             candidates.append((f"adapter {name!r}", getattr(cfg, attr, None)))
     for role, folder in candidates:
-        if (isinstance(folder, str) and folder and not os.path.isabs(folder) and not os.path.exists(folder)
-                and role not in folders):  # relative, loaded from another working folder (or a Hub id)
+        if (
+            isinstance(folder, str)
+            and folder
+            and not os.path.isabs(folder)
+            and not os.path.exists(folder)
+            and role not in folders
+        ):  # relative, loaded from another working folder (or a Hub id)
             folders[role] = folder
         elif isinstance(folder, (str, os.PathLike)) and os.fspath(folder) and os.path.isdir(folder):
             real = os.path.realpath(folder)
@@ -275,21 +312,27 @@ def foreign_model_problems(out_dir: str | os.PathLike) -> list[str]:
         []
     """
     folder = os.fspath(out_dir)
-    if (not os.path.isdir(folder) or os.path.islink(folder)
-            or os.path.isfile(os.path.join(folder, "merge_manifest.json"))):
+    if (
+        not os.path.isdir(folder)
+        or os.path.islink(folder)
+        or os.path.isfile(os.path.join(folder, "merge_manifest.json"))
+    ):
         return []
     try:
         names = os.listdir(folder)
     except OSError:
         return []
-    held = sorted(n for n in names
-                  if n == "adapter_config.json" or n.endswith((".safetensors", ".bin", ".pt", ".pth")))
+    held = sorted(
+        n for n in names if n == "adapter_config.json" or n.endswith((".safetensors", ".bin", ".pt", ".pth"))
+    )
     if not held:
         return []
-    return [f"output folder {folder} holds a model or adapter that peft-shardmerge did not write "
-            f"({', '.join(held[:3])}"
-            f"{', ...' if len(held) > 3 else ''}); it may be the one this model was loaded from, so it is never "
-            "replaced: choose another folder, or remove it yourself first"]
+    return [
+        f"output folder {folder} holds a model or adapter that peft-shardmerge did not write "
+        f"({', '.join(held[:3])}"
+        f"{', ...' if len(held) > 3 else ''}); it may be the one this model was loaded from, so it is never "
+        "replaced: choose another folder, or remove it yourself first"
+    ]
 
 
 def _with_link_targets(inputs: dict) -> list[tuple[str, str]]:
@@ -320,8 +363,10 @@ def _unresolved_input_problems(raw: str, real: str, inputs: dict) -> list[str]:
             continue
         tail = os.sep + os.path.normpath(name).strip(os.sep)
         if (real + os.sep).find(tail + os.sep) >= 0:
-            problems.append(f"output folder {raw} may be the {role} folder, recorded as the relative path {name!r} "
-                            "when the model was loaded (the working folder has changed since); choose another folder")
+            problems.append(
+                f"output folder {raw} may be the {role} folder, recorded as the relative path {name!r} "
+                "when the model was loaded (the working folder has changed since); choose another folder"
+            )
     return problems
 
 
@@ -334,17 +379,21 @@ def _not_utf8_problem(raw: str) -> str | None:
         encoded = os.fsencode(full)
     except UnicodeEncodeError:  # a lone surrogate that no file name can hold
         shown = raw.encode("utf-8", "backslashreplace").decode("utf-8")
-        return (f"output folder {shown} is not a valid file name (it holds a lone UTF-16 surrogate); pass the name "
-                "as UTF-8 text")
+        return (
+            f"output folder {shown} is not a valid file name (it holds a lone UTF-16 surrogate); pass the name "
+            "as UTF-8 text"
+        )
     try:
         encoded.decode("utf-8")
     except UnicodeDecodeError:
         shown = os.fsencode(raw).decode("utf-8", "backslashreplace")
         where = "its name" if _utf8(raw) is None else "a folder above it (the working folder or a parent)"
         fix = "".join("_" if "\udc80" <= c <= "\udcff" else c for c in raw) if _utf8(raw) is None else None
-        return (f"output folder {shown}: {where} is not valid UTF-8 (bytes shown as \\x..); safetensors, config.json "
-                "and the Hub need UTF-8 file names, so nothing can be written there; pass a UTF-8 name"
-                + (f", e.g. {fix}" if fix else ", in a folder whose path is UTF-8"))
+        return (
+            f"output folder {shown}: {where} is not valid UTF-8 (bytes shown as \\x..); safetensors, config.json "
+            "and the Hub need UTF-8 file names, so nothing can be written there; pass a UTF-8 name"
+            + (f", e.g. {fix}" if fix else ", in a folder whose path is UTF-8")
+        )
     return None
 
 
@@ -371,8 +420,9 @@ def _parent_problems(raw: str, out: str) -> list[str]:
     if not os.path.isdir(existing):
         return [f"cannot create {raw}: {existing} is a file, not a folder; choose another output path"]
     if not os.access(existing, os.W_OK | os.X_OK):
-        return [f"cannot write in {existing} (read-only or no permission) to create {raw}; choose another output "
-                "folder"]
+        return [
+            f"cannot write in {existing} (read-only or no permission) to create {raw}; choose another output folder"
+        ]
     return []
 
 
@@ -396,12 +446,15 @@ def check_space(out_dir: str, nbytes: int) -> list[str]:
     folder = existing if os.path.isdir(existing) else os.path.dirname(existing)
     parent = os.path.dirname(os.path.abspath(out_dir))
     if not os.access(folder, os.W_OK):
-        return [f"cannot write in {folder} (read-only or no permission) to create {out_dir}; choose another "
-                "output folder"]
+        return [
+            f"cannot write in {folder} (read-only or no permission) to create {out_dir}; choose another output folder"
+        ]
     free = shutil.disk_usage(folder).free
     need = nbytes + (1 << 20)
     if free < need:
-        return [f"not enough free space for {out_dir}: the merge writes {need / 1e9:.3f} GB and the filesystem of "
-                f"{parent if os.path.exists(parent) else folder} has {free / 1e9:.3f} GB free; free some space or "
-                "choose another output folder"]
+        return [
+            f"not enough free space for {out_dir}: the merge writes {need / 1e9:.3f} GB and the filesystem of "
+            f"{parent if os.path.exists(parent) else folder} has {free / 1e9:.3f} GB free; free some space or "
+            "choose another output folder"
+        ]
     return []

@@ -69,12 +69,15 @@ def name_problems(out: str) -> list[str]:
         name_max, path_max = 255, 4096
     longest = len(name.encode(errors="surrogateescape")) + _LONGEST_SUFFIX
     if longest > name_max:
-        return [f"output folder name {name[:20]}... is {len(name.encode(errors='surrogateescape'))} bytes long: the "
-                f"staging folder and lock beside it (.{name[:10]}....partial) need {longest} bytes, more than this "
-                f"filesystem's {name_max}; choose a name of at most {name_max - _LONGEST_SUFFIX} bytes"]
+        return [
+            f"output folder name {name[:20]}... is {len(name.encode(errors='surrogateescape'))} bytes long: the "
+            f"staging folder and lock beside it (.{name[:10]}....partial) need {longest} bytes, more than this "
+            f"filesystem's {name_max}; choose a name of at most {name_max - _LONGEST_SUFFIX} bytes"
+        ]
     if len(out.encode(errors="surrogateescape")) + _LONGEST_SUFFIX + 1 >= path_max:
-        return [f"output path {out[:40]}... is too long ({len(out)} bytes, the limit is {path_max}); choose a shorter "
-                "path"]
+        return [
+            f"output path {out[:40]}... is too long ({len(out)} bytes, the limit is {path_max}); choose a shorter path"
+        ]
     return []
 
 
@@ -145,7 +148,8 @@ def _own_manifest(path: str) -> dict | None:
     except (ValueError, UnicodeDecodeError):
         return None
     ours = isinstance(manifest, dict) and (  # or an earlier version's
-        manifest.get("made_by") == MADE_BY or set(manifest) == {"fingerprint", "shards"})
+        manifest.get("made_by") == MADE_BY or set(manifest) == {"fingerprint", "shards"}
+    )
     return manifest if ours else None
 
 
@@ -182,16 +186,22 @@ def sidecar_problems(out: str) -> list[str]:
     st = _lstat(partial)
     if st is not None:
         if stat.S_ISLNK(st.st_mode):
-            problems.append(f"{partial} is a symlink (to {os.readlink(partial)}); the merge stages its output under "
-                            "that name and never follows a link it did not make: remove the link or choose another "
-                            "output folder")
+            problems.append(
+                f"{partial} is a symlink (to {os.readlink(partial)}); the merge stages its output under "
+                "that name and never follows a link it did not make: remove the link or choose another "
+                "output folder"
+            )
         elif not stat.S_ISDIR(st.st_mode):
-            problems.append(f"{partial} exists and is not a folder; the merge stages its output under that name: "
-                            "remove it or choose another output folder")
+            problems.append(
+                f"{partial} exists and is not a folder; the merge stages its output under that name: "
+                "remove it or choose another output folder"
+            )
         elif read_manifest(partial) is None and is_nonempty(partial):
-            problems.append(f"{partial} exists, is not empty and was not made by peft-shardmerge (no manifest of "
-                            "ours inside); the merge never deletes what it did not make: move it away or choose "
-                            "another output folder")
+            problems.append(
+                f"{partial} exists, is not empty and was not made by peft-shardmerge (no manifest of "
+                "ours inside); the merge never deletes what it did not make: move it away or choose "
+                "another output folder"
+            )
     st = _lstat(lock)
     if st is not None:
         why = None
@@ -211,8 +221,10 @@ def sidecar_problems(out: str) -> list[str]:
             except OSError as e:
                 why = f"cannot be read ({e.strerror})"
         if why:
-            problems.append(f"{lock} {why}; the merge takes its lock under that name and never writes into a file "
-                            "it did not make: remove it or choose another output folder")
+            problems.append(
+                f"{lock} {why}; the merge takes its lock under that name and never writes into a file "
+                "it did not make: remove it or choose another output folder"
+            )
     return problems
 
 
@@ -279,8 +291,11 @@ def describe_change(before: dict, after: dict) -> str:
     added = sorted(set(after) - set(before))
     removed = sorted(set(before) - set(after))
     changed = sorted(k for k in set(before) & set(after) if before[k] != after[k] and k != ".")
-    parts = [f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-             for label, names in (("added", added), ("removed", removed), ("modified", changed)) if names]
+    parts = [
+        f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+        for label, names in (("added", added), ("removed", removed), ("modified", changed))
+        if names
+    ]
     return "; ".join(parts) or "replaced by another folder"
 
 
@@ -366,8 +381,11 @@ def rename_noreplace(src: str, dst: str) -> None:
             return
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOSYS):  # the filesystem or kernel lacks the flag: fall back below
-            raise OSError(err, os.strerror(err), src, None, dst) if err != errno.EEXIST else \
-                FileExistsError(err, os.strerror(err), dst)
+            raise (
+                OSError(err, os.strerror(err), src, None, dst)
+                if err != errno.EEXIST
+                else FileExistsError(err, os.strerror(err), dst)
+            )
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
     os.rename(src, dst)

@@ -35,8 +35,10 @@ class OutputLock:
         self.record: dict = {}
 
     def _refuse(self, why: str) -> InputError:
-        return InputError(f"{self.path} {why}; the merge takes its lock under that name and never writes into a file "
-                          "it did not make: remove it or choose another output folder")
+        return InputError(
+            f"{self.path} {why}; the merge takes its lock under that name and never writes into a file "
+            "it did not make: remove it or choose another output folder"
+        )
 
     def acquire(self) -> None:
         """Take the lock (see :func:`output_lock`)."""
@@ -51,12 +53,19 @@ class OutputLock:
                 except FileNotFoundError:
                     continue  # released and removed in between: create it
                 except OSError as e:
-                    raise self._refuse("is a symlink" if os.path.islink(self.path) else f"cannot be opened "
-                                       f"({e.strerror})") from None
+                    raise self._refuse(
+                        "is a symlink" if os.path.islink(self.path) else f"cannot be opened ({e.strerror})"
+                    ) from None
                 st = os.fstat(fd)
-                why = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
-                       f"has {st.st_nlink} hard links" if st.st_nlink != 1 else
-                       "belongs to another user" if st.st_uid != os.geteuid() else None)
+                why = (
+                    "is not a regular file"
+                    if not stat.S_ISREG(st.st_mode)
+                    else f"has {st.st_nlink} hard links"
+                    if st.st_nlink != 1
+                    else "belongs to another user"
+                    if st.st_uid != os.geteuid()
+                    else None
+                )
                 if why:
                     os.close(fd)
                     raise self._refuse(why)
@@ -68,7 +77,8 @@ class OutputLock:
                 raise OutputLockedError(
                     f"another merge is writing {self.out_dir}: pid {holder.get('pid', '?')} on "
                     f"{holder.get('host', '?')}, started {holder.get('started', '?')}; wait for it to finish "
-                    "or choose another output folder") from None
+                    "or choose another output folder"
+                ) from None
             # the holder before us unlinks the file on release: make sure we locked the file that is still there
             try:
                 same = os.fstat(fd).st_ino == os.lstat(self.path).st_ino
@@ -86,8 +96,12 @@ class OutputLock:
         self.previous = _parse(previous)
         if previous:
             log.info("taking over a stale lock on %s (%s)", self.out_dir, previous[:200].decode(errors="replace"))
-        self.record = {"made_by": MADE_BY, "pid": os.getpid(), "host": socket.gethostname(),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.record = {
+            "made_by": MADE_BY,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         self._write()
 
     def note(self, **fields) -> None:

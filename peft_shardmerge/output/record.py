@@ -126,8 +126,10 @@ def shard_record(path: str) -> dict:
         tensors = {}
         for t in infos:
             begin = t.offset - 8 - n
-            tensors[t.name] = {"offsets": [begin, begin + t.nbytes],
-                               "sha256": scan_range(fd, t.offset, t.offset + t.nbytes)[0]}
+            tensors[t.name] = {
+                "offsets": [begin, begin + t.nbytes],
+                "sha256": scan_range(fd, t.offset, t.offset + t.nbytes)[0],
+            }
     finally:
         os.close(fd)
     return {"size": os.path.getsize(path), "header": {"size": 8 + n, "sha256": header_sha}, "tensors": tensors}
@@ -140,7 +142,7 @@ def _hub_identity(folder: str) -> dict:
         i = parts.index("snapshots")
         repo = parts[i - 1] if i > 0 else ""
         if repo.startswith("models--") and i + 1 < len(parts):
-            return {"name": repo[len("models--"):].replace("--", "/"), "revision": parts[i + 1]}
+            return {"name": repo[len("models--") :].replace("--", "/"), "revision": parts[i + 1]}
     return {"name": os.path.basename(os.path.normpath(folder))}
 
 
@@ -189,9 +191,14 @@ def disk_merge_info(plan) -> dict:
     return {
         "path": "disk",
         "base_precision": plan.base_precision,
-        "nf4": {"quant_type": nf4.quant_type, "blocksize": nf4.blocksize, "double_quant": nf4.double_quant,
-                **({"skip_modules": list(nf4.skip_modules)} if nf4.skip_modules else {})}
-        if nf4 else None,
+        "nf4": {
+            "quant_type": nf4.quant_type,
+            "blocksize": nf4.blocksize,
+            "double_quant": nf4.double_quant,
+            **({"skip_modules": list(nf4.skip_modules)} if nf4.skip_modules else {}),
+        }
+        if nf4
+        else None,
         "dtype": str(plan.dtype).removeprefix("torch."),
         "chunk_elems": plan.chunk_elems,
         "base": input_identity(plan.inputs.base.folder, hash_files=False),
@@ -201,9 +208,14 @@ def disk_merge_info(plan) -> dict:
     }
 
 
-def live_merge_info(model, out_dtype: torch.dtype, adapter_names: list[str] | None,
-                    quant4: dict | None = None, weights: dict[str, float] | None = None,
-                    combination: str = "cat") -> dict:
+def live_merge_info(
+    model,
+    out_dtype: torch.dtype,
+    adapter_names: list[str] | None,
+    quant4: dict | None = None,
+    weights: dict[str, float] | None = None,
+    combination: str = "cat",
+) -> dict:
     """What an in-process merge into the weights in memory used, for the record: the model's quantization (the
     base the adapter saw is dequant(quantize(W)) with these settings), the dtype the weights were held in, the
     output dtype, and the adapters merged.
@@ -231,9 +243,13 @@ def live_merge_info(model, out_dtype: torch.dtype, adapter_names: list[str] | No
                 quantized_from = str(state.dtype).removeprefix("torch.")
                 blocksize = getattr(state, "blocksize", 64)
                 break
-        quantization = {"bits": 4, "quant_type": qc.get("bnb_4bit_quant_type", "nf4"),
-                        "double_quant": bool(qc.get("bnb_4bit_use_double_quant", False)),
-                        "blocksize": blocksize if quantized_from else 64, "quantized_from": quantized_from}
+        quantization = {
+            "bits": 4,
+            "quant_type": qc.get("bnb_4bit_quant_type", "nf4"),
+            "double_quant": bool(qc.get("bnb_4bit_use_double_quant", False)),
+            "blocksize": blocksize if quantized_from else 64,
+            "quantized_from": quantized_from,
+        }
     elif qc.get("load_in_8bit"):
         quantization = {"bits": 8}
     held = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
@@ -327,9 +343,15 @@ def write_merge_record(folder: str, shards: dict[str, dict], merge: dict) -> Non
             shard_records[rel] = shards.get(rel) or shard_record(path)
         else:
             files[rel] = {"size": os.path.getsize(path), "sha256": file_sha256(path)}
-    record = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "tool": {"name": "peft-shardmerge",
-                                                                        "version": __version__},
-              "algorithm": "sha256", "merge": merge, "shards": shard_records, "files": files}
+    record = {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "tool": {"name": "peft-shardmerge", "version": __version__},
+        "algorithm": "sha256",
+        "merge": merge,
+        "shards": shard_records,
+        "files": files,
+    }
     record["record_sha256"] = record_digest(record)
     write_json(os.path.join(folder, RECORD_FILE), record)
 
@@ -353,4 +375,3 @@ def unlisted_files(folder: str, record: dict) -> list[str]:
         ['notes.txt']
     """
     return sorted(set(output_files(folder)) - set(record["shards"]) - set(record["files"]))
-

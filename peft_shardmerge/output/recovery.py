@@ -130,27 +130,42 @@ def recover_commit(out: str, lock: OutputLock) -> None:
         drop_manifest(out)
     staging = sidecar(out, "partial")
     sst = lstat_or_none(staging)
-    if not landed and sst is not None and stat.S_ISDIR(sst.st_mode) and sst.st_ino == journal.get("staging_ino") \
-            and read_manifest(staging) is None and isinstance(journal.get("manifest"), dict):
+    if (
+        not landed
+        and sst is not None
+        and stat.S_ISDIR(sst.st_mode)
+        and sst.st_ino == journal.get("staging_ino")
+        and read_manifest(staging) is None
+        and isinstance(journal.get("manifest"), dict)
+    ):
         write_manifest(os.path.join(staging, MANIFEST), journal["manifest"])  # resumable again
         kill_point("recover: staging manifest restored")
     name = journal.get("old")
     if isinstance(name, str) and is_old_name(out, name) and isinstance(journal.get("snapshot"), dict):
         old = os.path.join(os.path.dirname(out), name)
         ost = lstat_or_none(old)
-        if ost is not None and stat.S_ISDIR(ost.st_mode) and (ost.st_ino, ost.st_dev) == (journal.get("old_ino"),
-                                                                                             journal.get("old_dev")):
+        if (
+            ost is not None
+            and stat.S_ISDIR(ost.st_mode)
+            and (ost.st_ino, ost.st_dev) == (journal.get("old_ino"), journal.get("old_dev"))
+        ):
             if not landed and st is None:
                 rename_noreplace(old, out)
                 fsync_dir(os.path.dirname(out))
                 kill_point("recover: previous output put back")
-                log.warning("a merge killed while replacing %s had moved the previous output to %s; it was put back",
-                            out, old)
+                log.warning(
+                    "a merge killed while replacing %s had moved the previous output to %s; it was put back", out, old
+                )
             elif landed:
                 left = remove_checked(old, journal["snapshot"])
-                log.warning("a merge killed just after replacing %s left the previous output in %s; %s", out, old,
-                            f"what was added to it during that merge is kept there ({', '.join(left[:5])})"
-                            if left else "it was removed")
+                log.warning(
+                    "a merge killed just after replacing %s left the previous output in %s; %s",
+                    out,
+                    old,
+                    f"what was added to it during that merge is kept there ({', '.join(left[:5])})"
+                    if left
+                    else "it was removed",
+                )
     lock.note(commit=None)
     kill_point("recover: journal cleared")
 

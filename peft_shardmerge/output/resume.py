@@ -72,19 +72,22 @@ class InputDigests:
         self._ranges: dict[str, list[tuple[str, int, int]]] = {}
         for t in plan.tensors:
             stored = t.source.decoder.stored if t.source.decoder is not None else (t.source,)
-            self._ranges.setdefault(plan.shard_names[t.shard], []).extend(
-                (s.path, s.offset, s.nbytes) for s in stored)
+            self._ranges.setdefault(plan.shard_names[t.shard], []).extend((s.path, s.offset, s.nbytes) for s in stored)
 
     def common(self) -> str:
         """The digest of the inputs every shard depends on (``"missing"`` when one cannot be read)."""
         try:
             ranges = []
             for folder in self.plan.inputs.adapter.folders:
-                ranges += [_whole(os.path.join(folder, n)) for n in ADAPTER_FILES
-                           if os.path.isfile(os.path.join(folder, n))]
+                ranges += [
+                    _whole(os.path.join(folder, n)) for n in ADAPTER_FILES if os.path.isfile(os.path.join(folder, n))
+                ]
             base = self.plan.inputs.base.folder
-            ranges += [_whole(os.path.join(base, n)) for n in ("config.json", "model.safetensors.index.json")
-                       if os.path.isfile(os.path.join(base, n))]
+            ranges += [
+                _whole(os.path.join(base, n))
+                for n in ("config.json", "model.safetensors.index.json")
+                if os.path.isfile(os.path.join(base, n))
+            ]
             ranges += [_header(p) for p in sorted({t.path for t in self.plan.inputs.base.stored})]
         except OSError:
             return "missing"

@@ -70,9 +70,17 @@ class ShardSink:
         (['config.json', 'merge_manifest.json', 'model.safetensors'], tensor([1., 1.]))
     """
 
-    def __init__(self, out_dir: str, shards: list[tuple[str, list[Entry]]], *, overwrite: bool,
-                 fingerprint: str | None = None, inputs=None, depth: int = 2,
-                 replace_check: Callable[[str], list[str]] | None = None):
+    def __init__(
+        self,
+        out_dir: str,
+        shards: list[tuple[str, list[Entry]]],
+        *,
+        overwrite: bool,
+        fingerprint: str | None = None,
+        inputs=None,
+        depth: int = 2,
+        replace_check: Callable[[str], list[str]] | None = None,
+    ):
         self.out_dir = out_dir
         self.shards = shards
         self.overwrite = overwrite
@@ -83,8 +91,13 @@ class ShardSink:
         self.resumed: list[str] = []
         self.records: dict[str, dict] = {}
 
-    def write(self, produce: Callable[[int, ShardWriter], None], files: FolderFiles,
-              skip: Callable[[int], None] | None = None, ranks=None) -> None:
+    def write(
+        self,
+        produce: Callable[[int, ShardWriter], None],
+        files: FolderFiles,
+        skip: Callable[[int], None] | None = None,
+        ranks=None,
+    ) -> None:
         """Write every shard, then the folder's other files; check it and move it into place.
 
         Args:
@@ -104,8 +117,16 @@ class ShardSink:
             InputError: ``out_dir`` became non-empty and ``overwrite`` is False.
             OSError: the filesystem failed; nothing is left behind.
         """
-        with staged_output(self.out_dir, fingerprint=self.fingerprint, overwrite=self.overwrite,
-                           inputs=self.inputs, replace_check=self.replace_check) as staging, torch.no_grad():
+        with (
+            staged_output(
+                self.out_dir,
+                fingerprint=self.fingerprint,
+                overwrite=self.overwrite,
+                inputs=self.inputs,
+                replace_check=self.replace_check,
+            ) as staging,
+            torch.no_grad(),
+        ):
             tmp = staging.path
             mine = None if ranks is None else ranks.opened(staging)
             try:
@@ -119,8 +140,13 @@ class ShardSink:
             self.resumed = list(staging.resumed)
             self._finish(tmp, files)
 
-    def write_shards(self, staging, produce: Callable[[int, ShardWriter], None],
-                     skip: Callable[[int], None] | None = None, mine=None) -> None:
+    def write_shards(
+        self,
+        staging,
+        produce: Callable[[int, ShardWriter], None],
+        skip: Callable[[int], None] | None = None,
+        mine=None,
+    ) -> None:
         """Write the shards that are not done yet into ``staging`` (all, or those in ``mine``), each recorded in the
         staging manifest once fsynced; ``records`` gets each one's record.
 

@@ -11,8 +11,21 @@ import shutil
 log = logging.getLogger(__name__)
 
 #: weight files and exports of the base model: the merge writes its own weights, so these are never copied
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx", ".ot",
-                   ".onnx_data", ".pdparams", ".npz")
+WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".gguf",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".ot",
+    ".onnx_data",
+    ".pdparams",
+    ".npz",
+)
 #: index files of sharded weights (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``, ...)
 _INDEX = re.compile(r".*\.(safetensors|bin|pt|pth|h5|msgpack)\.index\.json$")
 #: files that describe a quantization of the base, not the merged model
@@ -25,7 +38,8 @@ WRITTEN = ("config.json", "merge_manifest.json", "manifest.json", "manifest.json
 _HUB_SNAPSHOT = re.compile(r"^(?P<repo>.*)/snapshots/[^/]+$")
 #: what belongs to a model folder besides its weights and ``config.json``, at its top (an allowlist: anything else,
 #: an adapter's files, other weight formats, training state, notes, is never carried into the output)
-MODEL_FILES = re.compile(r"""(
+MODEL_FILES = re.compile(
+    r"""(
     generation_config\.json
   | (preprocessor|processor|image_processor|video_preprocessor|feature_extractor)_config\.json
   | tokenizer(_config)?\.json | special_tokens_map\.json | added_tokens\.json | tokenizer\.model(\.[\w-]+)?
@@ -34,7 +48,9 @@ MODEL_FILES = re.compile(r"""(
   | modules\.json | sentence_bert_config\.json | config_sentence_transformers\.json
   | [\w.-]+\.py
   | readme(\.md)? | (licen[cs]e|notice|copying)([.-][\w.-]*)? | use_policy\.md
-)""", re.VERBOSE | re.IGNORECASE)
+)""",
+    re.VERBOSE | re.IGNORECASE,
+)
 #: folders that belong to a model folder: transformers' extra chat templates
 MODEL_FOLDERS = ("additional_chat_templates",)
 #: sentence-transformers' module folders (``1_Pooling``, ``2_Dense``), carried whole when ``modules.json`` is there
@@ -211,8 +227,11 @@ def list_side_files(folder: str) -> list[str]:
                 continue
             out.append(rel)
     if skipped:
-        log.warning("not copied from %s (links leading out of the folder, or not regular files): %s", folder,
-                    ", ".join(sorted(skipped)[:10]))
+        log.warning(
+            "not copied from %s (links leading out of the folder, or not regular files): %s",
+            folder,
+            ", ".join(sorted(skipped)[:10]),
+        )
     return sorted(p.replace(os.sep, "/") for p in out)
 
 
@@ -221,13 +240,17 @@ def _all_files(folder: str) -> list[str]:
     found = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found += [os.path.relpath(os.path.join(dirpath, n), folder) for n in filenames
-                  if not n.startswith(".") and os.path.isfile(os.path.join(dirpath, n))]
+        found += [
+            os.path.relpath(os.path.join(dirpath, n), folder)
+            for n in filenames
+            if not n.startswith(".") and os.path.isfile(os.path.join(dirpath, n))
+        ]
     return sorted(found)
 
 
-def copy_side_files(folder: str, dest: str, names: list[str] | None = None, *,
-                    skip: tuple[str, ...] = ()) -> list[str]:
+def copy_side_files(
+    folder: str, dest: str, names: list[str] | None = None, *, skip: tuple[str, ...] = ()
+) -> list[str]:
     """Copy a base folder's side files (:func:`list_side_files`) into ``dest``, sub-folders included.
 
     Contents are copied (never links); a file whose path leaves ``folder`` when resolved is not read.

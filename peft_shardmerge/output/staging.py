@@ -164,14 +164,22 @@ class Staging:
                 raise InputError(sidecar_problems(self.out_dir) or [f"{self.path} is not a staging folder of ours"])
             if self.inputs is not None:
                 self.common = self.inputs.common()
-            if manifest and self.fingerprint and manifest.get("fingerprint") == self.fingerprint \
-                    and manifest.get("inputs") == self.common:
+            if (
+                manifest
+                and self.fingerprint
+                and manifest.get("fingerprint") == self.fingerprint
+                and manifest.get("inputs") == self.common
+            ):
                 for fname, meta in self._recorded(manifest).items():
                     p = os.path.join(self.path, os.path.basename(fname))
                     s = lstat_or_none(p)
-                    if (s is not None and stat.S_ISREG(s.st_mode) and s.st_size == meta.get("size")
-                            and file_digest(p) == meta.get("digest")
-                            and meta.get("inputs") == self.inputs.shard(fname)):
+                    if (
+                        s is not None
+                        and stat.S_ISREG(s.st_mode)
+                        and s.st_size == meta.get("size")
+                        and file_digest(p) == meta.get("digest")
+                        and meta.get("inputs") == self.inputs.shard(fname)
+                    ):
                         kept[fname] = meta
             for entry in os.listdir(self.path):  # the folder is ours (manifest checked): clear what is not kept
                 if entry not in kept and entry != MANIFEST:
@@ -224,8 +232,12 @@ class Staging:
         self._write_manifest()
 
     def _manifest(self) -> dict:
-        return {"made_by": MADE_BY, "fingerprint": self.fingerprint, "inputs": self.common,
-                "shards": self.done if self.fingerprint else {}}
+        return {
+            "made_by": MADE_BY,
+            "fingerprint": self.fingerprint,
+            "inputs": self.common,
+            "shards": self.done if self.fingerprint else {},
+        }
 
     def _write_manifest(self) -> None:
         write_manifest(os.path.join(self.path, self.manifest), self._manifest())
@@ -247,13 +259,21 @@ class Staging:
             now = snapshot(self.out_dir)
         if (st is None) != (self.checked is None) or (self.checked is not None and now != self.checked):
             self.keep = True
-            what = ("it was removed" if st is None else "it appeared" if self.checked is None else
-                    "it is no longer a folder" if now is None else describe_change(self.checked, now))
+            what = (
+                "it was removed"
+                if st is None
+                else "it appeared"
+                if self.checked is None
+                else "it is no longer a folder"
+                if now is None
+                else describe_change(self.checked, now)
+            )
             raise OutputChangedError(
                 f"{self.out_dir} changed while the merge ran ({what}); it was left exactly as it is and the new "
                 f"output is kept in {self.path}: move your files out of the way and run the same command again"
                 + (" (the finished shards are reused)" if self.fingerprint else "")
-                + ", or choose another output folder")
+                + ", or choose another output folder"
+            )
         old = sidecar(self.out_dir, f"old-{secrets.token_hex(4)}") if st is not None else None
         kill_point_reset()
         if lock is not None:  # the journal keeps the manifest, which leaves the folder before it becomes OUT
@@ -281,8 +301,11 @@ class Staging:
             left = remove_checked(old, self.checked)
             if left:
                 self.leftover = old
-                log.warning("the previous output was replaced; what was added to it during the merge (%s) is kept in "
-                            "%s", ", ".join(left[:5]), old)
+                log.warning(
+                    "the previous output was replaced; what was added to it during the merge (%s) is kept in %s",
+                    ", ".join(left[:5]),
+                    old,
+                )
         if lock is not None:
             lock.note(commit=None)
             kill_point("commit: journal cleared")
@@ -297,12 +320,16 @@ class Staging:
         if self.committed:
             return "the merge had finished: OUT holds the new, complete output" + (
                 f" (what was added to the previous output during the merge is kept in {self.leftover})"
-                if self.leftover else "")
+                if self.leftover
+                else ""
+            )
         if self.keep:
             return f"OUT was left as it is and the new output is kept in {self.path}"
         if self.rerun:
-            return (f"OUT is unchanged and the finished shards are kept in {self.path}: run the same command again "
-                    "(with any number of ranks) to finish the merge")
+            return (
+                f"OUT is unchanged and the finished shards are kept in {self.path}: run the same command again "
+                "(with any number of ranks) to finish the merge"
+            )
         if not self.created:
             return NOTHING_WRITTEN
         if os.path.lexists(self.path):
@@ -311,8 +338,14 @@ class Staging:
 
 
 @contextmanager
-def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = None, inputs=None,
-                  replace_check: Callable[[str], list[str]] | None = None) -> Iterator[Staging]:
+def staged_output(
+    out_dir: str,
+    *,
+    overwrite: bool,
+    fingerprint: str | None = None,
+    inputs=None,
+    replace_check: Callable[[str], list[str]] | None = None,
+) -> Iterator[Staging]:
     """Lock ``out_dir``, yield its :class:`Staging`, and move it into place when the block succeeds.
 
     On any exception (KeyboardInterrupt and SIGTERM included) the staging folder is removed and ``out_dir`` is
@@ -355,11 +388,15 @@ def staged_output(out_dir: str, *, overwrite: bool, fingerprint: str | None = No
             st = lstat_or_none(out)
             if st is not None:
                 if not stat.S_ISDIR(st.st_mode):
-                    problems.append(f"output {out} appeared meanwhile and is not a folder; remove it or choose "
-                                    "another output folder")
+                    problems.append(
+                        f"output {out} appeared meanwhile and is not a folder; remove it or choose "
+                        "another output folder"
+                    )
                 elif not overwrite and os.listdir(out):
-                    problems.append(f"output folder {out} is not empty (it changed since it was checked); pass "
-                                    "overwrite=True to replace it")
+                    problems.append(
+                        f"output folder {out} is not empty (it changed since it was checked); pass "
+                        "overwrite=True to replace it"
+                    )
                 elif replace_check is not None and os.listdir(out):
                     problems += replace_check(out)
                 else:  # overwrite replaces an empty folder or an earlier output of ours, nothing else

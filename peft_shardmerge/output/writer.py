@@ -118,8 +118,14 @@ class ShardWriter:
         {'w': tensor([1., 1.])}
     """
 
-    def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...], int]],
-                 metadata: dict[str, str] | None = None, *, depth: int = 2):
+    def __init__(
+        self,
+        path: str,
+        entries: list[tuple[str, str, tuple[int, ...], int]],
+        metadata: dict[str, str] | None = None,
+        *,
+        depth: int = 2,
+    ):
         self.path = path
         self.expected = sum(e[3] for e in entries)
         self.written = 0

@@ -45,8 +45,9 @@ def is_bnb_layer(module: nn.Module, name: str = "") -> bool:
         >>> is_bnb_layer(torch.nn.Linear(1, 1))
         False
     """
-    return any(c.__module__.startswith("bitsandbytes") and (not name or c.__name__ == name)
-               for c in type(module).__mro__)
+    return any(
+        c.__module__.startswith("bitsandbytes") and (not name or c.__name__ == name) for c in type(module).__mro__
+    )
 
 
 def bnb_layer_kind(module: nn.Module | None) -> str | None:
@@ -69,8 +70,12 @@ def bnb_layer_kind(module: nn.Module | None) -> str | None:
     """
     weight = getattr(module, "weight", None)
     kind = bnb_kind(weight)
-    if kind is None and weight is not None and is_bnb_layer(module, "Linear4bit") and (
-            getattr(module, "quant_state", None) is not None or getattr(weight, "quant_state", None) is not None):
+    if (
+        kind is None
+        and weight is not None
+        and is_bnb_layer(module, "Linear4bit")
+        and (getattr(module, "quant_state", None) is not None or getattr(weight, "quant_state", None) is not None)
+    ):
         return "4bit"
     return kind
 
@@ -148,8 +153,10 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
     data = weight.data
     storage = getattr(weight, "quant_storage", None) or getattr(holder, "quant_storage", None)
     if isinstance(storage, torch.dtype) and data.dtype != storage and not getattr(qs, "packing_format_for_cpu", False):
-        raise MergeCheckError(f"the 4-bit weight of {type(holder).__name__}{tuple(qs.shape)} is stored as {storage} "
-                              f"but was read as {data.dtype}: a cast changed its packed bytes")
+        raise MergeCheckError(
+            f"the 4-bit weight of {type(holder).__name__}{tuple(qs.shape)} is stored as {storage} "
+            f"but was read as {data.dtype}: a cast changed its packed bytes"
+        )
     if getattr(qs, "packing_format_for_cpu", False):
         data, qs = _unpack_cpu_format(data, qs)
         if notes is not None:
@@ -158,9 +165,11 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
         notes.append("repacked")  # repacked, then undone in place by a state_dict() (PEFT's save_pretrained): lossy
     expected = (qs.shape.numel() + 1) // 2
     if hasattr(data, "placements") or data.numel() * data.element_size() != expected:
-        raise MergeCheckError(f"the 4-bit weight of {type(holder).__name__}{tuple(qs.shape)} holds "
-                              f"{data.numel() * data.element_size()} bytes, not the {expected} of the whole weight "
-                              "(a sharded weight that was not gathered)")
+        raise MergeCheckError(
+            f"the 4-bit weight of {type(holder).__name__}{tuple(qs.shape)} holds "
+            f"{data.numel() * data.element_size()} bytes, not the {expected} of the whole weight "
+            "(a sharded weight that was not gathered)"
+        )
     qs = _quant_state_on(qs, device) if qs.absmax.device != device else qs
     return dequantize_state(data.to(device), qs).to(torch.float32)  # the definition, as from disk
 
@@ -193,5 +202,12 @@ def _unpack_cpu_format(packed: torch.Tensor, qs):
     return packed, state
 
 
-__all__ = ["REPACK_ABSMAX_REL_ERROR", "bnb_kind", "bnb_layer_kind", "is_bnb_layer", "quant_state_of",
-           "logical_shape", "dequantize"]
+__all__ = [
+    "REPACK_ABSMAX_REL_ERROR",
+    "bnb_kind",
+    "bnb_layer_kind",
+    "is_bnb_layer",
+    "quant_state_of",
+    "logical_shape",
+    "dequantize",
+]

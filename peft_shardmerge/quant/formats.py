@@ -12,8 +12,16 @@ import torch
 from ..errors import InputError
 from ..io.safetensors_io import DTYPES, TORCH_TO_ST, RowReader, TensorInfo
 
-__all__ = ["Decoder", "QuantView", "FORMATS", "dequantized_view", "logical_info", "model_dtype_name", "quant_method",
-           "recorded_dtype_name"]
+__all__ = [
+    "Decoder",
+    "QuantView",
+    "FORMATS",
+    "dequantized_view",
+    "logical_info",
+    "model_dtype_name",
+    "quant_method",
+    "recorded_dtype_name",
+]
 
 #: quant_method -> module reading it (each module has ``view(tensors, config, qc) -> QuantView``)
 FORMATS = {
@@ -102,9 +110,11 @@ class QuantView:
     def note(self, dtype: torch.dtype) -> str:
         """The plan's note about this base."""
         methods = sorted({t.decoder.method for t in self.tensors if t.decoder is not None})
-        return (f"the base is stored as {self.method}: its {self.dequantized} quantized weights are dequantized "
-                f"block by block ({', '.join(methods)}) and written as {str(dtype).removeprefix('torch.')}; "
-                f"{self.consumed} stored scale/state tensors are read, not copied")
+        return (
+            f"the base is stored as {self.method}: its {self.dequantized} quantized weights are dequantized "
+            f"block by block ({', '.join(methods)}) and written as {str(dtype).removeprefix('torch.')}; "
+            f"{self.consumed} stored scale/state tensors are read, not copied"
+        )
 
 
 def recorded_dtype_name(config: dict) -> str | None:
@@ -160,8 +170,14 @@ def logical_info(name: str, dtype: str, shape: tuple[int, ...], decoder: Decoder
     Returns:
         The TensorInfo, with ``decoder`` set.
     """
-    return replace(decoder.stored[0], name=name, dtype=dtype, shape=tuple(shape),
-                   nbytes=math.prod(shape) * DTYPES[dtype][1], decoder=decoder)
+    return replace(
+        decoder.stored[0],
+        name=name,
+        dtype=dtype,
+        shape=tuple(shape),
+        nbytes=math.prod(shape) * DTYPES[dtype][1],
+        decoder=decoder,
+    )
 
 
 def dequantized_view(folder: str, config: dict, tensors: list[TensorInfo]) -> QuantView | None:
@@ -217,4 +233,3 @@ def quant_method(qc: dict) -> str:
     """
     fallback = "bitsandbytes" if ("load_in_4bit" in qc or "load_in_8bit" in qc) else "unknown"
     return str(qc.get("quant_method", fallback))
-

@@ -110,10 +110,15 @@ def block_size(qc: dict) -> tuple[int, int] | None:
     value = qc["weight_block_size"]
     if value is None:
         return None
-    if (not isinstance(value, (list, tuple)) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-        raise InputError(f"config.json: quantization_config.weight_block_size is {value!r}; fine-grained FP8 needs "
-                         "two positive integers (e.g. [128, 128]) or null for one scale per tensor; fix config.json")
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        raise InputError(
+            f"config.json: quantization_config.weight_block_size is {value!r}; fine-grained FP8 needs "
+            "two positive integers (e.g. [128, 128]) or null for one scale per tensor; fix config.json"
+        )
     return int(value[0]), int(value[1])
 
 
@@ -122,18 +127,26 @@ def _check_config(qc: dict) -> None:
     problems = []
     scheme = qc.get("activation_scheme", "dynamic")
     if not isinstance(scheme, str) or scheme.lower() not in ("dynamic", "static"):
-        problems.append(f"config.json: quantization_config.activation_scheme is {scheme!r}; transformers reads only "
-                        "'dynamic' or 'static'; fix config.json")
+        problems.append(
+            f"config.json: quantization_config.activation_scheme is {scheme!r}; transformers reads only "
+            "'dynamic' or 'static'; fix config.json"
+        )
     if qc.get("scale_fmt", "float") not in ("float", "ue8m0"):
-        problems.append(f"config.json: quantization_config.scale_fmt is {qc.get('scale_fmt')!r}; transformers reads "
-                        "only 'float' or 'ue8m0'; fix config.json")
+        problems.append(
+            f"config.json: quantization_config.scale_fmt is {qc.get('scale_fmt')!r}; transformers reads "
+            "only 'float' or 'ue8m0'; fix config.json"
+        )
     if qc.get("expert_dtype", "fp8") != "fp8":
-        problems.append(f"config.json: quantization_config.expert_dtype is {qc.get('expert_dtype')!r}: FP4-packed "
-                        "experts (DeepSeek-V4) are not read by this version; merge into a 16-bit checkpoint")
+        problems.append(
+            f"config.json: quantization_config.expert_dtype is {qc.get('expert_dtype')!r}: FP4-packed "
+            "experts (DeepSeek-V4) are not read by this version; merge into a 16-bit checkpoint"
+        )
     if qc.get("modules_to_convert"):
-        problems.append("config.json: quantization_config.modules_to_convert names FP8 embedding tables, which "
-                        "transformers keeps in FP8 even when it dequantizes; this version does not read them; merge "
-                        "into a 16-bit checkpoint")
+        problems.append(
+            "config.json: quantization_config.modules_to_convert names FP8 embedding tables, which "
+            "transformers keeps in FP8 even when it dequantizes; this version does not read them; merge "
+            "into a 16-bit checkpoint"
+        )
     if problems:
         raise InputError(problems)
 
@@ -149,39 +162,60 @@ def _scale_problem(weight: TensorInfo, scales: TensorInfo, block: tuple[int, int
     """What is wrong with a weight's scales ('' when they fit it)."""
     where = f"{scales.name!r} in {scales.path}"
     if scales.dtype == "U8":
-        return (f"{where} holds UE8M0 exponents as bytes (U8), which this version does not read; merge into a 16-bit "
-                "checkpoint of the model")
+        return (
+            f"{where} holds UE8M0 exponents as bytes (U8), which this version does not read; merge into a 16-bit "
+            "checkpoint of the model"
+        )
     if scales.dtype not in SCALE_DTYPES:
-        return (f"{where} is stored as {scales.dtype}; fine-grained FP8 scales are float32 (or bf16/f16/E8M0), "
-                "which this version reads; re-download or re-convert the checkpoint")
+        return (
+            f"{where} is stored as {scales.dtype}; fine-grained FP8 scales are float32 (or bf16/f16/E8M0), "
+            "which this version reads; re-download or re-convert the checkpoint"
+        )
     grid = _expected_grid(weight, block)
     if grid is None:
         if scales.numel != 1 or len(scales.shape) > 2:
-            return (f"{where} has shape {list(scales.shape)} but weight_block_size is null (one scale per tensor); "
-                    "set weight_block_size in config.json to the block the scales were made with")
+            return (
+                f"{where} has shape {list(scales.shape)} but weight_block_size is null (one scale per tensor); "
+                "set weight_block_size in config.json to the block the scales were made with"
+            )
         return ""
     if scales.shape != grid:
-        return (f"{where} has shape {list(scales.shape)}, but {weight.name!r} {list(weight.shape)} in blocks of "
-                f"{list(block)} needs {list(grid)}; the scales do not fit the weight or config.json's "
-                "weight_block_size; re-download the checkpoint or fix weight_block_size")
+        return (
+            f"{where} has shape {list(scales.shape)}, but {weight.name!r} {list(weight.shape)} in blocks of "
+            f"{list(block)} needs {list(grid)}; the scales do not fit the weight or config.json's "
+            "weight_block_size; re-download the checkpoint or fix weight_block_size"
+        )
     return ""
 
 
-def _pair(weight: TensorInfo, by_name: dict[str, TensorInfo], block: tuple[int, int] | None
-          ) -> tuple[TensorInfo | None, list[str], list[str]]:
+def _pair(
+    weight: TensorInfo, by_name: dict[str, TensorInfo], block: tuple[int, int] | None
+) -> tuple[TensorInfo | None, list[str], list[str]]:
     """The scales of a stored FP8 tensor, with what this version does not read and what is corrupt about it."""
     where = f"{weight.name!r} in {weight.path}"
     if not weight.name.endswith(".weight") or len(weight.shape) != 2:
-        return None, [f"{where} is stored as {weight.dtype} with shape {list(weight.shape)}; this version reads "
-                      "fine-grained FP8 only as 2-D linear weights named '.weight'; merge into a 16-bit checkpoint "
-                      "of the model"], []
+        return (
+            None,
+            [
+                f"{where} is stored as {weight.dtype} with shape {list(weight.shape)}; this version reads "
+                "fine-grained FP8 only as 2-D linear weights named '.weight'; merge into a 16-bit checkpoint "
+                "of the model"
+            ],
+            [],
+        )
     scales, more = _scales_of(weight, by_name)
     if more:
         return None, [], more
     if scales is None:
         stem = weight.name.removesuffix("weight")
-        return None, [], [f"{where} is stored as {weight.dtype} but has no {stem + SCALE_NAMES[0]!r} next to it: an "
-                          "FP8 weight needs its scales; re-download or re-convert the checkpoint"]
+        return (
+            None,
+            [],
+            [
+                f"{where} is stored as {weight.dtype} but has no {stem + SCALE_NAMES[0]!r} next to it: an "
+                "FP8 weight needs its scales; re-download or re-convert the checkpoint"
+            ],
+        )
     problem = _scale_problem(weight, scales, block)
     return (None, [], [problem]) if problem else (scales, [], [])
 
@@ -191,8 +225,10 @@ def _scales_of(weight: TensorInfo, by_name: dict[str, TensorInfo]) -> tuple[Tens
     stem = weight.name.removesuffix("weight")
     found = [by_name[stem + s] for s in SCALE_NAMES if stem + s in by_name]
     if len(found) > 1:
-        return None, [f"{weight.name!r} has scales under more than one name ({', '.join(t.name for t in found)}); "
-                      "transformers would read one of them over the other; keep only the right one"]
+        return None, [
+            f"{weight.name!r} has scales under more than one name ({', '.join(t.name for t in found)}); "
+            "transformers would read one of them over the other; keep only the right one"
+        ]
     return (found[0] if found else None), []
 
 
@@ -234,23 +270,29 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
         if last == ACTIVATION_SCALE:
             consumed.add(t.name)
         elif last == "input_scale":
-            unsupported.append(f"{t.name!r} in {t.path}: fine-grained FP8 (quant_method 'fp8') has no input_scale "
-                               "tensors and transformers does not read them (it reports them as unexpected); the "
-                               "checkpoint is probably another FP8 format; merge into a 16-bit checkpoint instead")
+            unsupported.append(
+                f"{t.name!r} in {t.path}: fine-grained FP8 (quant_method 'fp8') has no input_scale "
+                "tensors and transformers does not read them (it reports them as unexpected); the "
+                "checkpoint is probably another FP8 format; merge into a 16-bit checkpoint instead"
+            )
         elif last in ORPHAN_CHECKED and t.name not in consumed and f"{stem}.weight" not in decoders:
             weight = by_name.get(f"{stem}.weight")
             if weight is None or weight.dtype not in FP8_DTYPES:
-                corrupt.append(f"{t.name!r} in {t.path} scales {stem + '.weight'!r}, which is "
-                               f"{'missing' if weight is None else 'stored as ' + weight.dtype + ', not FP8'}; "
-                               "the checkpoint is inconsistent; re-download or re-convert it")
+                corrupt.append(
+                    f"{t.name!r} in {t.path} scales {stem + '.weight'!r}, which is "
+                    f"{'missing' if weight is None else 'stored as ' + weight.dtype + ', not FP8'}; "
+                    "the checkpoint is inconsistent; re-download or re-convert it"
+                )
     if corrupt:
         raise CorruptFileError("; ".join(dict.fromkeys(corrupt)))
     if unsupported:
         raise InputError(list(dict.fromkeys(unsupported)))
     if not decoders:
-        raise InputError("config.json says the base is fine-grained FP8 (quantization_config.quant_method 'fp8') "
-                         "but no weight is stored as FP8 with its weight_scale_inv: the config and the weights "
-                         "disagree; remove quantization_config from config.json if the weights are 16-bit")
+        raise InputError(
+            "config.json says the base is fine-grained FP8 (quantization_config.quant_method 'fp8') "
+            "but no weight is stored as FP8 with its weight_scale_inv: the config and the weights "
+            "disagree; remove quantization_config from config.json if the weights are 16-bit"
+        )
     out = []
     for t in tensors:
         if t.name in decoders:

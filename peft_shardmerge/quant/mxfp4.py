@@ -56,18 +56,24 @@ def _check_pair(blocks: TensorInfo, scales: TensorInfo | None, config: dict, pro
     """What is wrong with one blocks/scales pair (empty when it is an MXFP4 weight transformers dequantizes)."""
     where = f"{blocks.name!r} in {blocks.path}"
     if scales is None:
-        return [f"{where} has no {blocks.name.removesuffix(BLOCKS) + SCALES!r} next to it: an MXFP4 weight needs its "
-                f"E8M0 scales; re-download or re-convert the checkpoint"]
+        return [
+            f"{where} has no {blocks.name.removesuffix(BLOCKS) + SCALES!r} next to it: an MXFP4 weight needs its "
+            f"E8M0 scales; re-download or re-convert the checkpoint"
+        ]
     problems = []
     if blocks.dtype != "U8" or len(blocks.shape) != 4 or blocks.shape[-1] != GROUP // PER_BYTE:
-        problems.append(f"{where} is {blocks.dtype} {list(blocks.shape)}; MXFP4 blocks are U8 "
-                        f"[experts, out, groups, {GROUP // PER_BYTE}] (transformers reads no other layout)")
+        problems.append(
+            f"{where} is {blocks.dtype} {list(blocks.shape)}; MXFP4 blocks are U8 "
+            f"[experts, out, groups, {GROUP // PER_BYTE}] (transformers reads no other layout)"
+        )
     if scales.dtype != "U8":
         problems.append(f"{scales.name!r} in {scales.path} is {scales.dtype}; MXFP4 scales are U8 E8M0 exponents")
     if tuple(scales.shape) != tuple(blocks.shape[:-1]):
-        problems.append(f"{scales.name!r} has shape {list(scales.shape)} but {blocks.name!r} is "
-                        f"{list(blocks.shape)}: the scales must be the blocks' shape without the last dimension "
-                        f"({list(blocks.shape[:-1])}); the checkpoint is corrupted or not MXFP4")
+        problems.append(
+            f"{scales.name!r} has shape {list(scales.shape)} but {blocks.name!r} is "
+            f"{list(blocks.shape)}: the scales must be the blocks' shape without the last dimension "
+            f"({list(blocks.shape[:-1])}); the checkpoint is corrupted or not MXFP4"
+        )
     if problems:
         return problems
     fan_in, fan_out = (config.get(field) for field in PROJECTIONS[proj])
@@ -75,9 +81,11 @@ def _check_pair(blocks: TensorInfo, scales: TensorInfo | None, config: dict, pro
     want_out = fan_out * 2 if proj == "gate_up_proj" and isinstance(fan_out, int) else fan_out
     _, out, groups, _ = blocks.shape
     if isinstance(want_in, int) and isinstance(want_out, int) and (groups * GROUP, out) != (want_in, want_out):
-        problems.append(f"{where} dequantizes to [in={groups * GROUP}, out={out}] per expert but config.json "
-                        f"({'/'.join(PROJECTIONS[proj])}) makes {proj} [in={want_in}, out={want_out}]; "
-                        f"the config and the weights disagree")
+        problems.append(
+            f"{where} dequantizes to [in={groups * GROUP}, out={out}] per expert but config.json "
+            f"({'/'.join(PROJECTIONS[proj])}) makes {proj} [in={want_in}, out={want_out}]; "
+            f"the config and the weights disagree"
+        )
     return problems
 
 
@@ -123,8 +131,10 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
         blocks = by_name.get(f"{base}{BLOCKS}") if proj else None
         if blocks is None:  # not MXFP4, or scales whose blocks are missing
             if proj:
-                problems.append(f"{t.name!r} in {t.path} has no {base + BLOCKS!r} to scale; the checkpoint is "
-                                f"incomplete (a shard or tensor is missing)")
+                problems.append(
+                    f"{t.name!r} in {t.path} has no {base + BLOCKS!r} to scale; the checkpoint is "
+                    f"incomplete (a shard or tensor is missing)"
+                )
             out.append(t)
             continue
         if base in done:  # the pair's second stored tensor: the weight took the place of the first
@@ -137,8 +147,14 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
             problems.extend(found)
             continue
         experts, fan_out, groups, _ = blocks.shape
-        out.append(logical_info(base, dtype_name, (experts, groups * GROUP, fan_out),
-                                Mxfp4Decoder((blocks, scales), DTYPES[dtype_name][0])))
+        out.append(
+            logical_info(
+                base,
+                dtype_name,
+                (experts, groups * GROUP, fan_out),
+                Mxfp4Decoder((blocks, scales), DTYPES[dtype_name][0]),
+            )
+        )
         dequantized += 1
     if problems:
         raise CorruptFileError("MXFP4 checkpoint: " + "; ".join(problems))
@@ -146,5 +162,6 @@ def view(tensors: list[TensorInfo], config: dict, qc: dict) -> QuantView:
         raise InputError(
             "config.json's quantization_config says MXFP4 (quant_method 'mxfp4') but no tensor is stored as MXFP4 "
             "(no '*.gate_up_proj_blocks'/'*.down_proj_blocks' with their '_scales'): the config and the weights "
-            "disagree; remove quantization_config from config.json if the weights are not quantized")
+            "disagree; remove quantization_config from config.json if the weights are not quantized"
+        )
     return QuantView(out, "MXFP4 (FP4 E2M1 blocks of 32 with E8M0 scales)", dequantized, consumed)

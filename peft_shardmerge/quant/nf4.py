@@ -49,8 +49,10 @@ class Nf4Settings:
 
     def describe(self) -> str:
         kept = f", kept in 16-bit: {', '.join(self.skip_modules)}" if self.skip_modules else ""
-        return (f"{self.quant_type}, blocksize {self.blocksize}, "
-                f"{'double quant' if self.double_quant else 'no double quant'}{kept}")
+        return (
+            f"{self.quant_type}, blocksize {self.blocksize}, "
+            f"{'double quant' if self.double_quant else 'no double quant'}{kept}"
+        )
 
 
 def require_bitsandbytes():
@@ -105,8 +107,9 @@ def quantize_roundtrip(weight: torch.Tensor, settings: Nf4Settings) -> torch.Ten
 PIECE_VALUES = 1 << 20
 
 
-def dequantize_4bit_exact(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
-                          numel: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_4bit_exact(
+    packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, numel: int, dtype: torch.dtype
+) -> torch.Tensor:
     """The 4-bit format's definition applied to packed bytes: value ``i`` is ``code[q_i] * absmax[i // blocksize]``
     in float32, rounded once to ``dtype``; ``q_{2j}`` is the high nibble of byte ``j``, ``q_{2j+1}`` the low one.
 
@@ -136,18 +139,19 @@ def dequantize_4bit_exact(packed: torch.Tensor, absmax: torch.Tensor, code: torc
     step = max(1, PIECE_VALUES // blocksize) * blocksize  # whole blocks (an even count of values) at a time
     for v0 in range(0, numel, step):
         v1 = min(numel, v0 + step)
-        part = flat[v0 // 2:(v1 + 1) // 2]
-        values = table[torch.stack([part >> 4, part & 0xF], dim=1).reshape(-1)[:v1 - v0].long()]
+        part = flat[v0 // 2 : (v1 + 1) // 2]
+        values = table[torch.stack([part >> 4, part & 0xF], dim=1).reshape(-1)[: v1 - v0].long()]
         blocks = -(-(v1 - v0) // blocksize)
-        scale = absmax[v0 // blocksize:v0 // blocksize + blocks].to(device=flat.device, dtype=torch.float32)
+        scale = absmax[v0 // blocksize : v0 // blocksize + blocks].to(device=flat.device, dtype=torch.float32)
         if blocks * blocksize != v1 - v0:  # the last, partial block
             values = torch.nn.functional.pad(values, (0, blocks * blocksize - (v1 - v0)))
-        out[v0:v1] = (values.view(blocks, blocksize) * scale.unsqueeze(1)).reshape(-1)[:v1 - v0].to(dtype)
+        out[v0:v1] = (values.view(blocks, blocksize) * scale.unsqueeze(1)).reshape(-1)[: v1 - v0].to(dtype)
     return out
 
 
-def dequantize_blockwise_exact(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
-                               blocksize: int) -> torch.Tensor:
+def dequantize_blockwise_exact(
+    codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int
+) -> torch.Tensor:
     """The 8-bit blockwise format's definition (double quant's absmax): ``code[c_i] * absmax[i // blocksize]`` in
     float32.
 
@@ -166,7 +170,7 @@ def dequantize_blockwise_exact(codes: torch.Tensor, absmax: torch.Tensor, code: 
         [-3.0, 3.0]
     """
     flat = codes.reshape(-1).long()
-    scale = absmax.to(torch.float32).repeat_interleave(blocksize)[:flat.numel()]
+    scale = absmax.to(torch.float32).repeat_interleave(blocksize)[: flat.numel()]
     return code.to(device=codes.device, dtype=torch.float32)[flat] * scale.to(codes.device)
 
 
@@ -206,8 +210,9 @@ def dequantize_state(packed: torch.Tensor, state) -> torch.Tensor:
 _FLOAT_CHARS = 24
 
 
-def quant_state_fields(shape: tuple[int, ...], dtype: torch.dtype, settings: Nf4Settings,
-                       nested_offset: float = 0.0) -> dict:
+def quant_state_fields(
+    shape: tuple[int, ...], dtype: torch.dtype, settings: Nf4Settings, nested_offset: float = 0.0
+) -> dict:
     """The non-tensor part of a bitsandbytes 4-bit quant state, as ``QuantState.as_dict(packed=True)`` packs it.
 
     Args:
@@ -223,15 +228,20 @@ def quant_state_fields(shape: tuple[int, ...], dtype: torch.dtype, settings: Nf4
         >>> quant_state_fields((4, 64), torch.bfloat16, Nf4Settings(double_quant=False))
         {'quant_type': 'nf4', 'blocksize': 64, 'dtype': 'bfloat16', 'shape': [4, 64]}
     """
-    fields = {"quant_type": settings.quant_type, "blocksize": settings.blocksize,
-              "dtype": str(dtype).removeprefix("torch."), "shape": list(shape)}
+    fields = {
+        "quant_type": settings.quant_type,
+        "blocksize": settings.blocksize,
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": list(shape),
+    }
     if settings.double_quant:
         fields.update({"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": float(nested_offset)})
     return fields
 
 
-def packed_4bit_layout(shape: tuple[int, ...], dtype: torch.dtype,
-                       settings: Nf4Settings) -> list[tuple[str, str, tuple[int, ...]]]:
+def packed_4bit_layout(
+    shape: tuple[int, ...], dtype: torch.dtype, settings: Nf4Settings
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """The tensors transformers stores for one 4-bit weight, computed from its shape alone (nothing is quantized).
 
     Packed codes hold two 4-bit values a byte; ``absmax`` holds one scale per block (one byte each with double
@@ -256,12 +266,16 @@ def packed_4bit_layout(shape: tuple[int, ...], dtype: torch.dtype,
     for s in shape:
         numel *= s
     blocks = -(-numel // settings.blocksize)
-    out = [("", "U8", ((numel + 1) // 2, 1)), ("absmax", "U8" if settings.double_quant else "F32", (blocks,)),
-           ("quant_map", "F32", (16,))]
+    out = [
+        ("", "U8", ((numel + 1) // 2, 1)),
+        ("absmax", "U8" if settings.double_quant else "F32", (blocks,)),
+        ("quant_map", "F32", (16,)),
+    ]
     if settings.double_quant:
         out += [("nested_absmax", "F32", (-(-blocks // 256),)), ("nested_quant_map", "F32", (256,))]
-    out.append((f"quant_state.bitsandbytes__{settings.quant_type}", "U8",
-                (quant_state_length(shape, dtype, settings),)))
+    out.append(
+        (f"quant_state.bitsandbytes__{settings.quant_type}", "U8", (quant_state_length(shape, dtype, settings),))
+    )
     return out
 
 
@@ -335,5 +349,5 @@ def dequantize_int8_exact(codes: torch.Tensor, scb: torch.Tensor) -> torch.Tenso
     scale = scb.to(device=codes.device, dtype=torch.float64).reshape(-1, 1)
     step = max(1, _INT8_STEP_ELEMS // max(1, codes.shape[-1]))
     for r in range(0, codes.shape[0], step):
-        out[r:r + step] = codes[r:r + step].to(torch.float64).mul_(scale[r:r + step]).div_(127)
+        out[r : r + step] = codes[r : r + step].to(torch.float64).mul_(scale[r : r + step]).div_(127)
     return out

@@ -64,8 +64,11 @@ def support_table(doc: str | None = None) -> str:
         '| PEFT type | layers | variants | paths |'
     """
     names = {DISK: "disk", IN_PROCESS: "in process"}
-    head = ["| PEFT type | layers | variants | paths | details |", "|---|---|---|---|---|"] if doc is None else \
-        ["| PEFT type | layers | variants | paths |", "|---|---|---|---|"]
+    head = (
+        ["| PEFT type | layers | variants | paths | details |", "|---|---|---|---|---|"]
+        if doc is None
+        else ["| PEFT type | layers | variants | paths |", "|---|---|---|---|"]
+    )
     rows = []
     for peft_type, layers, variants, paths, page in SPEC:
         if doc is not None and page != doc:
@@ -207,19 +210,33 @@ def check_config(config: Any, *, where: str, path: str) -> list[str]:
     c = _as_dict(config)
     peft_type = peft_type_of(c)
     if peft_type not in PEFT_TYPES:
-        why = ("it has no weight delta (it adds virtual tokens or prefixes), so there is nothing to merge into a "
-               "checkpoint; serve it with PEFT" if peft_type in PROMPT_TYPES else INSTEAD)
+        why = (
+            "it has no weight delta (it adds virtual tokens or prefixes), so there is nothing to merge into a "
+            "checkpoint; serve it with PEFT"
+            if peft_type in PROMPT_TYPES
+            else INSTEAD
+        )
         engine = "disk engine" if path == DISK else "in-process merge"
-        return [f"{where} has peft_type={peft_type or None!r}; the {engine} merges {', '.join(PEFT_TYPES)} "
-                f"adapters only. {why[0].upper() + why[1:]}"]
+        return [
+            f"{where} has peft_type={peft_type or None!r}; the {engine} merges {', '.join(PEFT_TYPES)} "
+            f"adapters only. {why[0].upper() + why[1:]}"
+        ]
     problems = [f"{where}: {msg} ({key}={c[key]!r})" for key, msg in REFUSED.items() if c.get(key)]
     handled = HANDLED[peft_type] | INERT
     own = _peft_fields(peft_type)  # PEFT ignores (with a warning) the keys its config class does not have
-    unknown = sorted(k for k, v in c.items() if k not in handled and k not in REFUSED and (own is None or k in own)
-                     and v not in (None, False, "", [], {}, 0))
+    unknown = sorted(
+        k
+        for k, v in c.items()
+        if k not in handled
+        and k not in REFUSED
+        and (own is None or k in own)
+        and v not in (None, False, "", [], {}, 0)
+    )
     if unknown:
-        problems.append(f"{where}: {peft_type} config option(s) {', '.join(f'{k}={c[k]!r}' for k in unknown)} are not "
-                        f"supported (this version does not know how they change the model); {INSTEAD}")
+        problems.append(
+            f"{where}: {peft_type} config option(s) {', '.join(f'{k}={c[k]!r}' for k in unknown)} are not "
+            f"supported (this version does not know how they change the model); {INSTEAD}"
+        )
     init = c.get("init_lora_weights", True)
     if peft_type == "LORA" and not residual_init(init) and not any(init is x or init == x for x in PLAIN_INITS):
         problems.append(f"{where}: init_lora_weights={init!r} is not supported; {INSTEAD}")
@@ -230,10 +247,12 @@ def check_config(config: Any, *, where: str, path: str) -> list[str]:
     _, adapter_wide = config_variants(c)
     if path == DISK and residual_init(init):
         adapter_wide.remove("residual init (PiSSA, OLoRA, CorDA, LoftQ)")
-        problems.append(f"{where}: init_lora_weights={init!r} trains against a residual base (W minus the initial "
-                        "LoRA), not the checkpoint's W; save the adapter with save_pretrained(..., "
-                        "path_initial_model_for_weight_conversion=...) to convert it to a plain LoRA first, or merge "
-                        "the model in process with merge_and_save")
+        problems.append(
+            f"{where}: init_lora_weights={init!r} trains against a residual base (W minus the initial "
+            "LoRA), not the checkpoint's W; save the adapter with save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=...) to convert it to a plain LoRA first, or merge "
+            "the model in process with merge_and_save"
+        )
     # "several adapters" is checked per layer (a layer holding several of the merged adapters) and where adapters
     # are combined (their own messages: DoRA and IA3 cannot be weighted, the disk engine combines LoRA only)
     for variant in adapter_wide:
@@ -256,13 +275,15 @@ def _variant_problem(where: str, peft_type: str, layer: str, variant: str, path:
     other = IN_PROCESS if path == DISK else DISK
     on = "" if layer == ADAPTER else f" on {layer}"
     if is_claimed(peft_type, layer, variant, other):
-        fix = ("merge it in process with peft_shardmerge.merge_and_save / merge_and_unload" if path == DISK else
-               "save the adapter and merge it from disk with peft_shardmerge.merge_checkpoint")
+        fix = (
+            "merge it in process with peft_shardmerge.merge_and_save / merge_and_unload"
+            if path == DISK
+            else "save the adapter and merge it from disk with peft_shardmerge.merge_checkpoint"
+        )
         return f"{where}: {peft_type} {variant}{on} is supported only {other.replace('_', ' ')}; {fix}"
     if variant == "plain":
         layers = sorted({x for t, x, v, p in CLAIMS if t == peft_type and p == path and x != ADAPTER})
-        return (f"{where}: {peft_type} on a {layer} layer is not supported (supported: {', '.join(layers)}); "
-                f"{INSTEAD}")
+        return f"{where}: {peft_type} on a {layer} layer is not supported (supported: {', '.join(layers)}); {INSTEAD}"
     return f"{where}: {peft_type} {variant}{on} is not supported; {INSTEAD}"
 
 
@@ -293,8 +314,9 @@ def check_layers(uses: Iterable[tuple[str, str, str, Iterable[str]]], *, path: s
     return out
 
 
-def check_supported(configs: Mapping[str, Any], layers: Iterable[tuple[str, str, str, Iterable[str]]] = (), *,
-                    path: str) -> list[str]:
+def check_supported(
+    configs: Mapping[str, Any], layers: Iterable[tuple[str, str, str, Iterable[str]]] = (), *, path: str
+) -> list[str]:
     """The allowlist's one check: every refusal for some adapters' configs and the layers they change.
 
     Args:
@@ -334,12 +356,28 @@ def raise_if_any(unsupported: list[str], bad: list[str] | None = None) -> None:
     """
     if unsupported:
         lines = unsupported + list(bad or [])
-        raise UnsupportedError(f"{len(lines)} problem{'s' if len(lines) != 1 else ''} found before writing "
-                               "anything (see README 'What is supported'):\n" + "\n".join(f"  - {p}" for p in lines))
+        raise UnsupportedError(
+            f"{len(lines)} problem{'s' if len(lines) != 1 else ''} found before writing "
+            "anything (see README 'What is supported'):\n" + "\n".join(f"  - {p}" for p in lines)
+        )
     if bad:
         raise InputError(bad)
 
 
-__all__ = ["CLAIMS", "PEFT_TYPES", "DISK", "IN_PROCESS", "ADAPTER", "is_claimed", "support_table", "layer_kind",
-           "peft_type_of", "residual_init", "config_variants", "check_config", "check_layers", "check_supported",
-           "raise_if_any"]
+__all__ = [
+    "CLAIMS",
+    "PEFT_TYPES",
+    "DISK",
+    "IN_PROCESS",
+    "ADAPTER",
+    "is_claimed",
+    "support_table",
+    "layer_kind",
+    "peft_type_of",
+    "residual_init",
+    "config_variants",
+    "check_config",
+    "check_layers",
+    "check_supported",
+    "raise_if_any",
+]

@@ -28,8 +28,9 @@ def config_value(config, key: str, default=None):
     return default if value is None else value
 
 
-def check_weights(count: int, weights: "Sequence[float] | None", combination: str, *, option: str = "combination"
-                  ) -> tuple[list[float], list[str]]:
+def check_weights(
+    count: int, weights: "Sequence[float] | None", combination: str, *, option: str = "combination"
+) -> tuple[list[float], list[str]]:
     """Check the weights and combination of ``count`` adapters merged together.
 
     Args:
@@ -61,8 +62,14 @@ def _ranks(config) -> set[int]:
     return {int(config_value(config, "r", 0))} | {int(v) for v in pattern.values()}
 
 
-def combination_problems(configs: Sequence, names: Sequence[str], weights: "Sequence[float] | None",
-                         combination: str, *, option: str = "combination") -> tuple[list[float], list[str]]:
+def combination_problems(
+    configs: Sequence,
+    names: Sequence[str],
+    weights: "Sequence[float] | None",
+    combination: str,
+    *,
+    option: str = "combination",
+) -> tuple[list[float], list[str]]:
     """Check a weighted combination of adapters from their configs alone (the disk and in-process paths).
 
     One adapter with weight 1 is no combination. Otherwise DoRA adapters (their magnitudes do not add) and IA3
@@ -95,10 +102,13 @@ def combination_problems(configs: Sequence, names: Sequence[str], weights: "Sequ
     if ia3:
         problems.append(f"IA3 adapters cannot be weighted or combined (their scalings multiply): {ia3}")
     if combination == "linear" and len(configs) > 1:
-        shapes = {(config_value(c, "r"), tuple(sorted((config_value(c, "rank_pattern", {}) or {}).items())))
-                  for c in configs}
+        shapes = {
+            (config_value(c, "r"), tuple(sorted((config_value(c, "rank_pattern", {}) or {}).items()))) for c in configs
+        }
         if len(shapes) > 1:
             ranks = sorted(set().union(*(_ranks(c) for c in configs)))
-            problems.append(f"{option} 'linear' needs adapters of equal rank: every adapter must have the same rank, "
-                            f"got {ranks}; use 'cat'")
+            problems.append(
+                f"{option} 'linear' needs adapters of equal rank: every adapter must have the same rank, "
+                f"got {ranks}; use 'cat'"
+            )
     return weights, problems

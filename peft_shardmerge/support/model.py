@@ -149,8 +149,9 @@ def _real_base(layer: nn.Module) -> nn.Module:
     return base
 
 
-def check_model(model: nn.Module, adapter_names: list[str] | None = None, *, path: str = IN_PROCESS,
-                values: bool = True) -> tuple[list[str], list[str]]:
+def check_model(
+    model: nn.Module, adapter_names: list[str] | None = None, *, path: str = IN_PROCESS, values: bool = True
+) -> tuple[list[str], list[str]]:
     """Everything the allowlist refuses in a model's selected adapters, and bad adapter values.
 
     Args:
@@ -172,21 +173,28 @@ def check_model(model: nn.Module, adapter_names: list[str] | None = None, *, pat
         from transformers import PreTrainedModel
 
         if not isinstance(inner, PreTrainedModel):
-            return [f"the PeftModel wraps a plain torch module ({type(inner).__name__}), not a transformers model; "
-                    "peft-shardmerge writes and returns transformers checkpoints. Use PEFT's own merge_and_unload() "
-                    "for it"], []
+            return [
+                f"the PeftModel wraps a plain torch module ({type(inner).__name__}), not a transformers model; "
+                "peft-shardmerge writes and returns transformers checkpoints. Use PEFT's own merge_and_unload() "
+                "for it"
+            ], []
     uses = list(layer_uses(model, names))
     unsupported += check_supported({}, [u[:4] for u in uses], path=path)
-    no_bias = [n for n, t, _, v, m in uses if t == "LORA" and "lora_bias" in v
-               and getattr(_real_base(m), "bias", None) is None]
+    no_bias = [
+        n
+        for n, t, _, v, m in uses
+        if t == "LORA" and "lora_bias" in v and getattr(_real_base(m), "bias", None) is None
+    ]
     if no_bias:
         unsupported.append(no_bias_problem(no_bias))
     bad: list[str] = []
     if values and path == IN_PROCESS:
         bad_names = nonfinite(_adapter_tensors(model, names))
         if bad_names:
-            bad.append(f"adapter weights contain NaN or Inf: {', '.join(bad_names[:5])}"
-                       f"{' and more' if len(bad_names) > 5 else ''}; the training diverged. Nothing was changed")
+            bad.append(
+                f"adapter weights contain NaN or Inf: {', '.join(bad_names[:5])}"
+                f"{' and more' if len(bad_names) > 5 else ''}; the training diverged. Nothing was changed"
+            )
     return unsupported, bad
 
 
@@ -203,9 +211,11 @@ def no_bias_problem(layers: list[str]) -> str:
         >>> no_bias_problem(["q_proj"])[:40]
         'q_proj: lora_bias=True on a layer whose '
     """
-    return (f"{', '.join(layers[:3])}{f' and {len(layers) - 3} more' if len(layers) > 3 else ''}: lora_bias=True on "
-            "a layer whose base has no bias; the merged model would need a bias the base does not have (PEFT "
-            "refuses to merge it too). Train with lora_bias=False, or on a base with biases")
+    return (
+        f"{', '.join(layers[:3])}{f' and {len(layers) - 3} more' if len(layers) > 3 else ''}: lora_bias=True on "
+        "a layer whose base has no bias; the merged model would need a bias the base does not have (PEFT "
+        "refuses to merge it too). Train with lora_bias=False, or on a base with biases"
+    )
 
 
 def nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -234,8 +244,9 @@ def _adapter_tensors(model: nn.Module, names: list[str]):
                 yield key, t.detach()
 
 
-def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
-                      problems: list[str] | None = None) -> list[str]:
+def require_supported(
+    model: nn.Module, adapter_names: list[str] | None = None, problems: list[str] | None = None
+) -> list[str]:
     """Refuse, before anything is written or replaced, a loaded model whose selected adapters the allowlist does not
     claim for the in-process path; every API of the in-process path calls this first.
 
@@ -251,8 +262,11 @@ def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
         UnsupportedError: a PEFT type, layer, variant or option outside the allowlist (all named, with the fix, and
             ``problems`` with them).
     """
-    half = [m for m in (model, getattr(getattr(model, "base_model", None), "model", None)) if m is not None and
-            getattr(m, HALF_MERGED, None)]
+    half = [
+        m
+        for m in (model, getattr(getattr(model, "base_model", None), "model", None))
+        if m is not None and getattr(m, HALF_MERGED, None)
+    ]
     if half:  # a merge_and_unload that failed part-way: the model holds merged and unmerged layers
         return list(problems or []) + [getattr(half[0], HALF_MERGED)]
     unsupported, bad = check_model(model, selected_adapters(model, adapter_names))
@@ -261,6 +275,15 @@ def require_supported(model: nn.Module, adapter_names: list[str] | None = None,
     return list(problems or []) + bad
 
 
-
-__all__ = ["transformers_model", "selected_adapters", "layer_uses", "check_model", "require_supported", "adapter_keys",
-           "no_bias_problem", "nonfinite", "DISK", "IN_PROCESS"]
+__all__ = [
+    "transformers_model",
+    "selected_adapters",
+    "layer_uses",
+    "check_model",
+    "require_supported",
+    "adapter_keys",
+    "no_bias_problem",
+    "nonfinite",
+    "DISK",
+    "IN_PROCESS",
+]

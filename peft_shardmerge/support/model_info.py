@@ -69,8 +69,9 @@ class ModelInfo:
         from types import SimpleNamespace
 
         # the two sets of transformers' LoadStateDictInfo that _adjust_missing_and_unexpected_keys filters in place
-        report = SimpleNamespace(missing_keys=set(keys) if missing else set(),
-                                 unexpected_keys=set() if missing else set(keys))
+        report = SimpleNamespace(
+            missing_keys=set(keys) if missing else set(), unexpected_keys=set() if missing else set(keys)
+        )
         self._adjust_keys(report)
         return set(keys) - (report.missing_keys if missing else report.unexpected_keys)
 
@@ -250,7 +251,9 @@ def _conversions(model) -> tuple:
         log.warning("could not read transformers' key conversions for %s (%s)", type(model).__name__, e)
         return (), (), (), ""
     reverse = [t.reverse_transform() for t in save[::-1]]
-    return (tuple(t for t in load if isinstance(t, WeightRenaming)),
-            tuple(t for t in load if isinstance(t, WeightConverter)),
-            tuple(t for t in reverse if isinstance(t, WeightRenaming)),
-            getattr(model, "base_model_prefix", "") or "")
+    return (
+        tuple(t for t in load if isinstance(t, WeightRenaming)),
+        tuple(t for t in load if isinstance(t, WeightConverter)),
+        tuple(t for t in reverse if isinstance(t, WeightRenaming)),
+        getattr(model, "base_model_prefix", "") or "",
+    )

@@ -15,8 +15,10 @@ ADAPTER = "default"
 #: stored dtypes a delta can be added to and written back without truncation
 MERGEABLE_DTYPES = ("F64", "F32", "F16", "BF16")
 #: a LoRA tensor key with an adapter name inside (``...lora_A.<name>.weight``), as some tools save several adapters
-_NAMED = re.compile(r"\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
-                    r"\.(?P<name>(?!weight$|bias$)[^.]+)(?:\.(?:weight|bias))?$")
+_NAMED = re.compile(
+    r"\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+    r"\.(?P<name>(?!weight$|bias$)[^.]+)(?:\.(?:weight|bias))?$"
+)
 
 
 def positive_number(value: object, *, integer: bool = False) -> bool:
@@ -65,7 +67,8 @@ def stored_key_problems(names: list[str]) -> list[str]:
         problems.append(
             f"{len(bare)} of {len(names)} adapter tensor(s) lack the '{PREFIX}' prefix ({', '.join(bare[:3])}); PEFT "
             "loads none of them, so in PEFT the adapter would not change these modules. Save the adapter with "
-            "PeftModel.save_pretrained (or add the prefix) and merge again")
+            "PeftModel.save_pretrained (or add the prefix) and merge again"
+        )
     present = set(names)
     others, shadowed = [], []
     for n in names:
@@ -75,7 +78,7 @@ def stored_key_problems(names: list[str]) -> list[str]:
         if m.group("name") != ADAPTER:
             others.append(n)
         else:
-            plain = n[:m.start("name") - 1] + n[m.end("name"):]  # the same key without the adapter name
+            plain = n[: m.start("name") - 1] + n[m.end("name") :]  # the same key without the adapter name
             if plain in present or (m.group("part") == "lora_magnitude_vector" and plain + ".weight" in present):
                 shadowed.append(n)
     if others:
@@ -83,16 +86,19 @@ def stored_key_problems(names: list[str]) -> list[str]:
         problems.append(
             f"{len(others)} adapter tensor(s) belong to another adapter than '{ADAPTER}' "
             f"({', '.join(names_found[:5])}: {', '.join(others[:3])}); PEFT loads a folder as '{ADAPTER}' and ignores "
-            "them. Save each adapter in its own folder (PeftModel.save_pretrained does) and merge the one you want")
+            "them. Save each adapter in its own folder (PeftModel.save_pretrained does) and merge the one you want"
+        )
     if shadowed:
         problems.append(
             f"{len(shadowed)} adapter tensor(s) are stored twice, with and without the adapter name ({shadowed[0]}); "
-            "PEFT loads the one without it and ignores the other. Keep one copy of each tensor")
+            "PEFT loads the one without it and ignores the other. Keep one copy of each tensor"
+        )
     return problems
 
 
-def peft_load_problems(folder: str, names: dict[str, tuple[int, ...]], base_config: object,
-                       model_class: type | None = None) -> list[str]:
+def peft_load_problems(
+    folder: str, names: dict[str, tuple[int, ...]], base_config: object, model_class: type | None = None
+) -> list[str]:
     """Ask PEFT which stored tensors ``PeftModel.from_pretrained(base, folder)`` would load, on a meta-device copy
     of the base (no weights read), and name those it would ignore.
 
@@ -139,24 +145,32 @@ def peft_load_problems(folder: str, names: dict[str, tuple[int, ...]], base_conf
             warnings.simplefilter("ignore")
             result = set_peft_model_state_dict(peft_model, state, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     except Exception as e:  # PeftModel.from_pretrained fails the same way
-        return [f"PEFT cannot load the adapter in {folder} onto this base ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:300]}); the adapter does not belong to this base or its file is incomplete"]
+        return [
+            f"PEFT cannot load the adapter in {folder} onto this base ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:300]}); the adapter does not belong to this base or its file is incomplete"
+        ]
     problems = []
-    ignored = sorted(k for k in result.unexpected_keys if not _copy_of_loaded(k, names, result.unexpected_keys)
-                     and not _tied_token_rows(peft_model, k, names)
-                     and not k.endswith(".trainable_tokens_original"))  # rows before training: unused by both
+    ignored = sorted(
+        k
+        for k in result.unexpected_keys
+        if not _copy_of_loaded(k, names, result.unexpected_keys)
+        and not _tied_token_rows(peft_model, k, names)
+        and not k.endswith(".trainable_tokens_original")
+    )  # rows before training: unused by both
     if ignored:
         problems.append(
             f"{len(ignored)} adapter tensor(s) would not be loaded by PEFT onto this base "
             f"({', '.join(ignored[:3])}{', ...' if len(ignored) > 3 else ''}): PeftModel.from_pretrained ignores "
             "them, so merging them would give another model than PEFT's. Remove them from adapter_model.safetensors, "
-            "or check that this is the base the adapter was trained on")
+            "or check that this is the base the adapter was trained on"
+        )
     filled = len(set(peft_model.state_dict()) - set(result.missing_keys))
     loaded = len(names) - len(result.unexpected_keys)
     if loaded > filled:  # several stored keys landed in one parameter: PEFT keeps one of them
         problems.append(
             f"{loaded - filled} adapter tensor(s) in {folder} are loaded by PEFT into a parameter "
-            "another stored tensor also fills (the same factor stored twice under different names); keep one copy")
+            "another stored tensor also fills (the same factor stored twice under different names); keep one copy"
+        )
     return problems
 
 
@@ -191,9 +205,18 @@ def _resize_like_adapter(model, names: dict[str, tuple[int, ...]]) -> None:
     path = next((n for n, m in model.named_modules() if m is embeddings), None) if embeddings is not None else None
     if not path:
         return
-    rows = [shape[0] for key, shape in names.items() if shape and key.endswith(".weight") and
-            re.sub(r"\.(modules_to_save|original_module|base_layer|token_adapter|default)(?=\.)", "",
-                   key.removeprefix("base_model.model.")) == f"{path}.weight"]
+    rows = [
+        shape[0]
+        for key, shape in names.items()
+        if shape
+        and key.endswith(".weight")
+        and re.sub(
+            r"\.(modules_to_save|original_module|base_layer|token_adapter|default)(?=\.)",
+            "",
+            key.removeprefix("base_model.model."),
+        )
+        == f"{path}.weight"
+    ]
     if rows and max(rows) != embeddings.weight.shape[0]:
         model.resize_token_embeddings(max(rows), mean_resizing=False)
 
@@ -222,9 +245,11 @@ def unmergeable_targets(tensors: list) -> list[str]:
             bad.append(f"{t.name} ({t.out_dtype}, replaced by a {t.source.dtype} adapter tensor)")
     if not bad:
         return []
-    return [f"the adapter changes {len(bad)} tensor(s) the base stores as integers or float8: {', '.join(bad[:5])}; "
-            "a delta added there would be truncated to that dtype. Merge into the 16-bit (or 32-bit) checkpoint "
-            f"of this model; only {', '.join(MERGEABLE_DTYPES)} tensors take a delta"]
+    return [
+        f"the adapter changes {len(bad)} tensor(s) the base stores as integers or float8: {', '.join(bad[:5])}; "
+        "a delta added there would be truncated to that dtype. Merge into the 16-bit (or 32-bit) checkpoint "
+        f"of this model; only {', '.join(MERGEABLE_DTYPES)} tensors take a delta"
+    ]
 
 
 def adapter_load_problems(spec, base_folder: str) -> list[str]:
@@ -253,8 +278,9 @@ def adapter_load_problems(spec, base_folder: str) -> list[str]:
         return []
     problems = []
     for part in spec.parts or [spec]:
-        path = os.path.join(part.scratch.name if part.scratch is not None else part.folder,
-                            "adapter_model.safetensors")
+        path = os.path.join(
+            part.scratch.name if part.scratch is not None else part.folder, "adapter_model.safetensors"
+        )
         if part.needs_layers or not os.path.isfile(path):
             continue
         infos, _ = read_header(path)

@@ -78,8 +78,10 @@ def untie_note(names: Iterable[str]) -> str:
         >>> untie_note(["lm_head.weight", "emb.weight"])[:55]
         'the adapter changes tied weights (emb.weight, lm_head.w'
     """
-    return (f"the adapter changes tied weights ({', '.join(sorted(set(names)))}); both are written and "
-            "tie_word_embeddings is set to false")
+    return (
+        f"the adapter changes tied weights ({', '.join(sorted(set(names)))}); both are written and "
+        "tie_word_embeddings is set to false"
+    )
 
 
 def tokens_on_both_sides(source: str, target: str) -> str:
@@ -96,5 +98,7 @@ def tokens_on_both_sides(source: str, target: str) -> str:
         >>> tokens_on_both_sides("emb.weight", "lm_head.weight")[:60]
         "trainable tokens are given for both tied weights 'emb.weight"
     """
-    return (f"trainable tokens are given for both tied weights {source!r} and {target!r}; tied weights share one "
-            "matrix, so train tokens on the input embedding only")
+    return (
+        f"trainable tokens are given for both tied weights {source!r} and {target!r}; tied weights share one "
+        "matrix, so train tokens on the input embedding only"
+    )

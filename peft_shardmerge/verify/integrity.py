@@ -69,8 +69,10 @@ def read_record(folder: str) -> tuple[dict | None, list[str]]:
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
         return None, [f"{RECORD_FILE} is not a peft-shardmerge merge record"]
     if record.get("version") != RECORD_VERSION:
-        return None, [f"{RECORD_FILE} has record version {record.get('version')!r}; this peft-shardmerge reads "
-                      f"version {RECORD_VERSION}: verify with the version that wrote it"]
+        return None, [
+            f"{RECORD_FILE} has record version {record.get('version')!r}; this peft-shardmerge reads "
+            f"version {RECORD_VERSION}: verify with the version that wrote it"
+        ]
     if record.get("record_sha256") != record_digest(record):
         return None, [f"{RECORD_FILE} does not match its own digest: it was damaged or edited"]
     if not isinstance(record.get("shards"), dict) or not record["shards"] or not isinstance(record.get("files"), dict):
@@ -103,24 +105,30 @@ def check_integrity(folder: str) -> IntegrityResult:
             result.notes.append(f"{name} was added after the merge (not covered by {RECORD_FILE})")
         else:
             result.unchecked.append(name)
-            result.notes.append(f"{name} was added after the merge and was not checked: {RECORD_FILE} does not "
-                                "cover it, and a loader reads it; remove it, or write it with the merge (e.g. "
-                                "tokenizer=...) so that the record covers it")
+            result.notes.append(
+                f"{name} was added after the merge and was not checked: {RECORD_FILE} does not "
+                "cover it, and a loader reads it; remove it, or write it with the merge (e.g. "
+                "tokenizer=...) so that the record covers it"
+            )
     tensors = 0
     for name, shard in sorted(record["shards"].items()):
         tensors += _check_shard(folder, name, shard, result)
     for name, meta in sorted(record["files"].items()):
         path = os.path.join(folder, name)
         if not _inside(name) or not isinstance(meta, dict):
-            result.problems.append(f"{RECORD_FILE} names {name!r} in a malformed entry (outside the folder or not "
-                                   "an object)")
+            result.problems.append(
+                f"{RECORD_FILE} names {name!r} in a malformed entry (outside the folder or not an object)"
+            )
         elif not os.path.isfile(path):
             result.problems.append(f"{name} is missing (the merge wrote it)")
         elif os.path.getsize(path) != meta.get("size") or file_sha256(path) != meta.get("sha256"):
             result.problems.append(f"{name} differs from what the merge wrote (SHA-256 mismatch)")
-    result.checks.append(f"integrity: {len(record['shards'])} shard(s), {tensors} tensors and "
-                         f"{len(record['files'])} other file(s) match the SHA-256 digests in {RECORD_FILE}"
-                         if not result.problems else f"integrity: compared with the SHA-256 digests in {RECORD_FILE}")
+    result.checks.append(
+        f"integrity: {len(record['shards'])} shard(s), {tensors} tensors and "
+        f"{len(record['files'])} other file(s) match the SHA-256 digests in {RECORD_FILE}"
+        if not result.problems
+        else f"integrity: compared with the SHA-256 digests in {RECORD_FILE}"
+    )
     return result
 
 
@@ -139,13 +147,17 @@ def _check_shard(folder: str, name: str, shard: dict, result: IntegrityResult) -
     try:
         header = shard["header"]
         if size != shard["size"]:
-            result.problems.append(f"{name} is {size} bytes, the merge wrote {shard['size']} "
-                                   f"({'truncated' if size < shard['size'] else 'extended'})")
+            result.problems.append(
+                f"{name} is {size} bytes, the merge wrote {shard['size']} "
+                f"({'truncated' if size < shard['size'] else 'extended'})"
+            )
         fd = os.open(path, os.O_RDONLY)
         try:
             if scan_range(fd, 0, header["size"])[0] != header["sha256"]:
-                result.problems.append(f"{name}: header differs from what the merge wrote (names, dtypes, shapes, "
-                                       "offsets or metadata changed)")
+                result.problems.append(
+                    f"{name}: header differs from what the merge wrote (names, dtypes, shapes, "
+                    "offsets or metadata changed)"
+                )
             dtypes = _header_dtypes(path)
             changed = []
             for tensor, meta in shard["tensors"].items():
@@ -164,8 +176,10 @@ def _check_shard(folder: str, name: str, shard: dict, result: IntegrityResult) -
         result.problems.append(f"{name} cannot be read ({e.strerror or e})")
         return 0
     if changed:
-        result.problems.append(f"{name}: {len(changed)} tensor(s) differ from what the merge wrote: "
-                               f"{', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}")
+        result.problems.append(
+            f"{name}: {len(changed)} tensor(s) differ from what the merge wrote: "
+            f"{', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}"
+        )
     return len(shard["tensors"])
 
 
@@ -180,5 +194,8 @@ def _header_dtypes(path: str) -> dict[str, str]:
 def _documentation(name: str) -> bool:
     """Whether an added file is documentation no loader reads (a README, a licence, an image)."""
     base = name.rsplit("/", 1)[-1].lower()
-    return base.startswith(("readme", "license")) or base == ".gitattributes" or \
-        base.endswith((".md", ".png", ".jpg", ".jpeg", ".gif", ".svg"))
+    return (
+        base.startswith(("readme", "license"))
+        or base == ".gitattributes"
+        or base.endswith((".md", ".png", ".jpg", ".jpeg", ".gif", ".svg"))
+    )

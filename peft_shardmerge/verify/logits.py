@@ -72,8 +72,13 @@ def model_inputs(config, *, seed: int = 0, images: bool = True) -> dict:
         n = t * h * w // v.spatial_merge_size**2
         ids = torch.cat([ids[:1, :3], torch.tensor([[502] + [IMAGE_TOKEN] * n + [503]]), ids[:1, 3:]], dim=1)
         pixels = torch.randn(t * h * w, v.in_channels * v.temporal_patch_size * v.patch_size**2, generator=g)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels,
-                "image_grid_thw": torch.tensor([[t, h, w]]), "mm_token_type_ids": (ids == IMAGE_TOKEN).int()}
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "pixel_values": pixels,
+            "image_grid_thw": torch.tensor([[t, h, w]]),
+            "mm_token_type_ids": (ids == IMAGE_TOKEN).int(),
+        }
     return {"input_ids": ids}
 
 
@@ -97,8 +102,16 @@ def token_ids(vocab_size: int = 512, batch: int = 2, length: int = 16, seed: int
     return torch.randint(3, vocab_size, (batch, length), generator=g)
 
 
-def check_logits(folder: str, base: str, adapters: list[str], prompts: list[str] | None, tolerance: float | None,
-                 config: dict, record: dict | None, report) -> None:
+def check_logits(
+    folder: str,
+    base: str,
+    adapters: list[str],
+    prompts: list[str] | None,
+    tolerance: float | None,
+    config: dict,
+    record: dict | None,
+    report,
+) -> None:
     """Compare the merged model's logits with PeftModel(base, adapter) in fp32, over the 4-bit base (loaded by
     transformers + bitsandbytes and dequantized by transformers) when the merge used one; add the result to
     ``report``. A NaN error fails. A model without an LM head (``BertModel``, a sentence-transformers checkpoint) is
@@ -127,8 +140,9 @@ def check_logits(folder: str, base: str, adapters: list[str], prompts: list[str]
         report.notes.append("logits not compared: the merge combined weighted adapters (the recomputation covers it)")
         return
     if options["nf4"] and options["nf4"].get("blocksize", 64) != 64:
-        report.notes.append("logits not compared: transformers loads 4-bit bases with blocksize 64 only (the "
-                            "recomputation covers it)")
+        report.notes.append(
+            "logits not compared: transformers loads 4-bit bases with blocksize 64 only (the recomputation covers it)"
+        )
         return
     cls = model_class(AutoConfig.from_pretrained(folder))
     merged = cls.from_pretrained(folder, dtype=torch.float32).eval()
@@ -169,9 +183,11 @@ def check_logits(folder: str, base: str, adapters: list[str], prompts: list[str]
     report.checks.append(f"{compared} vs {against} on {what}: max relative error {worst:.2e} (tolerance {tol:g})")
     repacked = len((record or {}).get("cpu_repacked") or ())
     if not worst <= tol and repacked and worst <= REPACK_TOLERANCE:  # the reference is not the base merged
-        report.unchecked.append(f"{compared} differ from {against} by {worst:.2e} > {tol:g}, "
-                                f"within what the {repacked} "
-                                "4-bit weight(s) read from bitsandbytes' CPU repacking (bf16 block scales) explain")
+        report.unchecked.append(
+            f"{compared} differ from {against} by {worst:.2e} > {tol:g}, "
+            f"within what the {repacked} "
+            "4-bit weight(s) read from bitsandbytes' CPU repacking (bf16 block scales) explain"
+        )
     elif not worst <= tol:  # a NaN error fails too
         report.problems.append(f"{compared} differ from {against}: max relative error {worst:.2e} > {tol:g}")
 
@@ -240,11 +256,17 @@ def reference_model(cls, base: str, adapter: str, options: dict):
 
     require_bitsandbytes()
     nf4, held = options["nf4"] or {}, options["held"]
-    quantized = cls.from_pretrained(base, device_map="cpu", dtype=getattr(torch, held) if held else "auto",
-                                    quantization_config=BitsAndBytesConfig(
-                                        load_in_4bit=True, bnb_4bit_quant_type=nf4.get("quant_type", "nf4"),
-                                        bnb_4bit_use_double_quant=bool(nf4.get("double_quant", True)),
-                                        bnb_4bit_compute_dtype=torch.float32))
+    quantized = cls.from_pretrained(
+        base,
+        device_map="cpu",
+        dtype=getattr(torch, held) if held else "auto",
+        quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=nf4.get("quant_type", "nf4"),
+            bnb_4bit_use_double_quant=bool(nf4.get("double_quant", True)),
+            bnb_4bit_compute_dtype=torch.float32,
+        ),
+    )
     return PeftModel.from_pretrained(exact_dequantize(quantized), adapter).eval()
 
 
@@ -265,8 +287,9 @@ def exact_dequantize(model: torch.nn.Module) -> torch.nn.Module:
     """
     from ..quant.bnb_layers import bnb_layer_kind, dequantize
 
-    exact = {name: dequantize(m, torch.device("cpu")) for name, m in model.named_modules()
-             if bnb_layer_kind(m) == "4bit"}
+    exact = {
+        name: dequantize(m, torch.device("cpu")) for name, m in model.named_modules() if bnb_layer_kind(m) == "4bit"
+    }
     model = model.dequantize()
     modules = dict(model.named_modules())
     with torch.no_grad():
@@ -328,12 +351,16 @@ def _fp8_base(cls, src) -> torch.nn.Module:
     with RowReader() as reader:
         for t in src.tensors:
             rows = t.shape[0] if t.shape else 1
-            value = (replace(t.decoder, dtype=torch.float32).rows(reader, 0, rows) if t.decoder is not None
-                     else reader.read(t))
+            value = (
+                replace(t.decoder, dtype=torch.float32).rows(reader, 0, rows)
+                if t.decoder is not None
+                else reader.read(t)
+            )
             state[t.name] = value.float() if value.is_floating_point() else value
     concrete = type(build_on_meta(config, cls))  # from_pretrained without a folder needs the model's own class
-    model, info = concrete.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32,
-                                           output_loading_info=True)
+    model, info = concrete.from_pretrained(
+        None, config=config, state_dict=state, dtype=torch.float32, output_loading_info=True
+    )
     lost = sorted(info["missing_keys"]) + sorted(info["unexpected_keys"])
     if lost:
         raise ValueError(f"the dequantized FP8 base does not load into {concrete.__name__}: {', '.join(lost[:5])}")

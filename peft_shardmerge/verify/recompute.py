@@ -90,12 +90,27 @@ def merge_settings(record: dict | None, out_dtype: str | None) -> tuple[dict | N
         'original'
     """
     if record is None:
-        return ({"dtype": out_dtype, "base_precision": "original", "nf4": None, "chunk_elems": None,
-                 "weights": None, "combination": "cat", "held": None},
-                [f"no merge record: recomputed as a merge into the original base, written as {out_dtype}"])
-    options = {"dtype": record.get("dtype"), "base_precision": "original", "nf4": None,
-               "chunk_elems": record.get("chunk_elems"), "weights": record.get("weights"),
-               "combination": record.get("combination") or "cat", "held": None}
+        return (
+            {
+                "dtype": out_dtype,
+                "base_precision": "original",
+                "nf4": None,
+                "chunk_elems": None,
+                "weights": None,
+                "combination": "cat",
+                "held": None,
+            },
+            [f"no merge record: recomputed as a merge into the original base, written as {out_dtype}"],
+        )
+    options = {
+        "dtype": record.get("dtype"),
+        "base_precision": "original",
+        "nf4": None,
+        "chunk_elems": record.get("chunk_elems"),
+        "weights": record.get("weights"),
+        "combination": record.get("combination") or "cat",
+        "held": None,
+    }
     if record.get("output_quantization"):
         return None, ["the output was re-quantized to 4-bit: its tensors are not recomputed"]
     if record.get("path") == "disk":
@@ -125,8 +140,10 @@ def _reproducible(held: str | None, plan) -> str:
         if t.op is not Op.MERGE or stored is None or not stored.is_floating_point or stored == held_dtype:
             continue
         if torch.finfo(held_dtype).bits <= torch.finfo(stored).bits:
-            return (f"the merge held the base in {held}, the checkpoint stores {str(stored)[6:]}: the disk engine "
-                    "cannot reproduce that rounding, so the tensors are not recomputed")
+            return (
+                f"the merge held the base in {held}, the checkpoint stores {str(stored)[6:]}: the disk engine "
+                "cannot reproduce that rounding, so the tensors are not recomputed"
+            )
     return ""
 
 
@@ -150,8 +167,18 @@ class _Compare:
         if info.path not in self.fds:
             self.fds[info.path] = os.open(info.path, os.O_RDONLY)
         repacked = info.name in self.repacked
-        self.current = {"t": t, "info": info, "pos": 0, "equal": True, "bad": 0, "worst": 0.0, "short": False,
-                        "rounding": t.op is Op.MERGE or repacked, "loose": repacked, "repack": False}
+        self.current = {
+            "t": t,
+            "info": info,
+            "pos": 0,
+            "equal": True,
+            "bad": 0,
+            "worst": 0.0,
+            "short": False,
+            "rounding": t.op is Op.MERGE or repacked,
+            "loose": repacked,
+            "repack": False,
+        }
 
     def _stored(self, n: int) -> bytes:
         c = self.current
@@ -179,8 +206,7 @@ class _Compare:
             return
         c["equal"] = False
         if not (c["rounding"] and want.is_floating_point()):
-            c["bad"] += int((torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-                             != want.view(torch.uint8)).sum())
+            c["bad"] += int((torch.frombuffer(bytearray(raw), dtype=torch.uint8) != want.view(torch.uint8)).sum())
             return
         got = torch.frombuffer(bytearray(raw), dtype=want.dtype)
         work = torch.float64 if want.dtype == torch.float64 else torch.float32
@@ -237,11 +263,17 @@ def _plan(base: str, adapters: list[str], options: dict):
     if spec.needs_layers:
         from transformers import AutoConfig
 
-        spec.layers = rebuild(spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None,
-                              skip=spec.layer_skip)
+        spec.layers = rebuild(
+            spec.folder, spec.config, AutoConfig.from_pretrained(src.folder), None, skip=spec.layer_skip
+        )
     nf4 = {f"nf4_{k}": tuple(v) if k == "skip_modules" else v for k, v in (options["nf4"] or {}).items()}
-    opts = MergeOptions(dtype=options["dtype"], max_shard_size=1 << 62, base_precision=options["base_precision"],
-                        chunk_elems=options["chunk_elems"] or DEFAULT_CHUNK_ELEMS, **nf4)
+    opts = MergeOptions(
+        dtype=options["dtype"],
+        max_shard_size=1 << 62,
+        base_precision=options["base_precision"],
+        chunk_elems=options["chunk_elems"] or DEFAULT_CHUNK_ELEMS,
+        **nf4,
+    )
     return info, build_plan(src, spec, info, opts)
 
 
@@ -273,8 +305,9 @@ def _identity_notes(record: dict | None, base: str, adapters: list[str]) -> list
 
     notes = []
     wanted = [(base, (record or {}).get("base"), "the base")]
-    wanted += [(a, r, f"adapter {i + 1}")
-               for i, (a, r) in enumerate(zip(adapters, (record or {}).get("adapters") or []))]
+    wanted += [
+        (a, r, f"adapter {i + 1}") for i, (a, r) in enumerate(zip(adapters, (record or {}).get("adapters") or []))
+    ]
     for folder, entry, what in wanted:
         files = (entry or {}).get("files") or {}
         if not os.path.isdir(folder):
@@ -297,21 +330,30 @@ def _check_layout(result: RecomputeResult, planned: dict, stored: dict[str, Tens
     missing = sorted(set(planned) - set(target) - fused)
     extra = sorted(set(stored) - set(target.values()) - fused_stored)
     if fused:
-        result.notes.append(f"{len(fused_stored)} tensor(s) stored fused as transformers loads them (e.g. "
-                            f"{sorted(fused_stored)[0]}), built from {len(fused)} checkpoint keys: not recomputed "
-                            "(the logits cover them)")
+        result.notes.append(
+            f"{len(fused_stored)} tensor(s) stored fused as transformers loads them (e.g. "
+            f"{sorted(fused_stored)[0]}), built from {len(fused)} checkpoint keys: not recomputed "
+            "(the logits cover them)"
+        )
     if missing:
-        result.problems.append(f"{len(missing)} tensor(s) that base + adapter give are not in the checkpoint: "
-                               f"{', '.join(missing[:5])}")
+        result.problems.append(
+            f"{len(missing)} tensor(s) that base + adapter give are not in the checkpoint: {', '.join(missing[:5])}"
+        )
     if extra:
-        result.problems.append(f"{len(extra)} tensor(s) of the checkpoint do not come from base + adapter: "
-                               f"{', '.join(extra[:5])}")
-    shapes = [n for n in sorted(target) if (planned[n].out_dtype, tuple(planned[n].shape))
-              != (stored[target[n]].dtype, tuple(stored[target[n]].shape))]
+        result.problems.append(
+            f"{len(extra)} tensor(s) of the checkpoint do not come from base + adapter: {', '.join(extra[:5])}"
+        )
+    shapes = [
+        n
+        for n in sorted(target)
+        if (planned[n].out_dtype, tuple(planned[n].shape)) != (stored[target[n]].dtype, tuple(stored[target[n]].shape))
+    ]
     for n in shapes[:5]:
         got = stored[target[n]]
-        result.problems.append(f"{target[n]}: the checkpoint has {got.dtype} {list(got.shape)}, base + adapter "
-                               f"give {planned[n].out_dtype} {list(planned[n].shape)}")
+        result.problems.append(
+            f"{target[n]}: the checkpoint has {got.dtype} {list(got.shape)}, base + adapter "
+            f"give {planned[n].out_dtype} {list(planned[n].shape)}"
+        )
     if len(shapes) > 5:
         result.problems.append(f"... and {len(shapes) - 5} more tensor(s) of another dtype or shape")
     result.fits = not (missing or extra or shapes)
@@ -332,20 +374,27 @@ def _summarize(result: RecomputeResult, sink: _Compare, options: dict, n_stored:
             "adapter, within the loss of "
             "bitsandbytes' CPU repacking: the merge read them from 4-bit weights repacked for its CPU kernel (an eval "
             "forward on a CPU with AVX512-BF16), whose block scales were rounded to bf16, so their exact base was not "
-            "the one merged; merge again from a model loaded with module.support_avx512bf16_for_cpu = False")
+            "the one merged; merge again from a model loaded with module.support_avx512bf16_for_cpu = False"
+        )
     result.complete = not result.problems and not result.unchecked and result.compared == n_stored
     nf4 = options["nf4"]
-    precision = options["base_precision"] + (f" ({nf4['quant_type']}, blocksize {nf4['blocksize']}, "
-                                             f"{'' if nf4['double_quant'] else 'no '}double quant)" if nf4 else "")
-    result.checks.append(f"recomputed {result.compared} tensors from base + adapter (base precision {precision}): "
-                         f"{result.bitwise} equal byte for byte, "
-                         f"{result.compared - result.bitwise - len(sink.differ) - len(near)} within rounding, "
-                         + (f"{len(near)} within the CPU repacking's loss, " if near else "")
-                         + f"{len(sink.differ)} different")
+    precision = options["base_precision"] + (
+        f" ({nf4['quant_type']}, blocksize {nf4['blocksize']}, {'' if nf4['double_quant'] else 'no '}double quant)"
+        if nf4
+        else ""
+    )
+    result.checks.append(
+        f"recomputed {result.compared} tensors from base + adapter (base precision {precision}): "
+        f"{result.bitwise} equal byte for byte, "
+        f"{result.compared - result.bitwise - len(sink.differ) - len(near)} within rounding, "
+        + (f"{len(near)} within the CPU repacking's loss, " if near else "")
+        + f"{len(sink.differ)} different"
+    )
 
 
-def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: list[str], record: dict | None,
-                          *, device: str = "cpu") -> RecomputeResult:
+def recompute_and_compare(
+    stored: dict[str, TensorInfo], base: str, adapters: list[str], record: dict | None, *, device: str = "cpu"
+) -> RecomputeResult:
     """Recompute every tensor of a merged checkpoint from ``base`` + ``adapters`` with the disk engine (the plan
     and merge code the merge itself runs, one row block at a time, into the base precision the record names) and
     compare it with the stored bytes: byte for byte where the result is the same, else each merged value within
@@ -377,8 +426,10 @@ def recompute_and_compare(stored: dict[str, TensorInfo], base: str, adapters: li
         return result
     n_recorded = len((record or {}).get("adapters") or [])
     if n_recorded and n_recorded != len(adapters):
-        result.problems.append(f"the merge combined {n_recorded} adapter(s), {len(adapters)} given: give each "
-                               "one, in the order they were merged")
+        result.problems.append(
+            f"the merge combined {n_recorded} adapter(s), {len(adapters)} given: give each "
+            "one, in the order they were merged"
+        )
         result.fits = False
         return result
     result.notes += _identity_notes(record, base, adapters)

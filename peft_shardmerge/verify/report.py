@@ -80,9 +80,13 @@ class VerifyReport:
             >>> print(VerifyReport("merged").summary())
             OK: merged
         """
-        return "\n".join([f"{self.status}: {self.folder}"] + [f"  checked: {c}" for c in self.checks]
-                         + [f"  note: {n}" for n in self.notes] + [f"  unchecked: {u}" for u in self.unchecked]
-                         + [f"  problem: {p}" for p in self.problems])
+        return "\n".join(
+            [f"{self.status}: {self.folder}"]
+            + [f"  checked: {c}" for c in self.checks]
+            + [f"  note: {n}" for n in self.notes]
+            + [f"  unchecked: {u}" for u in self.unchecked]
+            + [f"  problem: {p}" for p in self.problems]
+        )
 
 
 def verify_checkpoint(
@@ -137,11 +141,23 @@ def verify_checkpoint(
             _stage(report, "names and config", _check_names_and_config, folder, config, tensors, report)
         if base is not None and adapters and tensors:
             record = _record_merge(folder)
-            done = _stage(report, "the recomputation", _check_recompute, tensors, base, adapters, record, device,
-                          report)
+            done = _stage(
+                report, "the recomputation", _check_recompute, tensors, base, adapters, record, device, report
+            )
             if done:
-                _stage(report, "the logits", check_logits, folder, base, adapters, prompts, tolerance, config or {},
-                       record, report)
+                _stage(
+                    report,
+                    "the logits",
+                    check_logits,
+                    folder,
+                    base,
+                    adapters,
+                    prompts,
+                    tolerance,
+                    config or {},
+                    record,
+                    report,
+                )
     if report.problems:
         report.status = "FAILED"
     elif report.unchecked_files or report.unchecked:
@@ -150,8 +166,10 @@ def verify_checkpoint(
         report.status = "OK"
     else:
         report.status = "UNCHECKED"
-        report.notes.append(f"the bytes were not checked: there is no {RECORD_FILE} (the folder was not written "
-                            "by this version of peft-shardmerge); give --base and --adapter to recompute them")
+        report.notes.append(
+            f"the bytes were not checked: there is no {RECORD_FILE} (the folder was not written "
+            "by this version of peft-shardmerge); give --base and --adapter to recompute them"
+        )
     report.ok = report.status == "OK"
     return report
 
@@ -210,15 +228,21 @@ def _check_record(folder: str, report: VerifyReport) -> None:
         if not report.integrity:
             return
         if result.nonfinite:
-            report.problems.append(f"NaN or Inf in {len(result.nonfinite)} tensor(s): "
-                                   f"{', '.join(result.nonfinite[:5])}")
-        report.checks.append("no NaN/Inf in any floating-point tensor" if not result.nonfinite else
-                             "NaN/Inf scan of every floating-point tensor")
+            report.problems.append(
+                f"NaN or Inf in {len(result.nonfinite)} tensor(s): {', '.join(result.nonfinite[:5])}"
+            )
+        report.checks.append(
+            "no NaN/Inf in any floating-point tensor"
+            if not result.nonfinite
+            else "NaN/Inf scan of every floating-point tensor"
+        )
         merge = result.record.get("merge") or {}
         tool = result.record.get("tool") or {}
-        report.checks.append(f"written by {tool.get('name')} {tool.get('version')}: {merge.get('path')} merge, base "
-                             f"precision {merge.get('base_precision')}, dtype {merge.get('dtype')}"
-                             + (", re-quantized to 4-bit" if merge.get("output_quantization") else ""))
+        report.checks.append(
+            f"written by {tool.get('name')} {tool.get('version')}: {merge.get('path')} merge, base "
+            f"precision {merge.get('base_precision')}, dtype {merge.get('dtype')}"
+            + (", re-quantized to 4-bit" if merge.get("output_quantization") else "")
+        )
     elif result.problems:
         report.integrity = False
 
@@ -262,8 +286,9 @@ def _check_files(folder, report):
                 with open(index_path, encoding="utf-8") as f:
                     index = json.load(f)
             except (ValueError, RecursionError) as e:
-                report.problems.append(f"{INDEX_FILE} is not valid JSON ({type(e).__name__}); from_pretrained cannot "
-                                       "read it")
+                report.problems.append(
+                    f"{INDEX_FILE} is not valid JSON ({type(e).__name__}); from_pretrained cannot read it"
+                )
                 return None
             wmap = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(wmap, dict) or not wmap:
@@ -292,16 +317,19 @@ def _check_files(folder, report):
                 report.problems.append(f"{os.path.basename(path)} lacks {{'format': 'pt'}} metadata")
             for t in infos:
                 if t.name in tensors:
-                    report.problems.append(f"tensor {t.name} is stored twice ({os.path.basename(path)} and "
-                                           f"{os.path.basename(tensors[t.name].path)})")
+                    report.problems.append(
+                        f"tensor {t.name} is stored twice ({os.path.basename(path)} and "
+                        f"{os.path.basename(tensors[t.name].path)})"
+                    )
                 tensors[t.name] = t
         if wmap is not None:
             for name, shard in wmap.items():
                 if name not in tensors:
                     report.problems.append(f"tensor {name} is in the index but in no shard")
                 elif os.path.basename(tensors[name].path) != shard:
-                    report.problems.append(f"tensor {name} is in {os.path.basename(tensors[name].path)}, the index "
-                                           f"says {shard}")
+                    report.problems.append(
+                        f"tensor {name} is in {os.path.basename(tensors[name].path)}, the index says {shard}"
+                    )
             for name in sorted(set(tensors) - set(wmap)):
                 report.problems.append(f"tensor {name} is in a shard but not in the index")
             total = sum(t.nbytes for t in tensors.values())
@@ -359,8 +387,10 @@ def _check_names_and_config(folder, config, tensors, report):
     buffers = sorted(present[m] for m in unknown & info.buffers)
     unexpected = sorted(present[m] for m in unknown - info.buffers)
     if buffers:
-        report.notes.append(f"{len(buffers)} stored tensor(s) are buffers {info.architecture} computes itself; "
-                            f"from_pretrained ignores them: {', '.join(buffers[:5])}")
+        report.notes.append(
+            f"{len(buffers)} stored tensor(s) are buffers {info.architecture} computes itself; "
+            f"from_pretrained ignores them: {', '.join(buffers[:5])}"
+        )
     if missing:
         report.problems.append(f"{len(missing)} tensor(s) the model expects are missing: {', '.join(missing[:5])}")
     if unexpected:
@@ -370,9 +400,12 @@ def _check_names_and_config(folder, config, tensors, report):
             continue
         shape = tuple(tensors[present[name]].shape)
         if shape != tuple(info.shapes.get(name, shape)):
-            report.problems.append(f"{present[name]} has shape {list(shape)}, the config implies "
-                                   f"{list(info.shapes[name])}")
+            report.problems.append(
+                f"{present[name]} has shape {list(shape)}, the config implies {list(info.shapes[name])}"
+            )
     if info.tie_enabled and info.tied and any(t in present for t in info.tied):
-        report.problems.append("tie_word_embeddings is true but the tied output weights are stored separately; "
-                               "transformers would overwrite them with the input embeddings on load")
+        report.problems.append(
+            "tie_word_embeddings is true but the tied output weights are stored separately; "
+            "transformers would overwrite them with the input embeddings on load"
+        )
     report.checks.append(f"names and shapes match {info.architecture}; config dtype, vocabulary and tying")

@@ -105,8 +105,7 @@ def map_names(obj, names: dict[str, str], key: str | None = None):
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_names(v, names) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: map_names(getattr(obj, f.name), names, f.name) for f in dataclasses.fields(obj)
-                   if f.init}
+        changes = {f.name: map_names(getattr(obj, f.name), names, f.name) for f in dataclasses.fields(obj) if f.init}
         return dataclasses.replace(copy.copy(obj), **changes)
     return obj
 
@@ -128,38 +127,80 @@ def all_cases() -> list[Case]:
     for i, (name, model_id, cls, kwargs) in enumerate(tables.CUSTOM_CASES):
         archs = MODEL_ARCHS[model_id]
         if archs and cls.__name__ not in BROAD_TYPES:
-            archs = archs[i % len(archs):][:1]
+            archs = archs[i % len(archs) :][:1]
         for arch in archs:
             mapped = map_names(kwargs, ARCH_NAMES[arch])
-            out.append(Case(f"custom{i:03d}-{_slug(name)}@{arch}", "custom", name, arch, model_id,
-                            ((cls, mapped),)))
-        out.append(Case(f"module{i:03d}-{_slug(name)}@{model_id}", "module", name, None, model_id,
-                        ((cls, copy.deepcopy(kwargs)),)))
+            out.append(Case(f"custom{i:03d}-{_slug(name)}@{arch}", "custom", name, arch, model_id, ((cls, mapped),)))
+        out.append(
+            Case(
+                f"module{i:03d}-{_slug(name)}@{model_id}",
+                "module",
+                name,
+                None,
+                model_id,
+                ((cls, copy.deepcopy(kwargs)),),
+            )
+        )
     for i, (name, tag, cls, kw0, kw1) in enumerate(tables.MULTI_ADAPTER_CASES):
         model_id = "EmbConv1D" if tag == "lora+trainable_tokens" else "MLP"  # as PEFT's test picks its model
         arch = MODEL_ARCHS[model_id][i % 2]
         names = ARCH_NAMES[arch]
-        out.append(Case(f"multi{i:03d}-{_slug(name)}@{arch}", "multi", name, arch, model_id,
-                        ((cls, map_names(kw0, names)), (cls, map_names(kw1, names)))))
-    for source, rows, archs in (("decoder", tables.DECODER_CONFIGS, DECODER_ARCHS),
-                                ("encdec", tables.ENCODER_DECODER_CONFIGS, ENCODER_DECODER_ARCHS)):
+        out.append(
+            Case(
+                f"multi{i:03d}-{_slug(name)}@{arch}",
+                "multi",
+                name,
+                arch,
+                model_id,
+                ((cls, map_names(kw0, names)), (cls, map_names(kw1, names))),
+            )
+        )
+    for source, rows, archs in (
+        ("decoder", tables.DECODER_CONFIGS, DECODER_ARCHS),
+        ("encdec", tables.ENCODER_DECODER_CONFIGS, ENCODER_DECODER_ARCHS),
+    ):
         for i, (cls, kwargs) in enumerate(rows):
             for arch in archs:
                 name = f"{cls.__name__} {i}"
-                out.append(Case(f"{source}{i:03d}-{_slug(cls.__name__)}@{arch}", source, name, arch, None,
-                                ((cls, copy.deepcopy(kwargs)),)))
+                out.append(
+                    Case(
+                        f"{source}{i:03d}-{_slug(cls.__name__)}@{arch}",
+                        source,
+                        name,
+                        arch,
+                        None,
+                        ((cls, copy.deepcopy(kwargs)),),
+                    )
+                )
     lora = (tables.LoraConfig, {"task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 32, "lora_dropout": 0.05})
     r20 = (tables.LoraConfig, {**lora[1], "r": 20})
     for i, (name, picked, combination, density) in enumerate(tables.WEIGHTED_CASES):
         for j, weights in enumerate(tables.WEIGHT_LISTS):
             arch = ("llama", "opt")[(i + j) % 2]
             sign = "negative" if j else "positive"
-            out.append(Case(f"weighted{i:02d}-{_slug(name)}-{sign}@{arch}", "weighted", f"{name} ({sign})", arch,
-                            None, (lora, lora, r20),
-                            weighted=(tuple(picked), tuple(weights[k] for k in picked), combination, density)))
+            out.append(
+                Case(
+                    f"weighted{i:02d}-{_slug(name)}-{sign}@{arch}",
+                    "weighted",
+                    f"{name} ({sign})",
+                    arch,
+                    None,
+                    (lora, lora, r20),
+                    weighted=(tuple(picked), tuple(weights[k] for k in picked), combination, density),
+                )
+            )
     for arch, target in (("llama", "q_proj"), ("gpt2", "c_attn"), ("t5", "q")):
-        out.append(Case(f"nan-lora@{arch}", "nan", "LoRA holding a NaN (PEFT's _test_merge_layers_nan)", arch, None,
-                        ((tables.LoraConfig, {"target_modules": [target]}),), nan=True))
+        out.append(
+            Case(
+                f"nan-lora@{arch}",
+                "nan",
+                "LoRA holding a NaN (PEFT's _test_merge_layers_nan)",
+                arch,
+                None,
+                ((tables.LoraConfig, {"target_modules": [target]}),),
+                nan=True,
+            )
+        )
     return out
 
 

@@ -21,9 +21,17 @@ from peft_shardmerge.testing import model_class
 #: result can equal both; the merge is held to the unmerged model's outputs alone)
 GOOD = ("match", "match-unmerged", "refused")
 #: config fields that describe the case but never name a refusal reason
-_PLAIN_FIELDS = {"target_modules", "task_type", "r", "lora_alpha", "lora_dropout", "init_lora_weights", "init_weights",
-                 "bias", "feedforward_modules"}
-
+_PLAIN_FIELDS = {
+    "target_modules",
+    "task_type",
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "init_lora_weights",
+    "init_weights",
+    "bias",
+    "feedforward_modules",
+}
 
 
 @dataclass
@@ -84,8 +92,10 @@ def compare(state: dict, outputs: torch.Tensor | None, ref: Reference) -> str:
 
 
 def _snapshot(model) -> tuple[dict, list]:
-    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
-            [(n, type(m).__name__) for n, m in model.named_modules()])
+    return (
+        {k: v.detach().clone() for k, v in model.state_dict().items()},
+        [(n, type(m).__name__) for n, m in model.named_modules()],
+    )
 
 
 def _unchanged(model, snap) -> str:
@@ -95,8 +105,12 @@ def _unchanged(model, snap) -> str:
         return "the input model's modules changed"
     if set(now_state) != set(state):
         return "the input model's state dict keys changed"
-    bad = [k for k in state if not torch.equal(state[k], now_state[k]) and not
-           (state[k].isnan().any() and torch.equal(state[k].nan_to_num(), now_state[k].nan_to_num()))]
+    bad = [
+        k
+        for k in state
+        if not torch.equal(state[k], now_state[k])
+        and not (state[k].isnan().any() and torch.equal(state[k].nan_to_num(), now_state[k].nan_to_num()))
+    ]
     return f"the input model's tensors changed: {bad[:3]}" if bad else ""
 
 
@@ -128,8 +142,11 @@ def _names_thing(message: str, ref: Reference, path: str) -> bool:
         words |= {"base_precision"}
     if ref.base is None:  # PEFT's own nn.Module: the model itself is what is refused
         words |= {type(ref.module_model.get_base_model()).__name__.lower(), "not a transformers model"}
-    words |= {"prompt", "virtual token"} if ref.case.peft_type in ("PREFIXTUNING", "PROMPTENCODER",
-                                                                    "PROMPTTUNING", "CPT") else set()
+    words |= (
+        {"prompt", "virtual token"}
+        if ref.case.peft_type in ("PREFIXTUNING", "PROMPTENCODER", "PROMPTTUNING", "CPT")
+        else set()
+    )
     return any(w and w in text for w in words)
 
 
@@ -167,19 +184,26 @@ def run_check(env: Env, case: Case, path: str, claimed: bool = False) -> Outcome
     selection, adapters = {}, [d for _, d in ref.adapters]
     if case.weighted is not None:
         picked, weights, combination, _ = case.weighted
-        selection = dict(adapter_names=[ref.adapters[i][0] for i in picked], weights=list(weights),
-                         combination_type=combination)
+        selection = dict(
+            adapter_names=[ref.adapters[i][0] for i in picked], weights=list(weights), combination_type=combination
+        )
         adapters = [ref.adapters[i][1] for i in picked]
     try:
         if path == "merge_and_unload":
             result = merge_and_unload(model, dtype=torch.float32, **selection)
         elif path == "merge_checkpoint":
             extra = dict(weights=selection["weights"], combination=selection["combination_type"]) if selection else {}
-            merge_checkpoint(ref.base, adapters if len(adapters) > 1 or selection else adapters[0], str(out),
-                             progress=False, **extra)
+            merge_checkpoint(
+                ref.base,
+                adapters if len(adapters) > 1 or selection else adapters[0],
+                str(out),
+                progress=False,
+                **extra,
+            )
         else:
-            merge_and_save(model, str(out), dtype=torch.float32, base_precision=path.split(":")[1], progress=False,
-                           **selection)
+            merge_and_save(
+                model, str(out), dtype=torch.float32, base_precision=path.split(":")[1], progress=False, **selection
+            )
     except (UnsupportedError, InputError) as exc:
         refusal = exc
     except Exception as exc:  # the invariant allows no other exception

@@ -19,18 +19,36 @@ ARCH_NAMES: dict[str, dict[str, str]] = {
     "llama": {"lin0": "mlp.up_proj", "lin1": "mlp.down_proj", "emb": "embed_tokens"},
     "qwen2": {"lin0": "mlp.up_proj", "lin1": "mlp.down_proj", "emb": "embed_tokens"},
     "gemma3": {"lin0": "mlp.up_proj", "lin1": "mlp.down_proj", "emb": "embed_tokens"},
-    "opt": {"lin0": "fc1", "lin1": "fc2", "emb": "embed_tokens",
-            "layernorm0": "self_attn_layer_norm", "layernorm1": "final_layer_norm"},
+    "opt": {
+        "lin0": "fc1",
+        "lin1": "fc2",
+        "emb": "embed_tokens",
+        "layernorm0": "self_attn_layer_norm",
+        "layernorm1": "final_layer_norm",
+    },
     "gptj": {"lin0": "mlp.fc_in", "lin1": "mlp.fc_out", "emb": "wte", "layernorm0": "ln_1", "layernorm1": "ln_f"},
     "gpt2": {"conv1d": "mlp.c_fc", "lin0": "lm_head", "emb": "wte", "layernorm0": "ln_1", "layernorm1": "ln_2"},
     "gpt2_tied": {"conv1d": "mlp.c_fc", "lin0": "lm_head", "emb": "wte"},
     "t5": {"lin0": "DenseReluDense.wi", "lin1": "DenseReluDense.wo", "emb": "shared"},
-    "bart": {"lin0": "fc1", "lin1": "fc2", "emb": "shared",
-             "layernorm0": "self_attn_layer_norm", "layernorm1": "final_layer_norm"},
-    "bert": {"lin0": "intermediate.dense", "lin1": "output.dense", "emb": "word_embeddings",
-             "layernorm0": "attention.output.LayerNorm", "layernorm1": "embeddings.LayerNorm"},
-    "llava": {"conv2d": "patch_embedding", "lin0": "multi_modal_projector.linear_1",
-              "lin1": "multi_modal_projector.linear_2"},
+    "bart": {
+        "lin0": "fc1",
+        "lin1": "fc2",
+        "emb": "shared",
+        "layernorm0": "self_attn_layer_norm",
+        "layernorm1": "final_layer_norm",
+    },
+    "bert": {
+        "lin0": "intermediate.dense",
+        "lin1": "output.dense",
+        "emb": "word_embeddings",
+        "layernorm0": "attention.output.LayerNorm",
+        "layernorm1": "embeddings.LayerNorm",
+    },
+    "llava": {
+        "conv2d": "patch_embedding",
+        "lin0": "multi_modal_projector.linear_1",
+        "lin1": "multi_modal_projector.linear_2",
+    },
     "qwen2_vl": {"conv3d": "patch_embed.proj", "lin0": "mlp.up_proj", "lin1": "mlp.down_proj"},
 }
 
@@ -42,10 +60,17 @@ MODEL_ARCHS: dict[str, tuple[str, ...]] = {
     "MLP2": ("llama", "opt"),
     "MLP_LayerNorm": ("opt", "gptj", "bart", "bert", "gpt2"),
     "EmbConv1D": ("gpt2", "gpt2_tied"),
-    "Conv2d": ("llava",), "Conv2d2": ("llava",), "Conv2d1x1": ("llava",),
+    "Conv2d": ("llava",),
+    "Conv2d2": ("llava",),
+    "Conv2d1x1": ("llava",),
     "Conv3d": ("qwen2_vl",),
     "MlpUsingParameters": ("llama",),
-    "Conv1d": (), "Conv1dBigger": (), "Conv1dGroups": (), "Conv2dGroups": (), "Conv2dGroups2": (), "MHA": (),
+    "Conv1d": (),
+    "Conv1dBigger": (),
+    "Conv1dGroups": (),
+    "Conv2dGroups": (),
+    "Conv2dGroups2": (),
+    "MHA": (),
 }
 
 #: the decoder and encoder-decoder architectures PEFT's model tests use (OPT, GPT-2, GPT-J, Llama, Qwen2, Gemma3;
@@ -74,24 +99,58 @@ def arch_config(arch: str):
 
     common = dict(vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "opt":
-        return tf.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                            word_embed_proj_dim=64, max_position_embeddings=128, architectures=["OPTForCausalLM"],
-                            **common)
+        return tf.OPTConfig(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            max_position_embeddings=128,
+            architectures=["OPTForCausalLM"],
+            **common,
+        )
     if arch == "gptj":
-        return tf.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=128,
-                             tie_word_embeddings=False, architectures=["GPTJForCausalLM"], **common)
+        return tf.GPTJConfig(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            rotary_dim=8,
+            n_positions=128,
+            tie_word_embeddings=False,
+            architectures=["GPTJForCausalLM"],
+            **common,
+        )
     if arch == "gemma3":
-        return tf.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                                   sliding_window=16, architectures=["Gemma3ForCausalLM"], **common)
+        return tf.Gemma3TextConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=128,
+            sliding_window=16,
+            architectures=["Gemma3ForCausalLM"],
+            **common,
+        )
     if arch == "bart":
-        return tf.BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                             decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
-                             max_position_embeddings=128, decoder_start_token_id=2,
-                             architectures=["BartForConditionalGeneration"], **common)
+        return tf.BartConfig(
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            max_position_embeddings=128,
+            decoder_start_token_id=2,
+            architectures=["BartForConditionalGeneration"],
+            **common,
+        )
     if arch in ("gpt2", "gpt2_tied"):
-        return tiny_config("gpt2", n_embd=64, tie_word_embeddings=arch == "gpt2_tied",
-                           architectures=["GPT2LMHeadModel"])
+        return tiny_config(
+            "gpt2", n_embd=64, tie_word_embeddings=arch == "gpt2_tied", architectures=["GPT2LMHeadModel"]
+        )
     if arch == "llama":
         return tiny_config("llama", hidden_size=64, intermediate_size=128, architectures=["LlamaForCausalLM"])
     if arch == "qwen2":
@@ -177,53 +236,129 @@ def _conv1d_cls():
 
 #: model id -> layers in order ((name, factory) or ("@reshape", None)), reshapes, and an input maker
 CUSTOM_SPECS: dict[str, dict] = {
-    "MLP": {"layers": [("lin0", lambda: nn.Linear(10, 20)), ("relu", nn.ReLU), ("lin1", lambda: nn.Linear(20, 2))],
-            "input": lambda g: torch.randn(4, 10, generator=g)},
-    "MLP2": {"layers": [("lin0", lambda: nn.Linear(10, 32)), ("relu", nn.ReLU), ("lin1", lambda: nn.Linear(32, 2))],
-             "input": lambda g: torch.randn(4, 10, generator=g)},
-    "MLP_LayerNorm": {"layers": [("layernorm0", lambda: nn.LayerNorm(10)), ("lin0", lambda: nn.Linear(10, 20)),
-                                 ("relu", nn.ReLU), ("layernorm1", lambda: nn.LayerNorm(20)),
-                                 ("lin1", lambda: nn.Linear(20, 2))],
-                      "input": lambda g: torch.randn(4, 10, generator=g)},
-    "MlpUsingParameters": {"layers": [("lin0", lambda: _ParamLinear(10, 20)), ("relu", nn.ReLU),
-                                      ("lin1", lambda: _ParamLinear(20, 2))],
-                           "input": lambda g: torch.randn(4, 10, generator=g)},
-    "EmbConv1D": {"layers": [("emb", lambda: nn.Embedding(100, 5)), ("conv1d", lambda: _conv1d_cls()(1, 5)),
-                             ("relu", nn.ReLU), ("flat", nn.Flatten), ("lin0", lambda: nn.Linear(10, 2))],
-                  "input": lambda g: torch.randint(0, 100, (4, 10), generator=g)},
-    "Conv1d": {"layers": [("conv1d", lambda: nn.Conv1d(1, 1, 2)), ("relu", nn.ReLU), ("flat", nn.Flatten),
-                          ("lin0", lambda: nn.Linear(9, 2))],
-               "input": lambda g: torch.randn(4, 1, 10, generator=g)},
-    "Conv1dBigger": {"layers": [("conv1d", lambda: nn.Conv1d(64, 16, 2)), ("relu", nn.ReLU), ("flat", nn.Flatten),
-                                ("lin0", lambda: nn.Linear(144, 2))],
-                     "input": lambda g: torch.randn(4, 64, 10, generator=g)},
-    "Conv1dGroups": {"layers": [("conv1d", lambda: nn.Conv1d(8, 8, 3, groups=2)), ("relu", nn.ReLU),
-                                ("flat", nn.Flatten), ("lin0", lambda: nn.Linear(64, 2))],
-                     "input": lambda g: torch.randn(4, 8, 10, generator=g)},
-    "Conv2d": {"layers": [("conv2d", lambda: nn.Conv2d(5, 10, 3)), ("relu", nn.ReLU), ("flat", nn.Flatten),
-                          ("lin0", lambda: nn.Linear(10, 2))],
-               "input": lambda g: torch.randn(4, 5, 3, 3, generator=g)},
-    "Conv2d2": {"layers": [("lin0", lambda: nn.Linear(10, 72)), ("relu", nn.ReLU), ("@to8x3x3", None),
-                           ("conv2d", lambda: nn.Conv2d(8, 32, 3)), ("flat", nn.Flatten),
-                           ("lin1", lambda: nn.Linear(32, 2))],
-                "reshape": {"@to8x3x3": lambda x: x.reshape(-1, 8, 3, 3)},
-                "input": lambda g: torch.randn(4, 10, generator=g)},
-    "Conv2d1x1": {"layers": [("conv2d", lambda: nn.Conv2d(1, 10, 1)), ("relu", nn.ReLU), ("flat", nn.Flatten),
-                             ("lin0", lambda: nn.Linear(90, 2))],
-                  "input": lambda g: torch.randn(4, 1, 3, 3, generator=g)},
-    "Conv2dGroups": {"layers": [("lin0", lambda: nn.Linear(90, 288)), ("@to16x3x3", None),
-                                ("conv2d", lambda: nn.Conv2d(16, 16, 3, groups=8)), ("relu", nn.ReLU),
-                                ("flat", nn.Flatten), ("lin1", lambda: nn.Linear(16, 2))],
-                     "reshape": {"@to16x3x3": lambda x: x.reshape(-1, 16, 3, 3)},
-                     "input": lambda g: torch.randn(2, 90, generator=g)},
-    "Conv2dGroups2": {"layers": [("conv2d", lambda: nn.Conv2d(16, 32, 3, padding=1, groups=2)), ("relu", nn.ReLU),
-                                 ("flat", nn.Flatten), ("lin0", lambda: nn.Linear(800, 2))],
-                      "input": lambda g: torch.randn(3, 16, 5, 5, generator=g)},
-    "Conv3d": {"layers": [("conv3d", lambda: nn.Conv3d(5, 10, 3)), ("relu", nn.ReLU), ("flat", nn.Flatten),
-                          ("lin0", lambda: nn.Linear(10, 2))],
-               "input": lambda g: torch.randn(4, 5, 3, 3, 3, generator=g)},
-    "MHA": {"layers": [("mha", lambda: nn.MultiheadAttention(10, 2)), ("lin0", lambda: nn.Linear(10, 2))],
-            "input": lambda g: torch.randn(4, 3, 10, generator=g)},
+    "MLP": {
+        "layers": [("lin0", lambda: nn.Linear(10, 20)), ("relu", nn.ReLU), ("lin1", lambda: nn.Linear(20, 2))],
+        "input": lambda g: torch.randn(4, 10, generator=g),
+    },
+    "MLP2": {
+        "layers": [("lin0", lambda: nn.Linear(10, 32)), ("relu", nn.ReLU), ("lin1", lambda: nn.Linear(32, 2))],
+        "input": lambda g: torch.randn(4, 10, generator=g),
+    },
+    "MLP_LayerNorm": {
+        "layers": [
+            ("layernorm0", lambda: nn.LayerNorm(10)),
+            ("lin0", lambda: nn.Linear(10, 20)),
+            ("relu", nn.ReLU),
+            ("layernorm1", lambda: nn.LayerNorm(20)),
+            ("lin1", lambda: nn.Linear(20, 2)),
+        ],
+        "input": lambda g: torch.randn(4, 10, generator=g),
+    },
+    "MlpUsingParameters": {
+        "layers": [("lin0", lambda: _ParamLinear(10, 20)), ("relu", nn.ReLU), ("lin1", lambda: _ParamLinear(20, 2))],
+        "input": lambda g: torch.randn(4, 10, generator=g),
+    },
+    "EmbConv1D": {
+        "layers": [
+            ("emb", lambda: nn.Embedding(100, 5)),
+            ("conv1d", lambda: _conv1d_cls()(1, 5)),
+            ("relu", nn.ReLU),
+            ("flat", nn.Flatten),
+            ("lin0", lambda: nn.Linear(10, 2)),
+        ],
+        "input": lambda g: torch.randint(0, 100, (4, 10), generator=g),
+    },
+    "Conv1d": {
+        "layers": [
+            ("conv1d", lambda: nn.Conv1d(1, 1, 2)),
+            ("relu", nn.ReLU),
+            ("flat", nn.Flatten),
+            ("lin0", lambda: nn.Linear(9, 2)),
+        ],
+        "input": lambda g: torch.randn(4, 1, 10, generator=g),
+    },
+    "Conv1dBigger": {
+        "layers": [
+            ("conv1d", lambda: nn.Conv1d(64, 16, 2)),
+            ("relu", nn.ReLU),
+            ("flat", nn.Flatten),
+            ("lin0", lambda: nn.Linear(144, 2)),
+        ],
+        "input": lambda g: torch.randn(4, 64, 10, generator=g),
+    },
+    "Conv1dGroups": {
+        "layers": [
+            ("conv1d", lambda: nn.Conv1d(8, 8, 3, groups=2)),
+            ("relu", nn.ReLU),
+            ("flat", nn.Flatten),
+            ("lin0", lambda: nn.Linear(64, 2)),
+        ],
+        "input": lambda g: torch.randn(4, 8, 10, generator=g),
+    },
+    "Conv2d": {
+        "layers": [
+            ("conv2d", lambda: nn.Conv2d(5, 10, 3)),
+            ("relu", nn.ReLU),
+            ("flat", nn.Flatten),
+            ("lin0", lambda: nn.Linear(10, 2)),
+        ],
+        "input": lambda g: torch.randn(4, 5, 3, 3, generator=g),
+    },
+    "Conv2d2": {
+        "layers": [
+            ("lin0", lambda: nn.Linear(10, 72)),
+            ("relu", nn.ReLU),
+            ("@to8x3x3", None),
+            ("conv2d", lambda: nn.Conv2d(8, 32, 3)),
+            ("flat", nn.Flatten),
+            ("lin1", lambda: nn.Linear(32, 2)),
+        ],
+        "reshape": {"@to8x3x3": lambda x: x.reshape(-1, 8, 3, 3)},
+        "input": lambda g: torch.randn(4, 10, generator=g),
+    },
+    "Conv2d1x1": {
+        "layers": [
+            ("conv2d", lambda: nn.Conv2d(1, 10, 1)),
+            ("relu", nn.ReLU),
+            ("flat", nn.Flatten),
+            ("lin0", lambda: nn.Linear(90, 2)),
+        ],
+        "input": lambda g: torch.randn(4, 1, 3, 3, generator=g),
+    },
+    "Conv2dGroups": {
+        "layers": [
+            ("lin0", lambda: nn.Linear(90, 288)),
+            ("@to16x3x3", None),
+            ("conv2d", lambda: nn.Conv2d(16, 16, 3, groups=8)),
+            ("relu", nn.ReLU),
+            ("flat", nn.Flatten),
+            ("lin1", lambda: nn.Linear(16, 2)),
+        ],
+        "reshape": {"@to16x3x3": lambda x: x.reshape(-1, 16, 3, 3)},
+        "input": lambda g: torch.randn(2, 90, generator=g),
+    },
+    "Conv2dGroups2": {
+        "layers": [
+            ("conv2d", lambda: nn.Conv2d(16, 32, 3, padding=1, groups=2)),
+            ("relu", nn.ReLU),
+            ("flat", nn.Flatten),
+            ("lin0", lambda: nn.Linear(800, 2)),
+        ],
+        "input": lambda g: torch.randn(3, 16, 5, 5, generator=g),
+    },
+    "Conv3d": {
+        "layers": [
+            ("conv3d", lambda: nn.Conv3d(5, 10, 3)),
+            ("relu", nn.ReLU),
+            ("flat", nn.Flatten),
+            ("lin0", lambda: nn.Linear(10, 2)),
+        ],
+        "input": lambda g: torch.randn(4, 5, 3, 3, 3, generator=g),
+    },
+    "MHA": {
+        "layers": [("mha", lambda: nn.MultiheadAttention(10, 2)), ("lin0", lambda: nn.Linear(10, 2))],
+        "input": lambda g: torch.randn(4, 3, 10, generator=g),
+    },
 }
 
 

@@ -30,14 +30,14 @@ class Reference:
     """What PEFT computes for one case."""
 
     case: Case
-    base: str | None                      # saved base folder (None for PEFT's nn.Module models)
-    adapters: list[tuple[str, str]]       # (adapter name, folder)
+    base: str | None  # saved base folder (None for PEFT's nn.Module models)
+    adapters: list[tuple[str, str]]  # (adapter name, folder)
     inputs: dict
-    outputs: torch.Tensor                 # the unmerged PeftModel's outputs
-    merged: dict | None                   # PEFT's merge_and_unload state dict, fp32; None when PEFT refuses
-    peft_refusal: str = ""                # why PEFT's own merge failed
-    peft_inconsistent: str = ""           # how PEFT's own merge differs from its unmerged model
-    module_model: object = None           # the PeftModel over PEFT's nn.Module (source "module")
+    outputs: torch.Tensor  # the unmerged PeftModel's outputs
+    merged: dict | None  # PEFT's merge_and_unload state dict, fp32; None when PEFT refuses
+    peft_refusal: str = ""  # why PEFT's own merge failed
+    peft_inconsistent: str = ""  # how PEFT's own merge differs from its unmerged model
+    module_model: object = None  # the PeftModel over PEFT's nn.Module (source "module")
     layer_kinds: set = field(default_factory=set)
 
 
@@ -125,8 +125,9 @@ def _weighted(pm, case: Case):
     picked, weights, combination, density = case.weighted
     names = list(pm.peft_config)
     extra = {"density": density} if density is not None else {}
-    pm.add_weighted_adapter([names[i] for i in picked], list(weights), "combined", combination_type=combination,
-                            **extra)
+    pm.add_weighted_adapter(
+        [names[i] for i in picked], list(weights), "combined", combination_type=combination, **extra
+    )
     pm.set_adapter("combined")
     return pm.eval()  # the new adapter's dropout layers start in training mode
 
@@ -177,8 +178,7 @@ def build_reference(env: Env, case: Case) -> Reference:
             model = CustomModel(case.model_id).eval()
             pm, names = _make_peft(model, case)
             pm.eval()
-            ref = Reference(case, None, [], {"X": custom_input(case.model_id)}, torch.empty(0), None,
-                            module_model=pm)
+            ref = Reference(case, None, [], {"X": custom_input(case.model_id)}, torch.empty(0), None, module_model=pm)
         else:
             base = env.base(case.arch)
             config = arch_config(case.arch)
@@ -193,8 +193,12 @@ def build_reference(env: Env, case: Case) -> Reference:
             torch.manual_seed(_seed(case))  # dare_* prune at random
             fresh = _weighted(fresh, case)
         ref.outputs = forward(fresh, ref.inputs)
-        ref.layer_kinds = {base_layer_kind(m) for m in fresh.modules() if isinstance(m, BaseTunerLayer)
-                           and (type(m).__name__ != "TrainableTokensLayer" or case.peft_type == "TRAINABLETOKENS")}
+        ref.layer_kinds = {
+            base_layer_kind(m)
+            for m in fresh.modules()
+            if isinstance(m, BaseTunerLayer)
+            and (type(m).__name__ != "TrainableTokensLayer" or case.peft_type == "TRAINABLETOKENS")
+        }
     except Exception as exc:  # PEFT's own failure: the case cannot be checked here
         raise NotBuildable(f"PEFT cannot build this case: {type(exc).__name__}: {str(exc)[:300]}") from exc
     try:

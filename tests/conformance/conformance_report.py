@@ -58,8 +58,12 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         by_path[r["check"].split("|")[1]][r["kind"]] += 1
     kinds = sorted({r["kind"] for r in rows})
-    lines = [f"# Conformance matrix: {len(rows)} checks", "", "| path | " + " | ".join(kinds) + " |",
-             "|---|" + "---|" * len(kinds)]
+    lines = [
+        f"# Conformance matrix: {len(rows)} checks",
+        "",
+        "| path | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
     for path, counts in sorted(by_path.items()):
         lines.append(f"| {path} | " + " | ".join(str(counts[k]) for k in kinds) + " |")
     total = collections.Counter(r["kind"] for r in rows)
@@ -72,8 +76,10 @@ def markdown(rows: list[dict]) -> str:
         for r in sorted(group, key=lambda r: r["check"]):
             detail = " ".join(r["detail"].split())[:300]
             lines.append(f"- `{r['check']}`: {detail}")
-            lines.append(f"  repro: `HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider "
-                         f"'{_TEST}[{r['check']}]'`")
+            lines.append(
+                f"  repro: `HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider "
+                f"'{_TEST}[{r['check']}]'`"
+            )
         lines.append("")
     return "\n".join(lines) + "\n"
 

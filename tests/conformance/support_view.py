@@ -10,8 +10,18 @@ except ImportError:  # an allowlist is optional to the matrix: without one nothi
     support = None
 
 #: config fields whose variants the allowlist has no name for; a case setting one is never counted as claimed
-_UNNAMED_FIELDS = ("alora_invocation_tokens", "use_qalora", "velora_config", "monteclora_config", "use_bdlora",
-                   "kasa_config", "layer_replication", "arrow_config", "ensure_weight_tying", "megatron_config")
+_UNNAMED_FIELDS = (
+    "alora_invocation_tokens",
+    "use_qalora",
+    "velora_config",
+    "monteclora_config",
+    "use_bdlora",
+    "kasa_config",
+    "layer_replication",
+    "arrow_config",
+    "ensure_weight_tying",
+    "megatron_config",
+)
 
 
 def base_layer_kind(module) -> str:

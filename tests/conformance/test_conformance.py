@@ -55,8 +55,11 @@ def test_merge_matches_peft_or_refuses(conformance_env, record_outcome, case, pa
         record_outcome(check_id, "peft-cannot-build", str(exc))
         pytest.skip(str(exc))  # PEFT's own limitation on this model: nothing of ours to check
     configs = [cls(**copy.deepcopy(kw)) for cls, kw in case.configs]
-    claimed = (case.arch is not None and (case.weighted is None or case.weighted[2] in ("cat", "linear"))
-               and is_claimed(configs, ref.layer_kinds, path, len(configs) > 1, ref.merged is not None))
+    claimed = (
+        case.arch is not None
+        and (case.weighted is None or case.weighted[2] in ("cat", "linear"))
+        and is_claimed(configs, ref.layer_kinds, path, len(configs) > 1, ref.merged is not None)
+    )
     outcome = run_check(conformance_env, case, path, claimed=claimed)
     record_outcome(check_id, outcome.kind, outcome.detail)
     assert outcome.kind in GOOD, f"{outcome.kind}: {outcome.detail}"

@@ -72,12 +72,20 @@ def tiny_qlora(base: str, dora: bool = False):
 
     from peft_shardmerge.testing import perturb_trainable
 
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, dtype=torch.bfloat16)
     torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
-                                             use_dora=dora), autocast_adapter_dtype=False)
+    model = get_peft_model(
+        model,
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], use_dora=dora),
+        autocast_adapter_dtype=False,
+    )
     torch.manual_seed(1)
     perturb_trainable(model)
     return model
@@ -140,8 +148,12 @@ def zero3_engine(model, train_in_bf16: bool = False):
     steps, so that the masters and their copies differ."""
     import deepspeed
 
-    config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     if not train_in_bf16:
         return deepspeed.initialize(model=model, config=config)[0]
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
@@ -253,8 +265,13 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
 
     dist.init_process_group("gloo")
     qbase = qlora_base(sys.argv)
-    model = tiny_qlora(qbase, dora) if qbase else tiny_peft(dora, torch.bfloat16 if "bf16" in sys.argv
-                                                            else torch.float32, "bert" in sys.argv, **big(sys.argv))
+    model = (
+        tiny_qlora(qbase, dora)
+        if qbase
+        else tiny_peft(
+            dora, torch.bfloat16 if "bf16" in sys.argv else torch.float32, "bert" in sys.argv, **big(sys.argv)
+        )
+    )
     if qbase and "eval" not in sys.argv:  # an eval-mode forward on a CPU with AVX512-BF16 repacks a 4-bit weight
         model.train()
     elif qbase:  # eval: let bitsandbytes repack (its CPU kernel), as it does on such a CPU
@@ -277,8 +294,9 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
         if flat:  # FSDP1 flattens a unit's parameters together: trainable and frozen may not mix
             model.requires_grad_(False)
         policy = None if "rootonly" in sys.argv else ModuleWrapPolicy({LlamaDecoderLayer})
-        model = FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"),
-                                         use_orig_params=not flat)
+        model = FullyShardedDataParallel(
+            model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=not flat
+        )
     ids = torch.arange(12).reshape(2, 6)
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -317,8 +335,12 @@ def fsdp(out: str, result: str, version: int, dora: bool) -> int:
             merge_and_save(model, out + ".first", progress=False)
         start = reset_peak_rss()
         report = merge_and_save(model, out, progress=False, dtype="float32" if "train" in sys.argv else None)
-        outcome = {"ok": True, "notes": report.notes, "merged": report.lora_modules_merged,
-                   "rss_growth": peak_rss() - start}
+        outcome = {
+            "ok": True,
+            "notes": report.notes,
+            "merged": report.lora_modules_merged,
+            "rss_growth": peak_rss() - start,
+        }
     except ShardMergeError as e:
         outcome = {"ok": False, "error": type(e).__name__, "message": str(e)}
     outcome["parameters_unchanged"] = kept(params) == kept(model.named_parameters())  # and in their order
@@ -344,9 +366,12 @@ def unload_fsdp2(result: str) -> int:
         outcome = {"refused": False}
     except InputError as e:
         after = dict(model.named_parameters())
-        outcome = {"refused": True, "message": str(e),
-                   "untouched": set(after) == set(before)
-                   and all(torch.equal(after[n].to_local(), v) for n, v in before.items())}
+        outcome = {
+            "refused": True,
+            "message": str(e),
+            "untouched": set(after) == set(before)
+            and all(torch.equal(after[n].to_local(), v) for n, v in before.items()),
+        }
     if RANK == 0:
         with open(result, "w") as f:
             json.dump(outcome, f)
@@ -380,10 +405,12 @@ def refused_8bit(base: str, out: str, result: str) -> int:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dist.init_process_group("gloo")
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-                                                 dtype=torch.bfloat16)
-    model = fully_shard_model(get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]),
-                                             autocast_adapter_dtype=False))
+    model = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=BitsAndBytesConfig(load_in_8bit=True), dtype=torch.bfloat16
+    )
+    model = fully_shard_model(
+        get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]), autocast_adapter_dtype=False)
+    )
     return try_merge(model, out, result)
 
 

@@ -28,9 +28,14 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 def torchrun(ranks: int, *args: str, timeout: int = 240, **env_vars: str) -> subprocess.CompletedProcess:
     """Run ``dist_worker.py ARGS`` on ``ranks`` local processes, in a session of its own."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_vars}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(ranks), WORKER, *args], env=env, capture_output=True, text=True, timeout=timeout,
-                          start_new_session=True)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), WORKER, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )
 
 
 def same_folder(a: str, b: str) -> list[str]:
@@ -57,9 +62,12 @@ def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     sharded = build_base(str(root / "sharded"), max_shard_size="100KB")
     single = build_base(str(root / "single"), seed=3)
-    return {"sharded": sharded, "single": single,
-            "sharded_ad": build_adapter(sharded, str(root / "sharded_ad")),
-            "single_ad": build_adapter(single, str(root / "single_ad"), seed=4)}
+    return {
+        "sharded": sharded,
+        "single": single,
+        "sharded_ad": build_adapter(sharded, str(root / "sharded_ad")),
+        "single_ad": build_adapter(single, str(root / "single_ad"), seed=4),
+    }
 
 
 def test_assign_shards_balances_bytes_and_skips_finished():
@@ -70,8 +78,9 @@ def test_assign_shards_balances_bytes_and_skips_finished():
     assert sorted(i for share in split for i in share) == [0, 2, 3]
 
 
-@pytest.mark.parametrize("ranks,base,shard", [(2, "sharded", "60KB"), (3, "sharded", "150KB"), (3, "single", "90KB"),
-                                              (2, "single", "5GB")])
+@pytest.mark.parametrize(
+    "ranks,base,shard", [(2, "sharded", "60KB"), (3, "sharded", "150KB"), (3, "single", "90KB"), (2, "single", "5GB")]
+)
 def test_ranks_write_the_same_bytes_as_one_process(inputs, tmp_path, ranks, base, shard):
     ref = str(tmp_path / "ref")
     merge_checkpoint(inputs[base], inputs[base + "_ad"], ref, max_shard_size=shard, progress=False)
@@ -87,20 +96,24 @@ def test_ranks_write_the_same_bytes_as_one_process(inputs, tmp_path, ranks, base
 @pytest.mark.parametrize("failing,other", [(1, 0), (0, 1)])
 def test_a_failure_on_one_rank_stops_every_rank_with_its_message(inputs, tmp_path, failing, other):
     out = str(tmp_path / "out")
-    run = torchrun(2, "fail", str(failing), "merge", inputs["sharded"], inputs["sharded_ad"], out,
-                   "--max-shard-size", "20KB")
+    run = torchrun(
+        2, "fail", str(failing), "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "20KB"
+    )
     assert run.returncode != 0
     removed = "; the partial output was removed and OUT is unchanged"
-    assert (f"peft-shardmerge[rank {other}]: error: rank {failing}: No space left on device (shard)" + removed
-            in run.stderr), run.stderr[-3000:]
+    assert (
+        f"peft-shardmerge[rank {other}]: error: rank {failing}: No space left on device (shard)" + removed
+        in run.stderr
+    ), run.stderr[-3000:]
     assert f"peft-shardmerge[rank {failing}]: error: No space left on device (shard)" + removed in run.stderr
     assert sorted(os.listdir(tmp_path)) == []  # no OUT, no staging folder, no lock
 
 
 def test_a_failure_of_rank_0_after_the_shards_is_said_once_on_every_rank(inputs, tmp_path):
     out = str(tmp_path / "out")
-    run = torchrun(2, "fail-finish", "0", "merge", inputs["sharded"], inputs["sharded_ad"], out,
-                   "--max-shard-size", "60KB")
+    run = torchrun(
+        2, "fail-finish", "0", "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "60KB"
+    )
     assert run.returncode != 0
     state = "the partial output was removed and OUT is unchanged"
     assert f"peft-shardmerge[rank 1]: error: rank 0: No space left on device (config.json); {state}" in run.stderr
@@ -166,10 +179,18 @@ def test_a_job_killed_whole_resumes_its_finished_shards_with_another_rank_count(
     assert not os.path.exists(partial)
 
 
-@pytest.mark.parametrize("scenario,ranks,options", [("fsdp2", 2, ()), ("fsdp2", 3, ("dora",)), ("fsdp2", 2, ("bf16",)),
-                                                     ("fsdp2", 2, ("mp", "twice")), ("fsdp1", 2, ("twice",)),
-                                                     ("fsdp1", 2, ("dora", "flat")),
-                                                     ("fsdp1", 2, ("rootonly", "flat"))])
+@pytest.mark.parametrize(
+    "scenario,ranks,options",
+    [
+        ("fsdp2", 2, ()),
+        ("fsdp2", 3, ("dora",)),
+        ("fsdp2", 2, ("bf16",)),
+        ("fsdp2", 2, ("mp", "twice")),
+        ("fsdp1", 2, ("twice",)),
+        ("fsdp1", 2, ("dora", "flat")),
+        ("fsdp1", 2, ("rootonly", "flat")),
+    ],
+)
 def test_sharded_merge_and_save_equals_the_unsharded_merge(tmp_path, scenario, ranks, options):
     sys.path.insert(0, os.path.dirname(__file__))
     from dist_worker import tiny_peft
@@ -206,8 +227,10 @@ def qlora_base(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("scenario,options", [("fsdp2", ()), ("fsdp2", ("dora",)), ("fsdp2", ("mp",)),
-                                              ("fsdp1", ()), ("fsdp1", ("flat",)), ("zero3", ())])
+@pytest.mark.parametrize(
+    "scenario,options",
+    [("fsdp2", ()), ("fsdp2", ("dora",)), ("fsdp2", ("mp",)), ("fsdp1", ()), ("fsdp1", ("flat",)), ("zero3", ())],
+)
 def test_a_sharded_qlora_model_merges_as_the_unsharded_one(tmp_path, qlora_base, scenario, options):
     pytest.importorskip("bitsandbytes")
     if scenario == "zero3":
@@ -253,7 +276,7 @@ def test_a_sharded_qlora_model_repacked_by_an_eval_forward_merges_right(tmp_path
     assert sorted(want) == sorted(got)
     for name, w in want.items():
         rel = float((got[name].float() - w.float()).abs().max() / w.float().abs().max())
-        assert rel < 2 ** -7, (name, rel)  # a bf16 block scale and one bf16 rounding; garbage would be O(1)
+        assert rel < 2**-7, (name, rel)  # a bf16 block scale and one bf16 rounding; garbage would be O(1)
 
 
 def test_a_ddp_wrapper_is_refused_with_the_way_to_merge_it(tmp_path):
@@ -266,8 +289,13 @@ def test_a_ddp_wrapper_is_refused_with_the_way_to_merge_it(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.1"]
 
 
-@pytest.mark.parametrize("fsdp,said", [((), "DTensor parameters outside FSDP (tensor parallelism)"),
-                                       (("fsdp",), "also splits weights by tensor parallelism")])
+@pytest.mark.parametrize(
+    "fsdp,said",
+    [
+        ((), "DTensor parameters outside FSDP (tensor parallelism)"),
+        (("fsdp",), "also splits weights by tensor parallelism"),
+    ],
+)
 def test_a_tensor_parallel_model_is_refused_by_name_on_every_rank(tmp_path, fsdp, said):
     result = str(tmp_path / "result.json")
     run = torchrun(2, "tp", result, *fsdp)
@@ -285,8 +313,9 @@ def test_an_8bit_base_sharded_by_fsdp_is_refused_by_name_on_every_rank(tmp_path,
     assert run.returncode == 0, run.stderr[-3000:]
     for outcome in (json.load(open(result)), json.load(open(result + ".1"))):
         assert outcome["error"] == "InputError", outcome
-        assert ("of which merge_and_save gathers only 4-bit Linear4bit ones with their quant state"
-                in outcome["message"])
+        assert (
+            "of which merge_and_save gathers only 4-bit Linear4bit ones with their quant state" in outcome["message"]
+        )
         assert "self_attn.q_proj.base_layer (Linear8bitLt)" in outcome["message"]  # int8 bytes are never written
     assert sorted(os.listdir(tmp_path)) == ["result.json", "result.json.1"]
 
@@ -326,10 +355,17 @@ def test_peak_memory_of_a_sharded_merge_does_not_grow_with_the_model(tmp_path, s
         assert growth[16][rank] < 2 * added / 4, growth  # a quarter of the 16-layer model at most
 
 
-@pytest.mark.parametrize("scenario,fault,said", [
-    ("fsdp2", "fail", "No space left on device (shard)"), ("fsdp1", "fail", "No space left on device (shard)"),
-    ("fsdp2", "gatherfail", "Input/output error (unit)"), ("fsdp1", "gatherfail", "Input/output error (unit)"),
-    ("zero3", "fail", "No space left on device (shard)"), ("zero3", "gatherfail", "Input/output error (unit)")])
+@pytest.mark.parametrize(
+    "scenario,fault,said",
+    [
+        ("fsdp2", "fail", "No space left on device (shard)"),
+        ("fsdp1", "fail", "No space left on device (shard)"),
+        ("fsdp2", "gatherfail", "Input/output error (unit)"),
+        ("fsdp1", "gatherfail", "Input/output error (unit)"),
+        ("zero3", "fail", "No space left on device (shard)"),
+        ("zero3", "gatherfail", "Input/output error (unit)"),
+    ],
+)
 def test_a_failure_on_rank_0_mid_gather_stops_every_rank_with_its_message(tmp_path, scenario, fault, said):
     if scenario == "zero3":
         needs_deepspeed()
@@ -364,8 +400,10 @@ def test_a_zero3_model_merges_as_the_unsharded_one(tmp_path, options):
     assert same_folder(ref, out) == []
     note = next(n for n in outcome["notes"] if n.startswith("gathered from 2 ranks"))
     held = int(note.split("at most ")[1].split(" elements")[0].replace(",", ""))
-    unit = max([sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()] +
-               [sum(p.numel() for p in m.parameters()) for m in model.modules() if hasattr(m, "lora_A")])
+    unit = max(
+        [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+        + [sum(p.numel() for p in m.parameters()) for m in model.modules() if hasattr(m, "lora_A")]
+    )
     total = sum(p.numel() for p in model.parameters())
     assert 0 < held <= unit < total / 3  # a module (or a LoRA layer: base and factors) at a time, not the model
 
@@ -393,8 +431,17 @@ def test_an_unsharded_model_is_merged_by_rank_0_alone_as_before(tmp_path):
 
 def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(inputs, tmp_path):
     out = str(tmp_path / "out")
-    run = torchrun(2, "interrupt-after-shard", "1", "merge", inputs["sharded"], inputs["sharded_ad"], out,
-                   "--max-shard-size", "40KB")
+    run = torchrun(
+        2,
+        "interrupt-after-shard",
+        "1",
+        "merge",
+        inputs["sharded"],
+        inputs["sharded_ad"],
+        out,
+        "--max-shard-size",
+        "40KB",
+    )
     assert run.returncode != 0
     # the ranks' messages share one stderr and may interleave mid-line: look for each one whole
     assert "peft-shardmerge[rank 0]: interrupted; the partial output was removed and OUT is unchanged" in run.stderr
@@ -419,11 +466,13 @@ def test_an_output_locked_by_another_merge_is_refused_on_every_rank(inputs, tmp_
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL puts one rank on each GPU)")
 def test_ranks_on_gpus_write_the_same_bytes_as_one_gpu_process(inputs, tmp_path):
     ref = str(tmp_path / "ref")
-    merge_checkpoint(inputs["sharded"], inputs["sharded_ad"], ref, max_shard_size="60KB", device="cuda",
-                     progress=False)
+    merge_checkpoint(
+        inputs["sharded"], inputs["sharded_ad"], ref, max_shard_size="60KB", device="cuda", progress=False
+    )
     out = str(tmp_path / "out")
-    run = torchrun(2, "cli", "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "60KB",
-                   "--device", "cuda")
+    run = torchrun(
+        2, "cli", "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "60KB", "--device", "cuda"
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "device cuda:0" in run.stdout
     assert same_folder(ref, out) == []

@@ -28,8 +28,9 @@ from peft_shardmerge.testing import build_base, token_ids
 from tests.helpers import add_adapter_or_skip, logits_of, rel_err
 from tests.integration.test_inprocess import reference_logits, train_one_step
 
-NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-           bnb_4bit_compute_dtype=torch.float32)
+NF4 = dict(
+    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
+)
 
 
 def peft_qlora(base: str, **load) -> PeftModel:
@@ -37,14 +38,16 @@ def peft_qlora(base: str, **load) -> PeftModel:
 
     Loaded in float32 so that the unmerged model computes in float32 too and can serve as the reference to 1e-5
     (a bf16-loaded 4-bit layer dequantizes to bf16 on the CPU, a rounding of ~3e-3 in the logits)."""
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(**NF4),
-                                                 **{"dtype": torch.float32, **load})
+    model = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=BitsAndBytesConfig(**NF4), **{"dtype": torch.float32, **load}
+    )
     for m in model.modules():  # keep the CPU from repacking the weights (see docs/after-training.md)
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0,
-                                             task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    )
     train_one_step(model, model.config.vocab_size)
     return model
 
@@ -72,13 +75,15 @@ def test_default_reproduces_the_trained_4bit_model_however_the_adapter_was_attac
         assert "reproduces the trained model" in report.summary()
         return
 
-    plain = AutoModelForCausalLM.from_pretrained(bf16_base, quantization_config=BitsAndBytesConfig(**NF4),
-                                                 dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(
+        bf16_base, quantization_config=BitsAndBytesConfig(**NF4), dtype=torch.float32
+    )
     for m in plain.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False
-    add_adapter_or_skip(plain, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                          init_lora_weights=False))
+    add_adapter_or_skip(
+        plain, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     ref = reference_logits(plain, ids)
     report = merge_and_save(plain, str(tmp_path / "add_adapter"), dtype="float32", progress=False)
     assert report.base_precision == "dequantized" and report.reproduces.startswith("the trained model")
@@ -114,8 +119,9 @@ def test_auto_merges_into_the_revision_the_model_was_loaded_from(tmp_path, monke
     cache = _hub_cache(tmp_path, {"v1": v1, "v2": v2}, main="v2")
     monkeypatch.setattr(hc, "HF_HUB_CACHE", cache)
     model = AutoModelForCausalLM.from_pretrained("org/tiny", revision="v1", cache_dir=cache, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                             init_lora_weights=False))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     ids = token_ids(512, seed=3)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
@@ -127,14 +133,18 @@ def test_auto_merges_into_the_revision_the_model_was_loaded_from(tmp_path, monke
 def test_a_base_folder_changed_after_loading_is_not_used(tmp_path):
     base = build_base(str(tmp_path / "base"), "llama", seed=1)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                             init_lora_weights=False))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     build_base(base, "llama", seed=5)  # the folder is rewritten after loading
     ids = token_ids(512, seed=3)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-    with pytest.raises(InputError, match=r"base_precision='original' cannot be used: the checkpoint on disk is not "
-                                         r"the one in memory \(.*model\.embed_tokens\.weight differs"):
+    with pytest.raises(
+        InputError,
+        match=r"base_precision='original' cannot be used: the checkpoint on disk is not "
+        r"the one in memory \(.*model\.embed_tokens\.weight differs",
+    ):
         merge_and_save(model, str(tmp_path / "o"), dtype="float32", base_precision="original", progress=False)
     report = merge_and_save(model, str(tmp_path / "m"), dtype="float32", progress=False)
     assert report.base_precision == "dequantized" and "changed after loading" in report.notes[0]
@@ -146,15 +156,18 @@ def test_a_base_folder_changed_after_loading_is_not_used(tmp_path):
 
 def test_a_model_loaded_in_fp32_is_written_in_the_checkpoints_own_dtype(bf16_base, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(bf16_base, dtype=torch.float32)  # as many CPU tutorials do
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                             init_lora_weights=False))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     report = merge_and_save(model, str(tmp_path / "m"), progress=False)
     assert report.dtype == "bfloat16" and any("the checkpoint's own" in n for n in report.notes)
     assert json.load(open(tmp_path / "m" / "config.json"))["dtype"] == "bfloat16"
 
     fp32 = build_base(str(tmp_path / "fp32"), "llama", dtype=torch.float32)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32),
-                           LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.float32),
+        LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False),
+    )
     report = merge_and_save(model, str(tmp_path / "n"), progress=False)  # the base's own dtype, as from disk
     assert report.dtype == "float32" and any("the checkpoint's own" in n for n in report.notes)
     assert merge_and_save(model, str(tmp_path / "a"), dtype="auto", progress=False).dtype == "float32"
@@ -251,19 +264,31 @@ def test_merge_and_unload_on_an_offloaded_model_keeps_it_offloaded(bf16_base, tm
         unmerged = ref(input_ids=ids).logits
     base_files = digest(Path(bf16_base))
     offload = tmp_path / "offload"
-    on_disk = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "cpu", "model.norm": "cpu",
-               "model.rotary_emb": "cpu", "lm_head": "disk"}
+    on_disk = {
+        "model.embed_tokens": "disk",
+        "model.layers.0": "cpu",
+        "model.layers.1": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "disk",
+    }
     if how == "from_pretrained":
         load = dict(dtype=torch.float32, offload_folder=str(offload))
-        broken = get_peft_model(AutoModelForCausalLM.from_pretrained(
-            bf16_base, device_map={**on_disk, "model.layers.0": "disk"}, **load), copy.deepcopy(config))
+        broken = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(bf16_base, device_map={**on_disk, "model.layers.0": "disk"}, **load),
+            copy.deepcopy(config),
+        )
         kinds = [type(m) for m in broken.modules()]
-        with pytest.raises(InputError, match=r"model\.layers\.0\.self_attn\.q_proj: the LoRA factors of default are "
-                                             r"on the meta device with no weights"):
+        with pytest.raises(
+            InputError,
+            match=r"model\.layers\.0\.self_attn\.q_proj: the LoRA factors of default are "
+            r"on the meta device with no weights",
+        ):
             merge_and_unload(broken)
         assert kinds == [type(m) for m in broken.modules()]
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_base, device_map=on_disk, **load),
-                               copy.deepcopy(config))
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(bf16_base, device_map=on_disk, **load), copy.deepcopy(config)
+        )
         set_peft_model_state_dict(model, get_peft_model_state_dict(ref))
     else:
         device_map = {f"base_model.model.{k}": v for k, v in {**on_disk, "model.layers.0": "disk"}.items()}
@@ -297,8 +322,15 @@ def test_merge_and_unload_on_an_offloaded_model_keeps_it_offloaded(bf16_base, tm
 def test_every_problem_at_once_in_python(bf16_base, tmp_path):
     model = peft_qlora(bf16_base)
     with pytest.raises(InputError) as e:
-        merge_and_save(model, str(tmp_path / "m"), dtype="int3", max_shard_size="huge", base_precision="best",
-                       maximum_memory_usage=2.0, progress=False)
+        merge_and_save(
+            model,
+            str(tmp_path / "m"),
+            dtype="int3",
+            max_shard_size="huge",
+            base_precision="best",
+            maximum_memory_usage=2.0,
+            progress=False,
+        )
     assert len(e.value.problems) == 4, e.value.problems
     assert not any("--" in p for p in e.value.problems)  # Python callers are not told about CLI flags
     assert not (tmp_path / "m").exists()
@@ -311,8 +343,13 @@ def test_merge_report_repr_is_short(bf16_base, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "peft_shardmerge", *args], capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -334,8 +371,10 @@ def test_cli_summary_once_quiet_dtype_aliases_and_bare_help(tmp_path):
 
 def test_help_does_not_import_torch():
     """`peft-shardmerge --help` took 2.3 s importing torch, transformers and peft; it now imports none."""
-    code = "import sys, peft_shardmerge.api.cli as c, peft_shardmerge as p; print(sorted({'torch', 'transformers', " \
-           "'peft'} & set(sys.modules)))"
+    code = (
+        "import sys, peft_shardmerge.api.cli as c, peft_shardmerge as p; print(sorted({'torch', 'transformers', "
+        "'peft'} & set(sys.modules)))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
 
@@ -365,16 +404,24 @@ def test_adding_chat_tokens_merges_on_every_path(quant, tmp_path):
             m.support_avx512bf16_for_cpu = False
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     model.resize_token_embeddings(len(tokenizer))
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                             modules_to_save=["embed_tokens", "lm_head"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"]
+        ),
+    )
     train_one_step(model, len(tokenizer))
     ids = torch.cat([token_ids(512, batch=2, length=8, seed=3), torch.tensor([[512, 513]] * 2)], dim=1)
     ref = reference_logits(model, ids)
-    outs = {"default": merge_and_save(model, str(tmp_path / "default"), tokenizer=tokenizer, dtype="float32",
-                                      progress=False)}
+    outs = {
+        "default": merge_and_save(
+            model, str(tmp_path / "default"), tokenizer=tokenizer, dtype="float32", progress=False
+        )
+    }
     if quant == "none":
-        outs["original"] = merge_and_save(model, str(tmp_path / "original"), dtype="float32",
-                                          base_precision="original", progress=False)
+        outs["original"] = merge_and_save(
+            model, str(tmp_path / "original"), dtype="float32", base_precision="original", progress=False
+        )
     for name, report in outs.items():
         assert report.replacements_applied >= 2, name
         got = logits_of(str(tmp_path / name), ids)
@@ -436,8 +483,7 @@ def test_push_to_a_bare_repository_name_with_a_clean_model_card(tmp_path, monkey
     cache = _hub_cache(tmp_path, {"v1": build_base(str(tmp_path / "v1"), "llama")}, main="v1")
     monkeypatch.setattr(hc, "HF_HUB_CACHE", cache)
     model = AutoModelForCausalLM.from_pretrained("org/tiny", cache_dir=cache, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
-                                             init_lora_weights=False))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
     with FakeHub() as hub:
         monkeypatch.setattr(hc, "ENDPOINT", hub.url)
         monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
@@ -455,13 +501,17 @@ def test_push_to_a_bare_repository_name_with_a_clean_model_card(tmp_path, monkey
 def test_a_pre_quantized_base_says_what_is_wrong_with_it(tmp_path):
     """Unsloth's and TRL's examples often load an '-bnb-4bit' checkpoint: the reason names it, not a header line."""
     base = build_base(str(tmp_path / "tiny"), "llama")
-    AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(**NF4), dtype=torch.float32
-                                         ).save_pretrained(str(tmp_path / "tiny-bnb-4bit"))
+    AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=BitsAndBytesConfig(**NF4), dtype=torch.float32
+    ).save_pretrained(str(tmp_path / "tiny-bnb-4bit"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tiny-bnb-4bit"), dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False))
-    with pytest.raises(InputError, match=r"cannot be used: the checkpoint the model was loaded from cannot be merged "
-                                         r"into from disk \(.*tiny-bnb-4bit: it is itself stored quantized "
-                                         r"\(bitsandbytes 4-bit"):
+    with pytest.raises(
+        InputError,
+        match=r"cannot be used: the checkpoint the model was loaded from cannot be merged "
+        r"into from disk \(.*tiny-bnb-4bit: it is itself stored quantized "
+        r"\(bitsandbytes 4-bit",
+    ):
         merge_and_save(model, str(tmp_path / "o"), base_precision="original", progress=False)
     report = merge_and_save(model, str(tmp_path / "m"), progress=False)
     assert report.base_precision == "dequantized" and "is itself stored quantized" in report.notes[0]
@@ -504,8 +554,9 @@ def test_a_mismatched_adapter_among_several_is_named_once_per_module_kind(tmp_pa
         merge_checkpoint(good_base, [good, wrong], str(tmp_path / "m"), progress=False)
     shapes = [p for p in e.value.problems if "gives a delta" in p]
     assert len(shapes) == 3  # gate, up, down: one line each, not one per layer
-    assert all(p.startswith(f"adapter {wrong}: LoRA module 'model.layers.*.mlp.") and "(2 layers)" in p
-               for p in shapes)
+    assert all(
+        p.startswith(f"adapter {wrong}: LoRA module 'model.layers.*.mlp.") and "(2 layers)" in p for p in shapes
+    )
     assert not any(good + ":" in p or f"in {good} " in p for p in e.value.problems)
 
 

@@ -32,8 +32,9 @@ def base_with_tokenizer(tmp_path) -> str:
     folder = build_base(str(tmp_path / "tiny-llama"), "llama", dtype=torch.bfloat16)
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w1",
-                            eos_token="w2").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w1", eos_token="w2").save_pretrained(
+        folder
+    )
     return folder
 
 
@@ -71,8 +72,11 @@ class _RefusingHub:
                 hub.requests.append(f"{self.command} {self.path}")
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 bad_token = "hf_wrong" in self.headers.get("Authorization", "")
-                status, error = ((401, "Invalid credentials in Authorization header") if bad_token else
-                                 (403, "You don't have the rights to create a model under the namespace \"other\""))
+                status, error = (
+                    (401, "Invalid credentials in Authorization header")
+                    if bad_token
+                    else (403, 'You don\'t have the rights to create a model under the namespace "other"')
+                )
                 raw = json.dumps({"error": error}).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -153,8 +157,9 @@ def test_python_errors_name_keywords_and_the_command_line_names_flags(make_base,
 
 
 @pytest.mark.parametrize("save_method", ["merged_16bit", "merged_4bit_forced"])
-def test_an_unsloth_style_resave_never_deletes_a_file_that_appears_before_the_lock(bf16_base_tok, tmp_path,
-                                                                                  monkeypatch, save_method):
+def test_an_unsloth_style_resave_never_deletes_a_file_that_appears_before_the_lock(
+    bf16_base_tok, tmp_path, monkeypatch, save_method
+):
     """save_pretrained_merged replaces only its own earlier save. Checked before the merge and again under the output
     lock: a file another process puts into the folder in between is kept, and the save is refused."""
     import warnings
@@ -181,19 +186,22 @@ def test_an_unsloth_style_resave_never_deletes_a_file_that_appears_before_the_lo
     assert sorted(os.listdir(out)) == sorted(before + ["someone_elses.txt"])
 
 
-def test_a_merge_and_unload_that_fails_part_way_says_so_and_the_model_is_refused_afterwards(bf16_base_tok,
-                                                                                           tmp_path):
+def test_a_merge_and_unload_that_fails_part_way_says_so_and_the_model_is_refused_afterwards(bf16_base_tok, tmp_path):
     """A float16 overflow in a later layer stops merge_and_unload after earlier layers were replaced (it consumes the
     model, as PEFT's does): the error says the model is now half merged, and every later merge refuses it."""
     from peft_shardmerge import MergeCheckError, merge_and_unload
 
     model = AutoModelForCausalLM.from_pretrained(bf16_base_tok, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
-                                             init_lora_weights=False))
+    model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    )
     with torch.no_grad():
         model.base_model.model.model.layers[1].mlp.down_proj.lora_B["default"].weight[3, 2] = 1e7
-    with pytest.raises(MergeCheckError, match=r"(?s)beyond float16's range.*stopped after replacing [1-9]\d* of "
-                                              r"\d+ merged modules.*must not be used or merged again"):
+    with pytest.raises(
+        MergeCheckError,
+        match=r"(?s)beyond float16's range.*stopped after replacing [1-9]\d* of "
+        r"\d+ merged modules.*must not be used or merged again",
+    ):
         merge_and_unload(model, dtype="float16")
     for merge in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "m"), progress=False)):
         with pytest.raises(InputError, match="mixes merged and unmerged layers"):
@@ -202,8 +210,7 @@ def test_a_merge_and_unload_that_fails_part_way_says_so_and_the_model_is_refused
 
 
 @pytest.mark.slow
-def test_every_python_spelling_the_command_line_rewrites_is_one_the_library_says(make_base, make_adapter,
-                                                                                   tmp_path):
+def test_every_python_spelling_the_command_line_rewrites_is_one_the_library_says(make_base, make_adapter, tmp_path):
     """cli.FLAGS rewrites exact message text: each key must still appear in a library message, or the rewrite would
     silently stop working; and the module run as a script reaches the rewrite."""
     import pathlib
@@ -213,22 +220,35 @@ def test_every_python_spelling_the_command_line_rewrites_is_one_the_library_says
     import peft_shardmerge
     from peft_shardmerge.api.cli import FLAGS
 
-    sources = "".join(p.read_text() for p in pathlib.Path(peft_shardmerge.__file__).parent.rglob("*.py")
-                      if p.name != "cli.py")
+    sources = "".join(
+        p.read_text() for p in pathlib.Path(peft_shardmerge.__file__).parent.rglob("*.py") if p.name != "cli.py"
+    )
     for python in FLAGS:
         assert python in sources, python
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    run = subprocess.run([sys.executable, "-m", "peft_shardmerge.api.cli", "merge", make_base("llama"),
-                          make_adapter("llama", "default"), str(out)], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peft_shardmerge.api.cli",
+            "merge",
+            make_base("llama"),
+            make_adapter("llama", "default"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert run.returncode == 2, run.stderr
     assert "pass --overwrite to replace it" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_merge_and_unload_of_an_offloaded_model_without_room_for_its_merged_weights_changes_nothing(
-        base_with_tokenizer, tmp_path, monkeypatch):
+    base_with_tokenizer, tmp_path, monkeypatch
+):
     """Room in the offload folder is checked before any layer is replaced: with too little free space the model is
     refused, left as it was (same modules, same outputs) and no folder is made beside the user's offload files."""
     import copy
@@ -239,12 +259,22 @@ def test_merge_and_unload_of_an_offloaded_model_without_room_for_its_merged_weig
     from peft_shardmerge.model import module_sink
 
     torch.manual_seed(0)
-    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(base_with_tokenizer, dtype=torch.float32),
-                         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ref = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_with_tokenizer, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     offload = tmp_path / "offload"
-    device_map = {f"base_model.model.{k}": v for k, v in {
-        "model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "cpu", "model.norm": "cpu",
-        "model.rotary_emb": "cpu", "lm_head": "cpu"}.items()}
+    device_map = {
+        f"base_model.model.{k}": v
+        for k, v in {
+            "model.embed_tokens": "cpu",
+            "model.layers.0": "disk",
+            "model.layers.1": "cpu",
+            "model.norm": "cpu",
+            "model.rotary_emb": "cpu",
+            "lm_head": "cpu",
+        }.items()
+    }
     model = dispatch_model(copy.deepcopy(ref), device_map=device_map, offload_dir=str(offload))
     ids = torch.tensor([[1, 5, 9, 3, 7]])
     with torch.no_grad():

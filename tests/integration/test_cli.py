@@ -13,8 +13,14 @@ from peft_shardmerge.testing import compare_logits
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "peft_shardmerge", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
+
 
 def test_cli_merge_and_summary(make_base, make_adapter, tmp_path):
     base, adapter = make_base("llama_sharded"), make_adapter("llama_sharded", "default")
@@ -26,6 +32,7 @@ def test_cli_merge_and_summary(make_base, make_adapter, tmp_path):
     assert len(shards) > 1 and f"shards {len(shards)}," in r.stdout and "peak RSS" in r.stdout
     assert "merging" in r.stderr  # the progress bar
     assert compare_logits(base, adapter, out) < 1e-4
+
 
 @pytest.mark.slow
 def test_cli_dry_run_prints_plan_and_writes_nothing(make_base, make_adapter, tmp_path):
@@ -40,11 +47,14 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(make_base, make_adapter, tmp
     assert "model-00001-of-" in r.stdout and "estimated peak working memory" in r.stdout
     assert r.stderr == ""  # -q: no progress bar, no info logging
 
+
 @pytest.mark.slow
 def test_cli_resolves_hub_ids_from_the_local_cache_offline(make_base, make_adapter, tmp_path):
     cache = tmp_path / "hub"
-    for repo, src in (("tiny-org/tiny-llama", make_base("llama")), ("tiny-org/tiny-adapter",
-                                                                        make_adapter("llama", "default"))):
+    for repo, src in (
+        ("tiny-org/tiny-llama", make_base("llama")),
+        ("tiny-org/tiny-adapter", make_adapter("llama", "default")),
+    ):
         root = cache / f"models--{repo.replace('/', '--')}"
         shutil.copytree(src, root / "snapshots" / "0123abcd")
         (root / "refs").mkdir()
@@ -56,6 +66,7 @@ def test_cli_resolves_hub_ids_from_the_local_cache_offline(make_base, make_adapt
     assert compare_logits(make_base("llama"), make_adapter("llama", "default"), str(out)) < 1e-4
     r = _cli("merge", "tiny-org/not-cached", "tiny-org/tiny-adapter", str(tmp_path / "o2"), env=env)
     assert r.returncode == 2 and "not a folder, nor a Hub id in the local Hugging Face cache" in r.stderr
+
 
 @pytest.mark.slow
 def test_tokenizer_files_travel(make_base, make_adapter, tmp_path):

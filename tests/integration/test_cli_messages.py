@@ -21,8 +21,9 @@ def test_each_note_is_printed_once(make_base, make_adapter, tmp_path, capsys, ca
         caplog.clear()
         with caplog.at_level(logging.INFO):
             assert main(["merge", base, adapter, str(tmp_path / f"o{len(args)}"), *args]) == 0
-        shown = capsys.readouterr().out + "\n".join(r.getMessage() for r in caplog.records
-                                                    if r.levelno >= logging.INFO)
+        shown = capsys.readouterr().out + "\n".join(
+            r.getMessage() for r in caplog.records if r.levelno >= logging.INFO
+        )
         for note in notes:
             assert shown.count(note) == 1, (args, note)
 

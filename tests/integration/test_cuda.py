@@ -24,22 +24,35 @@ DEV = torch.device("cuda:0")
 def base(tmp_path_factory):
     """A bf16 Llama whose projections are large next to the allocator's 2 MiB blocks (MLP weights 16 MiB in fp32)."""
     folder = str(tmp_path_factory.mktemp("cuda") / "base")
-    return build_base(folder, "llama", dtype=torch.bfloat16, hidden_size=HIDDEN, intermediate_size=INTER,
-                      num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4)
+    return build_base(
+        folder,
+        "llama",
+        dtype=torch.bfloat16,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
 
 
 def qlora_on_cuda(base: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cuda:0",
-                                                 dtype=torch.bfloat16)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=qc, device_map="cuda:0", dtype=torch.bfloat16
+    )
     torch.manual_seed(0)
-    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=default_targets("llama"),
-                                            init_lora_weights=False)).eval()
-
+    return get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, target_modules=default_targets("llama"), init_lora_weights=False)
+    ).eval()
 
 
 def assert_same(a: str, b: str, exact: bool) -> None:
@@ -68,8 +81,13 @@ def used_now() -> int:
 def free_blocks(at_least: int = 1 << 20) -> list[int]:
     """Sizes of the free blocks inside the segments torch's allocator holds (what a capped allocation may still
     use)."""
-    return [b["size"] for seg in torch.cuda.memory_snapshot() if seg.get("device", DEV.index) == DEV.index
-            for b in seg["blocks"] if b["state"] == "inactive" and b["size"] >= at_least]
+    return [
+        b["size"]
+        for seg in torch.cuda.memory_snapshot()
+        if seg.get("device", DEV.index) == DEV.index
+        for b in seg["blocks"]
+        if b["state"] == "inactive" and b["size"] >= at_least
+    ]
 
 
 @contextlib.contextmanager
@@ -126,18 +144,31 @@ def test_tight_budget_keeps_same_sized_modules_on_the_gpu(base, tmp_path, caplog
     caplog.set_level(logging.INFO, logger="peft_shardmerge")
 
     roomy = str(tmp_path / "roomy")
-    merge_and_save(model, roomy, dtype="float32", base_precision="dequantized", progress=False,
-                   maximum_memory_usage=(used_now() + 1.5 * MLP_NEED) / total)
+    merge_and_save(
+        model,
+        roomy,
+        dtype="float32",
+        base_precision="dequantized",
+        progress=False,
+        maximum_memory_usage=(used_now() + 1.5 * MLP_NEED) / total,
+    )
     assert sent_to_cpu(caplog) == []
     assert_same(roomy, ref, exact=True)
 
     caplog.clear()
     tight = str(tmp_path / "tight")
-    report = merge_and_save(model, tight, dtype="float32", base_precision="dequantized", progress=False,
-                            maximum_memory_usage=(used_now() + 1.5 * ATTN_NEED) / total)
+    report = merge_and_save(
+        model,
+        tight,
+        dtype="float32",
+        base_precision="dequantized",
+        progress=False,
+        maximum_memory_usage=(used_now() + 1.5 * ATTN_NEED) / total,
+    )
     cpu = sent_to_cpu(caplog)
-    assert sorted(cpu) == sorted(f"model.layers.{i}.mlp.{p}.weight" for i in range(LAYERS)
-                                 for p in ("gate_proj", "up_proj", "down_proj"))
+    assert sorted(cpu) == sorted(
+        f"model.layers.{i}.mlp.{p}.weight" for i in range(LAYERS) for p in ("gate_proj", "up_proj", "down_proj")
+    )
     assert report.cpu_fallbacks == 0 and report.lora_modules_merged == report.lora_modules_total == 7 * LAYERS
     assert_same(tight, ref, exact=False)
 
@@ -154,8 +185,9 @@ def test_real_out_of_memory_is_retried_on_the_cpu(base, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="peft_shardmerge")
     out = str(tmp_path / "capped")
     with capped(3 * HIDDEN * INTER):  # dequantizing takes 6 bytes per element (bf16 result + fp32 copy)
-        report = merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False,
-                                maximum_memory_usage=0.95)
+        report = merge_and_save(
+            model, out, dtype="float32", base_precision="dequantized", progress=False, maximum_memory_usage=0.95
+        )
     oom = [r.getMessage() for r in caplog.records if "out of memory merging" in r.getMessage()]
     assert report.cpu_fallbacks == len(oom) == 3 * LAYERS, oom
     assert all(".mlp." in m for m in oom) and sent_to_cpu(caplog) == []
@@ -203,8 +235,7 @@ def test_merge_and_unload_on_cuda_returns_a_16bit_model_that_generates(base, tmp
     with torch.no_grad():
         before = model(input_ids=ids).logits.float()
     plain = merge_and_unload(model)
-    assert not any(isinstance(m, (bnb.nn.Linear4bit,)) or "lora" in type(m).__name__.lower()
-                   for m in plain.modules())
+    assert not any(isinstance(m, (bnb.nn.Linear4bit,)) or "lora" in type(m).__name__.lower() for m in plain.modules())
     params = dict(plain.named_parameters())
     assert all(p.device == DEV and p.dtype == torch.bfloat16 for p in params.values())
     state = plain.state_dict()

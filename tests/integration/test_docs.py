@@ -22,10 +22,20 @@ def _blocks(path: str) -> list[tuple[str, str]]:
         return BLOCK.findall(f.read())
 
 
-@pytest.mark.parametrize("doc", ["docs/guide.md", "docs/after-training.md", "docs/variants-dora.md",
-                                 "docs/variants-several-adapters.md", "docs/variants-vocabulary.md",
-                                 "docs/variants-layers.md", "docs/variants-other-peft.md", "docs/architectures.md",
-                                 "docs/quantized-bases.md"])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        "docs/guide.md",
+        "docs/after-training.md",
+        "docs/variants-dora.md",
+        "docs/variants-several-adapters.md",
+        "docs/variants-vocabulary.md",
+        "docs/variants-layers.md",
+        "docs/variants-other-peft.md",
+        "docs/architectures.md",
+        "docs/quantized-bases.md",
+    ],
+)
 def test_doc_examples_run(doc, tmp_path, monkeypatch):
     blocks = _blocks(doc)
     assert blocks
@@ -49,8 +59,12 @@ def test_readme_commands_exist():
 
 
 def test_demo_example_runs(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "demo.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("->  MATCH")
     assert "LoRA modules merged 14/14" in r.stdout
@@ -58,8 +72,12 @@ def test_demo_example_runs(tmp_path):
 
 def test_qlora_example_runs(tmp_path):
     pytest.importorskip("bitsandbytes")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "qlora_train_and_merge.py"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "qlora_train_and_merge.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("->  MATCH")
     assert "LoRA modules merged 14/14" in r.stdout and "base precision dequantized" in r.stdout
@@ -67,11 +85,18 @@ def test_qlora_example_runs(tmp_path):
 
 def test_compare_bases_example_runs(tmp_path):
     pytest.importorskip("bitsandbytes")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "compare_bases.py"), str(tmp_path),
-                        "--steps", "30"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "compare_bases.py"), str(tmp_path), "--steps", "30"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
-    losses = [float(line.rsplit("|", 2)[1]) for line in r.stdout.splitlines() if line.startswith("| ") and
-              not line.startswith("| model")]
+    losses = [
+        float(line.rsplit("|", 2)[1])
+        for line in r.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| model")
+    ]
     base_alone, trained, original, dequantized = losses
     assert trained < base_alone
     assert abs(dequantized - trained) < 0.05 and abs(original - trained) < 0.05

@@ -25,8 +25,12 @@ def load_quantized(base: str, quant: str, compute_dtype=torch.float32, double_qu
     if quant == "8bit":
         qc = BitsAndBytesConfig(load_in_8bit=True)
     else:
-        qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double_quant,
-                                bnb_4bit_compute_dtype=compute_dtype)
+        qc = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant,
+            bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
     return AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=dtype)
 
 
@@ -122,8 +126,11 @@ def check_output(model, out: str, dtype: str, tol: float) -> None:
 QUANT_CASES = [(q, dq, cd) for q in ("nf4", "fp4") for dq in (True, False) for cd in (torch.bfloat16, torch.float32)]
 
 
-@pytest.mark.parametrize("quant,double_quant,compute_dtype", QUANT_CASES,
-                         ids=[f"{q}-{'dq' if d else 'nodq'}-{str(c)[6:]}" for q, d, c in QUANT_CASES])
+@pytest.mark.parametrize(
+    "quant,double_quant,compute_dtype",
+    QUANT_CASES,
+    ids=[f"{q}-{'dq' if d else 'nodq'}-{str(c)[6:]}" for q, d, c in QUANT_CASES],
+)
 def test_4bit_llama(quant, double_quant, compute_dtype, make_base, tmp_path):
     model = qlora(make_base("llama"), "llama", quant, compute_dtype, double_quant)
     before = snapshot(model)
@@ -161,15 +168,17 @@ def check_lora_tensors(model, got, transposed=()) -> None:
     assert checked
 
 
-@pytest.mark.parametrize("arch_base,quant", [("qwen2", "nf4"), ("gpt2", "nf4"), ("llama", "8bit"),
-                                             ("llama", "none"), ("gpt2", "none")])
+@pytest.mark.parametrize(
+    "arch_base,quant", [("qwen2", "nf4"), ("gpt2", "nf4"), ("llama", "8bit"), ("llama", "none"), ("gpt2", "none")]
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_architectures_and_quantizations(arch_base, quant, dtype, make_base, tmp_path):
     model = qlora(make_base(arch_base), arch_base, quant)
     before = snapshot(model)
     out = str(tmp_path / "m")
-    report = merge_and_save(model, out, dtype=dtype, base_precision="dequantized", max_shard_size="200KB",
-                            progress=False)
+    report = merge_and_save(
+        model, out, dtype=dtype, base_precision="dequantized", max_shard_size="200KB", progress=False
+    )
     assert report.lora_modules_merged == report.lora_modules_total > 0
     assert len(report.shards) > 1
     assert_unchanged(before, model)
@@ -177,8 +186,16 @@ def test_architectures_and_quantizations(arch_base, quant, dtype, make_base, tmp
     tol = 3e-2 if dtype == "bfloat16" or quant == "8bit" else 1e-5
     check_output(model, out, dtype, tol)
     if dtype == "float32":
-        conv1d = {k for k in read_all(out) if arch_base == "gpt2" and quant != "none" and ".attn.c_" in k
-                  or arch_base == "gpt2" and quant != "none" and ".mlp.c_" in k}
+        conv1d = {
+            k
+            for k in read_all(out)
+            if arch_base == "gpt2"
+            and quant != "none"
+            and ".attn.c_" in k
+            or arch_base == "gpt2"
+            and quant != "none"
+            and ".mlp.c_" in k
+        }
         check_lora_tensors(model, read_all(out), transposed=conv1d)
 
 
@@ -202,15 +219,19 @@ def test_cpu_repacked_weights_are_unpacked_not_garbage(make_base, tmp_path):
         if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer"):
             w = m.base_layer.weight
             with torch.no_grad():
-                want[f"{name}.weight"] = (F.dequantize_4bit(w.data, w.quant_state).float()
-                                          + m.get_delta_weight("default"))
+                want[f"{name}.weight"] = F.dequantize_4bit(w.data, w.quant_state).float() + m.get_delta_weight(
+                    "default"
+                )
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = True
     with torch.no_grad():
         model(input_ids=token_ids(model.config.vocab_size))
-    repacked = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
-                and getattr(m.weight.quant_state, "packing_format_for_cpu", False)]
+    repacked = [
+        m
+        for m in model.modules()
+        if isinstance(m, bnb.nn.Linear4bit) and getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+    ]
     if not repacked:
         pytest.skip("bitsandbytes did not repack on this CPU (no AVX512-BF16 kernel)")
     before = snapshot(model)
@@ -221,7 +242,7 @@ def test_cpu_repacked_weights_are_unpacked_not_garbage(make_base, tmp_path):
     got = read_all(out)
     for name, w in want.items():
         rel = float((got[name] - w).abs().max() / w.abs().max())
-        assert rel < 2 ** -8, (name, rel)  # the bf16 block scales; garbage would be O(1)
+        assert rel < 2**-8, (name, rel)  # the bf16 block scales; garbage would be O(1)
 
 
 def test_oom_on_one_module_is_retried_on_cpu(make_base, tmp_path, monkeypatch):
@@ -268,8 +289,11 @@ def test_original_requested_but_missing(make_base, tmp_path):
 
     model = qlora(make_base("llama"), "llama", "nf4")
     model.base_model.model.config._name_or_path = str(tmp_path / "gone")
-    with pytest.raises(InputError, match=r"base_precision='original' cannot be used: the 16-bit checkpoint the "
-                                         r"model was loaded from is not available locally \(.*gone"):
+    with pytest.raises(
+        InputError,
+        match=r"base_precision='original' cannot be used: the 16-bit checkpoint the "
+        r"model was loaded from is not available locally \(.*gone",
+    ):
         merge_and_save(model, str(tmp_path / "m"), base_precision="original", progress=False)
     report = merge_and_save(model, str(tmp_path / "m"), progress=False)
     assert report.base_precision == "dequantized" and "is not available locally" in report.notes[0]
@@ -285,14 +309,19 @@ def test_memory_budget_is_validated(value, make_base, tmp_path):
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.parametrize("arch_base,quant", [("llama", "nf4"), ("qwen2", "nf4"), ("gpt2", "nf4"), ("llama", "8bit"),
-                                             ("llama", "none")])
+@pytest.mark.parametrize(
+    "arch_base,quant", [("llama", "nf4"), ("qwen2", "nf4"), ("gpt2", "nf4"), ("llama", "8bit"), ("llama", "none")]
+)
 def test_merge_and_unload_gives_a_plain_model(arch_base, quant, make_base, tmp_path):
     from peft_shardmerge.api.unload import merge_and_unload
 
-    model = qlora(make_base(arch_base), arch_base, quant, target_modules=None if arch_base != "qwen2" else
-                  ["q_proj", "v_proj", "embed_tokens"],
-                  **({"modules_to_save": ["lm_head"]} if arch_base == "qwen2" else {}))
+    model = qlora(
+        make_base(arch_base),
+        arch_base,
+        quant,
+        target_modules=None if arch_base != "qwen2" else ["q_proj", "v_proj", "embed_tokens"],
+        **({"modules_to_save": ["lm_head"]} if arch_base == "qwen2" else {}),
+    )
     out = str(tmp_path / "saved")
     merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False)
     ids = token_ids(model.config.vocab_size, seed=3)
@@ -335,8 +364,9 @@ def test_push_to_hub_merged_uploads_the_merged_folder(make_base, tmp_path, fake_
     base = make_base("llama")
     model = qlora(base, "llama", "nf4")
     secret = "hf_TESTtokenNEVERprinted123"
-    url = push_to_hub_merged(model, "me/tiny-merged", token=secret, private=True, max_shard_size="300KB",
-                             dtype="bfloat16", progress=False)
+    url = push_to_hub_merged(
+        model, "me/tiny-merged", token=secret, private=True, max_shard_size="300KB", dtype="bfloat16", progress=False
+    )
     assert url.endswith("/commit/" + "a" * 40)
     files = fake_hub.files["me/tiny-merged"]
     shards = sorted(f for f in files if f.endswith(".safetensors"))
@@ -357,8 +387,9 @@ def test_save_pretrained_merged_methods(make_base, tmp_path, fake_hub):
     from peft_shardmerge import InputError, save_pretrained_merged
 
     model = qlora(make_base("llama"), "llama", "nf4")
-    report = save_pretrained_merged(model, str(tmp_path / "m16"), save_method="merged_16bit", max_shard_size="300KB",
-                                    progress=False)
+    report = save_pretrained_merged(
+        model, str(tmp_path / "m16"), save_method="merged_16bit", max_shard_size="300KB", progress=False
+    )
     assert report.lora_modules_merged == 14 and len(report.shards) > 1
     assert save_pretrained_merged(model, str(tmp_path / "lora"), save_method="lora") is None
     assert (tmp_path / "lora" / "adapter_model.safetensors").exists()
@@ -405,16 +436,20 @@ def test_auto_on_a_repacked_model_leaves_it_untouched(make_base, tmp_path):
 def test_cuda_budget_sends_modules_to_cpu_with_the_same_result(make_base, tmp_path):
     from transformers import BitsAndBytesConfig
 
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.bfloat16)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
     model = AutoModelForCausalLM.from_pretrained(make_base("llama"), quantization_config=qc, device_map="cuda:0")
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"),
-                                             init_lora_weights=False))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"), init_lora_weights=False)
+    )
     a, b = str(tmp_path / "gpu"), str(tmp_path / "cpu")
     merge_and_save(model, a, dtype="float32", base_precision="dequantized", progress=False)
     # a budget below current use sends every module to the CPU
-    merge_and_save(model, b, dtype="float32", base_precision="dequantized", maximum_memory_usage=0.01,
-                   progress=False)
+    merge_and_save(model, b, dtype="float32", base_precision="dequantized", maximum_memory_usage=0.01, progress=False)
     ga, gb = read_all(a), read_all(b)
     for k in ga:
         torch.testing.assert_close(ga[k], gb[k], rtol=1e-5, atol=1e-6)
@@ -459,13 +494,20 @@ def test_accelerate_disk_offload(make_base, tmp_path):
     factors on the meta device and PeftModel.from_pretrained fails in accelerate's dispatch_model. So the LoRA
     layers stay on the CPU here while the embeddings and the head live on disk.)"""
     base = make_base("llama")
-    device_map = {"model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                  "lm_head": "disk"}
-    model = AutoModelForCausalLM.from_pretrained(base, device_map=device_map, offload_folder=str(tmp_path / "offload"),
-                                                 dtype=torch.float32)
+    device_map = {
+        "model.embed_tokens": "disk",
+        "model.layers": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "disk",
+    }
+    model = AutoModelForCausalLM.from_pretrained(
+        base, device_map=device_map, offload_folder=str(tmp_path / "offload"), dtype=torch.float32
+    )
     assert model.model.embed_tokens.weight.device.type == "meta"
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                             init_lora_weights=False))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     ids = token_ids(model.config.vocab_size, seed=3)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
@@ -486,14 +528,18 @@ def test_olora_init_rewrote_the_base_so_auto_uses_it(make_base, tmp_path):
 
     base = make_base("llama")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                             init_lora_weights="olora"))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights="olora")
+    )
     train_one_step(model, model.config.vocab_size)
     ids = token_ids(model.config.vocab_size, seed=3)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-    with pytest.raises(InputError, match=r"base_precision='original' cannot be used: the adapter was initialised "
-                                         r"with 'olora'"):
+    with pytest.raises(
+        InputError,
+        match=r"base_precision='original' cannot be used: the adapter was initialised "
+        r"with 'olora'",
+    ):
         merge_and_save(model, str(tmp_path / "o"), base_precision="original", progress=False)
     out = str(tmp_path / "m")
     report = merge_and_save(model, out, dtype="float32", progress=False)
@@ -504,8 +550,9 @@ def test_olora_init_rewrote_the_base_so_auto_uses_it(make_base, tmp_path):
 def test_only_the_active_adapter_is_merged(make_base, tmp_path):
     base = make_base("llama")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False),
-                           adapter_name="a")
+    model = get_peft_model(
+        model, LoraConfig(r=8, target_modules=["q_proj"], init_lora_weights=False), adapter_name="a"
+    )
     model.add_adapter("b", LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False))
     model.set_adapter("a")
     ids = token_ids(model.config.vocab_size, seed=3)
@@ -532,8 +579,9 @@ def test_transformers_model_with_add_adapter(make_base, tmp_path):
     """A LoRA attached with transformers' add_adapter (no PeftModel): 'auto' merges the in-memory base."""
     base = make_base("llama")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    add_adapter_or_skip(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                          init_lora_weights=False))
+    add_adapter_or_skip(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     ids = token_ids(model.config.vocab_size, seed=3)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
@@ -578,8 +626,7 @@ def test_self_check_and_precision_report_in_process(make_base, tmp_path, monkeyp
     from peft_shardmerge import MergeCheckError
 
     model = qlora(make_base("llama"), "llama", "nf4")
-    report = merge_and_save(model, str(tmp_path / "a"), dtype="bfloat16", base_precision="dequantized",
-                            progress=False)
+    report = merge_and_save(model, str(tmp_path / "a"), dtype="bfloat16", base_precision="dequantized", progress=False)
     assert 0 < report.self_check_max_rel_err < 1e-5
     assert len(report.swallowed) == 14 and max(report.swallowed.values()) < 0.5
     assert any(n.startswith("bfloat16 kept the LoRA update in ") for n in report.notes)

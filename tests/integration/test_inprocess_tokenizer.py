@@ -24,7 +24,8 @@ def tokenizer_folder(tmp_path) -> str:
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     folder = str(tmp_path / "tok")
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w1", eos_token="w2").save_pretrained(
-        folder)
+        folder
+    )
     return folder
 
 

@@ -19,8 +19,15 @@ from peft_shardmerge.api.quiet import DEEPSPEED_LOGGER, quiet_libraries
 from tests.helpers import ROOT_DIR as ROOT
 
 #: what the libraries printed on a first run before (DeepSpeed, bitsandbytes, transformers' warning and bars)
-FOREIGN = ("Setting accelerator to CPU", "Failed to load CPU gemm_4bit_forward", "kernels-community",
-           "is_gradient_checkpointing", "FutureWarning", "Loading weights", "[WARNING]")
+FOREIGN = (
+    "Setting accelerator to CPU",
+    "Failed to load CPU gemm_4bit_forward",
+    "kernels-community",
+    "is_gradient_checkpointing",
+    "FutureWarning",
+    "Loading weights",
+    "[WARNING]",
+)
 
 
 @pytest.fixture
@@ -60,8 +67,7 @@ def test_merge_and_save_imports_no_deepspeed(make_base, make_adapter, tmp_path, 
     with quiet_libraries():
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
     deepspeed_imports.clear()  # what loading the model did is transformers' and PEFT's, not ours
-    report = merge_and_save(model, str(tmp_path / "m"), dtype="float32", base_precision="dequantized",
-                            progress=False)
+    report = merge_and_save(model, str(tmp_path / "m"), dtype="float32", base_precision="dequantized", progress=False)
     assert report.lora_modules_merged == 14
     assert deepspeed_imports == []
 
@@ -72,8 +78,13 @@ def _settings() -> tuple:
     from transformers.utils import logging as hf_logging
 
     levels = tuple(logging.getLogger(n).level for n in ("transformers", "bitsandbytes", "peft", DEEPSPEED_LOGGER))
-    return (levels, tuple(logging.getLogger(DEEPSPEED_LOGGER).filters), hf_logging.is_progress_bar_enabled(),
-            are_progress_bars_disabled(), list(warnings.filters))
+    return (
+        levels,
+        tuple(logging.getLogger(DEEPSPEED_LOGGER).filters),
+        hf_logging.is_progress_bar_enabled(),
+        are_progress_bars_disabled(),
+        list(warnings.filters),
+    )
 
 
 @pytest.mark.parametrize("bars", [True, False])
@@ -93,11 +104,13 @@ def test_the_libraries_are_held_back_for_the_call_and_restored_after(bars):
                 for name in ("transformers.modeling_utils", "bitsandbytes.backends.cpu.ops", "accelerate.utils"):
                     assert not logging.getLogger(name).isEnabledFor(logging.WARNING), name
                     assert logging.getLogger(name).isEnabledFor(logging.ERROR), name
-                record = logging.LogRecord(DEEPSPEED_LOGGER, logging.WARNING, "x.py", 1, "Setting accelerator", (),
-                                           None)
+                record = logging.LogRecord(
+                    DEEPSPEED_LOGGER, logging.WARNING, "x.py", 1, "Setting accelerator", (), None
+                )
                 assert not logging.getLogger(DEEPSPEED_LOGGER).filter(record)
-                warnings.warn_explicit("deprecated", FutureWarning, "modeling_utils.py", 1,
-                                       module="transformers.modeling_utils")
+                warnings.warn_explicit(
+                    "deprecated", FutureWarning, "modeling_utils.py", 1, module="transformers.modeling_utils"
+                )
                 warnings.warn_explicit("ours", UserWarning, "inprocess.py", 1, module="peft_shardmerge.api.inprocess")
                 warnings.filterwarnings("ignore", message="a filter an import adds")  # numpy's, scipy's, ...
             assert [str(w.message) for w in caught] == ["ours"]
@@ -116,8 +129,9 @@ def test_debug_logging_holds_nothing_back():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with quiet_libraries():
-                warnings.warn_explicit("deprecated", FutureWarning, "modeling_utils.py", 1,
-                                       module="transformers.modeling_utils")
+                warnings.warn_explicit(
+                    "deprecated", FutureWarning, "modeling_utils.py", 1, module="transformers.modeling_utils"
+                )
     finally:
         ours.setLevel(level)
     assert [str(w.message) for w in caught] == ["deprecated"]
@@ -126,10 +140,18 @@ def test_debug_logging_holds_nothing_back():
 @pytest.mark.slow
 def test_the_command_line_prints_only_our_output_and_imports_no_deepspeed(make_base, make_adapter, tmp_path):
     base, adapter = make_base("llama"), make_adapter("llama", "default")
-    code = ("import sys; from peft_shardmerge.api.cli import main; code = main(sys.argv[1:]); "
-            "print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(code)")
-    r = subprocess.run([sys.executable, "-c", code, "merge", base, adapter, str(tmp_path / "m"), "--dtype", "float32"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
+    code = (
+        "import sys; from peft_shardmerge.api.cli import main; code = main(sys.argv[1:]); "
+        "print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(code)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "merge", base, adapter, str(tmp_path / "m"), "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert "LoRA modules merged 14/14" in r.stdout and "deepspeed imported: False" in r.stdout
     assert _foreign(r.stdout + r.stderr) == [], r.stdout + r.stderr
@@ -137,8 +159,14 @@ def test_the_command_line_prints_only_our_output_and_imports_no_deepspeed(make_b
 
 @pytest.mark.slow
 def test_the_demo_prints_only_our_output(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "demo.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("->  MATCH")
     assert _foreign(r.stdout + r.stderr) == [], r.stdout + r.stderr

@@ -35,14 +35,16 @@ def base(tmp_path_factory) -> str:
     folder = build_base(str(tmp_path_factory.mktemp("trl") / "tiny-llama"), "llama", dtype=torch.float32)
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w1",
-                            eos_token="w2").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w1", eos_token="w2").save_pretrained(
+        folder
+    )
     return folder
 
 
 def dataset() -> Dataset:
-    return Dataset.from_dict({"text": [" ".join(f"w{(7 * i + 3 * j) % 500 + 3}" for j in range(12))
-                                       for i in range(8)]})
+    return Dataset.from_dict(
+        {"text": [" ".join(f"w{(7 * i + 3 * j) % 500 + 3}" for j in range(12)) for i in range(8)]}
+    )
 
 
 def sft(model, output_dir: str) -> SFTTrainer:

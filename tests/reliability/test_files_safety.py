@@ -44,11 +44,19 @@ def user_folder(path: Path) -> Path:
 def run_cli(tmp_path, args, patch: str = "", cwd=None, timeout=300) -> subprocess.CompletedProcess:
     """``peft-shardmerge ARGS`` in a fresh process, after ``patch`` (Python run first, to pick a moment)."""
     script = tmp_path / f"run-{time.monotonic_ns()}.py"
-    script.write_text("import os, signal, sys\n" + textwrap.dedent(patch) +
-                      "\nfrom peft_shardmerge.api.cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    script.write_text(
+        "import os, signal, sys\n"
+        + textwrap.dedent(patch)
+        + "\nfrom peft_shardmerge.api.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    return subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 @pytest.fixture()
@@ -65,17 +73,35 @@ def sharded(make_base, make_adapter):
 def reference(tmp_path_factory, make_base, make_adapter):
     """The sharded merge done once, uninterrupted."""
     out = tmp_path_factory.mktemp("ref") / "out"
-    merge_checkpoint(make_base("llama_sharded"), make_adapter("llama_sharded", "default"), str(out),
-                     max_shard_size="100KB", progress=False, resume=False)
+    merge_checkpoint(
+        make_base("llama_sharded"),
+        make_adapter("llama_sharded", "default"),
+        str(out),
+        max_shard_size="100KB",
+        progress=False,
+        resume=False,
+    )
     return tree(out)
 
 
 # ---------------------------------------------------------------------------------------------------- where OUT is
 
+
 def _dangerous(work: Path, home: Path) -> dict[str, str]:
-    return {"empty": "", ".": ".", "./": "./", "root": "/", "cwd": str(work), "cwd/": str(work) + "/",
-            "parent of cwd": str(work.parent), "..": "..", "home": str(home), "home/": str(home) + "/",
-            "~ parent": str(home.parent), "cwd via symlink": str(work.parent / "link-to-work")}
+    return {
+        "empty": "",
+        ".": ".",
+        "./": "./",
+        "root": "/",
+        "cwd": str(work),
+        "cwd/": str(work) + "/",
+        "parent of cwd": str(work.parent),
+        "..": "..",
+        "home": str(home),
+        "home/": str(home) + "/",
+        "~ parent": str(home.parent),
+        "cwd via symlink": str(work.parent / "link-to-work"),
+    }
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -91,8 +117,9 @@ def test_dangerous_out_is_refused_and_nothing_changes(tiny, tmp_path, monkeypatc
         with pytest.raises(InputError) as e:
             merge_checkpoint(base, adapter, out, overwrite=overwrite, progress=False)
         assert type(e.value) is InputError, case
-        assert any(w in str(e.value) for w in ("empty path", "filesystem root", "current working folder",
-                                               "home folder")), (case, str(e.value))
+        assert any(
+            w in str(e.value) for w in ("empty path", "filesystem root", "current working folder", "home folder")
+        ), (case, str(e.value))
         assert tree(tmp_path) == before, case
     print(f"\n{len(_dangerous(work, home))} dangerous OUT values refused (overwrite={overwrite})")
 
@@ -174,6 +201,7 @@ def test_path_arguments_accept_pathlike(tiny, tmp_path):
 
 # ------------------------------------------------------------------------------------ names beside OUT we did not make
 
+
 def test_symlinked_staging_name_never_touches_its_target(tiny, tmp_path):
     base, adapter = tiny
     mine = user_folder(tmp_path / "mine")
@@ -185,7 +213,7 @@ def test_symlinked_staging_name_never_touches_its_target(tiny, tmp_path):
         assert tree(tmp_path) == before
     r = run_cli(tmp_path, ["merge", base, adapter, tmp_path / "out", "-q"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "never follows a link" in r.stderr
-    assert tree(mine) == {k[len("mine/"):]: v for k, v in before.items() if k.startswith("mine/")}
+    assert tree(mine) == {k[len("mine/") :]: v for k, v in before.items() if k.startswith("mine/")}
 
 
 def test_foreign_staging_folder_is_refused_and_an_empty_one_reused(tiny, tmp_path):
@@ -241,6 +269,7 @@ def test_old_output_name_we_cannot_prove_ours_is_never_touched(tiny, tmp_path):
 
 # ------------------------------------------------------------------------------------ files added while a merge runs
 
+
 def test_file_added_to_a_new_out_during_the_merge_is_kept(sharded, reference, tmp_path):
     base, adapter = sharded
     out = tmp_path / "out"
@@ -249,8 +278,11 @@ def test_file_added_to_a_new_out_during_the_merge_is_kept(sharded, reference, tm
         out.mkdir()
         (out / "mine.txt").write_text("written by the user during the merge")
 
-    with pytest.raises(OutputChangedError, match=r"changed while the merge ran \(it appeared\); it was left exactly "
-                                                 r"as it is and the new output is kept in .*\.out\.partial"):
+    with pytest.raises(
+        OutputChangedError,
+        match=r"changed while the merge ran \(it appeared\); it was left exactly "
+        r"as it is and the new output is kept in .*\.out\.partial",
+    ):
         merge_checkpoint(base, adapter, out, max_shard_size="100KB", progress=False, before_commit=user_meanwhile)
     assert tree(out) == {"mine.txt": hashlib.sha256(b"written by the user during the merge").hexdigest()}
     assert os.path.isdir(partial_dir(out))
@@ -266,6 +298,7 @@ def test_file_added_to_the_old_out_during_an_overwrite_is_kept(sharded, tmp_path
     merge_checkpoint(base, adapter, out, max_shard_size="100KB", progress=False)
     previous = tree(out)
     for change in ("add", "modify", "remove"):
+
         def user_meanwhile(staging_folder):
             if change == "add":
                 (out / "mine.txt").write_text("user's")
@@ -276,14 +309,27 @@ def test_file_added_to_the_old_out_during_an_overwrite_is_kept(sharded, tmp_path
                 os.unlink(out / "config.json")
 
         during = None
-        with pytest.raises(OutputChangedError, match=r"changed while the merge ran \((added: mine.txt|modified: "
-                                                     r"config.json|removed: config.json)\)"):
+        with pytest.raises(
+            OutputChangedError,
+            match=r"changed while the merge ran \((added: mine.txt|modified: "
+            r"config.json|removed: config.json)\)",
+        ):
+
             def hook(folder):
                 nonlocal during
                 user_meanwhile(folder)
                 during = tree(out)
-            merge_checkpoint(base, adapter, out, max_shard_size="100KB", dtype="float16", progress=False,
-                             overwrite=True, before_commit=hook)
+
+            merge_checkpoint(
+                base,
+                adapter,
+                out,
+                max_shard_size="100KB",
+                dtype="float16",
+                progress=False,
+                overwrite=True,
+                before_commit=hook,
+            )
         assert tree(out) == during != previous  # OUT exactly as the user left it
         if change == "add":  # the user moves their file out, as overwrite replaces only what our record lists
             (out / "mine.txt").unlink()
@@ -301,8 +347,11 @@ def test_removing_the_previous_output_deletes_only_what_was_checked(tmp_path):
     (old / "late-link").symlink_to(tmp_path)
     left = remove_checked(str(old), snap)
     assert left == ["late-link", "sub", os.path.join("sub", "late.txt")]
-    assert tree(old) == {"late-link": f"link -> {tmp_path}", "sub": "folder",
-                         "sub/late.txt": hashlib.sha256(b"added after the check").hexdigest()}
+    assert tree(old) == {
+        "late-link": f"link -> {tmp_path}",
+        "sub": "folder",
+        "sub/late.txt": hashlib.sha256(b"added after the check").hexdigest(),
+    }
     assert remove_checked(str(tmp_path / "gone"), snap) == []
 
 
@@ -331,8 +380,9 @@ def _rewrite_same_size(path: str, seed: int) -> None:
     st = os.stat(path)
     tensors = load_file(path)
     g = torch.Generator().manual_seed(seed)
-    save_file({k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in tensors.items()}, path,
-              metadata={"format": "pt"})
+    save_file(
+        {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in tensors.items()}, path, metadata={"format": "pt"}
+    )
     assert os.path.getsize(path) == st.st_size
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
@@ -369,8 +419,9 @@ def test_resume_after_an_input_changed_with_the_same_size_and_time(sharded, tmp_
 def test_resume_with_unchanged_inputs_keeps_the_finished_shards(sharded, reference, tmp_path):
     base, adapter = sharded
     out = tmp_path / "out"
-    r = run_cli(tmp_path, ["merge", base, adapter, out, "--max-shard-size", "100KB", "-q"],
-                patch=KILL_AFTER.format(n=3))
+    r = run_cli(
+        tmp_path, ["merge", base, adapter, out, "--max-shard-size", "100KB", "-q"], patch=KILL_AFTER.format(n=3)
+    )
     assert r.returncode == -signal.SIGKILL
     report = merge_checkpoint(base, adapter, out, max_shard_size="100KB", progress=False)
     assert "resumed: 3 shard(s) kept from an interrupted run" in report.notes
@@ -391,16 +442,43 @@ st.Staging.{method} = wrapped
 """
 
 
-@pytest.mark.parametrize("case,method,before,after,code,word", [
-    ("SIGTERM right after the staging folder is made", "open", "", "os.kill(os.getpid(), signal.SIGTERM)", 143,
-     "terminated"),
-    ("Ctrl-C right after the staging folder is made", "open", "", "os.kill(os.getpid(), signal.SIGINT)", 130,
-     "interrupted"),
-    ("double Ctrl-C: the second one while the partial output is removed", "discard",
-     "os.kill(os.getpid(), signal.SIGINT)", "", 130, "interrupted"),
-    ("SIGTERM, then Ctrl-C while the partial output is removed", "discard", "os.kill(os.getpid(), signal.SIGINT)",
-     "", 130, "interrupted"),
-])
+@pytest.mark.parametrize(
+    "case,method,before,after,code,word",
+    [
+        (
+            "SIGTERM right after the staging folder is made",
+            "open",
+            "",
+            "os.kill(os.getpid(), signal.SIGTERM)",
+            143,
+            "terminated",
+        ),
+        (
+            "Ctrl-C right after the staging folder is made",
+            "open",
+            "",
+            "os.kill(os.getpid(), signal.SIGINT)",
+            130,
+            "interrupted",
+        ),
+        (
+            "double Ctrl-C: the second one while the partial output is removed",
+            "discard",
+            "os.kill(os.getpid(), signal.SIGINT)",
+            "",
+            130,
+            "interrupted",
+        ),
+        (
+            "SIGTERM, then Ctrl-C while the partial output is removed",
+            "discard",
+            "os.kill(os.getpid(), signal.SIGINT)",
+            "",
+            130,
+            "interrupted",
+        ),
+    ],
+)
 def test_signals_around_the_staging_folder_leave_nothing(sharded, tmp_path, case, method, before, after, code, word):
     base, adapter = sharded
     out = tmp_path / "work" / "out"
@@ -412,8 +490,9 @@ def test_signals_around_the_staging_folder_leave_nothing(sharded, tmp_path, case
         patch += KILL_AFTER.format(n=1).replace("SIGKILL", "SIGINT")
     r = run_cli(tmp_path, ["merge", base, adapter, out, "--max-shard-size", "100KB", "-q"], patch=patch)
     assert r.returncode == code, (case, r.returncode, r.stderr)
-    assert r.stderr.strip().splitlines() == [f"peft-shardmerge: {word}; the partial output was removed and OUT is "
-                                             "unchanged"], case
+    assert r.stderr.strip().splitlines() == [
+        f"peft-shardmerge: {word}; the partial output was removed and OUT is unchanged"
+    ], case
     assert os.listdir(out.parent) == [], case
 
 
@@ -424,8 +503,13 @@ def test_ctrl_c_during_start_up_prints_one_line(tiny, tmp_path):
     cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, str(out), "-q"]
     lines = set()
     for delay in (0.8, 1.5, 2.5):
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
@@ -437,8 +521,10 @@ def test_ctrl_c_during_start_up_prints_one_line(tiny, tmp_path):
         assert len(err.strip().splitlines()) == 1, err
         lines.add(err.strip())
         assert os.listdir(out.parent) == []
-    assert lines <= {"peft-shardmerge: interrupted; nothing was written and OUT is unchanged",
-                     "peft-shardmerge: interrupted; the partial output was removed and OUT is unchanged"}
+    assert lines <= {
+        "peft-shardmerge: interrupted; nothing was written and OUT is unchanged",
+        "peft-shardmerge: interrupted; the partial output was removed and OUT is unchanged",
+    }
     assert "peft-shardmerge: interrupted; nothing was written and OUT is unchanged" in lines
 
 
@@ -448,8 +534,9 @@ def test_interrupt_after_the_commit_says_the_output_is_complete(sharded, referen
     patch = SIGNAL_AFTER.format(method="commit", before="", after="os.kill(os.getpid(), signal.SIGINT)")
     r = run_cli(tmp_path, ["merge", base, adapter, out, "--max-shard-size", "100KB", "-q"], patch=patch)
     assert r.returncode == 130
-    assert r.stderr.strip() == ("peft-shardmerge: interrupted; the merge had finished: OUT holds the new, complete "
-                                "output")
+    assert r.stderr.strip() == (
+        "peft-shardmerge: interrupted; the merge had finished: OUT holds the new, complete output"
+    )
     assert tree(out) == reference
 
 
@@ -512,11 +599,13 @@ def test_filesystem_error_mid_merge_is_in_the_family_and_says_what_happened(shar
         merge_checkpoint(base, adapter, out, max_shard_size="100KB", progress=False)
     assert isinstance(e.value, OSError) and e.value.errno == errno.EIO
     assert str(e.value).startswith("Input/output error (") and str(e.value).endswith(
-        "; the partial output was removed and OUT is unchanged")
+        "; the partial output was removed and OUT is unchanged"
+    )
     assert os.listdir(tmp_path) == []
 
 
 # ------------------------------------------------------------------------------------ in process: never over an input
+
 
 def test_merge_and_save_never_writes_over_the_folder_the_model_came_from(sharded, tmp_path):
     from peft import PeftModel
@@ -527,8 +616,11 @@ def test_merge_and_save_never_writes_over_the_folder_the_model_came_from(sharded
     base = _copy(sharded[0], tmp_path / "base")
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), sharded[1])
     before = tree(tmp_path)
-    cases = [(base, "is the model folder"), (Path(base) / "merged", "is inside the model folder"),
-             (tmp_path, "is inside the output folder")]
+    cases = [
+        (base, "is the model folder"),
+        (Path(base) / "merged", "is inside the model folder"),
+        (tmp_path, "is inside the output folder"),
+    ]
     for out, message in cases:
         for precision in ("dequantized", "auto"):
             with pytest.raises(InputError, match=message):
@@ -553,8 +645,11 @@ def test_a_base_of_links_protects_the_files_they_point_to(tiny, tmp_path):
     for out in (store, tmp_path / "hub", store / "merged"):
         with pytest.raises(InputError, match="the files its links point to"):
             merge_checkpoint(str(snap), adapter, str(out), overwrite=True, progress=False)
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", str(snap), adapter, str(store),
-                        "--overwrite"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", str(snap), adapter, str(store), "--overwrite"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert tree(tmp_path / "hub") == before
 
@@ -602,17 +697,20 @@ def test_verify_piped_into_head_prints_no_traceback(tiny, tmp_path):
     base, adapter = tiny
     out = tmp_path / "out"
     merge_checkpoint(base, adapter, str(out), progress=False)
-    r = subprocess.run(f"{sys.executable} -m peft_shardmerge verify {out} | head -c 1", shell=True,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        f"{sys.executable} -m peft_shardmerge verify {out} | head -c 1", shell=True, capture_output=True, text=True
+    )
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("tmp_content,ours", [
-    ('{"made_by": "peft-shardmerge", "fingerprint": null, "inputs": null, "shards": {}}', True),
-    ('{"note": "not ours"}', False),
-])
-def test_a_kill_before_the_first_manifest_was_renamed_into_place(make_base, make_adapter, tmp_path, tmp_content,
-                                                                 ours):
+@pytest.mark.parametrize(
+    "tmp_content,ours",
+    [
+        ('{"made_by": "peft-shardmerge", "fingerprint": null, "inputs": null, "shards": {}}', True),
+        ('{"note": "not ours"}', False),
+    ],
+)
+def test_a_kill_before_the_first_manifest_was_renamed_into_place(make_base, make_adapter, tmp_path, tmp_content, ours):
     """A merge killed between fsyncing a new staging folder's first manifest and renaming it leaves the folder
     holding only manifest.json.tmp. Ours (it names peft-shardmerge): the next run takes the folder over. Anything
     else under that name is not provably ours and stays."""

@@ -30,15 +30,37 @@ KILLS = 20
 def medium(tmp_path_factory):
     """A base big enough that writing takes a noticeable moment: ~120 MB of fp32, written as 4 MB bf16 shards."""
     root = tmp_path_factory.mktemp("medium")
-    base = build_base(str(root / "base"), "llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, max_shard_size="20MB")
+    base = build_base(
+        str(root / "base"),
+        "llama",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_shard_size="20MB",
+    )
     adapter = build_adapter(base, str(root / "adapter"), arch="llama")
     return base, adapter
 
 
 def _cmd(base, adapter, out, *extra):
-    return [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--dtype", "bfloat16",
-            "--max-shard-size", "4MB", "-q", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "peft_shardmerge",
+        "merge",
+        base,
+        adapter,
+        out,
+        "--dtype",
+        "bfloat16",
+        "--max-shard-size",
+        "4MB",
+        "-q",
+        *extra,
+    ]
 
 
 def _tree_bytes(folder) -> dict[str, bytes]:
@@ -50,8 +72,13 @@ def _start_and_kill(cmd, out, rng, sig=signal.SIGKILL, window: float = 0.4) -> s
     signal it at a random moment within ``window`` seconds."""
     # a shell that starts jobs in the background (nohup, CI runners) ignores SIGINT, and children inherit that;
     # restore the default so that Ctrl-C reaches the merge as it does at a terminal
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     lock = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.lock")
     deadline = time.time() + 120
     while proc.poll() is None and time.time() < deadline:
@@ -72,8 +99,9 @@ def _start_and_kill(cmd, out, rng, sig=signal.SIGKILL, window: float = 0.4) -> s
 def test_killed_at_random_points_then_resumed_byte_identical(medium, tmp_path):
     base, adapter = medium
     reference = str(tmp_path / "reference")
-    report = merge_checkpoint(base, adapter, reference, dtype="bfloat16", max_shard_size="4MB", progress=False,
-                              resume=False)
+    report = merge_checkpoint(
+        base, adapter, reference, dtype="bfloat16", max_shard_size="4MB", progress=False, resume=False
+    )
     window = report.wall_time_s * 1.2  # signals land anywhere from the first shard to just after the commit
     out = str(tmp_path / "out")
     rng = random.Random(1234)
@@ -130,8 +158,9 @@ def test_sigterm_and_ctrl_c_clean_up(sig, code, word, medium, tmp_path):
     else:
         pytest.fail("every attempt finished before the signal")
     assert proc.returncode == code, (proc.returncode, proc.stderr_text)
-    assert proc.stderr_text.strip().splitlines() == [f"peft-shardmerge: {word}; the partial output was removed "
-                                                     "and OUT is unchanged"]
+    assert proc.stderr_text.strip().splitlines() == [
+        f"peft-shardmerge: {word}; the partial output was removed and OUT is unchanged"
+    ]
     assert os.listdir(tmp_path) == []
 
 
@@ -142,8 +171,10 @@ def test_changed_option_invalidates_the_manifest(medium, tmp_path):
     os.makedirs(staging)
     fake = "model-00001-of-00042.safetensors"
     open(os.path.join(staging, fake), "wb").write(b"not a shard")
-    json.dump({"fingerprint": "from another merge", "shards": {fake: {"size": 11, "digest": "x"}}},
-              open(os.path.join(staging, "manifest.json"), "w"))
+    json.dump(
+        {"fingerprint": "from another merge", "shards": {fake: {"size": 11, "digest": "x"}}},
+        open(os.path.join(staging, "manifest.json"), "w"),
+    )
     report = merge_checkpoint(base, adapter, out, dtype="bfloat16", max_shard_size="4MB", progress=False)
     assert not any("resumed" in n for n in report.notes)
     assert fake not in os.listdir(out) and not os.path.exists(staging)
@@ -201,8 +232,12 @@ def test_disk_full_is_refused_up_front(small_fs, make_base, make_adapter):
     out = str(small_fs / "out")
     with pytest.raises(InputError, match=r"not enough free space for .*: the merge writes 0\.00[0-9] GB"):
         merge_checkpoint(base, adapter, out, dtype="float32", progress=False)
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--dtype", "float32"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and "not enough free space" in r.stderr and "Traceback" not in r.stderr
     assert os.listdir(small_fs) == []
 
@@ -215,8 +250,9 @@ def test_disk_full_mid_write_removes_everything(small_fs, make_base, make_adapte
     previous = small_fs / "out"
     previous.mkdir()  # an earlier output of ours: its record lists its files
     (previous / "config.json").write_text("previous output")
-    (previous / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": {}, '
-                                                  '"files": {"config.json": {}}}')
+    (previous / "merge_manifest.json").write_text(
+        '{"format": "peft-shardmerge merge record", "shards": {}, "files": {"config.json": {}}}'
+    )
     monkeypatch.setattr(api, "check_space", lambda out_dir, nbytes: [])
     with pytest.raises(OSError) as e:
         merge_checkpoint(base, adapter, str(previous), dtype="float32", overwrite=True, progress=False)
@@ -231,8 +267,9 @@ def read_only_fs(tmp_path):
 
 def test_read_only_parent_is_refused_up_front(read_only_fs, make_base, make_adapter):
     with pytest.raises(InputError, match=r"cannot write in .*ro \(read-only or no permission\)"):
-        merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(read_only_fs / "a" / "out"),
-                         progress=False)
+        merge_checkpoint(
+            make_base("llama"), make_adapter("llama", "default"), str(read_only_fs / "a" / "out"), progress=False
+        )
 
 
 def test_killed_run_is_not_resumed_with_another_option(medium, tmp_path):
@@ -267,8 +304,9 @@ def test_output_on_another_filesystem_is_staged_there(other_fs, make_base, make_
     """The staging folder is always beside OUT, so the final rename never crosses filesystems."""
     small_fs = other_fs
     out = small_fs / "out"
-    report = merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(out), dtype="bfloat16",
-                              progress=False)
+    report = merge_checkpoint(
+        make_base("llama"), make_adapter("llama", "default"), str(out), dtype="bfloat16", progress=False
+    )
     assert os.stat(out).st_dev == os.stat(small_fs).st_dev != os.stat(make_base("llama")).st_dev
     assert sorted(os.listdir(small_fs)) == ["out"] and report.bytes_written < 2**20
 
@@ -321,8 +359,9 @@ def test_interrupt_while_removing_the_old_output_keeps_the_new_one(make_base, ma
     out = tmp_path / "out"
     out.mkdir()  # an earlier output of ours: its record lists its files
     (out / "config.json").write_text("old")
-    (out / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": {}, '
-                                             '"files": {"config.json": {}}}')
+    (out / "merge_manifest.json").write_text(
+        '{"format": "peft-shardmerge merge record", "shards": {}, "files": {"config.json": {}}}'
+    )
     real = shutil.rmtree
 
     def interrupted(path, *a, **k):
@@ -331,12 +370,14 @@ def test_interrupt_while_removing_the_old_output_keeps_the_new_one(make_base, ma
         return real(path, *a, **k)
 
     monkeypatch.setattr(staging.shutil, "rmtree", interrupted)
-    report = merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(out), overwrite=True,
-                              progress=False)
+    report = merge_checkpoint(
+        make_base("llama"), make_adapter("llama", "default"), str(out), overwrite=True, progress=False
+    )
     assert report.tensors_written and json.load(open(out / "config.json"))["model_type"] == "llama"
 
 
 def test_mount_point_output_is_refused(other_fs, make_base, make_adapter):
     with pytest.raises(InputError, match="is a mount point"):
-        merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(other_fs), overwrite=True,
-                         progress=False)
+        merge_checkpoint(
+            make_base("llama"), make_adapter("llama", "default"), str(other_fs), overwrite=True, progress=False
+        )

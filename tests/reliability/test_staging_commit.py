@@ -22,7 +22,7 @@ import pytest
 from peft_shardmerge.output.checks import check_out_dir
 from tests.helpers import tree
 
-WRITER = textwrap.dedent('''
+WRITER = textwrap.dedent("""
     import json, os, sys, traceback
     from peft_shardmerge.output.staging import file_digest, staged_output
 
@@ -69,7 +69,7 @@ WRITER = textwrap.dedent('''
             os._exit(0)
         status = os.waitpid(pid, 0)[1]
         print(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status), flush=True)
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +79,14 @@ def merger(tmp_path_factory):
     script = tmp_path_factory.mktemp("merger") / "merger.py"
     script.write_text(WRITER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PEFT_SHARDMERGE_")}
-    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
 
     def run(out, version: str, overwrite: bool, env: dict | None = None) -> int:
-        proc.stdin.write(json.dumps({"out": str(out), "version": version, "overwrite": overwrite,
-                                     "env": env or {}}) + "\n")
+        proc.stdin.write(
+            json.dumps({"out": str(out), "version": version, "overwrite": overwrite, "env": env or {}}) + "\n"
+        )
         proc.stdin.flush()
         return int(proc.stdout.readline())
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import ast
 import os
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                       "peft_shardmerge")
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "peft_shardmerge")
 TOP = "(top)"  # the package's own modules: errors, options, version, testing, __init__, __main__
 
 #: folder -> the folders it may import: the layers, top-down. The engine reaches the two sources and the ranks only
@@ -43,7 +42,7 @@ def folder_imports() -> dict[str, set[str]]:
             for node in ast.walk(tree):
                 if not isinstance(node, ast.ImportFrom) or not node.level:
                     continue
-                target = package[:len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+                target = package[: len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
                 names = [a.name for a in node.names]
                 first = target[0] if target else None
                 if first is None:  # from . import x, at the top: x is a folder or a top-level module

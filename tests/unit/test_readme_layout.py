@@ -38,7 +38,7 @@ def layout_table() -> str:
 def _readme_block() -> str:
     with open(README, encoding="utf-8") as f:
         text = f.read()
-    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip("\n")
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n")
 
 
 def test_the_readme_layout_table_is_the_package_tree():
@@ -46,14 +46,18 @@ def test_the_readme_layout_table_is_the_package_tree():
 
 
 def test_every_module_says_what_it_owns():
-    silent = [os.path.relpath(os.path.join(d, f), PACKAGE) for d, _, files in os.walk(PACKAGE) for f in files
-              if f.endswith(".py") and not _first_line(os.path.join(d, f))]
+    silent = [
+        os.path.relpath(os.path.join(d, f), PACKAGE)
+        for d, _, files in os.walk(PACKAGE)
+        for f in files
+        if f.endswith(".py") and not _first_line(os.path.join(d, f))
+    ]
     assert silent == []
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     with open(README, encoding="utf-8") as f:
         text = f.read()
-    head, tail = text[:text.index(BEGIN) + len(BEGIN)], text[text.index(END):]
+    head, tail = text[: text.index(BEGIN) + len(BEGIN)], text[text.index(END) :]
     with open(README, "w", encoding="utf-8") as f:
         f.write(f"{head}\n{layout_table()}\n{tail}")

@@ -27,8 +27,13 @@ def trained_on_a_4bit_checkpoint(d, **quantization):
     its settings), a LoRA trained on the 4-bit one, and the trained model's logits (the unmerged PeftModel on the
     4-bit base, fp32 compute): ``(base, adapter, peft_model, ids, trained)``."""
     base = build_base(str(d / "tiny-llama"), "llama", dtype=torch.float32)
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.float32, **quantization)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+        **quantization,
+    )
     quantized = str(d / "tiny-llama-bnb-4bit")
     AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, dtype=torch.float32).save_pretrained(quantized)
     model = AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
@@ -36,8 +41,9 @@ def trained_on_a_4bit_checkpoint(d, **quantization):
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False
     torch.manual_seed(3)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"),
-                                                  init_lora_weights=False))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"), init_lora_weights=False)
+    )
     adapter = str(d / "adapter")
     peft_model.save_pretrained(adapter)
     ids = token_ids(512)
@@ -54,10 +60,26 @@ def qlora(tmp_path_factory):
 def test_the_cli_reproduces_the_trained_4bit_model_as_merge_and_save_does(qlora, tmp_path, capsys):
     base, adapter, peft_model, ids, trained = qlora
     assert main(["merge", base, adapter, str(tmp_path / "auto"), "--dtype", "float32", "-q"]) == 0
-    assert main(["merge", base, adapter, str(tmp_path / "orig"), "--dtype", "float32", "-q",
-                 "--base-precision", "original"]) == 0
-    auto, orig = rel_err(logits_of(str(tmp_path / "auto"), ids), trained), rel_err(
-        logits_of(str(tmp_path / "orig"), ids), trained)
+    assert (
+        main(
+            [
+                "merge",
+                base,
+                adapter,
+                str(tmp_path / "orig"),
+                "--dtype",
+                "float32",
+                "-q",
+                "--base-precision",
+                "original",
+            ]
+        )
+        == 0
+    )
+    auto, orig = (
+        rel_err(logits_of(str(tmp_path / "auto"), ids), trained),
+        rel_err(logits_of(str(tmp_path / "orig"), ids), trained),
+    )
     assert auto < 1e-4 and orig > 100 * auto  # the default is the trained model, original is not
     report = merge_and_save(peft_model, str(tmp_path / "live"), dtype="float32", progress=False)
     assert rel_err(logits_of(str(tmp_path / "live"), ids), trained) < 1e-4
@@ -76,8 +98,9 @@ def test_the_cli_reproduces_the_trained_4bit_model_as_merge_and_save_does(qlora,
 def test_an_adapter_whose_files_show_no_4bit_base_says_so_in_the_dry_run(make_base, make_adapter, tmp_path, capsys):
     assert main(["merge", make_base("llama"), make_adapter("llama"), str(tmp_path / "o"), "--dry-run", "-q"]) == 0
     head = capsys.readouterr().out.splitlines()[:6]
-    assert any(ln.startswith("reproduces:      the original base + adapter") and "base precision nf4" in ln
-               for ln in head)
+    assert any(
+        ln.startswith("reproduces:      the original base + adapter") and "base precision nf4" in ln for ln in head
+    )
 
 
 def test_the_default_dtype_is_the_bases_own_on_both_paths(make_base, make_adapter, peft_reference, tmp_path):
@@ -114,7 +137,8 @@ def test_modules_training_kept_in_16_bit_are_not_quantized_by_auto(tmp_path):
     (``llm_int8_skip_modules``, as Unsloth's dynamic quants and vision towers do): ``auto`` re-quantizes the other
     linear weights only, and the merge reproduces the trained model."""
     base, adapter, peft_model, ids, trained = trained_on_a_4bit_checkpoint(
-        tmp_path, llm_int8_skip_modules=["down_proj", "lm_head"])
+        tmp_path, llm_int8_skip_modules=["down_proj", "lm_head"]
+    )
     kept = [m for n, m in peft_model.named_modules() if n.endswith("down_proj.base_layer")]
     assert kept and not any(isinstance(m, bnb.nn.Linear4bit) for m in kept)  # training kept them in 16-bit
     out = str(tmp_path / "out")

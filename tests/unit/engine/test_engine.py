@@ -16,14 +16,27 @@ from tests.helpers import folder_tensors
 # (case id, base, adapter tag, LoRA kwargs)
 CASES = [
     ("llama-default", "llama", "default", {}),
-    ("llama-sharded-rslora-patterns", "llama_sharded", "patterns",
-     dict(r=8, lora_alpha=16, use_rslora=True, rank_pattern={"q_proj": 4, "down_proj": 2},
-          alpha_pattern={"v_proj": 3})),
+    (
+        "llama-sharded-rslora-patterns",
+        "llama_sharded",
+        "patterns",
+        dict(
+            r=8,
+            lora_alpha=16,
+            use_rslora=True,
+            rank_pattern={"q_proj": 4, "down_proj": 2},
+            alpha_pattern={"v_proj": 3},
+        ),
+    ),
     ("llama-lm_head-lora", "llama", "lm_head", dict(target_modules=["q_proj", "lm_head"])),
     ("llama-lora_bias", "llama_bias", "lora_bias", dict(target_modules=["q_proj", "v_proj"], lora_bias=True)),
     ("llama-bf16-base", "llama_bf16", "default", {}),
-    ("qwen2-tied-modules_to_save-embedding", "qwen2", "mts",
-     dict(target_modules=["q_proj", "v_proj", "embed_tokens"], modules_to_save=["lm_head"], bias="lora_only")),
+    (
+        "qwen2-tied-modules_to_save-embedding",
+        "qwen2",
+        "mts",
+        dict(target_modules=["q_proj", "v_proj", "embed_tokens"], modules_to_save=["lm_head"], bias="lora_only"),
+    ),
     ("qwen2-tied-untouched", "qwen2", "plain", dict(target_modules=["q_proj", "o_proj"])),
     # PEFT's merge_and_unload adds the lm_head delta to the tied tensor, so its embed_tokens changes too;
     # the unmerged model embeds with the base weight, and so do we (checked against the logits below).
@@ -45,7 +58,6 @@ def _read_output(out: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
                 tensors[k] = h.get_tensor(k)
                 where[k] = f
     return tensors, where
-
 
 
 def _base_names(base: str) -> list[str]:
@@ -99,7 +111,7 @@ def test_merge_matches_peft(case, dtype, make_base, make_adapter, peft_reference
         if dtype == "float32":
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
         else:
-            torch.testing.assert_close(got, want.to(out_dtype), rtol=2 ** -7, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(got, want.to(out_dtype), rtol=2**-7, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
     # index and layout as transformers writes them
     shards = sorted(set(where.values()))
@@ -176,8 +188,13 @@ def test_shards_are_consecutive_and_bounded(shard_size, make_base, make_adapter,
 def test_small_row_blocks_give_the_same_values(make_base, make_adapter, tmp_path):
     """Row blocks change only the BLAS blocking of B @ A: results agree to fp32 rounding."""
     base = make_base("qwen2")
-    adapter = make_adapter("qwen2", "mts", target_modules=["q_proj", "v_proj", "embed_tokens"],
-                           modules_to_save=["lm_head"], bias="lora_only")
+    adapter = make_adapter(
+        "qwen2",
+        "mts",
+        target_modules=["q_proj", "v_proj", "embed_tokens"],
+        modules_to_save=["lm_head"],
+        bias="lora_only",
+    )
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     merge_checkpoint(base, adapter, a, dtype="float32", progress=False)
     merge_checkpoint(base, adapter, b, dtype="float32", progress=False, chunk_elems=300)
@@ -195,8 +212,13 @@ def test_legacy_bin_adapter_is_read_without_pickle(make_base, make_adapter, tmp_
     from peft_shardmerge.testing import compare_logits
 
     base = make_base("qwen2")
-    src = make_adapter("qwen2", "mts", target_modules=["q_proj", "v_proj", "embed_tokens"],
-                       modules_to_save=["lm_head"], bias="lora_only")
+    src = make_adapter(
+        "qwen2",
+        "mts",
+        target_modules=["q_proj", "v_proj", "embed_tokens"],
+        modules_to_save=["lm_head"],
+        bias="lora_only",
+    )
     legacy = tmp_path / "legacy"
     shutil.copytree(src, legacy)
     torch.save(load_file(str(legacy / "adapter_model.safetensors")), str(legacy / "adapter_model.bin"))
@@ -231,8 +253,11 @@ def test_self_check_catches_a_wrong_merge(make_base, make_adapter, tmp_path, mon
 
     monkeypatch.setattr(maths, "add_lora_", doubled)
     out = tmp_path / "m"
-    with pytest.raises(MergeCheckError, match=r"self-check failed for 'model\.layers\.0\..*' rows 0-\d+: merged "
-                                              r"weight times probe vectors differs from base \+ LoRA"):
+    with pytest.raises(
+        MergeCheckError,
+        match=r"self-check failed for 'model\.layers\.0\..*' rows 0-\d+: merged "
+        r"weight times probe vectors differs from base \+ LoRA",
+    ):
         merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(out), progress=False)
     assert not out.exists()
 
@@ -271,8 +296,9 @@ def test_resized_vocabulary(base_name, make_base, tmp_path):
     targets = ["q_proj", "embed_tokens"]
     # untied: the new lm_head rows must travel with the adapter; tied: they are the embedding's
     extra = {"modules_to_save": ["lm_head"]} if base_name == "llama" else {}
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False,
-                                                  **extra))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False, **extra)
+    )
     adapter = str(tmp_path / "adapter")
     peft_model.save_pretrained(adapter, save_embedding_layers=True)
     out = str(tmp_path / "m")
@@ -303,8 +329,9 @@ def test_resized_vocabulary_without_the_new_head_rows_is_refused(make_base, tmp_
     peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["embed_tokens"]))
     adapter = str(tmp_path / "adapter")
     peft_model.save_pretrained(adapter, save_embedding_layers=True)
-    with pytest.raises(InputError,
-                       match=r"resizes the vocabulary to 576 rows but has no 'lm_head\.weight' of that size"):
+    with pytest.raises(
+        InputError, match=r"resizes the vocabulary to 576 rows but has no 'lm_head\.weight' of that size"
+    ):
         merge_checkpoint(base, adapter, str(tmp_path / "m"), progress=False)
 
 
@@ -320,8 +347,9 @@ def test_float16_overflow_is_refused(make_base, make_adapter, tmp_path):
     tensors["model.norm.weight"][0] = 1e6
     save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(MergeCheckError, match=r"'model\.norm\.weight' has values beyond float16's range"):
-        merge_checkpoint(str(base), make_adapter("llama", "default"), str(tmp_path / "m"), dtype="float16",
-                         progress=False)
+        merge_checkpoint(
+            str(base), make_adapter("llama", "default"), str(tmp_path / "m"), dtype="float16", progress=False
+        )
     assert not (tmp_path / "m").exists()
 
 

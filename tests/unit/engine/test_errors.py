@@ -48,13 +48,26 @@ def test_overwrite_replaces_only_after_success(pair, tmp_path):
     out = tmp_path / "out"
     merge_checkpoint(base, adapter, str(out), dtype="float16", progress=False)  # an earlier output of ours
     merge_checkpoint(base, adapter, str(out), overwrite=True, progress=False)
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "merge_manifest.json",
-                                      "model.safetensors"]
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "generation_config.json",
+        "merge_manifest.json",
+        "model.safetensors",
+    ]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 
 
-@pytest.mark.parametrize("text,expected", [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30),
-                                           ("1.5GB", 1_500_000_000), (1234, 1234), ("100kb", 100_000)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("5GB", 5 * 10**9),
+        ("500MB", 5 * 10**8),
+        ("2GiB", 2 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        (1234, 1234),
+        ("100kb", 100_000),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -76,8 +89,13 @@ def test_parse_dtype():
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "peft_shardmerge", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
 
 
 @pytest.mark.slow

@@ -25,8 +25,9 @@ def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, t
     if existing:
         out.mkdir()  # an earlier output of ours (its record lists its files), which overwrite may replace
         (out / "model.safetensors").write_text("the previous output")
-        (out / "merge_manifest.json").write_text('{"format": "peft-shardmerge merge record", "shards": '
-                                                 '{"model.safetensors": {}}, "files": {}}')
+        (out / "merge_manifest.json").write_text(
+            '{"format": "peft-shardmerge merge record", "shards": {"model.safetensors": {}}, "files": {}}'
+        )
     calls = {"n": 0}
     real = row_merge.merge_block
 
@@ -65,14 +66,17 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     monkeypatch.setattr(CheckpointReader, "_lora_rows", staticmethod(lora_rows))
     # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
     plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="float32", device="cpu")
-    report = execute.run(plan, CheckpointReader(plan, torch.device("meta")), str(tmp_path / "a"), progress=False,
-                         overwrite=False)
+    report = execute.run(
+        plan, CheckpointReader(plan, torch.device("meta")), str(tmp_path / "a"), progress=False, overwrite=False
+    )
     assert report.cpu_fallbacks == 1
     assert "redone on the CPU" in report.summary()
     monkeypatch.undo()
     merge_checkpoint(base, adapter, str(tmp_path / "b"), dtype="float32", device="cpu", progress=False)
-    with safe_open(str(tmp_path / "a" / "model.safetensors"), "pt") as ha, \
-            safe_open(str(tmp_path / "b" / "model.safetensors"), "pt") as hb:
+    with (
+        safe_open(str(tmp_path / "a" / "model.safetensors"), "pt") as ha,
+        safe_open(str(tmp_path / "b" / "model.safetensors"), "pt") as hb,
+    ):
         for k in ha.keys():
             assert torch.equal(ha.get_tensor(k), hb.get_tensor(k)), k
 

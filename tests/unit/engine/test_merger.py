@@ -44,8 +44,13 @@ def test_dora_rounding_count_is_the_same_on_both_paths(layout, make_base, make_a
     base = make_base(name)
     adapter = make_adapter(name, tag, use_dora=True, target_modules=targets, **extra)
     disk = merge_checkpoint(base, adapter, str(tmp_path / "disk"), dtype="bfloat16", progress=False)
-    live = merge_and_save(live_model(base, adapter), str(tmp_path / "live"), dtype="bfloat16",
-                          base_precision="dequantized", progress=False)
+    live = merge_and_save(
+        live_model(base, adapter),
+        str(tmp_path / "live"),
+        dtype="bfloat16",
+        base_precision="dequantized",
+        progress=False,
+    )
     assert disk.swallowed and any(v > 0 for v in disk.swallowed.values())
     assert live.swallowed == disk.swallowed
     got_disk, got_live = read_all(tmp_path / "disk"), read_all(tmp_path / "live")
@@ -53,18 +58,21 @@ def test_dora_rounding_count_is_the_same_on_both_paths(layout, make_base, make_a
         assert torch.equal(got_disk[name], got_live[name]), name
 
 
-
 @pytest.mark.parametrize("layout", ["embedding", "conv1d"])
-def test_dora_by_column_in_float32_is_peft_merge_bit_for_bit_on_both_paths(layout, make_base, make_adapter,
-                                                                            tmp_path):
+def test_dora_by_column_in_float32_is_peft_merge_bit_for_bit_on_both_paths(layout, make_base, make_adapter, tmp_path):
     """DoRA's column norms of a tensor that fits one row block are PEFT's own float32 norms: both paths write
     exactly PEFT's merge on an fp32 base (the block-wise float64 sum serves tensors larger than a block)."""
     name, tag, targets, extra = DORA_LAYOUTS[layout]
     base = make_base(name)
     adapter = make_adapter(name, tag, use_dora=True, target_modules=targets, **extra)
     merge_checkpoint(base, adapter, str(tmp_path / "disk"), dtype="float32", progress=False)
-    merge_and_save(live_model(base, adapter), str(tmp_path / "live"), dtype="float32",
-                   base_precision="dequantized", progress=False)
+    merge_and_save(
+        live_model(base, adapter),
+        str(tmp_path / "live"),
+        dtype="float32",
+        base_precision="dequantized",
+        progress=False,
+    )
     reference = live_model(base, adapter).merge_and_unload().state_dict()
     for folder in ("disk", "live"):
         got = read_all(tmp_path / folder)
@@ -73,11 +81,17 @@ def test_dora_by_column_in_float32_is_peft_merge_bit_for_bit_on_both_paths(layou
         for k in changed:
             assert torch.equal(got[k], reference[k]), (folder, k)
 
+
 def test_lora_bf16_is_byte_identical_on_both_paths(make_base, make_adapter, tmp_path):
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     disk = merge_checkpoint(base, adapter, str(tmp_path / "disk"), dtype="bfloat16", progress=False)
-    live = merge_and_save(live_model(base, adapter), str(tmp_path / "live"), dtype="bfloat16",
-                          base_precision="dequantized", progress=False)
+    live = merge_and_save(
+        live_model(base, adapter),
+        str(tmp_path / "live"),
+        dtype="bfloat16",
+        base_precision="dequantized",
+        progress=False,
+    )
     got_disk, got_live = read_all(tmp_path / "disk"), read_all(tmp_path / "live")
     assert sorted(got_disk) == sorted(got_live)
     for name, t in got_disk.items():

@@ -42,8 +42,9 @@ def check_equal_to_peft(got: dict[str, torch.Tensor], reference: dict[str, torch
     """Every tensor of ours equals PEFT's float32 merge to float32 rounding."""
     assert set(got) == set(reference)
     for name, want in reference.items():
-        torch.testing.assert_close(got[name].float(), want, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            got[name].float(), want, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_an_svd_combined_adapter_merges_as_peft_merges_it(svd_combined):

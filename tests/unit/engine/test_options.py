@@ -23,8 +23,17 @@ def test_options_are_frozen_and_weights_a_tuple():
 
 
 def test_every_problem_of_the_options_at_once():
-    opts = MergeOptions(weights=[1.0, float("nan")], combination="sum", dtype="int4", max_shard_size="lots",
-                        base_precision="nf4", nf4_blocksize=100, device="tpu", chunk_elems=0, progress="yes")
+    opts = MergeOptions(
+        weights=[1.0, float("nan")],
+        combination="sum",
+        dtype="int4",
+        max_shard_size="lots",
+        base_precision="nf4",
+        nf4_blocksize=100,
+        device="tpu",
+        chunk_elems=0,
+        progress="yes",
+    )
     problems = opts.problems()
     assert problems == [
         "adapter weights must be finite numbers, got [1.0, nan]",
@@ -42,8 +51,9 @@ def test_every_problem_of_the_options_at_once():
 
 
 def test_conflicts_refused_and_precedence():
-    opts, problems = MergeOptions.merged(MergeOptions(dtype="float16", chunk_elems=1 << 10), dtype="bfloat16",
-                                         chunk_elems=1 << 10, max_shard_size="1MB")
+    opts, problems = MergeOptions.merged(
+        MergeOptions(dtype="float16", chunk_elems=1 << 10), dtype="bfloat16", chunk_elems=1 << 10, max_shard_size="1MB"
+    )
     assert problems == ["dtype='bfloat16' conflicts with options.dtype='float16'; give it in one place"]
     # a keyword at its default defers to options; a keyword set wins over a field left at its default
     opts, problems = MergeOptions.merged(MergeOptions(dtype="float16", progress=False), max_shard_size="1MB")
@@ -56,17 +66,21 @@ def test_conflict_refused_by_the_public_functions(make_base, make_adapter, tmp_p
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     out = str(tmp_path / "m")
     with pytest.raises(InputError) as e:
-        merge_checkpoint(base, adapter, out, dtype="float16", progress=False,
-                         options=MergeOptions(dtype="bfloat16", chunk_elems=-1))
-    assert e.value.problems[:2] == ["dtype='float16' conflicts with options.dtype='bfloat16'; give it in one place",
-                                    "chunk_elems must be a positive int, got -1"]
+        merge_checkpoint(
+            base, adapter, out, dtype="float16", progress=False, options=MergeOptions(dtype="bfloat16", chunk_elems=-1)
+        )
+    assert e.value.problems[:2] == [
+        "dtype='float16' conflicts with options.dtype='bfloat16'; give it in one place",
+        "chunk_elems must be a positive int, got -1",
+    ]
     assert not os.path.exists(out)
     plan = plan_checkpoint_merge(base, adapter, out, options=MergeOptions(dtype="bfloat16", max_shard_size="100KB"))
     assert plan.dtype == torch.bfloat16 and len(plan.shard_names) > 1
 
 
-def test_dtype_and_shard_size_are_parsed_once_and_a_value_that_does_not_parse_never_reaches_a_plan(make_base,
-                                                                                                    make_adapter):
+def test_dtype_and_shard_size_are_parsed_once_and_a_value_that_does_not_parse_never_reaches_a_plan(
+    make_base, make_adapter
+):
     from peft_shardmerge.checkpoint.adapter import load_adapter
     from peft_shardmerge.checkpoint.planner import build_plan
     from peft_shardmerge.checkpoint.source import open_checkpoint
@@ -93,10 +107,24 @@ def _files(folder: str) -> dict[str, bytes]:
 
 def test_options_and_keywords_give_byte_identical_outputs(make_base, make_adapter, tmp_path):
     base, adapter = make_base("llama"), make_adapter("llama", "default")
-    keywords = merge_checkpoint(base, adapter, str(tmp_path / "kw"), dtype="bfloat16", max_shard_size="100KB",
-                                chunk_elems=1 << 12, device="cpu", progress=False)
-    options = merge_checkpoint(base, adapter, str(tmp_path / "opt"), options=MergeOptions(
-        dtype="bfloat16", max_shard_size="100KB", chunk_elems=1 << 12, device="cpu", progress=False))
+    keywords = merge_checkpoint(
+        base,
+        adapter,
+        str(tmp_path / "kw"),
+        dtype="bfloat16",
+        max_shard_size="100KB",
+        chunk_elems=1 << 12,
+        device="cpu",
+        progress=False,
+    )
+    options = merge_checkpoint(
+        base,
+        adapter,
+        str(tmp_path / "opt"),
+        options=MergeOptions(
+            dtype="bfloat16", max_shard_size="100KB", chunk_elems=1 << 12, device="cpu", progress=False
+        ),
+    )
     a, b = _files(str(tmp_path / "kw")), _files(str(tmp_path / "opt"))
     assert len([n for n in a if n.endswith(".safetensors")]) > 1
     assert a == b
@@ -113,26 +141,36 @@ def test_equivalent_spellings_are_not_conflicts():
         assert problems == [], problems
         assert merged.dtype == "bfloat16" and merged.max_shard_size == "500MB"
     assert MergeOptions.merged(opts, dtype="float16")[1] == [
-        "dtype='float16' conflicts with options.dtype='bfloat16'; give it in one place"]
+        "dtype='float16' conflicts with options.dtype='bfloat16'; give it in one place"
+    ]
 
 
 def test_bad_weights_and_combination_are_reported_with_every_other_problem(make_base, make_adapter, tmp_path):
     with pytest.raises(InputError) as e:
-        merge_checkpoint(make_base("llama"), make_adapter("llama", "default"), str(tmp_path / "out"), dtype="int3",
-                         max_shard_size="huge", base_precision="best", chunk_elems=0, combination="sum",
-                         weights=[float("nan")], progress=False)
+        merge_checkpoint(
+            make_base("llama"),
+            make_adapter("llama", "default"),
+            str(tmp_path / "out"),
+            dtype="int3",
+            max_shard_size="huge",
+            base_precision="best",
+            chunk_elems=0,
+            combination="sum",
+            weights=[float("nan")],
+            progress=False,
+        )
     assert len(e.value.problems) == 6, e.value.problems
     assert not (tmp_path / "out").exists()
 
 
 # ---- one options object for both paths: a loaded model's merge takes the same MergeOptions ----
 
+
 def _loaded(base: str, adapter: str):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
-
 
 
 def test_one_options_object_drives_both_paths_to_the_same_tensors(make_base, make_adapter, tmp_path):
@@ -169,15 +207,22 @@ def test_base_precision_default_is_the_paths_own(make_base, make_adapter):
     with pytest.raises(InputError, match=r"base_precision must be one of auto, original, dequantized, got 'nf4'"):
         plan_model_merge(model, options=MergeOptions(base_precision="nf4"))
     with pytest.raises(InputError, match=r"base_precision must be one of auto, original, nf4, got 'dequantized'"):
-        plan_checkpoint_merge(make_base("llama"), make_adapter("llama"), "/nonexistent/out",
-                              options=MergeOptions(base_precision="dequantized"))
+        plan_checkpoint_merge(
+            make_base("llama"),
+            make_adapter("llama"),
+            "/nonexistent/out",
+            options=MergeOptions(base_precision="dequantized"),
+        )
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("device", "cpu", "device applies to merges from disk"),
-    ("resume", False, "resume applies to merges from disk"),
-    ("nf4_blocksize", 128, "apply to merges from disk"),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("device", "cpu", "device applies to merges from disk"),
+        ("resume", False, "resume applies to merges from disk"),
+        ("nf4_blocksize", 128, "apply to merges from disk"),
+    ],
+)
 def test_a_disk_only_knob_is_refused_for_a_loaded_model(make_base, make_adapter, tmp_path, field, value, words):
     from peft_shardmerge import merge_and_save
 
@@ -190,22 +235,30 @@ def test_a_disk_only_knob_is_refused_for_a_loaded_model(make_base, make_adapter,
 
 def test_a_model_only_knob_is_refused_from_disk(make_base, make_adapter, tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(InputError, match=r"maximum_memory_usage=0\.5: maximum_memory_usage applies to merges of a "
-                                         r"loaded model"):
-        merge_checkpoint(make_base("llama"), make_adapter("llama"), str(out),
-                         options=MergeOptions(maximum_memory_usage=0.5))
+    with pytest.raises(
+        InputError,
+        match=r"maximum_memory_usage=0\.5: maximum_memory_usage applies to merges of a "
+        r"loaded model",
+    ):
+        merge_checkpoint(
+            make_base("llama"), make_adapter("llama"), str(out), options=MergeOptions(maximum_memory_usage=0.5)
+        )
     assert not out.exists()
 
 
-def test_a_loaded_models_keyword_and_options_conflict_is_refused_with_every_problem(make_base, make_adapter,
-                                                                                     tmp_path):
+def test_a_loaded_models_keyword_and_options_conflict_is_refused_with_every_problem(make_base, make_adapter, tmp_path):
     from peft_shardmerge import merge_and_save
 
     model = _loaded(make_base("llama"), make_adapter("llama"))
     out = tmp_path / "out"
     with pytest.raises(InputError) as err:
-        merge_and_save(model, str(out), dtype="bf16", maximum_memory_usage=2.0,
-                       options=MergeOptions(dtype="float16", chunk_elems=0))
+        merge_and_save(
+            model,
+            str(out),
+            dtype="bf16",
+            maximum_memory_usage=2.0,
+            options=MergeOptions(dtype="float16", chunk_elems=0),
+        )
     text = str(err.value)
     assert "dtype='bf16' conflicts with options.dtype='float16'" in text
     assert "chunk_elems must be a positive int, got 0" in text and "maximum_memory_usage" in text
@@ -216,8 +269,9 @@ def test_a_loaded_models_keyword_and_options_conflict_is_refused_with_every_prob
     assert out.is_dir()
 
 
-def test_nf4_without_bitsandbytes_is_refused_before_anything_is_written(make_base, make_adapter, tmp_path,
-                                                                       monkeypatch):
+def test_nf4_without_bitsandbytes_is_refused_before_anything_is_written(
+    make_base, make_adapter, tmp_path, monkeypatch
+):
     import sys
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as on a machine without it: import fails

@@ -11,9 +11,17 @@ from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.testing import perturb_trainable
 
-COMMON = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
-          "max_position_embeddings": 128}
+COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 128,
+}
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 

@@ -33,11 +33,15 @@ def test_combination_rules_on_real_configs(form):
     assert combination_problems([d], ["d"], None, "cat")[1] == []  # one adapter with weight 1: no combination
     assert combination_problems([e], ["e"], [1.0], "linear")[1] == []
     linear = combination_problems([a, c], ["a", "c"], None, "linear", option="combination_type")[1]
-    assert linear == ["combination_type 'linear' needs adapters of equal rank: every adapter must have the same "
-                      "rank, got [4, 8]; use 'cat'"]
+    assert linear == [
+        "combination_type 'linear' needs adapters of equal rank: every adapter must have the same "
+        "rank, got [4, 8]; use 'cat'"
+    ]
     problems = combination_problems([d, e], ["d", "e"], [1.0, 2.0], "cat")[1]
-    assert problems == ["DoRA adapters cannot be weighted or combined (their magnitudes do not add): ['d']",
-                        "IA3 adapters cannot be weighted or combined (their scalings multiply): ['e']"]
+    assert problems == [
+        "DoRA adapters cannot be weighted or combined (their magnitudes do not add): ['d']",
+        "IA3 adapters cannot be weighted or combined (their scalings multiply): ['e']",
+    ]
     assert combination_problems([d], ["d"], [0.5], "cat")[1][0].startswith("DoRA adapters cannot be weighted")
     pattern = _both_forms(LoraConfig(r=8, rank_pattern={"q_proj": 2}))[form]
     assert "got [2, 8]" in combination_problems([a, pattern], ["a", "p"], None, "linear")[1][0]
@@ -45,10 +49,13 @@ def test_combination_rules_on_real_configs(form):
 
 def test_combination_rules_refuse_bad_weights_first():
     weights, problems = combination_problems([LoraConfig(r=8)] * 2, ["a", "b"], [1.0, float("inf")], "sum")
-    assert problems == ["adapter weights must be finite numbers, got [1.0, inf]",
-                        "combination must be one of cat, linear, got 'sum'"]
+    assert problems == [
+        "adapter weights must be finite numbers, got [1.0, inf]",
+        "combination must be one of cat, linear, got 'sum'",
+    ]
     assert combination_problems([{}] * 2, ["a", "b"], [1.0], "cat")[1] == [
-        "1 weight(s) given for 2 adapter(s); give one weight per adapter"]
+        "1 weight(s) given for 2 adapter(s); give one weight per adapter"
+    ]
 
 
 def test_dora_combination_refused_on_disk_with_the_shared_message(make_base, tmp_path):
@@ -82,7 +89,7 @@ def test_tie_policy_nested_and_default():
 
 def test_untied_names_on_a_real_tied_model(make_base):
     info = inspect_model(make_base("qwen2"))
-    (target, source), = info.tied.items()
+    ((target, source),) = info.tied.items()
     present = [target, source]
     assert untied_names(info.tied, [], present) == []
     assert untied_names(info.tied, [source], present) == sorted([target, source])

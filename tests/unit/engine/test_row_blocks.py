@@ -22,8 +22,12 @@ STEPS = (1, 7, 64, 333, 10**9)
 
 def _blocked(w: torch.Tensor, factors, step: int, transposed: bool) -> torch.Tensor:
     m = w.shape[0]
-    return torch.cat([merge_block(w[i:min(m, i + step)], factors, i, min(m, i + step), transposed=transposed)[0]
-                      for i in range(0, m, step)])
+    return torch.cat(
+        [
+            merge_block(w[i : min(m, i + step)], factors, i, min(m, i + step), transposed=transposed)[0]
+            for i in range(0, m, step)
+        ]
+    )
 
 
 def check_blocks() -> list[str]:
@@ -51,12 +55,13 @@ def test_blocks_that_a_plain_matmul_would_round_differently_agree():
     """The construction matters: here a plain ``B @ A`` over the block differs from the whole, ours does not."""
     torch.manual_seed(0)
     b, a = torch.randn(1000, 16), torch.randn(16, 4096)
-    plain = torch.cat([b[i:i + 7] @ a for i in range(0, 1000, 7)])
+    plain = torch.cat([b[i : i + 7] @ a for i in range(0, 1000, 7)])
     if torch.equal(plain, b @ a):
         pytest.skip("this CPU's BLAS rounds a 7-row product as the 1000-row one: the test below cannot tell")
     w = torch.zeros(1000, 4096)
-    assert torch.equal(_blocked(w, [(a, b, 1.0)], 7, False),
-                       merge_block(w, [(a, b, 1.0)], 0, 1000, transposed=False)[0])
+    assert torch.equal(
+        _blocked(w, [(a, b, 1.0)], 7, False), merge_block(w, [(a, b, 1.0)], 0, 1000, transposed=False)[0]
+    )
 
 
 @pytest.mark.slow
@@ -66,11 +71,12 @@ def test_row_blocks_give_the_same_bytes_on_each_cpu_capability(capability):
     if capability != "default":
         env["ATEN_CPU_CAPABILITY"] = capability  # torch's own kernels
         env["MKL_ENABLE_INSTRUCTIONS"] = capability.upper()  # and the BLAS's
-    code = ("import sys, torch; from tests.unit.engine.test_row_blocks import check_blocks; "
-            "print(torch.backends.cpu.get_cpu_capability()); d = check_blocks(); print(d); sys.exit(1 if d else 0)")
+    code = (
+        "import sys, torch; from tests.unit.engine.test_row_blocks import check_blocks; "
+        "print(torch.backends.cpu.get_cpu_capability()); d = check_blocks(); print(d); sys.exit(1 if d else 0)"
+    )
     root = ROOT_DIR
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     if capability != "default":
         assert done.stdout.splitlines()[0].lower() == capability, done.stdout
@@ -103,8 +109,9 @@ def test_disk_and_in_process_merges_agree_whatever_the_row_block(wide, tmp_path,
         outs[f"disk-{chunk}"] = folder_tensors(str(tmp_path / f"disk-{chunk}"))
     model = _loaded(base, adapter)
     for chunk, budget in ((1000, 0.5), (1 << 22, 0.9)):
-        opts = MergeOptions(dtype=dtype, chunk_elems=chunk, maximum_memory_usage=budget, progress=False,
-                            base_precision="dequantized")
+        opts = MergeOptions(
+            dtype=dtype, chunk_elems=chunk, maximum_memory_usage=budget, progress=False, base_precision="dequantized"
+        )
         merge_and_save(model, str(tmp_path / f"live-{chunk}"), options=opts)
         outs[f"live-{chunk}"] = folder_tensors(str(tmp_path / f"live-{chunk}"))
     first, *others = outs

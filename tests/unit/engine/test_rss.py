@@ -41,7 +41,7 @@ def test_memory_held_inside_the_window_is_seen_and_memory_freed_before_is_not():
     del held
     peak = meter.stop()
     assert meter.method == rss.SAMPLED and peak - meter.baseline >= 90 * MiB
-    assert peak < before - 60 * MiB                  # the 200 MiB freed before the window are not counted
+    assert peak < before - 60 * MiB  # the 200 MiB freed before the window are not counted
     assert not meter._thread.is_alive()
 
 
@@ -60,7 +60,7 @@ def test_the_merge_report_counts_the_merge_only(make_base, make_adapter, tmp_pat
     del block
     lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report = merge_checkpoint(base, adapter, str(tmp_path / "out"), progress=False)
-    assert report.peak_rss_bytes < lifetime - 250 * MiB   # the lifetime mark includes the 400 MiB, the merge does not
+    assert report.peak_rss_bytes < lifetime - 250 * MiB  # the lifetime mark includes the 400 MiB, the merge does not
     assert 0 <= report.peak_rss_bytes - report.baseline_rss_bytes < 150 * MiB
     assert report.peak_rss_method == rss.SAMPLED
     assert "peak RSS during the merge" in report.summary() and "measured by sampling" in report.summary()
@@ -86,11 +86,17 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_merge_and_save_in_a_fresh_process_does_not_report_earlier_memory(make_base, make_adapter, tmp_path):
     base, adapter = make_base("llama"), make_adapter("llama", "default")
-    r = subprocess.run([sys.executable, "-c", SCRIPT, base, adapter, str(tmp_path / "out")], capture_output=True,
-                       text=True, timeout=600, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, base, adapter, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["lifetime"] - got["baseline"] >= 450 * MiB          # the allocation happened
-    assert got["peak"] - got["baseline"] < 150 * MiB                # the merge's own peak is well below it
+    assert got["lifetime"] - got["baseline"] >= 450 * MiB  # the allocation happened
+    assert got["peak"] - got["baseline"] < 150 * MiB  # the merge's own peak is well below it
     assert got["peak"] < got["lifetime"] - 300 * MiB
     assert "peak RSS during the merge" in got["summary"]

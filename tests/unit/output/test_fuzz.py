@@ -42,17 +42,22 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
 )
-entries = st.fixed_dictionaries({
-    "dtype": st.sampled_from(["F32", "BF16", "F16", "I64", "U8", "BOOL", "F7", ""]) | json_values,
-    "shape": st.lists(st.integers(-2, 2**40), max_size=3) | json_values,
-    "data_offsets": st.lists(st.integers(-10, 2**40), min_size=0, max_size=3) | json_values,
-})
+entries = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(["F32", "BF16", "F16", "I64", "U8", "BOOL", "F7", ""]) | json_values,
+        "shape": st.lists(st.integers(-2, 2**40), max_size=3) | json_values,
+        "data_offsets": st.lists(st.integers(-10, 2**40), min_size=0, max_size=3) | json_values,
+    }
+)
 
 
 @pytest.mark.slow
 @FUZZ
-@given(st.dictionaries(st.text(max_size=10), entries | json_values, max_size=5), st.binary(max_size=256),
-       st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+@given(
+    st.dictionaries(st.text(max_size=10), entries | json_values, max_size=5),
+    st.binary(max_size=256),
+    st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+)
 def test_structured_headers(header, data, length):
     raw = json.dumps(header).encode()
     n = len(raw) if length is None else length
@@ -76,8 +81,14 @@ def test_deeply_nested_header_is_our_error():
 
 
 @FUZZ
-@given(st.one_of(json_values, st.fixed_dictionaries({"weight_map": st.dictionaries(
-    st.text(max_size=8), st.text(max_size=20) | json_values, max_size=4)})))
+@given(
+    st.one_of(
+        json_values,
+        st.fixed_dictionaries(
+            {"weight_map": st.dictionaries(st.text(max_size=8), st.text(max_size=20) | json_values, max_size=4)}
+        ),
+    )
+)
 def test_index_reader(index):
     folder = tempfile.mkdtemp(dir=_DIR)
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -105,8 +116,13 @@ def test_nothing_unpickles_but_the_weights_only_adapter_reader():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 mods = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 assert not any(m.split(".")[0] in ("pickle", "dill", "cloudpickle") for m in mods), name
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "load"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+            ):
                 safe = any(k.arg == "weights_only" and getattr(k.value, "value", None) is True for k in node.keywords)
                 loads.append((name, safe))
     assert loads == [(os.path.join("checkpoint", "adapter.py"), True)]

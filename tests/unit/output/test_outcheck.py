@@ -41,9 +41,14 @@ def test_overwrite_refuses_a_folder_of_the_users_and_names_what_is_there(tiny, t
 def test_overwrite_on_the_command_line_refuses_it_too(tiny, tmp_path):
     out = tmp_path / "out"
     before = _user_folder(out)
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", *tiny, str(out), "--overwrite", "-q"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", *tiny, str(out), "--overwrite", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "did not write (README.md, notes.txt, sub, sub/data.bin)" in r.stderr
     assert tree(out) == before and sorted(os.listdir(tmp_path)) == ["out"]

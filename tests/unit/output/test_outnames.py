@@ -31,8 +31,9 @@ def tiny(make_base, make_adapter):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     base = build_base(str(tmp_path_factory.mktemp("outnames") / "tiny-llama"), "llama", dtype=torch.bfloat16)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                                LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)
+    )
     return peft_model
 
 
@@ -100,8 +101,12 @@ def test_in_process_merge_and_drop_ins_refuse_up_front(model, tmp_path, monkeypa
 @pytest.mark.slow
 def test_cli_refuses_with_exit_2_and_a_printable_message(tiny, tmp_path):
     base, adapter = tiny
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", base, adapter,
-                        os.path.join(os.fsencode(tmp_path), BAD)], capture_output=True, cwd=tmp_path, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, os.path.join(os.fsencode(tmp_path), BAD)],
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     err = r.stderr.decode("utf-8")
     assert r.returncode == 2, err
     _refused([err])

@@ -54,8 +54,15 @@ def test_row_blocks():
 
 def test_streaming_writer_is_read_by_safetensors(tmp_path):
     path = str(tmp_path / "out.safetensors")
-    entries = [(n, {torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64", torch.float16: "F16"}[t.dtype],
-                tuple(t.shape), t.numel() * t.element_size()) for n, t in TENSORS.items()]
+    entries = [
+        (
+            n,
+            {torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64", torch.float16: "F16"}[t.dtype],
+            tuple(t.shape),
+            t.numel() * t.element_size(),
+        )
+        for n, t in TENSORS.items()
+    ]
     with ShardWriter(path, entries) as w:
         for name, t in TENSORS.items():
             if t.dim() and t.shape[0] > 2:
@@ -85,21 +92,44 @@ def _raw(tmp_path, header_bytes: bytes, length: int | None = None, data: bytes =
     return path
 
 
-@pytest.mark.parametrize("header,length,data,message", [
-    (b"{}", 10**12, b"", "header length 1000000000000 is beyond the file"),
-    (b"{not json", None, b"", "header is not valid JSON"),
-    (b"[]", None, b"", "header is not a JSON object"),
-    (json.dumps({"w": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]}}).encode(), None, b"\0",
-     "unknown dtype 'Q7'"),
-    (json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode(), None, b"\0" * 4,
-     "ends beyond the file"),
-    (json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}).encode(), None, b"\0" * 4,
-     "do not fit its dtype F32"),
-    (json.dumps({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-                 "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}}).encode(), None, b"\0" * 8,
-     "overlaps another"),
-    (json.dumps({"w": {"dtype": "F32", "shape": [1]}}).encode(), None, b"", "lacks dtype/shape/data_offsets"),
-])
+@pytest.mark.parametrize(
+    "header,length,data,message",
+    [
+        (b"{}", 10**12, b"", "header length 1000000000000 is beyond the file"),
+        (b"{not json", None, b"", "header is not valid JSON"),
+        (b"[]", None, b"", "header is not a JSON object"),
+        (
+            json.dumps({"w": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]}}).encode(),
+            None,
+            b"\0",
+            "unknown dtype 'Q7'",
+        ),
+        (
+            json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode(),
+            None,
+            b"\0" * 4,
+            "ends beyond the file",
+        ),
+        (
+            json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}).encode(),
+            None,
+            b"\0" * 4,
+            "do not fit its dtype F32",
+        ),
+        (
+            json.dumps(
+                {
+                    "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                    "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]},
+                }
+            ).encode(),
+            None,
+            b"\0" * 8,
+            "overlaps another",
+        ),
+        (json.dumps({"w": {"dtype": "F32", "shape": [1]}}).encode(), None, b"", "lacks dtype/shape/data_offsets"),
+    ],
+)
 def test_corrupt_headers(tmp_path, header, length, data, message):
     with pytest.raises(CorruptFileError, match=message):
         read_header(_raw(tmp_path, header, length, data))

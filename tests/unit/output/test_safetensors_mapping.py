@@ -28,8 +28,9 @@ def big_base(make_base, tmp_path):
     shutil.copytree(make_base("llama"), base)
     first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
     os.rename(base / "model.safetensors", base / first)
-    header = json.dumps({"__metadata__": {"format": "pt"},
-                         "big": {"dtype": "U8", "shape": [BIG], "data_offsets": [0, BIG]}}).encode()
+    header = json.dumps(
+        {"__metadata__": {"format": "pt"}, "big": {"dtype": "U8", "shape": [BIG], "data_offsets": [0, BIG]}}
+    ).encode()
     header += b" " * (-len(header) % 8)
     with open(base / second, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
@@ -37,23 +38,32 @@ def big_base(make_base, tmp_path):
     with safe_open(str(base / first), "pt") as f:
         weight_map = dict.fromkeys(f.keys(), first)
     weight_map["big"] = second
-    (base / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0},
-                                                                   "weight_map": weight_map}))
+    (base / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map})
+    )
     return base
 
 
 def _merge_limited(tmp_path, args) -> subprocess.CompletedProcess:
     """``peft-shardmerge ARGS`` in a child whose address space is limited to 4 GiB."""
     script = tmp_path / "limited.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import resource, sys
         resource.setrlimit(resource.RLIMIT_AS, ({LIMIT}, {LIMIT}))
         from peft_shardmerge.api.cli import main
         sys.exit(main(sys.argv[1:]))
-    """))
+    """)
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(script), "merge", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, str(script), "merge", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
 
 
 @pytest.fixture()
@@ -63,8 +73,9 @@ def tiny_fs(tmp_path):
         pytest.skip("mounting a filesystem needs root")
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True,
-                       check=False)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True, check=False
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
     try:
@@ -92,4 +103,3 @@ def test_a_shard_the_address_space_cannot_map_is_refused_by_name(big_base, make_
     assert f"model-00002-of-00002.safetensors ({size} bytes) cannot be mapped into memory" in r.stderr
     assert "address space or memory is too small" in r.stderr
     assert not out.exists()
-

@@ -18,17 +18,55 @@ from peft_shardmerge.output.side_files import list_side_files
 from peft_shardmerge.testing import build_adapter
 
 #: files of a model folder that are carried (config.json is written anew)
-MODEL_FILES = ["generation_config.json", "preprocessor_config.json", "processor_config.json", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-               "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
-               "additional_chat_templates/tool_use.jinja", "README.md", "LICENSE", "LICENSE.txt",
-               # remote code and the helpers it imports; DeBERTa-v3's and Mistral's own tokenizer files
-               "modeling_custom.py", "conversation.py", "spm.model", "tekken.json", "tokenizer.model.v3"]
+MODEL_FILES = [
+    "generation_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates/tool_use.jinja",
+    "README.md",
+    "LICENSE",
+    "LICENSE.txt",
+    # remote code and the helpers it imports; DeBERTa-v3's and Mistral's own tokenizer files
+    "modeling_custom.py",
+    "conversation.py",
+    "spm.model",
+    "tekken.json",
+    "tokenizer.model.v3",
+]
 #: files that do not belong to the merged model
-FOREIGN = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "pytorch_model.bin",
-           "model.pt", "model.pth", "model.gguf", "tf_model.h5", "flax_model.msgpack", "model.ckpt", "optimizer.pt",
-           "scheduler.pt", "trainer_state.json", "training_args.bin", "rng_state.pth", "rng_state_3.pth",
-           "notes.txt", "checkpoint-500/optimizer.pt", "runs/events.out", "original/consolidated.00.pth"]
+FOREIGN = [
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "pytorch_model.bin",
+    "model.pt",
+    "model.pth",
+    "model.gguf",
+    "tf_model.h5",
+    "flax_model.msgpack",
+    "model.ckpt",
+    "optimizer.pt",
+    "scheduler.pt",
+    "trainer_state.json",
+    "training_args.bin",
+    "rng_state.pth",
+    "rng_state_3.pth",
+    "notes.txt",
+    "checkpoint-500/optimizer.pt",
+    "runs/events.out",
+    "original/consolidated.00.pth",
+]
 
 
 def _files(folder) -> dict[str, str]:
@@ -66,13 +104,23 @@ def test_a_base_with_every_kind_of_foreign_file_merges_without_them(make_base, m
 
 
 def test_a_sentence_transformers_layout_keeps_its_modules(tmp_path):
-    names = ["modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/config.json",
-             "2_Dense/config.json", "2_Dense/model.safetensors", "3_Normalize/config.json", "vocab.txt"]
+    names = [
+        "modules.json",
+        "sentence_bert_config.json",
+        "config_sentence_transformers.json",
+        "1_Pooling/config.json",
+        "2_Dense/config.json",
+        "2_Dense/model.safetensors",
+        "3_Normalize/config.json",
+        "vocab.txt",
+    ]
     _fill(tmp_path, names + ["model.safetensors", "adapter_config.json", "training_args.bin"])
     with open(tmp_path / "modules.json", "w") as f:
-        f.write('[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},'
-                ' {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},'
-                ' {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]')
+        f.write(
+            '[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},'
+            ' {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},'
+            ' {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]'
+        )
     assert list_side_files(str(tmp_path)) == sorted(names)
 
 
@@ -97,8 +145,14 @@ def test_base_and_adapter_in_one_folder_load_as_a_model(same_folder, tmp_path):
 
     both, base, adapter = same_folder
     out, apart = tmp_path / "out", tmp_path / "apart"
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", both, both, out, "-q"], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", both, both, out, "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     merge_checkpoint(str(base), str(adapter), str(apart), progress=False)
     assert sorted(os.listdir(out)) == sorted(os.listdir(apart))
@@ -110,4 +164,3 @@ def test_base_and_adapter_in_one_folder_load_as_a_model(same_folder, tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(apart)
     for (name, p), (_, q) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
-

@@ -29,8 +29,9 @@ from tests.integration.test_inprocess import no_cpu_repack, qlora, read_all
 
 def lora16(base: str):
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"),
-                                            init_lora_weights=False))
+    return get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=default_targets("llama"), init_lora_weights=False)
+    )
 
 
 def written(out: str) -> list[tuple[str, str, str, tuple[int, ...]]]:
@@ -44,11 +45,13 @@ def written(out: str) -> list[tuple[str, str, str, tuple[int, ...]]]:
 
 
 def planned(plan: Plan) -> list[tuple[str, str, str, tuple[int, ...]]]:
-    return sorted(((plan.shard_names[t.shard], t.name, t.out_dtype, tuple(t.shape)) for t in plan.tensors),
-                  key=lambda r: r[0])
+    return sorted(
+        ((plan.shard_names[t.shard], t.name, t.out_dtype, tuple(t.shape)) for t in plan.tensors), key=lambda r: r[0]
+    )
 
 
 # ------------------------------------------------------------------------------------------- lock re-check
+
 
 def test_staged_output_needs_the_callers_overwrite(tmp_path):
     with pytest.raises(TypeError, match="overwrite"):
@@ -99,8 +102,10 @@ def test_second_of_two_concurrent_in_process_saves_is_refused(method, make_base,
     model = qlora(make_base("llama"), "llama", "nf4", torch.bfloat16)
     out = str(tmp_path / "out")
     os.mkdir(out)  # one empty folder, which both saves find empty
-    save = {"merge_and_save": lambda **kw: merge_and_save(model, out, base_precision="dequantized", **kw),
-            "save_merged_4bit": lambda **kw: save_merged_4bit(model, out, **kw)}[method]
+    save = {
+        "merge_and_save": lambda **kw: merge_and_save(model, out, base_precision="dequantized", **kw),
+        "save_merged_4bit": lambda **kw: save_merged_4bit(model, out, **kw),
+    }[method]
     results = {}
 
     def winner():
@@ -111,8 +116,10 @@ def test_second_of_two_concurrent_in_process_saves_is_refused(method, make_base,
     inner.generation_config = WinnerSavesFirst(**own.to_dict())
     WinnerSavesFirst.winner = threading.Thread(target=winner, name="winner")
     try:
-        with warnings.catch_warnings(), pytest.raises(
-                InputError, match=r"is not empty \(it changed since it was checked\); pass overwrite=True"):
+        with (
+            warnings.catch_warnings(),
+            pytest.raises(InputError, match=r"is not empty \(it changed since it was checked\); pass overwrite=True"),
+        ):
             warnings.simplefilter("ignore")  # save_merged_4bit's warning that it re-quantizes
             save(overwrite=False, progress=False)
     finally:
@@ -125,6 +132,7 @@ def test_second_of_two_concurrent_in_process_saves_is_refused(method, make_base,
 
 # ------------------------------------------------------------------------------------------- 4-bit sizes
 
+
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("double_quant", [True, False])
 @pytest.mark.parametrize("shape", [(7, 5), (64, 64), (3, 33), (300, 700), (1, 1)])
@@ -133,8 +141,9 @@ def test_packed_4bit_layout_is_what_bitsandbytes_writes(shape, double_quant, qua
 
     settings = Nf4Settings(quant_type=quant_type, double_quant=double_quant)
     w = torch.randn(*shape, dtype=torch.bfloat16) * 3
-    q, state = F.quantize_4bit(w, blocksize=64, compress_statistics=double_quant, quant_type=quant_type,
-                               quant_storage=torch.uint8)
+    q, state = F.quantize_4bit(
+        w, blocksize=64, compress_statistics=double_quant, quant_type=quant_type, quant_storage=torch.uint8
+    )
     packed = state.as_dict(packed=True)
     layout = packed_4bit_layout(shape, torch.bfloat16, settings)
     key = f"quant_state.bitsandbytes__{quant_type}"
@@ -171,15 +180,21 @@ def test_merged_4bit_without_double_quant_reloads_as_bitsandbytes_quantizes_it(m
     for name, m in reloaded.named_modules():
         if isinstance(m, bnb.nn.Linear4bit):
             assert m.weight.quant_state.quant_type == "fp4" and m.weight.quant_state.state2 is None
-            q, st = F.quantize_4bit(merged16[f"{name}.weight"].contiguous(), blocksize=64, compress_statistics=False,
-                                    quant_type="fp4")
-            torch.testing.assert_close(F.dequantize_4bit(m.weight.data, m.weight.quant_state).float(),
-                                       F.dequantize_4bit(q, st).float(), rtol=0, atol=0)
+            q, st = F.quantize_4bit(
+                merged16[f"{name}.weight"].contiguous(), blocksize=64, compress_statistics=False, quant_type="fp4"
+            )
+            torch.testing.assert_close(
+                F.dequantize_4bit(m.weight.data, m.weight.quant_state).float(),
+                F.dequantize_4bit(q, st).float(),
+                rtol=0,
+                atol=0,
+            )
             n += 1
     assert n == report.lora_modules_total > 0
 
 
 # ------------------------------------------------------------------------------------------- dry run
+
 
 @pytest.mark.parametrize("kind", ["nf4", "unquantized"])
 def test_plan_model_merge_says_what_merge_and_save_writes(kind, make_base, tmp_path):
@@ -225,8 +240,9 @@ def test_the_dry_run_takes_overwrite_as_merge_and_save_does(make_base, make_adap
 
     from peft_shardmerge import InputError, plan_model_merge
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32),
-                                      make_adapter("llama", "default"))
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32), make_adapter("llama", "default")
+    )
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -240,15 +256,17 @@ def test_the_dry_run_takes_overwrite_as_merge_and_save_does(make_base, make_adap
     assert plan.tensors and sorted(os.listdir(out)) == ["merge_manifest.json"]
 
 
-def test_the_dry_run_into_the_original_checkpoint_names_the_adapter_not_a_temporary_folder(make_base, make_adapter,
-                                                                                           tmp_path):
+def test_the_dry_run_into_the_original_checkpoint_names_the_adapter_not_a_temporary_folder(
+    make_base, make_adapter, tmp_path
+):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from peft_shardmerge import plan_model_merge
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32),
-                                      make_adapter("llama", "default"))
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(make_base("llama"), dtype=torch.float32), make_adapter("llama", "default")
+    )
     text = plan_model_merge(model, base_precision="original").describe()
     adapter_line = next(line for line in text.splitlines() if line.startswith("adapter:"))
     assert adapter_line.split(None, 1)[1] == "(in memory: adapter 'default')", adapter_line

@@ -26,17 +26,28 @@ def odd_rows(tmp_path_factory):
     """A tiny Llama with 96-wide rows (and 160-wide MLP rows) loaded in 4-bit NF4 with double quant on the CPU,
     saved quantized, then given a LoRA adapter (B moved off zero) that is saved too."""
     root = tmp_path_factory.mktemp("odd-rows")
-    base = build_base(str(root / "base"), "llama", hidden_size=96, intermediate_size=160, num_attention_heads=4,
-                      num_key_value_heads=2)
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.float32)
+    base = build_base(
+        str(root / "base"),
+        "llama",
+        hidden_size=96,
+        intermediate_size=160,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=torch.float32)
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False  # keep bitsandbytes' usual packing
     model.save_pretrained(str(root / "q4"))
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj",
-                                                                                       "down_proj"]))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj", "down_proj"])
+    )
     torch.manual_seed(0)
     perturb_trainable(peft_model, 0.05)
     peft_model.save_pretrained(str(root / "adapter"))
@@ -73,8 +84,7 @@ def test_in_process_and_disk_merges_of_the_same_4bit_model_are_equal(odd_rows, t
     """merge_and_save and merge_checkpoint of the saved 4-bit model give the same bytes."""
     root, _, peft_model = odd_rows
     merge_and_save(peft_model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
-    merge_checkpoint(str(root / "q4"), str(root / "adapter"), str(tmp_path / "disk"), dtype="float32",
-                     progress=False)
+    merge_checkpoint(str(root / "q4"), str(root / "adapter"), str(tmp_path / "disk"), dtype="float32", progress=False)
     live = load_file(str(tmp_path / "live" / "model.safetensors"))
     disk = load_file(str(tmp_path / "disk" / "model.safetensors"))
     assert live.keys() == disk.keys()

@@ -22,11 +22,16 @@ from tests.integration.test_inprocess import train_one_step
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_verify_after_a_repacking_eval_forward_names_the_repacking_not_failed(tmp_path, dtype):
     base = build_base(str(tmp_path / "base"), "llama", dtype=torch.bfloat16)
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.bfloat16)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=torch.bfloat16)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                  target_modules=["q_proj", "v_proj", "down_proj"]))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
     train_one_step(peft_model, model.config.vocab_size)
     with torch.no_grad():  # evaluate: the eval-mode forward that repacks on such a CPU
         peft_model(input_ids=token_ids(model.config.vocab_size))

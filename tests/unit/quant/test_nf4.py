@@ -20,8 +20,12 @@ def _quantized_reference(base: str, adapter: str, quant_type: str, double_quant:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
-                            bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.float32)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu")
     peft_model = PeftModel.from_pretrained(model, adapter)
     out = {}
@@ -40,14 +44,23 @@ def _quantized_reference(base: str, adapter: str, quant_type: str, double_quant:
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("double_quant", [True, False])
 @pytest.mark.parametrize("base_name", ["llama_bf16", "gpt2"])
-def test_nf4_base_equals_bitsandbytes_dequantized(base_name, quant_type, double_quant, make_base, make_adapter,
-                                                  tmp_path):
+def test_nf4_base_equals_bitsandbytes_dequantized(
+    base_name, quant_type, double_quant, make_base, make_adapter, tmp_path
+):
     base = make_base(base_name)
     kwargs = dict(fan_in_fan_out=True) if base_name == "gpt2" else {}
     adapter = make_adapter(base_name, "default", **kwargs)
     out = str(tmp_path / "m")
-    report = merge_checkpoint(base, adapter, out, dtype="float32", base_precision="nf4", nf4_quant_type=quant_type,
-                              nf4_double_quant=double_quant, progress=False)
+    report = merge_checkpoint(
+        base,
+        adapter,
+        out,
+        dtype="float32",
+        base_precision="nf4",
+        nf4_quant_type=quant_type,
+        nf4_double_quant=double_quant,
+        progress=False,
+    )
     assert report.base_precision == "nf4"
     assert any("4-bit base" in n for n in report.notes)
     ref = _quantized_reference(base, adapter, quant_type, double_quant)
@@ -73,8 +86,10 @@ def test_original_and_nf4_differ_by_quantization_error(make_base, make_adapter, 
     merge_checkpoint(base, adapter, a, dtype="float32", progress=False)
     merge_checkpoint(base, adapter, b, dtype="float32", base_precision="nf4", progress=False)
     name = "model.layers.0.mlp.up_proj.weight"
-    with safe_open(os.path.join(a, "model.safetensors"), framework="pt") as ha, \
-            safe_open(os.path.join(b, "model.safetensors"), framework="pt") as hb:
+    with (
+        safe_open(os.path.join(a, "model.safetensors"), framework="pt") as ha,
+        safe_open(os.path.join(b, "model.safetensors"), framework="pt") as hb,
+    ):
         wa, wb = ha.get_tensor(name), hb.get_tensor(name)
         ea, eb = ha.get_tensor("model.embed_tokens.weight"), hb.get_tensor("model.embed_tokens.weight")
     rel = float((wa - wb).norm() / wa.norm())
@@ -94,14 +109,31 @@ def test_dora_merged_into_the_nf4_base_matches_the_4bit_adapter_model(make_base,
 
     base = make_base("llama_bf16")
     adapter = make_adapter("llama_bf16", "dora", use_dora=True, target_modules=["q_proj", "v_proj", "up_proj"])
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.float32)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu")
     peft_model = PeftModel.from_pretrained(model, adapter)
-    merge_and_save(peft_model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32",
-                   max_shard_size="1GB", progress=False)
-    merge_checkpoint(base, adapter, str(tmp_path / "disk"), dtype="float32", base_precision="nf4",
-                     max_shard_size="1GB", progress=False)
+    merge_and_save(
+        peft_model,
+        str(tmp_path / "live"),
+        base_precision="dequantized",
+        dtype="float32",
+        max_shard_size="1GB",
+        progress=False,
+    )
+    merge_checkpoint(
+        base,
+        adapter,
+        str(tmp_path / "disk"),
+        dtype="float32",
+        base_precision="nf4",
+        max_shard_size="1GB",
+        progress=False,
+    )
     live = load_file(str(tmp_path / "live" / "model.safetensors"))
     disk = load_file(str(tmp_path / "disk" / "model.safetensors"))
     assert live.keys() == disk.keys()
@@ -117,8 +149,12 @@ def test_quantizing_the_original_weights_again_gives_the_bytes_the_model_was_loa
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     base = make_base("llama_bf16")
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                            bnb_4bit_compute_dtype=torch.bfloat16)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu")
     stored = {}
     for f in os.listdir(base):
@@ -127,8 +163,13 @@ def test_quantizing_the_original_weights_again_gives_the_bytes_the_model_was_loa
     checked = 0
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            packed, state = F.quantize_4bit(stored[f"{name}.weight"], blocksize=64, compress_statistics=True,
-                                            quant_type="nf4", quant_storage=module.weight.dtype)
+            packed, state = F.quantize_4bit(
+                stored[f"{name}.weight"],
+                blocksize=64,
+                compress_statistics=True,
+                quant_type="nf4",
+                quant_storage=module.weight.dtype,
+            )
             loaded = module.weight.quant_state
             assert torch.equal(packed, module.weight.data), name
             assert torch.equal(state.absmax, loaded.absmax) and torch.equal(state.state2.absmax, loaded.state2.absmax)

@@ -37,10 +37,15 @@ KINDS = {
     "nf4-skip": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", llm_int8_skip_modules=["down_proj", "lm_head"]),
     "int8-skip": dict(load_in_8bit=True, llm_int8_skip_modules=["o_proj", "lm_head"]),
 }
-METHODS = {"nf4-double": "bitsandbytes 4-bit (nf4, double quant)", "nf4": "bitsandbytes 4-bit (nf4)",
-           "fp4-double": "bitsandbytes 4-bit (fp4, double quant)", "fp4": "bitsandbytes 4-bit (fp4)",
-           "int8": "bitsandbytes 8-bit (LLM.int8)", "nf4-skip": "bitsandbytes 4-bit (nf4)",
-           "int8-skip": "bitsandbytes 8-bit (LLM.int8)"}
+METHODS = {
+    "nf4-double": "bitsandbytes 4-bit (nf4, double quant)",
+    "nf4": "bitsandbytes 4-bit (nf4)",
+    "fp4-double": "bitsandbytes 4-bit (fp4, double quant)",
+    "fp4": "bitsandbytes 4-bit (fp4)",
+    "int8": "bitsandbytes 8-bit (LLM.int8)",
+    "nf4-skip": "bitsandbytes 4-bit (nf4)",
+    "int8-skip": "bitsandbytes 8-bit (LLM.int8)",
+}
 MEASURED: dict[str, float] = {}
 
 
@@ -52,8 +57,9 @@ def no_cpu_repack(model) -> None:
 
 
 def save_quantized(base: str, folder: str, kind: str, **save) -> str:
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(**KINDS[kind]),
-                                                 device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=BitsAndBytesConfig(**KINDS[kind]), device_map="cpu"
+    )
     no_cpu_repack(model)
     model.save_pretrained(folder, **save)
     return folder
@@ -66,9 +72,13 @@ def dequantized(folder: str):
     return model.dequantize()
 
 
-
-def compare(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], merged: set[str],
-            base: dict[str, torch.Tensor], kind: str = "") -> float:
+def compare(
+    ours: dict[str, torch.Tensor],
+    ref: dict[str, torch.Tensor],
+    merged: set[str],
+    base: dict[str, torch.Tensor],
+    kind: str = "",
+) -> float:
     """Untouched tensors equal bit for bit; merged ones within the dtype's rounding (and moved off the dequantized
     base). Returns the largest merged difference relative to the tensor's largest value.
 
@@ -143,8 +153,9 @@ def test_unmerged_tensors_equal_transformers_dequantize_bit_for_bit_in_any_row_b
         reader = RowReader()
         for t in ckpt.tensors:
             for step in (1, 3, 5):
-                got = torch.cat([reader.read_rows(t, a, min(a + step, t.shape[0])).clone()
-                                 for a in range(0, t.shape[0], step)])
+                got = torch.cat(
+                    [reader.read_rows(t, a, min(a + step, t.shape[0])).clone() for a in range(0, t.shape[0], step)]
+                )
                 if kind == "int8" and t.decoder is not None:  # float32 rows, cast once when written
                     assert got.dtype == torch.float32
                     got = got.to(ref[t.name].dtype)
@@ -174,8 +185,13 @@ def test_cli_and_plan_name_the_format(tiny):
     plan = plan_checkpoint_merge(folder, adapter, str(root / "cli-plan"))
     assert METHODS["fp4-double"] in plan.describe()
     out = str(root / "cli-out")
-    run = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", folder, adapter, out],
-                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", folder, adapter, out],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     api_out = str(root / "cli-api-out")
     merge_checkpoint(folder, adapter, api_out, progress=False)
@@ -224,8 +240,9 @@ def test_rows_read_only_their_blocks(tmp_path, kind):
     merge_checkpoint(folder, adapter, str(tmp_path / "out"), progress=False, chunk_elems=chunk)
     ours = folder_tensors(str(tmp_path / "out"))
     assert all(torch.equal(ours[k], v) for k, v in ref.items() if "q_proj" not in k)
-    assert not torch.equal(ours["model.layers.0.self_attn.q_proj.weight"],
-                           ref["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        ours["model.layers.0.self_attn.q_proj.weight"], ref["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def _rewrite(folder: str, drop=(), config=None) -> None:
@@ -241,21 +258,54 @@ def _rewrite(folder: str, drop=(), config=None) -> None:
             json.dump(cfg, f)
 
 
-@pytest.mark.parametrize("kind, drop, config, error, match", [
-    ("nf4-double", ["layers.0.self_attn.q_proj.weight.absmax"], None, CorruptFileError,
-     r"q_proj.weight' has no .*q_proj.weight.absmax'"),
-    ("nf4-double", ["layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"], None, CorruptFileError,
-     r"up_proj.weight' has no quant state"),
-    ("nf4", [".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4"], None, CorruptFileError,
-     r"is stored as U8 but has no quant_state/absmax"),
-    ("fp4-double", ["layers.0.mlp.down_proj.weight.nested_absmax"], None, CorruptFileError,
-     r"down_proj.weight' has no .*nested_absmax'"),
-    ("int8", ["layers.0.self_attn.v_proj.SCB"], None, CorruptFileError,
-     r"v_proj.weight' has no .*v_proj.SCB' \(row scales\)"),
-    ("nf4", [], {"bnb_4bit_quant_storage": "bfloat16"}, InputError, r"packed into bfloat16"),
-    ("int8", [], {"load_in_8bit": False, "load_in_4bit": True, "_load_in_4bit": True}, CorruptFileError,
-     r"8-bit piece, but config.json's quantization_config says 4-bit"),
-])
+@pytest.mark.parametrize(
+    "kind, drop, config, error, match",
+    [
+        (
+            "nf4-double",
+            ["layers.0.self_attn.q_proj.weight.absmax"],
+            None,
+            CorruptFileError,
+            r"q_proj.weight' has no .*q_proj.weight.absmax'",
+        ),
+        (
+            "nf4-double",
+            ["layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"],
+            None,
+            CorruptFileError,
+            r"up_proj.weight' has no quant state",
+        ),
+        (
+            "nf4",
+            [".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4"],
+            None,
+            CorruptFileError,
+            r"is stored as U8 but has no quant_state/absmax",
+        ),
+        (
+            "fp4-double",
+            ["layers.0.mlp.down_proj.weight.nested_absmax"],
+            None,
+            CorruptFileError,
+            r"down_proj.weight' has no .*nested_absmax'",
+        ),
+        (
+            "int8",
+            ["layers.0.self_attn.v_proj.SCB"],
+            None,
+            CorruptFileError,
+            r"v_proj.weight' has no .*v_proj.SCB' \(row scales\)",
+        ),
+        ("nf4", [], {"bnb_4bit_quant_storage": "bfloat16"}, InputError, r"packed into bfloat16"),
+        (
+            "int8",
+            [],
+            {"load_in_8bit": False, "load_in_4bit": True, "_load_in_4bit": True},
+            CorruptFileError,
+            r"8-bit piece, but config.json's quantization_config says 4-bit",
+        ),
+    ],
+)
 def test_malformed_bases_are_refused(tiny, kind, drop, config, error, match):
     root, base, adapter = tiny
     folder = save_quantized(base, str(root / f"bad-{kind}-{len(drop)}-{bool(config)}"), kind)
@@ -316,8 +366,14 @@ def test_rows_of_weights_whose_rows_do_not_fill_quantization_blocks(tmp_path, ki
     quantization block, equals transformers' dequantization."""
     from peft_shardmerge.checkpoint.source import open_checkpoint
 
-    base = build_base(str(tmp_path / "base"), dtype=torch.bfloat16, hidden_size=68, intermediate_size=131,
-                      num_attention_heads=2, num_key_value_heads=2)
+    base = build_base(
+        str(tmp_path / "base"),
+        dtype=torch.bfloat16,
+        hidden_size=68,
+        intermediate_size=131,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     folder = save_quantized(base, str(tmp_path / kind), kind)
     ref = dequantized(folder).state_dict()
     src = open_checkpoint(folder)
@@ -339,12 +395,17 @@ def test_verify_says_ok_for_a_merge_from_an_odd_sided_4bit_base(tmp_path):
     from peft_shardmerge.options import MergeOptions
     from peft_shardmerge.verify.report import verify_checkpoint
 
-    base = build_base(str(tmp_path / "base"), dtype=torch.bfloat16, hidden_size=68, intermediate_size=131,
-                      num_attention_heads=2, num_key_value_heads=2)
+    base = build_base(
+        str(tmp_path / "base"),
+        dtype=torch.bfloat16,
+        hidden_size=68,
+        intermediate_size=131,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     adapter = build_adapter(base, str(tmp_path / "adapter"), init_lora_weights=False)
     folder = save_quantized(base, str(tmp_path / "nf4"), "nf4-double")
     out = str(tmp_path / "merged")
     merge_checkpoint(folder, adapter, out, options=MergeOptions(chunk_elems=137, progress=False))
     report = verify_checkpoint(out, base=folder, adapter=adapter)
     assert report.status == "OK" and "checked: logits vs base + adapter" in report.summary(), report.summary()
-

@@ -18,8 +18,13 @@ from peft_shardmerge import merge_and_save, merge_checkpoint
 from peft_shardmerge.testing import build_base, tiny_config
 
 #: q/o [256, 256] and v [64, 256] fill their 128 x 128 blocks (or sit inside one); down [256, 200] ends mid-block
-SHAPES = {"hidden_size": 256, "intermediate_size": 200, "num_attention_heads": 8, "num_key_value_heads": 2,
-          "head_dim": 32}
+SHAPES = {
+    "hidden_size": 256,
+    "intermediate_size": 200,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 BLOCK = 128
 
@@ -35,8 +40,11 @@ def dyadic_adapter(base: str, folder: str, targets: list[str]) -> dict[str, torc
             if "lora_" in name:
                 p.copy_(torch.randint(-8, 9, p.shape, generator=gen).float() / 256)
     peft_model.save_pretrained(folder)
-    return {f"{name.removeprefix('base_model.model.')}.weight": m.get_delta_weight("default").detach().float()
-            for name, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    return {
+        f"{name.removeprefix('base_model.model.')}.weight": m.get_delta_weight("default").detach().float()
+        for name, m in peft_model.named_modules()
+        if hasattr(m, "lora_A") and "default" in m.lora_A
+    }
 
 
 def one_rounding(exact_base: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor], dtype) -> dict:
@@ -67,13 +75,17 @@ def int8_definition(stored: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def test_int8_base_is_dequantized_in_float32_and_cast_once(tmp_path):
     pytest.importorskip("bitsandbytes")
     base = build_base(str(tmp_path / "base"), dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-                                                 device_map="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        base, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
+    )
     model.save_pretrained(str(tmp_path / "int8"))
     deltas = dyadic_adapter(base, str(tmp_path / "adapter"), TARGETS)
     stored = load_file(str(tmp_path / "int8" / "model.safetensors"))
-    exact = {k: int8_definition(stored, k) if v.dtype == torch.int8 else v.float() for k, v in stored.items()
-             if not k.endswith((".SCB", ".weight_format"))}
+    exact = {
+        k: int8_definition(stored, k) if v.dtype == torch.int8 else v.float()
+        for k, v in stored.items()
+        if not k.endswith((".SCB", ".weight_format"))
+    }
     merge_checkpoint(str(tmp_path / "int8"), str(tmp_path / "adapter"), str(tmp_path / "out"), progress=False)
     ours = folder_tensors(str(tmp_path / "out"))
     want = one_rounding(exact, deltas, torch.bfloat16)
@@ -82,8 +94,13 @@ def test_int8_base_is_dequantized_in_float32_and_cast_once(tmp_path):
         assert ours[k].dtype == torch.bfloat16 and torch.equal(ours[k], want[k]), k
     # in process, the int8 model loaded from that folder: the same dequantization, the same bytes
     live = AutoModelForCausalLM.from_pretrained(str(tmp_path / "int8"), device_map="cpu")
-    merge_and_save(PeftModel.from_pretrained(live, str(tmp_path / "adapter")), str(tmp_path / "live"),
-                   dtype="bfloat16", base_precision="dequantized", progress=False)
+    merge_and_save(
+        PeftModel.from_pretrained(live, str(tmp_path / "adapter")),
+        str(tmp_path / "live"),
+        dtype="bfloat16",
+        base_precision="dequantized",
+        progress=False,
+    )
     in_process = folder_tensors(str(tmp_path / "live"))
     assert all(torch.equal(in_process[k], want[k]) for k in deltas)
     # transformers' dequantize() (cast to bf16) then PEFT's float32 merge: one bf16 step away, in some elements
@@ -105,9 +122,9 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, s = torch.empty(rows, cols, dtype=torch.float8_e4m3fn), torch.empty(grid)
     for i in range(grid[0]):
         for j in range(grid[1]):
-            piece = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
+            piece = w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK].float()
             s[i, j] = piece.abs().max().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (piece / s[i, j]).to(torch.float8_e4m3fn)
+            q[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] = (piece / s[i, j]).to(torch.float8_e4m3fn)
     return q, s
 
 
@@ -133,14 +150,25 @@ def test_fp8_base_is_dequantized_in_float32_and_cast_once(tmp_path):
     os.makedirs(folder)
     save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = config.to_dict()
-    cfg.update(dtype="bfloat16", architectures=["LlamaForCausalLM"], quantization_config={
-        "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic",
-        "modules_to_not_convert": ["model.embed_tokens", "lm_head"]})
+    cfg.update(
+        dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+        quantization_config={
+            "quant_method": "fp8",
+            "weight_block_size": [BLOCK, BLOCK],
+            "activation_scheme": "dynamic",
+            "modules_to_not_convert": ["model.embed_tokens", "lm_head"],
+        },
+    )
     (folder / "config.json").write_text(json.dumps(cfg))
     deltas = dyadic_adapter(str(tmp_path / "base"), str(tmp_path / "adapter"), TARGETS)
-    exact = {k: fp8_definition(v, stored[k.removesuffix("weight") + "weight_scale_inv"])
-             if v.dtype == torch.float8_e4m3fn else v.float() for k, v in stored.items()
-             if not k.endswith("weight_scale_inv")}
+    exact = {
+        k: fp8_definition(v, stored[k.removesuffix("weight") + "weight_scale_inv"])
+        if v.dtype == torch.float8_e4m3fn
+        else v.float()
+        for k, v in stored.items()
+        if not k.endswith("weight_scale_inv")
+    }
     merge_checkpoint(str(folder), str(tmp_path / "adapter"), str(tmp_path / "out"), progress=False)
     ours = folder_tensors(str(tmp_path / "out"))
     want = one_rounding(exact, deltas, torch.bfloat16)
@@ -148,8 +176,9 @@ def test_fp8_base_is_dequantized_in_float32_and_cast_once(tmp_path):
     for k in want:
         assert ours[k].dtype == torch.bfloat16 and torch.equal(ours[k], want[k]), k
     # transformers' dequantized loading (bf16) then PEFT's float32 merge: one bf16 step away, in some elements
-    deq = AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=FineGrainedFP8Config(
-        dequantize=True, weight_block_size=(BLOCK, BLOCK))).float()
+    deq = AutoModelForCausalLM.from_pretrained(
+        str(folder), quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=(BLOCK, BLOCK))
+    ).float()
     theirs = PeftModel.from_pretrained(deq, str(tmp_path / "adapter")).merge_and_unload().state_dict()
     moved = 0
     for k in deltas:

@@ -39,14 +39,21 @@ def quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tens
     q, s = torch.empty(rows, cols, dtype=torch.float8_e4m3fn), torch.empty(grid)
     for i in range(grid[0]):
         for j in range(grid[1]):
-            piece = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].float()
+            piece = w[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1].float()
             s[i, j] = piece.abs().max().clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-            q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = (piece / s[i, j]).to(torch.float8_e4m3fn)
+            q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (piece / s[i, j]).to(torch.float8_e4m3fn)
     return q, (s if block else s.reshape(()))
 
 
-def write_fp8_base(folder: str, *, block=(128, 128), dtype: str = "bfloat16", shards: int = 1,
-                   extra: dict | None = None, seed: int = 0) -> str:
+def write_fp8_base(
+    folder: str,
+    *,
+    block=(128, 128),
+    dtype: str = "bfloat16",
+    shards: int = 1,
+    extra: dict | None = None,
+    seed: int = 0,
+) -> str:
     """A tiny Llama saved as a fine-grained FP8 release: linear weights FP8 with their scales, norms, embeddings and
     lm_head in bf16 (modules_to_not_convert), config.json with the quantization_config, ``shards`` files."""
     torch.manual_seed(seed)
@@ -70,18 +77,26 @@ def write_fp8_base(folder: str, *, block=(128, 128), dtype: str = "bfloat16", sh
             part = {n: tensors[n] for n in names[i::shards]}
             save_file(part, os.path.join(folder, file), metadata={"format": "pt"})
             weight_map.update({n: file for n in part})
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": weight_map,
+        }
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f)
     cfg = config.to_dict()
-    cfg.update(dtype=dtype, architectures=["LlamaForCausalLM"], quantization_config={
-        "quant_method": "fp8", "weight_block_size": list(block) if block else None, "activation_scheme": "dynamic",
-        "modules_to_not_convert": ["model.embed_tokens", "lm_head"]})
+    cfg.update(
+        dtype=dtype,
+        architectures=["LlamaForCausalLM"],
+        quantization_config={
+            "quant_method": "fp8",
+            "weight_block_size": list(block) if block else None,
+            "activation_scheme": "dynamic",
+            "modules_to_not_convert": ["model.embed_tokens", "lm_head"],
+        },
+    )
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return folder
-
 
 
 def transformers_reference(folder: str, block, *, float32: bool = False) -> dict[str, torch.Tensor]:
@@ -91,16 +106,22 @@ def transformers_reference(folder: str, block, *, float32: bool = False) -> dict
     with open(os.path.join(folder, "config.json")) as f:
         dtype = torch.float32 if float32 else getattr(torch, json.load(f)["dtype"])
     raw = folder_tensors(folder)
-    return {k: finegrained_fp8._dequantize_fp8_weight(q, raw[k[:-6] + "weight_scale_inv"],
-                                                       list(block) if block else None, torch.float32).to(dtype)
-            for k, q in raw.items() if q.dtype == torch.float8_e4m3fn}
+    return {
+        k: finegrained_fp8._dequantize_fp8_weight(
+            q, raw[k[:-6] + "weight_scale_inv"], list(block) if block else None, torch.float32
+        ).to(dtype)
+        for k, q in raw.items()
+        if q.dtype == torch.float8_e4m3fn
+    }
 
 
 def load_dequantized(folder: str, block):
     """The base as transformers loads it on the CPU: ``FineGrainedFP8Config(dequantize=True)``."""
     model, info = AutoModelForCausalLM.from_pretrained(
-        folder, quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=block),
-        output_loading_info=True)
+        folder,
+        quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=block),
+        output_loading_info=True,
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return model.eval()
 
@@ -113,9 +134,11 @@ def read_logical(folder: str, step: int = 48) -> dict[str, torch.Tensor]:
     """Every dequantized tensor of our view, read in row blocks of ``step`` rows."""
     src = open_checkpoint(folder)
     with RowReader() as reader:
-        return {t.name: torch.cat([reader.read_rows(t, a, min(a + step, t.shape[0]))
-                                   for a in range(0, t.shape[0], step)])
-                for t in src.tensors if t.decoder is not None}
+        return {
+            t.name: torch.cat([reader.read_rows(t, a, min(a + step, t.shape[0])) for a in range(0, t.shape[0], step)])
+            for t in src.tensors
+            if t.decoder is not None
+        }
 
 
 @pytest.mark.parametrize("block,dtype", [((128, 128), "bfloat16"), ((64, 8), "float16"), (None, "float32")])
@@ -160,8 +183,7 @@ def fp8(tmp_path_factory):
                 p.copy_(reference[name])
     base_state = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(3)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
-                                                  init_lora_weights=False))
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False))
     adapter = str(root / "adapter")
     peft_model.save_pretrained(adapter)
     ref_base = AutoModelForCausalLM.from_config(model.config).float()
@@ -173,9 +195,18 @@ def fp8(tmp_path_factory):
     merged = ref.merge_and_unload()
     out = str(root / "merged")
     merge_checkpoint(base, adapter, out, dtype="bfloat16", progress=False)
-    return dict(root=root, base=base, sharded=sharded, adapter=adapter, base_state=base_state, out=out, ids=ids,
-                merged_fp32={k: v.clone() for k, v in merged.state_dict().items()}, merged_model=merged,
-                unmerged_logits=unmerged_logits)
+    return dict(
+        root=root,
+        base=base,
+        sharded=sharded,
+        adapter=adapter,
+        base_state=base_state,
+        out=out,
+        ids=ids,
+        merged_fp32={k: v.clone() for k, v in merged.state_dict().items()},
+        merged_model=merged,
+        unmerged_logits=unmerged_logits,
+    )
 
 
 def check_against_peft(out: str, fp8: dict) -> dict[str, float]:
@@ -205,9 +236,11 @@ def test_disk_merge_matches_peft_on_the_dequantized_base(fp8):
         bf16_ref = fp8["merged_model"].to(torch.bfloat16).float()(input_ids=fp8["ids"]).logits
         fp8["merged_model"].float()
     err_merged, err_unmerged = rel_err(got, bf16_ref), rel_err(got, fp8["unmerged_logits"])
-    print(f"max |ours - PEFT merge|: untouched {worst['untouched']}, merged {worst['merged']:.3g} "
-          f"({worst['merged_ulps']:.2f} bf16 ulp); logits rel. error vs PEFT merge in bf16 {err_merged:.3g}, "
-          f"vs unmerged fp32 {err_unmerged:.3g}")
+    print(
+        f"max |ours - PEFT merge|: untouched {worst['untouched']}, merged {worst['merged']:.3g} "
+        f"({worst['merged_ulps']:.2f} bf16 ulp); logits rel. error vs PEFT merge in bf16 {err_merged:.3g}, "
+        f"vs unmerged fp32 {err_unmerged:.3g}"
+    )
     assert err_merged < 1e-3 and err_unmerged < 2e-2
     plan = plan_checkpoint_merge(fp8["base"], fp8["adapter"], str(fp8["root"] / "unused"), dtype="bfloat16")
     text = plan.describe()
@@ -218,8 +251,12 @@ def test_disk_merge_matches_peft_on_the_dequantized_base(fp8):
 @pytest.mark.slow
 def test_sharded_base_through_the_cli_and_small_row_blocks_write_the_same(fp8):
     out = str(fp8["root"] / "cli")
-    run = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", fp8["sharded"], fp8["adapter"], out,
-                          "--dtype", "bfloat16"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", fp8["sharded"], fp8["adapter"], out, "--dtype", "bfloat16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     small = str(fp8["root"] / "small-blocks")
     # 2048 elements = 8 rows of the [256, 256] FP8 weights, 1/32 of them; 200-column rows end mid-block
@@ -263,8 +300,9 @@ def test_in_process_merge_of_the_dequantized_model_equals_the_disk_merge(fp8):
             gaps[name] = float((t.float() - disk[name].float()).abs().max())
     print(f"in process, as transformers loads it: partial-block tensors differ by {gaps}")
     fixed = in_process_merge(fp8, str(fp8["root"] / "in-process"), fix=True)
-    assert set(fixed) == set(disk) and all(same_or_one_bf16_step(fixed[k], disk[k], k, fp8["base_state"][k])
-                                           for k in disk)
+    assert set(fixed) == set(disk) and all(
+        same_or_one_bf16_step(fixed[k], disk[k], k, fp8["base_state"][k]) for k in disk
+    )
 
 
 def write_one_weight(folder: str, tensors: dict[str, torch.Tensor], qc: dict | None = None) -> str:
@@ -272,8 +310,11 @@ def write_one_weight(folder: str, tensors: dict[str, torch.Tensor], qc: dict | N
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     config = tiny_config("llama").to_dict()
-    config.update(dtype="bfloat16", quantization_config=qc or {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                                               "activation_scheme": "dynamic"})
+    config.update(
+        dtype="bfloat16",
+        quantization_config=qc
+        or {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+    )
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     return folder
@@ -282,8 +323,10 @@ def write_one_weight(folder: str, tensors: dict[str, torch.Tensor], qc: dict | N
 def test_rows_read_only_their_bytes_of_a_weight_much_larger_than_a_row_block(tmp_path):
     torch.manual_seed(5)
     q, s = quantize(torch.randn(1000, 300) * 0.02, (128, 128))  # both sides end in a partial block
-    folder = write_one_weight(str(tmp_path / "big"), {"big.weight": q, "big.weight_scale_inv": s,
-                                                      "norm.weight": torch.ones(300, dtype=torch.bfloat16)})
+    folder = write_one_weight(
+        str(tmp_path / "big"),
+        {"big.weight": q, "big.weight_scale_inv": s, "norm.weight": torch.ones(300, dtype=torch.bfloat16)},
+    )
     info = next(t for t in open_checkpoint(folder).tensors if t.name == "big.weight")
     want = finegrained_fp8._dequantize_fp8_weight(q, s, [128, 128], torch.float32)  # rows stay float32
     chunk = 4096  # 13 rows of 300; the FP8 weight is 300000 bytes
@@ -308,25 +351,63 @@ def fp8_tensors(change: dict | None = None, drop: tuple[str, ...] = ()) -> dict[
     return {k: v for k, v in tensors.items() if k not in drop}
 
 
-@pytest.mark.parametrize("tensors,qc,error,words", [
-    (fp8_tensors(drop=("a.weight_scale_inv",)), None, CorruptFileError, ["'a.weight'", "no 'a.weight_scale_inv'"]),
-    (fp8_tensors({"a.weight_scale_inv": torch.ones(1, 2)}), None, CorruptFileError,
-     ["'a.weight_scale_inv'", "[1, 2]", "needs [2, 2]"]),
-    (fp8_tensors({"a.weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)}), None, CorruptFileError,
-     ["'a.weight_scale_inv'", "I32"]),
-    (fp8_tensors({"b.weight_scale_inv": torch.ones(1, 1)}), None, CorruptFileError,
-     ["'b.weight_scale_inv'", "'b.weight'", "missing"]),
-    (fp8_tensors({"norm.qscale_weight": torch.ones(1, 1)}), None, CorruptFileError,  # not copied into the output
-     ["'norm.qscale_weight'", "'norm.weight'", "stored as BF16, not FP8"]),
-    (fp8_tensors({"a.input_scale": torch.ones(1)}), None, InputError, ["'a.input_scale'", "transformers does not"]),
-    (fp8_tensors({"c.bias": torch.ones(4, dtype=torch.float8_e4m3fn)}), None, InputError, ["'c.bias'", "2-D"]),
-    ({"norm.weight": torch.ones(160, dtype=torch.bfloat16)}, None, InputError, ["no weight is stored as FP8"]),
-] + [(fp8_tensors(), {"quant_method": "fp8", "weight_block_size": bad}, InputError, ["weight_block_size", repr(bad)])
-     for bad in ([128], [0, 128], [128, -1], "128", [128.0, 128], [True, 128], [128, 128, 1])]
-  + [(fp8_tensors(), {"quant_method": "fp8", "activation_scheme": "per-token"}, InputError, ["activation_scheme"]),
-     (fp8_tensors(), {"quant_method": "fp8", "modules_to_convert": ["embed"]}, InputError, ["modules_to_convert"]),
-     (fp8_tensors(), {"quant_method": "fp8", "weight_block_size": None}, CorruptFileError,
-      ["'a.weight_scale_inv'", "[2, 2]", "weight_block_size is null"])])
+@pytest.mark.parametrize(
+    "tensors,qc,error,words",
+    [
+        (fp8_tensors(drop=("a.weight_scale_inv",)), None, CorruptFileError, ["'a.weight'", "no 'a.weight_scale_inv'"]),
+        (
+            fp8_tensors({"a.weight_scale_inv": torch.ones(1, 2)}),
+            None,
+            CorruptFileError,
+            ["'a.weight_scale_inv'", "[1, 2]", "needs [2, 2]"],
+        ),
+        (
+            fp8_tensors({"a.weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)}),
+            None,
+            CorruptFileError,
+            ["'a.weight_scale_inv'", "I32"],
+        ),
+        (
+            fp8_tensors({"b.weight_scale_inv": torch.ones(1, 1)}),
+            None,
+            CorruptFileError,
+            ["'b.weight_scale_inv'", "'b.weight'", "missing"],
+        ),
+        (
+            fp8_tensors({"norm.qscale_weight": torch.ones(1, 1)}),
+            None,
+            CorruptFileError,  # not copied into the output
+            ["'norm.qscale_weight'", "'norm.weight'", "stored as BF16, not FP8"],
+        ),
+        (
+            fp8_tensors({"a.input_scale": torch.ones(1)}),
+            None,
+            InputError,
+            ["'a.input_scale'", "transformers does not"],
+        ),
+        (fp8_tensors({"c.bias": torch.ones(4, dtype=torch.float8_e4m3fn)}), None, InputError, ["'c.bias'", "2-D"]),
+        ({"norm.weight": torch.ones(160, dtype=torch.bfloat16)}, None, InputError, ["no weight is stored as FP8"]),
+    ]
+    + [
+        (
+            fp8_tensors(),
+            {"quant_method": "fp8", "weight_block_size": bad},
+            InputError,
+            ["weight_block_size", repr(bad)],
+        )
+        for bad in ([128], [0, 128], [128, -1], "128", [128.0, 128], [True, 128], [128, 128, 1])
+    ]
+    + [
+        (fp8_tensors(), {"quant_method": "fp8", "activation_scheme": "per-token"}, InputError, ["activation_scheme"]),
+        (fp8_tensors(), {"quant_method": "fp8", "modules_to_convert": ["embed"]}, InputError, ["modules_to_convert"]),
+        (
+            fp8_tensors(),
+            {"quant_method": "fp8", "weight_block_size": None},
+            CorruptFileError,
+            ["'a.weight_scale_inv'", "[2, 2]", "weight_block_size is null"],
+        ),
+    ],
+)
 def test_malformed_fp8_checkpoints_are_refused_by_name(tmp_path, tensors, qc, error, words):
     folder = write_one_weight(str(tmp_path / "bad"), tensors, qc)
     with pytest.raises(error) as caught:
@@ -350,4 +431,3 @@ def test_verify_says_ok_for_a_merge_from_an_fp8_base(fp8):
 
     report = verify_checkpoint(fp8["out"], base=fp8["base"], adapter=fp8["adapter"])
     assert report.status == "OK" and "checked: logits vs base + adapter" in report.summary(), report.summary()
-

@@ -24,18 +24,36 @@ peft = pytest.importorskip("peft")
 
 IDS = torch.tensor([[1, 5, 9, 33, 70, 2, 100, 200, 17, 3]])
 PROJ = ("gate_up_proj", "down_proj")
-QC = {"quant_method": "mxfp4",
-      "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-                                 "lm_head"]}
+QC = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
 
 
 def gpt_oss_config(**overrides):
     """A tiny gpt-oss config: hidden and intermediate sizes are multiples of 32, MXFP4's group."""
-    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-              max_position_embeddings=128, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-              tie_word_embeddings=False, dtype="bfloat16", rope_parameters={"rope_type": "default",
-                                                                            "rope_theta": 10000.0})
+    kw = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     kw.update(overrides)
     return transformers.GptOssConfig(**kw)
 
@@ -68,8 +86,9 @@ def write_checkpoint(folder, config, tensors: dict[str, torch.Tensor], *, shards
         files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
         wmap = {name: files[i % shards] for i, name in enumerate(names)}
         for f in files:
-            save_file({n: tensors[n] for n in names if wmap[n] == f}, os.path.join(folder, f),
-                      metadata={"format": "pt"})
+            save_file(
+                {n: tensors[n] for n in names if wmap[n] == f}, os.path.join(folder, f), metadata={"format": "pt"}
+            )
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": wmap}, f)
     cfg = config.to_dict()
@@ -85,7 +104,8 @@ def load_dequantized(folder, dtype=None):
     """transformers' own MXFP4 loading on the CPU: ``Mxfp4Config(dequantize=True)``."""
     kw = {"dtype": dtype} if dtype is not None else {}
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, quantization_config=transformers.Mxfp4Config(dequantize=True), output_loading_info=True, **kw)
+        folder, quantization_config=transformers.Mxfp4Config(dequantize=True), output_loading_info=True, **kw
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.eval()
 
@@ -94,9 +114,8 @@ def within_bf16_rounding(got: torch.Tensor, ref: torch.Tensor, delta: torch.Tens
     """max |got - ref|, asserting each element differs by no more than rounding ``delta`` and the sum to bfloat16
     can (one bf16 step of each)."""
     diff = (got.float() - ref.float()).abs()
-    assert bool((diff <= (ref.float().abs() + delta.float().abs()) * 2.0 ** -7).all()), float(diff.max())
+    assert bool((diff <= (ref.float().abs() + delta.float().abs()) * 2.0**-7).all()), float(diff.max())
     return float(diff.max())
-
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +129,13 @@ def bases(tmp_path_factory):
     sharded = write_checkpoint(root / "sharded", config, tensors, shards=3)
     torch.manual_seed(1)
     # init_lora_weights=False: random factors, a delta as large as the weights themselves
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-                           init_lora_weights=False)
+    lora = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
     peft.get_peft_model(load_dequantized(single), lora).save_pretrained(root / "adapter")
     return {"single": single, "sharded": sharded, "adapter": str(root / "adapter"), "root": root}
 
@@ -144,26 +167,33 @@ def test_merge_matches_peft(bases, layout):
     untouched = {k: v.clone() for k, v in base.state_dict().items()}
     peft_bf16_model = peft.PeftModel.from_pretrained(base, bases["adapter"]).merge_and_unload()
     peft_bf16 = {k: v.clone() for k, v in peft_bf16_model.state_dict().items()}
-    peft_fp32 = peft.PeftModel.from_pretrained(load_dequantized(bases[layout]).float(),
-                                               bases["adapter"]).merge_and_unload().state_dict()
+    peft_fp32 = (
+        peft.PeftModel.from_pretrained(load_dequantized(bases[layout]).float(), bases["adapter"])
+        .merge_and_unload()
+        .state_dict()
+    )
     assert set(got) == set(peft_bf16) == set(untouched)
     merged = [k for k in got if not torch.equal(untouched[k], peft_fp32[k].to(torch.bfloat16))]
-    assert set(merged) >= {f"model.layers.{i}.{m}" for i in (0, 1) for m in
-                           ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.q_proj.weight")}
+    assert set(merged) >= {
+        f"model.layers.{i}.{m}"
+        for i in (0, 1)
+        for m in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.q_proj.weight")
+    }
     worst = 0.0
     for k, v in got.items():
         assert v.dtype == untouched[k].dtype
         assert torch.equal(v, peft_fp32[k].to(torch.bfloat16)), k  # PEFT's float32 merge, rounded once
         if k in merged:
-            worst = max(worst,
-                        within_bf16_rounding(v, peft_bf16[k],
-                                             peft_fp32[k] - untouched[k].float()))  # PEFT's merge in bfloat16
+            worst = max(
+                worst, within_bf16_rounding(v, peft_bf16[k], peft_fp32[k] - untouched[k].float())
+            )  # PEFT's merge in bfloat16
         else:
             assert torch.equal(v, untouched[k]), k
     assert worst > 0  # PEFT's bf16 merge rounds the delta first; ours rounds once
 
-    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                                       output_loading_info=True)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert getattr(reloaded.config, "quantization_config", None) is None
     trained = peft.PeftModel.from_pretrained(load_dequantized(bases[layout], torch.float32), bases["adapter"]).eval()
@@ -173,8 +203,10 @@ def test_merge_matches_peft(bases, layout):
         peft_logits = peft_bf16_model.float().eval()(input_ids=IDS).logits
     err = float((logits - ref_logits).abs().max() / ref_logits.abs().max())
     peft_err = float((peft_logits - ref_logits).abs().max() / ref_logits.abs().max())
-    print(f"{layout}: logits vs the unmerged adapter {err:.3g} (PEFT's bf16 merge: {peft_err:.3g}); "
-          f"merged experts vs PEFT's bf16 merge {worst:.3g}")
+    print(
+        f"{layout}: logits vs the unmerged adapter {err:.3g} (PEFT's bf16 merge: {peft_err:.3g}); "
+        f"merged experts vs PEFT's bf16 merge {worst:.3g}"
+    )
     assert err < 3e-2 and err <= 2 * peft_err + 1e-3, (err, peft_err)
 
 
@@ -191,8 +223,12 @@ def test_output_names_are_the_unquantized_models(bases):
 def test_cli_writes_the_api_merge(bases):
     api_out, cli_out = str(bases["root"] / "api"), str(bases["root"] / "cli")
     merge_checkpoint(bases["sharded"], bases["adapter"], api_out, progress=False)
-    proc = subprocess.run([sys.executable, "-m", "peft_shardmerge", "merge", bases["sharded"], bases["adapter"],
-                           cli_out], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", bases["sharded"], bases["adapter"], cli_out],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = folder_tensors(api_out), folder_tensors(cli_out)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -226,8 +262,9 @@ class RecordingReader(RowReader):
 
 
 def test_rows_read_only_the_requested_experts(tmp_path):
-    config = gpt_oss_config(num_local_experts=48, num_hidden_layers=1, layer_types=["full_attention"],
-                            intermediate_size=96)
+    config = gpt_oss_config(
+        num_local_experts=48, num_hidden_layers=1, layer_types=["full_attention"], intermediate_size=96
+    )
     folder = write_checkpoint(tmp_path / "many", config, stored_tensors(config, seed=5))
     ref = load_dequantized(folder).state_dict()
     src = open_checkpoint(folder)
@@ -305,4 +342,3 @@ def test_verify_says_ok_for_a_merge_from_an_mxfp4_base(bases):
     merge_checkpoint(bases["single"], bases["adapter"], out, progress=False)
     report = verify_checkpoint(out, base=bases["single"], adapter=bases["adapter"])
     assert report.status == "OK" and "checked: logits vs base + adapter" in report.summary(), report.summary()
-

@@ -106,8 +106,11 @@ def test_vision_lora_changes_the_output(models):
 SAVED = {"bert": ["transform.dense"], "t5": ["final_layer_norm"], "llava": ["lm_head"], "qwen2_vl": ["lm_head"]}
 VARIANTS = {
     "dora": lambda arch: dict(use_dora=True),
-    "rslora-patterns": lambda arch: dict(use_rslora=True, rank_pattern={"v_proj": 2, "value": 2, "v": 2},
-                                          alpha_pattern={"v_proj": 3, "value": 3, "v": 3}),
+    "rslora-patterns": lambda arch: dict(
+        use_rslora=True,
+        rank_pattern={"v_proj": 2, "value": 2, "v": 2},
+        alpha_pattern={"v_proj": 3, "value": 3, "v": 3},
+    ),
     "modules_to_save": lambda arch: dict(modules_to_save=SAVED[arch]),
     "lora_bias": lambda arch: dict(lora_bias=True),
 }
@@ -151,8 +154,15 @@ def test_weighted_combination_matrix(arch, models, tmp_path):
         ref = peft_model.eval()(**inputs).logits
     merge_checkpoint(base, [first, second], str(tmp_path / "disk"), weights=[0.8, -0.5], progress=False)
     check(str(tmp_path / "disk"), cls, inputs, ref)
-    merge_and_save(peft_model, str(tmp_path / "live"), adapter_names=["a", "b"], weights=[0.8, -0.5],
-                   base_precision="dequantized", dtype="float32", progress=False)
+    merge_and_save(
+        peft_model,
+        str(tmp_path / "live"),
+        adapter_names=["a", "b"],
+        weights=[0.8, -0.5],
+        base_precision="dequantized",
+        dtype="float32",
+        progress=False,
+    )
     check(str(tmp_path / "live"), cls, inputs, ref)
 
 
@@ -215,7 +225,8 @@ def test_in_process_on_a_4bit_base(arch, models, tmp_path):
         for name, m in model.named_modules():
             if isinstance(m, bnb.nn.Linear4bit):
                 plain.get_submodule(name.removeprefix("base_model.model.").replace(".base_layer", "")).weight.copy_(
-                    nf4_by_hand(m.weight.data, m.weight.quant_state))
+                    nf4_by_hand(m.weight.data, m.weight.quant_state)
+                )
         ref = PeftModel.from_pretrained(plain, adapter).eval()(**inputs).logits
     out = str(tmp_path / "m")
     report = merge_and_save(peft_model, out, base_precision="dequantized", dtype="float32", progress=False)

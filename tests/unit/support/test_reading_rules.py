@@ -72,8 +72,10 @@ ST_CASES = {
     "valid-with-metadata": ({"__metadata__": {"format": "pt"}, "w": _f32([2], [0, 8])}, b"\0" * 8),
     "valid-scalar": ({"w": _f32([], [0, 4])}, b"\3" * 4),
     "valid-empty-file": ({}, b""),
-    "valid-zero-size-tensors": ({"a": _f32([0], [0, 0]), "b": _f32([3, 0], [0, 0]), "c": _f32([1], [0, 4])},
-                                b"\0" * 4),
+    "valid-zero-size-tensors": (
+        {"a": _f32([0], [0, 0]), "b": _f32([3, 0], [0, 0]), "c": _f32([1], [0, 4])},
+        b"\0" * 4,
+    ),
     "valid-2**62-by-0": ({"w": _f32([2**62, 0], [0, 0])}, b""),
     "valid-0-by-2**62": ({"w": _f32([0, 2**62], [0, 0])}, b""),
     "valid-extra-entry-field": ({"w": {**_f32([2], [0, 8]), "note": 1}}, b"\0" * 8),
@@ -114,8 +116,9 @@ ST_CASES = {
 
 @pytest.mark.parametrize("dtype", ["F4", "F6_E2M3", "F6_E3M2"])
 def test_sub_byte_dtypes_are_refused_by_name(dtype, tmp_path):
-    path = _write(str(tmp_path / "x.safetensors"), {"w": {"dtype": dtype, "shape": [2], "data_offsets": [0, 1]}},
-                  b"\0")
+    path = _write(
+        str(tmp_path / "x.safetensors"), {"w": {"dtype": dtype, "shape": [2], "data_offsets": [0, 1]}}, b"\0"
+    )
     with pytest.raises(CorruptFileError, match=f"stored as {dtype} .*cannot read"):
         read_header(path)
 
@@ -136,19 +139,30 @@ def test_safetensors_agreement(case, tmp_path):
 _DT = [d for d in ("F32", "F16", "BF16", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3") if d in DTYPES]
 
 
-@settings(max_examples=300, deadline=3000,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(entries=st.lists(st.tuples(st.sampled_from(_DT), st.lists(st.integers(0, 4), max_size=3),
-                                  st.integers(-2, 2), st.integers(-2, 2)), max_size=4),
-       trailing=st.integers(0, 3) | st.just(0), shuffle=st.randoms())
+@settings(
+    max_examples=300, deadline=3000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    entries=st.lists(
+        st.tuples(
+            st.sampled_from(_DT), st.lists(st.integers(0, 4), max_size=3), st.integers(-2, 2), st.integers(-2, 2)
+        ),
+        max_size=4,
+    ),
+    trailing=st.integers(0, 3) | st.just(0),
+    shuffle=st.randoms(),
+)
 def test_safetensors_agreement_generated(tmp_path_factory, entries, trailing, shuffle):
     """Mostly valid files with small perturbations of offsets and trailing bytes: we accept exactly what
     safetensors accepts, and read the same values."""
     header, pos = {}, 0
     for i, (dtype, shape, d_begin, d_end) in enumerate(entries):
         n = math.prod(shape) * DTYPES[dtype][1]
-        header[f"t{i}"] = {"dtype": dtype, "shape": shape,
-                           "data_offsets": [max(0, pos + d_begin), max(0, pos + n + d_end)]}
+        header[f"t{i}"] = {
+            "dtype": dtype,
+            "shape": shape,
+            "data_offsets": [max(0, pos + d_begin), max(0, pos + n + d_end)],
+        }
         pos += n
     items = list(header.items())
     shuffle.shuffle(items)
@@ -164,10 +178,24 @@ def test_safetensors_agreement_generated(tmp_path_factory, entries, trailing, sh
 # ---------------------------------------------------------------------------------------------------------------
 # 2. Row blocks: bounded in number and memory, also for empty and absurd shapes
 
-@pytest.mark.parametrize("shape,budget", [
-    ((2**62, 0), 1 << 22), ((0, 2**62), 1 << 22), ((5, 0, 3), 16), ((0,), 4), ((), 4), ((1,), 4), ((7, 3), 5),
-    ((1000, 1000), 4096), ((3, 100), 10), ((10, 4), 16), ((2**40, 0, 2**20), 1), ((64, 1), 1 << 22),
-])
+
+@pytest.mark.parametrize(
+    "shape,budget",
+    [
+        ((2**62, 0), 1 << 22),
+        ((0, 2**62), 1 << 22),
+        ((5, 0, 3), 16),
+        ((0,), 4),
+        ((), 4),
+        ((1,), 4),
+        ((7, 3), 5),
+        ((1000, 1000), 4096),
+        ((3, 100), 10),
+        ((10, 4), 16),
+        ((2**40, 0, 2**20), 1),
+        ((64, 1), 1 << 22),
+    ],
+)
 def test_row_blocks_cover_rows_once(shape, budget):
     t0 = time.perf_counter()
     blocks = row_blocks(shape, budget)
@@ -201,14 +229,18 @@ def test_zero_byte_tensor_with_absurd_shape_merges(make_base, make_adapter, tmp_
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Which weights file a base folder means: the one transformers' from_pretrained reads
 
+
 def _shifted_single(sharded: str, folder: str, shift: float = 1.0) -> None:
     """Write model.safetensors next to the index, with every float tensor shifted (so the two disagree)."""
     tensors = {}
     index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
     for name in sorted({v for v in index["weight_map"].values()}):
         tensors.update(load_file(os.path.join(sharded, name)))
-    save_file({k: v + shift for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v + shift for k, v in tensors.items()},
+        os.path.join(folder, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def _layout(kind: str, sharded: str, folder: str) -> None:
@@ -232,17 +264,32 @@ def _layout(kind: str, sharded: str, folder: str) -> None:
         os.mkdir(os.path.join(folder, "model.safetensors"))
         return
     _shifted_single(sharded, folder)
-    explicit = {"both": None, "both-explicit-index": "model.safetensors.index.json",
-                "both-explicit-single": "model.safetensors", "explicit-missing": "other.safetensors",
-                "explicit-outside": "../model.safetensors", "explicit-bin": "pytorch_model.bin",
-                "explicit-shard": "model-00001-of-00006.safetensors"}[kind]
+    explicit = {
+        "both": None,
+        "both-explicit-index": "model.safetensors.index.json",
+        "both-explicit-single": "model.safetensors",
+        "explicit-missing": "other.safetensors",
+        "explicit-outside": "../model.safetensors",
+        "explicit-bin": "pytorch_model.bin",
+        "explicit-shard": "model-00001-of-00006.safetensors",
+    }[kind]
     if explicit is not None:
         cfg["transformers_weights"] = explicit
         json.dump(cfg, open(cfg_path, "w"))
 
 
-LAYOUTS = ["index-only", "single-only", "neither", "directory-named-single", "both", "both-explicit-index",
-           "both-explicit-single", "explicit-missing", "explicit-outside", "explicit-bin"]
+LAYOUTS = [
+    "index-only",
+    "single-only",
+    "neither",
+    "directory-named-single",
+    "both",
+    "both-explicit-index",
+    "both-explicit-single",
+    "explicit-missing",
+    "explicit-outside",
+    "explicit-bin",
+]
 
 
 @pytest.mark.parametrize("kind", LAYOUTS)
@@ -303,28 +350,42 @@ ADAPTER_VARIANTS = {
     "default-name-inside-one": lambda w: _rename(w, _Q0, ".weight", ".default.weight"),
     "two-adapters": lambda w: _rename(w, _Q0, ".weight", ".other.weight", keep=True, scale=2.0),
     "other-adapter-only": lambda w: _rename(w, _Q0, ".weight", ".other.weight"),
-    "three-adapters": lambda w: (_rename(w, _Q0, ".weight", ".x.weight", keep=True, scale=2.0),
-                                 _rename(w, _Q0 + ".lora_A.weight", ".weight", ".y.weight", keep=True, scale=3.0)),
+    "three-adapters": lambda w: (
+        _rename(w, _Q0, ".weight", ".x.weight", keep=True, scale=2.0),
+        _rename(w, _Q0 + ".lora_A.weight", ".weight", ".y.weight", keep=True, scale=3.0),
+    ),
     "stored-twice": lambda w: _rename(w, _Q0, ".weight", ".default.weight", keep=True, scale=3.0),
     "no-prefix-all": lambda w: _rename(w, "base_model.model.", "base_model.model.", ""),
     "no-prefix-one": lambda w: _rename(w, _Q0, "base_model.model.", ""),
     "short-prefix": lambda w: _rename(w, _Q0, "base_model.model.", "base_model."),
     "base-weight-of-wrapped-module": lambda w: w.update(
-        {f"base_model.model.model.{_Q0}.weight": torch.randn(128, 128)}),
+        {f"base_model.model.model.{_Q0}.weight": torch.randn(128, 128)}
+    ),
     "base-weight-of-plain-module": lambda w: w.update({"base_model.model.model.norm.weight": torch.randn(128)}),
-    "base-weights-of-plain-modules": lambda w: w.update({
-        "base_model.model.model.layers.0.input_layernorm.weight": torch.randn(128),
-        "base_model.model.model.layers.1.post_attention_layernorm.weight": torch.randn(128)}),
+    "base-weights-of-plain-modules": lambda w: w.update(
+        {
+            "base_model.model.model.layers.0.input_layernorm.weight": torch.randn(128),
+            "base_model.model.model.layers.1.post_attention_layernorm.weight": torch.randn(128),
+        }
+    ),
     "bias-the-base-lacks": lambda w: w.update({f"base_model.model.model.{_Q0}.base_layer.bias": torch.randn(128)}),
-    "module-not-in-base": lambda w: w.update({
-        "base_model.model.model.layers.0.self_attn.nope.lora_A.weight": torch.randn(8, 128),
-        "base_model.model.model.layers.0.self_attn.nope.lora_B.weight": torch.randn(128, 8)}),
+    "module-not-in-base": lambda w: w.update(
+        {
+            "base_model.model.model.layers.0.self_attn.nope.lora_A.weight": torch.randn(8, 128),
+            "base_model.model.model.layers.0.self_attn.nope.lora_B.weight": torch.randn(128, 8),
+        }
+    ),
 }
 
 
 #: the variants PEFT loads completely (every stored tensor lands in the model)
-PEFT_LOADS_ALL = {"as-saved", "default-name-inside-all", "default-name-inside-one", "base-weight-of-plain-module",
-                  "base-weights-of-plain-modules"}
+PEFT_LOADS_ALL = {
+    "as-saved",
+    "default-name-inside-all",
+    "default-name-inside-one",
+    "base-weight-of-plain-module",
+    "base-weights-of-plain-modules",
+}
 
 
 def _peft_loads_everything(base: str, adapter: str) -> tuple[bool, object]:
@@ -369,20 +430,23 @@ def test_adapter_keys_agree_with_peft(variant, make_base, make_adapter, tmp_path
         assert torch.allclose(v, want[k], atol=1e-6, rtol=0), k
 
 
-@pytest.mark.parametrize("names,expected", [
-    (["base_model.model.m.q.lora_A.weight", "base_model.model.m.q.lora_B.weight"], 0),
-    (["m.q.lora_A.weight"], 1),
-    (["base_model.model.m.q.lora_A.other.weight"], 1),
-    (["base_model.model.m.q.lora_embedding_A.other"], 1),
-    (["base_model.model.m.q.lora_embedding_A.default"], 0),
-    (["base_model.model.m.q.lora_embedding_A", "base_model.model.m.q.lora_embedding_A.default"], 1),
-    (["base_model.model.m.q.lora_magnitude_vector.second"], 1),
-    (["base_model.model.m.q.lora_A.default.weight", "base_model.model.m.q.lora_A.weight"], 1),
-    (["x.lora_A.weight", "base_model.model.m.q.lora_A.other.weight"], 2),
-    (["base_model.model.m.default.lora_A.weight"], 0),
-    (["base_model.vera_A", "base_model.vera_B", "base_model.model.m.q.vera_lambda_b"], 0),
-    (["vera_A"], 1),
-])
+@pytest.mark.parametrize(
+    "names,expected",
+    [
+        (["base_model.model.m.q.lora_A.weight", "base_model.model.m.q.lora_B.weight"], 0),
+        (["m.q.lora_A.weight"], 1),
+        (["base_model.model.m.q.lora_A.other.weight"], 1),
+        (["base_model.model.m.q.lora_embedding_A.other"], 1),
+        (["base_model.model.m.q.lora_embedding_A.default"], 0),
+        (["base_model.model.m.q.lora_embedding_A", "base_model.model.m.q.lora_embedding_A.default"], 1),
+        (["base_model.model.m.q.lora_magnitude_vector.second"], 1),
+        (["base_model.model.m.q.lora_A.default.weight", "base_model.model.m.q.lora_A.weight"], 1),
+        (["x.lora_A.weight", "base_model.model.m.q.lora_A.other.weight"], 2),
+        (["base_model.model.m.default.lora_A.weight"], 0),
+        (["base_model.vera_A", "base_model.vera_B", "base_model.model.m.q.vera_lambda_b"], 0),
+        (["vera_A"], 1),
+    ],
+)
 def test_stored_key_rules(names, expected):
     assert len(stored_key_problems(names)) == expected
 
@@ -390,11 +454,27 @@ def test_stored_key_rules(names, expected):
 # ---------------------------------------------------------------------------------------------------------------
 # 5. Numbers NaN cannot slip through
 
-@pytest.mark.parametrize("value,integer,ok", [
-    (16, False, True), (0.5, False, True), (8, True, True), (float("nan"), False, False), (float("inf"), False, False),
-    (float("-inf"), False, False), (0, False, False), (-1, False, False), (-0.0, False, False), (True, False, False),
-    ("8", False, False), (None, False, False), (2.0, True, False), (1e308, False, True), (-(2**70), True, False),
-])
+
+@pytest.mark.parametrize(
+    "value,integer,ok",
+    [
+        (16, False, True),
+        (0.5, False, True),
+        (8, True, True),
+        (float("nan"), False, False),
+        (float("inf"), False, False),
+        (float("-inf"), False, False),
+        (0, False, False),
+        (-1, False, False),
+        (-0.0, False, False),
+        (True, False, False),
+        ("8", False, False),
+        (None, False, False),
+        (2.0, True, False),
+        (1e308, False, True),
+        (-(2**70), True, False),
+    ],
+)
 def test_positive_number(value, integer, ok):
     assert positive_number(value, integer=integer) is ok
 
@@ -427,8 +507,16 @@ def _base_with_dtype(src: str, folder: str, names: list[str], dtype: torch.dtype
     return folder
 
 
-_STORED = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn,
-           torch.float8_e5m2] + [getattr(torch, n) for n in ("uint16", "uint32") if hasattr(torch, n)]
+_STORED = [
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+] + [getattr(torch, n) for n in ("uint16", "uint32") if hasattr(torch, n)]
 
 
 @pytest.mark.parametrize("dtype", _STORED, ids=str)
@@ -442,8 +530,13 @@ def test_non_float_target_is_refused(dtype, make_base, make_adapter, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.bool], ids=str)
 def test_untouched_non_float_tensor_is_copied_unchanged(dtype, make_base, make_adapter, tmp_path):
     base = _base_with_dtype(make_base("llama"), str(tmp_path / "base"), [_OTHER], dtype)
-    merge_checkpoint(base, make_adapter("llama", "qv", target_modules=["q_proj", "v_proj"]), str(tmp_path / "out"),
-                     progress=False, dtype="bfloat16")
+    merge_checkpoint(
+        base,
+        make_adapter("llama", "qv", target_modules=["q_proj", "v_proj"]),
+        str(tmp_path / "out"),
+        progress=False,
+        dtype="bfloat16",
+    )
     with safe_open(os.path.join(base, "model.safetensors"), "pt") as f:
         want = f.get_tensor(_OTHER)
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
@@ -468,6 +561,7 @@ def test_float64_target_is_merged(make_base, make_adapter, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # 7. Every non-weight file of the base comes along (sentence-transformers pipelines included)
 
+
 def _sentence_transformers_base(folder: str) -> str:
     from sentence_transformers import SentenceTransformer, models
     from transformers import BertConfig, BertModel, BertTokenizerFast
@@ -479,12 +573,25 @@ def _sentence_transformers_base(folder: str) -> str:
     with open(os.path.join(hf, "vocab.txt"), "w") as f:
         f.write("\n".join(words) + "\n")
     torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=len(words), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=128, max_position_embeddings=64)).save_pretrained(hf)
+    BertModel(
+        BertConfig(
+            vocab_size=len(words),
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        )
+    ).save_pretrained(hf)
     BertTokenizerFast(os.path.join(hf, "vocab.txt")).save_pretrained(hf)
-    st_model = SentenceTransformer(modules=[models.Transformer(hf, max_seq_length=24),
-                                            models.Pooling(64, pooling_mode="mean"),
-                                            models.Dense(64, 32), models.Normalize()])
+    st_model = SentenceTransformer(
+        modules=[
+            models.Transformer(hf, max_seq_length=24),
+            models.Pooling(64, pooling_mode="mean"),
+            models.Dense(64, 32),
+            models.Normalize(),
+        ]
+    )
     st_model.save(folder)
     return folder
 
@@ -499,8 +606,9 @@ def st_base_and_adapter(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("st")
     base = _sentence_transformers_base(str(root / "base"))
-    model = get_peft_model(AutoModel.from_pretrained(base),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]))
+    model = get_peft_model(
+        AutoModel.from_pretrained(base), LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"])
+    )
     perturb_trainable(model, 0.2)
     model.save_pretrained(str(root / "adapter"))
     return base, str(root / "adapter")
@@ -535,8 +643,11 @@ def test_sentence_transformers_pipeline_survives_the_disk_merge(st_base_and_adap
         assert open(os.path.join(base, rel), "rb").read() == open(os.path.join(out, rel), "rb").read(), rel
     merged = SentenceTransformer(out, device="cpu")
     ref_model = SentenceTransformer(base, device="cpu")
-    assert [type(m).__name__ for m in merged] == [type(m).__name__ for m in ref_model] == \
-        ["Transformer", "Pooling", "Dense", "Normalize"]
+    assert (
+        [type(m).__name__ for m in merged]
+        == [type(m).__name__ for m in ref_model]
+        == ["Transformer", "Pooling", "Dense", "Normalize"]
+    )
     assert merged.max_seq_length == ref_model.max_seq_length == 24
     got = merged.encode(SENTENCES, convert_to_tensor=True)
     want = _reference_embeddings(base, adapter)
@@ -571,13 +682,29 @@ def test_side_files_rules(tmp_path):
     outside = tmp_path / "secret.txt"
     outside.write_text("not yours")
     files = {
-        "config.json": 1, "model.safetensors": 0, "model-00001-of-00002.safetensors": 0,
+        "config.json": 1,
+        "model.safetensors": 0,
+        "model-00001-of-00002.safetensors": 0,
         "model.safetensors.index.json": 0,
-        "pytorch_model.bin": 0, "pytorch_model.bin.index.json": 0, "consolidated.pth": 0, "model.gguf": 0,
-        "training_args.pt": 0, "quantize_config.json": 0, "tokenizer.json": 1, "README.md": 1, "modules.json": 1,
-        "sentence_bert_config.json": 1, "1_Pooling/config.json": 1, "2_Dense/config.json": 1,
-        "2_Dense/model.safetensors": 1, "notes/eval.txt": 0, "onnx/model.onnx": 0, ".cache/x": 0, ".gitattributes": 0,
-        "manifest.json": 0, "LICENSE": 1,
+        "pytorch_model.bin": 0,
+        "pytorch_model.bin.index.json": 0,
+        "consolidated.pth": 0,
+        "model.gguf": 0,
+        "training_args.pt": 0,
+        "quantize_config.json": 0,
+        "tokenizer.json": 1,
+        "README.md": 1,
+        "modules.json": 1,
+        "sentence_bert_config.json": 1,
+        "1_Pooling/config.json": 1,
+        "2_Dense/config.json": 1,
+        "2_Dense/model.safetensors": 1,
+        "notes/eval.txt": 0,
+        "onnx/model.onnx": 0,
+        ".cache/x": 0,
+        ".gitattributes": 0,
+        "manifest.json": 0,
+        "LICENSE": 1,
     }
     for rel in files:
         (base / rel).write_text(json.dumps([{"path": "2_Dense"}]) if rel == "modules.json" else "x")
@@ -594,8 +721,12 @@ def test_side_files_of_a_hub_cache_snapshot_follow_links_into_blobs_only(tmp_pat
     (repo / "blobs").mkdir(parents=True)
     snap = repo / "snapshots" / "0123abc"
     (snap / "1_Pooling").mkdir(parents=True)
-    for name, blob in [("tokenizer.json", "b1"), ("modules.json", "b2"), ("1_Pooling/config.json", "b3"),
-                       ("model.safetensors", "b4")]:
+    for name, blob in [
+        ("tokenizer.json", "b1"),
+        ("modules.json", "b2"),
+        ("1_Pooling/config.json", "b3"),
+        ("model.safetensors", "b4"),
+    ]:
         (repo / "blobs" / blob).write_text(blob)
         depth = "../" * (name.count("/") + 2)
         os.symlink(f"{depth}blobs/{blob}", snap / name)

@@ -71,17 +71,29 @@ def test_readme_and_docs_tables_are_the_allowlist():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     assert support_table() in readme
     pages = sorted({re.search(r"docs/([\w-]+\.md)", row).group(1) for row in support_table().splitlines()[2:]})
-    assert pages == ["variants-layers.md", "variants-other-peft.md", "variants-several-adapters.md",
-                     "variants-vocabulary.md"]
+    assert pages == [
+        "variants-layers.md",
+        "variants-other-peft.md",
+        "variants-several-adapters.md",
+        "variants-vocabulary.md",
+    ]
     for page in pages:
         text = open(os.path.join(ROOT, "docs", page), encoding="utf-8").read()
         assert support_table(page) in text, page
 
 
-@pytest.mark.parametrize("module,kind", [
-    (nn.Linear(4, 4), "Linear"), (nn.Embedding(4, 4), "Embedding"), (nn.Conv2d(4, 4, 3), "Conv2d"),
-    (nn.Conv2d(4, 4, 3, groups=2), "Conv2d (groups=2)"), (nn.Conv3d(2, 2, 1), "Conv3d"),
-    (nn.MultiheadAttention(8, 2), "MultiheadAttention"), (nn.Conv1d(4, 4, 3), "Conv1d")])
+@pytest.mark.parametrize(
+    "module,kind",
+    [
+        (nn.Linear(4, 4), "Linear"),
+        (nn.Embedding(4, 4), "Embedding"),
+        (nn.Conv2d(4, 4, 3), "Conv2d"),
+        (nn.Conv2d(4, 4, 3, groups=2), "Conv2d (groups=2)"),
+        (nn.Conv3d(2, 2, 1), "Conv3d"),
+        (nn.MultiheadAttention(8, 2), "MultiheadAttention"),
+        (nn.Conv1d(4, 4, 3), "Conv1d"),
+    ],
+)
 def test_layer_kinds(module, kind):
     assert layer_kind(module) == kind
 
@@ -92,8 +104,13 @@ def test_layer_kinds(module, kind):
 def test_lora_on_a_2d_parameter_matches_peft_on_every_path(make_base, tmp_path):
     """target_parameters on 2-D weights (non-square up_proj): PEFT's delta B @ A in the weight's own layout."""
     base = make_base("llama")
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
-                        target_parameters=["self_attn.q_proj.weight", "mlp.up_proj.weight"])
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=[],
+        init_lora_weights=False,
+        target_parameters=["self_attn.q_proj.weight", "mlp.up_proj.weight"],
+    )
     model = _peft(base, config)
     ids = token_ids(model.config.vocab_size, seed=3)
     with torch.no_grad():
@@ -105,8 +122,9 @@ def test_lora_on_a_2d_parameter_matches_peft_on_every_path(make_base, tmp_path):
     model.save_pretrained(adapter)
     outs = {"disk": merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False, chunk_elems=64)}
     for precision in ("auto", "dequantized"):
-        outs[precision] = merge_and_save(model, str(tmp_path / precision), base_precision=precision,
-                                         dtype="float32", progress=False)
+        outs[precision] = merge_and_save(
+            model, str(tmp_path / precision), base_precision=precision, dtype="float32", progress=False
+        )
     assert outs["auto"].base_precision == "original"
     peft_state = _peft(base, config).merge_and_unload().state_dict()
     up = "model.layers.0.mlp.up_proj.weight"
@@ -126,15 +144,31 @@ def test_lora_on_a_2d_parameter_matches_peft_on_every_path(make_base, tmp_path):
 
 def test_lora_bias_on_a_layer_without_bias_is_refused_everywhere(make_base, tmp_path):
     config = LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True, init_lora_weights=False)
-    _every_path_refuses(make_base("llama"), config, tmp_path, UnsupportedError, r"lora_bias=True on a layer whose "
-                        r"base has no bias.*q_proj|q_proj.*lora_bias=True on a layer whose base has no bias")
+    _every_path_refuses(
+        make_base("llama"),
+        config,
+        tmp_path,
+        UnsupportedError,
+        r"lora_bias=True on a layer whose "
+        r"base has no bias.*q_proj|q_proj.*lora_bias=True on a layer whose base has no bias",
+    )
 
 
 def test_activated_lora_is_refused_everywhere(make_base, tmp_path):
-    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5, 6],
-                        task_type="CAUSAL_LM", init_lora_weights=False)
-    _every_path_refuses(make_base("llama"), config, tmp_path, UnsupportedError,
-                        r"activated LoRA \(alora_invocation_tokens\).*not the aLoRA model")
+    config = LoraConfig(
+        r=4,
+        target_modules=["q_proj", "v_proj"],
+        alora_invocation_tokens=[5, 6],
+        task_type="CAUSAL_LM",
+        init_lora_weights=False,
+    )
+    _every_path_refuses(
+        make_base("llama"),
+        config,
+        tmp_path,
+        UnsupportedError,
+        r"activated LoRA \(alora_invocation_tokens\).*not the aLoRA model",
+    )
 
 
 def _other_types():
@@ -153,16 +187,23 @@ def _other_types():
 
 @pytest.mark.parametrize("peft_type", sorted(_other_types()))
 def test_unclaimed_peft_types_are_refused_by_name_everywhere(peft_type, make_base, tmp_path):
-    _every_path_refuses(make_base("llama"), _other_types()[peft_type](), tmp_path, UnsupportedError,
-                        rf"peft_type='{peft_type}'; the (disk engine|in-process merge) merges LORA, ")
+    _every_path_refuses(
+        make_base("llama"),
+        _other_types()[peft_type](),
+        tmp_path,
+        UnsupportedError,
+        rf"peft_type='{peft_type}'; the (disk engine|in-process merge) merges LORA, ",
+    )
 
 
 def test_nan_adapter_is_refused_before_the_model_changes(make_base, tmp_path):
     model = _peft(make_base("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
         model.base_model.model.model.layers[1].self_attn.v_proj.lora_B["default"].weight[0, 0] = float("nan")
-    for call in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "o"), progress=False,
-                                                                         base_precision="dequantized")):
+    for call in (
+        lambda: merge_and_unload(model),
+        lambda: merge_and_save(model, str(tmp_path / "o"), progress=False, base_precision="dequantized"),
+    ):
         with pytest.raises(InputError, match=r"NaN or Inf: .*layers\.1\.self_attn\.v_proj\.lora_B"):
             call()
     from peft.tuners.lora import LoraLayer
@@ -184,17 +225,23 @@ class _Plain(nn.Module):
 @pytest.mark.parametrize("targets", [["lin"], ["conv"], ["attn"]])
 def test_a_plain_torch_module_is_refused_not_crashed(targets, tmp_path):
     model = get_peft_model(_Plain(), LoraConfig(r=2, target_modules=targets))
-    for call in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "o"), progress=False),
-                 lambda: save_pretrained_merged(model, str(tmp_path / "o"), save_method="merged_4bit")):
+    for call in (
+        lambda: merge_and_unload(model),
+        lambda: merge_and_save(model, str(tmp_path / "o"), progress=False),
+        lambda: save_pretrained_merged(model, str(tmp_path / "o"), save_method="merged_4bit"),
+    ):
         with pytest.raises(UnsupportedError, match=r"wraps a plain torch module \(_Plain\), not a transformers model"):
             call()
 
 
-@pytest.mark.parametrize("kind,path,message", [
-    ("MultiheadAttention", "in_process", r"m: LORA on a MultiheadAttention layer is not supported \(supported: "),
-    ("Conv2d (groups=2)", "disk", r"m: LORA on a Conv2d \(groups=2\) layer is not supported"),
-    ("Linear4bit", "disk", r"m: LORA plain on Linear4bit is supported only in process"),
-])
+@pytest.mark.parametrize(
+    "kind,path,message",
+    [
+        ("MultiheadAttention", "in_process", r"m: LORA on a MultiheadAttention layer is not supported \(supported: "),
+        ("Conv2d (groups=2)", "disk", r"m: LORA on a Conv2d \(groups=2\) layer is not supported"),
+        ("Linear4bit", "disk", r"m: LORA plain on Linear4bit is supported only in process"),
+    ],
+)
 def test_layer_refusals_name_the_layer_and_the_fix(kind, path, message):
     from peft_shardmerge.support.check import check_layers
 
@@ -213,8 +260,10 @@ def _no_peft_modules(model) -> None:
 def test_tokens_on_a_tied_model_unload_leaves_no_wrapper(make_base, tmp_path):
     """LoRA + trainable_token_indices on Qwen2 (tied head): the head's TrainableTokensWrapper is gone, the head is
     the merged embedding again, and save_pretrained / from_pretrained give the same model."""
-    model = _peft(make_base("qwen2"), LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 9],
-                                                 init_lora_weights=False))
+    model = _peft(
+        make_base("qwen2"),
+        LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 9], init_lora_weights=False),
+    )
     ids = token_ids(model.config.vocab_size, seed=3)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
@@ -236,8 +285,10 @@ def test_lora_on_t5_shared_and_lm_head_survives_save_pretrained(tmp_path):
 
     base = build_base(str(tmp_path / "base"), "t5")
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForSeq2SeqLM.from_pretrained(base, dtype=torch.float32),
-                           LoraConfig(r=4, target_modules=["shared", "lm_head", "q"], init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForSeq2SeqLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=4, target_modules=["shared", "lm_head", "q"], init_lora_weights=False),
+    )
     perturb_trainable(model, 0.05)
     model.eval()
     inputs = model_inputs(model.config)
@@ -296,11 +347,17 @@ def test_every_field_of_the_claimed_peft_configs_is_classified():
         assert fields <= known, (peft_type, sorted(fields - known))
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(use_qalora=True), r"QA-LoRA"), (dict(layer_replication=[[0, 1]]), r"layer_replication"),
-    (dict(ensure_weight_tying=True), r"ensure_weight_tying"), (dict(init_lora_weights="mica"), r"'mica' is not sup"),
-    (dict(use_bdlora={"nblocks": 2}), r"block-diagonal"), (dict(megatron_config={"a": 1}), r"Megatron"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(use_qalora=True), r"QA-LoRA"),
+        (dict(layer_replication=[[0, 1]]), r"layer_replication"),
+        (dict(ensure_weight_tying=True), r"ensure_weight_tying"),
+        (dict(init_lora_weights="mica"), r"'mica' is not sup"),
+        (dict(use_bdlora={"nblocks": 2}), r"block-diagonal"),
+        (dict(megatron_config={"a": 1}), r"Megatron"),
+    ],
+)
 def test_config_options_that_change_the_forward_are_refused_on_both_paths(options, message):
     from peft_shardmerge.support.check import check_config
 
@@ -315,8 +372,10 @@ def test_prompt_learning_is_refused_by_name_on_any_architecture(arch, make_base,
     """Prompt-learning PeftModels have no tuner between them and the transformers model (GPT-2 has no '.model')."""
     import peft
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(make_base(arch)),
-                           peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(make_base(arch)),
+        peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    )
     for call in (lambda: merge_and_unload(model), lambda: merge_and_save(model, str(tmp_path / "o"), progress=False)):
         with pytest.raises(UnsupportedError, match=r"peft_type=.PREFIX_TUNING.*It has no weight delta"):
             call()
@@ -327,8 +386,10 @@ def refused_on_every_path(base: str, model, message: str, tmp_path) -> None:
     merge_and_save, and nothing is written."""
     with pytest.raises(UnsupportedError, match=message):
         merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
-    for call in (lambda: merge_and_unload(model),
-                 lambda: merge_and_save(model, str(tmp_path / "o"), base_precision="dequantized", progress=False)):
+    for call in (
+        lambda: merge_and_unload(model),
+        lambda: merge_and_save(model, str(tmp_path / "o"), base_precision="dequantized", progress=False),
+    ):
         with pytest.raises(UnsupportedError, match=message):
             call()
     assert not os.path.exists(tmp_path / "disk") and not os.path.exists(tmp_path / "o")
@@ -338,13 +399,21 @@ def test_lora_on_a_grouped_convolution_is_refused_on_every_path(tmp_path):
     """ConvNeXt's depthwise convolutions (groups = channels): PEFT cannot merge LoRA on them; neither do we."""
     from transformers import AutoModelForImageClassification, ConvNextConfig
 
-    config = ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=2,
-                            architectures=["ConvNextForImageClassification"])
+    config = ConvNextConfig(
+        num_channels=3,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_stages=2,
+        num_labels=2,
+        architectures=["ConvNextForImageClassification"],
+    )
     torch.manual_seed(0)
     base = str(tmp_path / "base")
     AutoModelForImageClassification.from_config(config).save_pretrained(base)
-    model = get_peft_model(AutoModelForImageClassification.from_pretrained(base),
-                           LoraConfig(r=16, target_modules=["dwconv"], init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForImageClassification.from_pretrained(base),
+        LoraConfig(r=16, target_modules=["dwconv"], init_lora_weights=False),
+    )
     model.save_pretrained(str(tmp_path / "adapter"))
     message = r"LORA on a Conv2d \(groups=(8|16)\) layer is not supported"
     refused_on_every_path(base, model, message, tmp_path)
@@ -354,13 +423,22 @@ def test_lora_on_multihead_attention_is_refused_on_every_path(tmp_path):
     """SigLIP's pooling head is an nn.MultiheadAttention: refused by name, from disk and in process."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    config = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                image_size=16, patch_size=8, architectures=["SiglipVisionModel"])
+    config = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=8,
+        architectures=["SiglipVisionModel"],
+    )
     torch.manual_seed(0)
     base = str(tmp_path / "base")
     SiglipVisionModel(config).save_pretrained(base)
-    model = get_peft_model(SiglipVisionModel.from_pretrained(base),
-                           LoraConfig(r=4, target_modules=["head.attention"], init_lora_weights=False))
+    model = get_peft_model(
+        SiglipVisionModel.from_pretrained(base),
+        LoraConfig(r=4, target_modules=["head.attention"], init_lora_weights=False),
+    )
     assert any(layer_kind(m) == "MultiheadAttention" for m in model.modules())
     model.save_pretrained(str(tmp_path / "adapter"))
     message = r"head\.attention: LORA on a MultiheadAttention layer is not supported"

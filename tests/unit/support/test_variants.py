@@ -61,8 +61,9 @@ def test_cat_is_the_weighted_sum_of_merges(two_adapters, tmp_path):
     merge_checkpoint(base, [a, b], str(tmp_path / "ab"), weights=[0.25, 2.0], progress=False)
     merge_checkpoint(base, a, str(tmp_path / "a"), progress=False)
     merge_checkpoint(base, b, str(tmp_path / "b"), progress=False)
-    w0, wa, wb, wab = (load_file(f"{p}/model.safetensors") for p in (base, tmp_path / "a", tmp_path / "b",
-                                                                     tmp_path / "ab"))
+    w0, wa, wb, wab = (
+        load_file(f"{p}/model.safetensors") for p in (base, tmp_path / "a", tmp_path / "b", tmp_path / "ab")
+    )
     for k in w0:
         want = w0[k] + 0.25 * (wa[k] - w0[k]) + 2.0 * (wb[k] - w0[k])
         assert torch.allclose(wab[k], want, atol=1e-6), k
@@ -75,9 +76,16 @@ def test_weighted_adapters_in_process(combination, base_precision, two_adapters,
     peft_model, ref, ids = peft_weighted(base, [a, b], [0.6, 0.4], combination)
     peft_model.set_adapter("a0")  # the selection, not the active adapter, decides
     out = str(tmp_path / "m")
-    report = merge_and_save(peft_model, out, adapter_names=["a0", "a1"], weights=[0.6, 0.4],
-                            combination_type=combination, base_precision=base_precision, dtype="float32",
-                            progress=False)
+    report = merge_and_save(
+        peft_model,
+        out,
+        adapter_names=["a0", "a1"],
+        weights=[0.6, 0.4],
+        combination_type=combination,
+        base_precision=base_precision,
+        dtype="float32",
+        progress=False,
+    )
     assert report.base_precision == base_precision
     assert rel_err(logits_of(out, ids), ref) < 1e-5
 
@@ -92,11 +100,14 @@ def test_weighted_merge_and_unload(two_adapters):
         assert rel_err(plain(input_ids=ids).logits, ref) < 1e-5
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(weights=[1.0]), r"1 weight\(s\) given for 2 adapter\(s\)"),
-    (dict(weights=[1.0, float("nan")]), "must be finite numbers"),
-    (dict(combination="sum"), "combination must be one of cat, linear"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(weights=[1.0]), r"1 weight\(s\) given for 2 adapter\(s\)"),
+        (dict(weights=[1.0, float("nan")]), "must be finite numbers"),
+        (dict(combination="sum"), "combination must be one of cat, linear"),
+    ],
+)
 def test_bad_weighted_options_on_disk(kwargs, message, two_adapters, tmp_path):
     base, a, b, _ = two_adapters
     with pytest.raises(InputError, match=message):
@@ -165,8 +176,10 @@ def test_standalone_trainable_tokens_adapter(make_base, tmp_path):
     from peft import TrainableTokensConfig, get_peft_model
 
     base = make_base("llama")
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[3, 4, 11]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        TrainableTokensConfig(target_modules=["embed_tokens"], token_indices=[3, 4, 11]),
+    )
     perturb_trainable(model, 1.0)
     model.save_pretrained(str(tmp_path / "adapter"))
     ids = token_ids(model.config.vocab_size, seed=3)
@@ -185,14 +198,17 @@ def _other_configs():
         "loha": LoHaConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_weights=False),
         "lokr": LoKrConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_weights=False),
         "vera": VeraConfig(r=8, target_modules=["q_proj", "v_proj"], init_weights=False),
-        "ia3": IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"],
-                         init_ia3_weights=False),
+        "ia3": IA3Config(
+            target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"], init_ia3_weights=False
+        ),
     }
 
 
 # PEFT's LoHa and LoKr layers do not run on bitsandbytes 4-bit bases; VeRA and IA3 do
-@pytest.mark.parametrize("kind,quant", [("loha", "none"), ("lokr", "none"), ("vera", "none"), ("ia3", "none"),
-                                        ("vera", "nf4"), ("ia3", "nf4")])
+@pytest.mark.parametrize(
+    "kind,quant",
+    [("loha", "none"), ("lokr", "none"), ("vera", "none"), ("ia3", "none"), ("vera", "nf4"), ("ia3", "nf4")],
+)
 def test_other_peft_types_in_process(kind, quant, make_base, tmp_path):
     """LoHa, LoKr, VeRA and IA3 merge through PEFT's own layers, in process and from disk."""
     from peft import get_peft_model
@@ -216,8 +232,9 @@ def test_other_peft_types_in_process(kind, quant, make_base, tmp_path):
     assert float((plain - ref).abs().max()) > 1e-4  # the adapter really changes the output
     if quant == "none":  # the same adapter from disk: PEFT's layers rebuilt on a meta-device model
         model.save_pretrained(str(tmp_path / "adapter"))
-        disk = merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False,
-                                chunk_elems=2048)
+        disk = merge_checkpoint(
+            base, str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False, chunk_elems=2048
+        )
         assert disk.lora_modules_merged == disk.lora_modules_total == report.lora_modules_total
         dry = merge_checkpoint(base, str(tmp_path / "adapter"), str(tmp_path / "dry"), dry_run=True, progress=False)
         assert dry.lora_modules_total == report.lora_modules_total
@@ -239,15 +256,31 @@ def test_lora_on_fused_moe_experts(arch, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import MixtralConfig, Qwen3MoeConfig
 
-    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  num_local_experts=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
-    config = Qwen3MoeConfig(moe_intermediate_size=32, intermediate_size=128, **common) if arch == "qwen3_moe" \
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
+    config = (
+        Qwen3MoeConfig(moe_intermediate_size=32, intermediate_size=128, **common)
+        if arch == "qwen3_moe"
         else MixtralConfig(intermediate_size=64, **common)
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "base"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
-    lora = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False,
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    lora = LoraConfig(
+        r=2,
+        target_modules=["q_proj"],
+        init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     model = get_peft_model(model, lora).eval()
     ids = token_ids(256, seed=3)
     with torch.no_grad():
@@ -258,8 +291,7 @@ def test_lora_on_fused_moe_experts(arch, tmp_path):
     assert rel_err(logits_of(out, ids), ref) < 1e-5
     # from disk: the checkpoint stores experts one by one; each gets its slice of PEFT's fused delta
     model.save_pretrained(str(tmp_path / "adapter"))
-    disk = merge_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "disk"),
-                            progress=False)
+    disk = merge_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
     assert disk.lora_modules_merged == disk.lora_modules_total == 6
     assert rel_err(logits_of(str(tmp_path / "disk"), ids), ref) < 1e-5
     # each per-expert key's delta comes from its expert's factors alone, equal to the cut of the whole delta
@@ -282,23 +314,36 @@ def test_trainable_tokens_with_lora_on_fused_experts(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3MoeConfig
 
-    config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                            intermediate_size=128)
+    config = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        intermediate_size=128,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "base"))
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32),
-                           LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"],
-                                      trainable_token_indices=[1, 5, 7], init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32),
+        LoraConfig(
+            r=2,
+            target_modules=["q_proj"],
+            target_parameters=["mlp.experts.gate_up_proj"],
+            trainable_token_indices=[1, 5, 7],
+            init_lora_weights=False,
+        ),
+    )
     perturb_trainable(model)
     ids = torch.tensor([[1, 5, 7, 9, 11, 20, 30, 40]])
     with torch.no_grad():
         ref = model.eval()(input_ids=ids).logits
     model.save_pretrained(str(tmp_path / "adapter"))
-    disk = merge_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "disk"),
-                            progress=False)
-    live = merge_and_save(model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32",
-                          progress=False)
+    disk = merge_checkpoint(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "disk"), progress=False)
+    live = merge_and_save(model, str(tmp_path / "live"), base_precision="dequantized", dtype="float32", progress=False)
     assert disk.lora_modules_merged == live.lora_modules_merged == 4  # q_proj and experts, 2 layers; tokens apart
     for out in ("disk", "live"):
         assert rel_err(logits_of(str(tmp_path / out), ids), ref) < 1e-5, out
@@ -331,8 +376,14 @@ def test_ia3_on_a_convolution(feedforward, tmp_path):
     from transformers import LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
-    model = get_peft_model(model, IA3Config(target_modules=["patch_embedding"], init_ia3_weights=False,
-                                            feedforward_modules=["patch_embedding"] if feedforward else []))
+    model = get_peft_model(
+        model,
+        IA3Config(
+            target_modules=["patch_embedding"],
+            init_ia3_weights=False,
+            feedforward_modules=["patch_embedding"] if feedforward else [],
+        ),
+    )
     inputs = model_inputs(model.config)
     with torch.no_grad():
         ref = model.eval()(**inputs).logits
@@ -353,10 +404,11 @@ def test_merge_and_unload_takes_every_kind(make_base):
     from peft_shardmerge.api.unload import merge_and_unload
 
     base = make_base("llama")
-    for config in (LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),
-                   IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"],
-                             init_ia3_weights=False),
-                   LoraConfig(target_modules=["q_proj"], trainable_token_indices=[3, 9], init_lora_weights=False)):
+    for config in (
+        LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),
+        IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"], init_ia3_weights=False),
+        LoraConfig(target_modules=["q_proj"], trainable_token_indices=[3, 9], init_lora_weights=False),
+    ):
         model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config)
         perturb_trainable(model)
         ids = token_ids(512, seed=3)
@@ -375,8 +427,9 @@ def test_resized_vocabulary_with_trainable_tokens_on_a_tied_model(make_base, tmp
     base = make_base("qwen2")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.resize_token_embeddings(520)
-    model = get_peft_model(model, LoraConfig(target_modules=["q_proj"], trainable_token_indices=[512, 519],
-                                             init_lora_weights=False))
+    model = get_peft_model(
+        model, LoraConfig(target_modules=["q_proj"], trainable_token_indices=[512, 519], init_lora_weights=False)
+    )
     perturb_trainable(model)
     model.save_pretrained(str(tmp_path / "adapter"))
     ids = torch.tensor([[5, 512, 7, 519, 9]])
@@ -403,8 +456,9 @@ def test_trainable_token_rows_are_exact_in_fp32_output_of_a_bf16_base(make_base,
 
 def test_several_active_adapters_are_all_merged_by_default(two_adapters, tmp_path):
     base, a, b, _ = two_adapters
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), a,
-                                      adapter_name="a")
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), a, adapter_name="a"
+    )
     model.load_adapter(b, adapter_name="b")
     model.base_model.set_adapter(["a", "b"])
     ids = token_ids(512, seed=3)
@@ -420,8 +474,10 @@ def test_other_types_weighted_in_process(make_base, tmp_path):
     from peft import IA3Config, LoHaConfig, get_peft_model
 
     base = make_base("llama")
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoHaConfig(r=4, target_modules=["q_proj"], init_weights=False),
+    )
     ids = token_ids(512, seed=3)
     with torch.no_grad():
         full = model(input_ids=ids).logits
@@ -440,9 +496,10 @@ def test_loha_with_modules_to_save_from_disk(make_base, tmp_path):
     from peft import LoHaConfig, get_peft_model
 
     base = make_base("llama")
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoHaConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
-                                      init_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoHaConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], init_weights=False),
+    )
     perturb_trainable(model)
     model.save_pretrained(str(tmp_path / "adapter"))
     ids = token_ids(512, seed=3)

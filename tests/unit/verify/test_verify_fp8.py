@@ -22,8 +22,13 @@ from peft_shardmerge.verify.report import verify_checkpoint
 
 BLOCK = (128, 128)
 #: gate/up are [320, 256]: 320 rows end in a partial 64-row block; down is [256, 320]
-SHAPES = {"hidden_size": 256, "intermediate_size": 320, "num_attention_heads": 8, "num_key_value_heads": 2,
-          "head_dim": 32}
+SHAPES = {
+    "hidden_size": 256,
+    "intermediate_size": 320,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
 TARGETS = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -52,9 +57,16 @@ def write_base(folder: str) -> tuple[str, dict[str, torch.Tensor]]:
     os.makedirs(folder)
     save_file(stored, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     cfg = config.to_dict()
-    cfg.update(dtype="bfloat16", architectures=["LlamaForCausalLM"], quantization_config={
-        "quant_method": "fp8", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic",
-        "modules_to_not_convert": ["model.embed_tokens", "lm_head"]})
+    cfg.update(
+        dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+        quantization_config={
+            "quant_method": "fp8",
+            "weight_block_size": list(BLOCK),
+            "activation_scheme": "dynamic",
+            "modules_to_not_convert": ["model.embed_tokens", "lm_head"],
+        },
+    )
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     return folder, exact
@@ -69,8 +81,9 @@ def fp8_320(tmp_path_factory):
     model = AutoModelForCausalLM.from_config(tiny_config("llama", **SHAPES)).float()
     model.load_state_dict(exact)
     torch.manual_seed(1)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
-                                                  init_lora_weights=False)).eval()
+    peft_model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    ).eval()
     adapter = str(root / "adapter")
     peft_model.save_pretrained(adapter)
     inputs = [model_inputs(model.config, seed=s) for s in range(2)]  # the inputs verify draws
@@ -85,8 +98,10 @@ def logits_error(folder: str, fp8_320: dict) -> float:
     """max |logits(folder) - logits(PeftModel over the exact base)| / max |reference| over verify's inputs."""
     merged = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        return max(float((merged(**x).logits - want).abs().max() / want.abs().max())
-                   for x, want in zip(fp8_320["inputs"], fp8_320["reference"]))
+        return max(
+            float((merged(**x).logits - want).abs().max() / want.abs().max())
+            for x, want in zip(fp8_320["inputs"], fp8_320["reference"])
+        )
 
 
 def test_correct_merge_is_ok_with_logits_against_the_format_definition(fp8_320):

@@ -227,8 +227,10 @@ def _edit_json(path: str, change) -> None:
 def test_edited_index_config_and_record(outputs, tmp_path):
     edits = [
         ("model.safetensors.index.json", lambda d: d["metadata"].update(total_size=d["metadata"]["total_size"] + 1)),
-        ("model.safetensors.index.json", lambda d: d["weight_map"].update(
-            {"lm_head.weight": sorted(set(d["weight_map"].values()))[0]})),
+        (
+            "model.safetensors.index.json",
+            lambda d: d["weight_map"].update({"lm_head.weight": sorted(set(d["weight_map"].values()))[0]}),
+        ),
         ("model.safetensors.index.json", lambda d: None),  # same content, other bytes
         ("config.json", lambda d: d.update(rms_norm_eps=1e-5)),
         ("config.json", lambda d: d.update(rope_theta=d.get("rope_theta", 10000.0) * 2)),
@@ -249,9 +251,10 @@ def test_corrupted_json_files_give_problems_not_tracebacks(outputs, tmp_path):
     for name in ("config.json", "model.safetensors.index.json", RECORD_FILE):
         folder = _copy(outputs["fp32"], tmp_path, name)
         path = os.path.join(folder, name)
-        open(path, "w").write(open(path).read()[: 40])
-        r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "verify", folder], capture_output=True,
-                           text=True, timeout=300)
+        open(path, "w").write(open(path).read()[:40])
+        r = subprocess.run(
+            [sys.executable, "-m", "peft_shardmerge", "verify", folder], capture_output=True, text=True, timeout=300
+        )
         assert r.returncode == 1 and r.stdout.startswith("FAILED: "), (r.stdout, r.stderr)
         assert "Traceback" not in r.stdout + r.stderr, r.stderr
         assert "not valid JSON" in r.stdout or f"{RECORD_FILE} cannot be read" in r.stdout, r.stdout
@@ -263,8 +266,12 @@ def test_folder_without_record_is_unchecked(outputs, tmp_path, make_base):
     report = verify_checkpoint(folder)
     assert report.status == "UNCHECKED" and not report.ok and report.exit_code == 3 and not report.problems
     assert any("the bytes were not checked" in n for n in report.notes)
-    r = subprocess.run([sys.executable, "-m", "peft_shardmerge", "verify", make_base("llama")],
-                       capture_output=True, text=True, timeout=300)  # saved by transformers, not by us
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "verify", make_base("llama")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # saved by transformers, not by us
     assert r.returncode == 3 and r.stdout.startswith("UNCHECKED: ") and "Traceback" not in r.stderr, r.stdout
     assert "Loading weights" not in r.stderr and "Warning" not in r.stderr, r.stderr
 
@@ -275,8 +282,13 @@ def test_shard_record_from_file_equals_the_record_written(tmp_path):
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(5000))
     fd = os.open(src, os.O_RDONLY)
-    entries = [("a", "F32", (3, 5), 60), ("empty", "F32", (0,), 0), ("b", "BF16", (100,), 200),
-               ("copied", "U8", (1000,), 1000), ("c", "F16", (7,), 14)]
+    entries = [
+        ("a", "F32", (3, 5), 60),
+        ("empty", "F32", (0,), 0),
+        ("b", "BF16", (100,), 200),
+        ("copied", "U8", (1000,), 1000),
+        ("c", "F16", (7,), 14),
+    ]
     path = str(tmp_path / "x.safetensors")
     with ShardWriter(path, entries) as w:
         w.write(torch.randn(3, 5))
@@ -299,11 +311,11 @@ def test_tensor_digests_split_any_chunking():
         pos = 0
         while pos < len(data):
             step = rng.randrange(1, 300)
-            d.update(data[pos:pos + step])
+            d.update(data[pos : pos + step])
             pos += step
         want, begin = {}, 0
         for i, n in enumerate(sizes):
-            want[f"t{i}"] = hashlib.sha256(data[begin:begin + n]).hexdigest()
+            want[f"t{i}"] = hashlib.sha256(data[begin : begin + n]).hexdigest()
             begin += n
         assert d.digests() == want
     with pytest.raises(ValueError):
@@ -323,6 +335,10 @@ def test_crafted_record_with_a_valid_digest_is_handled(outputs, tmp_path):
     del record["shards"][first]["header"]
     record["record_sha256"] = record_digest(record)
     json.dump(record, open(path, "w"))
-    report = _failed(folder, "'../../etc/hostname' in a malformed entry", "'config.json' in a malformed entry",
-                     f"the entry of {first} is malformed")
+    report = _failed(
+        folder,
+        "'../../etc/hostname' in a malformed entry",
+        "'config.json' in a malformed entry",
+        f"the entry of {first} is malformed",
+    )
     assert not any("could not be checked" in p for p in report.problems)
