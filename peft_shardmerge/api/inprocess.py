@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -17,6 +18,7 @@ from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
 from ..distributed.world import JobSteps, current_world
 from ..engine.budget import MemoryBudget
 from ..engine.execute import run
+from ..engine.plan import Plan
 from ..engine.report import MergeReport
 from ..errors import InputError
 from ..model.plan import (  # noqa: F401 - public
@@ -166,74 +168,56 @@ def save_model(
             )
         if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
             raise InputError(sharding_problems(model, opts.base_precision) + problems)
-        if sharding is not None:
-            return _merge_sharded(model, out_dir, opts, adapter_names, problems, budget, tokenizer, replace_check)
-        planned = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True)
-        plan = planned.plan
-        source = (
-            ModelReader(plan, budget)
-            if isinstance(plan.inputs, LiveSource)
-            else CheckpointReader(plan, torch.device(planned.device))
-        )  # from memory, or the original checkpoint on disk
+        # a model sharded by FSDP1 or ZeRO-3 is planned from a view of it unsharded; FSDP2 shows full shapes as it is
+        view = VIEWS.get(sharding)
+        steps = JobSteps(current_world(), STEPS) if sharding is not None else None
         try:
-            return run(
-                plan,
-                source,
-                os.path.abspath(os.fspath(out_dir)),
-                overwrite=opts.overwrite,
-                progress=opts.progress,
-                before_commit=_side_saver(tokenizer),
-                replace_check=replace_check,
-            )
-        finally:
-            for folder in plan.resources:
-                folder.cleanup()
-
-
-def _merge_sharded(
-    model: nn.Module,
-    out_dir: str,
-    opts: MergeOptions,
-    adapter_names,
-    problems: list[str],
-    budget: MemoryBudget | None,
-    tokenizer: Any,
-    replace_check=None,
-) -> MergeReport:
-    """``merge_and_save`` of a model sharded by FSDP2, FSDP1 or ZeRO-3, called on every rank: each rank plans (FSDP1,
-    ZeRO-3: from its unsharded view), the plans must agree, every rank gathers one unit at a time in plan order,
-    rank 0 writes and commits."""
-    world = current_world()
-    steps = JobSteps(world, STEPS)
-    try:
-        kind = sharding_of(model)
-        if kind in VIEWS:  # planned from a view of the model unsharded
-            problems += sharding_problems(model, opts.base_precision)
-            if problems:
-                raise InputError(problems)
-            with VIEWS[kind](model) as peft_model:
+            if view is not None:
+                problems += sharding_problems(model, opts.base_precision)
+                if problems:
+                    raise InputError(problems)
+            with view(model) if view is not None else nullcontext(model) as planned_model:
                 planned = build_model_plan(
-                    peft_model, out_dir, opts, adapter_names, problems, sharded=kind, recover=True
+                    planned_model,
+                    out_dir,
+                    opts,
+                    adapter_names,
+                    problems,
+                    sharded=sharding if view is not None else None,
+                    recover=True,
                 )
-                src = planned.plan.inputs
-                info = live_merge_info(
-                    src.live.model, planned.plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination
+                info = _record_info(planned.plan) if view is not None else None
+            plan = planned.plan
+            if steps is not None:  # every rank gathers each unit in plan order; rank 0 writes
+                agree_on_plan(steps, plan, out_dir)
+                source, coordinator = ModelReader(plan, budget, info, copy=True), GatherUnits(plan, steps, model)
+            elif isinstance(plan.inputs, LiveSource):
+                source, coordinator = ModelReader(plan, budget), None
+            else:  # from the original checkpoint on disk
+                source, coordinator = CheckpointReader(plan, torch.device(planned.device)), None
+            try:
+                return run(
+                    plan,
+                    source,
+                    os.path.abspath(os.fspath(out_dir)),
+                    overwrite=opts.overwrite,
+                    progress=opts.progress,
+                    before_commit=_side_saver(tokenizer),
+                    coordinator=coordinator,
+                    replace_check=replace_check,
                 )
-        else:
-            planned, info = build_model_plan(model, out_dir, opts, adapter_names, problems, recover=True), None
-        agree_on_plan(steps, planned.plan, out_dir)
-        return run(
-            planned.plan,
-            ModelReader(planned.plan, budget, info, copy=True),
-            out_dir,
-            overwrite=opts.overwrite,
-            progress=opts.progress,
-            before_commit=_side_saver(tokenizer),
-            coordinator=GatherUnits(planned.plan, steps, model),
-            replace_check=replace_check,
-        )
-    except BaseException as e:
-        raise failed(steps, e, out_dir) if world.distributed else e
+            finally:
+                for folder in plan.resources:
+                    folder.cleanup()
+        except BaseException as e:
+            raise failed(steps, e, out_dir) if steps is not None and steps.world.distributed else e
+
+
+def _record_info(plan: Plan) -> dict:
+    """The record's ``merge`` part, taken while the model is seen unsharded (an FSDP1 model holds no whole parameter
+    outside its planning view)."""
+    src = plan.inputs
+    return live_merge_info(src.live.model, plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination)
 
 
 def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
