@@ -12,7 +12,7 @@ import torch
 
 from peft_shardmerge import MergeOptions, merge_and_save, merge_checkpoint
 from peft_shardmerge.engine import row_merge as row_merge_module
-from peft_shardmerge.engine.maths import merge_block, tile_rows
+from peft_shardmerge.engine.maths import add_lora_, merge_block, one_cpu_thread, tile_rows
 from peft_shardmerge.testing import build_adapter, build_base
 from tests.helpers import ROOT_DIR, folder_tensors
 
@@ -49,6 +49,26 @@ def test_the_tile_grid_follows_the_shape_alone():
 
 def test_row_blocks_give_the_same_bytes():
     assert check_blocks() == []
+
+
+def test_the_lora_product_runs_on_one_cpu_thread_and_puts_the_pool_back():
+    """The tile loop holds torch to one intra-op thread on the CPU (a tile's GEMM is too small to share) and puts the
+    caller's count back, also when it fails; the bytes are those of a product computed with the caller's pool."""
+    torch.manual_seed(0)
+    w, a, b = torch.randn(300, 2048), torch.randn(16, 2048), torch.randn(300, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pooled = torch.mm(b[:32], a).mul_(0.5) + w[:32]
+        merged = add_lora_(w.clone(), [(a, b, 0.5)], 0, 300, transposed=False)
+        assert torch.get_num_threads() == 2
+        assert torch.equal(merged[:32], pooled)  # the first tile, computed by the pool of two
+        with pytest.raises(RuntimeError), one_cpu_thread(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+            torch.mm(a, a)  # shapes that do not fit
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_blocks_that_a_plain_matmul_would_round_differently_agree():
