@@ -409,10 +409,7 @@ def recompute_and_compare(
         device: where the maths runs.
 
     Returns:
-        The :class:`RecomputeResult`.
-
-    Raises:
-        Nothing: inputs that do not fit are problems.
+        The :class:`RecomputeResult`; inputs that do not fit are among its problems, never raised.
     """
     from ..checkpoint.reader import stream_tensors
     from ..engine.execute import resolve_device
