@@ -244,7 +244,7 @@ def test_disk_full_is_refused_up_front(small_fs, make_base, make_adapter):
 
 def test_disk_full_mid_write_removes_everything(small_fs, make_base, make_adapter, monkeypatch):
     """The up-front check is told there is room; the kernel's real ENOSPC then hits the writer."""
-    import peft_shardmerge.api.disk as api
+    import peft_shardmerge.checkpoint.planner as planner
 
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     previous = small_fs / "out"
@@ -253,7 +253,7 @@ def test_disk_full_mid_write_removes_everything(small_fs, make_base, make_adapte
     (previous / "merge_manifest.json").write_text(
         '{"format": "peft-shardmerge merge record", "shards": {}, "files": {"config.json": {}}}'
     )
-    monkeypatch.setattr(api, "check_space", lambda out_dir, nbytes: [])
+    monkeypatch.setattr(planner, "check_space", lambda out_dir, nbytes: [])
     with pytest.raises(OSError) as e:
         merge_checkpoint(base, adapter, str(previous), dtype="float32", overwrite=True, progress=False)
     assert e.value.errno == errno.ENOSPC
