@@ -127,8 +127,9 @@ def run(
             source.write_tensor(t, counted)
 
     def skip(i: int) -> None:
-        source.skip(plan.shard_tensors(i))
-        bar.update(sum(t.nbytes for t in plan.shard_tensors(i)))
+        kept = plan.shard_tensors(i)
+        source.skip(kept)
+        bar.update(sum(t.nbytes for t in kept))
 
     try:
         if not coordinator.leads:

@@ -285,9 +285,9 @@ def add_lora_(
 def one_cpu_thread(device: torch.device) -> Iterator[None]:
     """On the CPU, torch's intra-op threads held to one while the block runs, then put back.
 
-    A tile's GEMM is a few rows by a rank of 16: each thread of a pool gets a sliver, and waking them costs more
-    than the product (measured: 10x slower on 2 busy cores, torch's 16 threads spinning on a 16-core machine).
-    The bytes are the same: each element's sum runs in one thread whatever the pool.
+    A tile's GEMM is a few rows by a rank of 16: each thread of a pool would get a sliver of it. The bytes are the
+    same as the pool's (tests/unit/engine/test_row_blocks.py); on 2 cores the whole merge did not get measurably
+    faster (docs/benchmarks.md), so the gain is only expected where a large pool spins on these products.
 
     Args:
         device: where the block runs; on an accelerator nothing changes.
