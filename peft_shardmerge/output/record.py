@@ -29,7 +29,7 @@ def hash_file(path: str, hasher, piece: int = _PIECE) -> str:
 
     Args:
         path: the file.
-        hasher: e.g. ``hashlib.sha256()`` or :class:`~peft_shardmerge.output.writer.Crc32`.
+        hasher: e.g. ``hashlib.sha256()`` or :class:`~peft_shardmerge.output.resume.Crc32`.
         piece: bytes read at a time.
 
     Returns:

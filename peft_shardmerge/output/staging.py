@@ -12,7 +12,7 @@ import stat
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from ..errors import FileSystemError, InputError, OutputChangedError, ShardMergeError
+from ..errors import CorruptFileError, FileSystemError, InputError, OutputChangedError, ShardMergeError
 from .checks import replace_problems
 from .files import (
     MADE_BY,
@@ -29,13 +29,12 @@ from .files import (
     snapshot,
 )
 from .lock import OutputLock, output_lock  # noqa: F401 - output_lock: public here too
-from .record import hash_file
+from .record import shard_record
 from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit, write_manifest
-from .writer import Crc32
+from .writer import shard_digest
 
 log = logging.getLogger(__name__)
 
-_HASH_PIECE = 8 << 20
 NOTHING_WRITTEN = "nothing was written and OUT is unchanged"
 REMOVED = "the partial output was removed and OUT is unchanged"
 #: the manifest in which rank N of a distributed merge records the shards it finished
@@ -82,22 +81,31 @@ def partial_dir(out_dir: str) -> str:
 
 
 def file_digest(path: str) -> str:
-    """The CRC-32 hex digest of a file, read in 8 MiB pieces (what :class:`ShardWriter` computes while writing).
+    """The digest of a finished shard read back from the file: what :meth:`ShardWriter.digest` gave while writing it
+    (:func:`~peft_shardmerge.output.writer.shard_digest` of its record).
 
     Args:
-        path: a finished shard, or any file.
+        path: a finished shard.
 
     Returns:
-        The digest the staging manifest records for a shard: 8 hex characters.
+        64 hex characters, or ``""`` when the file is not valid safetensors (no shard of ours matches it).
 
     Raises:
         OSError: the file cannot be read (missing, a folder, no permission).
 
     Example:
-        >>> len(file_digest(__file__))
-        8
+        >>> import tempfile
+        >>> from safetensors.torch import save_file
+        >>> import torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> save_file({"w": torch.ones(2)}, path)
+        >>> len(file_digest(path)), file_digest(__file__)
+        (64, '')
     """
-    return hash_file(path, Crc32(), _HASH_PIECE)
+    try:
+        return shard_digest(shard_record(path))
+    except CorruptFileError:
+        return ""
 
 
 class Staging:

@@ -1,5 +1,5 @@
 """Streaming safetensors output: the header first, then tensor bytes as they are produced (with a SHA-256 per
-tensor and of the header, recorded while writing), then the index."""
+tensor and of the header, recorded while writing or handed in by whoever produced the bytes), then the index."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import os
 import queue
 import threading
-import zlib
 
 import torch
 
@@ -18,27 +17,6 @@ from ..io.safetensors_io import build_header
 
 _COPY_PIECE = 64 << 20
 _FALLBACK_PIECE = 8 << 20
-
-
-class Crc32:
-    """A running CRC-32 with a hashlib-like interface: fast (GB/s), and enough to tell a finished shard from a
-    damaged or truncated one (the manifest also records sizes). Not a defence against tampering.
-
-    Example:
-        >>> h = Crc32(); h.update(b"abc"); h.hexdigest()
-        '352441c2'
-    """
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data) -> None:
-        """Add bytes."""
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        """The digest as 8 hex characters."""
-        return f"{self.value:08x}"
 
 
 class TensorDigests:
@@ -89,6 +67,20 @@ class TensorDigests:
                 self._i += 1
                 self._next()
 
+    def add(self, nbytes: int, hexdigest: str) -> None:
+        """Take the next tensor's digest as computed elsewhere (its ``nbytes`` then come without :meth:`update`).
+
+        Raises:
+            ValueError: the stream is not at the start of a tensor of ``nbytes`` bytes.
+        """
+        if nbytes == 0:
+            return
+        if self._hash is None or self._left != nbytes or self._entries[self._i][1] != nbytes:
+            raise ValueError(f"a digest of {nbytes} bytes handed in where the stream is not at such a tensor's start")
+        self._done[self._entries[self._i][0]] = hexdigest
+        self._i += 1
+        self._next()
+
     def digests(self) -> dict[str, str]:
         """Hex SHA-256 per finished tensor, in stream order (complete once every byte has arrived)."""
         return dict(self._done)
@@ -132,7 +124,6 @@ class ShardWriter:
         meta = {"format": "pt", **(metadata or {})}
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._error: BaseException | None = None
-        self._hash = Crc32()
         self._entries = [(e[0], e[3]) for e in entries]
         self._tensors = TensorDigests(self._entries)
         header = build_header(entries, meta)
@@ -164,7 +155,6 @@ class ShardWriter:
         self._queue.put(job)
 
     def _write_all(self, view: memoryview, data: bool = True) -> None:
-        self._hash.update(view)
         if data:
             self._tensors.update(view)
         while view:
@@ -203,7 +193,30 @@ class ShardWriter:
         self.written += nbytes
         self._submit(lambda: self._copy(fd, offset, nbytes))
 
-    def _copy(self, fd: int, offset: int, nbytes: int) -> None:
+    def put(self, pieces: list, nbytes: int, sha256: str) -> None:
+        """Append one whole tensor produced elsewhere, with the SHA-256 of its bytes computed there.
+
+        Args:
+            pieces: in order, CPU tensors (their bytes, not to be modified afterwards) and ``(fd, offset, nbytes)``
+                ranges of other files to copy.
+            nbytes: the tensor's size in bytes (all pieces together).
+            sha256: hex SHA-256 of those bytes.
+
+        Raises:
+            OSError: an earlier background write failed.
+        """
+        self.written += nbytes
+        self._submit(lambda: self._put(pieces, nbytes, sha256))
+
+    def _put(self, pieces: list, nbytes: int, sha256: str) -> None:
+        self._tensors.add(nbytes, sha256)
+        for piece in pieces:
+            if isinstance(piece, tuple):
+                self._copy(*piece, hashed=True)
+            elif piece.numel():
+                self._write_all(memoryview(piece.reshape(-1).view(torch.uint8).numpy()).cast("B"), data=False)
+
+    def _copy(self, fd: int, offset: int, nbytes: int, hashed: bool = False) -> None:
         done = 0
         use_kernel = hasattr(os, "copy_file_range")
         while done < nbytes:
@@ -221,22 +234,22 @@ class ShardWriter:
                 data = os.pread(fd, min(_FALLBACK_PIECE, want), offset + done)
                 if not data:
                     raise MergeCheckError(f"source file ended early while copying into {self.path}")
-                self._write_all(memoryview(data))
+                self._write_all(memoryview(data), data=not hashed)
                 n = len(data)
-            else:  # copied in the kernel: read the same bytes back from the page cache for the digest
+            elif not hashed:  # copied in the kernel: read the same bytes back from the page cache for the digest
                 for pos in range(0, n, _FALLBACK_PIECE):
                     piece = os.pread(fd, min(_FALLBACK_PIECE, n - pos), offset + done + pos)
-                    self._hash.update(piece)
                     self._tensors.update(piece)
             done += n
 
     def digest(self) -> str:
-        """CRC-32 hex digest of every byte written (header included), as :func:`file_digest` computes it.
+        """The shard's digest for the staging manifest: :func:`shard_digest` of :meth:`record`, which
+        :func:`~peft_shardmerge.output.staging.file_digest` computes again from the file.
 
         Returns:
-            8 hex characters; complete only after :meth:`close`.
+            64 hex characters; complete only after :meth:`close`.
         """
-        return self._hash.hexdigest()
+        return shard_digest(self.record())
 
     def record(self) -> dict:
         """What the merge record (``merge_manifest.json``) keeps of this shard: its size, the header's length and
@@ -300,6 +313,23 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def shard_digest(record: dict) -> str:
+    """One digest of a shard from its record (size, header SHA-256, each tensor's byte range and SHA-256): the bytes
+    of the file decide it, and the writer has it without hashing the file a second time.
+
+    Args:
+        record: a shard's record (:meth:`ShardWriter.record`, :func:`~peft_shardmerge.output.record.shard_record`).
+
+    Returns:
+        64 hex characters.
+
+    Example:
+        >>> shard_digest({"size": 8, "header": {"size": 8, "sha256": "0"}, "tensors": {}})[:8]
+        '92797f79'
+    """
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def write_json(path: str, data: dict) -> None:
