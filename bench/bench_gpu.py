@@ -45,6 +45,8 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+
 SIZES = {
     "tiny": dict(
         hidden_size=256,
@@ -437,12 +439,173 @@ def unload(model, rec: dict) -> dict:
     return rec
 
 
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+PEFT_RECIPE = r"""
+import os, sys, time, torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base, adapter, out = sys.argv[1:4]
+t0 = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, device_map="cuda")
+model = PeftModel.from_pretrained(model, adapter)
+t1 = time.perf_counter()
+model = model.merge_and_unload()
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+model.save_pretrained(out, max_shard_size="5GB")
+t3 = time.perf_counter()
+os.sync()
+t4 = time.perf_counter()
+peak = torch.cuda.max_memory_allocated() / 2**30
+print(f"phases {t1 - t0:.2f} {t2 - t1:.2f} {t3 - t2:.2f} {t4 - t3:.2f} {peak:.2f}")
+"""
+
+
+def random_adapter(base: str, folder: str, rank: int = 16) -> str:
+    """A rank-16 LoRA with non-zero B on the seven projections of every layer, written straight to ``folder``."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from peft_shardmerge.io.safetensors_io import read_header
+
+    index = json.load(open(os.path.join(base, "model.safetensors.index.json")))["weight_map"]
+    shapes = {}
+    for f in sorted(set(index.values())):
+        shapes.update({t.name: t.shape for t in read_header(os.path.join(base, f))[0]})
+    g = torch.Generator().manual_seed(1)
+    lora = {}
+    for name, shape in shapes.items():
+        mod = name.removesuffix(".weight")
+        if name.endswith(".weight") and mod.rsplit(".", 1)[-1] in TARGETS:
+            lora[f"base_model.model.{mod}.lora_A.weight"] = torch.randn(rank, shape[1], generator=g) * 0.01
+            lora[f"base_model.model.{mod}.lora_B.weight"] = torch.randn(shape[0], rank, generator=g) * 0.01
+    os.makedirs(folder, exist_ok=True)
+    save_file(lora, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    LoraConfig(r=rank, lora_alpha=32, target_modules=TARGETS, task_type="CAUSAL_LM").save_pretrained(folder)
+    return folder
+
+
+def timed(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, str]:
+    """Run a command after ``sync`` (no dirty pages left from the step before); its wall time and output."""
+    os.sync()
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+    wall = time.perf_counter() - t0
+    assert done.returncode == 0, (cmd, done.stderr[-3000:])
+    return wall, done.stdout + done.stderr
+
+
+def same_tensors(a: str, b: str) -> str:
+    """How many tensors of folder ``a`` are byte-identical to those of the same name in ``b``."""
+    from safetensors import safe_open
+
+    def tensors(folder):
+        out = {}
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(folder, f), "pt") as h:
+                    out.update({k: (os.path.join(folder, f), k) for k in h.keys()})
+        return out
+
+    ta, tb = tensors(a), tensors(b)
+    same = 0
+    for k, (fa, _) in ta.items():
+        if k in tb:
+            with safe_open(fa, "pt") as ha, safe_open(tb[k][0], "pt") as hb:
+                x, y = ha.get_tensor(k), hb.get_tensor(k)
+                bytes_x, bytes_y = x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
+                same += x.dtype == y.dtype and x.shape == y.shape and torch.equal(bytes_x, bytes_y)
+    return f"{same} of {len(ta)}"
+
+
+def speed(size: str, work: str, args) -> None:
+    """Side by side on one base: a durable copy, PEFT's load-everything recipe on the GPU, ours from disk with
+    ``--device cuda`` and ``--device cpu`` (and, with ``--before``, another tree of this package), in process from
+    4-bit, and a durable copy of that output."""
+    base = os.path.join(work, "base")
+    adapter = random_adapter(base, os.path.join(work, "speed-adapter"))
+    nbytes = sum(os.path.getsize(os.path.join(base, f)) for f in os.listdir(base) if f.endswith(".safetensors"))
+    subprocess.run(["cat"] + [os.path.join(base, f) for f in os.listdir(base)], stdout=subprocess.DEVNULL)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    rec = dict(size=size, step="speed", gb=nbytes / 1e9)
+    copy = os.path.join(work, "copy")
+    shutil.rmtree(copy, ignore_errors=True)
+    wall, _ = timed(["sh", "-c", f"cp -r {base} {copy} && sync"])
+    shutil.rmtree(copy)
+    emit(dict(rec, method="cp -r BASE COPY && sync", wall_s=wall), args.json)
+    copy_wall = wall
+    ref = os.path.join(work, "peft-out")
+    if CUDA:
+        wall, text = timed([sys.executable, "-c", PEFT_RECIPE, base, adapter, ref], env)
+        phases = re.search(r"phases (.*)", text).group(1).split()
+        emit(
+            dict(
+                rec,
+                method="PEFT: from_pretrained(cuda) + PeftModel + merge_and_unload + save_pretrained(5GB) + sync",
+                wall_s=wall,
+                x_copy=wall / copy_wall,
+                load_s=float(phases[0]),
+                merge_s=float(phases[1]),
+                save_s=float(phases[2]),
+                sync_s=float(phases[3]),
+                peak_vram_gib=float(phases[4]),
+            ),
+            args.json,
+        )
+    trees = [("ours", None)] + ([("before", args.before)] if args.before else [])
+    for label, tree in trees:
+        for device in ("cuda", "cpu") if CUDA else ("cpu",):
+            if label == "before" and device == "cpu":
+                continue
+            out = os.path.join(work, f"ours-{device}")
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--device", device]
+            wall, text = timed(["/usr/bin/time", "-f", "TIME %e %U %S %M"] + cmd, env, cwd=tree)
+            m = re.search(r"wall time ([0-9.]+) s", text)
+            t = re.search(r"TIME ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9]+)", text)
+            r = dict(
+                rec,
+                method=f"{label}: peft-shardmerge merge --device {device}",
+                wall_s=wall,
+                x_copy=wall / copy_wall,
+                merge_report_wall_s=float(m.group(1)) if m else None,
+                user_s=float(t.group(2)) if t else None,
+                sys_s=float(t.group(3)) if t else None,
+                max_rss_gib=int(t.group(4)) / 2**20 if t else None,
+            )
+            if os.path.exists(ref):
+                r["same_as_peft"] = same_tensors(out, ref)
+            emit(r, args.json)
+            shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(ref, ignore_errors=True)
+    if CUDA and args.inprocess:
+        model = load_qlora(base)
+        out = os.path.join(work, "inproc")
+        r = run_merge(model, out, 0.9, None, dict(rec, method="in process: merge_and_save(4-bit NF4 on the GPU)"))
+        wall, _ = timed(["sh", "-c", f"cp -r {out} {copy} && sync"])
+        r["durable_copy_of_output_s"] = wall
+        emit(r, args.json)
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def bench_size(size: str, args) -> None:
     work = os.path.join(args.work, size)
     os.makedirs(work, exist_ok=True)
     t0 = time.perf_counter()
     base, params = build_base(size, os.path.join(work, "base"))
     emit(dict(size=size, step="build", params_b=params, wall_s=time.perf_counter() - t0), args.json)
+    scenarios = args.scenarios.split(",")
+    if "speed" in scenarios:
+        speed(size, work, args)
+    if not set(scenarios) - {"speed"}:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     sync()
     t0 = time.perf_counter()
     model = load_qlora(base)
@@ -465,7 +628,6 @@ def bench_size(size: str, args) -> None:
     attn_need = cfg.hidden_size * cfg.hidden_size * 8  # the budget's working set: fp32 weight + one copy
     mlp_numel = cfg.hidden_size * cfg.intermediate_size
     ref = os.path.join(work, "out-cpu")
-    scenarios = args.scenarios.split(",")
     if "cpu" in scenarios:
         emit(run_merge(model, ref, 0.01, None, dict(size=size, step="merge_and_save", scenario="cpu")), args.json)
     refarg = ref if os.path.exists(ref) else None
@@ -558,6 +720,8 @@ def main() -> None:
     p.add_argument("--json", help="append one JSON line per result to this file")
     p.add_argument("--scenarios", default="cpu,gpu,tight,cap,other,disk,unload")
     p.add_argument("--keep", action="store_true", help="keep the bases")
+    p.add_argument("--before", help="speed: also time this tree of the package (a folder holding peft_shardmerge/)")
+    p.add_argument("--no-inprocess", dest="inprocess", action="store_false", help="speed: skip the 4-bit model")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import bitsandbytes

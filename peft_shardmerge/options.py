@@ -122,6 +122,7 @@ _ONE_PATH = {
         "device applies to merges from disk; a loaded model merges where its weights are, within maximum_memory_usage",
     ),
     "resume": (DISK, "resume applies to merges from disk"),
+    "workers": (DISK, "workers applies to merges from disk; a loaded model is merged one module at a time"),
     "maximum_memory_usage": (
         MODEL,
         "maximum_memory_usage applies to merges of a loaded model; from disk, device= chooses where the maths runs",
@@ -165,6 +166,7 @@ class MergeOptions:
         progress: show a progress bar.
         chunk_elems: elements per row block (bounds peak memory).
         resume: keep the verified shards of an interrupted run of the same merge (from disk).
+        workers: tensors merged at once, each on its own thread (from disk); None: one per CPU, at most 8.
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory a loaded model's merge may occupy.
 
     Example:
@@ -189,6 +191,7 @@ class MergeOptions:
     progress: bool = True
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     resume: bool = True
+    workers: int | None = None
     maximum_memory_usage: float = 0.9
     # dtype and max_shard_size parsed once, in __post_init__: the value, or the problems of one that does not parse
     _out_dtype: torch.dtype | None = field(default=None, init=False, repr=False, compare=False)
@@ -281,6 +284,10 @@ class MergeOptions:
             problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not isinstance(self.chunk_elems, int) or isinstance(self.chunk_elems, bool) or self.chunk_elems <= 0:
             problems.append(f"chunk_elems must be a positive int, got {self.chunk_elems!r}")
+        if self.workers is not None and (
+            not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers <= 0
+        ):
+            problems.append(f"workers must be a positive int or None (one per CPU, at most 8), got {self.workers!r}")
         for name in ("nf4_double_quant", "overwrite", "progress", "resume"):
             problems += _bool_problem(name, getattr(self, name))
         defaults = {f.name: f.default for f in fields(self) if f.init}

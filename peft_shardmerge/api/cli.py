@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="where the maths runs (under torchrun, cuda is each rank's own GPU: cuda:LOCAL_RANK)",
     )
+    m.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensors merged at once, each on its own thread (default: one per CPU, at most 8; same bytes)",
+    )
     m.add_argument("--dry-run", action="store_true", help="print the plan and exit; read no tensor data")
     m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     v = sub.add_parser(
@@ -194,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             nf4_blocksize=args.nf4_blocksize,
             nf4_double_quant=args.nf4_double_quant,
             device=args.device,
+            workers=args.workers,
             overwrite=args.overwrite,
             dry_run=args.dry_run,
             progress=not args.quiet and not rank,

@@ -14,6 +14,7 @@ from ..distributed.coordinators import SpreadShards
 from ..distributed.ranks import STEPS, agree_on_plan, failed
 from ..distributed.world import JobSteps, World, joined_world
 from ..engine.execute import resolve_device, run
+from ..engine.pipeline import default_workers
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
 from ..errors import FileSystemError, InputError, ShardMergeError
@@ -188,6 +189,7 @@ def merge_checkpoint(
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     before_commit: Callable[[str], None] | None = None,
     resume: bool = True,
+    workers: int | None = None,
     options: MergeOptions | None = None,
     distributed: bool = False,
 ) -> MergeReport:
@@ -224,6 +226,8 @@ def merge_checkpoint(
             (to add files, e.g. ``tokenizer.save_pretrained``).
         resume: when an earlier run of the same merge (same inputs and options) was killed, keep its
             finished and verified shards (``.<OUT>.partial/manifest.json``) and redo the rest.
+        workers: tensors merged at once, each on its own thread; None (the default) is one per CPU, at most 8.
+            The bytes written do not depend on it.
         options: the knobs above as one :class:`~peft_shardmerge.options.MergeOptions` (all but ``dry_run``,
             ``before_commit`` and ``distributed``); the precedence of :func:`plan_checkpoint_merge` applies.
         distributed: split the merge over the ranks of the job this process belongs to; every rank must call this
@@ -272,6 +276,7 @@ def merge_checkpoint(
         progress=progress,
         chunk_elems=chunk_elems,
         resume=resume,
+        workers=workers,
     )
     with quiet_libraries():
         if not distributed:
@@ -315,7 +320,12 @@ def _merge(
             plan_text=plan.describe(),
             reproduces=plan.reproduces,
         )
-    reader = CheckpointReader(plan, steps.world.device(resolve_device(opts.device)), resume=opts.resume)
+    reader = CheckpointReader(
+        plan,
+        steps.world.device(resolve_device(opts.device)),
+        resume=opts.resume,
+        workers=opts.workers or default_workers(),
+    )
     return run(
         plan,
         reader,

@@ -55,14 +55,16 @@ class CheckpointReader(RowMerger):
         plan: the plan carried out.
         device: where LoRA products are computed.
         resume: offer the executor the plan's fingerprint and input digests, so that a rerun keeps finished shards.
+        workers: tensors produced at once, on as many threads (:mod:`~peft_shardmerge.engine.pipeline`).
 
     Attributes:
         replacements: tensors taken from the adapter (``modules_to_save``).
     """
 
-    def __init__(self, plan: Plan, device: torch.device = torch.device("cpu"), resume: bool = False):
+    def __init__(self, plan: Plan, device: torch.device = torch.device("cpu"), resume: bool = False, workers: int = 1):
         super().__init__(plan.chunk_elems)
         self.plan = plan
+        self.workers = workers
         self.device = device
         self.resume = resume
         self.reader = RowReader()
@@ -75,9 +77,10 @@ class CheckpointReader(RowMerger):
 
     def skip(self, tensors: list[PlannedTensor]) -> None:
         """Count the changes of tensors of a shard kept from an interrupted run (already merged and verified)."""
-        for t in tensors:
-            self.replacements += t.from_adapter
-            self.applied.update(str(k) for k in planned_keys(t))
+        with self.lock:
+            for t in tensors:
+                self.replacements += t.from_adapter
+                self.applied.update(str(k) for k in planned_keys(t))
 
     def resume_keys(self) -> tuple[str, InputDigests] | None:
         """The plan's fingerprint and its inputs' digests (None without ``resume``)."""
@@ -137,7 +140,8 @@ class CheckpointReader(RowMerger):
         """
         src = t.source
         if t.from_adapter:
-            self.replacements += 1
+            with self.lock:
+                self.replacements += 1
         if t.op is Op.COPY:
             w.copy_from(self.reader.fd(src.path), src.offset, src.nbytes)
             return
@@ -188,9 +192,10 @@ class CheckpointReader(RowMerger):
     def _peft_change(self, o, t: PlannedTensor) -> WholeDelta | Scale:
         """LoHa/LoKr/VeRA/LoRA-on-parameter changes as the whole tensor's delta (``[rows, -1]``, once), IA3 as its
         multiplier."""
-        if o.kind == "scale":
-            return Scale(*o.scale(t.shape))
-        delta = self._part(o) if o.kind == "part" else o.delta()
+        with self.lock:  # PEFT's layers build these deltas: one at a time
+            if o.kind == "scale":
+                return Scale(*o.scale(t.shape))
+            delta = self._part(o) if o.kind == "part" else o.delta()
         return WholeDelta(delta.reshape(t.shape[0], -1))
 
     def _part(self, part) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from ..errors import InputError
 from ..options import DEVICES
 from ..output.shard_sink import FolderFiles, ShardSink
+from .pipeline import intra_op_threads, write_in_order
 from .plan import Plan
 from .report import MergeReport
 from .row_merge import precision_notes
@@ -120,7 +121,19 @@ def run(
     )
     coordinator.start(source, bar)
 
+    workers = getattr(source, "workers", 1)
+
     def produce(i: int, w) -> None:
+        if workers > 1:
+            write_in_order(
+                plan.shard_tensors(i),
+                source.write_tensor,
+                w,
+                workers=workers,
+                before=coordinator.before,
+                done=bar.update,
+            )
+            return
         counted = _Counted(w, bar)
         for t in plan.shard_tensors(i):
             coordinator.before(t)
@@ -132,17 +145,18 @@ def run(
         bar.update(sum(t.nbytes for t in kept))
 
     try:
-        if not coordinator.leads:
-            return coordinator.follow(out_dir, sink, produce)
-        files = FolderFiles(
-            config=plan.config,
-            index=plan.index(),
-            side_files=source.side_files,
-            before_commit=before_commit,
-            merge_info=source.merge_info,
-            checks=[source.check],
-        )
-        sink.write(produce, files, skip=skip, ranks=coordinator.ranks)
+        with intra_op_threads(workers):
+            if not coordinator.leads:
+                return coordinator.follow(out_dir, sink, produce)
+            files = FolderFiles(
+                config=plan.config,
+                index=plan.index(),
+                side_files=source.side_files,
+                before_commit=before_commit,
+                merge_info=source.merge_info,
+                checks=[source.check],
+            )
+            sink.write(produce, files, skip=skip, ranks=coordinator.ranks)
     finally:
         bar.close()
         source.close()

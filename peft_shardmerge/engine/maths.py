@@ -222,7 +222,7 @@ def lora_probe(
 
 
 #: rows of a LoRA product are computed in tiles of about this many elements, on a grid fixed by the tensor's shape
-TILE_ELEMS = 1 << 16
+TILE_ELEMS = 1 << 18
 
 
 def tile_rows(width: int) -> int:
@@ -241,7 +241,7 @@ def tile_rows(width: int) -> int:
 
     Example:
         >>> tile_rows(4096), tile_rows(1 << 20)
-        (16, 1)
+        (64, 1)
     """
     return max(1, TILE_ELEMS // max(1, width))
 

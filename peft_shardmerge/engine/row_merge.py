@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import zlib
 from collections import Counter
 from typing import Callable, Iterator, TypeVar
@@ -152,6 +153,7 @@ class RowMerger:
         self.fallbacks = 0
         self.probe_err = 0.0
         self.swallowed: dict[str, tuple[int, int]] = {}
+        self.lock = threading.Lock()  # the counts above, updated from several worker threads
 
     def on_device(self, step: Callable[[torch.device], T], device: torch.device, what: str) -> T:
         """Run ``step(device)``; when it runs out of memory, free the accelerator's cache, count it, and run
@@ -178,7 +180,8 @@ class RowMerger:
             if not is_out_of_memory(e):
                 raise
         free_accelerator_cache()
-        self.fallbacks += 1
+        with self.lock:
+            self.fallbacks += 1
         log.warning("out of memory on %s for %s; redoing it on the CPU", device, what)
         return step(torch.device("cpu"))
 
@@ -252,9 +255,10 @@ class RowMerger:
                 )
                 changed, lost = changed + c, lost + lo
             yield start, stop, merged, cast
-        if changed:
-            self.swallowed[name] = (changed, lost)
-        self.applied.update(changes.keys)
+        with self.lock:
+            if changed:
+                self.swallowed[name] = (changed, lost)
+            self.applied.update(changes.keys)
 
     def _column_scale(self, name, rows, changes: Changes, shape, device, probes):
         """DoRA on a Conv1D or an embedding: PEFT's norms run over the stored rows (one per column). A tensor of at
@@ -294,7 +298,8 @@ class RowMerger:
             )
         merged = merged.to(base.device)
         if probes is not None:
-            self.probe_err = max(self.probe_err, err)
+            with self.lock:
+                self.probe_err = max(self.probe_err, err)
             check_probe_error(name, start, stop, err)
         for change in changes.peft:
             change.apply_(merged, start, stop)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,10 +253,10 @@ def _mapping_failed(e: BaseException) -> bool:
 
 
 class RowReader:
-    """Reads rows of tensors from safetensors files with ``pread`` into one reusable buffer.
+    """Reads rows of tensors from safetensors files with ``pread`` into one reusable buffer per thread.
 
-    Memory stays at the largest piece requested: nothing is memory-mapped, so the kernel does not
-    count file pages as resident memory.
+    Memory stays at the largest piece requested (per thread reading): nothing is memory-mapped, so the kernel does
+    not count file pages as resident memory. Several threads may read at once.
 
     Example:
         >>> import tempfile
@@ -271,15 +272,29 @@ class RowReader:
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
-        self._buf = bytearray(0)
+        self._lock = threading.Lock()
+        self._local = threading.local()
 
     def fd(self, path: str) -> int:
         """Return a cached read-only file descriptor for ``path``."""
         fd = self._fds.get(path)
         if fd is None:
-            fd = os.open(path, os.O_RDONLY)
-            self._fds[path] = fd
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
         return fd
+
+    def buffer_bytes(self) -> int:
+        """The size of this thread's read buffer (the most it read at once)."""
+        return len(getattr(self._local, "buf", b""))
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        """This thread's read buffer, grown to at least ``nbytes``."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
 
     def read_rows(self, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
         """Read rows ``[start, stop)`` of a tensor (dimension 0).
@@ -306,9 +321,7 @@ class RowReader:
             row_elems = info.numel // info.shape[0] if info.shape[0] else 0
         item = DTYPES[info.dtype][1]
         nbytes = (stop - start) * row_elems * item
-        if len(self._buf) < nbytes:
-            self._buf = bytearray(nbytes)
-        view = memoryview(self._buf)[:nbytes]
+        view = self._buffer(nbytes)
         fd = self.fd(info.path)
         got, off = 0, info.offset + start * row_elems * item
         while got < nbytes:
@@ -328,11 +341,12 @@ class RowReader:
         return self.read_rows(info, 0, rows).clone()
 
     def close(self) -> None:
-        """Close every file descriptor and drop the buffer."""
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        self._buf = bytearray(0)
+        """Close every file descriptor and drop this thread's buffer."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+        self._local = threading.local()
 
     def __enter__(self) -> "RowReader":
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -167,9 +168,12 @@ class ShardSink:
                 continue
             if mine is not None and i not in mine:
                 continue
-            with ShardWriter(os.path.join(staging.path, name), entries, depth=self.depth) as w:
-                produce(i, w)
-            staging.record(name, w.digest())
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="input-digest") as digests:
+                # the digest of the inputs the shard is computed from, read while the shard is produced
+                inputs = digests.submit(staging.inputs.shard, name) if staging.inputs is not None else None
+                with ShardWriter(os.path.join(staging.path, name), entries, depth=self.depth) as w:
+                    produce(i, w)
+                staging.record(name, w.digest(), inputs=inputs.result() if inputs is not None else None)
             self.records[name] = w.record()
             log.debug("%s written", name)
 

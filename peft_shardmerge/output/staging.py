@@ -230,12 +230,13 @@ class Staging:
         """Whether shard ``fname`` was finished and verified by an earlier run, from the same input bytes."""
         return fname in self.done
 
-    def record(self, fname: str, digest: str) -> None:
-        """Record a finished, fsynced shard in the manifest (written atomically), with the digest of its inputs."""
+    def record(self, fname: str, digest: str, inputs: str | None = None) -> None:
+        """Record a finished, fsynced shard in the manifest (written atomically), with the digest of its inputs
+        (``inputs``, when the caller computed it already)."""
         size = os.path.getsize(os.path.join(self.path, fname))
         meta = {"size": size, "digest": digest}
         if self.inputs is not None:
-            meta["inputs"] = self.inputs.shard(fname)
+            meta["inputs"] = inputs if inputs is not None else self.inputs.shard(fname)
         self.done[fname] = meta
         self._write_manifest()
 

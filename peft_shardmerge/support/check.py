@@ -223,15 +223,12 @@ def check_config(config: Any, *, where: str, path: str) -> list[str]:
         ]
     problems = [f"{where}: {msg} ({key}={c[key]!r})" for key, msg in REFUSED.items() if c.get(key)]
     handled = HANDLED[peft_type] | INERT
-    own = _peft_fields(peft_type)  # PEFT ignores (with a warning) the keys its config class does not have
     unknown = sorted(
-        k
-        for k, v in c.items()
-        if k not in handled
-        and k not in REFUSED
-        and (own is None or k in own)
-        and v not in (None, False, "", [], {}, 0)
+        k for k, v in c.items() if k not in handled and k not in REFUSED and v not in (None, False, "", [], {}, 0)
     )
+    if unknown:  # PEFT ignores (with a warning) the keys its config class does not have: ask it only then
+        own = _peft_fields(peft_type)
+        unknown = [k for k in unknown if own is None or k in own]
     if unknown:
         problems.append(
             f"{where}: {peft_type} config option(s) {', '.join(f'{k}={c[k]!r}' for k in unknown)} are not "

@@ -80,9 +80,10 @@ def used_now() -> int:
 
 def free_blocks(at_least: int = 1 << 20) -> list[int]:
     """Sizes of the free blocks inside the segments torch's allocator holds (what a capped allocation may still
-    use)."""
+    use), each as the request that takes it: the small pool serves requests of at most 1 MiB, so a free block of a
+    small segment is taken 1 MiB at a time."""
     return [
-        b["size"]
+        min(b["size"], 1 << 20) if seg.get("segment_type") == "small" else b["size"]
         for seg in torch.cuda.memory_snapshot()
         if seg.get("device", DEV.index) == DEV.index
         for b in seg["blocks"]

@@ -12,6 +12,7 @@ import peft_shardmerge.engine.execute as execute
 import peft_shardmerge.engine.row_merge as row_merge
 from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.checkpoint.reader import CheckpointReader
+from peft_shardmerge.engine.pipeline import default_workers
 
 
 def _leftovers(folder) -> list[str]:
@@ -40,7 +41,8 @@ def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, t
     monkeypatch.setattr(row_merge, "merge_block", failing)
     with pytest.raises(OSError, match="No space left on device"):
         merge_checkpoint(base, adapter, str(out), overwrite=True, max_shard_size="200KB", progress=False)
-    assert calls["n"] == 5
+    # the tensors already handed to the worker threads finish (one block each here); no other one starts
+    assert 5 <= calls["n"] <= 5 + default_workers() + 1
     assert _leftovers(tmp_path) == []
     if existing:
         assert sorted(os.listdir(out)) == ["merge_manifest.json", "model.safetensors"]

@@ -43,6 +43,6 @@ def test_a_row_block_of_the_disk_source_reads_only_its_rows(make_base):
     info = disk.by_name[name]
     with RowReader() as reader:
         first = reader.read_rows(info, 0, 2).clone()
-        assert len(reader._buf) == 2 * info.nbytes // info.shape[0]  # two rows' bytes, not the tensor's
+        assert reader.buffer_bytes() == 2 * info.nbytes // info.shape[0]  # two rows' bytes, not the tensor's
         with safe_open(info.path, "pt") as f:
             assert torch.equal(first, f.get_slice(name)[0:2])

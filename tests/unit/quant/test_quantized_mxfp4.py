@@ -277,7 +277,7 @@ def test_rows_read_only_the_requested_experts(tmp_path):
             rows = reader.read_rows(t, start, stop)
             assert rows.shape == (stop - start, *t.shape[1:]) and torch.equal(rows, ref[t.name][start:stop])
             assert reader.calls == [(blocks.name, start, stop), (scales.name, start, stop)]
-            assert len(reader._buf) <= (stop - start) * per_expert < blocks.nbytes // 8
+            assert reader.buffer_bytes() <= (stop - start) * per_expert < blocks.nbytes // 8
             reader.close()
 
 
