@@ -1,0 +1,131 @@
+"""Several tensors in flight: the bytes, the record and the failures do not depend on the number of workers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from peft_shardmerge import merge_checkpoint
+from peft_shardmerge.checkpoint.reader import CheckpointReader
+from peft_shardmerge.errors import InputError
+from peft_shardmerge.io.safetensors_io import RowReader, read_header
+from peft_shardmerge.output.staging import file_digest
+from peft_shardmerge.output.writer import ShardWriter
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {f: open(os.path.join(folder, f), "rb").read() for f in sorted(os.listdir(folder)) if f != "README.md"}
+
+
+@pytest.mark.parametrize("arch", ["llama_sharded", "gpt2"])
+def test_the_same_bytes_and_record_whatever_the_workers(arch, make_base, make_adapter, tmp_path):
+    base, adapter = make_base(arch), make_adapter(arch, "default")
+    outs = {}
+    for workers in (1, 4):
+        out = str(tmp_path / f"w{workers}")
+        merge_checkpoint(base, adapter, out, max_shard_size="200KB", workers=workers, progress=False)
+        outs[workers] = _files(out)
+    one, four = outs[1], outs[4]
+    assert one.keys() == four.keys() and sum(f.endswith(".safetensors") for f in one) > 1
+    for name in one:
+        if name != "merge_manifest.json":
+            assert one[name] == four[name], name
+    record_1, record_4 = (json.loads(o["merge_manifest.json"]) for o in (one, four))
+    assert record_1["shards"] == record_4["shards"]  # every tensor's SHA-256, computed by the threads that made it
+
+
+def test_each_recorded_sha256_is_the_written_bytes(make_base, make_adapter, tmp_path):
+    """The digests the worker threads computed equal SHA-256 of the file's bytes, read back by hand."""
+    base, adapter = make_base("llama_sharded"), make_adapter("llama_sharded", "default")
+    out = tmp_path / "out"
+    merge_checkpoint(base, adapter, str(out), max_shard_size="200KB", workers=3, progress=False)
+    shards = json.loads((out / "merge_manifest.json").read_text())["shards"]
+    for name, rec in shards.items():
+        data = (out / name).read_bytes()
+        header = rec["header"]["size"]
+        assert hashlib.sha256(data[:header]).hexdigest() == rec["header"]["sha256"]
+        for t, entry in rec["tensors"].items():
+            begin, end = entry["offsets"]
+            assert hashlib.sha256(data[header + begin : header + end]).hexdigest() == entry["sha256"], t
+
+
+def test_the_first_failure_in_plan_order_stops_the_merge(make_base, make_adapter, tmp_path, monkeypatch):
+    """Two tensors fail, the later one first in time: the earlier one's error is raised, and nothing is left."""
+    base, adapter = make_base("llama_sharded"), make_adapter("llama_sharded", "default")
+    real = CheckpointReader.write_tensor
+
+    def failing(self, t, w):
+        if threading.current_thread() is threading.main_thread():
+            raise AssertionError("a merge with workers produces tensors on its worker threads")
+        if t.name == "model.layers.0.self_attn.k_proj.weight":  # written before q_proj (the base's order)
+            time.sleep(0.5)
+            raise OSError(28, "No space left on device")
+        if t.name == "model.layers.0.self_attn.q_proj.weight":
+            raise OSError(5, "Input/output error")
+        return real(self, t, w)
+
+    monkeypatch.setattr(CheckpointReader, "write_tensor", failing)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="No space left on device"):
+        merge_checkpoint(base, adapter, str(out), workers=4, progress=False)
+    assert not out.exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True])
+def test_workers_must_be_a_positive_int(workers, make_base, make_adapter, tmp_path):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    with pytest.raises(InputError, match="workers must be a positive int"):
+        merge_checkpoint(base, adapter, str(tmp_path / "out"), workers=workers, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_put_and_write_give_the_digest_read_back_from_the_file(tmp_path):
+    a, b = torch.arange(6.0), torch.ones(3, dtype=torch.bfloat16)
+    entries = [("a", "F32", (6,), 24), ("b", "BF16", (3,), 6)]
+    digests = []
+    for how in ("write", "put"):
+        path = str(tmp_path / f"{how}.safetensors")
+        with ShardWriter(path, entries) as w:
+            for t in (a, b):
+                raw = t.view(torch.uint8).numpy().tobytes()
+                if how == "write":
+                    w.write(t)
+                else:
+                    w.put([t], len(raw), hashlib.sha256(raw).hexdigest())
+        assert w.digest() == file_digest(path)
+        digests.append(w.digest())
+    assert digests[0] == digests[1]
+    with pytest.raises(ValueError, match="not at such a tensor's start"):
+        with ShardWriter(str(tmp_path / "bad.safetensors"), entries) as w:
+            w.put([a], 24, "0" * 64)
+            w.put([a], 24, "0" * 64)  # b has 6 bytes, not 24
+            w.close()
+
+
+def test_a_row_reader_serves_several_threads_at_once(tmp_path):
+    path = str(tmp_path / "m.safetensors")
+    weights = {f"w{i}": torch.randn(64, 32) for i in range(8)}
+    save_file(weights, path)
+    infos = {i.name: i for i in read_header(path)[0]}
+    errors = []
+
+    def read(name):
+        for start in range(0, 64, 8):
+            rows = reader.read_rows(infos[name], start, start + 8).clone()
+            if not torch.equal(rows, weights[name][start : start + 8]):
+                errors.append((name, start))
+
+    with RowReader() as reader:
+        threads = [threading.Thread(target=read, args=(n,)) for n in weights for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
