@@ -12,11 +12,10 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..options import IN_FLIGHT_BYTES
 from .plan import Op, PlannedTensor
 
 _READ_PIECE = 8 << 20
-#: bytes of produced output held in memory at once (at least one tensor is always in flight)
-IN_FLIGHT_BYTES = 1 << 30
 
 
 def default_workers() -> int:

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from ..io.safetensors_io import DTYPES, TensorInfo
+from ..options import IN_FLIGHT_BYTES
 from ..version import __version__
 
 
@@ -227,7 +228,7 @@ class Plan:
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
     def peak_bytes(self) -> int:
-        """Estimated peak working memory of the executor, beyond the imported libraries."""
+        """Estimated peak working memory of one tensor's merge, beyond the imported libraries."""
         return max((self.inputs.working_set(t, self.chunk_elems) for t in self.tensors if not t.part), default=0)
 
     def describe(self) -> str:
@@ -245,7 +246,9 @@ class Plan:
             "",
             f"tensors: {len(self.tensors)}   shards: {len(self.shard_names)}   bytes: {self.total_size}"
             f" ({self.total_size / 1e9:.3f} GB)",
-            f"estimated peak working memory: {self.peak_bytes() / 2**20:.1f} MiB",
+            f"estimated peak working memory: {self.peak_bytes() / 2**20:.1f} MiB per tensor in flight "
+            f"(from disk: up to --workers at once, their output held until written, at most "
+            f"{IN_FLIGHT_BYTES / 2**30:g} GiB)",
         ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
