@@ -98,8 +98,6 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 #: elements of one row block of a tensor (16 MiB in fp32)
 DEFAULT_CHUNK_ELEMS = 1 << 22
-#: bytes of merged output a merge from disk holds at once while its workers run ahead of the writer
-IN_FLIGHT_BYTES = 1 << 30
 
 
 #: where the merge maths may run (``"cuda:N"`` too)

@@ -12,7 +12,7 @@ import torch
 from ..errors import InputError
 from ..options import DEVICES
 from ..output.shard_sink import FolderFiles, ShardSink
-from .pipeline import intra_op_threads, write_in_order
+from .pipeline import intra_op_threads, write_placed
 from .plan import Plan
 from .report import MergeReport
 from .row_merge import precision_notes
@@ -125,7 +125,7 @@ def run(
 
     def produce(i: int, w) -> None:
         if workers > 1:
-            write_in_order(
+            write_placed(
                 plan.shard_tensors(i),
                 source.write_tensor,
                 w,

@@ -1,9 +1,8 @@
-"""Several planned tensors produced at once on worker threads, each hashed where it was made, and handed to the
-shard writer in plan order."""
+"""Several planned tensors produced at once on worker threads, each written at its place in the shard and hashed by
+the thread that made it."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,10 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..options import IN_FLIGHT_BYTES
-from .plan import Op, PlannedTensor
-
-_READ_PIECE = 8 << 20
+from .plan import PlannedTensor
 
 
 def default_workers() -> int:
@@ -33,41 +29,6 @@ def default_workers() -> int:
     except AttributeError:  # pragma: no cover - not on Linux
         cpus = os.cpu_count() or 1
     return max(1, min(8, cpus))
-
-
-class Produced:
-    """One tensor's output as a worker made it: its bytes (CPU tensors, and ranges of other files to copy), their
-    count and their SHA-256; a sink with the calls a :class:`~peft_shardmerge.output.writer.ShardWriter` receives.
-
-    Example:
-        >>> p = Produced(); p.write(torch.zeros(2, dtype=torch.uint8)); p.nbytes, p.sha256()[:8]
-        (2, '96a296d2')
-    """
-
-    def __init__(self) -> None:
-        self.pieces: list = []
-        self.nbytes = 0
-        self._sha = hashlib.sha256()
-
-    def write(self, tensor: torch.Tensor) -> None:
-        """Keep a block of the tensor (moved to the CPU, made contiguous) and hash it."""
-        t = tensor.detach().to("cpu").contiguous()
-        if t.numel() == 0:
-            return
-        self.pieces.append(t)
-        self.nbytes += t.numel() * t.element_size()
-        self._sha.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-
-    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
-        """Keep a range of another file to copy, and hash its bytes (read here, from the page cache)."""
-        self.pieces.append((fd, offset, nbytes))
-        self.nbytes += nbytes
-        for pos in range(0, nbytes, _READ_PIECE):
-            self._sha.update(os.pread(fd, min(_READ_PIECE, nbytes - pos), offset + pos))
-
-    def sha256(self) -> str:
-        """Hex SHA-256 of every byte kept, in order."""
-        return self._sha.hexdigest()
 
 
 @contextmanager
@@ -92,68 +53,60 @@ def intra_op_threads(workers: int) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def write_in_order(
+def write_placed(
     tensors: list[PlannedTensor],
-    produce: Callable[[PlannedTensor, Produced], None],
+    produce: Callable[[PlannedTensor, object], None],
     writer,
     *,
     workers: int,
     before: Callable[[PlannedTensor], None] = lambda t: None,
     done: Callable[[int], None] = lambda n: None,
-    in_flight_bytes: int = IN_FLIGHT_BYTES,
 ) -> None:
-    """Produce ``tensors`` on ``workers`` threads, a few ahead of the writer, and hand each to ``writer.put`` in
-    their order; the first failure in that order is raised once the threads have stopped.
+    """Produce the tensors of one shard on ``workers`` threads, each written at its place in the file as it is made
+    (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`); the first failure in their order is raised once the
+    threads have stopped.
 
     Args:
-        tensors: the planned tensors of one shard, in write order.
+        tensors: the planned tensors of the shard, in the order of its entries.
         produce: ``produce(t, sink)`` writes ``t``'s bytes into ``sink`` (called on a worker thread).
-        writer: a :class:`~peft_shardmerge.output.writer.ShardWriter`.
+        writer: the :class:`~peft_shardmerge.output.writer.ShardWriter`.
         workers: worker threads (at least 1).
         before: called on this thread before ``t`` is handed to a worker.
-        done: called with the byte count of each tensor written.
-        in_flight_bytes: produced bytes held at once (copied tensors hold none).
+        done: called on this thread with the byte count of each tensor written, in order.
 
     Returns:
         None.
 
     Example:
-        >>> sizes = []
-        >>> class Writer:
-        ...     def put(self, pieces, nbytes, sha256): sizes.append(nbytes)
+        >>> import os, tempfile
         >>> from types import SimpleNamespace
-        >>> ts = [SimpleNamespace(op=Op.CAST, shape=(k,), nbytes=4 * k) for k in (1, 2)]
-        >>> write_in_order(ts, lambda t, sink: sink.write(torch.zeros(t.shape)), Writer(), workers=2)
-        >>> sizes
-        [4, 8]
+        >>> from safetensors.torch import load_file
+        >>> from peft_shardmerge.output.writer import ShardWriter
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> ts = [SimpleNamespace(name=n, shape=(k,)) for n, k in (("a", 1), ("b", 2))]
+        >>> with ShardWriter(path, [(t.name, "F32", t.shape, 4 * t.shape[0]) for t in ts]) as w:
+        ...     write_placed(ts, lambda t, sink: sink.write(torch.ones(t.shape)), w, workers=2)
+        >>> load_file(path)
+        {'a': tensor([1.]), 'b': tensor([1., 1.])}
     """
-    pending: deque[tuple[Future, int]] = deque()
-    held = 0
-    todo = iter(tensors)
+    pending: deque[Future] = deque()
 
-    def task(t: PlannedTensor) -> Produced:
-        sink = Produced()
+    def task(index: int, t: PlannedTensor) -> int:
+        sink = writer.at(index)
         with torch.no_grad():
             produce(t, sink)
-        return sink
+        sink.finish()
+        return sink.nbytes
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="merge") as pool:
         try:
-            nxt = next(todo, None)
-            while nxt is not None or pending:
-                while nxt is not None and len(pending) <= workers:
-                    cost = 0 if nxt.op is Op.COPY else nxt.nbytes
-                    if pending and held + cost > in_flight_bytes:
-                        break
-                    before(nxt)
-                    pending.append((pool.submit(task, nxt), cost))
-                    held += cost
-                    nxt = next(todo, None)
-                future, cost = pending.popleft()
-                made = future.result()
-                writer.put(made.pieces, made.nbytes, made.sha256())
-                held -= cost
-                done(made.nbytes)
+            for index, t in enumerate(tensors):
+                if len(pending) >= 2 * workers:  # a few queued behind the running ones; failures seen early
+                    done(pending.popleft().result())
+                before(t)
+                pending.append(pool.submit(task, index, t))
+            while pending:
+                done(pending.popleft().result())
         finally:
-            for future, _ in pending:
+            for future in pending:
                 future.cancel()

@@ -9,7 +9,6 @@ from typing import Protocol
 import torch
 
 from ..io.safetensors_io import DTYPES, TensorInfo
-from ..options import IN_FLIGHT_BYTES
 from ..version import __version__
 
 
@@ -247,8 +246,7 @@ class Plan:
             f"tensors: {len(self.tensors)}   shards: {len(self.shard_names)}   bytes: {self.total_size}"
             f" ({self.total_size / 1e9:.3f} GB)",
             f"estimated peak working memory: {self.peak_bytes() / 2**20:.1f} MiB per tensor in flight "
-            f"(from disk: up to --workers at once, their output held until written, at most "
-            f"{IN_FLIGHT_BYTES / 2**30:g} GiB)",
+            "(from disk: up to --workers at once)",
         ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -161,21 +161,48 @@ class ShardSink:
         Returns:
             None.
         """
-        for i, (name, entries) in enumerate(self.shards):
-            if staging.is_done(name):
-                if skip is not None:
-                    skip(i)
-                continue
-            if mine is not None and i not in mine:
-                continue
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="input-digest") as digests:
-                # the digest of the inputs the shard is computed from, read while the shard is produced
-                inputs = digests.submit(staging.inputs.shard, name) if staging.inputs is not None else None
-                with ShardWriter(os.path.join(staging.path, name), entries, depth=self.depth) as w:
-                    produce(i, w)
-                staging.record(name, w.digest(), inputs=inputs.result() if inputs is not None else None)
-            self.records[name] = w.record()
-            log.debug("%s written", name)
+        # one thread reads the inputs' digests beside each shard; another closes a finished shard (its writes drained
+        # and fsynced, then recorded in the manifest) while the next one is produced
+        with (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="input-digest") as digests,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-close") as closer,
+        ):
+            closing: list[tuple[Future, ShardWriter]] = []
+            try:
+                for i, (name, entries) in enumerate(self.shards):
+                    if staging.is_done(name):
+                        if skip is not None:
+                            skip(i)
+                        continue
+                    if mine is not None and i not in mine:
+                        continue
+                    inputs = digests.submit(staging.inputs.shard, name) if staging.inputs is not None else None
+                    w = ShardWriter(os.path.join(staging.path, name), entries, depth=self.depth)
+                    try:
+                        produce(i, w)
+                    except BaseException:
+                        w.abort()
+                        raise
+                    closing.append((closer.submit(self._close, staging, name, w, inputs), w))
+                    if len(closing) > 1:
+                        closing.pop(0)[0].result()  # the shard before: a failure to close it stops the merge here
+                while closing:
+                    closing.pop(0)[0].result()
+            finally:
+                for future, w in closing:
+                    if future.cancel():
+                        w.abort()
+
+    def _close(self, staging, name: str, w: ShardWriter, inputs: Future | None) -> None:
+        """Drain and fsync a produced shard, then record it (in order: the one closing thread does it)."""
+        try:
+            w.close()
+        except BaseException:
+            w.abort()
+            raise
+        staging.record(name, w.digest(), inputs=inputs.result() if inputs is not None else None)
+        self.records[name] = w.record()
+        log.debug("%s written", name)
 
     def _finish(self, tmp: str, files: FolderFiles) -> None:
         if len(self.shards) > 1 and files.index is not None:

@@ -67,20 +67,6 @@ class TensorDigests:
                 self._i += 1
                 self._next()
 
-    def add(self, nbytes: int, hexdigest: str) -> None:
-        """Take the next tensor's digest as computed elsewhere (its ``nbytes`` then come without :meth:`update`).
-
-        Raises:
-            ValueError: the stream is not at the start of a tensor of ``nbytes`` bytes.
-        """
-        if nbytes == 0:
-            return
-        if self._hash is None or self._left != nbytes or self._entries[self._i][1] != nbytes:
-            raise ValueError(f"a digest of {nbytes} bytes handed in where the stream is not at such a tensor's start")
-        self._done[self._entries[self._i][0]] = hexdigest
-        self._i += 1
-        self._next()
-
     def digests(self) -> dict[str, str]:
         """Hex SHA-256 per finished tensor, in stream order (complete once every byte has arrived)."""
         return dict(self._done)
@@ -126,6 +112,8 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._entries = [(e[0], e[3]) for e in entries]
         self._tensors = TensorDigests(self._entries)
+        self._placed: dict[int, str] = {}  # entries written in place (at), by index
+        self._lock = threading.Lock()
         header = build_header(entries, meta)
         self._header = (len(header), hashlib.sha256(header).hexdigest())
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -193,30 +181,27 @@ class ShardWriter:
         self.written += nbytes
         self._submit(lambda: self._copy(fd, offset, nbytes))
 
-    def put(self, pieces: list, nbytes: int, sha256: str) -> None:
-        """Append one whole tensor produced elsewhere, with the SHA-256 of its bytes computed there.
+    def at(self, index: int) -> "TensorAt":
+        """A sink for the whole of entry ``index``, writing at its place in the file from any thread (several at once):
+        its bytes go there with ``pwrite`` and their SHA-256 is computed on the way.
 
         Args:
-            pieces: in order, CPU tensors (their bytes, not to be modified afterwards) and ``(fd, offset, nbytes)``
-                ranges of other files to copy.
-            nbytes: the tensor's size in bytes (all pieces together).
-            sha256: hex SHA-256 of those bytes.
+            index: the entry's position in ``entries``.
 
-        Raises:
-            OSError: an earlier background write failed.
+        Returns:
+            A :class:`TensorAt`; its :meth:`~TensorAt.finish` records the tensor.
         """
-        self.written += nbytes
-        self._submit(lambda: self._put(pieces, nbytes, sha256))
+        begin = self._header[0] + sum(n for _, n in self._entries[:index])
+        return TensorAt(self, index, begin)
 
-    def _put(self, pieces: list, nbytes: int, sha256: str) -> None:
-        self._tensors.add(nbytes, sha256)
-        for piece in pieces:
-            if isinstance(piece, tuple):
-                self._copy(*piece, hashed=True)
-            elif piece.numel():
-                self._write_all(memoryview(piece.reshape(-1).view(torch.uint8).numpy()).cast("B"), data=False)
+    def _placed_tensor(self, index: int, nbytes: int, sha256: str) -> None:
+        with self._lock:
+            if index in self._placed or nbytes != self._entries[index][1]:
+                raise MergeCheckError(f"{self.path}: {self._entries[index][0]} written twice or with the wrong size")
+            self._placed[index] = sha256
+            self.written += nbytes
 
-    def _copy(self, fd: int, offset: int, nbytes: int, hashed: bool = False) -> None:
+    def _copy(self, fd: int, offset: int, nbytes: int) -> None:
         done = 0
         use_kernel = hasattr(os, "copy_file_range")
         while done < nbytes:
@@ -234,9 +219,9 @@ class ShardWriter:
                 data = os.pread(fd, min(_FALLBACK_PIECE, want), offset + done)
                 if not data:
                     raise MergeCheckError(f"source file ended early while copying into {self.path}")
-                self._write_all(memoryview(data), data=not hashed)
+                self._write_all(memoryview(data))
                 n = len(data)
-            elif not hashed:  # copied in the kernel: read the same bytes back from the page cache for the digest
+            else:  # copied in the kernel: read the same bytes back from the page cache for the digest
                 for pos in range(0, n, _FALLBACK_PIECE):
                     piece = os.pread(fd, min(_FALLBACK_PIECE, n - pos), offset + done + pos)
                     self._tensors.update(piece)
@@ -263,7 +248,9 @@ class ShardWriter:
         Raises:
             MergeCheckError: called before every tensor's bytes were written.
         """
-        digests = self._tensors.digests()
+        # a shard is written in order (write, copy_from) or in place (at), not both
+        digests = self._tensors.digests() if not self._placed else {}
+        digests.update({self._entries[i][0]: sha for i, sha in self._placed.items()})
         if len(digests) != len(self._entries):
             raise MergeCheckError(f"{self.path}: digests asked for before every tensor was written")
         tensors, begin = {}, 0
@@ -313,6 +300,56 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+class TensorAt:
+    """One tensor's bytes written at their place in a shard (``pwrite``), hashed on the way: the sink a worker
+    thread writes a tensor into (:meth:`ShardWriter.at`), with the calls a :class:`ShardWriter` receives.
+
+    Args:
+        writer: the shard.
+        index: the tensor's entry.
+        begin: its first byte in the file.
+    """
+
+    def __init__(self, writer: ShardWriter, index: int, begin: int):
+        self.writer, self.index, self.pos = writer, index, begin
+        self.nbytes = 0
+        self._sha = hashlib.sha256()
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Write the next rows (in their own dtype, made contiguous on the CPU)."""
+        t = tensor.detach().to("cpu").contiguous()
+        if t.numel() == 0:
+            return
+        view = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        self._sha.update(view)
+        self._pwrite(view)
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from another file, hashing them as read (the digest needs the bytes: read once)."""
+        done = 0
+        while done < nbytes:
+            piece = os.pread(fd, min(_FALLBACK_PIECE, nbytes - done), offset + done)
+            if not piece:
+                raise MergeCheckError(f"source file ended early while copying into {self.writer.path}")
+            self._sha.update(piece)
+            self._pwrite(memoryview(piece))
+            done += len(piece)
+
+    def _pwrite(self, view: memoryview) -> None:
+        fd = self.writer._fd
+        while view:
+            n = os.pwrite(fd, view, self.pos)
+            view, self.pos, self.nbytes = view[n:], self.pos + n, self.nbytes + n
+
+    def finish(self) -> None:
+        """Record the tensor as written, with its digest.
+
+        Raises:
+            MergeCheckError: it was written twice, or its size is not the planned one.
+        """
+        self.writer._placed_tensor(self.index, self.nbytes, self._sha.hexdigest())
 
 
 def shard_digest(record: dict) -> str:

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from peft_shardmerge import merge_checkpoint
 from peft_shardmerge.checkpoint.reader import CheckpointReader
-from peft_shardmerge.errors import InputError
+from peft_shardmerge.errors import InputError, MergeCheckError
 from peft_shardmerge.io.safetensors_io import RowReader, read_header
 from peft_shardmerge.output.staging import file_digest
 from peft_shardmerge.output.writer import ShardWriter
@@ -86,27 +86,31 @@ def test_workers_must_be_a_positive_int(workers, make_base, make_adapter, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-def test_put_and_write_give_the_digest_read_back_from_the_file(tmp_path):
+def test_in_order_and_in_place_give_the_digest_read_back_from_the_file(tmp_path):
     a, b = torch.arange(6.0), torch.ones(3, dtype=torch.bfloat16)
     entries = [("a", "F32", (6,), 24), ("b", "BF16", (3,), 6)]
     digests = []
-    for how in ("write", "put"):
+    for how in ("in order", "in place"):
         path = str(tmp_path / f"{how}.safetensors")
         with ShardWriter(path, entries) as w:
-            for t in (a, b):
-                raw = t.view(torch.uint8).numpy().tobytes()
-                if how == "write":
+            for i, t in reversed(list(enumerate((a, b)))) if how == "in place" else enumerate((a, b)):
+                if how == "in order":
                     w.write(t)
                 else:
-                    w.put([t], len(raw), hashlib.sha256(raw).hexdigest())
+                    sink = w.at(i)
+                    sink.write(t[:1])
+                    sink.write(t[1:])
+                    sink.finish()
         assert w.digest() == file_digest(path)
+        assert w.record()["tensors"]["a"]["sha256"] == hashlib.sha256(a.numpy().tobytes()).hexdigest()
         digests.append(w.digest())
     assert digests[0] == digests[1]
-    with pytest.raises(ValueError, match="not at such a tensor's start"):
-        with ShardWriter(str(tmp_path / "bad.safetensors"), entries) as w:
-            w.put([a], 24, "0" * 64)
-            w.put([a], 24, "0" * 64)  # b has 6 bytes, not 24
-            w.close()
+    w = ShardWriter(str(tmp_path / "bad.safetensors"), entries)
+    sink = w.at(1)
+    sink.write(a)  # 24 bytes where b has 6
+    with pytest.raises(MergeCheckError, match="written twice or with the wrong size"):
+        sink.finish()
+    w.abort()
 
 
 def test_a_row_reader_serves_several_threads_at_once(tmp_path):
