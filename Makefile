@@ -56,6 +56,7 @@ lock:
 	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test,bench]'
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_merge.py --sizes 0.5B,1B --write docs/benchmarks.md
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_dist.py --write docs/benchmarks.md
 

@@ -553,32 +553,10 @@ def speed(size: str, work: str, args) -> None:
             ),
             args.json,
         )
-    trees = [("ours", None)] + ([("before", args.before)] if args.before else [])
-    for label, tree in trees:
-        for device in ("cuda", "cpu") if CUDA else ("cpu",):
-            if label == "before" and device == "cpu":
-                continue
-            out = os.path.join(work, f"ours-{device}")
-            shutil.rmtree(out, ignore_errors=True)
-            cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--device", device]
-            wall, text = timed(["/usr/bin/time", "-f", "TIME %e %U %S %M"] + cmd, env, cwd=tree)
-            m = re.search(r"wall time ([0-9.]+) s", text)
-            t = re.search(r"TIME ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9]+)", text)
-            r = dict(
-                rec,
-                method=f"{label}: peft-shardmerge merge --device {device}",
-                wall_s=wall,
-                x_copy=wall / copy_wall,
-                merge_report_wall_s=float(m.group(1)) if m else None,
-                user_s=float(t.group(2)) if t else None,
-                sys_s=float(t.group(3)) if t else None,
-                max_rss_gib=int(t.group(4)) / 2**20 if t else None,
-            )
-            if os.path.exists(ref):
-                r["same_as_peft"] = same_tensors(out, ref)
-            emit(r, args.json)
-            shutil.rmtree(out, ignore_errors=True)
-    shutil.rmtree(ref, ignore_errors=True)
+    for device in ("cuda", "cpu") if CUDA else ("cpu",):
+        r = dict(rec, method=f"ours: merge --device {device}")
+        emit(ours(base, adapter, work, device, None, ref, r, copy_wall), args.json)
+    emit(startup(base, adapter, work, rec), args.json)
     if CUDA and args.inprocess:
         model = load_qlora(base)
         out = os.path.join(work, "inproc")
@@ -591,6 +569,52 @@ def speed(size: str, work: str, args) -> None:
         del model
         gc.collect()
         torch.cuda.empty_cache()
+    if args.before:  # the tree before, last: the rows above matter more when time runs short
+        device = "cuda" if CUDA else "cpu"
+        r = dict(rec, method=f"before: merge --device {device}")
+        emit(ours(base, adapter, work, device, args.before, ref, r, copy_wall), args.json)
+    shutil.rmtree(ref, ignore_errors=True)
+
+
+def startup(base: str, adapter: str, work: str, rec: dict) -> dict:
+    """The dry run (imports, configs, the checks, the plan): its wall time, and the imports that took longest
+    (``python -X importtime``, cumulative, top-level packages)."""
+    cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, os.path.join(work, "dry"), "--dry-run"]
+    wall, _ = timed(cmd, dict(os.environ, HF_HUB_OFFLINE="1"))
+    _, text = timed([sys.executable, "-X", "importtime"] + cmd[1:], dict(os.environ, HF_HUB_OFFLINE="1"))
+    top = []
+    for line in text.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            name = parts[2].rstrip()
+            depth = (len(name) - len(name.lstrip())) // 2
+            if depth <= 1:
+                top.append((int(parts[1]) / 1e6, name.strip()))
+    return dict(rec, method="dry run (start-up)", wall_s=wall, slowest_imports=sorted(top, reverse=True)[:10])
+
+
+def ours(base: str, adapter: str, work: str, device: str, tree: str | None, ref: str, rec: dict, copy_wall: float):
+    """``peft-shardmerge merge`` from this checkout (or ``tree``): wall, CPU and peak RSS of the command, the merge's
+    own wall time from its report, and how many tensors equal PEFT's output (``ref``) byte for byte."""
+    out = os.path.join(work, f"ours-{device}")
+    shutil.rmtree(out, ignore_errors=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--device", device]
+    wall, text = timed(["/usr/bin/time", "-f", "TIME %e %U %S %M"] + cmd, env, cwd=tree)
+    m = re.search(r"wall time ([0-9.]+) s", text)
+    t = re.search(r"TIME ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9]+)", text)
+    rec.update(
+        wall_s=wall,
+        x_copy=wall / copy_wall,
+        merge_report_wall_s=float(m.group(1)) if m else None,
+        user_s=float(t.group(2)) if t else None,
+        sys_s=float(t.group(3)) if t else None,
+        max_rss_gib=int(t.group(4)) / 2**20 if t else None,
+    )
+    if os.path.exists(ref):
+        rec["same_as_peft"] = same_tensors(out, ref)
+    shutil.rmtree(out, ignore_errors=True)
+    return rec
 
 
 def bench_size(size: str, args) -> None:

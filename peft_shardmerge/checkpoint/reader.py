@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -65,6 +68,7 @@ class CheckpointReader(RowMerger):
         super().__init__(plan.chunk_elems)
         self.plan = plan
         self.workers = workers
+        self._local = threading.local()
         self.device = device
         self.resume = resume
         self.reader = RowReader()
@@ -126,7 +130,8 @@ class CheckpointReader(RowMerger):
         )
 
     def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
-        """Write one planned tensor: its bytes copied, cast, or merged block by block.
+        """Write one planned tensor: its bytes copied, cast, or merged block by block (with several workers on a
+        GPU, each worker thread on its own CUDA stream, so that one's copies overlap another's kernels).
 
         Args:
             t: the planned tensor.
@@ -138,6 +143,22 @@ class CheckpointReader(RowMerger):
         Raises:
             MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
         """
+        with self._stream():
+            self._write_tensor(t, w)
+
+    @contextmanager
+    def _stream(self) -> Iterator[None]:
+        """This worker thread's own CUDA stream, where several workers share a GPU."""
+        if self.device.type != "cuda" or self.workers == 1:
+            yield
+            return
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            yield
+
+    def _write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         src = t.source
         if t.from_adapter:
             with self.lock:

@@ -1,0 +1,128 @@
+"""Benchmark: where the time of a merge from disk goes, stage by stage, for this tree and another one side by side.
+
+Each tree's ``peft-shardmerge merge BASE ADAPTER OUT`` runs under ``py-spy record`` (250 samples a second, every
+thread, idle threads not sampled); each sample is put in the stage of the innermost frame of its stack that names one
+(the rules below, by function name), so a stage's seconds are the thread-seconds spent there, summed over threads.
+Wall time is measured around the command, without py-spy, in separate interleaved runs.
+
+    python bench/bench_stages.py --before /path/to/old/checkout --size 0.5B
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_merge  # noqa: E402 - the benchmark models
+
+RATE = 250
+#: (stage, function names): the innermost frame naming one of these decides a sample's stage; first rule first
+RULES = [
+    ("input digests (resume)", {"range_digest", "Crc32.update", "InputDigests.shard", "InputDigests.common"}),
+    ("fsync", {"fsync"}),
+    ("SHA-256 of the output", {"TensorDigests.update", "Produced.write", "Produced.copy_from", "TensorAt.copy_from"}),
+    ("write (os.write, pwrite, copy)", {"_write_all", "_pwrite", "ShardWriter._copy", "_copy", "_put"}),
+    ("read base rows", {"read_rows", "RowReader.read_rows", "RowReader.read"}),
+    ("LoRA products", {"_add_tiles_", "add_lora_", "lora_probe", "add_lora_checked_"}),
+    ("widen, checks, narrow (per block)", {"merge_block", "merge_rows", "RowMerger.merge_rows", "update_counts"}),
+    ("waiting (queues, locks, workers)", {"wait", "Condition.wait", "_worker", "get", "Queue.get", "result"}),
+    ("planning (headers, configs, checks)", {"plan_from_folders", "plan_with_options", "_merge"}),
+    ("imports", {"_find_and_load", "_call_with_frames_removed", "import_module", "_compile_bytecode"}),
+]
+STAGES = [name for name, _ in RULES] + ["other"]
+
+
+def stage_of(frames: list[str]) -> str:
+    """The stage of one sampled stack (outermost frame first)."""
+    names = [f.split(" (")[0] for f in frames]
+    for name in reversed(names):
+        for stage, funcs in RULES:
+            if name in funcs or name.split(".")[-1] in funcs:
+                return stage
+    return "other"
+
+
+def profile(tree: str, base: str, adapter: str, out: str) -> Counter:
+    """Thread-seconds per stage of one merge run from ``tree`` under py-spy."""
+    raw = os.path.join(tempfile.mkdtemp(), "spy.txt")
+    shutil.rmtree(out, ignore_errors=True)
+    os.sync()
+    cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "-q"]
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    subprocess.run(
+        [spy, "record", "-r", str(RATE), "-f", "raw", "--threads", "-o", raw, "--", *cmd],
+        cwd=tree,
+        check=True,
+        capture_output=True,
+    )
+    seconds: Counter = Counter()
+    for line in open(raw):
+        stack, n = line.rsplit(" ", 1)
+        seconds[stage_of(stack.split(";")[1:])] += int(n) / RATE
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds
+
+
+def wall(tree: str, base: str, adapter: str, out: str) -> float:
+    shutil.rmtree(out, ignore_errors=True)
+    os.sync()
+    t0 = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "-q"],
+        cwd=tree,
+        check=True,
+        capture_output=True,
+    )
+    t = time.perf_counter() - t0
+    shutil.rmtree(out, ignore_errors=True)
+    return t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True, help="another checkout (a folder holding peft_shardmerge/)")
+    ap.add_argument("--after", default=os.path.dirname(HERE), help="this checkout (default)")
+    ap.add_argument("--size", default="0.5B", choices=list(bench_merge.SIZES))
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved wall-time runs per tree (median)")
+    args = ap.parse_args()
+    base, adapter = bench_merge.build(args.size)
+    out = os.path.join(bench_merge.WORK, "out-stages")
+    subprocess.run(["cat", *[os.path.join(base, f) for f in os.listdir(base)]], stdout=subprocess.DEVNULL)
+    trees = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
+    walls = {k: [] for k in trees}
+    for _ in range(args.repeats):
+        for k, tree in trees.items():
+            walls[k].append(wall(tree, base, adapter, out))
+    stages = {k: profile(tree, base, adapter, out) for k, tree in trees.items()}
+    copy = os.path.join(bench_merge.WORK, "copy")
+    shutil.rmtree(copy, ignore_errors=True)
+    os.sync()
+    t0 = time.perf_counter()
+    subprocess.run(["sh", "-c", f"cp -r {base} {copy} && sync"], check=True)
+    copy_wall = time.perf_counter() - t0
+    shutil.rmtree(copy)
+    med = {k: sorted(v)[len(v) // 2] for k, v in walls.items()}
+    print(f"{args.size}: {os.cpu_count()} CPUs; `cp -r BASE COPY && sync` {copy_wall:.2f} s\n")
+    print("| stage (thread-seconds, summed over threads) | before | after |")
+    print("|---|---:|---:|")
+    for s in STAGES:
+        print(f"| {s} | {stages['before'][s]:.2f} | {stages['after'][s]:.2f} |")
+    print(f"| **all threads** | {sum(stages['before'].values()):.2f} | {sum(stages['after'].values()):.2f} |")
+    print(
+        f"| **wall time of the command** (median of {args.repeats}, no profiler) | {med['before']:.2f} | "
+        f"{med['after']:.2f} |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
