@@ -87,6 +87,40 @@ def wall(tree: str, base: str, adapter: str, out: str) -> float:
     return t
 
 
+CHECKS_OFF = r"""
+import sys, torch
+import peft_shardmerge
+from peft_shardmerge.engine import row_merge
+base, adapter, out, off = sys.argv[1:5]
+if off == "1":  # the self-check's probes and the precision report's samples gone; the finite check stays
+    row_merge.probe_vectors = lambda name, columns: None
+    row_merge.probe_rows = lambda n, device=None: torch.empty(0, dtype=torch.long, device=device)
+    row_merge.update_counts = lambda before, merged, cast: (0, 0)
+report = peft_shardmerge.merge_checkpoint(base, adapter, out, progress=False)
+print(report.wall_time_s)
+"""
+
+
+def checks_share(tree: str, base: str, adapter: str, out: str, repeats: int) -> tuple[float, float]:
+    """The merge's own wall time (its report's) with the self-check and precision report on and off (medians)."""
+    times: dict[str, list[float]] = {"0": [], "1": []}
+    for _ in range(repeats):
+        for off in times:
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            done = subprocess.run(
+                [sys.executable, "-c", CHECKS_OFF, base, adapter, out, off],
+                cwd=tree,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            times[off].append(float(done.stdout.strip().splitlines()[-1]))
+    shutil.rmtree(out, ignore_errors=True)
+    on, off = (sorted(v)[len(v) // 2] for v in times.values())
+    return on, off
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="another checkout (a folder holding peft_shardmerge/)")

@@ -360,8 +360,8 @@ def test_removing_the_previous_output_deletes_only_what_was_checked(tmp_path):
 KILL_AFTER = """
 import peft_shardmerge.output.staging as st
 _record = st.Staging.record
-def record(self, fname, digest):
-    _record(self, fname, digest)
+def record(self, fname, digest, **kwargs):
+    _record(self, fname, digest, **kwargs)
     if len(self.done) == {n}:
         os.kill(os.getpid(), signal.SIGKILL)
 st.Staging.record = record
@@ -590,8 +590,8 @@ def test_filesystem_error_mid_merge_is_in_the_family_and_says_what_happened(shar
     out = tmp_path / "out"
     real = st.Staging.record
 
-    def full(self, fname, digest):
-        real(self, fname, digest)
+    def full(self, fname, digest, **kwargs):
+        real(self, fname, digest, **kwargs)
         raise OSError(errno.EIO, "Input/output error", os.path.join(self.path, fname))
 
     monkeypatch.setattr(st.Staging, "record", full)
