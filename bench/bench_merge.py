@@ -150,6 +150,7 @@ def sample():
         sampled[0] = max(sampled[0], current_rss_bytes())
 threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()
+ru0 = resource.getrusage(resource.RUSAGE_SELF)
 if method in ("copy", "copy_fsync"):
     os.makedirs(out)
     for f in sorted(os.listdir(base)):
@@ -171,12 +172,14 @@ elif method == "peft":
     m = PeftModel.from_pretrained(m, adapter).merge_and_unload()
     m.save_pretrained(out)
 wall = time.perf_counter() - t0
+ru1 = resource.getrusage(resource.RUSAGE_SELF)
+cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
 done.set()
 maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 # a new lifetime peak during the job is exact; otherwise the job stayed below the import-time peak and
 # the 5 ms samples of /proc/self/statm tell how high it went
 peak = maxrss if maxrss > maxrss_before else max(sampled[0], current_rss_bytes())
-print(json.dumps({"wall_s": wall, "peak_rss": peak, "baseline_rss": baseline, **extra}))
+print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_rss": peak, "baseline_rss": baseline, **extra}))
 """
 
 
@@ -260,6 +263,7 @@ def summarize(runs: list[dict]) -> dict:
     walls = sorted(r["wall_s"] for r in runs)
     return {
         "wall_s": walls[len(walls) // 2],
+        "cpu_s": sorted(r["cpu_s"] for r in runs)[len(runs) // 2],
         "wall_min": walls[0],
         "wall_max": walls[-1],
         "rss_over": max(r["peak_rss"] - r["baseline_rss"] for r in runs),
@@ -290,10 +294,11 @@ def format_table(rows, args, inproc=()) -> str:
         "job stays below the import-time peak) minus its resident memory right after importing torch,",
         "transformers, peft and peft_shardmerge. Wall time is the",
         f"median of {args.repeats} interleaved runs (range in brackets), each started after `sync` with the",
-        "inputs in the page cache; × copy is the ratio of medians. Peak RSS is the highest of the runs.",
+        "inputs in the page cache; × copy is the ratio of medians. CPU time is the job's user + system time (all its",
+        "threads; median). Peak RSS is the highest of the runs.",
         "",
-        "| base | params | method | wall time (s) | × copy | peak RSS over baseline (MiB) |",
-        "|---|---:|---|---:|---:|---:|",
+        "| base | params | method | wall time (s) | × copy | CPU time (s) | peak RSS over baseline (MiB) |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
     names = {
         "copy": "copy the files (`shutil.copyfile`)",
@@ -306,15 +311,17 @@ def format_table(rows, args, inproc=()) -> str:
         ratio = f"{r['wall_s'] / copy_wall:.2f}" if copy_wall else "-"
         lines.append(
             f"| {size} | {params / 1e9:.2f}B | {names.get(method, method)} | {r['wall_s']:.2f} "
-            f"[{r['wall_min']:.2f}–{r['wall_max']:.2f}] | {ratio} | {r['rss_over'] / 2**20:.0f} |"
+            f"[{r['wall_min']:.2f}–{r['wall_max']:.2f}] | {ratio} | {r['cpu_s']:.2f} | {r['rss_over'] / 2**20:.0f} |"
         )
     lines += [
         "",
-        "Reading the table: the peak RSS of a peft-shardmerge merge is one row block plus the writer's queue and",
-        "does not grow with the model or the shard size (compare the two sizes and the two shard settings). Its",
-        "wall time is bounded by the work a copy does not do: every merged weight is read, widened to fp32,",
-        "given its LoRA delta, narrowed and written back through user space, on two cores, while an unchanged",
-        "tensor (embeddings, norms) is copied in the kernel. PEFT's path holds the whole model in memory.",
+        "Reading the table: the peak RSS of a peft-shardmerge merge is a row block per worker thread and does not",
+        "grow with the model or the shard size (compare the two sizes and the two shard settings). Its time is",
+        "bounded by the work a copy does not do: every merged weight is read, widened to fp32, given its LoRA",
+        "delta, narrowed, hashed (SHA-256, for the merge record) and written back through user space, on two",
+        "cores. The merges run in process here (`merge_checkpoint`), after the imports: the command line adds its",
+        'start-up (see "Speed" below). PEFT\'s path holds the whole model in memory. MergeKit is not in the tested',
+        "set yet (the task-vector issue adds it), so its `BASE+ADAPTER` passthrough row is not here.",
     ]
     if inproc:
         lines += [

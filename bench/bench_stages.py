@@ -55,12 +55,12 @@ def stage_of(frames: list[str]) -> str:
     return "other"
 
 
-def profile(tree: str, base: str, adapter: str, out: str) -> Counter:
+def profile(tree: str, base: str, adapter: str, out: str, extra: list[str]) -> Counter:
     """Thread-seconds per stage of one merge run from ``tree`` under py-spy."""
     raw = os.path.join(tempfile.mkdtemp(), "spy.txt")
     shutil.rmtree(out, ignore_errors=True)
     os.sync()
-    cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "-q"]
+    cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "-q", *extra]
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     subprocess.run(
         [spy, "record", "-r", str(RATE), "-f", "raw", "--threads", "-o", raw, "--", *cmd],
@@ -76,12 +76,12 @@ def profile(tree: str, base: str, adapter: str, out: str) -> Counter:
     return seconds
 
 
-def wall(tree: str, base: str, adapter: str, out: str) -> float:
+def wall(tree: str, base: str, adapter: str, out: str, extra: list[str]) -> float:
     shutil.rmtree(out, ignore_errors=True)
     os.sync()
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "-q"],
+        [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "-q", *extra],
         cwd=tree,
         check=True,
         capture_output=True,
@@ -131,16 +131,18 @@ def main() -> int:
     ap.add_argument("--after", default=os.path.dirname(HERE), help="this checkout (default)")
     ap.add_argument("--size", default="0.5B", choices=list(bench_merge.SIZES))
     ap.add_argument("--repeats", type=int, default=3, help="interleaved wall-time runs per tree (median)")
+    ap.add_argument("--after-args", default="", help="more arguments for this tree's command (e.g. '--workers 1')")
     args = ap.parse_args()
     base, adapter = bench_merge.build(args.size)
     out = os.path.join(bench_merge.WORK, "out-stages")
     subprocess.run(["cat", *[os.path.join(base, f) for f in os.listdir(base)]], stdout=subprocess.DEVNULL)
     trees = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
     walls = {k: [] for k in trees}
+    extra = {"before": [], "after": args.after_args.split()}
     for _ in range(args.repeats):
         for k, tree in trees.items():
-            walls[k].append(wall(tree, base, adapter, out))
-    stages = {k: profile(tree, base, adapter, out) for k, tree in trees.items()}
+            walls[k].append(wall(tree, base, adapter, out, extra[k]))
+    stages = {k: profile(tree, base, adapter, out, extra[k]) for k, tree in trees.items()}
     copy = os.path.join(bench_merge.WORK, "copy")
     shutil.rmtree(copy, ignore_errors=True)
     os.sync()
@@ -149,7 +151,7 @@ def main() -> int:
     copy_wall = time.perf_counter() - t0
     shutil.rmtree(copy)
     med = {k: sorted(v)[len(v) // 2] for k, v in walls.items()}
-    print(f"{args.size}: {os.cpu_count()} CPUs; `cp -r BASE COPY && sync` {copy_wall:.2f} s\n")
+    print(f"{args.size}: {os.cpu_count()} CPUs; `cp -r BASE COPY && sync` {copy_wall:.2f} s; {args.after_args}\n")
     print("| stage (thread-seconds, summed over threads) | before | after |")
     print("|---|---:|---:|")
     for s in STAGES:
@@ -159,6 +161,11 @@ def main() -> int:
     print(
         f"| **wall time of the command** (median of {args.repeats}, no profiler) | {med['before']:.2f} | "
         f"{med['after']:.2f} |"
+    )
+    on, off = checks_share(trees["after"], base, adapter, out, args.repeats)
+    print(
+        f"\nafter: the merge's own wall time {on:.2f} s with the self-check and the precision report, {off:.2f} s "
+        f"without them ({100 * (on - off) / off:.0f}% of the streaming; median of {args.repeats} interleaved runs)"
     )
     return 0
 

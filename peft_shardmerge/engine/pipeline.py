@@ -14,21 +14,25 @@ import torch
 from .plan import PlannedTensor
 
 
-def default_workers() -> int:
-    """The worker threads a merge from disk uses when not told: one per CPU this process may run on, at most 8.
+def default_workers(share: int = 1) -> int:
+    """The worker threads a merge from disk uses when not told: its share of the CPUs this process may run on (one
+    per CPU for a process alone; ``share`` processes of one job on this node split them), at most 8.
+
+    Args:
+        share: processes of the job on this node (torchrun's ``LOCAL_WORLD_SIZE``).
 
     Returns:
         At least 1.
 
     Example:
-        >>> 1 <= default_workers() <= 8
-        True
+        >>> 1 <= default_workers() <= 8, default_workers(share=10**6)
+        (True, 1)
     """
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not on Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus))
+    return max(1, min(8, cpus // max(1, share)))
 
 
 @contextmanager
