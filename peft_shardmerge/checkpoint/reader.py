@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from ..engine.changes import ChangeKey, Changes, Scale, TokenRows, WholeDelta
-from ..engine.maths import lora_bias_delta
+from ..engine.maths import lora_bias_delta, one_cpu_thread
 from ..engine.plan import Op, Plan, PlannedTensor
 from ..engine.row_merge import RowMerger, check_applied, check_range
 from ..io.safetensors_io import DTYPES, RowReader, row_blocks
@@ -66,6 +66,8 @@ class CheckpointReader(RowMerger):
 
     def __init__(self, plan: Plan, device: torch.device = torch.device("cpu"), resume: bool = False, workers: int = 1):
         super().__init__(plan.chunk_elems)
+        if device.type == "cuda" and device.index is None:  # worker threads start on GPU 0: name the caller's GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         self.plan = plan
         self.workers = workers
         self._local = threading.local()
@@ -183,7 +185,8 @@ class CheckpointReader(RowMerger):
             return lambda start, stop: self.reader.read_rows(src, start, stop)
         # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
         weight = self.reader.read(src)
-        whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.inputs.nf4)
+        with one_cpu_thread(torch.device("cpu")):  # bitsandbytes' reductions: the same sums whatever the workers
+            whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.inputs.nf4)
         whole = whole.T.contiguous() if t.transposed else whole
         return lambda start, stop: whole[start:stop]
 
@@ -213,7 +216,8 @@ class CheckpointReader(RowMerger):
     def _peft_change(self, o, t: PlannedTensor) -> WholeDelta | Scale:
         """LoHa/LoKr/VeRA/LoRA-on-parameter changes as the whole tensor's delta (``[rows, -1]``, once), IA3 as its
         multiplier."""
-        with self.lock:  # PEFT's layers build these deltas: one at a time
+        # PEFT's layers build these deltas one at a time, on one intra-op thread whatever the workers (same sums)
+        with self.lock, one_cpu_thread(torch.device("cpu")):
             if o.kind == "scale":
                 return Scale(*o.scale(t.shape))
             delta = self._part(o) if o.kind == "part" else o.delta()

@@ -12,7 +12,7 @@ import torch
 from ..errors import InputError
 from ..options import DEVICES
 from ..output.shard_sink import FolderFiles, ShardSink
-from .pipeline import intra_op_threads, write_placed
+from .pipeline import worker_pool, write_placed
 from .plan import Plan
 from .report import MergeReport
 from .row_merge import precision_notes
@@ -124,12 +124,13 @@ def run(
     workers = getattr(source, "workers", 1)
 
     def produce(i: int, w) -> None:
-        if workers > 1:
+        if pool is not None:
             write_placed(
                 plan.shard_tensors(i),
                 source.write_tensor,
                 w,
-                workers=workers,
+                pool,
+                ahead=2 * workers,
                 before=coordinator.before,
                 done=bar.update,
             )
@@ -145,7 +146,7 @@ def run(
         bar.update(sum(t.nbytes for t in kept))
 
     try:
-        with intra_op_threads(workers):
+        with worker_pool(workers) as pool:
             if not coordinator.leads:
                 return coordinator.follow(out_dir, sink, produce)
             files = FolderFiles(

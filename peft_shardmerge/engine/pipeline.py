@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -37,8 +37,9 @@ def default_workers(share: int = 1) -> int:
 
 @contextmanager
 def intra_op_threads(workers: int) -> Iterator[None]:
-    """With several workers on the CPU, each torch op runs in its worker's thread (torch's intra-op pool held to
-    one), then the caller's setting is put back.
+    """With several workers, each torch op runs in its worker's thread: torch's intra-op pool, a setting of the whole
+    process, is held to one while they run (other torch work of the caller's process meanwhile too), then the
+    caller's setting is put back.
 
     Args:
         workers: the worker threads about to run.
@@ -57,24 +58,48 @@ def intra_op_threads(workers: int) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+@contextmanager
+def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
+    """The worker threads of one merge (None for one worker: the caller's thread does the work), kept for all its
+    shards, so that what a thread keeps (its read buffer, its CUDA stream) serves every shard.
+
+    Args:
+        workers: how many.
+
+    Example:
+        >>> with worker_pool(1) as pool:
+        ...     pool is None
+        True
+    """
+    if workers <= 1:
+        yield None
+        return
+    with intra_op_threads(workers), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="merge") as pool:
+        yield pool
+
+
 def write_placed(
     tensors: list[PlannedTensor],
     produce: Callable[[PlannedTensor, object], None],
     writer,
+    pool: ThreadPoolExecutor,
     *,
-    workers: int,
+    ahead: int = 16,
     before: Callable[[PlannedTensor], None] = lambda t: None,
     done: Callable[[int], None] = lambda n: None,
 ) -> None:
-    """Produce the tensors of one shard on ``workers`` threads, each written at its place in the file as it is made
-    (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`); the first failure in their order is raised once the
-    threads have stopped.
+    """Produce the tensors of one shard on the threads of ``pool``, each written at its place in the file as it is
+    made (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). The first failure among the tensors, in their order,
+    is raised once no thread works on the shard any more (also when this thread is interrupted meanwhile); a failure
+    of ``before`` (another rank stopped, say) is raised as soon as the threads have stopped.
 
     Args:
         tensors: the planned tensors of the shard, in the order of its entries.
         produce: ``produce(t, sink)`` writes ``t``'s bytes into ``sink`` (called on a worker thread).
         writer: the :class:`~peft_shardmerge.output.writer.ShardWriter`.
-        workers: worker threads (at least 1).
+        pool: the worker threads (:func:`worker_pool`).
+        ahead: tensors handed out and not yet seen done, at most (a few beyond the running ones, so that a failure
+            is seen early).
         before: called on this thread before ``t`` is handed to a worker.
         done: called on this thread with the byte count of each tensor written, in order.
 
@@ -88,8 +113,9 @@ def write_placed(
         >>> from peft_shardmerge.output.writer import ShardWriter
         >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
         >>> ts = [SimpleNamespace(name=n, shape=(k,)) for n, k in (("a", 1), ("b", 2))]
-        >>> with ShardWriter(path, [(t.name, "F32", t.shape, 4 * t.shape[0]) for t in ts]) as w:
-        ...     write_placed(ts, lambda t, sink: sink.write(torch.ones(t.shape)), w, workers=2)
+        >>> entries = [(t.name, "F32", t.shape, 4 * t.shape[0]) for t in ts]
+        >>> with ShardWriter(path, entries) as w, worker_pool(2) as pool:
+        ...     write_placed(ts, lambda t, sink: sink.write(torch.ones(t.shape)), w, pool)
         >>> load_file(path)
         {'a': tensor([1.]), 'b': tensor([1., 1.])}
     """
@@ -102,15 +128,26 @@ def write_placed(
         sink.finish()
         return sink.nbytes
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="merge") as pool:
-        try:
-            for index, t in enumerate(tensors):
-                if len(pending) >= 2 * workers:  # a few queued behind the running ones; failures seen early
-                    done(pending.popleft().result())
-                before(t)
-                pending.append(pool.submit(task, index, t))
-            while pending:
+    try:
+        for index, t in enumerate(tensors):
+            if len(pending) >= ahead:
                 done(pending.popleft().result())
-        finally:
-            for future in pending:
-                future.cancel()
+            before(t)
+            pending.append(pool.submit(task, index, t))
+        while pending:
+            done(pending.popleft().result())
+    finally:
+        for future in pending:
+            future.cancel()
+        _wait_for(pending)
+
+
+def _wait_for(futures) -> None:
+    """Wait until none of ``futures`` runs, through further interrupts: the shard's file and the inputs are closed
+    after this, and a thread still writing would write through a closed (or reused) descriptor."""
+    while True:
+        try:
+            wait(futures)
+            return
+        except KeyboardInterrupt:  # the first interrupt is on its way up already
+            continue

@@ -341,7 +341,7 @@ class RowReader:
         return self.read_rows(info, 0, rows).clone()
 
     def close(self) -> None:
-        """Close every file descriptor and drop this thread's buffer."""
+        """Close every file descriptor and drop the read buffers (every thread's)."""
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)

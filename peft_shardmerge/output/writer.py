@@ -75,8 +75,9 @@ class TensorDigests:
 class ShardWriter:
     """Writes one safetensors file whose header is known before any data.
 
-    Writes happen on a background thread so that computing the next block overlaps writing this one; at
-    most ``depth`` blocks wait in between, so memory stays bounded by a few blocks.
+    In order (:meth:`write`, :meth:`copy_from`), writes happen on a background thread so that computing the next
+    block overlaps writing this one; at most ``depth`` blocks wait in between, so memory stays bounded by a few
+    blocks. In place (:meth:`at`), each tensor is written by the thread that produces it, several at once.
 
     Args:
         path: the file to create (must not exist).

@@ -133,3 +133,19 @@ def test_a_row_reader_serves_several_threads_at_once(tmp_path):
         for t in threads:
             t.join()
     assert errors == []
+
+
+def test_a_4bit_base_gives_the_same_bytes_whatever_the_workers(tmp_path):
+    """base_precision nf4: bitsandbytes' quantization reduces the block scales of a weight (their mean, for double
+    quantization); over 32768 of them torch splits that sum over its threads, so it runs on one thread in every
+    mode."""
+    from peft_shardmerge.testing import build_adapter, build_base
+
+    base = build_base(str(tmp_path / "base"), hidden_size=256, intermediate_size=8704, num_hidden_layers=1)
+    adapter = build_adapter(base, str(tmp_path / "adapter"), target_modules=["down_proj", "up_proj"])
+    outs = []
+    for workers in (1, 3):
+        out = tmp_path / f"w{workers}"
+        merge_checkpoint(base, adapter, str(out), base_precision="nf4", workers=workers, progress=False)
+        outs.append((out / "model.safetensors").read_bytes())
+    assert outs[0] == outs[1]
