@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 
 _PIECE = 8 << 20
@@ -32,11 +33,12 @@ class Crc32:
         return f"{self.value:08x}"
 
 
-def range_digest(ranges: list[tuple[str, int, int]]) -> str:
+def range_digest(ranges: list[tuple[str, int, int]], stop: threading.Event | None = None) -> str:
     """CRC-32 of the bytes of ``(path, offset, nbytes)`` ranges, in order (each range's path and place included).
 
     Args:
         ranges: the byte ranges.
+        stop: when it is set, the reading stops (``"stopped"`` is returned: a merge that is stopping records nothing).
 
     Returns:
         8 hex characters, or ``"missing"`` when a file cannot be read or is shorter than a range.
@@ -53,6 +55,8 @@ def range_digest(ranges: list[tuple[str, int, int]]) -> str:
                 f.seek(offset)
                 left = nbytes
                 while left:
+                    if stop is not None and stop.is_set():
+                        return "stopped"
                     piece = f.read(min(left, _PIECE))
                     if not piece:
                         return "missing"
@@ -113,6 +117,6 @@ class InputDigests:
             return "missing"
         return range_digest(ranges)
 
-    def shard(self, name: str) -> str:
-        """The digest of the tensor data shard ``name`` is computed from."""
-        return range_digest(self._ranges.get(name, []))
+    def shard(self, name: str, stop: threading.Event | None = None) -> str:
+        """The digest of the tensor data shard ``name`` is computed from (see :func:`range_digest` for ``stop``)."""
+        return range_digest(self._ranges.get(name, []), stop)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -162,7 +163,9 @@ class ShardSink:
             None.
         """
         # one thread reads the inputs' digests beside each shard; another closes a finished shard (its writes drained
-        # and fsynced, then recorded in the manifest) while the next one is produced
+        # and fsynced, then recorded in the manifest) while the next one is produced. When the merge stops, both
+        # stop at their next step: the error (a Ctrl-C, say) is raised at once, not after an fsync or a long read.
+        stopping = threading.Event()
         with (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="input-digest") as digests,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-close") as closer,
@@ -176,31 +179,43 @@ class ShardSink:
                         continue
                     if mine is not None and i not in mine:
                         continue
-                    inputs = digests.submit(staging.inputs.shard, name) if staging.inputs is not None else None
+                    inputs = None
+                    if staging.inputs is not None:
+                        inputs = digests.submit(staging.inputs.shard, name, stop=stopping)
                     w = ShardWriter(os.path.join(staging.path, name), entries, depth=self.depth)
                     try:
                         produce(i, w)
                     except BaseException:
                         w.abort()
                         raise
-                    closing.append((closer.submit(self._close, staging, name, w, inputs), w))
+                    closing.append((closer.submit(self._close, staging, name, w, inputs, stopping), w))
                     if len(closing) > 1:
                         closing.pop(0)[0].result()  # the shard before: a failure to close it stops the merge here
                 while closing:
                     closing.pop(0)[0].result()
+            except BaseException:
+                stopping.set()
+                raise
             finally:
                 for future, w in closing:
                     if future.cancel():
                         w.abort()
 
-    def _close(self, staging, name: str, w: ShardWriter, inputs: Future | None) -> None:
-        """Drain and fsync a produced shard, then record it (in order: the one closing thread does it)."""
+    def _close(self, staging, name: str, w: ShardWriter, inputs: Future | None, stopping: threading.Event) -> None:
+        """Drain and fsync a produced shard, then record it (in order: the one closing thread does it); a merge that
+        is stopping leaves it unrecorded."""
+        if stopping.is_set():
+            w.abort()
+            return
         try:
             w.close()
         except BaseException:
             w.abort()
             raise
-        staging.record(name, w.digest(), inputs=inputs.result() if inputs is not None else None)
+        digest = inputs.result() if inputs is not None else None
+        if stopping.is_set():
+            return
+        staging.record(name, w.digest(), inputs=digest)
         self.records[name] = w.record()
         log.debug("%s written", name)
 
