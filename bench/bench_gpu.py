@@ -46,6 +46,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_merge.py's models
 
 SIZES = {
     "tiny": dict(
@@ -439,8 +440,6 @@ def unload(model, rec: dict) -> dict:
     return rec
 
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 PEFT_RECIPE = r"""
 import os, sys, time, torch
 from peft import PeftModel
@@ -462,10 +461,9 @@ print(f"phases {t1 - t0:.2f} {t2 - t1:.2f} {t3 - t2:.2f} {t4 - t3:.2f} {peak:.2f
 """
 
 
-def random_adapter(base: str, folder: str, rank: int = 16) -> str:
-    """A rank-16 LoRA with non-zero B on the seven projections of every layer, written straight to ``folder``."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
+def random_adapter(base: str, folder: str) -> str:
+    """bench_merge.py's rank-16 LoRA (non-zero B on the seven projections) for the base in ``base``."""
+    from bench_merge import write_adapter
 
     from peft_shardmerge.io.safetensors_io import read_header
 
@@ -473,17 +471,7 @@ def random_adapter(base: str, folder: str, rank: int = 16) -> str:
     shapes = {}
     for f in sorted(set(index.values())):
         shapes.update({t.name: t.shape for t in read_header(os.path.join(base, f))[0]})
-    g = torch.Generator().manual_seed(1)
-    lora = {}
-    for name, shape in shapes.items():
-        mod = name.removesuffix(".weight")
-        if name.endswith(".weight") and mod.rsplit(".", 1)[-1] in TARGETS:
-            lora[f"base_model.model.{mod}.lora_A.weight"] = torch.randn(rank, shape[1], generator=g) * 0.01
-            lora[f"base_model.model.{mod}.lora_B.weight"] = torch.randn(shape[0], rank, generator=g) * 0.01
-    os.makedirs(folder, exist_ok=True)
-    save_file(lora, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-    LoraConfig(r=rank, lora_alpha=32, target_modules=TARGETS, task_type="CAUSAL_LM").save_pretrained(folder)
-    return folder
+    return write_adapter(shapes, folder, torch.Generator().manual_seed(1))
 
 
 def timed(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, str]:

@@ -51,8 +51,6 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def build(size: str) -> tuple[str, str]:
     """Write a random bf16 base and a rank-16 adapter for ``size``, streaming one tensor at a time."""
     import torch
-    from peft import LoraConfig
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from peft_shardmerge.output.writer import ShardWriter, write_json
@@ -103,17 +101,27 @@ def build(size: str) -> tuple[str, str]:
     )
     config.save_pretrained(base)
 
-    os.makedirs(adapter, exist_ok=True)
-    r = 16
+    write_adapter(shapes, adapter, g)
+    return base, adapter
+
+
+def write_adapter(shapes: dict, folder: str, g, rank: int = 16) -> str:
+    """A rank-``rank`` LoRA with non-zero B on the seven projections of every layer of a base with weights of
+    ``shapes``, drawn from generator ``g`` and written to ``folder``."""
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
     lora = {}
     for name, shape in shapes.items():
         mod = name.removesuffix(".weight")
         if name.endswith(".weight") and mod.rsplit(".", 1)[-1] in TARGETS:
-            lora[f"base_model.model.{mod}.lora_A.weight"] = torch.randn(r, shape[1], generator=g) * 0.01
-            lora[f"base_model.model.{mod}.lora_B.weight"] = torch.randn(shape[0], r, generator=g) * 0.01
-    save_file(lora, os.path.join(adapter, "adapter_model.safetensors"), metadata={"format": "pt"})
-    LoraConfig(r=r, lora_alpha=32, target_modules=TARGETS, task_type="CAUSAL_LM").save_pretrained(adapter)
-    return base, adapter
+            lora[f"base_model.model.{mod}.lora_A.weight"] = torch.randn(rank, shape[1], generator=g) * 0.01
+            lora[f"base_model.model.{mod}.lora_B.weight"] = torch.randn(shape[0], rank, generator=g) * 0.01
+    os.makedirs(folder, exist_ok=True)
+    save_file(lora, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    LoraConfig(r=rank, lora_alpha=32, target_modules=TARGETS, task_type="CAUSAL_LM").save_pretrained(folder)
+    return folder
 
 
 CHILD = r"""

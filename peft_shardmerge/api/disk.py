@@ -153,12 +153,6 @@ def plan_with_options(
     return plan_from_folders(base, locations, opts, problems, out_dir=out_dir, check_out=True, recover=recover)
 
 
-def _ranks_on_this_node() -> int:
-    """The processes of this job on this node (torchrun's ``LOCAL_WORLD_SIZE``), which share its CPUs."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    return int(value) if value.isdigit() and int(value) > 0 else 1
-
-
 def _adapter_locations(adapter) -> tuple[list, list[str]]:
     """The adapter path arguments (one or a list), with the problems of unreadable ones."""
     many = not isinstance(adapter, (str, bytes, os.PathLike)) and isinstance(adapter, Sequence)
@@ -330,7 +324,7 @@ def _merge(
         plan,
         steps.world.device(resolve_device(opts.device)),
         resume=opts.resume,
-        workers=opts.workers or default_workers(_ranks_on_this_node() if steps.world.distributed else 1),
+        workers=opts.workers or default_workers(steps.world.local_size),
     )
     return run(
         plan,

@@ -26,6 +26,7 @@ class World:
         rank: this process's global rank (0 writes the index, config and side files and commits).
         size: the number of processes; 1 outside a distributed job.
         local_rank: the rank on this node (``LOCAL_RANK``): which GPU ``cuda`` means for this process.
+        local_size: the processes of the job on this node (``LOCAL_WORLD_SIZE``), which share its CPUs.
         group: the process group the job's small messages travel on (a gloo group beside an NCCL one).
 
     Example:
@@ -36,6 +37,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    local_size: int = 1
     group: Any = None
 
     @property
@@ -83,7 +85,8 @@ def current_world() -> World:
         if key not in _GLOO_GROUPS:
             _GLOO_GROUPS[key] = dist.new_group(backend="gloo")
         group = _GLOO_GROUPS[key]
-    return World(rank=rank, size=size, local_rank=local, group=group)
+    local_size = max(1, _env_int("LOCAL_WORLD_SIZE", 1))
+    return World(rank=rank, size=size, local_rank=local, local_size=local_size, group=group)
 
 
 @contextmanager

@@ -12,7 +12,7 @@ import torch
 from ..errors import InputError
 from ..options import DEVICES
 from ..output.shard_sink import FolderFiles, ShardSink
-from .pipeline import worker_pool, write_placed
+from .pipeline import produce_shard, worker_pool
 from .plan import Plan
 from .report import MergeReport
 from .row_merge import precision_notes
@@ -121,24 +121,16 @@ def run(
     )
     coordinator.start(source, bar)
 
-    workers = getattr(source, "workers", 1)
-
     def produce(i: int, w) -> None:
-        if pool is not None:
-            write_placed(
-                plan.shard_tensors(i),
-                source.write_tensor,
-                w,
-                pool,
-                ahead=2 * workers,
-                before=coordinator.before,
-                done=bar.update,
-            )
-            return
-        counted = _Counted(w, bar)
-        for t in plan.shard_tensors(i):
-            coordinator.before(t)
-            source.write_tensor(t, counted)
+        produce_shard(
+            plan.shard_tensors(i),
+            source.write_tensor,
+            w,
+            pool,
+            ahead=2 * source.workers,
+            before=coordinator.before,
+            done=bar.update,
+        )
 
     def skip(i: int) -> None:
         kept = plan.shard_tensors(i)
@@ -146,7 +138,7 @@ def run(
         bar.update(sum(t.nbytes for t in kept))
 
     try:
-        with worker_pool(workers) as pool:
+        with worker_pool(source.workers) as pool:
             if not coordinator.leads:
                 return coordinator.follow(out_dir, sink, produce)
             files = FolderFiles(
@@ -189,18 +181,3 @@ def run(
     log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
     coordinator.committed(report)
     return report
-
-
-class _Counted:
-    """A shard writer that moves the progress bar by the bytes written through it."""
-
-    def __init__(self, w, bar):
-        self.w, self.bar = w, bar
-
-    def write(self, tensor) -> None:
-        self.w.write(tensor)
-        self.bar.update(tensor.numel() * tensor.element_size())
-
-    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
-        self.w.copy_from(fd, offset, nbytes)
-        self.bar.update(nbytes)

@@ -283,11 +283,14 @@ def add_lora_(
 
 @contextmanager
 def one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """On the CPU, torch's intra-op threads held to one while the block runs, then put back.
+    """On the CPU, torch's intra-op threads (a setting of the whole process) held to one while the block runs, then
+    put back.
 
-    A tile's GEMM is a few rows by a rank of 16: each thread of a pool would get a sliver of it. The bytes are the
-    same as the pool's (tests/unit/engine/test_row_blocks.py); on 2 cores the whole merge did not get measurably
-    faster (docs/benchmarks.md), so the gain is only expected where a large pool spins on these products.
+    Where it is used: the LoRA tile products (a tile's GEMM is a few rows by a rank of 16, each thread of a pool
+    would get a sliver of it; the bytes are the pool's, tests/unit/engine/test_row_blocks.py); the reductions of a
+    4-bit round trip and PEFT's layer deltas (a long sum split over a pool rounds by the pool's size: one thread makes
+    the bytes the same whatever the workers); and the whole run of a merge's worker threads
+    (:func:`~peft_shardmerge.engine.pipeline.worker_pool`), where each op runs in its worker's thread.
 
     Args:
         device: where the block runs; on an accelerator nothing changes.

@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .maths import one_cpu_thread
 from .plan import PlannedTensor
 
 
@@ -36,29 +37,6 @@ def default_workers(share: int = 1) -> int:
 
 
 @contextmanager
-def intra_op_threads(workers: int) -> Iterator[None]:
-    """With several workers, each torch op runs in its worker's thread: torch's intra-op pool, a setting of the whole
-    process, is held to one while they run (other torch work of the caller's process meanwhile too), then the
-    caller's setting is put back.
-
-    Args:
-        workers: the worker threads about to run.
-
-    Example:
-        >>> with intra_op_threads(2):
-        ...     torch.get_num_threads()
-        1
-    """
-    threads = torch.get_num_threads()
-    if workers > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@contextmanager
 def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
     """The worker threads of one merge (None for one worker: the caller's thread does the work), kept for all its
     shards, so that what a thread keeps (its read buffer, its CUDA stream) serves every shard.
@@ -74,8 +52,58 @@ def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
     if workers <= 1:
         yield None
         return
-    with intra_op_threads(workers), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="merge") as pool:
+    # each torch op runs in its worker's thread: torch's pool (a setting of the whole process) held to one meanwhile
+    with one_cpu_thread(torch.device("cpu")), ThreadPoolExecutor(workers, thread_name_prefix="merge") as pool:
         yield pool
+
+
+def produce_shard(
+    tensors: list[PlannedTensor],
+    produce: Callable[[PlannedTensor, object], None],
+    writer,
+    pool: ThreadPoolExecutor | None,
+    *,
+    ahead: int = 16,
+    before: Callable[[PlannedTensor], None] = lambda t: None,
+    done: Callable[[int], None] = lambda n: None,
+) -> None:
+    """The tensors of one shard into ``writer``: on the threads of ``pool``, each at its place in the file
+    (:func:`write_placed`), or without a pool one after the other on this thread, in order.
+
+    Args:
+        tensors: the planned tensors of the shard, in the order of its entries.
+        produce: ``produce(t, sink)`` writes ``t``'s bytes into ``sink``.
+        writer: the :class:`~peft_shardmerge.output.writer.ShardWriter`.
+        pool: the worker threads (:func:`worker_pool`), or None.
+        ahead: see :func:`write_placed`.
+        before: called on this thread before each tensor is produced.
+        done: called on this thread with the bytes written (per tensor with a pool, per block without).
+
+    Returns:
+        None.
+    """
+    if pool is not None:
+        write_placed(tensors, produce, writer, pool, ahead=ahead, before=before, done=done)
+        return
+    counted = _Counted(writer, done)
+    for t in tensors:
+        before(t)
+        produce(t, counted)
+
+
+class _Counted:
+    """A shard writer that reports the bytes written through it."""
+
+    def __init__(self, w, done: Callable[[int], None]):
+        self.w, self.done = w, done
+
+    def write(self, tensor) -> None:
+        self.w.write(tensor)
+        self.done(tensor.numel() * tensor.element_size())
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        self.w.copy_from(fd, offset, nbytes)
+        self.done(nbytes)
 
 
 def write_placed(

@@ -25,12 +25,15 @@ class Source(Protocol):
         fallbacks: out-of-memory failures redone on the CPU.
         probe_err: the largest self-check error seen.
         swallowed: per tensor, (sampled entries the adapter changed, of those rounded back to the base value).
+        workers: tensors it may produce at once, each on its own thread (1: one after the other, in order);
+            :meth:`write_tensor` is then called from that many threads.
     """
 
     applied: dict
     fallbacks: int
     probe_err: float
     swallowed: dict
+    workers: int
 
     def write_tensor(self, t: PlannedTensor, w) -> None:
         """Write planned tensor ``t``'s bytes into ``w`` (``write(tensor)``, ``copy_from(fd, offset, nbytes)``)."""

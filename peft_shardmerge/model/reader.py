@@ -233,6 +233,8 @@ class ModelReader(LiveMerger):
             it is released).
     """
 
+    workers = 1  # one module after the other: the walk, the budget and the ranks' gathers follow the plan's order
+
     def __init__(self, plan: Plan, budget: MemoryBudget, merge_info: dict | None = None, copy: bool = False):
         src = plan.inputs
         super().__init__(src.live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems)

@@ -15,7 +15,7 @@ from ..errors import MergeCheckError
 from ..io.safetensors_io import read_header
 from .record import write_merge_record
 from .staging import staged_output
-from .writer import ShardWriter, write_json
+from .writer import ShardWriter, shard_digest, write_json
 
 #: ``(name, safetensors dtype, shape, nbytes)`` of one output tensor
 Entry = tuple[str, str, tuple[int, ...], int]
@@ -215,8 +215,9 @@ class ShardSink:
         digest = inputs.result() if inputs is not None else None
         if stopping.is_set():
             return
-        staging.record(name, w.digest(), inputs=digest)
-        self.records[name] = w.record()
+        record = w.record()
+        staging.record(name, shard_digest(record), inputs=digest)
+        self.records[name] = record
         log.debug("%s written", name)
 
     def _finish(self, tmp: str, files: FolderFiles) -> None:

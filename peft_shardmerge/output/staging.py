@@ -81,8 +81,8 @@ def partial_dir(out_dir: str) -> str:
 
 
 def file_digest(path: str) -> str:
-    """The digest of a finished shard read back from the file: what :meth:`ShardWriter.digest` gave while writing it
-    (:func:`~peft_shardmerge.output.writer.shard_digest` of its record).
+    """The digest of a finished shard read back from the file: :func:`~peft_shardmerge.output.writer.shard_digest` of
+    its record, as the writer's record gave it while writing.
 
     Args:
         path: a finished shard.

@@ -228,15 +228,6 @@ class ShardWriter:
                     self._tensors.update(piece)
             done += n
 
-    def digest(self) -> str:
-        """The shard's digest for the staging manifest: :func:`shard_digest` of :meth:`record`, which
-        :func:`~peft_shardmerge.output.staging.file_digest` computes again from the file.
-
-        Returns:
-            64 hex characters; complete only after :meth:`close`.
-        """
-        return shard_digest(self.record())
-
     def record(self) -> dict:
         """What the merge record (``merge_manifest.json``) keeps of this shard: its size, the header's length and
         SHA-256, and each tensor's byte range (relative to the data, as in the header) and SHA-256, all

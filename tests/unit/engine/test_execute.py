@@ -41,8 +41,9 @@ def test_failure_mid_merge_leaves_no_output(existing, make_base, make_adapter, t
     monkeypatch.setattr(row_merge, "merge_block", failing)
     with pytest.raises(OSError, match="No space left on device"):
         merge_checkpoint(base, adapter, str(out), overwrite=True, max_shard_size="200KB", progress=False)
-    # the tensors already handed to the worker threads finish (one block each here); no other one starts
-    assert 5 <= calls["n"] <= 5 + default_workers() + 1
+    # the tensors already handed to the worker threads (at most 2 per worker ahead of the writer) may finish, one
+    # block each here; no other one starts
+    assert 5 <= calls["n"] <= 5 + 2 * default_workers()
     assert _leftovers(tmp_path) == []
     if existing:
         assert sorted(os.listdir(out)) == ["merge_manifest.json", "model.safetensors"]
