@@ -49,7 +49,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def build(size: str) -> tuple[str, str]:
-    """Write a random bf16 base and a rank-16 adapter for ``size``, streaming one tensor at a time."""
+    """Write a random bf16 base, a rank-16 adapter and a second, rank-8 one (for the combinations) for ``size``,
+    streaming one tensor at a time."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -58,7 +59,7 @@ def build(size: str) -> tuple[str, str]:
 
     base = os.path.join(WORK, f"base-{size}")
     adapter = os.path.join(WORK, f"adapter-{size}")
-    if os.path.exists(os.path.join(adapter, "adapter_model.safetensors")):
+    if os.path.exists(os.path.join(second_adapter(adapter), "adapter_model.safetensors")):
         return base, adapter
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
@@ -103,7 +104,13 @@ def build(size: str) -> tuple[str, str]:
     config.save_pretrained(base)
 
     write_adapter(shapes, adapter, g)
+    write_adapter(shapes, second_adapter(adapter), torch.Generator().manual_seed(1), rank=8)
     return base, adapter
+
+
+def second_adapter(adapter: str) -> str:
+    """The folder of the second adapter built beside ``adapter``."""
+    return adapter + "-b"
 
 
 def write_adapter(shapes: dict, folder: str, g, rank: int = 16) -> str:
@@ -130,9 +137,10 @@ import json, os, resource, shutil, sys, threading, time
 import torch, transformers, peft, peft_shardmerge
 from peft_shardmerge.engine.rss import current_rss_bytes
 method, base, adapter, out = sys.argv[1:5]
+adapters = [adapter, adapter + "-b"]  # the two adapters of the combinations (bench_merge.second_adapter)
 shutil.rmtree(out, ignore_errors=True)
 extra = {}
-if method == "mergekit":
+if method in ("mergekit", "mergekit_ties"):
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
@@ -178,6 +186,17 @@ elif method == "peft_shardmerge_500MB":
     peft_shardmerge.merge_checkpoint(base, adapter, out, progress=False, max_shard_size="500MB")
 elif method == "merge_and_save_4bit":
     peft_shardmerge.merge_and_save(model, out, base_precision="dequantized", progress=False)
+elif method == "peft_shardmerge_ties":
+    peft_shardmerge.merge_checkpoint(base, adapters, out, weights=[0.7, 0.3], combination="ties", density=0.5,
+                                     progress=False)
+elif method == "mergekit_ties":  # each BASE+ADAPTER merged into a full copy in its cache first
+    cache = out + "-lora-cache"
+    config = {"merge_method": "ties", "base_model": base, "dtype": "bfloat16",
+              "models": [{"model": f"{base}+{a}", "parameters": {"weight": w, "density": 0.5}}
+                         for a, w in zip(adapters, (0.7, 0.3))]}
+    run_merge(MergeConfiguration.model_validate(config), out, MergeOptions(
+        lora_merge_cache=cache, lazy_unpickle=True, copy_tokenizer=False, write_model_card=False, quiet=True))
+    shutil.rmtree(cache)
 elif method == "mergekit":  # BASE+ADAPTER passthrough: the adapter merged into a full copy in its cache first
     cache = out + "-lora-cache"
     config = {"merge_method": "passthrough", "dtype": "bfloat16", "models": [{"model": f"{base}+{adapter}"}]}
@@ -223,7 +242,10 @@ def run(method: str, base: str, adapter: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.5B,1B")
-    ap.add_argument("--methods", default="copy,copy_fsync,peft_shardmerge,peft_shardmerge_500MB,peft,mergekit")
+    ap.add_argument(
+        "--methods",
+        default="copy,copy_fsync,peft_shardmerge,peft_shardmerge_500MB,peft,mergekit,peft_shardmerge_ties,mergekit_ties",
+    )
     ap.add_argument(
         "--inprocess-sizes",
         default="0.5B",
@@ -326,6 +348,8 @@ def format_table(rows, args, inproc=()) -> str:
         "peft_shardmerge_500MB": 'peft-shardmerge merge, `max_shard_size="500MB"`',
         "peft": "PEFT reload + merge_and_unload + save_pretrained",
         "mergekit": "MergeKit `BASE+ADAPTER` passthrough (`run_merge`, lazy unpickle)",
+        "peft_shardmerge_ties": 'peft-shardmerge, two adapters, `combination="ties"`, density 0.5',
+        "mergekit_ties": "MergeKit `ties` of two `BASE+ADAPTER` references, density 0.5",
     }
     for size, params, method, r, copy_wall in rows:
         ratio = f"{r['wall_s'] / copy_wall:.2f}" if copy_wall else "-"
@@ -344,6 +368,12 @@ def format_table(rows, args, inproc=()) -> str:
         "adapter into a whole model in memory and writes it to its LoRA cache (a second full copy on disk, deleted",
         "after the run), then copies that into the output; it does not fsync. All three outputs are the same bytes",
         "(`tests/integration/test_mergekit.py` checks ours against MergeKit's).",
+        "",
+        "The two `ties` rows combine the rank-16 adapter with a second, rank-8 one (weights 0.7 and 0.3, density",
+        "0.5): ours computes each adapter's delta of one tensor at a time, twice for the exact top-k threshold and",
+        "once for the merge; MergeKit first writes each adapter merged into a full model to its cache (two full",
+        "copies on disk, deleted after the run). The two outputs agree to float32 rounding but for elements at the",
+        "top-k threshold (tests/integration/test_mergekit.py).",
     ]
     if inproc:
         lines += [

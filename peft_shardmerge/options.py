@@ -11,7 +11,7 @@ import torch
 
 from .errors import InputError
 from .quant.nf4 import Nf4Settings
-from .support.combinations import check_weights
+from .support.combinations import check_weights, task_vector_problems
 
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -150,7 +150,15 @@ class MergeOptions:
 
     Attributes:
         weights: one weight per adapter (None: 1.0 each); kept as a tuple.
-        combination: ``"cat"`` or ``"linear"``.
+        combination: ``"cat"``, ``"linear"``, or a task-vector method: ``"ties"``, ``"dare_ties"``,
+            ``"dare_linear"``, ``"magnitude_prune"``
+            (:data:`~peft_shardmerge.support.combinations.TASK_VECTOR_METHODS`).
+        density: the fraction of each adapter's delta a task-vector method keeps, in (0, 1] (required by them).
+        majority_sign: ``"total"`` or ``"frequency"``: how ``ties`` and ``dare_ties`` elect each element's sign
+            (``majority_sign_method`` in process, PEFT's name).
+        normalize: divide by the weights of the deltas kept at each element; None: the method's default (True for
+            ``ties`` only, as in MergeKit).
+        seed: the seed of DARE's random draw (``dare_ties``, ``dare_linear``).
         dtype: output dtype (``"bfloat16"``, ``"float16"``, ``"float32"``, a torch dtype), None keeps the base's.
         max_shard_size: largest output shard, bytes or a string such as ``"5GB"``.
         base_precision: from disk ``"auto"``, ``"original"`` or ``"nf4"``; for a loaded model ``"auto"``,
@@ -179,6 +187,10 @@ class MergeOptions:
 
     weights: Sequence[float] | None = None
     combination: str = "cat"
+    density: float | None = None
+    majority_sign: str = "total"
+    normalize: bool | None = None
+    seed: int = 0
     dtype: str | torch.dtype | None = None
     max_shard_size: int | str = "5GB"
     base_precision: str | None = None
@@ -270,6 +282,15 @@ class MergeOptions:
         elif path == DISK:
             problems.append(f"adapter weights must be finite numbers, got {self.weights!r}")
             problems += check_weights(0, None, self.combination)[1]
+        problems += task_vector_problems(
+            self.combination,
+            self.density,
+            self.majority_sign,
+            self.normalize,
+            self.seed,
+            option="combination" if path == DISK else "combination_type",
+            sign_option="majority_sign" if path == DISK else "majority_sign_method",
+        )
         problems += self._unparsed.get("dtype", []) + self._unparsed.get("max_shard_size", [])
         allowed = BASE_PRECISIONS if path == DISK else MODEL_BASE_PRECISIONS
         if self.base_precision is not None and self.base_precision not in allowed:

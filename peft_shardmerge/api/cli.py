@@ -9,6 +9,7 @@ import signal
 import sys
 
 from ..errors import ShardMergeError
+from ..support.combinations import COMBINATIONS, MAJORITY_SIGNS
 from ..version import __version__
 
 EXIT_USER_ERROR = 2
@@ -28,6 +29,53 @@ def _on_sigterm(signum, frame):  # signal handler signature
     error = Terminated()
     error.keep_partial = _rank() is not None
     raise error
+
+
+def _combination_arguments(m: argparse.ArgumentParser) -> None:
+    """The options of a merge of several adapters: which, with what weights, combined how."""
+    g = m.add_argument_group("several adapters (docs/variants-several-adapters.md)")
+    g.add_argument(
+        "--add-adapter",
+        action="append",
+        default=[],
+        metavar="FOLDER",
+        help="another adapter to merge with ADAPTER (repeatable); see --weights and --combination",
+    )
+    g.add_argument(
+        "--weights",
+        type=float,
+        nargs="+",
+        metavar="W",
+        help="one weight per adapter, ADAPTER first (default 1.0 each)",
+    )
+    g.add_argument(
+        "--combination",
+        choices=COMBINATIONS,
+        default="cat",
+        help="how several adapters combine: cat = exactly sum of w_i * delta_i (default); linear = "
+        "PEFT add_weighted_adapter's 'linear' (equal ranks, cross terms included); ties, dare_ties, dare_linear, "
+        "magnitude_prune = MergeKit's task-vector methods on each tensor's full deltas (need --density)",
+    )
+    g.add_argument(
+        "--density",
+        type=float,
+        metavar="D",
+        help="fraction of each adapter's delta kept by a task-vector method, in (0, 1]",
+    )
+    g.add_argument(
+        "--majority-sign",
+        choices=MAJORITY_SIGNS,
+        default="total",
+        help="how ties and dare_ties elect each element's sign: total = the sign of the weighted sum (default), "
+        "frequency = the sign most adapters have",
+    )
+    g.add_argument(
+        "--normalize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="divide by the weights of the deltas kept at each element (default: on for ties, off for the others)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of DARE's random draw (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,27 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("base", metavar="BASE", help="base checkpoint folder, or a Hub id in the local cache")
     m.add_argument("adapter", metavar="ADAPTER", help="PEFT LoRA adapter folder, or a Hub id in the local cache")
     m.add_argument("out", metavar="OUT", help="output folder (created; replaced only with --overwrite)")
-    m.add_argument(
-        "--add-adapter",
-        action="append",
-        default=[],
-        metavar="FOLDER",
-        help="another adapter to merge with ADAPTER (repeatable); see --weights and --combination",
-    )
-    m.add_argument(
-        "--weights",
-        type=float,
-        nargs="+",
-        metavar="W",
-        help="one weight per adapter, ADAPTER first (default 1.0 each)",
-    )
-    m.add_argument(
-        "--combination",
-        choices=["cat", "linear"],
-        default="cat",
-        help="how several adapters combine: cat = exactly sum of w_i * delta_i (default); linear = "
-        "PEFT add_weighted_adapter's 'linear' (equal ranks, cross terms included)",
-    )
+    _combination_arguments(m)
     m.add_argument(
         "--dtype",
         type=_dtype_arg,
@@ -194,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             weights=args.weights,
             combination=args.combination,
+            density=args.density,
+            majority_sign=args.majority_sign,
+            normalize=args.normalize,
+            seed=args.seed,
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             base_precision=args.base_precision,

@@ -33,6 +33,10 @@ def plan_checkpoint_merge(
     *,
     weights: Sequence[float] | None = None,
     combination: str = "cat",
+    density: float | None = None,
+    majority_sign: str = "total",
+    normalize: bool | None = None,
+    seed: int = 0,
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     base_precision: str = "auto",
@@ -52,9 +56,17 @@ def plan_checkpoint_merge(
             weighted combination ``weights``/``combination`` describe.
         out_dir: the output folder.
         weights: one weight per adapter (default 1.0 each).
-        combination: ``"cat"`` (exactly ``sum_i w_i * dW_i``, any ranks) or ``"linear"`` (PEFT's
-            ``add_weighted_adapter`` linear factors, equal ranks); see
-            :func:`~peft_shardmerge.checkpoint.adapter.combine_adapters`.
+        combination: ``"cat"`` (exactly ``sum_i w_i * dW_i``, any ranks), ``"linear"`` (PEFT's
+            ``add_weighted_adapter`` linear factors, equal ranks), or a task-vector method on each tensor's full
+            deltas, as MergeKit defines it: ``"ties"``, ``"dare_ties"``, ``"dare_linear"``, ``"magnitude_prune"``;
+            see :func:`~peft_shardmerge.checkpoint.adapter.combine_adapters`.
+        density: the fraction of each adapter's delta a task-vector method keeps, in (0, 1] (required by them).
+        majority_sign: how ``ties``/``dare_ties`` elect each element's sign: ``"total"`` (the sign of the weighted
+            sum) or ``"frequency"`` (the sign most adapters have).
+        normalize: divide by the weights of the deltas kept at each element; None: the method's default (on for
+            ``ties`` only).
+        seed: the seed of DARE's random draw; the same seed gives the same bytes, whatever the row blocks, the
+            ranks or a resume.
         dtype: output dtype (``"bfloat16"``, ``"float16"``, ``"float32"`` or a torch dtype); None keeps the base's.
         max_shard_size: largest output shard (``"5GB"``, ``"500MB"`` or bytes).
         base_precision: ``"auto"`` (the default) reproduces the trained model: ``"nf4"`` where the adapter's
@@ -99,6 +111,10 @@ def plan_checkpoint_merge(
         options,
         weights=weights,
         combination=combination,
+        density=density,
+        majority_sign=majority_sign,
+        normalize=normalize,
+        seed=seed,
         dtype=dtype,
         max_shard_size=max_shard_size,
         base_precision=base_precision,
@@ -174,6 +190,10 @@ def merge_checkpoint(
     # the adapters and how they combine
     weights: Sequence[float] | None = None,
     combination: str = "cat",
+    density: float | None = None,
+    majority_sign: str = "total",
+    normalize: bool | None = None,
+    seed: int = 0,
     # what is written
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
@@ -209,7 +229,12 @@ def merge_checkpoint(
         adapter: PEFT LoRA adapter folder, or a cached Hub id; or a list of them (a weighted combination).
         out_dir: the output folder.
         weights: one weight per adapter (default 1.0 each).
-        combination: ``"cat"`` or ``"linear"`` (see :func:`plan_checkpoint_merge`).
+        combination: ``"cat"``, ``"linear"``, ``"ties"``, ``"dare_ties"``, ``"dare_linear"`` or
+            ``"magnitude_prune"`` (see :func:`plan_checkpoint_merge`).
+        density: the fraction of each delta a task-vector method keeps.
+        majority_sign: ``"total"`` or ``"frequency"`` (``ties``, ``dare_ties``).
+        normalize: None for the method's default.
+        seed: DARE's seed.
         dtype: output dtype; None keeps the base's.
         max_shard_size: largest output shard (decimal units: ``"5GB"`` is 5e9 bytes).
         base_precision: ``"auto"`` (reproduce the trained model), ``"original"`` or ``"nf4"`` (see
@@ -265,6 +290,10 @@ def merge_checkpoint(
         options,
         weights=weights,
         combination=combination,
+        density=density,
+        majority_sign=majority_sign,
+        normalize=normalize,
+        seed=seed,
         dtype=dtype,
         max_shard_size=max_shard_size,
         base_precision=base_precision,

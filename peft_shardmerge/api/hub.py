@@ -244,6 +244,7 @@ def publish(
                 "dtype": report.dtype,
                 "base precision": report.base_precision,
                 "LoRA layers merged": f"{report.lora_modules_merged}/{report.lora_modules_total}",
+                **({"adapters combined": report.combination} if report.combination else {}),
                 "shards": len(report.shards),
                 "bytes": report.bytes_written,
             }

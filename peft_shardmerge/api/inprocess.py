@@ -54,6 +54,10 @@ def merge_and_save(
     adapter_names: list[str] | None = None,
     weights: list[float] | None = None,
     combination_type: str = "cat",
+    density: float | None = None,
+    majority_sign_method: str = "total",
+    normalize: bool | None = None,
+    seed: int = 0,
     overwrite: bool = False,
     progress: bool = True,
     options: MergeOptions | None = None,
@@ -93,7 +97,16 @@ def merge_and_save(
         adapter_names: adapters of the model to merge together; None merges the active adapter(s).
         weights: one weight per adapter of ``adapter_names`` (default 1.0 each).
         combination_type: ``"cat"`` adds ``sum_i w_i * dW_i`` exactly (any ranks); ``"linear"`` merges the factors
-            PEFT's ``add_weighted_adapter(combination_type="linear")`` builds (equal ranks, cross terms included).
+            PEFT's ``add_weighted_adapter(combination_type="linear")`` builds (equal ranks, cross terms included);
+            ``"ties"``, ``"dare_ties"``, ``"dare_linear"`` and ``"magnitude_prune"`` combine each tensor's full
+            deltas as MergeKit defines these methods (``docs/variants-several-adapters.md``), the same bytes as
+            :func:`~peft_shardmerge.api.disk.merge_checkpoint` with the same parameters.
+        density: the fraction of each adapter's delta a task-vector method keeps, in (0, 1] (required by them).
+        majority_sign_method: how ``ties``/``dare_ties`` elect each element's sign: ``"total"`` (the sign of the
+            weighted sum) or ``"frequency"`` (the sign most adapters have); PEFT's name.
+        normalize: divide by the weights of the deltas kept at each element; None: the method's default (on for
+            ``ties`` only).
+        seed: the seed of DARE's random draw.
         overwrite: replace a non-empty ``out_dir`` (after the new output is complete).
         progress: show progress bars.
         options: the same knobs (and ``chunk_elems``) as one :class:`~peft_shardmerge.options.MergeOptions`, the
@@ -131,6 +144,10 @@ def merge_and_save(
         base_precision=base_precision,
         weights=weights,
         combination=combination_type,
+        density=density,
+        majority_sign=majority_sign_method,
+        normalize=normalize,
+        seed=seed,
         overwrite=overwrite,
         progress=progress,
     )
@@ -217,7 +234,9 @@ def _record_info(plan: Plan) -> dict:
     """The record's ``merge`` part, taken while the model is seen unsharded (an FSDP1 model holds no whole parameter
     outside its planning view)."""
     src = plan.inputs
-    return live_merge_info(src.live.model, plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination)
+    return live_merge_info(
+        src.live.model, plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination, src.vectors
+    )
 
 
 def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..checkpoint.adapter import task_vector_method
 from ..distributed.sharding import SHARDINGS, sharding_of
 from ..engine.budget import MemoryBudget
 from ..errors import InputError
@@ -13,6 +14,7 @@ from ..model.plan import adapter_selection, model_dtype
 from ..model.reader import LiveMerger
 from ..model.walk import unwrap, walk
 from ..options import parse_dtype
+from ..support.combinations import task_vector_problems
 from ..support.model import require_supported
 
 
@@ -159,6 +161,10 @@ def merge_and_unload(
     adapter_names: list[str] | None = None,
     weights: list[float] | None = None,
     combination_type: str = "cat",
+    density: float | None = None,
+    majority_sign_method: str = "total",
+    normalize: bool | None = None,
+    seed: int = 0,
     progress: bool = False,
 ) -> nn.Module:
     """Replace PEFT's ``merge_and_unload`` without re-quantizing: return a plain 16-bit transformers model.
@@ -180,7 +186,12 @@ def merge_and_unload(
         dtype: dtype of the returned model; None keeps the model's 16-bit dtype.
         adapter_names: adapters to merge together; None merges the active adapter(s).
         weights: one weight per adapter of ``adapter_names`` (default 1.0 each).
-        combination_type: ``"cat"`` or ``"linear"``, as in :func:`merge_and_save`.
+        combination_type: ``"cat"``, ``"linear"``, ``"ties"``, ``"dare_ties"``, ``"dare_linear"`` or
+            ``"magnitude_prune"``, as in :func:`merge_and_save`.
+        density: the fraction of each delta a task-vector method keeps, as in :func:`merge_and_save`.
+        majority_sign_method: ``"total"`` or ``"frequency"`` (``ties``, ``dare_ties``).
+        normalize: None for the method's default.
+        seed: DARE's seed.
         progress: show a progress bar over the modules replaced.
 
     Returns:
@@ -204,14 +215,27 @@ def merge_and_unload(
         )
     inner = unwrap(model)
     names, weight_map, problems = adapter_selection(model, adapter_names, weights, combination_type)
+    problems += task_vector_problems(
+        combination_type,
+        density,
+        majority_sign_method,
+        normalize,
+        seed,
+        option="combination_type",
+        sign_option="majority_sign_method",
+    )
     problems = require_supported(model, names, problems)
     out_dtype = out_dtype or model_dtype(inner)
     if problems:
         raise InputError(problems)
+    vectors = task_vector_method(
+        combination_type, list(weight_map.values()), density, majority_sign_method, normalize, seed
+    )
     live = walk(model, names)
-    plan = plan_live(LiveSource(live, names, weight_map, combination_type), out_dtype, limit=1 << 62)
+    plan = plan_live(LiveSource(live, names, weight_map, combination_type, vectors), out_dtype, limit=1 << 62)
     sink = ModuleSink(plan, out_dtype)  # checks, before changing anything
-    sink.write(LiveMerger(live, budget, out_dtype, weight_map, combination_type, plan.chunk_elems), progress=progress)
+    merger = LiveMerger(live, budget, out_dtype, weight_map, combination_type, plan.chunk_elems, vectors)
+    sink.write(merger, progress=progress)
     finish_unload(inner, untied=live.untied)
     sink.cast(model)
     return inner

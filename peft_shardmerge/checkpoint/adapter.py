@@ -7,15 +7,22 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ..engine.maths import linear_factors
+from ..engine.task_vectors import TaskVectorMethod
 from ..errors import CorruptFileError, InputError
 from ..io.safetensors_io import RowReader
 from ..support.check import DISK, check_layers, raise_if_any, residual_init
-from ..support.combinations import COMBINATIONS, check_weights, combination_problems
+from ..support.combinations import (
+    COMBINATIONS,
+    TASK_VECTOR_METHODS,
+    check_weights,
+    combination_problems,
+    task_vector_problems,
+)
 from ..support.peft_reading import stored_key_problems
 from .adapter_files import (
     ADAPTER_BIN,
@@ -46,6 +53,7 @@ __all__ = [
     "combine_adapters",
     "load_adapter",
     "modifies_base",
+    "task_vector_method",
 ]
 
 PREFIX = "base_model.model."
@@ -72,6 +80,7 @@ class LoraModule:
         scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA.
         magnitude: DoRA's ``lora_magnitude_vector`` (one value per output row), None for plain LoRA.
         key: a name unique within the spec (the path, or ``"<adapter>:<path>"`` in a combination).
+        index: the adapter it comes from, in a combination's order (0 otherwise).
     """
 
     path: str
@@ -84,6 +93,7 @@ class LoraModule:
     scaling: float
     magnitude: AdapterTensor | None = None
     key: str = ""
+    index: int = 0
 
     def __post_init__(self) -> None:
         self.key = self.key or self.path
@@ -105,6 +115,8 @@ class AdapterSpec:
         folders: every adapter folder this spec was read from (several for a combination).
         combination: how several adapters were combined (``"cat"``/``"linear"`` with their weights), or "".
         parts: the adapters of a combination.
+        vectors: the task-vector method of a combination that has one (TIES, DARE, magnitude pruning), else None;
+            its modules then keep their own scaling and ``index``.
         tokens: trainable-token rows by module path (``trainable_token_indices``).
         peft_type: the config's ``peft_type`` (``"LORA"``, ``"TRAINABLE_TOKENS"``, ``"LOHA"``, ...).
         layers: for LoHa/LoKr/VeRA/IA3, the layers PEFT rebuilt
@@ -129,6 +141,7 @@ class AdapterSpec:
     layers: Any = None
     layer_skip: set = field(default_factory=set)
     saved_copies: set = field(default_factory=set)
+    vectors: TaskVectorMethod | None = None
 
     def __post_init__(self) -> None:
         self.folders = self.folders or [self.folder]
@@ -314,20 +327,34 @@ def _bin_to_safetensors(bin_path: str, st_path: str) -> str:
 
 
 def combine_adapters(
-    specs: list[AdapterSpec], weights: list[float] | None = None, combination: str = "cat"
+    specs: list[AdapterSpec],
+    weights: list[float] | None = None,
+    combination: str = "cat",
+    *,
+    density: float | None = None,
+    majority_sign: str = "total",
+    normalize: bool | None = None,
+    seed: int = 0,
 ) -> AdapterSpec:
-    """Several LoRA adapters as one: the weighted combination PEFT's ``add_weighted_adapter`` builds.
+    """Several LoRA adapters as one: the weighted combination PEFT's ``add_weighted_adapter`` builds, or a
+    task-vector method on their full deltas.
 
     ``"cat"`` gives exactly ``sum_i w_i * scaling_i * B_i @ A_i`` on every module (each adapter's factors are
     kept and applied with scaling ``w_i * scaling_i``; nothing is formed at full size). ``"linear"`` forms
     PEFT's combined factors ``A = sum_i sign_i sqrt(|w_i s_i|) A_i`` and ``B = sum_i sqrt(|w_i s_i|) B_i`` with
     scaling 1, which includes the cross terms ``B_i @ A_j``; it needs equal ranks. ``modules_to_save`` and other
-    whole-tensor replacements are taken from the one adapter that has them.
+    whole-tensor replacements are taken from the one adapter that has them. A task-vector method (``"ties"``,
+    ``"dare_ties"``, ``"dare_linear"``, ``"magnitude_prune"``) keeps each adapter's factors and scaling and combines
+    their deltas tensor by tensor (:mod:`~peft_shardmerge.engine.task_vectors`); it takes plain LoRA adapters only.
 
     Args:
         specs: the adapters (from :func:`load_adapter`), at least one.
         weights: one weight per adapter; None means 1.0 each.
-        combination: ``"cat"`` or ``"linear"``.
+        combination: one of :data:`~peft_shardmerge.support.combinations.COMBINATIONS`.
+        density: the fraction of each delta a task-vector method keeps.
+        majority_sign: ``"total"`` or ``"frequency"`` (``ties``, ``dare_ties``).
+        normalize: divide by the weights kept per element; None: the method's default.
+        seed: DARE's seed.
 
     Returns:
         A spec whose modules carry keys ``"<index>:<path>"`` (the path alone for one adapter with weight 1).
@@ -335,17 +362,19 @@ def combine_adapters(
     Raises:
         InputError: weights of the wrong length or not finite, an unknown combination, unequal ranks with
             ``"linear"``, DoRA or IA3 adapters (:func:`~peft_shardmerge.support.combinations.combination_problems`),
-            adapters that disagree on the layout (``fan_in_fan_out``), or two
-            adapters replacing the same tensor.
+            bad task-vector parameters, adapters that disagree on the layout (``fan_in_fan_out``), two adapters
+            replacing the same tensor, or a task-vector method over anything but LoRA deltas.
     """
     if not specs:
         raise InputError("no adapter given")
     weights, problems = combination_problems(
         [s.config for s in specs], [s.folder for s in specs], weights, combination
     )
+    problems += task_vector_problems(combination, density, majority_sign, normalize, seed)
     if problems:
         raise InputError(problems)
-    if len(specs) == 1 and weights[0] == 1.0:
+    vectors = task_vector_method(combination, weights, density, majority_sign, normalize, seed)
+    if len(specs) == 1 and weights[0] == 1.0 and vectors is None:
         return specs[0]
     others = [
         f"{s.folder} ({s.peft_type}{' on target_parameters' if s.peft_type == 'LORA' else ''})"
@@ -359,12 +388,15 @@ def combine_adapters(
         )
     if len({s.fan_in_fan_out for s in specs}) > 1:
         problems.append("the adapters disagree on fan_in_fan_out; they were trained on different layouts")
+    if vectors is not None:
+        problems += _whole_tensor_problems(specs, combination)
     out = AdapterSpec(
         specs[0].folder,
         dict(specs[0].config),
         fan_in_fan_out=specs[0].fan_in_fan_out,
         folders=[f for s in specs for f in s.folders],
-        combination=f"{combination} " + ", ".join(f"{w:g}" for w in weights),
+        combination=vectors.describe() if vectors else f"{combination} " + ", ".join(f"{w:g}" for w in weights),
+        vectors=vectors,
     )
     out.tokenizer_files = next((s.tokenizer_files for s in specs if s.tokenizer_files), [])
     if out.tokenizer_files:
@@ -373,12 +405,13 @@ def combine_adapters(
     problems += _take_whole_tensors(out, specs)
     if problems:
         raise InputError(problems)
-    if combination == "cat":
+    if combination != "linear":
         for i, (s, w) in enumerate(zip(specs, weights)):
             for path, m in s.modules.items():
                 key = f"{i}:{path}"
+                scaling = m.scaling if vectors else m.scaling * w  # a task-vector method weighs after sparsifying
                 out.modules[key] = LoraModule(
-                    m.path, m.kind, m.a, m.b, m.bias, m.rank, m.alpha, m.scaling * w, key=key
+                    m.path, m.kind, m.a, m.b, m.bias, m.rank, m.alpha, scaling, key=key, index=i
                 )
         return out
     with RowReader() as reader:
@@ -387,6 +420,62 @@ def combine_adapters(
                 reader, path, [(s.modules[path], w) for s, w in zip(specs, weights) if path in s.modules]
             )
     return out
+
+
+def task_vector_method(
+    combination: str,
+    weights: Sequence[float],
+    density: float | None,
+    majority_sign: str = "total",
+    normalize: bool | None = None,
+    seed: int = 0,
+) -> TaskVectorMethod | None:
+    """The task-vector method a combination names, with its defaults resolved (checked parameters).
+
+    Args:
+        combination: one of :data:`~peft_shardmerge.support.combinations.COMBINATIONS`.
+        weights: one weight per adapter.
+        density: the fraction kept.
+        majority_sign: ``"total"`` or ``"frequency"``.
+        normalize: None for the method's default.
+        seed: DARE's seed.
+
+    Returns:
+        The :class:`~peft_shardmerge.engine.task_vectors.TaskVectorMethod`, or None for ``"cat"`` and ``"linear"``.
+
+    Example:
+        >>> task_vector_method("ties", [1.0, 1.0], 0.5).normalized, task_vector_method("cat", [1.0], None)
+        (True, None)
+    """
+    if combination not in TASK_VECTOR_METHODS:
+        return None
+    sparsification, elects, normalized = TASK_VECTOR_METHODS[combination]
+    return TaskVectorMethod(
+        combination,
+        tuple(float(w) for w in weights),
+        float(density),
+        sparsification,
+        elects,
+        normalized if normalize is None else normalize,
+        majority_sign,
+        seed,
+    )
+
+
+def _whole_tensor_problems(specs: list[AdapterSpec], combination: str) -> list[str]:
+    """Whole tensors and biases a task-vector method has no definition for (the configs' fields are checked by
+    :func:`~peft_shardmerge.support.combinations.combination_problems`; these are the files' own)."""
+    problems = []
+    for s in specs:
+        kinds = [f"whole tensors ({', '.join(sorted(s.replacements)[:3])})"] if s.replacements else []
+        kinds += ["trainable-token rows"] if s.tokens else []
+        kinds += ["lora_B biases"] if any(m.bias is not None for m in s.modules.values()) else []
+        if kinds:
+            problems.append(
+                f"combination {combination!r} combines the LoRA deltas of modules only; the adapter {s.folder} also "
+                f"saves {', '.join(kinds)}. Combine it with 'cat' or 'linear', or save the adapter without them"
+            )
+    return problems
 
 
 def _take_whole_tensors(out: AdapterSpec, specs: list[AdapterSpec]) -> list[str]:

@@ -378,7 +378,15 @@ def plan_from_folders(
     problems = list(problems or [])
     src = open_checkpoint(base, check_files=False)  # mapped whole by safetensors: after the space check
     try:
-        spec = combine_adapters([load_adapter(a) for a in adapters], opts.weights, opts.combination)
+        spec = combine_adapters(
+            [load_adapter(a) for a in adapters],
+            opts.weights,
+            opts.combination,
+            density=opts.density,
+            majority_sign=opts.majority_sign,
+            normalize=opts.normalize,
+            seed=opts.seed,
+        )
     except InputError as e:  # nothing further can be planned: every problem found so far, at once
         raise InputError(problems + [p for p in e.problems if p not in problems]) from e
     trained = [(part.folder, part.config) for part in spec.parts or [spec]]

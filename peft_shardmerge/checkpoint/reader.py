@@ -16,6 +16,7 @@ from ..engine.changes import ChangeKey, Changes, Scale, TokenRows, WholeDelta
 from ..engine.maths import lora_bias_delta, one_cpu_thread
 from ..engine.plan import Op, Plan, PlannedTensor
 from ..engine.row_merge import RowMerger, check_applied, check_range
+from ..engine.task_vectors import TaskVectors
 from ..io.safetensors_io import DTYPES, RowReader, row_blocks
 from ..output.record import disk_merge_info
 from ..output.resume import InputDigests
@@ -126,6 +127,7 @@ class CheckpointReader(RowMerger):
                 }
             ),
             replacements_applied=self.replacements,
+            combination=plan.inputs.adapter.combination,
             device=str(self.device),
             untied=list(plan.untied),
             notes=list(plan.notes),
@@ -203,8 +205,15 @@ class CheckpointReader(RowMerger):
             OSError: an adapter file cannot be read.
         """
         load = self.reader
+        factors = [(_flat(m.a.load(load)), _flat(m.b.load(load)), m.scaling) for m in t.loras]
+        method = self.plan.inputs.adapter.vectors
+        vectors = None
+        if method is not None and factors:  # each adapter's factors apart, combined by the method
+            groups = [[f for f, m in zip(factors, t.loras) if m.index == i] for i in range(len(method.weights))]
+            factors, vectors = [], TaskVectors(method, groups, t.name)
         return Changes(
-            factors=[(_flat(m.a.load(load)), _flat(m.b.load(load)), m.scaling) for m in t.loras],
+            factors=factors,
+            vectors=vectors,
             transposed=t.transposed,
             bias_deltas=[lora_bias_delta(m.bias.load(load), m.scaling) for m in t.bias_loras if m.bias],
             magnitudes=[m.magnitude.load(load).float().reshape(-1) for m in t.loras if m.magnitude is not None],

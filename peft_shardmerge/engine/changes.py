@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .maths import Factors
+from .task_vectors import TaskVectors
 
 
 @dataclass
@@ -79,6 +80,8 @@ class Changes:
         magnitudes: DoRA's ``lora_magnitude_vector`` of each module (one value per row, or per column).
         tokens: trainable-token rows.
         peft: whole deltas and IA3 scales, in order.
+        vectors: several adapters' LoRA factors combined by a task-vector method (TIES, DARE, magnitude pruning),
+            added like the factors; then ``factors`` is empty.
         keys: the count-check key of each change, counted once when the whole tensor is merged.
 
     Example:
@@ -92,12 +95,13 @@ class Changes:
     magnitudes: list[torch.Tensor] = field(default_factory=list)
     tokens: list[TokenRows] = field(default_factory=list)
     peft: list[WholeDelta | Scale] = field(default_factory=list)
+    vectors: TaskVectors | None = None
     keys: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         """Nothing to apply (the tensor is the base, cast)."""
-        return not (self.factors or self.bias_deltas or self.magnitudes or self.tokens or self.peft)
+        return not (self.factors or self.bias_deltas or self.magnitudes or self.tokens or self.peft or self.vectors)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ class MergeReport:
         dry_run: True when nothing was written.
         plan_text: the printed plan, for dry runs.
         reproduces: what the written model reproduces (the trained model, or the original base + adapter).
+        combination: how several adapters were combined, with the method's parameters (e.g. ``"ties (weights 0.7,
+            0.3; density 0.5; majority sign total; normalized)"``), or "" for one adapter.
     """
 
     out_dir: str
@@ -71,6 +73,7 @@ class MergeReport:
     dry_run: bool = False
     plan_text: str = ""
     reproduces: str = ""
+    combination: str = ""
 
     def __repr__(self) -> str:
         """A one-line repr (a notebook cell that ends with a save shows this, not every field).

@@ -17,6 +17,7 @@ from ..options import DEFAULT_CHUNK_ELEMS
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .changes import Changes
 from .maths import dora_rescale_, merge_block, probe_rows, replace_rows_, tile_rows, update_counts
+from .task_vectors import magnitude_thresholds
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +230,14 @@ class RowMerger:
         )
         if first is not None:  # merged whole for PEFT's own norm: one block
             blocks = [(0, shape[0])]
+        if changes.vectors is not None:  # magnitudes kept per adapter: a pass over the deltas first
+            changes.vectors.thresholds = self.on_device(
+                lambda dev: magnitude_thresholds(changes.vectors, shape, dev, changes.transposed),
+                device,
+                f"{name} (task-vector thresholds)",
+            )
         changed = lost = 0
-        count = bool(changes.factors) and out_dtype != torch.float32  # estimated on the self-check's sample rows
+        count = bool(changes.factors or changes.vectors) and out_dtype != torch.float32  # on sample rows
         for start, stop in blocks:
             base, merged = first if first is not None else (_base_rows(rows(start, stop), changes, start, stop), None)
             sample = probe_rows(stop - start, base.device) if count else None
@@ -312,7 +319,7 @@ class RowMerger:
         factors = changes.factors
         if device.type != "cpu":  # LoRA factors are small next to a row block: move them with it
             factors = [(a.to(device), b.to(device), s) for a, b, s in factors]
-        return merge_block(
+        merged, err = merge_block(
             base.to(device),
             factors,
             start,
@@ -322,6 +329,9 @@ class RowMerger:
             probes=probes,
             inplace=inplace,
         )
+        if changes.vectors is not None:
+            changes.vectors.add_(merged.reshape(stop - start, -1), start, stop, transposed=changes.transposed)
+        return merged, err
 
 
 def _base_rows(rows: torch.Tensor, changes: Changes, start: int, stop: int) -> torch.Tensor:

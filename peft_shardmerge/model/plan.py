@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..checkpoint.adapter import check_weights, modifies_base
+from ..checkpoint.adapter import check_weights, modifies_base, task_vector_method
 from ..checkpoint.peft_deltas import DELTA_TYPES
 from ..checkpoint.planner import plan_from_folders
 from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
@@ -19,7 +19,7 @@ from ..errors import FileSystemError, InputError, ShardMergeError
 from ..options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions
 from ..output.checks import check_out_dir, foreign_model_problems, source_folders
 from ..output.staging import NOTHING_WRITTEN
-from ..support.combinations import combination_problems
+from ..support.combinations import TASK_VECTOR_METHODS, combination_problems
 from ..support.model import require_supported, selected_adapters
 from .original import OriginalCheck, default_dtype, describe_base, find_original, inner_problems, is_quantized
 from .planner import LiveSource, in_memory_text, plan_live, valid_generation_config
@@ -120,8 +120,9 @@ def _memory_only(model: nn.Module, names: list[str], weight_map: dict[str, float
 
 
 def adapter_selection(model: nn.Module, adapter_names, weights, combination_type):
-    """Check ``adapter_names``/``weights``/``combination_type``: ``(names or None, weight per name, problems)``."""
-    if adapter_names is None and weights is None:
+    """Check ``adapter_names``/``weights``/``combination_type``: ``(names or None, weight per name, problems)`` (a
+    task-vector method always names its adapters and their weights)."""
+    if adapter_names is None and weights is None and combination_type not in TASK_VECTOR_METHODS:
         return None, {}, check_weights(0, None, combination_type, option="combination_type")[1]
     configs = getattr(model, "peft_config", None) or {}
     if adapter_names is None:
@@ -197,6 +198,10 @@ def plan_model_merge(
     adapter_names: list[str] | None = None,
     weights: list[float] | None = None,
     combination_type: str = "cat",
+    density: float | None = None,
+    majority_sign_method: str = "total",
+    normalize: bool | None = None,
+    seed: int = 0,
     overwrite: bool = False,
     options: MergeOptions | None = None,
 ) -> Plan:
@@ -211,7 +216,12 @@ def plan_model_merge(
         base_precision: ``"auto"``, ``"original"`` or ``"dequantized"`` (see ``merge_and_save``).
         adapter_names: adapters of the model to merge together; None merges the active adapter(s).
         weights: one weight per adapter of ``adapter_names``.
-        combination_type: ``"cat"`` or ``"linear"``.
+        combination_type: ``"cat"``, ``"linear"``, or a task-vector method (``"ties"``, ``"dare_ties"``,
+            ``"dare_linear"``, ``"magnitude_prune"``), as for ``merge_and_save``.
+        density: the fraction of each delta a task-vector method keeps.
+        majority_sign_method: ``"total"`` or ``"frequency"`` (``ties``, ``dare_ties``).
+        normalize: None for the method's default.
+        seed: DARE's seed.
         overwrite: whether the merge would replace a non-empty ``out_dir``, as for ``merge_and_save``.
         options: the same knobs (and ``chunk_elems``) as one :class:`~peft_shardmerge.options.MergeOptions`, with
             the precedence rules of :meth:`~peft_shardmerge.options.MergeOptions.merged`.
@@ -245,6 +255,10 @@ def plan_model_merge(
         base_precision=base_precision,
         weights=weights,
         combination=combination_type,
+        density=density,
+        majority_sign=majority_sign_method,
+        normalize=normalize,
+        seed=seed,
         overwrite=overwrite,
     )
     if out_dir is None:
@@ -288,6 +302,11 @@ def build_model_plan(
     )
     problems = require_supported(model, names, problems + selection_problems)
     adapters = names or selected_adapters(model, None)
+    vectors = None
+    if not problems and opts.combination in TASK_VECTOR_METHODS:
+        vectors = task_vector_method(
+            opts.combination, list(weight_map.values()), opts.density, opts.majority_sign, opts.normalize, opts.seed
+        )
     original, reason, check = None, "base_precision='dequantized'", OriginalCheck(None)
     if sharded is None and sharding_of(model) is not None:
         sharded = sharding_of(model)
@@ -315,7 +334,12 @@ def build_model_plan(
         )
     else:
         source = LiveSource(
-            walk(model, names), names, weight_map, combination_type, generation_config=valid_generation_config(inner)
+            walk(model, names),
+            names,
+            weight_map,
+            combination_type,
+            vectors,
+            generation_config=valid_generation_config(inner),
         )
         result = ModelPlan(plan_live(source, out_dtype, opts.shard_bytes, opts.chunk_elems), "")
     result.plan.adapter_text = in_memory_text(adapters, weight_map)

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..checkpoint.planner import TORCH_TO_ST, output_config
 from ..engine.plan import Op, Plan, PlannedTensor, assign_shards
+from ..engine.task_vectors import TaskVectorMethod
 from ..io.safetensors_io import DTYPES, TensorInfo
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..quant.nf4 import Nf4Settings, packed_4bit_layout
@@ -28,7 +29,8 @@ class LiveSource:
         live: the walked model.
         adapter_names: the adapters merged (None: the active ones).
         weights: weight per adapter (empty: 1.0 each).
-        combination: ``"cat"`` or ``"linear"``.
+        combination: ``"cat"``, ``"linear"`` or a task-vector method's name.
+        vectors: the task-vector method (TIES, DARE, magnitude pruning) of such a combination, else None.
         quant4: the ``BitsAndBytesConfig`` dict when weights are re-quantized to 4-bit, else None.
         generation_config: the model's generation config when transformers can save it, else None.
     """
@@ -37,6 +39,7 @@ class LiveSource:
     adapter_names: list[str] | None = None
     weights: dict[str, float] = field(default_factory=dict)
     combination: str = "cat"
+    vectors: TaskVectorMethod | None = None
     quant4: dict | None = None
     generation_config: object = None
 
@@ -73,6 +76,7 @@ class LiveSource:
             "entries": [[e.name, e.kind, list(e.shape)] for e in self.live.entries],
             "adapters": in_memory_text(self.adapter_names, self.weights),
             "combination": self.combination,
+            "task_vectors": self.vectors.record() if self.vectors else None,
             "quant4": self.quant4,
         }
 

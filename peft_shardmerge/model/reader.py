@@ -12,6 +12,7 @@ from ..engine.changes import Changes, Scale, TokenRows, WholeDelta
 from ..engine.maths import ia3_multiplier, linear_factors, lora_bias_delta
 from ..engine.plan import Op, Plan, PlannedTensor
 from ..engine.row_merge import RowMerger, check_applied, choose_device
+from ..engine.task_vectors import TaskVectorMethod, TaskVectors
 from ..errors import MergeCheckError
 from ..io.safetensors_io import DTYPES, row_blocks
 from ..options import DEFAULT_CHUNK_ELEMS
@@ -35,7 +36,10 @@ class LiveMerger(RowMerger):
         budget: the memory budget (``maximum_memory_usage``).
         out_dtype: the dtype the tensors will be written in (range check, rounding count).
         weights: per adapter, the weight its changes are multiplied by.
-        combination: ``"cat"`` or ``"linear"`` (PEFT's ``add_weighted_adapter`` combinations).
+        combination: ``"cat"`` or ``"linear"`` (PEFT's ``add_weighted_adapter`` combinations), or a task-vector
+            method's name.
+        vectors: the task-vector method of such a combination (each adapter's factors are then kept apart, with their
+            own scaling, and combined per tensor), else None.
         repacked: 4-bit weights bitsandbytes had repacked for its CPU kernel.
         chunk_elems: elements per row block.
     """
@@ -48,11 +52,13 @@ class LiveMerger(RowMerger):
         weights: dict[str, float] | None = None,
         combination: str = "cat",
         chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+        vectors: TaskVectorMethod | None = None,
     ):
         super().__init__(chunk_elems)
         self.live = live
         self.weights = weights or {}
         self.combination = combination
+        self.vectors = vectors
         self.budget = budget
         self.out_dtype = out_dtype
         self.repacked: list[str] = []
@@ -200,6 +206,10 @@ class LiveMerger(RowMerger):
             factors = [linear_factors(factors)]
         embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
         transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
+        if self.vectors is not None:  # each adapter's own factors (without its weight), in the combination's order
+            own = {a: (a_, b_, m.scaling[a]) for a, (a_, b_, _) in zip(entry.adapters, factors)}
+            groups = [[own[a]] if a in own else [] for a in self.weights]
+            return Changes(vectors=TaskVectors(self.vectors, groups, entry.name), transposed=transposed, keys=keys)
         magnitudes = [
             m.lora_magnitude_vector[a].weight.detach().reshape(-1)
             for a in entry.adapters
@@ -237,7 +247,7 @@ class ModelReader(LiveMerger):
 
     def __init__(self, plan: Plan, budget: MemoryBudget, merge_info: dict | None = None, copy: bool = False):
         src = plan.inputs
-        super().__init__(src.live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems)
+        super().__init__(src.live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems, src.vectors)
         self.plan, self.src, self.info, self.copy = plan, src, merge_info, copy
         self.parts: dict[str, torch.Tensor] = {}
 
@@ -303,7 +313,7 @@ class ModelReader(LiveMerger):
         then knows which tensors cannot equal a recomputation from the original base byte for byte)."""
         src = self.src
         info = self.info or live_merge_info(
-            self.live.model, self.plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination
+            self.live.model, self.plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination, src.vectors
         )
         return {**info, "cpu_repacked": sorted(self.repacked)} if self.repacked else info
 
@@ -319,8 +329,9 @@ class ModelReader(LiveMerger):
         live, plan = self.live, self.plan
         return dict(
             base=self.src.origin,
-            adapter="(in memory)",
+            adapter="(in memory)" + (f" ({self.vectors.describe()})" if self.vectors else ""),
             base_precision="dequantized",
+            combination=self.vectors.describe() if self.vectors else "",
             lora_modules_merged=sum(not k.startswith("tokens:") for k in self.applied),
             replacements_applied=sum(1 for e in live.entries if e.kind == "saved"),
             device=str(next((p.device for p in live.model.parameters()), "cpu")),

@@ -187,7 +187,8 @@ def disk_merge_info(plan) -> dict:
         OSError: an input file cannot be read.
     """
     nf4 = plan.inputs.nf4
-    kind, _, weights = (plan.inputs.adapter.combination or "").partition(" ")  # e.g. "cat 1, 0.5"
+    vectors = plan.inputs.adapter.vectors  # a task-vector method: its own parameters
+    kind, _, weights = ("" if vectors else plan.inputs.adapter.combination or "").partition(" ")  # "cat 1, 0.5"
     return {
         "path": "disk",
         "base_precision": plan.base_precision,
@@ -203,8 +204,13 @@ def disk_merge_info(plan) -> dict:
         "chunk_elems": plan.chunk_elems,
         "base": input_identity(plan.inputs.base.folder, hash_files=False),
         "adapters": [input_identity(f, hash_files=True) for f in plan.inputs.adapter.folders],
-        "combination": kind or None,
-        "weights": [float(w) for w in weights.split(",")] if weights else None,
+        "combination": vectors.name if vectors else kind or None,
+        "weights": list(vectors.record()["weights"])
+        if vectors
+        else [float(w) for w in weights.split(",")]
+        if weights
+        else None,
+        **({"task_vectors": vectors.record()} if vectors else {}),
     }
 
 
@@ -215,6 +221,7 @@ def live_merge_info(
     quant4: dict | None = None,
     weights: dict[str, float] | None = None,
     combination: str = "cat",
+    vectors=None,
 ) -> dict:
     """What an in-process merge into the weights in memory used, for the record: the model's quantization (the
     base the adapter saw is dequant(quantize(W)) with these settings), the dtype the weights were held in, the
@@ -226,7 +233,8 @@ def live_merge_info(
         adapter_names: the adapters merged (None: the active ones).
         quant4: the 4-bit settings the output was re-quantized with (``save_method="merged_4bit"``), if any.
         weights: the weight of each adapter of a weighted combination, by name.
-        combination: how several adapters were combined (``"cat"`` or ``"linear"``).
+        combination: how several adapters were combined (``"cat"``, ``"linear"`` or a task-vector method).
+        vectors: the task-vector method (its parameters are recorded), or None.
 
     Returns:
         A JSON-ready dict (``base_precision`` is ``"dequantized"``).
@@ -270,6 +278,7 @@ def live_merge_info(
         "adapters": [{"name": n} for n in (adapter_names or [])] or None,
         "combination": combination if weights else None,
         "weights": [float(weights[n]) for n in adapter_names or weights] if weights else None,
+        **({"task_vectors": vectors.record()} if vectors else {}),
     }
 
 

@@ -5,7 +5,19 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-COMBINATIONS = ("cat", "linear")
+#: the task-vector combinations of full deltas, as MergeKit defines them: each method's (sparsification, sign
+#: election, normalize by default); ``magnitude_prune`` is PEFT's name for magnitude sparsification and a weighted sum
+TASK_VECTOR_METHODS = {
+    "ties": ("magnitude", True, True),
+    "dare_ties": ("random", True, False),
+    "dare_linear": ("random", False, False),
+    "magnitude_prune": ("magnitude", False, False),
+}
+#: how a sign is elected per element: the sign of the weighted sum of the deltas, or the sign most deltas have
+MAJORITY_SIGNS = ("total", "frequency")
+#: every way several adapters combine: PEFT's two on factors (``cat`` is exactly the weighted sum of the deltas),
+#: then the task-vector methods
+COMBINATIONS = ("cat", "linear", *TASK_VECTOR_METHODS)
 
 
 def config_value(config, key: str, default=None):
@@ -72,15 +84,16 @@ def combination_problems(
 ) -> tuple[list[float], list[str]]:
     """Check a weighted combination of adapters from their configs alone (the disk and in-process paths).
 
-    One adapter with weight 1 is no combination. Otherwise DoRA adapters (their magnitudes do not add) and IA3
-    adapters (their scalings multiply) are refused, and ``"linear"`` over several adapters needs equal ranks
-    (``r`` and ``rank_pattern``).
+    One adapter with weight 1 is no combination (unless a task-vector method sparsifies it). Otherwise DoRA
+    adapters (their magnitudes do not add) and IA3 adapters (their scalings multiply) are refused, and ``"linear"``
+    over several adapters needs equal ranks (``r`` and ``rank_pattern``). The task-vector methods take plain LoRA
+    adapters only (:data:`TASK_VECTOR_METHODS`).
 
     Args:
         configs: the adapter configs, as dicts (``adapter_config.json``) or PEFT config objects.
         names: the adapters' names for messages (adapter names or folders), one per config.
         weights: one weight per adapter, or None for 1.0 each.
-        combination: ``"cat"`` or ``"linear"``.
+        combination: one of :data:`COMBINATIONS`.
         option: the option's name in messages (``combination_type`` in process).
 
     Returns:
@@ -93,7 +106,8 @@ def combination_problems(
     weights, problems = check_weights(len(configs), weights, combination, option=option)
     if problems:
         return weights, problems
-    if len(configs) <= 1 and all(w == 1 for w in weights):
+    vectors = combination in TASK_VECTOR_METHODS
+    if len(configs) <= 1 and all(w == 1 for w in weights) and not vectors:
         return weights, problems
     dora = [n for n, c in zip(names, configs) if config_value(c, "use_dora", False)]
     if dora:
@@ -101,6 +115,8 @@ def combination_problems(
     ia3 = [n for n, c in zip(names, configs) if str(config_value(c, "peft_type", "")) == "IA3"]
     if ia3:
         problems.append(f"IA3 adapters cannot be weighted or combined (their scalings multiply): {ia3}")
+    if vectors:
+        problems += _task_vector_config_problems(configs, names, combination, option)
     if combination == "linear" and len(configs) > 1:
         shapes = {
             (config_value(c, "r"), tuple(sorted((config_value(c, "rank_pattern", {}) or {}).items()))) for c in configs
@@ -112,3 +128,98 @@ def combination_problems(
                 f"got {ranks}; use 'cat'"
             )
     return weights, problems
+
+
+def _task_vector_config_problems(configs: Sequence, names: Sequence[str], combination: str, option: str) -> list[str]:
+    """What a task-vector method cannot combine: anything but plain LoRA deltas of modules (an allowlist)."""
+    problems = []
+    for name, c in zip(names, configs):
+        kinds = []
+        peft_type = str(config_value(c, "peft_type", "LORA"))
+        if peft_type != "LORA":
+            kinds.append(f"peft_type {peft_type}")
+        if config_value(c, "target_parameters"):
+            kinds.append("LoRA on target_parameters")
+        if config_value(c, "modules_to_save"):
+            kinds.append(f"modules_to_save {list(config_value(c, 'modules_to_save'))}")
+        if config_value(c, "trainable_token_indices"):
+            kinds.append("trainable_token_indices")
+        if config_value(c, "lora_bias", False):
+            kinds.append("lora_bias")
+        if kinds:
+            problems.append(
+                f"{option} {combination!r} combines the LoRA deltas of modules only; the adapter {name} also has "
+                f"{', '.join(kinds)}, which {combination} does not define. Combine it with 'cat' or 'linear', or "
+                "use an adapter trained without them"
+            )
+    return problems
+
+
+def task_vector_problems(
+    combination: str,
+    density: object,
+    majority_sign: object,
+    normalize: object,
+    seed: object,
+    *,
+    option: str = "combination",
+    sign_option: str = "majority_sign",
+) -> list[str]:
+    """Check the parameters of a task-vector combination: ``density`` is required by those methods and refused by
+    the others, ``majority_sign`` applies to the methods that elect a sign, ``seed`` to DARE's.
+
+    Args:
+        combination: one of :data:`COMBINATIONS`.
+        density: the fraction of each delta kept, in (0, 1], or None.
+        majority_sign: one of :data:`MAJORITY_SIGNS`.
+        normalize: True, False or None (the method's default).
+        seed: DARE's seed, an int >= 0.
+        option: the combination option's name in messages.
+        sign_option: the majority-sign option's name in messages (``majority_sign_method`` in process).
+
+    Returns:
+        Every problem, at once.
+
+    Example:
+        >>> task_vector_problems("ties", None, "total", None, 0)[0][:40]
+        "combination 'ties' needs a density: the "
+        >>> task_vector_problems("cat", 0.5, "total", None, 0)[0][:60]
+        'density=0.5 applies to the task-vector combinations (ties, d'
+    """
+    problems = []
+    methods = ", ".join(TASK_VECTOR_METHODS)
+    if combination not in TASK_VECTOR_METHODS:
+        for name, value, default in (
+            ("density", density, None),
+            (sign_option, majority_sign, "total"),
+            ("normalize", normalize, None),
+            ("seed", seed, 0),
+        ):
+            if value != default or isinstance(value, bool) != isinstance(default, bool):
+                problems.append(
+                    f"{name}={value!r} applies to the task-vector combinations ({methods}), not {option} "
+                    f"{combination!r}"
+                )
+        return problems
+    sparsification, elects, _ = TASK_VECTOR_METHODS[combination]
+    if density is None:
+        problems.append(
+            f"{option} {combination!r} needs a density: the fraction of each adapter's delta kept, in (0, 1] "
+            "(e.g. 0.5)"
+        )
+    elif isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        problems.append(f"density must be a number in (0, 1], got {density!r}")
+    if majority_sign not in MAJORITY_SIGNS:
+        problems.append(f"{sign_option} must be one of {', '.join(MAJORITY_SIGNS)}, got {majority_sign!r}")
+    elif majority_sign != "total" and not elects:
+        problems.append(
+            f"{sign_option}={majority_sign!r} applies to the methods that elect a sign (ties, dare_ties), "
+            f"not {combination!r}"
+        )
+    if normalize is not None and not isinstance(normalize, bool):
+        problems.append(f"normalize must be True, False or None (the method's default), got {normalize!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        problems.append(f"seed must be an int >= 0, got {seed!r}")
+    elif seed != 0 and sparsification != "random":
+        problems.append(f"seed={seed!r} applies to DARE's random draw (dare_ties, dare_linear), not {combination!r}")
+    return problems

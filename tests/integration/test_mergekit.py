@@ -59,3 +59,82 @@ def test_same_bytes_as_mergekit_passthrough(tmp_path, arch, dtype, lora):
     base_tensors = tensors(base)
     changed = [k for k in a if not torch.equal(a[k], base_tensors[k])]
     assert len(changed) >= 4  # the adapter changed the projections: the comparison is not of two copies of the base
+
+
+@pytest.fixture(scope="module")
+def three_adapters(tmp_path_factory):
+    """An fp32 base and three adapters of different ranks and target sets."""
+    tmp = tmp_path_factory.mktemp("task-vectors")
+    base = build_base(str(tmp / "base"), "llama", dtype=torch.float32)
+    adapters = [
+        build_adapter(base, str(tmp / "a"), r=8, lora_alpha=16, seed=1),
+        build_adapter(base, str(tmp / "b"), r=4, lora_alpha=8, seed=2, target_modules=["q_proj", "v_proj", "up_proj"]),
+        build_adapter(
+            base, str(tmp / "c"), r=2, lora_alpha=4, seed=3, use_rslora=True, target_modules=["q_proj", "down_proj"]
+        ),
+    ]
+    return base, adapters
+
+
+def mergekit_task_vectors(base, adapters, weights, out, cache, method, **parameters) -> str:
+    """MergeKit's ``method`` over ``base+adapter`` references, in float32."""
+    per_model = {"density": parameters.pop("density")} if "density" in parameters else {}
+    config = {
+        "merge_method": method,
+        "base_model": base,
+        "dtype": "float32",
+        "parameters": parameters,
+        "models": [
+            {"model": f"{base}+{a}", "parameters": {"weight": w, **per_model}} for a, w in zip(adapters, weights)
+        ],
+    }
+    options = MergeOptions(lora_merge_cache=cache, copy_tokenizer=False, write_model_card=False, quiet=True)
+    run_merge(MergeConfiguration.model_validate(config), out, options)
+    return out
+
+
+@pytest.mark.parametrize(
+    "count,normalize,density",
+    [(2, True, 0.5), (2, False, 0.5), (3, True, 0.3), (3, None, 1.0)],
+)
+def test_ties_equals_mergekit(tmp_path, three_adapters, count, normalize, density):
+    base, adapters = three_adapters
+    adapters, weights = adapters[:count], [0.7, 0.3, 0.5][:count]
+    params = {"density": density, **({"normalize": normalize} if normalize is not None else {})}
+    theirs = mergekit_task_vectors(
+        base, adapters, weights, str(tmp_path / "mk"), str(tmp_path / "cache"), "ties", **params
+    )
+    ours = merge_checkpoint(
+        base,
+        adapters,
+        str(tmp_path / "ours"),
+        weights=weights,
+        combination="ties",
+        density=density,
+        normalize=normalize,
+        progress=False,
+    )
+    assert ours.combination.startswith("ties (weights")
+    a, b, base_tensors = tensors(theirs), tensors(ours.out_dir), tensors(base)
+    assert sorted(a) == sorted(b)
+    far = 0
+    for k in a:
+        # MergeKit reads each delta back as (base + delta) - base: an element at the top-k threshold may move
+        # across it; every other element agrees to float32 rounding
+        diff = (a[k] - b[k]).abs()
+        far += int((diff > 1e-6).sum())
+        assert torch.allclose(a[k][diff <= 1e-6], b[k][diff <= 1e-6], rtol=0, atol=2e-7), k
+    assert far <= 8
+    assert sum(not torch.equal(a[k], base_tensors[k]) for k in a) == 14  # every targeted projection changed
+
+
+def test_cat_with_weights_equals_mergekit_task_arithmetic(tmp_path, three_adapters):
+    base, adapters = three_adapters
+    weights = [0.7, -0.3, 1.5]
+    theirs = mergekit_task_vectors(
+        base, adapters, weights, str(tmp_path / "mk"), str(tmp_path / "cache"), "task_arithmetic"
+    )
+    ours = merge_checkpoint(base, adapters, str(tmp_path / "ours"), weights=weights, progress=False)
+    a, b = tensors(theirs), tensors(ours.out_dir)
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=2e-7) for k in a)
+    assert sum(not torch.equal(a[k], tensors(base)[k]) for k in a) == 14

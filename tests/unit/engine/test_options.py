@@ -37,7 +37,7 @@ def test_every_problem_of_the_options_at_once():
     problems = opts.problems()
     assert problems == [
         "adapter weights must be finite numbers, got [1.0, nan]",
-        "combination must be one of cat, linear, got 'sum'",
+        "combination must be one of cat, linear, ties, dare_ties, dare_linear, magnitude_prune, got 'sum'",
         "dtype 'int4' is not supported; use one of float32, float16, bfloat16",
         "max_shard_size 'lots' is not a size; write e.g. '5GB', '500MB' or '2GiB'",
         "4-bit blocksize must be a power of two from 32 to 4096, got 100",

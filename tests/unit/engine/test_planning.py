@@ -51,7 +51,7 @@ def test_combination_rules_refuse_bad_weights_first():
     weights, problems = combination_problems([LoraConfig(r=8)] * 2, ["a", "b"], [1.0, float("inf")], "sum")
     assert problems == [
         "adapter weights must be finite numbers, got [1.0, inf]",
-        "combination must be one of cat, linear, got 'sum'",
+        "combination must be one of cat, linear, ties, dare_ties, dare_linear, magnitude_prune, got 'sum'",
     ]
     assert combination_problems([{}] * 2, ["a", "b"], [1.0], "cat")[1] == [
         "1 weight(s) given for 2 adapter(s); give one weight per adapter"
