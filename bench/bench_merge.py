@@ -372,8 +372,9 @@ def format_table(rows, args, inproc=()) -> str:
         "The two `ties` rows combine the rank-16 adapter with a second, rank-8 one (weights 0.7 and 0.3, density",
         "0.5): ours computes each adapter's delta of one tensor at a time, twice for the exact top-k threshold and",
         "once for the merge; MergeKit first writes each adapter merged into a full model to its cache (two full",
-        "copies on disk, deleted after the run). The two outputs agree to float32 rounding but for elements at the",
-        "top-k threshold (tests/integration/test_mergekit.py).",
+        "copies on disk, deleted after the run). On float32 bases the two outputs agree to float32 rounding but for",
+        "elements at the top-k threshold (tests/integration/test_mergekit.py); on this bf16 base MergeKit's deltas",
+        "come from bf16 merged copies (docs/variants-several-adapters.md says how the two differ).",
     ]
     if inproc:
         lines += [

@@ -453,6 +453,10 @@ def merge_and_unload(
     dtype: str | torch.dtype | None = None,
     weights: list[float] | None = None,
     combination_type: str = "cat",
+    density: float | None = None,
+    majority_sign_method: str = "total",
+    normalize: bool | None = None,
+    seed: int = 0,
 ) -> nn.Module:
     """PEFT's ``merge_and_unload(progressbar, safe_merge, adapter_names)`` without re-quantizing: a plain 16-bit model.
 
@@ -469,7 +473,13 @@ def merge_and_unload(
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
         dtype: dtype of the returned model; None or ``"auto"`` keeps the checkpoint's own 16-bit dtype.
         weights: one weight per adapter of ``adapter_names``.
-        combination_type: ``"cat"`` or ``"linear"``.
+        combination_type: ``"cat"``, ``"linear"``, or a task-vector method (``"ties"``, ``"dare_ties"``,
+            ``"dare_linear"``, ``"magnitude_prune"``; their combined deltas are not products of factors, so the probe
+            check does not apply to them).
+        density: the fraction of each delta a task-vector method keeps.
+        majority_sign_method: ``"total"`` or ``"frequency"`` (``ties``, ``dare_ties``).
+        normalize: None for the method's default.
+        seed: DARE's seed.
 
     Returns:
         The transformers model, with no PEFT or bitsandbytes layers.
@@ -497,6 +507,10 @@ def merge_and_unload(
         adapter_names=adapter_names,
         weights=weights,
         combination_type=combination_type,
+        density=density,
+        majority_sign_method=majority_sign_method,
+        normalize=normalize,
+        seed=seed,
         progress=bool(progressbar),
     )
 

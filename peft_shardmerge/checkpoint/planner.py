@@ -204,6 +204,7 @@ class CheckpointInputs:
             "base": [self.base.folder, _files(self.base.folder)],
             "adapter": [[f, _files(f)] for f in self.adapter.folders],
             "combination": self.adapter.combination,
+            "task_vectors": self.adapter.vectors.record() if self.adapter.vectors else None,
             "nf4": self.nf4.describe() if self.nf4 else None,
         }
 

@@ -222,6 +222,8 @@ class RowMerger:
         """
         blocks = row_blocks(shape, self.chunk_elems)
         width = math.prod(shape[1:]) if shape else 1
+        if changes.vectors is not None:  # magnitudes kept per adapter: a pass over the deltas, first
+            self._prepare_vectors(name, changes, shape, device)
         probes = probe_vectors(name, width) if changes.factors and len(shape) >= 2 else None
         columns, first = (
             self._column_scale(name, rows, changes, shape, device, probes)
@@ -230,12 +232,6 @@ class RowMerger:
         )
         if first is not None:  # merged whole for PEFT's own norm: one block
             blocks = [(0, shape[0])]
-        if changes.vectors is not None:  # magnitudes kept per adapter: a pass over the deltas first
-            changes.vectors.thresholds = self.on_device(
-                lambda dev: magnitude_thresholds(changes.vectors, shape, dev, changes.transposed),
-                device,
-                f"{name} (task-vector thresholds)",
-            )
         changed = lost = 0
         count = bool(changes.factors or changes.vectors) and out_dtype != torch.float32  # on sample rows
         for start, stop in blocks:
@@ -266,6 +262,18 @@ class RowMerger:
             if changed:
                 self.swallowed[name] = (changed, lost)
             self.applied.update(changes.keys)
+
+    def _prepare_vectors(self, name: str, changes: Changes, shape, device: torch.device) -> None:
+        """Move a combination's factors to ``device`` once and set its magnitude thresholds (a pass that runs out of
+        memory is redone on the CPU; a block redone there later compares its CPU deltas with them, where an element
+        at a threshold may round to the other side)."""
+        vectors = changes.vectors
+
+        def thresholds(dev: torch.device):
+            vectors.adapters = [[(a.to(dev), b.to(dev), s) for a, b, s in group] for group in vectors.adapters]
+            return magnitude_thresholds(vectors, shape, dev, changes.transposed)
+
+        vectors.thresholds = self.on_device(thresholds, device, f"{name} (task-vector thresholds)")
 
     def _column_scale(self, name, rows, changes: Changes, shape, device, probes):
         """DoRA on a Conv1D or an embedding: PEFT's norms run over the stored rows (one per column). A tensor of at

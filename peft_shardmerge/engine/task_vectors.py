@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -78,13 +78,14 @@ class TaskVectors:
         adapters: each adapter's LoRA factors on this tensor, in the method's order (empty: it leaves the tensor
             alone, a zero delta, as in MergeKit).
         name: the tensor's name (DARE's draw).
-        thresholds: per adapter, the smallest magnitude kept (set by :func:`magnitude_thresholds`; None keeps all).
+        thresholds: per adapter, the smallest magnitude kept, set by :func:`magnitude_thresholds` before the first
+            block (an entry None keeps all of that delta); None until then.
     """
 
     method: TaskVectorMethod
     adapters: list[list[Factors]]
     name: str
-    thresholds: list[float | None] = field(default_factory=list)
+    thresholds: list[float | None] | None = None
 
     def add_(self, rows32: torch.Tensor, start: int, stop: int, *, transposed: bool) -> torch.Tensor:
         """Add the combined delta of rows ``[start, stop)`` to float32 rows in place.
@@ -119,7 +120,9 @@ class TaskVectors:
         for i, factors in enumerate(self.adapters):
             d = adapter_delta(factors, rows32.shape, rows32.device, start, stop, transposed)
             if m.sparsification == "magnitude":
-                if self.thresholds and self.thresholds[i] is not None:
+                if self.thresholds is None:
+                    raise RuntimeError(f"{self.name}: magnitude thresholds not computed before the merge")
+                if self.thresholds[i] is not None:
                     d.mul_(d.abs() >= self.thresholds[i])
             elif m.density < 1:
                 d.mul_(dare_mask(m.seed, self.name, i, rows32.shape[1], start, stop, m.density).to(d.device))
@@ -137,7 +140,8 @@ class TaskVectors:
             divisor[divisor == 0] = 1
         else:
             mixed = _sum(deltas)
-            divisor = math.fsum(m.weights) if abs(math.fsum(m.weights)) >= 1e-8 else 1.0
+            divisor = float(torch.tensor(m.weights, dtype=torch.float32).sum())  # MergeKit's float32 sum
+            divisor = divisor if abs(divisor) >= 1e-8 else 1.0
         if m.normalized:
             mixed /= divisor
         rows32 += mixed
@@ -228,10 +232,13 @@ def kth_largest(blocks: Callable[[], Iterator[torch.Tensor]], k: int) -> float:
         [3.0, 2.0, 2.0, 1.0, 0.5]
     """
     high = None
+    assert k >= 1, k
     for block in blocks():
         bits = block.contiguous().view(torch.int32).reshape(-1)
         counts = torch.bincount(bits >> 16, minlength=1 << 15).cpu()
         high = counts if high is None else high + counts
+    if high is None or k > int(high.sum()):
+        raise ValueError(f"k={k} is beyond the {0 if high is None else int(high.sum())} elements given")
     bucket, rank = _bucket(high, k)
     low = None
     for block in blocks():

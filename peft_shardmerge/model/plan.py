@@ -342,7 +342,7 @@ def build_model_plan(
             generation_config=valid_generation_config(inner),
         )
         result = ModelPlan(plan_live(source, out_dtype, opts.shard_bytes, opts.chunk_elems), "")
-    result.plan.adapter_text = in_memory_text(adapters, weight_map)
+    result.plan.adapter_text = in_memory_text(adapters, weight_map) + (f" ({vectors.describe()})" if vectors else "")
     result.reproduces = result.plan.reproduces = reproduces
     result.plan.notes[:0] = [f"base precision {base_precision!r}: {note}"] + ([dtype_note] if dtype_note else [])
     return result

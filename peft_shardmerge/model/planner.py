@@ -133,7 +133,8 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
         chunk_elems=chunk_elems,
         untied=list(live.untied),
         notes=list(live.notes),
-        adapter_text=in_memory_text(source.adapter_names, source.weights),
+        adapter_text=in_memory_text(source.adapter_names, source.weights)
+        + (f" ({source.vectors.describe()})" if source.vectors else ""),
     )
 
 

@@ -206,7 +206,7 @@ class LiveMerger(RowMerger):
             factors = [linear_factors(factors)]
         embedding = bool(entry.adapters) and entry.adapters[0] in m.lora_embedding_A
         transposed = embedding or bool(getattr(m, "fan_in_fan_out", False))
-        if self.vectors is not None:  # each adapter's own factors (without its weight), in the combination's order
+        if self.vectors is not None and factors:  # each adapter's own factors (not weighted), in the method's order
             own = {a: (a_, b_, m.scaling[a]) for a, (a_, b_, _) in zip(entry.adapters, factors)}
             groups = [[own[a]] if a in own else [] for a in self.weights]
             return Changes(vectors=TaskVectors(self.vectors, groups, entry.name), transposed=transposed, keys=keys)

@@ -1,4 +1,4 @@
-"""Which adapters may be weighted or combined, and how: the one check both paths run on adapter configs."""
+"""How several adapters may be combined: the methods and their parameters, and the one check both paths run."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def check_weights(
     Args:
         count: how many adapters.
         weights: one weight per adapter, or None for 1.0 each.
-        combination: ``"cat"`` or ``"linear"``.
+        combination: one of :data:`COMBINATIONS`.
         option: the option's name in messages (``combination_type`` in process).
 
     Returns:

@@ -136,6 +136,11 @@ def check_logits(
     options, _ = merge_settings(record, None)
     if options is None:
         return
+    if options.get("task_vectors"):
+        report.notes.append(
+            "logits not compared: the merge combined adapters by a task-vector method (the recomputation covers it)"
+        )
+        return
     if len(adapters) > 1 or (options["weights"] or [1.0]) != [1.0]:
         report.notes.append("logits not compared: the merge combined weighted adapters (the recomputation covers it)")
         return

@@ -98,6 +98,7 @@ def merge_settings(record: dict | None, out_dtype: str | None) -> tuple[dict | N
                 "chunk_elems": None,
                 "weights": None,
                 "combination": "cat",
+                "task_vectors": None,
                 "held": None,
             },
             [f"no merge record: recomputed as a merge into the original base, written as {out_dtype}"],
@@ -109,6 +110,7 @@ def merge_settings(record: dict | None, out_dtype: str | None) -> tuple[dict | N
         "chunk_elems": record.get("chunk_elems"),
         "weights": record.get("weights"),
         "combination": record.get("combination") or "cat",
+        "task_vectors": record.get("task_vectors"),
         "held": None,
     }
     if record.get("output_quantization"):
@@ -258,7 +260,16 @@ def _plan(base: str, adapters: list[str], options: dict):
     from ..support.model_info import inspect_model
 
     src = open_checkpoint(base)
-    spec = combine_adapters([load_adapter(a) for a in adapters], options["weights"], options["combination"])
+    tv = options.get("task_vectors") or {}  # a task-vector method's parameters, as recorded
+    spec = combine_adapters(
+        [load_adapter(a) for a in adapters],
+        options["weights"],
+        options["combination"],
+        density=tv.get("density"),
+        majority_sign=tv.get("majority_sign") or "total",
+        normalize=tv.get("normalize"),
+        seed=tv.get("seed") or 0,
+    )
     info = inspect_model(src.folder)
     if spec.needs_layers:
         from transformers import AutoConfig

@@ -93,6 +93,20 @@ def test_ranks_write_the_same_bytes_as_one_process(inputs, tmp_path, ranks, base
     assert not os.path.exists(str(tmp_path / ".out.partial"))
 
 
+def test_a_dare_ties_combination_on_two_ranks_is_the_bytes_of_one_process(inputs, tmp_path):
+    base, first = inputs["sharded"], inputs["sharded_ad"]
+    second = build_adapter(base, str(tmp_path / "second"), r=2, seed=9, target_modules=["q_proj", "up_proj"])
+    ref = str(tmp_path / "ref")
+    kw = dict(weights=[0.6, 0.4], combination="dare_ties", density=0.3, seed=7, max_shard_size="60KB")
+    merge_checkpoint(base, [first, second], ref, progress=False, **kw)
+    out = str(tmp_path / "out")
+    options = ["--weights", "0.6", "0.4", "--combination", "dare_ties", "--density", "0.3", "--seed", "7"]
+    run = torchrun(2, "cli", "merge", base, first, out, "--add-adapter", second, *options, "--max-shard-size", "60KB")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert same_folder(ref, out) == []
+    assert "dare_ties (weights 0.6, 0.4; density 0.3; majority sign total; seed 7; not normalized)" in run.stdout
+
+
 @pytest.mark.parametrize("failing,other", [(1, 0), (0, 1)])
 def test_a_failure_on_one_rank_stops_every_rank_with_its_message(inputs, tmp_path, failing, other):
     out = str(tmp_path / "out")

@@ -10,10 +10,12 @@ import json
 import os
 
 import pytest
+import torch
 
 from peft_shardmerge import merge_and_save, merge_checkpoint
 from peft_shardmerge.api.cli import main
 from peft_shardmerge.errors import InputError
+from peft_shardmerge.testing import build_adapter
 
 
 def tensors(folder: str) -> dict:
@@ -90,9 +92,36 @@ def test_a_loaded_model_gives_the_bytes_of_the_merge_from_disk(tmp_path, two, me
     )
     assert live.base_precision == base_precision
     assert method in live.combination
+    cat = tensors(merge_checkpoint(base, adapters, str(tmp_path / "cat"), weights=[0.7, 0.3], progress=False).out_dir)
     a, b = tensors(live.out_dir), tensors(disk.out_dir)
     assert sorted(a) == sorted(b)
     assert [k for k in a if a[k].dtype != b[k].dtype or not a[k].equal(b[k])] == []
+    differs = [k for k in a if not a[k].equal(cat[k])]  # the method is not the plain weighted sum
+    assert len(differs) == 14 and all(k.endswith("proj.weight") for k in differs)  # every LoRA'd tensor
+
+
+def test_verify_recomputes_a_task_vector_merge(tmp_path, two):
+    from peft_shardmerge.verify.report import verify_checkpoint
+
+    base, adapters = two
+    out = merge_checkpoint(
+        base,
+        adapters,
+        str(tmp_path / "o"),
+        weights=[0.7, 0.3],
+        combination="dare_ties",
+        density=0.5,
+        seed=3,
+        progress=False,
+    ).out_dir
+    report = verify_checkpoint(out, base=base, adapter=adapters)
+    assert report.status == "OK" and report.recomputed, report.summary()
+    assert "task-vector method" in report.summary()
+    record = os.path.join(out, "merge_manifest.json")
+    data = json.load(open(record))
+    data["merge"]["task_vectors"]["seed"] = 4  # another draw: the recomputation must disagree
+    json.dump(data, open(record, "w"))
+    assert verify_checkpoint(out, base=base, adapter=adapters).status == "FAILED"
 
 
 def test_what_a_task_vector_method_refuses(tmp_path, two, make_adapter):
@@ -105,6 +134,22 @@ def test_what_a_task_vector_method_refuses(tmp_path, two, make_adapter):
     saved = make_adapter("llama_sharded", "tv-saved", modules_to_save=["lm_head"], target_modules=["q_proj"])
     with pytest.raises(InputError, match="combines the LoRA deltas of modules only.*modules_to_save"):
         merge_checkpoint(base, [adapters[0], saved], out, combination="ties", density=0.5)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapters[0], adapter_name="a")
+    model.load_adapter(saved, adapter_name="saved")
+    with pytest.raises(InputError, match="combination_type 'ties' combines the LoRA deltas of modules only"):
+        merge_and_save(model, out, adapter_names=["a", "saved"], combination_type="ties", density=0.5)
+    with pytest.raises(InputError, match="majority_sign_method='frequency' applies to the methods that elect"):
+        merge_and_save(
+            model,
+            out,
+            adapter_names=["a"],
+            combination_type="dare_linear",
+            density=0.5,
+            majority_sign_method="frequency",
+        )
     assert not os.path.exists(out)
 
 
@@ -121,3 +166,62 @@ def test_the_command_line_takes_the_method_and_names_it(tmp_path, two, capsys):
     printed = capsys.readouterr().out
     assert "ties (weights 0.7, 0.3; density 0.5; majority sign frequency; not normalized)" in printed
     assert "LoRA modules merged 20/20" in printed
+
+
+@pytest.mark.parametrize("combination_type", ["ties", "dare_linear", "magnitude_prune"])
+def test_an_adapter_built_by_peft_add_weighted_adapter_merges_like_any_lora(tmp_path, two, combination_type):
+    """PEFT's own ties/dare/magnitude_prune work on the factors and give a LoRA adapter: merged in process and from
+    disk, it equals PEFT's merge of it."""
+    import copy
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, _ = two
+    a = build_adapter(base, str(tmp_path / "a"), r=4, lora_alpha=8, seed=5)
+    b = build_adapter(base, str(tmp_path / "b"), r=4, lora_alpha=16, seed=6, target_modules=["q_proj", "v_proj"])
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), a, adapter_name="a")
+    model.load_adapter(b, adapter_name="b")
+    torch.manual_seed(0)  # PEFT's DARE draws from torch's generator
+    model.add_weighted_adapter(["a", "b"], [0.7, 0.3], "mix", combination_type=combination_type, density=0.5)
+    model.set_adapter("mix")
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    live = tensors(merge_and_save(model, str(tmp_path / "live"), adapter_names=["mix"], progress=False).out_dir)
+    model.save_pretrained(str(tmp_path / "saved"), selected_adapters=["mix"])
+    disk = tensors(
+        merge_checkpoint(base, str(tmp_path / "saved" / "mix"), str(tmp_path / "disk"), progress=False).out_dir
+    )
+    for got in (live, disk):
+        assert sorted(got) == sorted(want)
+        assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)
+    assert not torch.equal(
+        want["model.layers.0.self_attn.q_proj.weight"], tensors(base)["model.layers.0.self_attn.q_proj.weight"]
+    )
+
+
+def test_a_4bit_model_combined_by_ties_equals_the_merge_into_the_4bit_round_trip(tmp_path, two):
+    """A QLoRA model with two adapters: ties in process, into the weights in memory, gives the bytes of the merge
+    from disk into dequant(quantize_4bit(W)) with the same 4-bit settings."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    base, adapters = two
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=torch.float32)
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False  # no CPU repacking of the 4-bit weights
+    model = PeftModel.from_pretrained(model, adapters[0], adapter_name="a")
+    model.load_adapter(adapters[1], adapter_name="b")
+    kw = dict(weights=[0.7, 0.3], density=0.5, dtype="float32", progress=False)
+    live = merge_and_save(model, str(tmp_path / "live"), adapter_names=["a", "b"], combination_type="ties", **kw)
+    disk = merge_checkpoint(base, adapters, str(tmp_path / "disk"), combination="ties", base_precision="nf4", **kw)
+    a, b = tensors(live.out_dir), tensors(disk.out_dir)
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if not a[k].equal(b[k])] == []

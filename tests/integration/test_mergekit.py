@@ -15,6 +15,7 @@ from mergekit.config import MergeConfiguration  # noqa: E402
 from mergekit.merge import run_merge  # noqa: E402
 from mergekit.options import MergeOptions  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from peft_shardmerge import merge_checkpoint  # noqa: E402
 from peft_shardmerge.testing import build_adapter, build_base  # noqa: E402
@@ -138,3 +139,35 @@ def test_cat_with_weights_equals_mergekit_task_arithmetic(tmp_path, three_adapte
     a, b = tensors(theirs), tensors(ours.out_dir)
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=2e-7) for k in a)
     assert sum(not torch.equal(a[k], tensors(base)[k]) for k in a) == 14
+
+
+@pytest.mark.parametrize("arch,targets", [("gpt2", ["c_attn", "c_fc"]), ("llama", ["q_proj", "embed_tokens"])])
+def test_ties_on_conv1d_and_embedding_layers_equals_mergekit(tmp_path, arch, targets):
+    """Layers whose stored weight is the transpose of B @ A: GPT-2's Conv1D, and embeddings."""
+    base = build_base(str(tmp_path / "base"), arch, dtype=torch.float32)
+    extra = dict(fan_in_fan_out=True) if arch == "gpt2" else {}
+    adapters = [
+        build_adapter(base, str(tmp_path / "a"), r=8, lora_alpha=16, seed=1, target_modules=targets, **extra),
+        build_adapter(base, str(tmp_path / "b"), r=4, lora_alpha=8, seed=2, target_modules=targets[:1], **extra),
+    ]
+    for folder in adapters:  # as save_embedding_layers=False saves them: the LoRA factors alone
+        path = os.path.join(folder, "adapter_model.safetensors")
+        kept = {k: v for k, v in load_file(path).items() if ".lora_" in k}
+        save_file(kept, path, metadata={"format": "pt"})
+    theirs = mergekit_task_vectors(
+        base, adapters, [0.6, 0.4], str(tmp_path / "mk"), str(tmp_path / "cache"), "ties", density=0.4
+    )
+    ours = merge_checkpoint(
+        base, adapters, str(tmp_path / "ours"), weights=[0.6, 0.4], combination="ties", density=0.4, progress=False
+    )
+    a, b, base_tensors = tensors(theirs), tensors(ours.out_dir), tensors(base)
+    assert sorted(a) == sorted(b)
+    far = 0
+    for k in a:  # as in test_ties_equals_mergekit: elements at a top-k threshold may differ, bounded
+        diff = (a[k] - b[k]).abs()
+        far += int((diff > 1e-6).sum())
+        assert torch.allclose(a[k][diff <= 1e-6], b[k][diff <= 1e-6], rtol=0, atol=2e-7), k
+    assert far <= 4
+    changed = {k for k in a if not torch.equal(a[k], base_tensors[k])}
+    targeted = {k for k in a if k.endswith(tuple(f"{t}.weight" for t in targets))}
+    assert targeted and targeted <= changed, targeted - changed

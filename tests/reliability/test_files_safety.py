@@ -428,6 +428,22 @@ def test_resume_with_unchanged_inputs_keeps_the_finished_shards(sharded, referen
     assert tree(out) == reference
 
 
+def test_a_dare_merge_killed_then_resumed_gives_the_bytes_of_one_run(sharded, make_adapter, tmp_path):
+    base, adapter = sharded
+    second = make_adapter("llama_sharded", "dare-second", r=2, seed=9, target_modules=["q_proj", "up_proj"])
+    out = tmp_path / "out"
+    options = ["--combination", "dare_ties", "--density", "0.3", "--seed", "7", "--max-shard-size", "100KB"]
+    r = run_cli(
+        tmp_path, ["merge", base, adapter, out, "--add-adapter", second, *options, "-q"], patch=KILL_AFTER.format(n=3)
+    )
+    assert r.returncode == -signal.SIGKILL
+    kw = dict(combination="dare_ties", density=0.3, seed=7, max_shard_size="100KB", progress=False)
+    report = merge_checkpoint(base, [adapter, second], out, **kw)
+    assert "resumed: 3 shard(s) kept from an interrupted run" in report.notes
+    fresh = merge_checkpoint(base, [adapter, second], tmp_path / "fresh", resume=False, **kw)
+    assert tree(out) == tree(fresh.out_dir)
+
+
 # ------------------------------------------------------------------------------------ interrupts and kills
 
 SIGNAL_AFTER = """

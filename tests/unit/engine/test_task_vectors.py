@@ -94,9 +94,9 @@ def test_magnitude_keeps_exactly_the_top_k_of_each_delta(density):
 
 
 @pytest.mark.parametrize("chunk", [1 << 10, 5000, 1 << 22])
-def test_the_combination_does_not_depend_on_the_row_block(chunk):
-    shape = (300, 64)
-    adapters = [lora_factors(300, 64, 8, 1), lora_factors(300, 64, 2, 2), []]
+@pytest.mark.parametrize("shape", [(300, 64), (70, 9000)])  # one tile; tiles of 29 rows that the blocks cut
+def test_the_combination_does_not_depend_on_the_row_block(chunk, shape):
+    adapters = [lora_factors(*shape, 8, 1), lora_factors(*shape, 2, 2), []]
     for name in ("ties", "dare_ties", "magnitude_prune"):
         method = task_vector_method(name, [1.0, 0.5, 2.0], 0.3, seed=5)
         assert torch.equal(combined(method, adapters, shape, chunk), combined(method, adapters, shape, 1 << 30))
@@ -175,6 +175,27 @@ def test_equals_mergekit_on_whole_tensors(name, majority, normalize, transposed)
     assert far.sum().item() <= 4
     assert torch.allclose(ours[~far], theirs[~far], rtol=0, atol=1e-7)
     assert (ours != base).float().mean().item() > 0.2  # the adapters changed the tensor
+
+
+@pytest.mark.parametrize(
+    "config,named",
+    [
+        ({"lora_bias": True}, "lora_bias"),
+        ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"target_parameters": ["experts.w"]}, "target_parameters"),
+        ({"peft_type": "LOHA"}, "peft_type LOHA"),
+    ],
+)
+def test_a_task_vector_method_takes_plain_lora_deltas_only(config, named):
+    from peft_shardmerge.support.combinations import combination_problems
+
+    plain = {"peft_type": "LORA", "r": 8}
+    for method in ("ties", "dare_linear"):
+        _, problems = combination_problems([plain, {**plain, **config}], ["a", "b"], None, method)
+        assert len(problems) == 1 and "the adapter b also has" in problems[0] and named in problems[0], problems
+    _, dora = combination_problems([plain, {**plain, "use_dora": True}], ["a", "b"], None, "ties")
+    assert "DoRA adapters cannot be weighted or combined" in dora[0]
 
 
 def test_task_vector_parameters_are_checked_by_name():
