@@ -225,3 +225,21 @@ def test_a_4bit_model_combined_by_ties_equals_the_merge_into_the_4bit_round_trip
     a, b = tensors(live.out_dir), tensors(disk.out_dir)
     assert sorted(a) == sorted(b)
     assert [k for k in a if not a[k].equal(b[k])] == []
+
+
+def test_the_model_card_names_the_method(tmp_path, two, monkeypatch):
+    import huggingface_hub.constants as hc
+    from hub_server import FakeHub
+
+    from peft_shardmerge.api.hub import publish
+
+    base, adapters = two
+    report = merge_checkpoint(
+        base, adapters, str(tmp_path / "o"), weights=[0.7, 0.3], combination="ties", density=0.5, progress=False
+    )
+    with FakeHub() as hub:
+        monkeypatch.setattr(hc, "ENDPOINT", hub.url)
+        monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+        publish(report.out_dir, "me/tiny-ties", base_model=None, report=report, token="hf_x")
+        card = hub.files["me/tiny-ties"]["README.md"].decode()
+    assert "| adapters combined | ties (weights 0.7, 0.3; density 0.5; majority sign total; normalized) |" in card
