@@ -54,7 +54,8 @@ def _combination_arguments(m: argparse.ArgumentParser) -> None:
         default="cat",
         help="how several adapters combine: cat = exactly sum of w_i * delta_i (default); linear = "
         "PEFT add_weighted_adapter's 'linear' (equal ranks, cross terms included); ties, dare_ties, dare_linear, "
-        "magnitude_prune = MergeKit's task-vector methods on each tensor's full deltas (need --density)",
+        "magnitude_prune = MergeKit's task-vector methods on each tensor's full deltas (need --density; DARE's kept "
+        "elements are divided by the density)",
     )
     g.add_argument(
         "--density",

@@ -99,7 +99,8 @@ def merge_and_save(
         combination_type: ``"cat"`` adds ``sum_i w_i * dW_i`` exactly (any ranks); ``"linear"`` merges the factors
             PEFT's ``add_weighted_adapter(combination_type="linear")`` builds (equal ranks, cross terms included);
             ``"ties"``, ``"dare_ties"``, ``"dare_linear"`` and ``"magnitude_prune"`` combine each tensor's full
-            deltas as MergeKit defines these methods (``docs/variants-several-adapters.md``), the same bytes as
+            deltas as MergeKit defines these methods (DARE's kept elements divided by ``density``;
+            ``docs/variants-several-adapters.md``), the same bytes as
             :func:`~peft_shardmerge.api.disk.merge_checkpoint` with the same parameters.
         density: the fraction of each adapter's delta a task-vector method keeps, in (0, 1] (required by them).
         majority_sign_method: how ``ties``/``dare_ties`` elect each element's sign: ``"total"`` (the sign of the
