@@ -362,8 +362,9 @@ def combine_adapters(
     Raises:
         InputError: weights of the wrong length or not finite, an unknown combination, unequal ranks with
             ``"linear"``, DoRA or IA3 adapters (:func:`~peft_shardmerge.support.combinations.combination_problems`),
-            bad task-vector parameters, adapters that disagree on the layout (``fan_in_fan_out``), two adapters
-            replacing the same tensor, or a task-vector method over anything but LoRA deltas.
+            bad task-vector parameters, two adapters replacing the same tensor, or a task-vector method over
+            anything but LoRA deltas. (The layout of each weight comes from the model class; adapters whose
+            ``fan_in_fan_out`` flags differ are refused by the planner only where the class cannot be built.)
     """
     if not specs:
         raise InputError("no adapter given")
@@ -386,8 +387,6 @@ def combine_adapters(
             f"only LoRA adapters on modules (not on target_parameters) can be combined on disk: "
             f"{', '.join(others)}; combine them in process with merge_and_save(adapter_names=...)"
         )
-    if len({s.fan_in_fan_out for s in specs}) > 1:
-        problems.append("the adapters disagree on fan_in_fan_out; they were trained on different layouts")
     if vectors is not None:
         problems += _whole_tensor_problems(specs, combination)
     out = AdapterSpec(

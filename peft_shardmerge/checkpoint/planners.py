@@ -188,6 +188,12 @@ def plan_lora(st: PlanState) -> list[str]:
         The problems: missing targets, shape mismatches (one per adapter and kind of module), bad magnitudes.
     """
     problems = []
+    flags = {part.fan_in_fan_out for part in st.adapter.parts}
+    if not st.info.available and len(flags) > 1:  # the layout would come from the adapters' flags, which differ
+        problems.append(
+            "the adapters disagree on fan_in_fan_out and the model class could not be built to tell which weights are "
+            "stored transposed (Conv1D); merge them one at a time, or with a base transformers can build"
+        )
     mismatches: dict[tuple, list[tuple[str, str]]] = {}  # one line per adapter and module kind, not per layer
     for _, mod in sorted(st.adapter.modules.items()):
         path = mod.path

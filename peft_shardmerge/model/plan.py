@@ -139,7 +139,25 @@ def adapter_selection(model: nn.Module, adapter_names, weights, combination_type
     return names, dict(zip(names, weights)), problems
 
 
-def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
+def _vocab_size(config) -> int | None:
+    """The text vocabulary of a transformers config (a multimodal config's text part), None when it has none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "vocab_size", None)
+
+
+def _folder_config(folder: str):
+    """The transformers config of a checkpoint folder, None when transformers cannot read it."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except Exception:  # an unknown architecture: the vocabularies are then not compared
+        return None
+
+
+def save_adapter_untouched(
+    model: nn.Module, adapter: str, folder: str, *, save_embedding_layers: bool | str = "auto"
+) -> None:
     """Save one adapter of a PeftModel like ``save_pretrained`` does, without calling ``state_dict()``.
 
     ``state_dict()`` on a bitsandbytes ``Linear4bit`` that was repacked for the CPU kernel undoes the
@@ -149,6 +167,8 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
         model: the ``PeftModel``.
         adapter: the adapter name.
         folder: where ``adapter_config.json`` and ``adapter_model.safetensors`` go.
+        save_embedding_layers: PEFT's option of the same name (``"auto"``: PEFT's rule, which saves the whole
+            embedding layers beside a LoRA on them).
 
     Returns:
         None.
@@ -161,7 +181,9 @@ def save_adapter_untouched(model: nn.Module, adapter: str, folder: str) -> None:
 
     state = dict(model.named_parameters(remove_duplicate=False))  # shared tensors (VeRA) under every name
     state.update(dict(model.named_buffers(remove_duplicate=False)))
-    adapter_state = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
+    adapter_state = get_peft_model_state_dict(
+        model, state_dict=state, adapter_name=adapter, save_embedding_layers=save_embedding_layers
+    )
     os.makedirs(folder, exist_ok=True)
     # a copy each (tied aliases apart), contiguous (add_weighted_adapter's "svd" factors are transposed views)
     save_file(
@@ -357,9 +379,13 @@ def _plan_from_original(
     (None: no folder is checked). ``opts.dtype`` is the dtype written, resolved."""
     folder = tempfile.TemporaryDirectory(prefix="peft-shardmerge-live-adapter-")
     folders = []
+    # the original holds the very embeddings in memory unless the vocabulary was resized: then PEFT's copies of the
+    # embedding layers are only the same weights again (which the disk planner would take as replacements)
+    vocab = _vocab_size(getattr(inner, "config", None))
+    same_vocab = vocab is not None and vocab == _vocab_size(_folder_config(original))
     for i, adapter in enumerate(adapters):
         folders.append(os.path.join(folder.name, str(i)))
-        save_adapter_untouched(model, adapter, folders[-1])
+        save_adapter_untouched(model, adapter, folders[-1], save_embedding_layers=False if same_vocab else "auto")
     device = "cuda" if any(p.is_cuda for p in inner.parameters()) else "cpu"
     opts = replace(opts, base_precision="original", weights=[weight_map[a] for a in adapters] if weight_map else None)
     try:

@@ -209,6 +209,10 @@ def task_vector_problems(
         )
     elif isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
         problems.append(f"density must be a number in (0, 1], got {density!r}")
+    elif sparsification == "random" and density < 1e-30:  # DARE multiplies the kept elements by 1 / density
+        problems.append(
+            f"density={density!r} is too small for DARE: 1 / density overflows float32; use at least 1e-30"
+        )
     if majority_sign not in MAJORITY_SIGNS:
         problems.append(f"{sign_option} must be one of {', '.join(MAJORITY_SIGNS)}, got {majority_sign!r}")
     elif majority_sign != "total" and not elects:

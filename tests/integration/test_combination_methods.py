@@ -243,3 +243,52 @@ def test_the_model_card_names_the_method(tmp_path, two, monkeypatch):
         publish(report.out_dir, "me/tiny-ties", base_model=None, report=report, token="hf_x")
         card = hub.files["me/tiny-ties"]["README.md"].decode()
     assert "| adapters combined | ties (weights 0.7, 0.3; density 0.5; majority sign total; normalized) |" in card
+
+
+def test_a_lora_on_the_embeddings_combines_in_process_from_the_original_checkpoint(tmp_path):
+    """Merging a loaded model into its original checkpoint saves its adapters to a scratch folder first; without a
+    resized vocabulary PEFT's copy of the embedding layer is the same weights again, and is not saved (it would be
+    taken for a replacement, which a task-vector method refuses)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge.testing import build_base, perturb_trainable
+
+    base = build_base(str(tmp_path / "base"), "llama")
+    for i, targets in enumerate((["q_proj", "embed_tokens"], ["q_proj", "v_proj"])):
+        torch.manual_seed(i)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules=targets))
+        perturb_trainable(model, 0.02)
+        model.save_pretrained(str(tmp_path / f"ad{i}"), save_embedding_layers=False)
+    adapters = [str(tmp_path / "ad0"), str(tmp_path / "ad1")]
+    kw = dict(weights=[0.7, 0.3], density=0.5, progress=False)
+    disk = merge_checkpoint(base, adapters, str(tmp_path / "disk"), combination="ties", **kw)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapters[0], adapter_name="ad0")
+    model.load_adapter(adapters[1], adapter_name="ad1")
+    live = merge_and_save(model, str(tmp_path / "live"), adapter_names=["ad0", "ad1"], combination_type="ties", **kw)
+    assert live.base_precision == "original"
+    a, b = tensors(live.out_dir), tensors(disk.out_dir)
+    assert [k for k in a if not a[k].equal(b[k])] == [] and sorted(a) == sorted(b)
+    assert not a["model.embed_tokens.weight"].equal(tensors(base)["model.embed_tokens.weight"])
+
+
+def test_gpt2_adapters_whose_fan_in_fan_out_flags_differ_combine(tmp_path):
+    """PEFT writes the fan_in_fan_out of the last module it wrapped: an adapter on c_attn and lm_head says false, its
+    c_attn factors are GPT-2's Conv1D layout all the same. The layout comes from the model class."""
+    from peft_shardmerge.testing import build_base
+
+    base = build_base(str(tmp_path / "base"), "gpt2")
+    a = build_adapter(base, str(tmp_path / "a"), r=8, fan_in_fan_out=True, target_modules=["c_attn"], seed=1)
+    b = build_adapter(
+        base, str(tmp_path / "b"), r=4, fan_in_fan_out=True, target_modules=["c_attn", "lm_head"], seed=2
+    )
+    assert json.load(open(os.path.join(b, "adapter_config.json")))["fan_in_fan_out"] is False
+    both = tensors(merge_checkpoint(base, [a, b], str(tmp_path / "ab"), weights=[0.5, 0.5], progress=False).out_dir)
+    alone = [
+        tensors(merge_checkpoint(base, x, str(tmp_path / f"{i}"), progress=False).out_dir)
+        for i, x in enumerate((a, b))
+    ]
+    original = tensors(base)
+    name = "transformer.h.0.attn.c_attn.weight"
+    expected = original[name] + 0.5 * (alone[0][name] - original[name]) + 0.5 * (alone[1][name] - original[name])
+    assert torch.allclose(both[name], expected, rtol=0, atol=1e-6)

@@ -202,6 +202,8 @@ def test_task_vector_parameters_are_checked_by_name():
     assert task_vector_problems("ties", 0.5, "total", None, 0) == []
     assert "needs a density" in task_vector_problems("dare_ties", None, "total", None, 0)[0]
     assert "(0, 1]" in task_vector_problems("ties", 1.5, "total", None, 0)[0]
+    assert "too small for DARE" in task_vector_problems("dare_ties", 1e-300, "total", None, 0)[0]
+    assert task_vector_problems("ties", 1e-300, "total", None, 0) == []  # k = 1: the largest element alone
     assert (
         "applies to the methods that elect a sign" in task_vector_problems("dare_linear", 0.5, "frequency", None, 0)[0]
     )
