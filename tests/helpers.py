@@ -39,6 +39,33 @@ def folder_tensors(folder: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def no_cpu_repack(model) -> None:
+    """Keep bitsandbytes from repacking 4-bit weights for its AVX512 CPU kernel on the first forward."""
+    import bitsandbytes as bnb
+
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+
+
+def load_quantized(base: str, quant: str, compute_dtype=torch.float32, double_quant=True, dtype=torch.float32):
+    """A checkpoint loaded on the CPU unquantized (``"none"``), in 8-bit, or in 4-bit of type ``quant``."""
+    from transformers import BitsAndBytesConfig
+
+    if quant == "none":
+        return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    if quant == "8bit":
+        qc = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        qc = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant,
+            bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    return AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=dtype)
+
+
 def add_adapter_refusal() -> str | None:
     """Why transformers' own ``add_adapter`` refuses the installed PEFT (its own version check), or None."""
     from transformers.integrations.peft import MIN_PEFT_VERSION

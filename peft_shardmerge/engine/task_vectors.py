@@ -148,8 +148,8 @@ class TaskVectors:
 
 
 def _sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The element-wise sum of tensors, in order."""
-    out = tensors[0].clone() if tensors[0].dtype == torch.float32 else tensors[0].float()
+    """The element-wise sum of tensors, in order, in float32 (a new tensor)."""
+    out = tensors[0].to(torch.float32, copy=True)
     for t in tensors[1:]:
         out += t
     return out

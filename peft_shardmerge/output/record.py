@@ -188,7 +188,11 @@ def disk_merge_info(plan) -> dict:
     """
     nf4 = plan.inputs.nf4
     vectors = plan.inputs.adapter.vectors  # a task-vector method: its own parameters
-    kind, _, weights = ("" if vectors else plan.inputs.adapter.combination or "").partition(" ")  # "cat 1, 0.5"
+    if vectors:
+        kind, weights, extra = vectors.name, [float(w) for w in vectors.weights], {"task_vectors": vectors.record()}
+    else:
+        kind, _, text = (plan.inputs.adapter.combination or "").partition(" ")  # e.g. "cat 1, 0.5"
+        weights, extra = [float(w) for w in text.split(",")] if text else None, {}
     return {
         "path": "disk",
         "base_precision": plan.base_precision,
@@ -204,13 +208,9 @@ def disk_merge_info(plan) -> dict:
         "chunk_elems": plan.chunk_elems,
         "base": input_identity(plan.inputs.base.folder, hash_files=False),
         "adapters": [input_identity(f, hash_files=True) for f in plan.inputs.adapter.folders],
-        "combination": vectors.name if vectors else kind or None,
-        "weights": list(vectors.record()["weights"])
-        if vectors
-        else [float(w) for w in weights.split(",")]
-        if weights
-        else None,
-        **({"task_vectors": vectors.record()} if vectors else {}),
+        "combination": kind or None,
+        "weights": weights,
+        **extra,
     }
 
 

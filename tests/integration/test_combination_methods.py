@@ -4,8 +4,6 @@ say. The maths against MergeKit: tests/unit/engine/test_task_vectors.py and test
 
 from __future__ import annotations
 
-import glob
-import hashlib
 import json
 import os
 
@@ -16,24 +14,12 @@ from peft_shardmerge import merge_and_save, merge_checkpoint
 from peft_shardmerge.api.cli import main
 from peft_shardmerge.errors import InputError
 from peft_shardmerge.testing import build_adapter
-
-
-def tensors(folder: str) -> dict:
-    """Every tensor of a checkpoint folder, by name."""
-    from safetensors.torch import load_file
-
-    out = {}
-    for path in glob.glob(os.path.join(folder, "*.safetensors")):
-        out.update(load_file(path))
-    return out
+from tests.helpers import folder_tensors, load_quantized, no_cpu_repack, tree
 
 
 def digests(folder: str) -> dict[str, str]:
-    """SHA-256 of every safetensors file of a folder."""
-    return {
-        os.path.basename(p): hashlib.sha256(open(p, "rb").read()).hexdigest()
-        for p in glob.glob(os.path.join(folder, "*.safetensors"))
-    }
+    """SHA-256 of every safetensors file of a folder (the record, which names the row block, left out)."""
+    return {k: v for k, v in tree(folder).items() if k.endswith(".safetensors")}
 
 
 @pytest.fixture
@@ -92,8 +78,10 @@ def test_a_loaded_model_gives_the_bytes_of_the_merge_from_disk(tmp_path, two, me
     )
     assert live.base_precision == base_precision
     assert method in live.combination
-    cat = tensors(merge_checkpoint(base, adapters, str(tmp_path / "cat"), weights=[0.7, 0.3], progress=False).out_dir)
-    a, b = tensors(live.out_dir), tensors(disk.out_dir)
+    cat = folder_tensors(
+        merge_checkpoint(base, adapters, str(tmp_path / "cat"), weights=[0.7, 0.3], progress=False).out_dir
+    )
+    a, b = folder_tensors(live.out_dir), folder_tensors(disk.out_dir)
     assert sorted(a) == sorted(b)
     assert [k for k in a if a[k].dtype != b[k].dtype or not a[k].equal(b[k])] == []
     differs = [k for k in a if not a[k].equal(cat[k])]  # the method is not the plain weighted sum
@@ -186,43 +174,34 @@ def test_an_adapter_built_by_peft_add_weighted_adapter_merges_like_any_lora(tmp_
     model.add_weighted_adapter(["a", "b"], [0.7, 0.3], "mix", combination_type=combination_type, density=0.5)
     model.set_adapter("mix")
     want = copy.deepcopy(model).merge_and_unload().state_dict()
-    live = tensors(merge_and_save(model, str(tmp_path / "live"), adapter_names=["mix"], progress=False).out_dir)
+    live = folder_tensors(merge_and_save(model, str(tmp_path / "live"), adapter_names=["mix"], progress=False).out_dir)
     model.save_pretrained(str(tmp_path / "saved"), selected_adapters=["mix"])
-    disk = tensors(
+    disk = folder_tensors(
         merge_checkpoint(base, str(tmp_path / "saved" / "mix"), str(tmp_path / "disk"), progress=False).out_dir
     )
     for got in (live, disk):
         assert sorted(got) == sorted(want)
         assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)
     assert not torch.equal(
-        want["model.layers.0.self_attn.q_proj.weight"], tensors(base)["model.layers.0.self_attn.q_proj.weight"]
+        want["model.layers.0.self_attn.q_proj.weight"], folder_tensors(base)["model.layers.0.self_attn.q_proj.weight"]
     )
 
 
 def test_a_4bit_model_combined_by_ties_equals_the_merge_into_the_4bit_round_trip(tmp_path, two):
     """A QLoRA model with two adapters: ties in process, into the weights in memory, gives the bytes of the merge
     from disk into dequant(quantize_4bit(W)) with the same 4-bit settings."""
-    bnb = pytest.importorskip("bitsandbytes")
+    pytest.importorskip("bitsandbytes")
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     base, adapters = two
-    qc = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=torch.float32)
-    for m in model.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False  # no CPU repacking of the 4-bit weights
+    model = load_quantized(base, "nf4")  # double quant, float32 compute
+    no_cpu_repack(model)
     model = PeftModel.from_pretrained(model, adapters[0], adapter_name="a")
     model.load_adapter(adapters[1], adapter_name="b")
     kw = dict(weights=[0.7, 0.3], density=0.5, dtype="float32", progress=False)
     live = merge_and_save(model, str(tmp_path / "live"), adapter_names=["a", "b"], combination_type="ties", **kw)
     disk = merge_checkpoint(base, adapters, str(tmp_path / "disk"), combination="ties", base_precision="nf4", **kw)
-    a, b = tensors(live.out_dir), tensors(disk.out_dir)
+    a, b = folder_tensors(live.out_dir), folder_tensors(disk.out_dir)
     assert sorted(a) == sorted(b)
     assert [k for k in a if not a[k].equal(b[k])] == []
 
@@ -267,9 +246,9 @@ def test_a_lora_on_the_embeddings_combines_in_process_from_the_original_checkpoi
     model.load_adapter(adapters[1], adapter_name="ad1")
     live = merge_and_save(model, str(tmp_path / "live"), adapter_names=["ad0", "ad1"], combination_type="ties", **kw)
     assert live.base_precision == "original"
-    a, b = tensors(live.out_dir), tensors(disk.out_dir)
+    a, b = folder_tensors(live.out_dir), folder_tensors(disk.out_dir)
     assert [k for k in a if not a[k].equal(b[k])] == [] and sorted(a) == sorted(b)
-    assert not a["model.embed_tokens.weight"].equal(tensors(base)["model.embed_tokens.weight"])
+    assert not a["model.embed_tokens.weight"].equal(folder_tensors(base)["model.embed_tokens.weight"])
 
 
 def test_gpt2_adapters_whose_fan_in_fan_out_flags_differ_combine(tmp_path):
@@ -283,12 +262,14 @@ def test_gpt2_adapters_whose_fan_in_fan_out_flags_differ_combine(tmp_path):
         base, str(tmp_path / "b"), r=4, fan_in_fan_out=True, target_modules=["c_attn", "lm_head"], seed=2
     )
     assert json.load(open(os.path.join(b, "adapter_config.json")))["fan_in_fan_out"] is False
-    both = tensors(merge_checkpoint(base, [a, b], str(tmp_path / "ab"), weights=[0.5, 0.5], progress=False).out_dir)
+    both = folder_tensors(
+        merge_checkpoint(base, [a, b], str(tmp_path / "ab"), weights=[0.5, 0.5], progress=False).out_dir
+    )
     alone = [
-        tensors(merge_checkpoint(base, x, str(tmp_path / f"{i}"), progress=False).out_dir)
+        folder_tensors(merge_checkpoint(base, x, str(tmp_path / f"{i}"), progress=False).out_dir)
         for i, x in enumerate((a, b))
     ]
-    original = tensors(base)
+    original = folder_tensors(base)
     name = "transformer.h.0.attn.c_attn.weight"
     expected = original[name] + 0.5 * (alone[0][name] - original[name]) + 0.5 * (alone[1][name] - original[name])
     assert torch.allclose(both[name], expected, rtol=0, atol=1e-6)

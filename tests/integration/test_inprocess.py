@@ -16,28 +16,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from peft_shardmerge.api.inprocess import merge_and_save
 from peft_shardmerge.testing import default_targets, token_ids
-from tests.helpers import add_adapter_or_skip, logits_of, rel_err
-
-
-def load_quantized(base: str, quant: str, compute_dtype=torch.float32, double_quant=True, dtype=torch.float32):
-    if quant == "none":
-        return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-    if quant == "8bit":
-        qc = BitsAndBytesConfig(load_in_8bit=True)
-    else:
-        qc = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=quant,
-            bnb_4bit_use_double_quant=double_quant,
-            bnb_4bit_compute_dtype=compute_dtype,
-        )
-    return AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, device_map="cpu", dtype=dtype)
-
-
-def no_cpu_repack(model) -> None:
-    for m in model.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
+from tests.helpers import add_adapter_or_skip, load_quantized, logits_of, no_cpu_repack, rel_err
 
 
 def train_one_step(model, vocab: int, steps: int = 2) -> None:
@@ -434,7 +413,6 @@ def test_auto_on_a_repacked_model_leaves_it_untouched(make_base, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_budget_sends_modules_to_cpu_with_the_same_result(make_base, tmp_path):
-    from transformers import BitsAndBytesConfig
 
     qc = BitsAndBytesConfig(
         load_in_4bit=True,

@@ -3,7 +3,6 @@ checkpoint, byte for byte, as ours."""
 
 from __future__ import annotations
 
-import glob
 import os
 
 import pytest
@@ -14,20 +13,11 @@ mergekit = pytest.importorskip("mergekit")
 from mergekit.config import MergeConfiguration  # noqa: E402
 from mergekit.merge import run_merge  # noqa: E402
 from mergekit.options import MergeOptions  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from peft_shardmerge import merge_checkpoint  # noqa: E402
 from peft_shardmerge.testing import build_adapter, build_base  # noqa: E402
-
-
-def tensors(folder: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder, by name."""
-    out = {}
-    for path in glob.glob(os.path.join(folder, "*.safetensors")):
-        with safe_open(path, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+from tests.helpers import folder_tensors  # noqa: E402
 
 
 def mergekit_passthrough(base: str, adapter: str, out: str, cache: str, dtype: str) -> str:
@@ -53,13 +43,24 @@ def test_same_bytes_as_mergekit_passthrough(tmp_path, arch, dtype, lora):
         base, adapter, str(tmp_path / "mergekit"), str(tmp_path / "cache"), str(dtype).removeprefix("torch.")
     )
     ours = merge_checkpoint(base, adapter, str(tmp_path / "ours"), progress=False)
-    a, b = tensors(theirs), tensors(ours.out_dir)
+    a, b = folder_tensors(theirs), folder_tensors(ours.out_dir)
     assert sorted(a) == sorted(b)
     differing = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
     assert differing == []
-    base_tensors = tensors(base)
+    base_tensors = folder_tensors(base)
     changed = [k for k in a if not torch.equal(a[k], base_tensors[k])]
     assert len(changed) >= 4  # the adapter changed the projections: the comparison is not of two copies of the base
+
+
+def assert_close_but_at_thresholds(a: dict, b: dict, bound: int) -> None:
+    """Two checkpoints' tensors agree to float32 rounding, but for at most ``bound`` elements: MergeKit reads each
+    delta back as (base + delta) - base, which may move an element at a top-k threshold across it."""
+    far = 0
+    for k in a:
+        diff = (a[k] - b[k]).abs()
+        far += int((diff > 1e-6).sum())
+        assert torch.allclose(a[k][diff <= 1e-6], b[k][diff <= 1e-6], rtol=0, atol=2e-7), k
+    assert far <= bound
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +117,9 @@ def test_ties_equals_mergekit(tmp_path, three_adapters, count, normalize, densit
         progress=False,
     )
     assert ours.combination.startswith("ties (weights")
-    a, b, base_tensors = tensors(theirs), tensors(ours.out_dir), tensors(base)
+    a, b, base_tensors = folder_tensors(theirs), folder_tensors(ours.out_dir), folder_tensors(base)
     assert sorted(a) == sorted(b)
-    far = 0
-    for k in a:
-        # MergeKit reads each delta back as (base + delta) - base: an element at the top-k threshold may move
-        # across it; every other element agrees to float32 rounding
-        diff = (a[k] - b[k]).abs()
-        far += int((diff > 1e-6).sum())
-        assert torch.allclose(a[k][diff <= 1e-6], b[k][diff <= 1e-6], rtol=0, atol=2e-7), k
-    assert far <= 8
+    assert_close_but_at_thresholds(a, b, bound=8)
     assert sum(not torch.equal(a[k], base_tensors[k]) for k in a) == 14  # every targeted projection changed
 
 
@@ -136,9 +130,9 @@ def test_cat_with_weights_equals_mergekit_task_arithmetic(tmp_path, three_adapte
         base, adapters, weights, str(tmp_path / "mk"), str(tmp_path / "cache"), "task_arithmetic"
     )
     ours = merge_checkpoint(base, adapters, str(tmp_path / "ours"), weights=weights, progress=False)
-    a, b = tensors(theirs), tensors(ours.out_dir)
+    a, b = folder_tensors(theirs), folder_tensors(ours.out_dir)
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=2e-7) for k in a)
-    assert sum(not torch.equal(a[k], tensors(base)[k]) for k in a) == 14
+    assert sum(not torch.equal(a[k], folder_tensors(base)[k]) for k in a) == 14
 
 
 @pytest.mark.parametrize("arch,targets", [("gpt2", ["c_attn", "c_fc"]), ("llama", ["q_proj", "embed_tokens"])])
@@ -160,14 +154,9 @@ def test_ties_on_conv1d_and_embedding_layers_equals_mergekit(tmp_path, arch, tar
     ours = merge_checkpoint(
         base, adapters, str(tmp_path / "ours"), weights=[0.6, 0.4], combination="ties", density=0.4, progress=False
     )
-    a, b, base_tensors = tensors(theirs), tensors(ours.out_dir), tensors(base)
+    a, b, base_tensors = folder_tensors(theirs), folder_tensors(ours.out_dir), folder_tensors(base)
     assert sorted(a) == sorted(b)
-    far = 0
-    for k in a:  # as in test_ties_equals_mergekit: elements at a top-k threshold may differ, bounded
-        diff = (a[k] - b[k]).abs()
-        far += int((diff > 1e-6).sum())
-        assert torch.allclose(a[k][diff <= 1e-6], b[k][diff <= 1e-6], rtol=0, atol=2e-7), k
-    assert far <= 4
+    assert_close_but_at_thresholds(a, b, bound=4)
     changed = {k for k in a if not torch.equal(a[k], base_tensors[k])}
     targeted = {k for k in a if k.endswith(tuple(f"{t}.weight" for t in targets))}
     assert targeted and targeted <= changed, targeted - changed

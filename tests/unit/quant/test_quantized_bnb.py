@@ -25,7 +25,7 @@ from peft_shardmerge.checkpoint.source import open_checkpoint
 from peft_shardmerge.errors import CorruptFileError, InputError
 from peft_shardmerge.io.safetensors_io import RowReader, row_blocks
 from peft_shardmerge.testing import build_adapter, build_base, token_ids
-from tests.helpers import folder_tensors, logits_of, rel_err
+from tests.helpers import folder_tensors, logits_of, no_cpu_repack, rel_err
 
 KINDS = {
     "nf4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
@@ -47,13 +47,6 @@ METHODS = {
     "int8-skip": "bitsandbytes 8-bit (LLM.int8)",
 }
 MEASURED: dict[str, float] = {}
-
-
-def no_cpu_repack(model) -> None:
-    """Keep bitsandbytes from repacking 4-bit weights for its AVX512 CPU kernel on the first forward."""
-    for m in model.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
 
 
 def save_quantized(base: str, folder: str, kind: str, **save) -> str:
