@@ -17,6 +17,7 @@ class InputError(ShardMergeError, ValueError):
 
     Args:
         problems: every problem found, each a sentence naming what is wrong, where, and the fix.
+        when: when they were found, as the message's first line says it.
 
     Example:
         >>> raise InputError(["OUT is not empty: pass --overwrite"])
@@ -25,12 +26,12 @@ class InputError(ShardMergeError, ValueError):
           - OUT is not empty: pass --overwrite
     """
 
-    def __init__(self, problems: Iterable[str] | str):
+    def __init__(self, problems: Iterable[str] | str, when: str = "before writing anything"):
         if isinstance(problems, str):
             problems = [problems]
         self.problems = list(problems)
         n = len(self.problems)
-        head = f"{n} problem{'s' if n != 1 else ''} found before writing anything:"
+        head = f"{n} problem{'s' if n != 1 else ''} found {when}:"
         super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
 
 
@@ -136,3 +137,8 @@ class PeerLostError(ShardMergeError, RuntimeError):
 class Stopped(Exception):
     """Internal: this rank of a distributed merge stopped writing because another rank failed (that rank's message
     comes with the next step, and is what the user sees)."""
+
+
+class PlanChanged(Exception):
+    """Internal: the plan made with the model class differs from the one a merge from disk started from (made from
+    the files alone, its model-class checks running beside it); the merge is made again with the whole plan."""

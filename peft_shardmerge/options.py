@@ -100,6 +100,8 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 DEFAULT_CHUNK_ELEMS = 1 << 22
 
 
+#: when a merge from disk runs its model-class checks (:mod:`peft_shardmerge.checkpoint.model_checks`)
+MODEL_CHECKS = ("auto", "first", "beside")
 #: where the merge maths may run (``"cuda:N"`` too)
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -123,6 +125,7 @@ _ONE_PATH = {
     ),
     "resume": (DISK, "resume applies to merges from disk"),
     "workers": (DISK, "workers applies to merges from disk; a loaded model is merged one module at a time"),
+    "model_checks": (DISK, "model_checks applies to merges from disk; a loaded model's class is already built"),
     "maximum_memory_usage": (
         MODEL,
         "maximum_memory_usage applies to merges of a loaded model; from disk, device= chooses where the maths runs",
@@ -175,6 +178,11 @@ class MergeOptions:
         chunk_elems: elements per row block (bounds peak memory).
         resume: keep the verified shards of an interrupted run of the same merge (from disk).
         workers: tensors merged at once, each on its own thread (from disk); None: one per CPU, at most 8.
+        model_checks: when a merge from disk builds the model class on the meta device and asks PEFT which adapter
+            tensors it loads: ``"first"``, before anything is read; ``"beside"``, in a second process while the merge
+            streams the plan made from the files, the two plans compared before the commit (the merge is made again
+            if they differ; an error is raised with nothing committed); ``"auto"`` (the default): beside where this
+            process has not imported PEFT yet and has two CPUs or more (a fresh command line), else first.
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory a loaded model's merge may occupy.
 
     Example:
@@ -204,6 +212,7 @@ class MergeOptions:
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     resume: bool = True
     workers: int | None = None
+    model_checks: str = "auto"
     maximum_memory_usage: float = 0.9
     # dtype and max_shard_size parsed once, in __post_init__: the value, or the problems of one that does not parse
     _out_dtype: torch.dtype | None = field(default=None, init=False, repr=False, compare=False)
@@ -309,6 +318,8 @@ class MergeOptions:
             not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers <= 0
         ):
             problems.append(f"workers must be a positive int or None (one per CPU, at most 8), got {self.workers!r}")
+        if self.model_checks not in MODEL_CHECKS:
+            problems.append(f"model_checks must be one of {', '.join(MODEL_CHECKS)}, got {self.model_checks!r}")
         for name in ("nf4_double_quant", "overwrite", "progress", "resume"):
             problems += _bool_problem(name, getattr(self, name))
         defaults = {f.name: f.default for f in fields(self) if f.init}

@@ -11,6 +11,7 @@ import sys
 from ..errors import ShardMergeError
 from ..support.combinations import COMBINATIONS, MAJORITY_SIGNS
 from ..version import __version__
+from .model_checks import ChecksBeside, checks_beside
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -148,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tensors merged at once, each on its own thread (default: one per CPU, at most 8; same bytes)",
     )
+    m.add_argument(
+        "--model-checks",
+        choices=["auto", "first", "beside"],
+        default="auto",
+        help="build the model class and run PEFT's load check first, or in a second process beside the merge "
+        "(compared before the commit); auto: beside on two CPUs or more, outside torchrun (same bytes)",
+    )
     m.add_argument("--dry-run", action="store_true", help="print the plan and exit; read no tensor data")
     m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
     v = sub.add_parser(
@@ -213,14 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ..output.files import held_signals
 
-        with held_signals():  # Ctrl-C while torch loads would break the import; it is delivered once loaded
-            from .disk import merge_checkpoint
-
         adapters = [args.adapter, *args.add_adapter]
-        report = merge_checkpoint(
-            args.base,
-            adapters[0] if len(adapters) == 1 else adapters,
-            args.out,
+
+        options = dict(
             weights=args.weights,
             combination=args.combination,
             density=args.density,
@@ -235,11 +238,18 @@ def main(argv: list[str] | None = None) -> int:
             nf4_double_quant=args.nf4_double_quant,
             device=args.device,
             workers=args.workers,
+            model_checks=args.model_checks,
             overwrite=args.overwrite,
-            dry_run=args.dry_run,
             progress=not args.quiet and not rank,
-            distributed=True,
         )
+        if rank is None and checks_beside(args.model_checks, distributed=False, dry_run=args.dry_run):
+            ChecksBeside.start_early((args.base, adapters), options)  # while this process imports torch
+
+        with held_signals():  # Ctrl-C while torch loads would break the import; it is delivered once loaded
+            from .disk import merge_checkpoint
+
+        adapter = adapters[0] if len(adapters) == 1 else adapters
+        report = merge_checkpoint(args.base, adapter, args.out, dry_run=args.dry_run, distributed=True, **options)
     except ShardMergeError as e:
         print(f"{_who(rank)}: error: {command_line_text(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -17,10 +17,12 @@ from ..engine.execute import resolve_device, run
 from ..engine.pipeline import default_workers
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
-from ..errors import FileSystemError, InputError, ShardMergeError
+from ..engine.source import Alone
+from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
 from ..output.checks import check_out_dir, path_argument
 from ..output.staging import NOTHING_WRITTEN
+from .model_checks import ChecksBeside, checks_beside, outline
 from .quiet import quiet_libraries
 
 log = logging.getLogger(__name__)
@@ -155,6 +157,14 @@ def plan_with_options(
         InputError, NotFoundError, UnsupportedError, CorruptFileError: as :func:`plan_checkpoint_merge`.
 
     """
+    return _plan(base, adapter, out_dir, opts, problems, recover=recover)[0]
+
+
+def _plan(
+    base, adapter, out_dir, opts: MergeOptions, problems: list[str] | None, *, recover: bool, beside: bool = False
+) -> tuple[Plan, ChecksBeside | None]:
+    """:func:`plan_with_options`; with ``beside``, the plan from the files alone and the second process checking it
+    (the whole plan, made here, where that plan has problems)."""
     problems = list(problems if problems is not None else opts.problems())
     opts = opts.for_path("disk")
     base, bad_base = path_argument(base, "base")
@@ -166,7 +176,40 @@ def plan_with_options(
         resolve_device(opts.device)
     except InputError as e:
         problems += [p for p in e.problems if p not in problems]
-    return plan_from_folders(base, locations, opts, problems, out_dir=out_dir, check_out=True, recover=recover)
+    check_out = out_dir is not None  # None: the second process's whole plan (the merge checked OUT)
+    if beside and not problems:
+        checks = ChecksBeside.take((base, locations), opts)
+        try:
+            plan = plan_from_folders(
+                base, locations, opts, problems, out_dir=out_dir, check_out=True, recover=recover, model_checks=False
+            )
+            return plan, checks
+        except ShardMergeError:  # said again, with every problem at once, by the whole plan
+            checks.stop()
+    with quiet_libraries():  # transformers and PEFT may be imported here for the first time
+        plan = plan_from_folders(
+            base, locations, opts, problems, out_dir=out_dir, check_out=check_out, recover=recover
+        )
+    return plan, None
+
+
+def whole_plan(base, adapter, opts: MergeOptions, problems: list[str]) -> Plan:
+    """The plan a merge's model-class checks make beside it (:mod:`~peft_shardmerge.api.model_checks`): every check
+    but those of the output folder, which the merge made.
+
+    Args:
+        base: the base argument, as the merge was given it.
+        adapter: the adapter argument (one or a list).
+        opts: the options.
+        problems: problems found already.
+
+    Returns:
+        The :class:`~peft_shardmerge.engine.plan.Plan`.
+
+    Raises:
+        InputError, NotFoundError, UnsupportedError, CorruptFileError: as :func:`plan_checkpoint_merge`.
+    """
+    return _plan(base, adapter, None, opts, problems, recover=False)[0]
 
 
 def _adapter_locations(adapter) -> tuple[list, list[str]]:
@@ -210,6 +253,7 @@ def merge_checkpoint(
     before_commit: Callable[[str], None] | None = None,
     resume: bool = True,
     workers: int | None = None,
+    model_checks: str = "auto",
     options: MergeOptions | None = None,
     distributed: bool = False,
 ) -> MergeReport:
@@ -253,6 +297,11 @@ def merge_checkpoint(
             finished and verified shards (``.<OUT>.partial/manifest.json``) and redo the rest.
         workers: tensors merged at once, each on its own thread; None (the default) is one per CPU, at most 8.
             The bytes written do not depend on it.
+        model_checks: when the model class is built on the meta device and PEFT asked which adapter tensors it
+            loads: ``"first"``, before anything is read; ``"beside"``, in a second process while the merge streams
+            the plan made from the files (compared before the commit: the merge is made again where the two differ,
+            and their error is raised with nothing committed); ``"auto"``: beside where PEFT is not imported yet and
+            two CPUs or more are free (a command line's start-up), else first. The bytes do not depend on it.
         options: the knobs above as one :class:`~peft_shardmerge.options.MergeOptions` (all but ``dry_run``,
             ``before_commit`` and ``distributed``); the precedence of :func:`plan_checkpoint_merge` applies.
         distributed: split the merge over the ranks of the job this process belongs to; every rank must call this
@@ -306,8 +355,9 @@ def merge_checkpoint(
         chunk_elems=chunk_elems,
         resume=resume,
         workers=workers,
+        model_checks=model_checks,
     )
-    with quiet_libraries():
+    with quiet_libraries(transformers=False):  # each step that may import it holds its messages back itself
         if not distributed:
             return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, JobSteps(World(), STEPS))
         with joined_world(opts.device) as world:
@@ -324,8 +374,9 @@ def _merge(
     base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_run: bool, before_commit, steps: JobSteps
 ) -> MergeReport:
     """Plan (every rank agreeing on the plan in a distributed job), then carry the plan out or describe it."""
+    beside = checks_beside(opts.model_checks, distributed=steps.world.distributed, dry_run=dry_run)
     try:
-        plan = plan_with_options(base, adapter, out_dir, opts, problems, recover=not dry_run)
+        plan, checks = _plan(base, adapter, out_dir, opts, problems, recover=not dry_run, beside=beside)
     except OSError as e:  # the filesystem failed while reading the inputs: say so in the family, with OUT's state
         if isinstance(e, ShardMergeError):
             raise
@@ -349,12 +400,32 @@ def _merge(
             plan_text=plan.describe(),
             reproduces=plan.reproduces,
         )
+    if checks is None:
+        return _run(plan, out_dir, opts, before_commit, steps)
+    confirm = _Confirmed(plan, checks)
+    try:
+        return _run(plan, out_dir, opts, before_commit, steps, confirm)
+    except PlanChanged as e:
+        log.info("%s; merging again with it", e)
+    finally:
+        checks.stop()
+    with quiet_libraries():  # its imports, made here for the first time, held back too
+        plan = plan_with_options(base, adapter, out_dir, opts, problems, recover=True)
+    return _run(plan, out_dir, opts, before_commit, steps)
+
+
+def _run(
+    plan: Plan, out_dir: str, opts: MergeOptions, before_commit, steps: JobSteps, confirm: "_Confirmed | None" = None
+) -> MergeReport:
+    """Carry the plan out into ``out_dir`` (checked by ``confirm`` between tensors and before the commit)."""
     reader = CheckpointReader(
         plan,
         steps.world.device(resolve_device(opts.device)),
         resume=opts.resume,
         workers=opts.workers or default_workers(steps.world.local_size),
     )
+    if confirm is not None:
+        before_commit = confirm.then(before_commit)
     return run(
         plan,
         reader,
@@ -362,5 +433,47 @@ def _merge(
         overwrite=opts.overwrite,
         progress=opts.progress,
         before_commit=before_commit,
-        coordinator=SpreadShards(plan, steps) if steps.world.distributed else None,
+        coordinator=SpreadShards(plan, steps) if steps.world.distributed else confirm,
     )
+
+
+#: how an error found by the checks beside a merge begins
+BESIDE_FOUND = "by the model-class checks run beside the merge; its output was discarded and OUT is unchanged"
+
+
+class _Confirmed(Alone):
+    """A merge by one process whose model-class checks run beside it: their plan must be the one merged. Between
+    tensors their verdict is taken as soon as they have one; before the commit it is waited for. A different plan
+    raises :class:`PlanChanged`; checks that did not plan are made here, raising their problems."""
+
+    def __init__(self, plan: Plan, checks: ChecksBeside):
+        self.plan, self.checks, self.confirmed = plan, checks, False
+
+    def before(self, t) -> None:
+        if not self.confirmed and self.checks.done():
+            self.confirm()
+
+    def confirm(self) -> None:
+        """Take the checks' verdict (waiting for it); raise when the plan they made is not this one."""
+        if self.confirmed:
+            return
+        made = self.checks.join()
+        if made is None:  # the second process did not plan: plan here, raising its problems with their own type
+            try:
+                with quiet_libraries():
+                    made = outline(whole_plan(*self.checks.given, self.checks.opts, []))
+            except InputError as e:
+                raise InputError(e.problems, when=BESIDE_FOUND) from e
+        if made != outline(self.plan):
+            raise PlanChanged("the plan made with the model class differs from the one made from the files alone")
+        self.confirmed = True
+
+    def then(self, before_commit) -> Callable[[str], None]:
+        """The hook before the commit: the verdict, then the caller's ``before_commit``."""
+
+        def hook(staging: str) -> None:
+            self.confirm()
+            if before_commit is not None:
+                before_commit(staging)
+
+        return hook

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -24,7 +25,7 @@ class _DropBelowError(logging.Filter):
 
 
 @contextmanager
-def quiet_libraries() -> Iterator[None]:
+def quiet_libraries(transformers: bool = True) -> Iterator[None]:
     """Hold back the libraries' own messages for the duration of a merge, then restore every setting as it was.
 
     Warnings raised in the libraries' modules are ignored; their loggers pass only errors (DeepSpeed's too: its
@@ -32,6 +33,14 @@ def quiet_libraries() -> Iterator[None]:
     huggingface_hub's progress bars ("Loading weights") are off. Our own log records, warnings and progress bar are
     untouched. When the ``peft_shardmerge`` logger is enabled for DEBUG (``peft-shardmerge -v``), nothing is held
     back.
+
+    Blocks nest: a block inside another holds back only what the outer one could not (transformers, imported
+    inside it for the first time), and the outermost block puts every setting back.
+
+    Args:
+        transformers: import transformers (half a second) and hold it back; False leaves it unimported, for a merge
+            from disk whose model-class checks run beside it (the code that may import it later opens a block of its
+            own inside).
 
     Returns:
         A context manager.
@@ -43,21 +52,53 @@ def quiet_libraries() -> Iterator[None]:
     if logging.getLogger("peft_shardmerge").isEnabledFor(logging.DEBUG):
         yield
         return
+    if _OPEN:  # inside a block: the outer one holds everything back but a transformers it did not import
+        if transformers:
+            _hold_back_transformers(_OPEN[-1])
+        yield
+        return
     with ExitStack() as stack:
         stack.enter_context(_warnings_ignored())
-        stack.enter_context(_progress_bars_off())
-        loggers = [logging.getLogger(name) for name in LIBRARIES]
-        levels = [logger.level for logger in loggers]
-        deepspeed, drop = logging.getLogger(DEEPSPEED_LOGGER), _DropBelowError()
-        for logger in loggers:
+        stack.enter_context(_hub_bars_off())
+        saved = {
+            "levels": {name: logging.getLogger(name).level for name in LIBRARIES},
+            "had_transformers": "transformers.utils.logging" in sys.modules,
+        }
+        for name in LIBRARIES:
+            logger = logging.getLogger(name)
             logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
+        if transformers or saved["had_transformers"]:
+            _hold_back_transformers(saved)
+        deepspeed, drop = logging.getLogger(DEEPSPEED_LOGGER), _DropBelowError()
         deepspeed.addFilter(drop)
+        _OPEN.append(saved)
         try:
             yield
         finally:
+            _OPEN.pop()
             deepspeed.removeFilter(drop)
-            for logger, level in zip(loggers, levels):
-                logger.setLevel(level)
+            for name, level in saved["levels"].items():
+                logging.getLogger(name).setLevel(level)
+            if saved.get("bars"):
+                sys.modules["transformers.utils.logging"].enable_progress_bar()
+
+
+#: the settings the outermost open block puts back (a block inside it adds transformers' when it imports it)
+_OPEN: list[dict] = []
+
+
+def _hold_back_transformers(saved: dict) -> None:
+    """transformers' logger to errors and its progress bars off, once per outermost block. Its first import sets its
+    logger's level: imported since the block began, that level is the one put back."""
+    if "bars" in saved:
+        return
+    hf_logging = importlib.import_module("transformers.utils.logging")
+    logger = logging.getLogger("transformers")
+    if not saved["had_transformers"]:
+        saved["levels"]["transformers"] = logger.level
+    logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
+    saved["bars"] = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
 
 
 @contextmanager
@@ -73,17 +114,12 @@ def _warnings_ignored() -> Iterator[None]:
 
 
 @contextmanager
-def _progress_bars_off() -> Iterator[None]:
-    """transformers' and huggingface_hub's progress bars off, each put back as it was."""
-    from transformers.utils import logging as hf_logging  # configured here, so that its logger keeps our level
-
+def _hub_bars_off() -> Iterator[None]:
+    """huggingface_hub's progress bars off, put back as they were."""
     hub_states = importlib.import_module("huggingface_hub.utils.tqdm").progress_bar_states  # the module, not the class
-    bars, saved = hf_logging.is_progress_bar_enabled(), dict(hub_states)
-    hf_logging.disable_progress_bar()
+    saved = dict(hub_states)
     try:
         yield
     finally:
-        if bars:
-            hf_logging.enable_progress_bar()
         hub_states.clear()
         hub_states.update(saved)

@@ -353,6 +353,7 @@ def plan_from_folders(
     out_dir: str | None = None,
     check_out: bool = False,
     recover: bool = False,
+    model_checks: bool = True,
 ) -> Plan:
     """Plan the merge of adapter folders into a base checkpoint: the one planner entry of a merge from disk (the
     command line, :func:`~peft_shardmerge.api.disk.merge_checkpoint`, a loaded model's original checkpoint).
@@ -367,6 +368,9 @@ def plan_from_folders(
         check_out: check ``out_dir`` as :func:`~peft_shardmerge.output.checks.check_out_dir` does (False: the
             caller did).
         recover: with ``check_out``, first finish or undo the commit of a killed merge into ``out_dir``.
+        model_checks: build the model class on the meta device and ask PEFT which adapter tensors it loads; False
+            plans from the files alone (as for a custom architecture), for a merge whose checks run beside it
+            (:mod:`~peft_shardmerge.checkpoint.model_checks`).
 
     Returns:
         The :class:`Plan`; its ``reproduces`` says which model the output is, its first notes compare the base with
@@ -401,8 +405,9 @@ def plan_from_folders(
             **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f for i, f in enumerate(spec.folders)},
         }
         problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
-    info = inspect_model(src.folder)
-    problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
+    info = inspect_model(src.folder) if model_checks else ModelInfo()
+    if model_checks:
+        problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore
     if spec.needs_layers:
         from transformers import AutoConfig
 

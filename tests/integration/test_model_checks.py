@@ -1,0 +1,178 @@
+"""A merge from disk whose model-class checks run beside it (a second process with the real transformers and PEFT):
+the same files as with the checks made first, their problems raised with nothing committed, a plan they change merged
+again, and the command line starting them before it imports torch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from peft_shardmerge import InputError, merge_checkpoint
+from peft_shardmerge.api import model_checks
+from peft_shardmerge.api.model_checks import ChecksBeside, checks_beside, outline
+from peft_shardmerge.checkpoint.planner import plan_from_folders
+from peft_shardmerge.options import MergeOptions
+from peft_shardmerge.testing import build_adapter, build_base
+from tests.helpers import tree
+
+
+def _merge(base, adapter, out, mode: str, **kw):
+    return merge_checkpoint(base, adapter, str(out), progress=False, model_checks=mode, **kw)
+
+
+@pytest.mark.parametrize("name", ["llama_sharded", "gpt2", "qwen2"])
+def test_checks_beside_write_the_files_checks_made_first_write(make_base, make_adapter, tmp_path, name, caplog):
+    base, adapter = make_base(name), make_adapter(name, "default")
+    _merge(base, adapter, tmp_path / "first", "first", dtype="bfloat16", max_shard_size="100KB")
+    with caplog.at_level(logging.DEBUG, logger="peft_shardmerge"):
+        report = _merge(base, adapter, tmp_path / "beside", "beside", dtype="bfloat16", max_shard_size="100KB")
+    assert "model-class checks beside the merge: done" in caplog.text  # they ran, in the second process
+    assert "merging again" not in caplog.text
+    assert report.lora_modules_merged == report.lora_modules_total > 0
+    assert tree(tmp_path / "beside") == tree(tmp_path / "first")  # shards, index, config, side files, record
+
+
+def test_the_plan_from_the_files_alone_is_the_whole_plan_where_the_class_adds_nothing(make_base, make_adapter):
+    base, adapter = make_base("gpt2"), make_adapter("gpt2", "default")  # Conv1D: the layout from the adapter's flag
+    opts = MergeOptions().for_path("disk")
+    whole = plan_from_folders(base, [adapter], opts)
+    alone = plan_from_folders(base, [adapter], opts, model_checks=False)
+    assert outline(alone) == outline(whole)
+    other = plan_from_folders(base, [adapter], MergeOptions(dtype="bfloat16").for_path("disk"))
+    assert outline(other) != outline(whole)
+
+
+def _with_base_weight(adapter: str) -> None:
+    """An adapter file that also holds its LoRA module's base weight, which PeftModel.from_pretrained ignores."""
+    path = os.path.join(adapter, "adapter_model.safetensors")
+    weights = load_file(path)
+    weights["base_model.model.model.layers.0.self_attn.q_proj.weight"] = torch.ones(128, 128)
+    save_file(weights, path)
+
+
+def test_a_problem_only_the_checks_find_is_raised_with_nothing_committed(make_base, tmp_path):
+    base = make_base("llama")
+    adapter = build_adapter(base, str(tmp_path / "adapter"))
+    _with_base_weight(adapter)
+    with pytest.raises(InputError) as first:
+        _merge(base, adapter, tmp_path / "first", "first")
+    assert "before writing anything" in str(first.value)
+    with pytest.raises(InputError) as beside:
+        _merge(base, adapter, tmp_path / "out", "beside")
+    assert beside.value.problems == first.value.problems  # PEFT's own load check, from the second process's side
+    assert "would not be loaded by PEFT" in str(beside.value)
+    assert "run beside the merge; its output was discarded and OUT is unchanged" in str(beside.value)
+    assert sorted(os.listdir(tmp_path)) == ["adapter"]  # no output, no staging folder, no lock
+
+
+def test_a_plan_the_model_class_changes_is_merged_again_with_it(tmp_path, caplog):
+    base = build_base(str(tmp_path / "base"), "qwen2")  # tied embeddings: the class unties them under a LoRA
+    adapter = build_adapter(base, str(tmp_path / "adapter"), target_modules=["q_proj", "embed_tokens"])
+    opts = MergeOptions().for_path("disk")
+    alone = plan_from_folders(base, [adapter], opts, model_checks=False)
+    whole = plan_from_folders(base, [adapter], opts)
+    assert alone.untied == [] and whole.untied  # the case: only the class knows the tie
+    _merge(base, adapter, tmp_path / "first", "first")
+    with caplog.at_level(logging.INFO, logger="peft_shardmerge"):
+        _merge(base, adapter, tmp_path / "beside", "beside")
+    assert "differs from the one made from the files alone; merging again with it" in caplog.text
+    assert tree(tmp_path / "beside") == tree(tmp_path / "first")
+    assert sorted(os.listdir(tmp_path)) == ["adapter", "base", "beside", "first"]
+
+
+def test_a_second_process_that_cannot_plan_is_replaced_by_planning_here(
+    make_base, make_adapter, tmp_path, monkeypatch
+):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    _merge(base, adapter, tmp_path / "first", "first")
+    monkeypatch.setattr(model_checks, "CHILD", "peft_shardmerge.api.no_such_module")  # it exits at once, status 1
+    _merge(base, adapter, tmp_path / "beside", "beside")
+    assert tree(tmp_path / "beside") == tree(tmp_path / "first")
+
+
+def test_when_the_checks_run_beside():
+    assert checks_beside("beside", distributed=False, dry_run=False)
+    assert not checks_beside("first", distributed=False, dry_run=False)
+    assert not checks_beside("beside", distributed=True, dry_run=False)  # the ranks agree on one plan, made first
+    assert not checks_beside("beside", distributed=False, dry_run=True)  # a dry run prints the whole plan
+    assert "peft" in sys.modules and not checks_beside("auto", distributed=False, dry_run=False)  # imports paid
+    assert MergeOptions(model_checks="later").problems() == [
+        "model_checks must be one of auto, first, beside, got 'later'"
+    ]
+
+
+def test_checks_started_early_are_taken_over_by_the_same_merge_only(make_base, make_adapter):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    options = {"dtype": "bfloat16", "workers": 1}
+    ChecksBeside.start_early((base, [adapter]), options)
+    early = model_checks._EARLY[0]
+    same = ChecksBeside.take((base, [adapter]), MergeOptions(dtype="bfloat16", workers=1).for_path("disk"))
+    assert same is early and model_checks._EARLY == []
+    same.stop()
+    ChecksBeside.start_early((base, [adapter]), options)
+    early = model_checks._EARLY[0]
+    other = ChecksBeside.take((base, [adapter]), MergeOptions(dtype="float16", workers=1).for_path("disk"))
+    assert other is not early and early.proc.poll() is not None  # the early ones, for another merge, were ended
+    assert other.opts.dtype == "float16"
+    other.stop()
+
+
+def test_the_command_line_starts_the_checks_beside_before_importing_torch(make_base, make_adapter, tmp_path):
+    base, adapter = make_base("llama_sharded"), make_adapter("llama_sharded", "default")
+    out = tmp_path / "cli"
+    r = subprocess.run(
+        [sys.executable, "-m", "peft_shardmerge", "merge", "-v", base, adapter, str(out), "--dtype", "bfloat16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "model-class checks beside the merge: the ones started early" in r.stderr
+    assert "model-class checks beside the merge: done" in r.stderr
+    _merge(base, adapter, tmp_path / "first", "first", dtype="bfloat16")
+    assert tree(out) == tree(tmp_path / "first")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "peft_shardmerge",
+            "merge",
+            "-v",
+            base,
+            adapter,
+            str(tmp_path / "f2"),
+            "--model-checks",
+            "first",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0 and "model-class checks beside" not in r.stderr
+
+
+def test_between_tensors_a_finished_second_process_stops_a_merge_of_another_plan(make_base, make_adapter):
+    from peft_shardmerge.api.disk import _Confirmed
+    from peft_shardmerge.errors import PlanChanged
+
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    plan = plan_from_folders(base, [adapter], MergeOptions(dtype="bfloat16").for_path("disk"), model_checks=False)
+    for dtype, changed in (("float16", True), ("bfloat16", False)):
+        checks = ChecksBeside((base, [adapter]), {"dtype": dtype})
+        confirm = _Confirmed(plan, checks)
+        checks.proc.wait()
+        try:
+            if changed:
+                with pytest.raises(PlanChanged):
+                    confirm.before(plan.tensors[0])
+            else:
+                confirm.before(plan.tensors[0])
+                assert confirm.confirmed
+        finally:
+            checks.stop()
