@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import platform
+import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -221,10 +223,20 @@ print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_rss": peak, "baseline_rss"
 """
 
 
+#: the command line, timed from outside: its start-up (interpreter, imports, checks, plan) included
+COMMANDS = {
+    "cli": ["merge", "--model-checks", "auto"],
+    "cli_first": ["merge", "--model-checks", "first"],
+    "cli_dry_run": ["merge", "--dry-run"],
+}
+
+
 def run(method: str, base: str, adapter: str) -> dict:
     out = os.path.join(WORK, f"out-{method}")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     os.sync()  # start every run with no dirty pages from the previous one being written back
+    if method in COMMANDS:
+        return run_command(method, base, adapter, out, env)
     p = subprocess.run(
         [sys.executable, "-c", CHILD, method, base, adapter, out],
         capture_output=True,
@@ -239,12 +251,36 @@ def run(method: str, base: str, adapter: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def run_command(method: str, base: str, adapter: str, out: str, env: dict) -> dict:
+    """One run of ``peft-shardmerge merge`` in a fresh process: its wall and CPU time (every process it started), and
+    the merge's own wall time from its summary (``wall time ... s``; none for a dry run)."""
+    cmd = [sys.executable, "-m", "peft_shardmerge", *COMMANDS[method][:1], base, adapter, out, *COMMANDS[method][1:]]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    shutil.rmtree(out, ignore_errors=True)
+    os.sync()
+    if p.returncode != 0:
+        raise RuntimeError(f"{method} failed:\n{p.stderr[-3000:]}")
+    merge = re.search(r"wall time ([0-9.]+) s", p.stdout)
+    return {
+        "wall_s": wall,
+        "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "merge_s": float(merge.group(1)) if merge else None,
+        "peak_rss": after.ru_maxrss * 1024,
+        "baseline_rss": 0,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.5B,1B")
     ap.add_argument(
         "--methods",
-        default="copy,copy_fsync,peft_shardmerge,peft_shardmerge_500MB,peft,mergekit,peft_shardmerge_ties,mergekit_ties",
+        default="copy,copy_fsync,peft_shardmerge,peft_shardmerge_500MB,peft,mergekit,peft_shardmerge_ties,mergekit_ties,"
+        "cli,cli_first,cli_dry_run",
     )
     ap.add_argument(
         "--inprocess-sizes",
@@ -266,7 +302,8 @@ def main() -> int:
                 runs.setdefault(method, []).append(r)
                 print(
                     f"{size} {method}: {r['wall_s']:.2f} s, "
-                    f"peak RSS +{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB",
+                    f"peak RSS +{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB"
+                    + (f", the merge itself {r['merge_s']:.2f} s" if r.get("merge_s") else ""),
                     flush=True,
                 )
         summary = {m: summarize(rs) for m, rs in runs.items()}
@@ -302,7 +339,9 @@ def main() -> int:
 def summarize(runs: list[dict]) -> dict:
     """Median wall time with its range, and the highest peak RSS over baseline, of repeated runs."""
     walls = sorted(r["wall_s"] for r in runs)
+    merges = sorted(r["merge_s"] for r in runs if r.get("merge_s") is not None)
     return {
+        "merge_s": merges[len(merges) // 2] if merges else None,
         "wall_s": walls[len(walls) // 2],
         "cpu_s": sorted(r["cpu_s"] for r in runs)[len(runs) // 2],
         "wall_min": walls[0],
@@ -351,6 +390,8 @@ def format_table(rows, args, inproc=()) -> str:
         "peft_shardmerge_ties": 'peft-shardmerge, two adapters, `combination="ties"`, density 0.5',
         "mergekit_ties": "MergeKit `ties` of two `BASE+ADAPTER` references, density 0.5",
     }
+    commands = [row for row in rows if row[2] in COMMANDS]
+    rows = [row for row in rows if row[2] not in COMMANDS]
     for size, params, method, r, copy_wall in rows:
         ratio = f"{r['wall_s'] / copy_wall:.2f}" if copy_wall else "-"
         lines.append(
@@ -376,6 +417,8 @@ def format_table(rows, args, inproc=()) -> str:
         "elements at the top-k threshold (tests/integration/test_mergekit.py); on this bf16 base MergeKit's deltas",
         "come from bf16 merged copies (docs/variants-several-adapters.md says how the two differ).",
     ]
+    if commands:
+        lines += command_table(commands, rows, args)
     if inproc:
         lines += [
             "",
@@ -397,6 +440,40 @@ def format_table(rows, args, inproc=()) -> str:
                 f"{r['rss_over'] / 2**20:.0f} | {r['largest_module_fp32'] / 2**20:.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def command_table(commands, rows, args) -> list[str]:
+    """The command line's section: whole commands against the durable copy of the same base."""
+    durable = {size: r["wall_s"] for size, _, method, r, _ in rows if method == "copy_fsync"}
+    names = {
+        "cli": "`peft-shardmerge merge BASE ADAPTER OUT` (model-class checks beside the merge: the default here)",
+        "cli_first": "`... --model-checks first` (the checks, then the merge)",
+        "cli_dry_run": "`... --dry-run` (start-up and the whole plan; nothing read or written)",
+    }
+    lines = [
+        "",
+        "## The command line, start-up included",
+        "",
+        "The same bases and adapters, merged by the command in a fresh process, timed from outside (median of "
+        f"{args.repeats}",
+        'interleaved runs, range in brackets); × durable copy is against the row "copy the files, then fsync each" '
+        "above.",
+        '"The merge itself" is the summary\'s wall time (streaming, fsyncs and, beside, the wait for the checks);',
+        "start-up is the command's wall time less that (the interpreter, imports, configs, the plan). CPU time adds",
+        "every process the command started (the second process of the checks included).",
+        "",
+        "| base | command | wall (s) | × durable copy | the merge itself (s) | start-up (s) | CPU time (s) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for size, _, method, r, _ in commands:
+        copy, merge = durable.get(size), r.get("merge_s")
+        ratio = f"{r['wall_s'] / copy:.2f}" if copy else "–"
+        split = f"{merge:.2f} | {r['wall_s'] - merge:.2f}" if merge is not None else "– | –"
+        lines.append(
+            f"| {size} | {names[method]} | {r['wall_s']:.2f} [{r['wall_min']:.2f}–{r['wall_max']:.2f}] | {ratio} | "
+            f"{split} | {r['cpu_s']:.2f} |"
+        )
+    return lines
 
 
 if __name__ == "__main__":
