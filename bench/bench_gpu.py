@@ -544,6 +544,8 @@ def speed(size: str, work: str, args) -> None:
     for device in ("cuda", "cpu") if CUDA else ("cpu",):
         r = dict(rec, method=f"ours: merge --device {device}")
         emit(ours(base, adapter, work, device, None, ref, r, copy_wall), args.json)
+    r = dict(rec, method="ours: merge --device cpu --model-checks first (the checks before the merge, not beside it)")
+    emit(ours(base, adapter, work, "cpu", None, ref, r, copy_wall, ["--model-checks", "first"]), args.json)
     emit(startup(base, adapter, work, rec), args.json)
     if CUDA and args.inprocess:
         model = load_qlora(base)
@@ -581,13 +583,24 @@ def startup(base: str, adapter: str, work: str, rec: dict) -> dict:
     return dict(rec, method="dry run (start-up)", wall_s=wall, slowest_imports=sorted(top, reverse=True)[:10])
 
 
-def ours(base: str, adapter: str, work: str, device: str, tree: str | None, ref: str, rec: dict, copy_wall: float):
-    """``peft-shardmerge merge`` from this checkout (or ``tree``): wall, CPU and peak RSS of the command, the merge's
-    own wall time from its report, and how many tensors equal PEFT's output (``ref``) byte for byte."""
+def ours(
+    base: str,
+    adapter: str,
+    work: str,
+    device: str,
+    tree: str | None,
+    ref: str,
+    rec: dict,
+    copy_wall: float,
+    extra: list[str] = (),
+):
+    """``peft-shardmerge merge`` from this checkout (or ``tree``), with ``extra`` arguments: wall, CPU and peak RSS of
+    the command, the merge's own wall time from its report, and how many tensors equal PEFT's output (``ref``) byte
+    for byte."""
     out = os.path.join(work, f"ours-{device}")
     shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--device", device]
+    cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--device", device, *extra]
     wall, text = timed(["/usr/bin/time", "-f", "TIME %e %U %S %M"] + cmd, env, cwd=tree)
     m = re.search(r"wall time ([0-9.]+) s", text)
     t = re.search(r"TIME ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9]+)", text)

@@ -184,8 +184,11 @@ def _plan(
                 base, locations, opts, problems, out_dir=out_dir, check_out=True, recover=recover, model_checks=False
             )
             return plan, checks
-        except ShardMergeError:  # said again, with every problem at once, by the whole plan
+        except BaseException as e:
             checks.stop()
+            if not isinstance(e, ShardMergeError):
+                raise
+            # a problem of the plan from the files alone: said again, with every problem at once, by the whole plan
     with quiet_libraries():  # transformers and PEFT may be imported here for the first time
         plan = plan_from_folders(
             base, locations, opts, problems, out_dir=out_dir, check_out=check_out, recover=recover
