@@ -545,7 +545,7 @@ def speed(size: str, work: str, args) -> None:
         r = dict(rec, method=f"ours: merge --device {device}")
         emit(ours(base, adapter, work, device, None, ref, r, copy_wall), args.json)
     r = dict(rec, method="ours: merge --device cpu --model-checks first (the checks before the merge, not beside it)")
-    emit(ours(base, adapter, work, "cpu", None, ref, r, copy_wall, ["--model-checks", "first"]), args.json)
+    emit(ours(base, adapter, work, "cpu", None, ref, r, copy_wall, ("--model-checks", "first")), args.json)
     emit(startup(base, adapter, work, rec), args.json)
     if CUDA and args.inprocess:
         model = load_qlora(base)
@@ -592,7 +592,7 @@ def ours(
     ref: str,
     rec: dict,
     copy_wall: float,
-    extra: list[str] = (),
+    extra: tuple[str, ...] = (),
 ):
     """``peft-shardmerge merge`` from this checkout (or ``tree``), with ``extra`` arguments: wall, CPU and peak RSS of
     the command, the merge's own wall time from its report, and how many tensors equal PEFT's output (``ref``) byte

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -255,21 +254,26 @@ def run_command(method: str, base: str, adapter: str, out: str, env: dict) -> di
     """One run of ``peft-shardmerge merge`` in a fresh process: its wall and CPU time (every process it started), and
     the merge's own wall time from its summary (``wall time ... s``; none for a dry run)."""
     cmd = [sys.executable, "-m", "peft_shardmerge", *COMMANDS[method][:1], base, adapter, out, *COMMANDS[method][1:]]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(out + ".stdout", "w+") as stdout, open(out + ".stderr", "w+") as stderr:
+        p = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
+        _, status, usage = os.wait4(p.pid, 0)  # this command's own resources, the processes it waited for included
+        wall = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0), stderr.seek(0)
+        text, errors = stdout.read(), stderr.read()
     shutil.rmtree(out, ignore_errors=True)
+    os.remove(out + ".stdout")
+    os.remove(out + ".stderr")
     os.sync()
     if p.returncode != 0:
-        raise RuntimeError(f"{method} failed:\n{p.stderr[-3000:]}")
-    merge = re.search(r"wall time ([0-9.]+) s", p.stdout)
+        raise RuntimeError(f"{method} failed:\n{errors[-3000:]}")
+    merge = re.search(r"wall time ([0-9.]+) s", text)
     return {
         "wall_s": wall,
-        "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "cpu_s": usage.ru_utime + usage.ru_stime,
         "merge_s": float(merge.group(1)) if merge else None,
-        "peak_rss": after.ru_maxrss * 1024,
+        "peak_rss": usage.ru_maxrss * 1024,
         "baseline_rss": 0,
     }
 

@@ -13,7 +13,8 @@ class ShardMergeError(Exception):
 
 
 class InputError(ShardMergeError, ValueError):
-    """One or more problems with the inputs, found before anything was written.
+    """One or more problems with the inputs, found before anything was written (or, by the model-class checks run
+    beside a merge from disk, before anything was committed: its staging folder is then removed).
 
     Args:
         problems: every problem found, each a sentence naming what is wrong, where, and the fix.

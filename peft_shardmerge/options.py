@@ -100,7 +100,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 DEFAULT_CHUNK_ELEMS = 1 << 22
 
 
-#: when a merge from disk runs its model-class checks (:mod:`peft_shardmerge.checkpoint.model_checks`)
+#: when a merge from disk runs its model-class checks (:mod:`peft_shardmerge.api.model_checks`)
 MODEL_CHECKS = ("auto", "first", "beside")
 #: where the merge maths may run (``"cuda:N"`` too)
 DEVICES = ("auto", "cpu", "cuda")

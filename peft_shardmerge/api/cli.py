@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             progress=not args.quiet and not rank,
         )
-        if rank is None and checks_beside(args.model_checks, distributed=False, dry_run=args.dry_run):
+        if rank is None and checks_beside(
+            args.model_checks, distributed=False, dry_run=args.dry_run, out_dir=args.out
+        ):
             ChecksBeside.start_early((args.base, adapters), options)  # while this process imports torch
 
         with held_signals():  # Ctrl-C while torch loads would break the import; it is delivered once loaded

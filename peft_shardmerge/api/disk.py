@@ -177,12 +177,24 @@ def _plan(
     except InputError as e:
         problems += [p for p in e.problems if p not in problems]
     check_out = out_dir is not None  # None: the second process's whole plan (the merge checked OUT)
+    checks = None
     if beside and not problems:
         checks = ChecksBeside.take((base, locations), opts)
+    else:
+        ChecksBeside.drop_early()  # started for a merge that makes its checks first
+    if checks is not None:
         try:
-            plan = plan_from_folders(
-                base, locations, opts, problems, out_dir=out_dir, check_out=True, recover=recover, model_checks=False
-            )
+            with quiet_libraries(transformers=False):  # the files may need it (PEFT-rebuilt layers): held back then
+                plan = plan_from_folders(
+                    base,
+                    locations,
+                    opts,
+                    problems,
+                    out_dir=out_dir,
+                    check_out=True,
+                    recover=recover,
+                    model_checks=False,
+                )
             return plan, checks
         except BaseException as e:
             checks.stop()
@@ -377,13 +389,8 @@ def _merge(
     base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_run: bool, before_commit, steps: JobSteps
 ) -> MergeReport:
     """Plan (every rank agreeing on the plan in a distributed job), then carry the plan out or describe it."""
-    beside = checks_beside(opts.model_checks, distributed=steps.world.distributed, dry_run=dry_run)
-    try:
-        plan, checks = _plan(base, adapter, out_dir, opts, problems, recover=not dry_run, beside=beside)
-    except OSError as e:  # the filesystem failed while reading the inputs: say so in the family, with OUT's state
-        if isinstance(e, ShardMergeError):
-            raise
-        raise FileSystemError(e, NOTHING_WRITTEN) from e
+    beside = checks_beside(opts.model_checks, distributed=steps.world.distributed, dry_run=dry_run, out_dir=out_dir)
+    plan, checks = _planned(base, adapter, out_dir, opts, problems, recover=not dry_run, beside=beside)
     agree_on_plan(steps, plan, out_dir)
     out_dir = os.path.abspath(os.fspath(out_dir))  # resolved once: every later step uses this path
     for note in plan.notes if steps.world.rank == 0 else ():
@@ -412,9 +419,20 @@ def _merge(
         log.info("%s; merging again with it", e)
     finally:
         checks.stop()
-    with quiet_libraries():  # its imports, made here for the first time, held back too
-        plan = plan_with_options(base, adapter, out_dir, opts, problems, recover=True)
+    plan, _ = _planned(base, adapter, out_dir, opts, problems, recover=True)
     return _run(plan, out_dir, opts, before_commit, steps)
+
+
+def _planned(
+    base, adapter, out_dir, opts: MergeOptions, problems: list[str], **how
+) -> tuple[Plan, ChecksBeside | None]:
+    """:func:`_plan`, a failure of the filesystem said as one (``OUT`` untouched)."""
+    try:
+        return _plan(base, adapter, out_dir, opts, problems, **how)
+    except OSError as e:
+        if isinstance(e, ShardMergeError):
+            raise
+        raise FileSystemError(e, NOTHING_WRITTEN) from e
 
 
 def _run(
@@ -453,6 +471,7 @@ class _Confirmed(Alone):
         self.plan, self.checks, self.confirmed = plan, checks, False
 
     def before(self, t) -> None:
+        """Between tensors: the checks' verdict, once they have one."""
         if not self.confirmed and self.checks.done():
             self.confirm()
 

@@ -7,25 +7,36 @@ import atexit
 import hashlib
 import json
 import logging
+import numbers
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import fields, is_dataclass
+from enum import Enum
+
+from ..output.files import sidecar
 
 log = logging.getLogger(__name__)
 
-#: the module the second process runs
-CHILD = "peft_shardmerge.api.plan_beside"
+#: what the second process runs: the parent's import path (so that it plans with the very same code), then the
+#: planner; ``-I`` keeps the environment's PYTHONPATH and the current folder out of that path
+CHILD = (
+    "import json, sys; request = json.loads(sys.stdin.readline()); sys.path[:] = request['path']; "
+    "from peft_shardmerge.api.plan_beside import main; sys.exit(main(request))"
+)
 
 
-def checks_beside(choice: str, *, distributed: bool, dry_run: bool) -> bool:
+def checks_beside(choice: str, *, distributed: bool, dry_run: bool, out_dir: str | None = None) -> bool:
     """Whether a merge from disk runs its model-class checks in a second process beside it.
 
     Args:
         choice: ``MergeOptions.model_checks``: ``"first"``, ``"beside"`` or ``"auto"``.
         distributed: the merge is split over the ranks of a job (they agree on one plan, made first).
         dry_run: only the plan is wanted (made whole, first).
+        out_dir: the output folder: where an interrupted run left shards to resume, the checks come first (the
+            shards are kept only for the plan they were made with, which may be the whole one).
 
     Returns:
         True for ``"beside"``; for ``"auto"``, where this process has not imported PEFT yet (a fresh command line,
@@ -36,7 +47,7 @@ def checks_beside(choice: str, *, distributed: bool, dry_run: bool) -> bool:
         ...     dry_run=True)
         (False, False)
     """
-    if distributed or dry_run or choice == "first":
+    if distributed or dry_run or choice == "first" or (out_dir is not None and _resumable(out_dir)):
         return False
     if choice == "beside":
         return True
@@ -47,65 +58,126 @@ def checks_beside(choice: str, *, distributed: bool, dry_run: bool) -> bool:
     return "peft" not in sys.modules and cpus >= 2
 
 
+def _resumable(out_dir) -> bool:
+    """Whether an interrupted merge into ``out_dir`` left a staging folder (``.<OUT>.partial``) to resume."""
+    try:
+        return os.path.isdir(sidecar(out_dir, "partial"))
+    except TypeError:
+        return False
+
+
 def outline(plan) -> str:
-    """A digest of everything a plan from disk writes and says: its fingerprint (inputs, options, tensors, their
-    operations and changes), every planned tensor's source and LoRA details, the config, the untied weights, the
-    notes and the printed plan.
+    """A digest of everything a plan from disk holds: its fingerprint and printed plan, and every field of the plan,
+    its inputs, tensors and their changes (walked field by field, so that a field added later is covered too),
+    temporary folders named by their order rather than their random names.
 
     Args:
         plan: a :class:`~peft_shardmerge.engine.plan.Plan` from
             :func:`~peft_shardmerge.checkpoint.planner.plan_from_folders`.
 
     Returns:
-        A hex SHA-256 digest; two plans with the same one make the same files.
+        A hex SHA-256 digest; plans with the same one make the same files.
+
+    Example:
+        >>> import os, tempfile
+        >>> from peft_shardmerge import plan_checkpoint_merge
+        >>> from peft_shardmerge.testing import build_adapter, build_base
+        >>> tmp = tempfile.mkdtemp()
+        >>> base = build_base(os.path.join(tmp, "base"))
+        >>> adapter = build_adapter(base, os.path.join(tmp, "adapter"))
+        >>> out = os.path.join(tmp, "out")
+        >>> outline(plan_checkpoint_merge(base, adapter, out)) == outline(plan_checkpoint_merge(base, adapter, out))
+        True
+        >>> outline(plan_checkpoint_merge(base, adapter, out)) == outline(
+        ...     plan_checkpoint_merge(base, adapter, out, dtype="bfloat16"))
+        False
     """
-    tensors = [
-        [
-            t.name,
-            t.out_dtype,
-            t.shard,
-            str(t.op),
-            t.part,
-            t.from_adapter,
-            t.transposed,
-            t.quantize,
-            [t.source.name, t.source.dtype, list(t.source.shape), t.source.path, t.source.offset],
-            t.source.decoder is not None,
-            [
-                [m.key, m.kind, m.rank, m.alpha, m.scaling, m.magnitude is not None, m.bias is not None, m.index]
-                for m in t.loras
-            ],
-            [m.key for m in t.bias_loras],
-            [r.key for r in t.token_rows],
-            [[o.key, getattr(o, "kind", "")] for o in t.peft_ops],
+    temporary: dict[str, str] = {}
+    text = json.dumps([plan.fingerprint(), plan.describe(), _canonical(plan, temporary, set())], sort_keys=True)
+    for path, mark in temporary.items():
+        text = text.replace(json.dumps(path)[1:-1], mark)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _canonical(value, temporary: dict[str, str], seen: set[int]):
+    """``value`` as JSON data: dataclasses field by field (those compared), tensors and modules by their bytes."""
+    torch = sys.modules.get("torch")
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tempfile.TemporaryDirectory):
+        temporary.setdefault(value.name, f"<temporary folder {len(temporary)}>")
+        return "TemporaryDirectory"
+    if torch is not None and isinstance(value, torch.Tensor):
+        data = value.detach().to("cpu").contiguous()
+        digest = hashlib.sha256(data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else ""
+        return ["tensor", str(data.dtype), list(data.shape), digest]
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return [type(value).__name__, _canonical(dict(value.state_dict()), temporary, seen)]
+    if id(value) in seen:
+        return "<seen>"
+    if is_dataclass(value) and not isinstance(value, type):
+        seen = seen | {id(value)}
+        return [type(value).__name__] + [
+            [f.name, _canonical(getattr(value, f.name), temporary, seen)] for f in fields(value) if f.compare
         ]
-        for t in plan.tensors
-    ]
-    data = [plan.fingerprint(), plan.config, plan.untied, plan.notes, plan.describe(), tensors]
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+    if isinstance(value, dict):
+        seen = seen | {id(value)}
+        return sorted([str(k), _canonical(v, temporary, seen)] for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        seen = seen | {id(value)}
+        return [_canonical(v, temporary, seen) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(json.dumps(_canonical(v, temporary, seen), sort_keys=True) for v in value)
+    return str(value) if torch is not None and isinstance(value, torch.dtype) else type(value).__name__
 
 
 class ChecksBeside:
     """The second process: it plans the same merge with every check and sends back the plan's :func:`outline`.
+    Made by :meth:`start` (None where the process cannot be started: the checks then come first).
 
     Args:
-        given: the merge's ``(base, adapter)`` arguments, as it was given them.
+        given: the merge's ``(base, adapters)`` arguments, as it resolved them.
         options: the :class:`~peft_shardmerge.options.MergeOptions` fields it was given (keywords).
     """
 
     def __init__(self, given: tuple, options: dict) -> None:
         self.given, self.options = given, options
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, OMP_NUM_THREADS="1")  # it plans; torch's thread pool would only take cores
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])  # this very package
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # never a full pipe: it never waits
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", CHILD], stdin=subprocess.PIPE, stdout=self.out, stderr=self.err, env=env
-        )
-        request = json.dumps({"given": given, "options": options}, default=_plain)
-        self.proc.stdin.write(request.encode())  # a few kB: the pipe takes it whole
-        self.proc.stdin.close()
+        try:
+            env = dict(os.environ, OMP_NUM_THREADS="1")  # it plans; torch's thread pool would only take cores
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", CHILD], stdin=subprocess.PIPE, stdout=self.out, stderr=self.err, env=env
+            )
+            request = {"path": sys.path, "given": given, "options": options}
+            self.proc.stdin.write((json.dumps(request, default=_plain) + "\n").encode())  # a few kB: taken whole
+            self.proc.stdin.close()
+        except BaseException:
+            self.stop()
+            raise
+
+    @classmethod
+    def start(cls, given: tuple, options: dict) -> "ChecksBeside | None":
+        """Start the second process.
+
+        Args:
+            given: the merge's ``(base, adapters)`` arguments.
+            options: its option keywords.
+
+        Returns:
+            The running checks, or None where no process could be started (the merge then makes them first).
+
+        Example:
+            >>> ChecksBeside.start(("base", ["adapter"]), {"weights": object()}) is None  # nothing JSON can send
+            True
+        """
+        try:
+            return cls(given, options)
+        except (OSError, ValueError, TypeError) as e:
+            log.debug("the model-class checks could not be started beside the merge (%s); they come first", e)
+            return None
 
     @classmethod
     def start_early(cls, given: tuple, options: dict) -> None:
@@ -113,29 +185,38 @@ class ChecksBeside:
         takes them over when it is called with the same arguments (else they are stopped).
 
         Args:
-            given: the merge's ``(base, adapter)`` arguments.
+            given: the merge's ``(base, adapters)`` arguments.
             options: its option keywords.
+
+        Returns:
+            None.
+        """
+        cls.drop_early()
+        early = cls.start(given, options)
+        _EARLY[:] = [early] if early is not None else []
+
+    @classmethod
+    def drop_early(cls) -> None:
+        """Stop the checks started early, if any (their merge makes its checks first, or is not called).
 
         Returns:
             None.
         """
         for early in _EARLY:
             early.stop()
-        _EARLY[:] = [cls(given, options)]
+        _EARLY.clear()
 
     @classmethod
-    def take(cls, given: tuple, opts) -> "ChecksBeside":
+    def take(cls, given: tuple, opts) -> "ChecksBeside | None":
         """The checks of this merge: those started early for it, else new ones.
 
         Args:
-            given: the merge's ``(base, adapter)`` arguments.
+            given: the merge's ``(base, adapters)`` arguments.
             opts: its options.
 
         Returns:
-            The running :class:`ChecksBeside`.
+            The running :class:`ChecksBeside`, or None where none could be started.
         """
-        from dataclasses import fields
-
         early = _EARLY.pop() if _EARLY else None
         if early is not None:
             if early.given == given and early.opts == opts:
@@ -143,7 +224,7 @@ class ChecksBeside:
                 return early
             early.stop()
         log.debug("model-class checks beside the merge: started")
-        return cls(given, {f.name: getattr(opts, f.name) for f in fields(opts) if f.init})
+        return cls.start(given, {f.name: getattr(opts, f.name) for f in fields(opts) if f.init})
 
     @property
     def opts(self):
@@ -177,33 +258,17 @@ class ChecksBeside:
 
     def stop(self) -> None:
         """End the second process if it still runs and drop its files."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
         self.out.close()
         self.err.close()
 
 
 #: the checks started early for a merge about to be called (at most one)
 _EARLY: list[ChecksBeside] = []
-
-
-@atexit.register
-def _stop_early() -> None:
-    """Checks started early for a merge never called end with this process."""
-    for early in _EARLY:
-        early.stop()
-
-
-#: the checks started early for a merge about to be called (at most one)
-_EARLY: list[ChecksBeside] = []
-
-
-@atexit.register
-def _stop_early() -> None:
-    """Checks started early for a merge never called end with this process."""
-    for early in _EARLY:
-        early.stop()
+atexit.register(ChecksBeside.drop_early)  # checks started early for a merge never called end with this process
 
 
 def options_from(options: dict):
@@ -214,6 +279,10 @@ def options_from(options: dict):
 
     Returns:
         The options, for the disk path.
+
+    Example:
+        >>> options_from({"dtype": "bfloat16", "weights": [0.7, 0.3]}).weights
+        (0.7, 0.3)
     """
     from ..options import MergeOptions
 
@@ -221,7 +290,14 @@ def options_from(options: dict):
 
 
 def _plain(value):
-    """A value JSON cannot write, as text: a torch dtype by its name (``bfloat16``), a path as a string."""
+    """A value JSON cannot write, as JSON can: numbers (numpy's too) as numbers, a torch dtype by its name
+    (``bfloat16``), a path as a string; anything else is refused."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    return str(value).removeprefix("torch.")
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return str(value).removeprefix("torch.")
+    raise TypeError(f"{type(value).__name__} cannot be sent to the second process")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -10,22 +11,23 @@ from .model_checks import options_from, outline
 from .quiet import quiet_libraries
 
 
-def main() -> int:
-    """Plan from the JSON request on stdin, write ``{"outline": ...}`` or ``{"error": ...}`` on stdout.
+def main(request: dict) -> int:
+    """Plan the merge a request names and write ``{"outline": ...}`` or ``{"error": ...}`` on stdout; what the
+    libraries print meanwhile goes to stderr, so that the answer is all stdout holds.
+
+    Args:
+        request: ``{"given": [base, adapters], "options": {...}}``, as :class:`~peft_shardmerge.api.model_checks.
+            ChecksBeside` sends it.
 
     Returns:
         0: the answer, an error included, is written.
     """
-    request = json.load(sys.stdin)
+    answer_to = sys.stdout
     try:
-        with quiet_libraries():
+        with contextlib.redirect_stdout(sys.stderr), quiet_libraries():
             plan = whole_plan(*request["given"], options_from(request["options"]), [])
         answer = {"outline": outline(plan)}
     except Exception as e:  # said again, with its own type, by the merge's process planning itself
         answer = {"error": f"{type(e).__name__}: {e}"}
-    json.dump(answer, sys.stdout)
+    json.dump(answer, answer_to)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

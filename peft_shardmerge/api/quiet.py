@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -34,13 +35,13 @@ def quiet_libraries(transformers: bool = True) -> Iterator[None]:
     untouched. When the ``peft_shardmerge`` logger is enabled for DEBUG (``peft-shardmerge -v``), nothing is held
     back.
 
-    Blocks nest: a block inside another holds back only what the outer one could not (transformers, imported
-    inside it for the first time), and the outermost block puts every setting back.
+    Blocks nest, and blocks of several threads overlap: the first to open holds the libraries back, the last to
+    close puts every setting back. transformers, whose first import sets its logger's level, is held back when a
+    block opens or closes after that import (the level its import set is then the one put back).
 
     Args:
         transformers: import transformers (half a second) and hold it back; False leaves it unimported, for a merge
-            from disk whose model-class checks run beside it (the code that may import it later opens a block of its
-            own inside).
+            from disk whose model-class checks run beside it (the steps that may import it open a block inside).
 
     Returns:
         A context manager.
@@ -52,39 +53,66 @@ def quiet_libraries(transformers: bool = True) -> Iterator[None]:
     if logging.getLogger("peft_shardmerge").isEnabledFor(logging.DEBUG):
         yield
         return
-    if _OPEN:  # inside a block: the outer one holds everything back but a transformers it did not import
-        if transformers:
-            _hold_back_transformers(_OPEN[-1])
+    with _LOCK:
+        if not _OPEN:
+            _OPEN.append(_held_back())
+        _OPEN.append(None)  # one entry per open block, after the settings of the first
+        try:
+            if transformers or "transformers.utils.logging" in sys.modules:
+                _hold_back_transformers(_OPEN[0])
+        except BaseException:
+            _close()
+            raise
+    try:
         yield
-        return
-    with ExitStack() as stack:
+    finally:
+        with _LOCK:
+            try:
+                if "transformers.utils.logging" in sys.modules:  # imported in the block: held back until the end
+                    _hold_back_transformers(_OPEN[0])
+            finally:
+                _close()
+
+
+#: while a block is open: the settings the last to close puts back, then one entry per open block
+_OPEN: list = []
+_LOCK = threading.RLock()
+
+
+def _held_back() -> dict:
+    """Hold the libraries back; return what puts every setting back (``restore``) and transformers' own state."""
+    stack = ExitStack()
+    saved: dict = {"restore": stack, "levels": {}, "had_transformers": "transformers.utils.logging" in sys.modules}
+    try:
         stack.enter_context(_warnings_ignored())
         stack.enter_context(_hub_bars_off())
-        saved = {
-            "levels": {name: logging.getLogger(name).level for name in LIBRARIES},
-            "had_transformers": "transformers.utils.logging" in sys.modules,
-        }
+        stack.callback(_restore_levels, saved)
         for name in LIBRARIES:
             logger = logging.getLogger(name)
+            saved["levels"][name] = logger.level
             logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
-        if transformers or saved["had_transformers"]:
-            _hold_back_transformers(saved)
         deepspeed, drop = logging.getLogger(DEEPSPEED_LOGGER), _DropBelowError()
         deepspeed.addFilter(drop)
-        _OPEN.append(saved)
-        try:
-            yield
-        finally:
-            _OPEN.pop()
-            deepspeed.removeFilter(drop)
-            for name, level in saved["levels"].items():
-                logging.getLogger(name).setLevel(level)
-            if saved.get("bars"):
-                sys.modules["transformers.utils.logging"].enable_progress_bar()
+        stack.callback(deepspeed.removeFilter, drop)
+    except BaseException:
+        stack.close()
+        raise
+    return saved
 
 
-#: the settings the outermost open block puts back (a block inside it adds transformers' when it imports it)
-_OPEN: list[dict] = []
+def _close() -> None:
+    """One block closed; the last one puts every setting back."""
+    _OPEN.pop()
+    if len(_OPEN) == 1:
+        _OPEN.pop()["restore"].close()
+
+
+def _restore_levels(saved: dict) -> None:
+    """The loggers' levels, and transformers' progress bars, as they were."""
+    for name, level in saved["levels"].items():
+        logging.getLogger(name).setLevel(level)
+    if saved.get("bars"):
+        sys.modules["transformers.utils.logging"].enable_progress_bar()
 
 
 def _hold_back_transformers(saved: dict) -> None:

@@ -370,7 +370,7 @@ def plan_from_folders(
         recover: with ``check_out``, first finish or undo the commit of a killed merge into ``out_dir``.
         model_checks: build the model class on the meta device and ask PEFT which adapter tensors it loads; False
             plans from the files alone (as for a custom architecture), for a merge whose checks run beside it
-            (:mod:`~peft_shardmerge.checkpoint.model_checks`).
+            (:mod:`~peft_shardmerge.api.model_checks`).
 
     Returns:
         The :class:`Plan`; its ``reproduces`` says which model the output is, its first notes compare the base with

@@ -1,5 +1,5 @@
 """What peft-shardmerge merges: the one check of the allowlist (PEFT type x layer x variant x path, the data in
-:mod:`peft_shardmerge.support.allowlist`) that every API runs before anything is written or any module replaced."""
+:mod:`peft_shardmerge.support.allowlist`) that every API runs before anything is committed or any module replaced."""
 
 from __future__ import annotations
 

@@ -87,13 +87,74 @@ def test_a_plan_the_model_class_changes_is_merged_again_with_it(tmp_path, caplog
 
 
 def test_a_second_process_that_cannot_plan_is_replaced_by_planning_here(
-    make_base, make_adapter, tmp_path, monkeypatch
+    make_base, make_adapter, tmp_path, monkeypatch, caplog
 ):
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     _merge(base, adapter, tmp_path / "first", "first")
-    monkeypatch.setattr(model_checks, "CHILD", "peft_shardmerge.api.no_such_module")  # it exits at once, status 1
+    monkeypatch.setattr(model_checks, "CHILD", "print('not JSON'); import sys; sys.exit(3)")
+    with caplog.at_level(logging.DEBUG, logger="peft_shardmerge"):
+        _merge(base, adapter, tmp_path / "beside", "beside")
+    assert "did not plan (exit status 3" in caplog.text
+    assert tree(tmp_path / "beside") == tree(tmp_path / "first")
+
+
+def test_a_second_process_that_cannot_start_leaves_the_checks_first(make_base, make_adapter, tmp_path, monkeypatch):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    _merge(base, adapter, tmp_path / "first", "first")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))  # Popen raises FileNotFoundError
+    assert ChecksBeside.start((base, [adapter]), {}) is None
     _merge(base, adapter, tmp_path / "beside", "beside")
     assert tree(tmp_path / "beside") == tree(tmp_path / "first")
+
+
+def test_the_second_process_answers_with_the_outline_of_the_whole_plan(make_base, make_adapter):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    checks = ChecksBeside.start((base, [adapter]), {"dtype": "bfloat16"})
+    try:
+        made = checks.join()
+    finally:
+        checks.stop()
+    opts = MergeOptions(dtype="bfloat16").for_path("disk")
+    assert made == outline(plan_from_folders(base, [adapter], opts))
+
+
+def test_options_are_sent_as_json_numbers_and_names():
+    import numpy as np
+
+    assert model_checks._plain(np.float32(0.5)) == 0.5 and model_checks._plain(np.int64(3)) == 3
+    assert model_checks._plain(torch.bfloat16) == "bfloat16"
+    assert ChecksBeside.start(("base", ["adapter"]), {"weights": [object()]}) is None  # refused, not guessed
+
+
+def test_a_legacy_bin_adapter_is_not_merged_twice(make_base, make_adapter, tmp_path, caplog):
+    import shutil
+
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    legacy = str(tmp_path / "legacy")
+    shutil.copytree(adapter, legacy)
+    weights = load_file(os.path.join(legacy, "adapter_model.safetensors"))
+    torch.save(weights, os.path.join(legacy, "adapter_model.bin"))
+    os.remove(os.path.join(legacy, "adapter_model.safetensors"))  # converted into a temporary folder by each plan
+    _merge(base, legacy, tmp_path / "first", "first")
+    with caplog.at_level(logging.INFO, logger="peft_shardmerge"):
+        _merge(base, legacy, tmp_path / "beside", "beside")
+    assert "merging again" not in caplog.text
+    assert tree(tmp_path / "beside") == tree(tmp_path / "first")
+
+
+def test_an_interrupted_merge_to_resume_makes_its_checks_first(tmp_path):
+    out = tmp_path / "out"
+    assert checks_beside("beside", distributed=False, dry_run=False, out_dir=str(out))
+    (tmp_path / ".out.partial").mkdir()  # what a killed merge leaves: its shards are kept for their own plan only
+    assert not checks_beside("beside", distributed=False, dry_run=False, out_dir=str(out))
+
+
+def test_checks_started_early_for_a_merge_that_makes_them_first_are_stopped(make_base, make_adapter, tmp_path):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    ChecksBeside.start_early((base, [adapter]), {})
+    early = model_checks._EARLY[0]
+    _merge(base, adapter, tmp_path / "first", "first")
+    assert model_checks._EARLY == [] and early.proc.poll() is not None
 
 
 def test_when_the_checks_run_beside():
@@ -127,7 +188,8 @@ def test_the_command_line_starts_the_checks_beside_before_importing_torch(make_b
     base, adapter = make_base("llama_sharded"), make_adapter("llama_sharded", "default")
     out = tmp_path / "cli"
     r = subprocess.run(
-        [sys.executable, "-m", "peft_shardmerge", "merge", "-v", base, adapter, str(out), "--dtype", "bfloat16"],
+        [sys.executable, "-m", "peft_shardmerge", "merge", "-v", base, adapter, str(out), "--dtype", "bfloat16"]
+        + ["--model-checks", "beside"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -121,6 +121,45 @@ def test_the_libraries_are_held_back_for_the_call_and_restored_after(bars):
         bnb_logger.setLevel(bnb_level)
 
 
+def test_transformers_imported_inside_a_block_that_left_it_unimported_is_held_back_then_as_it_set_itself():
+    script = """
+import logging, sys
+from peft_shardmerge.api.quiet import quiet_libraries
+with quiet_libraries(transformers=False):
+    assert "transformers" not in sys.modules
+    with quiet_libraries(transformers=False):
+        import transformers  # its first import sets its logger's level and turns its bars on
+    from transformers.utils import logging as hf
+    inside = (logging.getLogger("transformers").level, hf.is_progress_bar_enabled())
+print(inside, (logging.getLogger("transformers").level, hf.is_progress_bar_enabled()))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[-2] == "(40, False) (30, True)"  # held back inside; after: as its import set it
+
+
+def test_blocks_of_two_threads_put_the_settings_back_when_the_last_closes():
+    import threading
+
+    logger = logging.getLogger("peft")
+    before = logger.level
+    opened, closing = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with quiet_libraries():
+            opened.set()
+            closing.wait(30)
+
+    with quiet_libraries():
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert opened.wait(30)
+    assert logger.level == logging.ERROR  # the other thread's block is still open
+    closing.set()
+    thread.join(30)
+    assert logger.level == before
+
+
 def test_debug_logging_holds_nothing_back():
     ours = logging.getLogger("peft_shardmerge")
     level = ours.level
