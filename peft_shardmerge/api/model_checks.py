@@ -110,6 +110,8 @@ def _canonical(value, temporary: dict[str, str], seen: set[int]):
         temporary.setdefault(value.name, f"<temporary folder {len(temporary)}>")
         return "TemporaryDirectory"
     if torch is not None and isinstance(value, torch.Tensor):
+        if value.is_meta:  # a shape only (PEFT's layers rebuilt on the meta device): their values come from files
+            return ["tensor", str(value.dtype), list(value.shape), "meta"]
         data = value.detach().to("cpu").contiguous()
         digest = hashlib.sha256(data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() if data.numel() else ""
         return ["tensor", str(data.dtype), list(data.shape), digest]

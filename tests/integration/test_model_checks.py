@@ -38,6 +38,29 @@ def test_checks_beside_write_the_files_checks_made_first_write(make_base, make_a
     assert tree(tmp_path / "beside") == tree(tmp_path / "first")  # shards, index, config, side files, record
 
 
+@pytest.mark.parametrize("kind", ["loha", "ia3"])
+def test_layers_peft_rebuilds_are_merged_beside_as_first(make_base, tmp_path, kind, caplog):
+    from peft import IA3Config, LoHaConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge.testing import perturb_trainable
+
+    base = make_base("llama")
+    config = {
+        "loha": LoHaConfig(r=4, alpha=8, target_modules=["q_proj", "up_proj"], init_weights=False),
+        "ia3": IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    }[kind]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config)
+    perturb_trainable(model)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    adapter = str(tmp_path / "adapter")
+    _merge(base, adapter, tmp_path / "first", "first")
+    with caplog.at_level(logging.INFO, logger="peft_shardmerge"):
+        _merge(base, adapter, tmp_path / "beside", "beside")  # their layers, rebuilt on the meta device, outlined
+    assert "merging again" not in caplog.text
+    assert tree(tmp_path / "beside") == tree(tmp_path / "first")
+
+
 def test_the_plan_from_the_files_alone_is_the_whole_plan_where_the_class_adds_nothing(make_base, make_adapter):
     base, adapter = make_base("gpt2"), make_adapter("gpt2", "default")  # Conv1D: the layout from the adapter's flag
     opts = MergeOptions().for_path("disk")
