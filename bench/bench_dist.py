@@ -6,7 +6,8 @@ all seven projections under bench/_work, then times, alternating, side by side:
     python -m peft_shardmerge merge BASE ADAPTER OUT1 --max-shard-size 100MB -q
     torchrun --nproc_per_node 2 -m peft_shardmerge merge BASE ADAPTER OUT2 --max-shard-size 100MB -q
 
-(``torchrun`` as ``sys.executable -m torch.distributed.run``), with OMP_NUM_THREADS=1 for both, reports the
+(``torchrun`` as ``sys.executable -m torch.distributed.run``), both with ``--model-checks first`` (what the ranks of a
+job do: the model-class checks before the merge) and OMP_NUM_THREADS=1, reports the
 median wall time of each and the 1 -> 2 speed-up, and checks that OUT1 and OUT2 are byte-identical.
 
     python bench/bench_dist.py --write docs/benchmarks.md
@@ -67,6 +68,7 @@ def free_port() -> int:
 
 def command(ranks: int, base: str, adapter: str, out: str, dry: bool = False) -> list[str]:
     tail = ["-m", "peft_shardmerge", "merge", base, adapter, out, "--max-shard-size", "100MB", "-q"]
+    tail += ["--model-checks", "first"]  # as every rank of a job does: the comparison is of the merge, not of start-up
     tail += ["--dry-run"] if dry else []
     if ranks == 1:
         return [sys.executable, *tail]
@@ -170,7 +172,9 @@ def section(
         + " --write docs/benchmarks.md",
         "",
         "which times, alternating, these two commands on the same inputs (`torchrun` run as",
-        "`python -m torch.distributed.run`, with a free `--master_port`), both with `OMP_NUM_THREADS=1`:",
+        "`python -m torch.distributed.run`, with a free `--master_port`), both with `OMP_NUM_THREADS=1` and",
+        "`--model-checks first` (the ranks of a job make the model-class checks before the merge; one process alone",
+        "would run them beside it by default):",
         "",
         "    python -m peft_shardmerge merge BASE ADAPTER OUT1 --max-shard-size 100MB -q",
         "    torchrun --nproc_per_node 2 -m peft_shardmerge merge BASE ADAPTER OUT2 --max-shard-size 100MB -q",
