@@ -161,10 +161,19 @@ def plan_with_options(
 
 
 def _plan(
-    base, adapter, out_dir, opts: MergeOptions, problems: list[str] | None, *, recover: bool, beside: bool = False
+    base,
+    adapter,
+    out_dir,
+    opts: MergeOptions,
+    problems: list[str] | None,
+    *,
+    recover: bool,
+    beside: bool = False,
+    check_out: bool = True,
 ) -> tuple[Plan, ChecksBeside | None]:
     """:func:`plan_with_options`; with ``beside``, the plan from the files alone and the second process checking it
-    (the whole plan, made here, where that plan has problems)."""
+    (the whole plan, made here, where that plan has problems); without ``check_out``, ``out_dir`` is not checked (the
+    second process's whole plan: the merge checked it)."""
     problems = list(problems if problems is not None else opts.problems())
     opts = opts.for_path("disk")
     base, bad_base = path_argument(base, "base")
@@ -176,7 +185,6 @@ def _plan(
         resolve_device(opts.device)
     except InputError as e:
         problems += [p for p in e.problems if p not in problems]
-    check_out = out_dir is not None  # None: the second process's whole plan (the merge checked OUT)
     checks = None
     if beside and not problems:
         checks = ChecksBeside.take((base, locations), opts)
@@ -224,7 +232,7 @@ def whole_plan(base, adapter, opts: MergeOptions, problems: list[str]) -> Plan:
     Raises:
         InputError, NotFoundError, UnsupportedError, CorruptFileError: as :func:`plan_checkpoint_merge`.
     """
-    return _plan(base, adapter, None, opts, problems, recover=False)[0]
+    return _plan(base, adapter, None, opts, problems, recover=False, check_out=False)[0]
 
 
 def _adapter_locations(adapter) -> tuple[list, list[str]]:
