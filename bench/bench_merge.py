@@ -256,17 +256,18 @@ def run_command(method: str, base: str, adapter: str, out: str, env: dict) -> di
     cmd = [sys.executable, "-m", "peft_shardmerge", *COMMANDS[method][:1], base, adapter, out, *COMMANDS[method][1:]]
     t0 = time.perf_counter()
     with open(out + ".stdout", "w+") as stdout, open(out + ".stderr", "w+") as stderr:
-        p = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
-        _, status, usage = os.wait4(p.pid, 0)  # this command's own resources, the processes it waited for included
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)  # this command's own resources, the processes it waited for included
         wall = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
-        stdout.seek(0), stderr.seek(0)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        stdout.seek(0)
+        stderr.seek(0)
         text, errors = stdout.read(), stderr.read()
     shutil.rmtree(out, ignore_errors=True)
     os.remove(out + ".stdout")
     os.remove(out + ".stderr")
     os.sync()
-    if p.returncode != 0:
+    if proc.returncode != 0:
         raise RuntimeError(f"{method} failed:\n{errors[-3000:]}")
     merge = re.search(r"wall time ([0-9.]+) s", text)
     return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Callable, Sequence
@@ -185,35 +186,23 @@ def _plan(
         resolve_device(opts.device)
     except InputError as e:
         problems += [p for p in e.problems if p not in problems]
-    checks = None
-    if beside and not problems:
-        checks = ChecksBeside.take((base, locations), opts)
-    else:
+    planned = functools.partial(
+        plan_from_folders, base, locations, opts, problems, out_dir=out_dir, check_out=check_out, recover=recover
+    )
+    checks = ChecksBeside.take((base, locations), opts) if beside and not problems else None
+    if checks is None:
         ChecksBeside.drop_early()  # started for a merge that makes its checks first
-    if checks is not None:
+    else:
         try:
             with quiet_libraries(transformers=False):  # the files may need it (PEFT-rebuilt layers): held back then
-                plan = plan_from_folders(
-                    base,
-                    locations,
-                    opts,
-                    problems,
-                    out_dir=out_dir,
-                    check_out=True,
-                    recover=recover,
-                    model_checks=False,
-                )
-            return plan, checks
+                return planned(model_checks=False), checks
         except BaseException as e:
             checks.stop()
             if not isinstance(e, ShardMergeError):
                 raise
             # a problem of the plan from the files alone: said again, with every problem at once, by the whole plan
     with quiet_libraries():  # transformers and PEFT may be imported here for the first time
-        plan = plan_from_folders(
-            base, locations, opts, problems, out_dir=out_dir, check_out=check_out, recover=recover
-        )
-    return plan, None
+        return planned(), None
 
 
 def whole_plan(base, adapter, opts: MergeOptions, problems: list[str]) -> Plan:

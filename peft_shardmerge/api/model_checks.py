@@ -67,9 +67,9 @@ def _resumable(out_dir) -> bool:
 
 
 def outline(plan) -> str:
-    """A digest of everything a plan from disk holds: its fingerprint and printed plan, and every field of the plan,
-    its inputs, tensors and their changes (walked field by field, so that a field added later is covered too),
-    temporary folders named by their order rather than their random names.
+    """A digest of everything a plan from disk holds: every field of the plan, its inputs, tensors and their changes
+    (walked field by field, so that a field added later is covered too; temporary folders named by their order rather
+    than their random names), and its fingerprint, which adds the input files' sizes and times.
 
     Args:
         plan: a :class:`~peft_shardmerge.engine.plan.Plan` from
@@ -93,7 +93,7 @@ def outline(plan) -> str:
         False
     """
     temporary: dict[str, str] = {}
-    text = json.dumps([plan.fingerprint(), plan.describe(), _canonical(plan, temporary, set())], sort_keys=True)
+    text = json.dumps([plan.fingerprint(), _canonical(plan, temporary, set())], sort_keys=True)
     for path, mark in temporary.items():
         text = text.replace(json.dumps(path)[1:-1], mark)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -300,6 +300,7 @@ def _plain(value):
         return float(value)
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     raise TypeError(f"{type(value).__name__} cannot be sent to the second process")

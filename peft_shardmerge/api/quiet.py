@@ -54,14 +54,12 @@ def quiet_libraries(transformers: bool = True) -> Iterator[None]:
         yield
         return
     with _LOCK:
-        if not _OPEN:
-            _OPEN.append(_held_back())
-        _OPEN.append(None)  # one entry per open block, after the settings of the first
+        held = _Held.open()
         try:
             if transformers or "transformers.utils.logging" in sys.modules:
-                _hold_back_transformers(_OPEN[0])
+                held.hold_transformers()
         except BaseException:
-            _close()
+            held.close()
             raise
     try:
         yield
@@ -69,64 +67,75 @@ def quiet_libraries(transformers: bool = True) -> Iterator[None]:
         with _LOCK:
             try:
                 if "transformers.utils.logging" in sys.modules:  # imported in the block: held back until the end
-                    _hold_back_transformers(_OPEN[0])
+                    held.hold_transformers()
             finally:
-                _close()
+                held.close()
 
 
-#: while a block is open: the settings the last to close puts back, then one entry per open block
-_OPEN: list = []
 _LOCK = threading.RLock()
 
 
-def _held_back() -> dict:
-    """Hold the libraries back; return what puts every setting back (``restore``) and transformers' own state."""
-    stack = ExitStack()
-    saved: dict = {"restore": stack, "levels": {}, "had_transformers": "transformers.utils.logging" in sys.modules}
-    try:
-        stack.enter_context(_warnings_ignored())
-        stack.enter_context(_hub_bars_off())
-        stack.callback(_restore_levels, saved)
-        for name in LIBRARIES:
-            logger = logging.getLogger(name)
-            saved["levels"][name] = logger.level
-            logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
-        deepspeed, drop = logging.getLogger(DEEPSPEED_LOGGER), _DropBelowError()
-        deepspeed.addFilter(drop)
-        stack.callback(deepspeed.removeFilter, drop)
-    except BaseException:
-        stack.close()
-        raise
-    return saved
+class _Held:
+    """The libraries held back while blocks are open, and what the last block to close puts back."""
 
+    #: the one instance while a block is open
+    current: "_Held | None" = None
 
-def _close() -> None:
-    """One block closed; the last one puts every setting back."""
-    _OPEN.pop()
-    if len(_OPEN) == 1:
-        _OPEN.pop()["restore"].close()
+    def __init__(self) -> None:
+        self.blocks = 0
+        self.levels: dict[str, int] = {}
+        self.had_transformers = "transformers.utils.logging" in sys.modules
+        self.bars: bool | None = None  # transformers' progress bars as they were, once it is held back
+        self.restore = ExitStack()
+        try:
+            self.restore.enter_context(_warnings_ignored())
+            self.restore.enter_context(_hub_bars_off())
+            self.restore.callback(self._put_back)
+            for name in LIBRARIES:
+                logger = logging.getLogger(name)
+                self.levels[name] = logger.level
+                logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
+            deepspeed, drop = logging.getLogger(DEEPSPEED_LOGGER), _DropBelowError()
+            deepspeed.addFilter(drop)
+            self.restore.callback(deepspeed.removeFilter, drop)
+        except BaseException:
+            self.restore.close()
+            raise
 
+    @classmethod
+    def open(cls) -> "_Held":
+        """One more block: the libraries held back by the first."""
+        if cls.current is None:
+            cls.current = cls()
+        cls.current.blocks += 1
+        return cls.current
 
-def _restore_levels(saved: dict) -> None:
-    """The loggers' levels, and transformers' progress bars, as they were."""
-    for name, level in saved["levels"].items():
-        logging.getLogger(name).setLevel(level)
-    if saved.get("bars"):
-        sys.modules["transformers.utils.logging"].enable_progress_bar()
+    def close(self) -> None:
+        """One block fewer: the last puts every setting back."""
+        self.blocks -= 1
+        if self.blocks == 0:
+            _Held.current = None
+            self.restore.close()
 
+    def hold_transformers(self) -> None:
+        """transformers' logger to errors and its progress bars off, once. Its first import sets its logger's level:
+        imported since the first block opened, that level is the one put back."""
+        if self.bars is not None:
+            return
+        hf_logging = importlib.import_module("transformers.utils.logging")
+        logger = logging.getLogger("transformers")
+        if not self.had_transformers:
+            self.levels["transformers"] = logger.level
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
+        self.bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
 
-def _hold_back_transformers(saved: dict) -> None:
-    """transformers' logger to errors and its progress bars off, once per outermost block. Its first import sets its
-    logger's level: imported since the block began, that level is the one put back."""
-    if "bars" in saved:
-        return
-    hf_logging = importlib.import_module("transformers.utils.logging")
-    logger = logging.getLogger("transformers")
-    if not saved["had_transformers"]:
-        saved["levels"]["transformers"] = logger.level
-    logger.setLevel(max(logger.getEffectiveLevel(), logging.ERROR))
-    saved["bars"] = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    def _put_back(self) -> None:
+        """The loggers' levels, and transformers' progress bars, as they were."""
+        for name, level in self.levels.items():
+            logging.getLogger(name).setLevel(level)
+        if self.bars:
+            sys.modules["transformers.utils.logging"].enable_progress_bar()
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """A merge from disk whose model-class checks run beside it (a second process with the real transformers and PEFT):
 the same files as with the checks made first, their problems raised with nothing committed, a plan they change merged
-again, and the command line starting them before it imports torch."""
+again, and the command line starting them early, for its merge to take over."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def test_checks_started_early_are_taken_over_by_the_same_merge_only(make_base, m
     other.stop()
 
 
-def test_the_command_line_starts_the_checks_beside_before_importing_torch(make_base, make_adapter, tmp_path):
+def test_the_command_line_starts_the_checks_early_and_its_merge_takes_them_over(make_base, make_adapter, tmp_path):
     base, adapter = make_base("llama_sharded"), make_adapter("llama_sharded", "default")
     out = tmp_path / "cli"
     r = subprocess.run(
