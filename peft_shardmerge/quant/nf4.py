@@ -135,17 +135,20 @@ def dequantize_4bit_exact(
     """
     flat = packed.reshape(-1).view(torch.uint8)
     table = code.to(device=flat.device, dtype=torch.float32)
+    byte = torch.arange(256, device=flat.device)
+    pairs = torch.stack([table[byte >> 4], table[byte & 0xF]], dim=1)  # each byte's two values: one gather per byte
     out = torch.empty(numel, dtype=dtype, device=flat.device)
     step = max(1, PIECE_VALUES // blocksize) * blocksize  # whole blocks (an even count of values) at a time
     for v0 in range(0, numel, step):
         v1 = min(numel, v0 + step)
         part = flat[v0 // 2 : (v1 + 1) // 2]
-        values = table[torch.stack([part >> 4, part & 0xF], dim=1).reshape(-1)[: v1 - v0].long()]
         blocks = -(-(v1 - v0) // blocksize)
+        values = pairs.index_select(0, part.int()).reshape(-1)
+        if values.numel() != blocks * blocksize:  # an odd count, or the last, partial block
+            values = torch.nn.functional.pad(values[: v1 - v0], (0, blocks * blocksize - (v1 - v0)))
         scale = absmax[v0 // blocksize : v0 // blocksize + blocks].to(device=flat.device, dtype=torch.float32)
-        if blocks * blocksize != v1 - v0:  # the last, partial block
-            values = torch.nn.functional.pad(values, (0, blocks * blocksize - (v1 - v0)))
-        out[v0:v1] = (values.view(blocks, blocksize) * scale.unsqueeze(1)).reshape(-1)[: v1 - v0].to(dtype)
+        values = values.view(blocks, blocksize).mul_(scale.unsqueeze(1))
+        out[v0:v1].copy_(values.reshape(-1)[: v1 - v0])  # rounded once to dtype
     return out
 
 

@@ -122,3 +122,34 @@ def test_verify_of_an_in_process_merge_with_odd_rows_is_ok(odd_rows, tmp_path):
     merge_and_save(peft_model, out, base_precision="dequantized", dtype="float32", progress=False)
     report = verify_checkpoint(out, base=base, adapter=str(root / "adapter"))
     assert report.status == "OK", report.summary()
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_state_over_several_pieces_equals_bitsandbytes(quant_type, dtype):
+    """A weight of whole 64-value rows (where bitsandbytes' CPU dequantize_4bit is right) spanning three pieces of
+    PIECE_VALUES, the last one partial: bit for bit bitsandbytes' own dequantization."""
+    import bitsandbytes.functional as F
+
+    from peft_shardmerge.quant.nf4 import PIECE_VALUES, dequantize_state
+
+    w = torch.randn(2 * PIECE_VALUES // 1024 + 3, 1024, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q, state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type=quant_type)
+    got, want = dequantize_state(q, state), F.dequantize_4bit(q, state)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("numel", [1, 63, 97, 2 * 65 + 1])
+def test_dequantize_4bit_exact_of_an_odd_count_is_the_definition(numel):
+    """Odd counts and partial last blocks (the last byte's low nibble unused): the NF4 definition written here."""
+    from peft_shardmerge.quant.nf4 import dequantize_4bit_exact, require_bitsandbytes
+
+    g = torch.Generator().manual_seed(numel)
+    packed = torch.randint(0, 256, ((numel + 1) // 2,), dtype=torch.uint8, generator=g)
+    absmax = torch.rand(-(-numel // 64), generator=g) + 0.5
+    code = require_bitsandbytes().get_4bit_type("nf4", device="cpu")
+    nibbles = torch.stack([packed.long() // 16, packed.long() % 16], dim=1).reshape(-1)[:numel]
+    want = (code[nibbles] * absmax[torch.arange(numel) // 64]).to(torch.bfloat16)
+    got = dequantize_4bit_exact(packed, absmax, code, 64, numel, torch.bfloat16)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
