@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -134,22 +135,30 @@ def dequantize_4bit_exact(
         [-2.0, 2.0]
     """
     flat = packed.reshape(-1).view(torch.uint8)
-    table = code.to(device=flat.device, dtype=torch.float32)
-    byte = torch.arange(256, device=flat.device)
-    pairs = torch.stack([table[byte >> 4], table[byte & 0xF]], dim=1)  # each byte's two values: one gather per byte
+    quads = _quad_table(code.to(device=flat.device, dtype=torch.float32))
     out = torch.empty(numel, dtype=dtype, device=flat.device)
     step = max(1, PIECE_VALUES // blocksize) * blocksize  # whole blocks (an even count of values) at a time
     for v0 in range(0, numel, step):
         v1 = min(numel, v0 + step)
         part = flat[v0 // 2 : (v1 + 1) // 2]
+        if part.numel() % 2 or part.storage_offset() % 2:  # read as 16-bit pairs of bytes: whole and aligned
+            part = torch.nn.functional.pad(part, (0, part.numel() % 2))
         blocks = -(-(v1 - v0) // blocksize)
-        values = pairs.index_select(0, part.int()).reshape(-1)
+        values = quads.index_select(0, part.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)).reshape(-1)
         if values.numel() != blocks * blocksize:  # an odd count, or the last, partial block
             values = torch.nn.functional.pad(values[: v1 - v0], (0, blocks * blocksize - (v1 - v0)))
         scale = absmax[v0 // blocksize : v0 // blocksize + blocks].to(device=flat.device, dtype=torch.float32)
         values = values.view(blocks, blocksize).mul_(scale.unsqueeze(1))
         out[v0:v1].copy_(values.reshape(-1)[: v1 - v0])  # rounded once to dtype
     return out
+
+
+def _quad_table(code: torch.Tensor) -> torch.Tensor:
+    """The four values of each pair of packed bytes, indexed by the pair read as one native-order 16-bit integer: one
+    gather per two bytes instead of a shift, a mask and a gather per value (1 MiB of float32)."""
+    pair = torch.arange(1 << 16, device=code.device)
+    first, second = (pair & 0xFF, pair >> 8) if sys.byteorder == "little" else (pair >> 8, pair & 0xFF)
+    return torch.stack([code[first >> 4], code[first & 0xF], code[second >> 4], code[second & 0xF]], dim=1)
 
 
 def dequantize_blockwise_exact(
