@@ -124,7 +124,6 @@ _ONE_PATH = {
         "device applies to merges from disk; a loaded model merges where its weights are, within maximum_memory_usage",
     ),
     "resume": (DISK, "resume applies to merges from disk"),
-    "workers": (DISK, "workers applies to merges from disk; a loaded model is merged one module at a time"),
     "model_checks": (DISK, "model_checks applies to merges from disk; a loaded model's class is already built"),
     "maximum_memory_usage": (
         MODEL,
@@ -177,7 +176,9 @@ class MergeOptions:
         progress: show a progress bar.
         chunk_elems: elements per row block (bounds peak memory).
         resume: keep the verified shards of an interrupted run of the same merge (from disk).
-        workers: tensors merged at once, each on its own thread (from disk); None: one per CPU, at most 8.
+        workers: tensors in flight at once, each on its own thread: from disk, each merged and written there; a loaded
+            model's modules are merged one at a time on the caller's thread and written there. None: one per CPU, at
+            most 8.
         model_checks: when a merge from disk builds the model class on the meta device and asks PEFT which adapter
             tensors it loads: ``"first"``, before anything is read; ``"beside"``, in a second process while the merge
             streams the plan made from the files, the two plans compared before the commit (the merge is made again

@@ -18,6 +18,7 @@ from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
 from ..distributed.world import JobSteps, current_world
 from ..engine.budget import MemoryBudget
 from ..engine.execute import run
+from ..engine.pipeline import default_workers
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
 from ..errors import InputError
@@ -58,6 +59,7 @@ def merge_and_save(
     majority_sign_method: str = "total",
     normalize: bool | None = None,
     seed: int = 0,
+    workers: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
     options: MergeOptions | None = None,
@@ -108,6 +110,10 @@ def merge_and_save(
         normalize: divide by the weights of the deltas kept at each element; None: the method's default (on for
             ``ties`` only).
         seed: the seed of DARE's random draw.
+        workers: threads that write while the next module is merged (each merged module is copied out whole in
+            the output dtype, then hashed and written there; up to ``workers + 1`` modules held meanwhile); None: one
+            per CPU, at most 8; 1: each module merged and written in row blocks by the calling thread, the least
+            memory. The bytes do not depend on it.
         overwrite: replace a non-empty ``out_dir`` (after the new output is complete).
         progress: show progress bars.
         options: the same knobs (and ``chunk_elems``) as one :class:`~peft_shardmerge.options.MergeOptions`, the
@@ -149,6 +155,7 @@ def merge_and_save(
         majority_sign=majority_sign_method,
         normalize=normalize,
         seed=seed,
+        workers=workers,
         overwrite=overwrite,
         progress=progress,
     )
@@ -206,13 +213,15 @@ def save_model(
                 )
                 info = _record_info(planned.plan) if view is not None else None
             plan = planned.plan
+            workers = opts.workers or default_workers(steps.world.local_size if steps is not None else 1)
             if steps is not None:  # every rank gathers each unit in plan order; rank 0 writes
                 agree_on_plan(steps, plan, out_dir)
-                source, coordinator = ModelReader(plan, budget, info, copy=True), GatherUnits(plan, steps, model)
+                source = ModelReader(plan, budget, info, copy=True, workers=workers)
+                coordinator = GatherUnits(plan, steps, model)
             elif isinstance(plan.inputs, LiveSource):
-                source, coordinator = ModelReader(plan, budget), None
+                source, coordinator = ModelReader(plan, budget, workers=workers), None
             else:  # from the original checkpoint on disk
-                source, coordinator = CheckpointReader(plan, torch.device(planned.device)), None
+                source, coordinator = CheckpointReader(plan, torch.device(planned.device), workers=workers), None
             try:
                 return run(
                     plan,
@@ -371,7 +380,7 @@ def save_merged_4bit(
     )
     report = run(
         plan,
-        ModelReader(plan, budget),
+        ModelReader(plan, budget, workers=default_workers()),
         out_dir,
         overwrite=overwrite,
         progress=progress,

@@ -3,12 +3,13 @@ handed to the one row merge; the side files, record and count check of a merge f
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -63,7 +64,10 @@ class CheckpointReader(RowMerger):
 
     Attributes:
         replacements: tensors taken from the adapter (``modules_to_save``).
+        ahead: twice the workers (a tensor in flight holds a row block: one being merged, one handed out beside it).
     """
+
+    one_torch_thread = True  # each worker merges with torch ops of its own
 
     def __init__(self, plan: Plan, device: torch.device = torch.device("cpu"), resume: bool = False, workers: int = 1):
         super().__init__(plan.chunk_elems)
@@ -71,6 +75,7 @@ class CheckpointReader(RowMerger):
             device = torch.device("cuda", torch.cuda.current_device())
         self.plan = plan
         self.workers = workers
+        self.ahead = 2 * workers
         self._local = threading.local()
         self.device = device
         self.resume = resume
@@ -132,6 +137,17 @@ class CheckpointReader(RowMerger):
             untied=list(plan.untied),
             notes=list(plan.notes),
         )
+
+    def prepare(self, t: PlannedTensor) -> Callable[[ShardWriter], None]:
+        """Nothing to do in plan order: the whole of ``t``'s work is :meth:`write_tensor`, on a worker.
+
+        Args:
+            t: the planned tensor.
+
+        Returns:
+            ``write(sink)``.
+        """
+        return functools.partial(self.write_tensor, t)
 
     def write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         """Write one planned tensor: its bytes copied, cast, or merged block by block (with several workers on a

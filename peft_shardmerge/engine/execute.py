@@ -124,10 +124,10 @@ def run(
     def produce(i: int, w) -> None:
         produce_shard(
             plan.shard_tensors(i),
-            source.write_tensor,
+            source.prepare,
             w,
             pool,
-            ahead=2 * source.workers,
+            ahead=source.ahead,
             before=coordinator.before,
             done=bar.update,
         )
@@ -138,7 +138,7 @@ def run(
         bar.update(sum(t.nbytes for t in kept))
 
     try:
-        with worker_pool(source.workers) as pool:
+        with worker_pool(source.workers, source.one_torch_thread) as pool:
             if not coordinator.leads:
                 return coordinator.follow(out_dir, sink, produce)
             files = FolderFiles(

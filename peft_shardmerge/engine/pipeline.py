@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
 import torch
@@ -37,12 +37,14 @@ def default_workers(share: int = 1) -> int:
 
 
 @contextmanager
-def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
+def worker_pool(workers: int, one_torch_thread: bool = True) -> Iterator[ThreadPoolExecutor | None]:
     """The worker threads of one merge (None for one worker: the caller's thread does the work), kept for all its
     shards, so that what a thread keeps (its read buffer, its CUDA stream) serves every shard.
 
     Args:
         workers: how many.
+        one_torch_thread: hold torch to one intra-op thread meanwhile (workers that run torch ops each); False leaves
+            torch's threads to the caller's thread (workers that only hash and write).
 
     Example:
         >>> with worker_pool(1) as pool:
@@ -53,13 +55,14 @@ def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor | None]:
         yield None
         return
     # each torch op runs in its worker's thread: torch's pool (a setting of the whole process) held to one meanwhile
-    with one_cpu_thread(torch.device("cpu")), ThreadPoolExecutor(workers, thread_name_prefix="merge") as pool:
+    held = one_cpu_thread(torch.device("cpu")) if one_torch_thread else nullcontext()
+    with held, ThreadPoolExecutor(workers, thread_name_prefix="merge") as pool:
         yield pool
 
 
 def produce_shard(
     tensors: list[PlannedTensor],
-    produce: Callable[[PlannedTensor, object], None],
+    prepare: Callable[[PlannedTensor], Callable[[object], None]],
     writer,
     pool: ThreadPoolExecutor | None,
     *,
@@ -67,28 +70,30 @@ def produce_shard(
     before: Callable[[PlannedTensor], None] = lambda t: None,
     done: Callable[[int], None] = lambda n: None,
 ) -> None:
-    """The tensors of one shard into ``writer``: on the threads of ``pool``, each at its place in the file
-    (:func:`write_placed`), or without a pool one after the other on this thread, in order.
+    """The tensors of one shard into ``writer``: each prepared on this thread in order, then written on the threads
+    of ``pool`` at its place in the file (:func:`write_placed`), or without a pool one after the other on this
+    thread.
 
     Args:
         tensors: the planned tensors of the shard, in the order of its entries.
-        produce: ``produce(t, sink)`` writes ``t``'s bytes into ``sink``.
+        prepare: ``prepare(t)`` does what must happen on this thread, in order, and returns ``write(sink)``, which
+            writes ``t``'s bytes into ``sink``.
         writer: the :class:`~peft_shardmerge.output.writer.ShardWriter`.
         pool: the worker threads (:func:`worker_pool`), or None.
         ahead: see :func:`write_placed`.
-        before: called on this thread before each tensor is produced.
+        before: called on this thread before each tensor is prepared.
         done: called on this thread with the bytes written (per tensor with a pool, per block without).
 
     Returns:
         None.
     """
     if pool is not None:
-        write_placed(tensors, produce, writer, pool, ahead=ahead, before=before, done=done)
+        write_placed(tensors, prepare, writer, pool, ahead=ahead, before=before, done=done)
         return
     counted = _Counted(writer, done)
     for t in tensors:
         before(t)
-        produce(t, counted)
+        prepare(t)(counted)
 
 
 class _Counted:
@@ -108,7 +113,7 @@ class _Counted:
 
 def write_placed(
     tensors: list[PlannedTensor],
-    produce: Callable[[PlannedTensor, object], None],
+    prepare: Callable[[PlannedTensor], Callable[[object], None]],
     writer,
     pool: ThreadPoolExecutor,
     *,
@@ -116,19 +121,21 @@ def write_placed(
     before: Callable[[PlannedTensor], None] = lambda t: None,
     done: Callable[[int], None] = lambda n: None,
 ) -> None:
-    """Produce the tensors of one shard on the threads of ``pool``, each written at its place in the file as it is
-    made (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). The first failure among the tensors, in their order,
-    is raised once no thread works on the shard any more (also when this thread is interrupted meanwhile); a failure
-    of ``before`` (another rank stopped, say) is raised as soon as the threads have stopped.
+    """Prepare the tensors of one shard on this thread, in order, and write each on the threads of ``pool`` at its
+    place in the file (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). The first failure among the writes,
+    in their order, is raised once no thread works on the shard any more (also when this thread is interrupted
+    meanwhile); a failure of ``before`` or ``prepare`` (another rank stopped, a merged value not finite) is raised as
+    soon as the threads have stopped.
 
     Args:
         tensors: the planned tensors of the shard, in the order of its entries.
-        produce: ``produce(t, sink)`` writes ``t``'s bytes into ``sink`` (called on a worker thread).
+        prepare: ``prepare(t)`` (on this thread) returns ``write(sink)``, which writes ``t``'s bytes into ``sink``
+            (called on a worker thread).
         writer: the :class:`~peft_shardmerge.output.writer.ShardWriter`.
         pool: the worker threads (:func:`worker_pool`).
-        ahead: tensors handed out and not yet seen done, at most (a few beyond the running ones, so that a failure
-            is seen early).
-        before: called on this thread before ``t`` is handed to a worker.
+        ahead: tensors prepared and not yet seen written, at most (a few beyond the running ones, so that a failure
+            is seen early; what is prepared is held until written).
+        before: called on this thread before ``t`` is prepared.
         done: called on this thread with the byte count of each tensor written, in order.
 
     Returns:
@@ -143,16 +150,16 @@ def write_placed(
         >>> ts = [SimpleNamespace(name=n, shape=(k,)) for n, k in (("a", 1), ("b", 2))]
         >>> entries = [(t.name, "F32", t.shape, 4 * t.shape[0]) for t in ts]
         >>> with ShardWriter(path, entries) as w, worker_pool(2) as pool:
-        ...     write_placed(ts, lambda t, sink: sink.write(torch.ones(t.shape)), w, pool)
+        ...     write_placed(ts, lambda t: lambda sink: sink.write(torch.ones(t.shape)), w, pool)
         >>> load_file(path)
         {'a': tensor([1.]), 'b': tensor([1., 1.])}
     """
     pending: deque[Future] = deque()
 
-    def task(index: int, t: PlannedTensor) -> int:
+    def task(index: int, write: Callable[[object], None]) -> int:
         sink = writer.at(index)
         with torch.no_grad():
-            produce(t, sink)
+            write(sink)
         sink.finish()
         return sink.nbytes
 
@@ -161,7 +168,9 @@ def write_placed(
             if len(pending) >= ahead:
                 done(pending.popleft().result())
             before(t)
-            pending.append(pool.submit(task, index, t))
+            with torch.no_grad():
+                write = prepare(t)
+            pending.append(pool.submit(task, index, write))
         while pending:
             done(pending.popleft().result())
     finally:

@@ -25,8 +25,11 @@ class Source(Protocol):
         fallbacks: out-of-memory failures redone on the CPU.
         probe_err: the largest self-check error seen.
         swallowed: per tensor, (sampled entries the adapter changed, of those rounded back to the base value).
-        workers: tensors it may produce at once, each on its own thread (1: one after the other, in order);
-            :meth:`write_tensor` is then called from that many threads.
+        workers: tensors it may have in flight at once, each written (and, from disk, produced) on its own thread
+            (1: one after the other, on the executor's thread).
+        ahead: tensors prepared and not yet written, at most (what the memory held in flight is counted in).
+        one_torch_thread: whether torch is held to one intra-op thread while the workers run (they run torch ops
+            each: a merge from disk); False where they only copy out, hash and write what was prepared.
     """
 
     applied: dict
@@ -34,9 +37,13 @@ class Source(Protocol):
     probe_err: float
     swallowed: dict
     workers: int
+    ahead: int
+    one_torch_thread: bool
 
-    def write_tensor(self, t: PlannedTensor, w) -> None:
-        """Write planned tensor ``t``'s bytes into ``w`` (``write(tensor)``, ``copy_from(fd, offset, nbytes)``)."""
+    def prepare(self, t: PlannedTensor) -> Callable[[object], None]:
+        """Called on the executor's thread, in plan order: the part of ``t``'s work that must follow the plan (a loaded
+        model's module read and merged within the memory budget, a job's gathers), and returns what writes the rest
+        of ``t``'s bytes into a sink (``write(tensor)``, ``copy_from(fd, offset, nbytes)``), called on a worker."""
         ...  # pragma: no cover - a protocol
 
     def skip(self, tensors: list[PlannedTensor]) -> None:

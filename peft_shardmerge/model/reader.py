@@ -3,6 +3,8 @@ the one row merge on a device chosen within the memory budget; re-quantization t
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..checkpoint.peft_deltas import peft_delta
@@ -230,9 +232,11 @@ REPACKED_NOTE = (
 
 
 class ModelReader(LiveMerger):
-    """The loaded-model :class:`~peft_shardmerge.engine.source.Source`: each planned tensor produced whole on the
-    device the budget allows (retried on the CPU on out-of-memory), then written in row blocks; a weight re-quantized
-    to 4-bit is written as the parts bitsandbytes stores.
+    """The loaded-model :class:`~peft_shardmerge.engine.source.Source`: each planned tensor produced whole, in plan
+    order on the executor's thread, on the device the budget allows (retried on the CPU on out-of-memory); then
+    written in row blocks, by worker threads when there are several (the module copied out whole in the output dtype
+    first, so that the workers only hash and write it while the next module is merged); a weight re-quantized to
+    4-bit is written as the parts bitsandbytes stores.
 
     Args:
         plan: a loaded model's plan (from :func:`~peft_shardmerge.model.planner.plan_live`).
@@ -241,18 +245,38 @@ class ModelReader(LiveMerger):
             parameter outside its planning view); default: taken from the model when the output is complete.
         copy: always copy what is written (a gathered FSDP unit's storage must be free of the writer's views when
             it is released).
+        workers: threads that write (1: the executor's thread merges and writes, one module after the other).
+
+    Attributes:
+        ahead: one module per worker, and the next one, prepared and not yet written (each held whole in the output
+            dtype on the CPU until written).
     """
 
-    workers = 1  # one module after the other: the walk, the budget and the ranks' gathers follow the plan's order
+    one_torch_thread = False  # the workers only hash and write: the merge keeps torch's threads
 
-    def __init__(self, plan: Plan, budget: MemoryBudget, merge_info: dict | None = None, copy: bool = False):
+    def __init__(
+        self, plan: Plan, budget: MemoryBudget, merge_info: dict | None = None, copy: bool = False, workers: int = 1
+    ):
         src = plan.inputs
         super().__init__(src.live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems, src.vectors)
         self.plan, self.src, self.info, self.copy = plan, src, merge_info, copy
+        self.workers, self.ahead = workers, workers + 1
         self.parts: dict[str, torch.Tensor] = {}
 
-    def write_tensor(self, t: PlannedTensor, w) -> None:
-        """Write one planned tensor: a part of a re-quantized weight, or an entry produced and cast in row blocks."""
+    def prepare(self, t: PlannedTensor) -> Callable[[object], None]:
+        """Produce one planned tensor (a part of a re-quantized weight, or an entry merged whole), in plan order: the
+        walk, the memory budget and a job's gathers follow it.
+
+        Args:
+            t: the planned tensor.
+
+        Returns:
+            ``write(sink)``, which writes it in row blocks.
+
+        Raises:
+            MergeCheckError: the self-check failed, a NaN or Inf, a value beyond float16's range, or a shape or dtype
+                other than planned.
+        """
         if t.op is Op.QUANTIZE4:
             if not t.part:
                 self.parts = self._quantize(t)
@@ -261,17 +285,23 @@ class ModelReader(LiveMerger):
                 raise MergeCheckError(
                     f"{t.name}: quantized to {list(data.shape)} {data.dtype}, planned {list(t.shape)} {t.out_dtype}"
                 )
-            w.write(data)
-            return
+            return lambda w: w.write(data)
         e = t.entry
         data = self.produce(e)
         if tuple(data.shape) != e.shape:
             raise MergeCheckError(f"{e.name}: produced shape {list(data.shape)}, expected {list(e.shape)}")
         if e.kind != "plain" and not e.adapters and data.is_floating_point() and not torch.isfinite(data.sum()):
             raise MergeCheckError(f"tensor {e.name!r} has NaN or Inf")  # the row merge checked every changed one
-        target = DTYPES[t.out_dtype][0]
-        for start, stop in row_blocks(e.shape, self.chunk_elems):
-            w.write(data[start:stop].detach().to(device="cpu", dtype=target, copy=self.copy))
+        target, copy = DTYPES[t.out_dtype][0], self.copy
+        if self.workers > 1:  # off the device (and out of a gathered unit) now, whole: a worker writes it later
+            data, copy = data.detach().to(device="cpu", dtype=target, copy=copy), False
+        blocks = row_blocks(e.shape, self.chunk_elems)
+        return lambda w: self._write_blocks(data, blocks, target, copy, w)
+
+    @staticmethod
+    def _write_blocks(data: torch.Tensor, blocks, target: torch.dtype, copy: bool, w) -> None:
+        for start, stop in blocks:
+            w.write(data[start:stop].detach().to(device="cpu", dtype=target, copy=copy))
 
     def _quantize(self, t: PlannedTensor) -> dict[str, torch.Tensor]:
         """The merged weight quantized with bitsandbytes as transformers stores it, by key suffix (``""``: the

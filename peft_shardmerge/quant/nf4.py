@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -135,7 +136,7 @@ def dequantize_4bit_exact(
         [-2.0, 2.0]
     """
     flat = packed.reshape(-1).view(torch.uint8)
-    quads = _quad_table(code.to(device=flat.device, dtype=torch.float32))
+    quads = _quad_table(tuple(code.to(torch.float32).tolist()), flat.device)
     out = torch.empty(numel, dtype=dtype, device=flat.device)
     step = max(1, PIECE_VALUES // blocksize) * blocksize  # whole blocks (an even count of values) at a time
     for v0 in range(0, numel, step):
@@ -153,10 +154,13 @@ def dequantize_4bit_exact(
     return out
 
 
-def _quad_table(code: torch.Tensor) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _quad_table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """The four values of each pair of packed bytes, indexed by the pair read as one native-order 16-bit integer: one
-    gather per two bytes instead of a shift, a mask and a gather per value (1 MiB of float32)."""
-    pair = torch.arange(1 << 16, device=code.device)
+    gather per two bytes instead of a shift, a mask and a gather per value (1 MiB of float32, made once per code
+    book and device)."""
+    code = torch.tensor(values, dtype=torch.float32, device=device)
+    pair = torch.arange(1 << 16, device=device)
     first, second = (pair & 0xFF, pair >> 8) if sys.byteorder == "little" else (pair >> 8, pair & 0xFF)
     return torch.stack([code[first >> 4], code[first & 0xF], code[second >> 4], code[second & 0xF]], dim=1)
 

@@ -149,3 +149,123 @@ def test_a_4bit_base_gives_the_same_bytes_whatever_the_workers(tmp_path):
         merge_checkpoint(base, adapter, str(out), base_precision="nf4", workers=workers, progress=False)
         outs.append((out / "model.safetensors").read_bytes())
     assert outs[0] == outs[1]
+
+
+def _loaded(base: str, adapter: str, quant: str = "none"):
+    from peft import PeftModel
+
+    from tests.helpers import load_quantized, no_cpu_repack
+
+    model = load_quantized(base, quant)
+    if quant != "none":
+        no_cpu_repack(model)
+    return PeftModel.from_pretrained(model, adapter)
+
+
+@pytest.mark.parametrize(("arch", "quant"), [("llama_sharded", "nf4"), ("gpt2", "none"), ("qwen2", "8bit")])
+def test_a_loaded_model_gives_the_same_bytes_and_record_whatever_the_workers(
+    arch, quant, make_base, make_adapter, tmp_path
+):
+    """merge_and_save merges each module on the calling thread and, with several workers, has it written by a worker
+    while the next is merged: the same files and the same per-tensor SHA-256 as one thread doing both."""
+    pytest.importorskip("bitsandbytes")
+    from peft_shardmerge import merge_and_save
+
+    model = _loaded(make_base(arch), make_adapter(arch, "default"), quant)
+    outs = {}
+    for workers in (1, 3):
+        out = str(tmp_path / f"w{workers}")
+        merge_and_save(
+            model,
+            out,
+            dtype="bfloat16",
+            max_shard_size="100KB",
+            workers=workers,
+            base_precision="dequantized",
+            progress=False,
+        )
+        outs[workers] = _files(out)
+    one, three = outs[1], outs[3]
+    assert one.keys() == three.keys() and sum(f.endswith(".safetensors") for f in one) > 1
+    for name in one:
+        if name != "merge_manifest.json":
+            assert one[name] == three[name], name
+    record_1, record_3 = (json.loads(o["merge_manifest.json"]) for o in (one, three))
+    assert record_1["shards"] == record_3["shards"]
+
+
+def test_a_loaded_model_is_merged_in_order_on_the_calling_thread_and_written_by_the_workers(
+    make_base, make_adapter, tmp_path, monkeypatch
+):
+    """The walk, the budget and a job's gathers follow the plan on the calling thread; the hashing and writing of
+    every tensor happens on the worker threads."""
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.model.reader import ModelReader
+
+    model = _loaded(make_base("llama"), make_adapter("llama", "default"))
+    merged, written = [], []
+    real_produce, real_write = ModelReader.produce, ModelReader._write_blocks
+
+    def produce(self, entry):
+        merged.append((entry.name, threading.current_thread().name))
+        return real_produce(self, entry)
+
+    def write_blocks(*args):
+        written.append(threading.current_thread().name)
+        return real_write(*args)
+
+    monkeypatch.setattr(ModelReader, "produce", produce)
+    monkeypatch.setattr(ModelReader, "_write_blocks", staticmethod(write_blocks))
+    report = merge_and_save(model, str(tmp_path / "out"), workers=2, base_precision="dequantized", progress=False)
+    assert {thread for _, thread in merged} == {threading.main_thread().name}
+    record = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["shards"]["model.safetensors"]
+    in_file = sorted(record["tensors"], key=lambda name: record["tensors"][name]["offsets"][0])
+    assert [name for name, _ in merged] == in_file  # the plan's order, which is the file's
+    assert len(written) == report.tensors_written and all(t.startswith("merge") for t in written)
+
+
+@pytest.mark.parametrize("where", ["merge", "write"])
+def test_a_loaded_models_merge_that_fails_with_workers_leaves_nothing(
+    where, make_base, make_adapter, tmp_path, monkeypatch
+):
+    """A failure while merging a module (on the calling thread) or while writing one (on a worker): raised, and
+    neither the output nor a staging folder is left."""
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.model.reader import ModelReader
+
+    model = _loaded(make_base("llama_sharded"), make_adapter("llama_sharded", "default"))
+    victim = "model.layers.1.self_attn.q_proj.weight"
+    real_produce, real_write = ModelReader.produce, ModelReader._write_blocks
+    error = MergeCheckError(f"tensor {victim!r} has NaN or Inf") if where == "merge" else OSError(28, "No space")
+
+    def produce(self, entry):
+        if where == "merge" and entry.name == victim:
+            raise error
+        return real_produce(self, entry)
+
+    def write_blocks(*args):
+        written.append(threading.current_thread().name)
+        if where == "write" and len(written) == 5:
+            raise error
+        return real_write(*args)
+
+    written: list[str] = []
+    monkeypatch.setattr(ModelReader, "produce", produce)
+    monkeypatch.setattr(ModelReader, "_write_blocks", staticmethod(write_blocks))
+    out = tmp_path / "out"
+    with pytest.raises(type(error), match="NaN or Inf" if where == "merge" else "No space"):
+        merge_and_save(
+            model, str(out), workers=3, max_shard_size="100KB", base_precision="dequantized", progress=False
+        )
+    assert where == "merge" or written[4].startswith("merge")  # the failing write was a worker's
+    assert not out.exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+@pytest.mark.parametrize("workers", [0, 2.5])
+def test_merge_and_save_workers_must_be_a_positive_int(workers, make_base, make_adapter, tmp_path):
+    from peft_shardmerge import merge_and_save
+
+    model = _loaded(make_base("llama"), make_adapter("llama", "default"))
+    with pytest.raises(InputError, match="workers must be a positive int"):
+        merge_and_save(model, str(tmp_path / "out"), workers=workers, progress=False)
+    assert not (tmp_path / "out").exists()
