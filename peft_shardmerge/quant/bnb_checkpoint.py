@@ -93,8 +93,9 @@ class Bnb4bitDecoder(Decoder):
             self.blocksize,
             hi - lo,
             self.state_dtype,
+            self.dtype,
         )
-        return flat[first - lo : last - lo].reshape(stop - start, *self.shape[1:]).to(self.dtype)
+        return flat[first - lo : last - lo].reshape(stop - start, *self.shape[1:])
 
     def _absmax(self, reader: RowReader, b0: int, b1: int) -> torch.Tensor:
         """The float32 absmax of blocks ``[b0, b1)``, undoing double quant over the whole nested blocks they lie in."""

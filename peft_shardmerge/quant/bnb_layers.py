@@ -171,7 +171,7 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
             "(a sharded weight that was not gathered)"
         )
     qs = _quant_state_on(qs, device) if qs.absmax.device != device else qs
-    return dequantize_state(data.to(device), qs).to(torch.float32)  # the definition, as from disk
+    return dequantize_state(data.to(device), qs, torch.float32)  # the definition, as from disk
 
 
 def _quant_state_on(qs, device: torch.device):

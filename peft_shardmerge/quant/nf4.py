@@ -102,7 +102,7 @@ def quantize_roundtrip(weight: torch.Tensor, settings: Nf4Settings) -> torch.Ten
         compress_statistics=settings.double_quant,
         quant_type=settings.quant_type,
     )
-    return dequantize_state(q, state).to(torch.float32).reshape(weight.shape)
+    return dequantize_state(q, state, torch.float32).reshape(weight.shape)
 
 
 #: values dequantized at a time (a few MiB of scratch, whatever the weight's size)
@@ -110,7 +110,13 @@ PIECE_VALUES = 1 << 20
 
 
 def dequantize_4bit_exact(
-    packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, numel: int, dtype: torch.dtype
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    code: torch.Tensor,
+    blocksize: int,
+    numel: int,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The 4-bit format's definition applied to packed bytes: value ``i`` is ``code[q_i] * absmax[i // blocksize]``
     in float32, rounded once to ``dtype``; ``q_{2j}`` is the high nibble of byte ``j``, ``q_{2j+1}`` the low one.
@@ -125,9 +131,11 @@ def dequantize_4bit_exact(
         blocksize: values per absmax.
         numel: how many values to return.
         dtype: the dtype the values are rounded to (the quant state's ``dtype``).
+        out_dtype: the dtype they are returned in, once rounded (default ``dtype``); float32 for a merge saves a pass
+            over the whole weight.
 
     Returns:
-        A flat tensor of ``numel`` values in ``dtype``.
+        A flat tensor of ``numel`` values in ``out_dtype``.
 
     Example:
         >>> nf4 = torch.linspace(-1, 1, 16)
@@ -137,7 +145,7 @@ def dequantize_4bit_exact(
     """
     flat = packed.reshape(-1).view(torch.uint8)
     quads = _quad_table(tuple(code.to(torch.float32).tolist()), flat.device)
-    out = torch.empty(numel, dtype=dtype, device=flat.device)
+    out = torch.empty(numel, dtype=out_dtype or dtype, device=flat.device)
     step = max(1, PIECE_VALUES // blocksize) * blocksize  # whole blocks (an even count of values) at a time
     for v0 in range(0, numel, step):
         v1 = min(numel, v0 + step)
@@ -150,7 +158,8 @@ def dequantize_4bit_exact(
             values = torch.nn.functional.pad(values[: v1 - v0], (0, blocks * blocksize - (v1 - v0)))
         scale = absmax[v0 // blocksize : v0 // blocksize + blocks].to(device=flat.device, dtype=torch.float32)
         values = values.view(blocks, blocksize).mul_(scale.unsqueeze(1))
-        out[v0:v1].copy_(values.reshape(-1)[: v1 - v0])  # rounded once to dtype
+        values = values.reshape(-1)[: v1 - v0]
+        out[v0:v1].copy_(values if out.dtype == dtype else values.to(dtype))  # rounded once to dtype
     return out
 
 
@@ -185,21 +194,26 @@ def dequantize_blockwise_exact(
         ...                            torch.linspace(-1, 1, 256), 256).tolist()
         [-3.0, 3.0]
     """
-    flat = codes.reshape(-1).long()
-    scale = absmax.to(torch.float32).repeat_interleave(blocksize)[: flat.numel()]
-    return code.to(device=codes.device, dtype=torch.float32)[flat] * scale.to(codes.device)
+    n = codes.numel()
+    blocks = -(-n // blocksize)
+    values = code.to(device=codes.device, dtype=torch.float32).index_select(0, codes.reshape(-1).int())
+    if n != blocks * blocksize:  # the last, partial block
+        values = torch.nn.functional.pad(values, (0, blocks * blocksize - n))
+    scale = absmax[:blocks].to(device=codes.device, dtype=torch.float32)
+    return values.view(blocks, blocksize).mul_(scale.unsqueeze(1)).reshape(-1)[:n]
 
 
-def dequantize_state(packed: torch.Tensor, state) -> torch.Tensor:
+def dequantize_state(packed: torch.Tensor, state, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A whole 4-bit weight dequantized by :func:`dequantize_4bit_exact` from its packed bytes and bitsandbytes
     ``QuantState`` (double quant undone by :func:`dequantize_blockwise_exact`, plus the state's offset).
 
     Args:
         packed: the packed bytes in bitsandbytes' usual layout (not repacked for the CPU kernel).
         state: its ``QuantState``.
+        out_dtype: the dtype of the result, once rounded to the state's dtype (default: the state's dtype).
 
     Returns:
-        The weight, of the state's shape and dtype, on ``packed``'s device.
+        The weight, of the state's shape, in ``out_dtype``, on ``packed``'s device.
 
     Raises:
         MissingDependencyError: bitsandbytes is not installed.
@@ -219,7 +233,9 @@ def dequantize_state(packed: torch.Tensor, state) -> torch.Tensor:
         absmax = dequantize_blockwise_exact(absmax, s2.absmax, s2.code, s2.blocksize) + state.offset.to(torch.float32)
     code = F.get_4bit_type(state.quant_type, device=packed.device)
     numel = state.shape.numel()
-    return dequantize_4bit_exact(packed, absmax, code, state.blocksize, numel, state.dtype).reshape(state.shape)
+    return dequantize_4bit_exact(packed, absmax, code, state.blocksize, numel, state.dtype, out_dtype).reshape(
+        state.shape
+    )
 
 
 #: characters reserved for the ``nested_offset`` float in a packed quant state (the longest ``repr`` of a float)
