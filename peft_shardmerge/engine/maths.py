@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from typing import Iterator, Sequence
@@ -99,9 +100,11 @@ def add_lora_checked_(
         return 0.0
     probes = probes.to(rows32.device, torch.float32)
     rows = probe_rows(rows32.shape[0], rows32.device)
-    want = rows32[rows] @ probes + lora_probe(probes, factors, start, stop, transposed=transposed, rows=rows)
+    want = rows32.index_select(0, rows) @ probes
+    want += lora_probe(probes, factors, start, stop, transposed=transposed, rows=rows)
     add_lora_(rows32, factors, start, stop, transposed=transposed)
-    return float((rows32[rows] @ probes - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    got = rows32.index_select(0, rows) @ probes
+    return float(got.sub_(want).abs_().max() / want.abs_().max().clamp_min(1e-30))
 
 
 #: rows of a block checked by the self-check and counted by the precision report
@@ -122,6 +125,13 @@ def probe_rows(n: int, device: torch.device | None = None) -> torch.Tensor:
         >>> probe_rows(5).tolist()
         [0, 1, 2, 3, 4]
     """
+    return _probe_rows(n, torch.device("cpu") if device is None else torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _probe_rows(n: int, device: torch.device) -> torch.Tensor:
+    """:func:`probe_rows`, made once per block height and device (blocks of a tensor share their height): a handful
+    of small torch calls less per block, each a wait for the interpreter lock when several workers merge."""
     if n <= PROBE_ROWS:
         return torch.arange(n, device=device)
     return torch.linspace(0, n - 1, PROBE_ROWS, device=device).round().long().unique()
@@ -172,9 +182,14 @@ def update_counts(base_rows: torch.Tensor, merged: torch.Tensor, cast: torch.Ten
         >>> update_counts(base, merged, merged.to(torch.bfloat16))
         (2, 1)
     """
-    updated = merged != base_rows.to(merged.dtype)
-    kept_base = cast == base_rows.to(cast.dtype)
-    return int(updated.sum()), int((updated & kept_base).sum())
+    # an entry the adapter left as it was also casts to the base's value: those that moved in the output dtype are a
+    # subset of those the adapter changed, and the lost ones are the difference. Each count is a sum of |sign| of a
+    # difference (no comparison masks: those are the slow kernels here)
+    exact = torch.float32 if merged.numel() <= 1 << 24 else torch.float64  # sums of ones, exact below 2**24
+    changed = (merged - base_rows.to(merged.dtype)).sign_().abs_().sum(dtype=exact)
+    moved = (cast.to(torch.float32) - base_rows.to(cast.dtype).to(torch.float32)).sign_().abs_().sum(dtype=exact)
+    changed, moved = (int(v) for v in torch.stack((changed, moved)).tolist())
+    return changed, changed - moved
 
 
 def lora_probe(

@@ -44,7 +44,9 @@ def probe_vectors(name: str, columns: int) -> torch.Tensor:
         torch.Size([3, 2])
     """
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    return torch.randn(columns, PROBES, generator=g)
+    # held as [PROBES, columns]: a product with the transposed view is BLAS's fast case (a few columns held
+    # row-major are its slow one)
+    return torch.randn(PROBES, columns, generator=g).T
 
 
 def check_probe_error(name: str, start: int, stop: int, err: float) -> None:
@@ -237,7 +239,7 @@ class RowMerger:
         for start, stop in blocks:
             base, merged = first if first is not None else (_base_rows(rows(start, stop), changes, start, stop), None)
             sample = probe_rows(stop - start, base.device) if count else None
-            before = base[sample] if count else None  # an index tensor: a copy, kept when rows change in place
+            before = base.index_select(0, sample) if count else None  # a copy, kept when rows change in place
             if merged is None:
                 merged = self._changed_rows(name, base, changes, start, stop, device, probes, inplace)
             if columns is not None:
@@ -252,9 +254,11 @@ class RowMerger:
             if cast is not None:
                 check_range(name, cast, out_dtype)
             if count:
-                sampled = merged[sample]
+                sampled = merged.index_select(0, sample)
                 c, lo = update_counts(
-                    before.reshape(sampled.shape), sampled, cast[sample] if cast is not None else sampled.to(out_dtype)
+                    before.reshape(sampled.shape),
+                    sampled,
+                    cast.index_select(0, sample) if cast is not None else sampled.to(out_dtype),
                 )
                 changed, lost = changed + c, lost + lo
             yield start, stop, merged, cast

@@ -154,3 +154,27 @@ def test_dora_column_norms_do_not_follow_the_row_block(tmp_path, monkeypatch):
         merge_checkpoint(base, adapter, out, options=MergeOptions(dtype="float32", chunk_elems=chunk, progress=False))
         outs.append(folder_tensors(out))
     assert [k for k in outs[0] if not torch.equal(outs[0][k], outs[1][k])] == []
+
+
+@pytest.mark.parametrize(
+    ("base_dtype", "out_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)],
+)
+def test_update_counts_equal_the_definition_with_masks(base_dtype, out_dtype):
+    """The precision report's counts, taken from sums of |sign| of differences, equal the definition written with
+    comparisons: changed = merged != base, lost = changed and cast(merged) == cast(base); signed zeros, updates far
+    below and far above the output dtype's step, and untouched entries included."""
+    from peft_shardmerge.engine.maths import update_counts
+
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(32, 512, generator=g) * 4).to(base_dtype)
+    base[0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0], dtype=base_dtype)
+    scale = torch.logspace(-9, 0, 512).repeat(32, 1)  # tiny updates vanish in 16 bits, large ones do not
+    merged = base.float() + torch.randn(32, 512, generator=g) * scale
+    merged[1] = base[1].float()  # a row the adapter left as it was
+    merged[0, :4] = torch.tensor([-0.0, 0.0, 0.0, 1e-30])  # signed zeros are equal; 1e-30 is a change
+    cast = merged.to(out_dtype)
+    changed = merged != base.float()
+    lost = changed & (cast == base.to(out_dtype))
+    assert update_counts(base, merged, cast) == (int(changed.sum()), int(lost.sum()))
+    assert 0 < int(lost.sum()) < int(changed.sum())
