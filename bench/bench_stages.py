@@ -22,6 +22,7 @@ from collections import Counter
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import bench_checks  # noqa: E402 - the cost of the checks
 import bench_merge  # noqa: E402 - the benchmark models
 
 RATE = 100
@@ -91,40 +92,6 @@ def wall(tree: str, base: str, adapter: str, out: str, extra: list[str]) -> floa
     return t
 
 
-CHECKS_OFF = r"""
-import sys, torch
-import peft_shardmerge
-from peft_shardmerge.engine import row_merge
-base, adapter, out, off = sys.argv[1:5]
-if off == "1":  # the self-check's probes and the precision report's samples gone; the finite check stays
-    row_merge.probe_vectors = lambda name, columns: None
-    row_merge.probe_rows = lambda n, device=None: torch.empty(0, dtype=torch.long, device=device)
-    row_merge.update_counts = lambda before, merged, cast: (0, 0)
-report = peft_shardmerge.merge_checkpoint(base, adapter, out, progress=False)
-print(report.wall_time_s)
-"""
-
-
-def checks_share(tree: str, base: str, adapter: str, out: str, repeats: int) -> tuple[float, float]:
-    """The merge's own wall time (its report's) with the self-check and precision report on and off (medians)."""
-    times: dict[str, list[float]] = {"0": [], "1": []}
-    for _ in range(repeats):
-        for off in times:
-            shutil.rmtree(out, ignore_errors=True)
-            os.sync()
-            done = subprocess.run(
-                [sys.executable, "-c", CHECKS_OFF, base, adapter, out, off],
-                cwd=tree,
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            times[off].append(float(done.stdout.strip().splitlines()[-1]))
-    shutil.rmtree(out, ignore_errors=True)
-    on, off = (sorted(v)[len(v) // 2] for v in times.values())
-    return on, off
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="another checkout (a folder holding peft_shardmerge/)")
@@ -162,10 +129,11 @@ def main() -> int:
         f"| **wall time of the command** (median of {args.repeats}, no profiler) | {med['before']:.2f} | "
         f"{med['after']:.2f} |"
     )
-    on, off = checks_share(trees["after"], base, adapter, out, args.repeats)
+    share = bench_checks.measure(base, adapter, out, 2 * args.repeats, 2, trees["after"])
     print(
-        f"\nafter: the merge's own wall time {on:.2f} s with the self-check and the precision report, {off:.2f} s "
-        f"without them ({100 * (on - off) / off:.0f}% of the streaming; median of {args.repeats} interleaved runs)"
+        f"\nafter: the merge's own wall time {share['on_median']:.2f} s with the self-check and the precision report, "
+        f"{share['off_median']:.2f} s without them (median pairwise ratio {share['ratio']:.3f}, "
+        f"{2 * args.repeats} pairs; bench_checks.py)"
     )
     return 0
 
