@@ -431,7 +431,8 @@ def format_table(rows, args, inproc=()) -> str:
             "",
             "The base is loaded with `BitsAndBytesConfig(load_in_4bit=True, nf4, double quant)` on the CPU, a",
             "rank-16 LoRA (non-zero B) is attached to all seven projections, and `merge_and_save(model, out,",
-            'base_precision="dequantized")` writes bf16 (default `workers`: one per CPU, here 2; each module',
+            'base_precision="dequantized")` writes bf16 (default `workers`: one per CPU, at most 8, here '
+            f"{min(8, len(os.sched_getaffinity(0)))}; each module",
             "merged on the calling thread, then hashed and written by a worker while the next is merged). Peak RSS",
             "is measured over the RSS of the process with the model loaded and every weight page touched once (as",
             "after training; transformers memory-maps checkpoints, so untouched weights are not yet resident),",
