@@ -129,11 +129,13 @@ def main() -> int:
         f"| **wall time of the command** (median of {args.repeats}, no profiler) | {med['before']:.2f} | "
         f"{med['after']:.2f} |"
     )
-    share = bench_checks.measure(base, adapter, out, 2 * args.repeats, 2, trees["after"])
+    after = args.after_args.split()
+    workers = int(after[after.index("--workers") + 1]) if "--workers" in after else min(8, os.cpu_count() or 1)
+    share = bench_checks.measure(base, adapter, out, 2 * args.repeats, workers, trees["after"])
     print(
         f"\nafter: the merge's own wall time {share['on_median']:.2f} s with the self-check and the precision report, "
         f"{share['off_median']:.2f} s without them (median pairwise ratio {share['ratio']:.3f}, "
-        f"{2 * args.repeats} pairs; bench_checks.py)"
+        f"{2 * args.repeats} pairs, {workers} workers; bench_checks.py)"
     )
     return 0
 

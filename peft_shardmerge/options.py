@@ -177,8 +177,8 @@ class MergeOptions:
         chunk_elems: elements per row block (bounds peak memory).
         resume: keep the verified shards of an interrupted run of the same merge (from disk).
         workers: tensors in flight at once, each on its own thread: from disk, each merged and written there; a loaded
-            model's modules are merged one at a time on the caller's thread and written there. None: one per CPU, at
-            most 8.
+            model's modules are merged in order on the caller's thread and written by the workers. None: one per
+            CPU, at most 8.
         model_checks: when a merge from disk builds the model class on the meta device and asks PEFT which adapter
             tensors it loads: ``"first"``, before anything is read; ``"beside"``, in a second process while the merge
             streams the plan made from the files, the two plans compared before the commit (the merge is made again

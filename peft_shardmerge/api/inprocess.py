@@ -111,9 +111,9 @@ def merge_and_save(
             ``ties`` only).
         seed: the seed of DARE's random draw.
         workers: threads that write while the next module is merged (each merged module is copied out whole in
-            the output dtype, then hashed and written there; up to ``workers + 1`` modules held meanwhile); None: one
-            per CPU, at most 8; 1: each module merged and written in row blocks by the calling thread, the least
-            memory. The bytes do not depend on it.
+            the output dtype, then hashed and written there; up to ``workers + 1`` modules, and at most the largest
+            tensor's bytes of them, held meanwhile); None: one per CPU, at most 8; 1: each module merged and written
+            in row blocks by the calling thread, the least memory. The bytes do not depend on it.
         overwrite: replace a non-empty ``out_dir`` (after the new output is complete).
         progress: show progress bars.
         options: the same knobs (and ``chunk_elems``) as one :class:`~peft_shardmerge.options.MergeOptions`, the

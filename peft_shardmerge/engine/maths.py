@@ -112,7 +112,8 @@ PROBE_ROWS = 32
 
 
 def probe_rows(n: int, device: torch.device | None = None) -> torch.Tensor:
-    """Up to :data:`PROBE_ROWS` evenly spaced row indices of an ``n``-row block, first and last included.
+    """Up to :data:`PROBE_ROWS` evenly spaced row indices of an ``n``-row block, first and last included (one tensor
+    per ``n`` and device, shared: not to be modified).
 
     Args:
         n: rows in the block.
@@ -132,9 +133,11 @@ def probe_rows(n: int, device: torch.device | None = None) -> torch.Tensor:
 def _probe_rows(n: int, device: torch.device) -> torch.Tensor:
     """:func:`probe_rows`, made once per block height and device (blocks of a tensor share their height): a handful
     of small torch calls less per block, each a wait for the interpreter lock when several workers merge."""
-    if n <= PROBE_ROWS:
-        return torch.arange(n, device=device)
-    return torch.linspace(0, n - 1, PROBE_ROWS, device=device).round().long().unique()
+    rows = torch.arange(n) if n <= PROBE_ROWS else torch.linspace(0, n - 1, PROBE_ROWS).round().long().unique()
+    rows = rows.to(device)
+    if rows.device.type == "cuda":  # copied on this thread's stream, read on others'
+        torch.cuda.current_stream(rows.device).synchronize()
+    return rows
 
 
 def swallowed(base_rows: torch.Tensor, cast: torch.Tensor) -> int:

@@ -124,8 +124,9 @@ def write_placed(
     """Prepare the tensors of one shard on this thread, in order, and write each on the threads of ``pool`` at its
     place in the file (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). The first failure among the writes,
     in their order, is raised once no thread works on the shard any more (also when this thread is interrupted
-    meanwhile); a failure of ``before`` or ``prepare`` (another rank stopped, a merged value not finite) is raised as
-    soon as the threads have stopped.
+    meanwhile), and nothing more is prepared once a write has failed; a failure of ``before`` or ``prepare``
+    (another rank stopped, a merged value not finite) is raised as soon as the threads have stopped, unless a write
+    handed out before it failed (that one is raised, from it).
 
     Args:
         tensors: the planned tensors of the shard, in the order of its entries.
@@ -167,16 +168,30 @@ def write_placed(
         for index, t in enumerate(tensors):
             if len(pending) >= ahead:
                 done(pending.popleft().result())
-            before(t)
-            with torch.no_grad():
-                write = prepare(t)
+            if any(f.done() and f.exception() is not None for f in pending):
+                break  # a write failed: nothing more is prepared, the first failure is raised below
+            try:
+                before(t)
+                with torch.no_grad():
+                    write = prepare(t)
+            except Exception as err:  # an earlier tensor's failed write comes first
+                _stop(pending)
+                earlier = next((f.exception() for f in pending if not f.cancelled() and f.exception()), None)
+                if earlier is not None:
+                    raise earlier from err
+                raise
             pending.append(pool.submit(task, index, write))
         while pending:
             done(pending.popleft().result())
     finally:
-        for future in pending:
-            future.cancel()
-        _wait_for(pending)
+        _stop(pending)
+
+
+def _stop(futures) -> None:
+    """Cancel the futures not started and wait until none runs."""
+    for future in futures:
+        future.cancel()
+    _wait_for(futures)
 
 
 def _wait_for(futures) -> None:

@@ -246,7 +246,8 @@ class Plan:
             f"tensors: {len(self.tensors)}   shards: {len(self.shard_names)}   bytes: {self.total_size}"
             f" ({self.total_size / 1e9:.3f} GB)",
             f"estimated peak working memory: {self.peak_bytes() / 2**20:.1f} MiB per tensor in flight "
-            "(from disk: up to --workers at once)",
+            "(from disk: up to --workers at once; a loaded model: one, plus merged modules waiting for their write, "
+            "at most the largest tensor's bytes of them)",
         ]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -144,14 +144,16 @@ def dequantize_4bit_exact(
         [-2.0, 2.0]
     """
     flat = packed.reshape(-1).view(torch.uint8)
-    quads = _quad_table(tuple(code.to(torch.float32).tolist()), flat.device)
+    quads = _quad_table(tuple(code.to(torch.float32).view(torch.int32).tolist()), flat.device)  # by its exact bits
     out = torch.empty(numel, dtype=out_dtype or dtype, device=flat.device)
     step = max(1, PIECE_VALUES // blocksize) * blocksize  # whole blocks (an even count of values) at a time
     for v0 in range(0, numel, step):
         v1 = min(numel, v0 + step)
         part = flat[v0 // 2 : (v1 + 1) // 2]
-        if part.numel() % 2 or part.storage_offset() % 2:  # read as 16-bit pairs of bytes: whole and aligned
-            part = torch.nn.functional.pad(part, (0, part.numel() % 2))
+        if part.storage_offset() % 2:  # read as 16-bit pairs of bytes: aligned...
+            part = part.clone()
+        if part.numel() % 2:  # ...and whole
+            part = torch.nn.functional.pad(part, (0, 1))
         blocks = -(-(v1 - v0) // blocksize)
         values = quads.index_select(0, part.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)).reshape(-1)
         if values.numel() != blocks * blocksize:  # an odd count, or the last, partial block
@@ -164,14 +166,17 @@ def dequantize_4bit_exact(
 
 
 @functools.lru_cache(maxsize=8)
-def _quad_table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+def _quad_table(bits: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The four values of each pair of packed bytes, indexed by the pair read as one native-order 16-bit integer: one
     gather per two bytes instead of a shift, a mask and a gather per value (1 MiB of float32, made once per code
-    book and device)."""
-    code = torch.tensor(values, dtype=torch.float32, device=device)
+    book, given by its float32 bit patterns, and device; complete before any stream of any thread reads it)."""
+    code = torch.tensor(bits, dtype=torch.int32).view(torch.float32).to(device)
     pair = torch.arange(1 << 16, device=device)
     first, second = (pair & 0xFF, pair >> 8) if sys.byteorder == "little" else (pair >> 8, pair & 0xFF)
-    return torch.stack([code[first >> 4], code[first & 0xF], code[second >> 4], code[second & 0xF]], dim=1)
+    table = torch.stack([code[first >> 4], code[first & 0xF], code[second >> 4], code[second & 0xF]], dim=1)
+    if table.device.type == "cuda":  # made on this thread's stream, read on others'
+        torch.cuda.current_stream(table.device).synchronize()
+    return table
 
 
 def dequantize_blockwise_exact(

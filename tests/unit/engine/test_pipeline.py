@@ -168,7 +168,8 @@ def test_a_loaded_model_gives_the_same_bytes_and_record_whatever_the_workers(
 ):
     """merge_and_save merges each module on the calling thread and, with several workers, has it written by a worker
     while the next is merged: the same files and the same per-tensor SHA-256 as one thread doing both."""
-    pytest.importorskip("bitsandbytes")
+    if quant != "none":
+        pytest.importorskip("bitsandbytes")
     from peft_shardmerge import merge_and_save
 
     model = _loaded(make_base(arch), make_adapter(arch, "default"), quant)
@@ -269,3 +270,67 @@ def test_merge_and_save_workers_must_be_a_positive_int(workers, make_base, make_
     with pytest.raises(InputError, match="workers must be a positive int"):
         merge_and_save(model, str(tmp_path / "out"), workers=workers, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_write_comes_before_a_later_failure_to_merge(make_base, make_adapter, tmp_path, monkeypatch):
+    """A worker's write fails, then the calling thread fails to merge a later module: the write's error is raised
+    (the first failure in plan order), and nothing is left."""
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.model.reader import ModelReader
+
+    model = _loaded(make_base("llama_sharded"), make_adapter("llama_sharded", "default"))
+    real_produce, real_write = ModelReader.produce, ModelReader._write_blocks
+    calls = {"writes": 0, "merges": 0}
+    failed = threading.Event()
+
+    def write_blocks(*args):
+        calls["writes"] += 1
+        if calls["writes"] == 2:
+            failed.set()
+            raise OSError(28, "No space left on device")
+        return real_write(*args)
+
+    def produce(self, entry):
+        calls["merges"] += 1
+        if calls["merges"] == 4:
+            failed.wait(5)  # the write has failed, and has not been seen yet
+            raise MergeCheckError(f"tensor {entry.name!r} has NaN or Inf")
+        return real_produce(self, entry)
+
+    monkeypatch.setattr(ModelReader, "produce", produce)
+    monkeypatch.setattr(ModelReader, "_write_blocks", staticmethod(write_blocks))
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="No space left on device"):
+        merge_and_save(model, str(out), workers=2, base_precision="dequantized", progress=False)
+    assert not out.exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+def test_the_modules_waiting_for_their_write_stay_under_the_byte_limit(make_base, make_adapter, tmp_path, monkeypatch):
+    """With a limit of two small modules' bytes, the bytes held between merge and write never go over it (a module
+    alone may), and the output is the same as with one thread."""
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.model.reader import ModelReader
+
+    model = _loaded(make_base("llama"), make_adapter("llama", "default"))
+    real_init, real_copy = ModelReader.__init__, ModelReader._copied_out
+    seen: list[tuple[int, int, int]] = []
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.held_limit = 2 * max(t.nbytes for t in self.plan.tensors if "q_proj" in t.name)
+
+    def copied_out(self, data, blocks, target):
+        seen.append((self._held, self.held_limit, data.numel() * target.itemsize))
+        return real_copy(self, data, blocks, target)
+
+    monkeypatch.setattr(ModelReader, "__init__", init)
+    monkeypatch.setattr(ModelReader, "_copied_out", copied_out)
+    for workers in (4, 1):
+        merge_and_save(
+            model, str(tmp_path / f"w{workers}"), workers=workers, base_precision="dequantized", progress=False
+        )
+    assert len(seen) > 10 and any(own < held <= limit for held, limit, own in seen)  # several held at once
+    assert all(held <= limit or held == own for held, limit, own in seen)
+    four, one = _files(tmp_path / "w4"), _files(tmp_path / "w1")
+    assert four.keys() == one.keys()
+    assert all(four[f] == one[f] for f in four if f != "merge_manifest.json")

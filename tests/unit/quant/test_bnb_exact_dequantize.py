@@ -153,3 +153,21 @@ def test_dequantize_4bit_exact_of_an_odd_count_is_the_definition(numel):
     want = (code[nibbles] * absmax[torch.arange(numel) // 64]).to(torch.bfloat16)
     got = dequantize_4bit_exact(packed, absmax, code, 64, numel, torch.bfloat16)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_dequantize_state_from_an_unaligned_view_and_in_float32_is_the_same():
+    """Packed bytes seen through a view at an odd byte offset (a slice of a flat parameter), and the float32 result
+    a merge asks for: the same values as from aligned bytes, rounded to the state's dtype first."""
+    import bitsandbytes.functional as F
+
+    from peft_shardmerge.quant.nf4 import dequantize_state
+
+    w = torch.randn(70, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    q, state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    flat = torch.cat([torch.zeros(1, dtype=torch.uint8), q.reshape(-1)])
+    unaligned = flat[1:]
+    assert unaligned.storage_offset() == 1
+    want = dequantize_state(q, state)
+    assert torch.equal(dequantize_state(unaligned, state).view(torch.int16), want.view(torch.int16))
+    wide = dequantize_state(q, state, torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide, want.float())
