@@ -196,10 +196,12 @@ def signal_after_shard(rank: int, argv: list[str], pid: int, sig: int) -> int:
     from peft_shardmerge.output import writer
 
     close = writer.ShardWriter.close
+    sent = []
 
     def close_then_signal(self):
         close(self)
-        if RANK == rank:
+        if RANK == rank and not sent:  # once: a second Ctrl-C makes torchrun terminate the ranks instead
+            sent.append(sig)
             os.kill(pid, sig)
 
     writer.ShardWriter.close = close_then_signal
