@@ -68,6 +68,7 @@ class CheckpointReader(RowMerger):
     """
 
     one_torch_thread = True  # each worker merges with torch ops of its own
+    held_limit = None  # a tensor in flight holds a row block
 
     def __init__(self, plan: Plan, device: torch.device = torch.device("cpu"), resume: bool = False, workers: int = 1):
         super().__init__(plan.chunk_elems)

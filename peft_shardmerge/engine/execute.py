@@ -128,6 +128,7 @@ def run(
             w,
             pool,
             ahead=source.ahead,
+            held_limit=source.held_limit,
             before=coordinator.before,
             done=bar.update,
         )

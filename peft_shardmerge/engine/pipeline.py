@@ -67,6 +67,7 @@ def produce_shard(
     pool: ThreadPoolExecutor | None,
     *,
     ahead: int = 16,
+    held_limit: int | None = None,
     before: Callable[[PlannedTensor], None] = lambda t: None,
     done: Callable[[int], None] = lambda n: None,
 ) -> None:
@@ -80,7 +81,7 @@ def produce_shard(
             writes ``t``'s bytes into ``sink``.
         writer: the :class:`~peft_shardmerge.output.writer.ShardWriter`.
         pool: the worker threads (:func:`worker_pool`), or None.
-        ahead: see :func:`write_placed`.
+        ahead, held_limit: see :func:`write_placed`.
         before: called on this thread before each tensor is prepared.
         done: called on this thread with the bytes written (per tensor with a pool, per block without).
 
@@ -88,7 +89,7 @@ def produce_shard(
         None.
     """
     if pool is not None:
-        write_placed(tensors, prepare, writer, pool, ahead=ahead, before=before, done=done)
+        write_placed(tensors, prepare, writer, pool, ahead=ahead, held_limit=held_limit, before=before, done=done)
         return
     counted = _Counted(writer, done)
     for t in tensors:
@@ -118,6 +119,7 @@ def write_placed(
     pool: ThreadPoolExecutor,
     *,
     ahead: int = 16,
+    held_limit: int | None = None,
     before: Callable[[PlannedTensor], None] = lambda t: None,
     done: Callable[[int], None] = lambda n: None,
 ) -> None:
@@ -136,6 +138,8 @@ def write_placed(
         pool: the worker threads (:func:`worker_pool`).
         ahead: tensors prepared and not yet seen written, at most (a few beyond the running ones, so that a failure
             is seen early; what is prepared is held until written).
+        held_limit: their planned bytes, at most, where each holds its whole tensor until written (None: not
+            counted); a tensor that would go over waits for the writes before it (one alone always goes).
         before: called on this thread before ``t`` is prepared.
         done: called on this thread with the byte count of each tensor written, in order.
 
@@ -156,6 +160,7 @@ def write_placed(
         {'a': tensor([1.]), 'b': tensor([1., 1.])}
     """
     pending: deque[Future] = deque()
+    held: deque[int] = deque()  # the planned bytes of each pending tensor
 
     def task(index: int, write: Callable[[object], None]) -> int:
         sink = writer.at(index)
@@ -166,7 +171,10 @@ def write_placed(
 
     try:
         for index, t in enumerate(tensors):
-            if len(pending) >= ahead:
+            while pending and (
+                len(pending) >= ahead or (held_limit is not None and sum(held) + t.nbytes > held_limit)
+            ):
+                held.popleft()
                 done(pending.popleft().result())
             if any(f.done() and f.exception() is not None for f in pending):
                 break  # a write failed: nothing more is prepared, the first failure is raised below
@@ -181,6 +189,7 @@ def write_placed(
                     raise earlier from err
                 raise
             pending.append(pool.submit(task, index, write))
+            held.append(t.nbytes)
         while pending:
             done(pending.popleft().result())
     finally:

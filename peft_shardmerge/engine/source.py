@@ -28,6 +28,8 @@ class Source(Protocol):
         workers: tensors it may have in flight at once, each written (and, from disk, produced) on its own thread
             (1: one after the other, on the executor's thread).
         ahead: tensors prepared and not yet written, at most (what the memory held in flight is counted in).
+        held_limit: where a prepared tensor holds its whole bytes until written, their planned bytes at most (None:
+            a tensor in flight holds a row block).
         one_torch_thread: whether torch is held to one intra-op thread while the workers run (they run torch ops
             each: a merge from disk); False where they only copy out, hash and write what was prepared.
     """
@@ -38,6 +40,7 @@ class Source(Protocol):
     swallowed: dict
     workers: int
     ahead: int
+    held_limit: int | None
     one_torch_thread: bool
 
     def prepare(self, t: PlannedTensor) -> Callable[[object], None]:

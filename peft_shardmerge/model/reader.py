@@ -3,7 +3,6 @@ the one row merge on a device chosen within the memory budget; re-quantization t
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 import torch
@@ -251,8 +250,8 @@ class ModelReader(LiveMerger):
     Attributes:
         ahead: one module per worker, and the next one, prepared and not yet written (each held whole in the output
             dtype on the CPU until written)...
-        held_limit: ...and at most this many bytes of them at once (the largest planned tensor's: one module waiting
-            for its write, or several small ones); a module that would go over waits for the writes before it.
+        held_limit: ...and at most the largest planned tensor's bytes of them at once (one module waiting for its
+            write, or several small ones; None with one worker, which writes each module as it is merged).
     """
 
     one_torch_thread = False  # the workers only hash and write: the merge keeps torch's threads
@@ -264,8 +263,7 @@ class ModelReader(LiveMerger):
         super().__init__(src.live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems, src.vectors)
         self.plan, self.src, self.info, self.copy = plan, src, merge_info, copy
         self.workers, self.ahead = workers, workers + 1
-        self.held_limit = max((t.nbytes for t in plan.tensors), default=0)
-        self._held, self._room = 0, threading.Condition()
+        self.held_limit = max((t.nbytes for t in plan.tensors), default=0) if workers > 1 else None
         self.parts: dict[str, torch.Tensor] = {}
 
     def prepare(self, t: PlannedTensor) -> Callable[[object], None]:
@@ -292,24 +290,15 @@ class ModelReader(LiveMerger):
                 )
             return lambda w: w.write(data)
         e = t.entry
-        if self.workers > 1:
-            with self._room:  # room for it among the modules waiting for their write
-                self._room.wait_for(lambda: self._held == 0 or self._held + t.nbytes <= self.held_limit)
-                self._held += t.nbytes
-        try:
-            data = self.produce(e)
-            if tuple(data.shape) != e.shape:
-                raise MergeCheckError(f"{e.name}: produced shape {list(data.shape)}, expected {list(e.shape)}")
-            if e.kind != "plain" and not e.adapters and data.is_floating_point() and not torch.isfinite(data.sum()):
-                raise MergeCheckError(f"tensor {e.name!r} has NaN or Inf")  # the row merge checked every changed one
-            target, blocks = DTYPES[t.out_dtype][0], row_blocks(e.shape, self.chunk_elems)
-            if self.workers == 1:
-                return lambda w: self._write_blocks(data, blocks, target, self.copy, w)
-            data = self._copied_out(data.detach(), blocks, target)
-        except BaseException:
-            self._release(t.nbytes)
-            raise
-        return lambda w: self._write_then_release(data, blocks, target, t.nbytes, w)
+        data = self.produce(e)
+        if tuple(data.shape) != e.shape:
+            raise MergeCheckError(f"{e.name}: produced shape {list(data.shape)}, expected {list(e.shape)}")
+        if e.kind != "plain" and not e.adapters and data.is_floating_point() and not torch.isfinite(data.sum()):
+            raise MergeCheckError(f"tensor {e.name!r} has NaN or Inf")  # the row merge checked every changed one
+        target, blocks, copy = DTYPES[t.out_dtype][0], row_blocks(e.shape, self.chunk_elems), self.copy
+        if self.workers > 1:  # written later, by a worker: off the device and out of the model's storage now
+            data, copy = self._copied_out(data.detach(), blocks, target), False
+        return lambda w: self._write_blocks(data, blocks, target, copy, w)
 
     def _copied_out(self, data: torch.Tensor, blocks, target: torch.dtype) -> torch.Tensor:
         """The tensor off the device (and out of the model's or a gathered unit's storage) in the output dtype, cast
@@ -321,18 +310,6 @@ class ModelReader(LiveMerger):
         for start, stop in blocks:
             out[start:stop].copy_(data[start:stop])
         return out
-
-    def _write_then_release(self, data: torch.Tensor, blocks, target: torch.dtype, nbytes: int, w) -> None:
-        try:
-            self._write_blocks(data, blocks, target, False, w)
-        finally:
-            self._release(nbytes)
-
-    def _release(self, nbytes: int) -> None:
-        if self.workers > 1:
-            with self._room:
-                self._held -= nbytes
-                self._room.notify_all()
 
     @staticmethod
     def _write_blocks(data: torch.Tensor, blocks, target: torch.dtype, copy: bool, w) -> None:

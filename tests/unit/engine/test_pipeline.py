@@ -24,21 +24,25 @@ def _files(folder) -> dict[str, bytes]:
     return {f: open(os.path.join(folder, f), "rb").read() for f in sorted(os.listdir(folder)) if f != "README.md"}
 
 
+def _assert_same_output(a, b) -> None:
+    """Two outputs of the same merge: every file byte for byte, and the record's per-tensor SHA-256 (computed by the
+    threads that wrote them); the record's other fields (times, peak memory) may differ."""
+    one, other = _files(a), _files(b)
+    assert one.keys() == other.keys() and sum(f.endswith(".safetensors") for f in one) > 1
+    for name in one:
+        if name != "merge_manifest.json":
+            assert one[name] == other[name], name
+    records = [json.loads(o["merge_manifest.json"]) for o in (one, other)]
+    assert records[0]["shards"] == records[1]["shards"]
+
+
 @pytest.mark.parametrize("arch", ["llama_sharded", "gpt2"])
 def test_the_same_bytes_and_record_whatever_the_workers(arch, make_base, make_adapter, tmp_path):
     base, adapter = make_base(arch), make_adapter(arch, "default")
-    outs = {}
     for workers in (1, 4):
         out = str(tmp_path / f"w{workers}")
         merge_checkpoint(base, adapter, out, max_shard_size="200KB", workers=workers, progress=False)
-        outs[workers] = _files(out)
-    one, four = outs[1], outs[4]
-    assert one.keys() == four.keys() and sum(f.endswith(".safetensors") for f in one) > 1
-    for name in one:
-        if name != "merge_manifest.json":
-            assert one[name] == four[name], name
-    record_1, record_4 = (json.loads(o["merge_manifest.json"]) for o in (one, four))
-    assert record_1["shards"] == record_4["shards"]  # every tensor's SHA-256, computed by the threads that made it
+    _assert_same_output(tmp_path / "w1", tmp_path / "w4")
 
 
 def test_each_recorded_sha256_is_the_written_bytes(make_base, make_adapter, tmp_path):
@@ -173,7 +177,6 @@ def test_a_loaded_model_gives_the_same_bytes_and_record_whatever_the_workers(
     from peft_shardmerge import merge_and_save
 
     model = _loaded(make_base(arch), make_adapter(arch, "default"), quant)
-    outs = {}
     for workers in (1, 3):
         out = str(tmp_path / f"w{workers}")
         merge_and_save(
@@ -185,14 +188,7 @@ def test_a_loaded_model_gives_the_same_bytes_and_record_whatever_the_workers(
             base_precision="dequantized",
             progress=False,
         )
-        outs[workers] = _files(out)
-    one, three = outs[1], outs[3]
-    assert one.keys() == three.keys() and sum(f.endswith(".safetensors") for f in one) > 1
-    for name in one:
-        if name != "merge_manifest.json":
-            assert one[name] == three[name], name
-    record_1, record_3 = (json.loads(o["merge_manifest.json"]) for o in (one, three))
-    assert record_1["shards"] == record_3["shards"]
+    _assert_same_output(tmp_path / "w1", tmp_path / "w3")
 
 
 def test_a_loaded_model_is_merged_in_order_on_the_calling_thread_and_written_by_the_workers(
@@ -305,32 +301,36 @@ def test_a_failed_write_comes_before_a_later_failure_to_merge(make_base, make_ad
     assert not out.exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
 
 
-def test_the_modules_waiting_for_their_write_stay_under_the_byte_limit(make_base, make_adapter, tmp_path, monkeypatch):
-    """With a limit of two small modules' bytes, the bytes held between merge and write never go over it (a module
-    alone may), and the output is the same as with one thread."""
-    from peft_shardmerge import merge_and_save
-    from peft_shardmerge.model.reader import ModelReader
+def test_what_is_prepared_and_not_yet_written_stays_under_the_byte_limit(tmp_path):
+    """write_placed with a byte limit: the planned bytes prepared and not yet written never go over it (a tensor
+    alone may), several small tensors are in flight at once, and the file is the same as without a limit."""
+    from types import SimpleNamespace
 
-    model = _loaded(make_base("llama"), make_adapter("llama", "default"))
-    real_init, real_copy = ModelReader.__init__, ModelReader._copied_out
-    seen: list[tuple[int, int, int]] = []
+    from peft_shardmerge.engine.pipeline import worker_pool, write_placed
 
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self.held_limit = 2 * max(t.nbytes for t in self.plan.tensors if "q_proj" in t.name)
+    sizes = [4, 4, 4, 40, 4, 4, 4, 4, 12, 4]  # float32 elements; 40 alone is over the limit of 12 elements
+    ts = [SimpleNamespace(name=f"t{i}", shape=(n,), nbytes=4 * n) for i, n in enumerate(sizes)]
+    entries = [(t.name, "F32", t.shape, t.nbytes) for t in ts]
+    lock, held, seen = threading.Lock(), [0], []
 
-    def copied_out(self, data, blocks, target):
-        seen.append((self._held, self.held_limit, data.numel() * target.itemsize))
-        return real_copy(self, data, blocks, target)
+    def prepare(t):
+        with lock:
+            held[0] += t.nbytes
+            seen.append((held[0], t.nbytes))
 
-    monkeypatch.setattr(ModelReader, "__init__", init)
-    monkeypatch.setattr(ModelReader, "_copied_out", copied_out)
-    for workers in (4, 1):
-        merge_and_save(
-            model, str(tmp_path / f"w{workers}"), workers=workers, base_precision="dequantized", progress=False
-        )
-    assert len(seen) > 10 and any(own < held <= limit for held, limit, own in seen)  # several held at once
-    assert all(held <= limit or held == own for held, limit, own in seen)
-    four, one = _files(tmp_path / "w4"), _files(tmp_path / "w1")
-    assert four.keys() == one.keys()
-    assert all(four[f] == one[f] for f in four if f != "merge_manifest.json")
+        def write(sink):
+            time.sleep(0.01)
+            sink.write(torch.full(t.shape, float(t.shape[0])))
+            with lock:
+                held[0] -= t.nbytes
+
+        return write
+
+    for limit in (48, None):
+        with ShardWriter(str(tmp_path / f"{limit}.safetensors"), entries) as w, worker_pool(4) as pool:
+            write_placed(ts, prepare, w, pool, ahead=8, held_limit=limit)
+        if limit is not None:
+            assert all(total <= limit or total == own for total, own in seen), seen
+            assert any(own < total for total, own in seen)  # several at once
+            seen.clear()
+    assert (tmp_path / "48.safetensors").read_bytes() == (tmp_path / "None.safetensors").read_bytes()
