@@ -189,7 +189,7 @@ def write_placed(
                     raise earlier from err
                 raise
             pending.append(pool.submit(task, index, write))
-            held.append(t.nbytes)
+            held.append(t.nbytes if held_limit is not None else 0)
         while pending:
             done(pending.popleft().result())
     finally:
