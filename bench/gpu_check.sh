@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/benchmarks.md in one call on a machine with a CUDA GPU: the CUDA tests, then the side-by-side
+# rows of "8B on a 16-core GPU machine" (bench/bench_gpu.py --scenarios speed).
+#
+# Such a machine has its own torch and may lack the tested set's transformers, PEFT and bitsandbytes: fetch their
+# wheels first, where pip can reach PyPI (into .whl/, which git ignores here):
+#
+#     bash bench/gpu_check.sh --fetch
+#
+# then, on the GPU machine, in the repository's root, with .whl/ beside it:
+#
+#     bash bench/gpu_check.sh [tests|bench|all] [SIZES]     # default: all 8B
+#
+# What it prints is also written under $OUT (default /tmp/gpu-check): machine.txt, cuda-tests.txt, bench.txt and
+# gpu.jsonl, bench_gpu.py's raw lines.
+set -euo pipefail
+
+# the tested set's packages (requirements/constraints.txt) that the GPU machines' image lacks or holds in another
+# version; its huggingface_hub, tokenizers, safetensors and accelerate satisfy these (and the wheels, 57 MB, fit the
+# 64 MiB a call may carry beside the repository)
+PINNED="transformers peft bitsandbytes"
+
+if [ "${1:-}" = "--fetch" ]; then
+    grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >>.git/info/exclude
+    specs=$(for p in $PINNED; do grep -i "^$p==" requirements/constraints.txt; done)
+    # shellcheck disable=SC2086 # one argument per requirement
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any -d .whl $specs
+    ls .whl
+    exit 0
+fi
+
+what=${1:-all}
+sizes=${2:-8B}
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+# bytecode compiled ahead, as a normal install does (else the first import compiles it: seconds on the clock)
+python3 -m compileall -q -j 0 /tmp/site peft_shardmerge bench tests >/dev/null 2>&1 || true
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi"
+    echo "$(nproc) CPUs, $(free -g | awk '/Mem:/ {print $2}') GiB RAM"
+    python3 -c "import sys, torch, transformers, peft, bitsandbytes; print(sys.version.split()[0], torch.__version__,
+'transformers', transformers.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__,
+'cuda', torch.cuda.is_available())"
+    git log -1 --format="commit %h %s" 2>/dev/null || true
+} 2>&1 | tee "$OUT/machine.txt"
+
+if [ "$what" = "tests" ] || [ "$what" = "all" ]; then
+    python3 -m pytest -q -p no:cacheprovider -m cuda -rs \
+        tests/integration/test_cuda.py tests/unit/engine/test_execute.py tests/integration/test_inprocess.py \
+        2>&1 | tee "$OUT/cuda-tests.txt" || true
+fi
+if [ "$what" = "bench" ] || [ "$what" = "all" ]; then
+    python3 bench/bench_gpu.py --sizes "$sizes" --scenarios speed --work /tmp/gpu-bench --json "$OUT/gpu.jsonl" \
+        2>&1 | tee "$OUT/bench.txt"
+fi
