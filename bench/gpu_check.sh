@@ -16,13 +16,21 @@
 set -euo pipefail
 
 # the tested set's packages (requirements/constraints.txt) that the GPU machines' image lacks or holds in another
-# version; its huggingface_hub, tokenizers, safetensors and accelerate satisfy these (and the wheels, 57 MB, fit the
-# 64 MiB a call may carry beside the repository)
+# version; its huggingface_hub, tokenizers, safetensors and accelerate satisfy these (and the wheels, 55 MiB, fit
+# the 64 MiB a call may carry beside the repository)
 PINNED="transformers peft bitsandbytes"
 
 if [ "${1:-}" = "--fetch" ]; then
-    grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >>.git/info/exclude
-    specs=$(for p in $PINNED; do grep -i "^$p==" requirements/constraints.txt; done)
+    exclude=$(git rev-parse --git-path info/exclude)
+    grep -qx "/.whl/" "$exclude" 2>/dev/null || echo "/.whl/" >>"$exclude"
+    specs=""
+    for p in $PINNED; do
+        if ! spec=$(grep -i "^$p==" requirements/constraints.txt); then
+            echo "$p is not pinned in requirements/constraints.txt" >&2
+            exit 2
+        fi
+        specs="$specs $spec"
+    done
     # shellcheck disable=SC2086 # one argument per requirement
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
@@ -33,6 +41,10 @@ fi
 
 what=${1:-all}
 sizes=${2:-8B}
+case "$what" in
+    tests | bench | all) ;;
+    *) echo "usage: bash bench/gpu_check.sh [--fetch | tests | bench | all] [SIZES]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -50,16 +62,22 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
     echo "$(nproc) CPUs, $(free -g | awk '/Mem:/ {print $2}') GiB RAM"
     python3 -c "import sys, torch, transformers, peft, bitsandbytes; print(sys.version.split()[0], torch.__version__,
 'transformers', transformers.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__,
-'cuda', torch.cuda.is_available())"
+'cuda', torch.cuda.is_available())" || echo "the tested set does not import: fetch its wheels (--fetch) and carry .whl"
     git log -1 --format="commit %h %s" 2>/dev/null || true
 } 2>&1 | tee "$OUT/machine.txt"
 
+tests=0
 if [ "$what" = "tests" ] || [ "$what" = "all" ]; then
+    set +e # a failed test is reported, and the benchmark still runs
     python3 -m pytest -q -p no:cacheprovider -m cuda -rs \
         tests/integration/test_cuda.py tests/unit/engine/test_execute.py tests/integration/test_inprocess.py \
-        2>&1 | tee "$OUT/cuda-tests.txt" || true
+        2>&1 | tee "$OUT/cuda-tests.txt"
+    tests=${PIPESTATUS[0]}
+    set -e
+    echo "pytest exit status: $tests" | tee -a "$OUT/cuda-tests.txt"
 fi
 if [ "$what" = "bench" ] || [ "$what" = "all" ]; then
     python3 bench/bench_gpu.py --sizes "$sizes" --scenarios speed --work /tmp/gpu-bench --json "$OUT/gpu.jsonl" \
         2>&1 | tee "$OUT/bench.txt"
 fi
+exit "$tests"

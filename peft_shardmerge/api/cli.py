@@ -215,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     """The ``merge`` command: :func:`~peft_shardmerge.api.disk.merge_checkpoint` with the arguments, its summary
-    printed; the status as :func:`main` returns it. The cyclic garbage collector is off meanwhile: importing torch
-    (transformers and PEFT too where the checks come first) makes 0.2 to 0.5 million objects, none of them garbage,
-    and the collector's passes over them took 3% of a 0.5B merge's command on 2 cores, 12% with the checks first; a
-    merge leaves a few hundred unreachable objects, however many tensors it writes
+    printed; the status as :func:`main` returns it. The cyclic garbage collector is off meanwhile (for the whole
+    process: :func:`main` called from Python turns it back on when it returns): importing torch (transformers and
+    PEFT too where the checks come first) makes hundreds of thousands of objects, none of them garbage, and the
+    collector's passes over them took 3% of a 0.5B merge's command on 2 cores, 12% with the checks first; a merge
+    leaves a few hundred unreachable objects, however many tensors and shards it writes
     (``tests/unit/engine/test_pipeline.py``)."""
     rank = _rank()
     level = (

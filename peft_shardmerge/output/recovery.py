@@ -221,7 +221,7 @@ def write_manifest(path: str, data: dict) -> None:
     """
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f)
+        f.write(json.dumps(data))  # json.dump's encoder, written in Python, leaves reference cycles behind each call
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
