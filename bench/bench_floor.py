@@ -5,9 +5,9 @@ Every step a merge must take is timed alone on one thread over the whole base:
 
 - reading the bytes (``pread`` into one buffer);
 - the CRC-32 of the input, which a resumed merge compares;
-- the arithmetic on the LoRA-covered weights: the rows widened to fp32, the rank-16 products added with the
-  self-check, the finite check, the cast back to bf16 (the engine's own ``merge_block``; the precision report's
-  sampled counts left out);
+- the arithmetic on the weights the adapter changes: the engine's own per-tensor step (``RowMerger.merge_rows``, with
+  the changes the plan gives each weight): the rows widened to fp32, the LoRA products added, the self-check, the
+  finite check and the precision report's counts, the cast back to bf16;
 - the SHA-256 of the output, for the merge record;
 - writing the output (``pwrite`` into the page cache; the ``fsync`` after it, the disk's time, apart).
 
@@ -16,14 +16,13 @@ perfectly and cost nothing more. Where a durable copy takes longer, the copy is 
 bound: what is left out (the plan, copying the tensors the adapter does not change, the threads' hand-offs) only adds
 to it. Each figure is the median of ``--repeats`` runs.
 
-    python bench/bench_floor.py --size 0.5B,1B --repeats 3
+    python bench/bench_floor.py --size 0.5B,1B,8B-2L --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import statistics
@@ -70,27 +69,6 @@ def _pieces(paths: list[str]):
             os.close(fd)
 
 
-def _lora_weights(paths: list[str], adapter: str):
-    """``(base TensorInfo, [(A, B, scaling)])`` of every weight the adapter changes."""
-    import torch
-    from safetensors.torch import load_file
-
-    from peft_shardmerge.io.safetensors_io import read_header
-
-    with open(os.path.join(adapter, "adapter_config.json")) as f:
-        config = json.load(f)
-    scaling = config["lora_alpha"] / config["r"]
-    factors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
-    infos = {t.name: t for p in paths for t in read_header(p)[0]}
-    out = []
-    for key, a in factors.items():
-        if ".lora_A." in key:
-            b = factors[key.replace(".lora_A.", ".lora_B.")]
-            name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-            out.append((infos[name], [(a.to(torch.float32), b.to(torch.float32), scaling)]))
-    return out
-
-
 def measure(size: str, repeats: int) -> dict:
     """Seconds of each step on one thread (its own calls timed, not the reads that feed it), the durable copy and
     the merge itself.
@@ -104,11 +82,9 @@ def measure(size: str, repeats: int) -> dict:
     """
     import torch
 
-    from peft_shardmerge import merge_checkpoint
-    from peft_shardmerge.engine.maths import merge_block
-    from peft_shardmerge.engine.row_merge import probe_vectors
-    from peft_shardmerge.io.safetensors_io import RowReader, row_blocks
-    from peft_shardmerge.options import DEFAULT_CHUNK_ELEMS
+    from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
+    from peft_shardmerge.checkpoint.reader import CheckpointReader
+    from peft_shardmerge.engine.plan import DTYPES, Op
 
     base, adapter = bench_merge.build(size)
     paths = _shards(base)
@@ -134,20 +110,21 @@ def measure(size: str, repeats: int) -> dict:
             spent += clock() - t
         return spent
 
-    weights = _lora_weights(paths, adapter)
-    reader = RowReader()
+    plan = plan_checkpoint_merge(base, adapter, os.path.join(scratch, "plan"))
+    merger = CheckpointReader(plan)  # the merge's own per-tensor step, with the plan's changes of each weight
+    merged = [t for t in plan.tensors if t.op is Op.MERGE]
 
     def maths():
         spent = 0.0
-        for info, factors in weights:
-            probes = probe_vectors(info.name, info.shape[1])
-            for start, stop in row_blocks(info.shape, DEFAULT_CHUNK_ELEMS):
-                rows = reader.read_rows(info, start, stop)
-                t = clock()
-                merged, _ = merge_block(rows, factors, start, stop, transposed=False, probes=probes)
-                bool(torch.isfinite(merged.sum()))
-                merged.to(torch.bfloat16)
-                spent += clock() - t
+        for t in merged:
+            whole = merger.reader.read(t.source)  # read first: the step's time is the merge's alone
+            changes = merger.changes(t)
+            start = clock()
+            for _ in merger.merge_rows(
+                t.name, lambda a, b: whole[a:b], changes, t.shape, DTYPES[t.out_dtype][0], torch.device("cpu")
+            ):
+                pass
+            spent += clock() - start
         return spent
 
     def sha():
@@ -198,7 +175,7 @@ def measure(size: str, repeats: int) -> dict:
     steps = {
         "read (`pread`)": read,
         "input CRC-32 (what a resumed merge compares)": crc,
-        "merge arithmetic: widen, LoRA with the self-check, cast (`merge_block`)": maths,
+        "merge arithmetic: widen, LoRA, the checks, cast (the engine's `merge_rows`)": maths,
         "output SHA-256 (the merge record)": sha,
         "write (`pwrite`, into the page cache)": lambda: write(False),
     }
@@ -208,7 +185,7 @@ def measure(size: str, repeats: int) -> dict:
     torch.set_num_threads(threads)  # the merge as a user runs it
     merge()  # the first call's costs (imports, caches) out of the timing
     merge_s = _median(merge, repeats)
-    reader.close()
+    merger.close()
     shutil.rmtree(scratch, ignore_errors=True)
     return {
         "gb": nbytes / 1e9,

@@ -562,7 +562,6 @@ def speed(size: str, work: str, args) -> None:
             r["durable_copy_of_output_s"] = wall
             emit(r, args.json)
             shutil.rmtree(copy, ignore_errors=True)
-        shutil.rmtree(copy, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
         del model
         gc.collect()

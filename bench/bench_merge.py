@@ -45,19 +45,10 @@ SIZES = {
         vocab_size=128256,
         tie_word_embeddings=False,
     ),
-    # two layers of Llama-8B's shapes (hidden 4096, MLP 14336) and a small vocabulary: the widest rows of an 8B merge
-    # (bench_checks.py), on a machine without room or time for the whole model
-    "8B-2L": dict(
-        arch="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=2,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    ),
 }
+# two layers of Llama-8B's shapes (hidden 4096, MLP 14336) and a small vocabulary: the widest rows of an 8B merge
+# (bench_checks.py, bench_floor.py), on a machine without room or time for the whole model
+SIZES["8B-2L"] = dict(SIZES["1B"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, vocab_size=32000)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

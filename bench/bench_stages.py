@@ -129,8 +129,10 @@ def main() -> int:
         f"| **wall time of the command** (median of {args.repeats}, no profiler) | {med['before']:.2f} | "
         f"{med['after']:.2f} |"
     )
+    from peft_shardmerge.engine.pipeline import default_workers
+
     after = args.after_args.split()
-    workers = int(after[after.index("--workers") + 1]) if "--workers" in after else min(8, os.cpu_count() or 1)
+    workers = int(after[after.index("--workers") + 1]) if "--workers" in after else default_workers()
     share = bench_checks.measure(base, adapter, out, 2 * args.repeats, workers, trees["after"])
     print(
         f"\nafter: the merge's own wall time {share['on_median']:.2f} s with the self-check and the precision report, "

@@ -217,8 +217,8 @@ def _merge(args: argparse.Namespace) -> int:
     """The ``merge`` command: :func:`~peft_shardmerge.api.disk.merge_checkpoint` with the arguments, its summary
     printed; the status as :func:`main` returns it. The cyclic garbage collector is off meanwhile (for the whole
     process: :func:`main` called from Python turns it back on when it returns): importing torch (transformers and
-    PEFT too where the checks come first) makes hundreds of thousands of objects, none of them garbage, and the
-    collector's passes over them took 3% of a 0.5B merge's command on 2 cores, 12% with the checks first; a merge
+    PEFT too where the checks come first) makes hundreds of thousands of objects, none of them garbage, which the
+    collector's passes would walk again and again (docs/benchmarks.md, "Without the cyclic garbage collector"); a merge
     leaves a few hundred unreachable objects, however many tensors and shards it writes
     (``tests/unit/engine/test_pipeline.py``)."""
     rank = _rank()

@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 #: what the second process runs: the parent's import path (so that it plans with the very same code), then the
 #: planner; ``-I`` keeps the environment's PYTHONPATH and the current folder out of that path. It makes one plan and
 #: exits, with its cyclic garbage collector off, as the merge's own on the command line: importing torch,
-#: transformers and PEFT and building the model class is most of its time, and the collector's passes over the objects
-#: they make took a fifth of it (1.2 of 5.5 s for the 0.5B benchmark model).
+#: transformers and PEFT and building the model class is most of its time, and the collector would walk the objects
+#: they make again and again (docs/benchmarks.md, "Without the cyclic garbage collector").
 CHILD = (
     "import gc; gc.disable(); import json, sys; "
     "request = json.loads(sys.stdin.readline()); sys.path[:] = request['path']; "
