@@ -60,8 +60,13 @@ def merge_block(
         >>> merge_block(w[2:], [(a, b, 1.0)], 2, 4, transposed=False, probes=torch.ones(3, 1))[1] < 1e-6
         True
     """
-    out = base_rows if inplace and base_rows.dtype == torch.float32 else base_rows.to(torch.float32, copy=True)
-    err = add_lora_checked_(out, factors, start, stop, transposed=transposed, probes=probes)
+    if inplace and base_rows.dtype == torch.float32:
+        out, base = base_rows, None
+    elif factors:  # widened tile by tile as the first delta is added (one pass over the block, not two)
+        out, base = torch.empty(base_rows.shape, dtype=torch.float32, device=base_rows.device), base_rows
+    else:
+        out, base = base_rows.to(torch.float32, copy=True), None
+    err = add_lora_checked_(out, factors, start, stop, transposed=transposed, probes=probes, base=base)
     for d in bias_deltas:
         out += d[start:stop].to(out.device)
     return out, err
@@ -75,12 +80,13 @@ def add_lora_checked_(
     *,
     transposed: bool,
     probes: torch.Tensor | None,
+    base: torch.Tensor | None = None,
 ) -> float:
     """:func:`add_lora_` with the self-check: on up to :data:`PROBE_ROWS` rows, ``(W + dW) @ x`` is compared
     with ``W @ x + lora(x)`` computed from the factors without forming ``B @ A``.
 
     Args:
-        rows32, factors, start, stop, transposed: as for :func:`add_lora_` (``rows32`` is modified in place).
+        rows32, factors, start, stop, transposed, base: as for :func:`add_lora_` (``rows32`` is written in place).
         probes: float32 probe vectors ``[columns, k]``, or None to skip the check.
 
     Returns:
@@ -96,13 +102,13 @@ def add_lora_checked_(
         True
     """
     if probes is None or not factors:
-        add_lora_(rows32, factors, start, stop, transposed=transposed)
+        add_lora_(rows32, factors, start, stop, transposed=transposed, base=base)
         return 0.0
     probes = probes.to(rows32.device, torch.float32)
     rows = probe_rows(rows32.shape[0], rows32.device)
-    want = rows32.index_select(0, rows) @ probes
+    want = (rows32 if base is None else base).index_select(0, rows).to(torch.float32) @ probes
     want += lora_probe(probes, factors, start, stop, transposed=transposed, rows=rows)
-    add_lora_(rows32, factors, start, stop, transposed=transposed)
+    add_lora_(rows32, factors, start, stop, transposed=transposed, base=base)
     got = rows32.index_select(0, rows) @ probes
     return float(got.sub_(want).abs_().max() / want.abs_().max().clamp_min(1e-30))
 
@@ -271,12 +277,15 @@ def add_lora_(
     stop: int,
     *,
     transposed: bool,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Add the LoRA deltas of rows ``[start, stop)`` to a float32 tensor in place, as PEFT does:
     ``W + (B @ A) * scaling``, the product rounded to fp32, then scaled, then added.
 
     Each product is formed on the fixed tile grid of :func:`tile_rows` from fresh contiguous operands; a tile
     cut by the block's edge is computed whole and the needed rows kept. Only one tile's delta is allocated.
+    Where the scaling is a power of two and no product comes near float32's smallest or largest values, ``A`` is
+    scaled before the product instead (see :func:`exact_prescale`): the same bytes, one pass less.
 
     Args:
         rows32: float32 rows ``[start, stop)`` of the weight; modified in place.
@@ -284,6 +293,9 @@ def add_lora_(
         start: first row.
         stop: one past the last row.
         transposed: the stored weight is the transpose of ``B @ A``.
+        base: the weight's rows in any float dtype, when ``rows32`` does not hold them yet: ``rows32`` is then
+            written as ``base`` widened to float32 plus the first delta, tile by tile (the same values as
+            widening first and adding after, in one pass). Needs at least one factor.
 
     Returns:
         ``rows32``.
@@ -292,11 +304,18 @@ def add_lora_(
         >>> add_lora_(torch.zeros(2, 3), [(torch.ones(1, 3), torch.ones(2, 1), 2.0)], 0, 2, transposed=False)
         tensor([[2., 2., 2.],
                 [2., 2., 2.]])
+        >>> add_lora_(torch.empty(1, 2), [(torch.ones(1, 2), torch.ones(1, 1), 0.5)], 0, 1, transposed=False,
+        ...           base=torch.ones(1, 2, dtype=torch.bfloat16))
+        tensor([[1.5000, 1.5000]])
     """
-    if not factors or stop <= start:
+    if stop <= start:
+        return rows32
+    if not factors:
+        if base is not None:
+            rows32.copy_(base)
         return rows32
     with one_cpu_thread(rows32.device):
-        return _add_tiles_(rows32, factors, start, stop, transposed)
+        return _add_tiles_(rows32, factors, start, stop, transposed, base)
 
 
 @contextmanager
@@ -329,21 +348,78 @@ def one_cpu_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, stop: int, transposed: bool):
+def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, stop: int, transposed: bool, base):
     for a, b, scaling in factors:
         a32 = a.to(device=rows32.device, dtype=torch.float32)
         b32 = b.to(device=rows32.device, dtype=torch.float32)
         # lhs: one row per output row ([rows, r]); rhs: [r, columns], the same for every tile
         lhs, rhs = (a32.T, b32.T) if transposed else (b32, a32)
         rhs = rhs.clone(memory_format=torch.contiguous_format)
+        if scaling != 1.0 and exact_prescale(lhs, rhs, scaling):
+            rhs.mul_(scaling)
+            scaling = 1.0
         total, step = lhs.shape[0], tile_rows(rhs.shape[1])
         for t0 in range(start - start % step, stop, step):
             t1 = min(t0 + step, total)
-            delta = torch.mm(lhs[t0:t1].clone(memory_format=torch.contiguous_format), rhs)
-            delta.mul_(scaling)
             lo, hi = max(t0, start), min(t1, stop)
-            rows32[lo - start : hi - start] += delta[lo - t0 : hi - t0]
+            part = rows32[lo - start : hi - start]
+            tile = lhs[t0:t1].clone(memory_format=torch.contiguous_format)
+            if base is not None and (lo, hi) == (t0, t1):  # a whole tile: its product written straight into the rows
+                torch.mm(tile, rhs, out=part)
+                if scaling != 1.0:
+                    part.mul_(scaling)
+                part += base[lo - start : hi - start]  # d + float32(w): the same sum as w + d
+                continue
+            delta = torch.mm(tile, rhs)
+            if scaling != 1.0:
+                delta.mul_(scaling)
+            if base is None:
+                part += delta[lo - t0 : hi - t0]
+            else:
+                torch.add(base[lo - start : hi - start], delta[lo - t0 : hi - t0], out=part)
+        base = None
     return rows32
+
+
+#: a product of two nonzero operands at least this large (in magnitude) has its exact value on float32's finest
+#: grid, so no rounding happens among the subnormals; sums at most this large (the other bound) never overflow
+_PRESCALE_LOW, _PRESCALE_HIGH = 2.0**-100, 2.0**100
+
+
+def exact_prescale(lhs: torch.Tensor, rhs: torch.Tensor, scaling: float) -> bool:
+    """Whether ``lhs @ (rhs * scaling)`` has the same float32 bytes as ``(lhs @ rhs) * scaling`` for these operands.
+
+    Scaling by a power of two is exact in float32 unless a value leaves the normal range, and then it commutes with
+    every rounding of the product's sums. The operands are checked for that: every product of a nonzero ``lhs`` and
+    ``rhs`` entry, scaled or not, at least ``2**-100`` (the exact values of products and partial sums then lie on a
+    grid of ``2**-148``, which float32's subnormals hold without rounding), and every sum, scaled or not, at most
+    ``2**100`` (no overflow, even partway).
+
+    Args:
+        lhs: float32 ``[rows, r]``.
+        rhs: float32 ``[r, columns]``.
+        scaling: the factor.
+
+    Returns:
+        True when the scaling may be moved onto ``rhs``.
+
+    Example:
+        >>> a, b = torch.ones(2, 3), torch.ones(4, 2)
+        >>> exact_prescale(b, a, 2.0), exact_prescale(b, a, 0.3), exact_prescale(b * 1e-30, a * 1e-30, 2.0)
+        (True, False, False)
+    """
+    if scaling == 1.0:
+        return True
+    if scaling == 0.0 or not math.isfinite(scaling) or math.frexp(scaling)[0] not in (0.5, -0.5):
+        return False
+    low, high = [], []
+    for t in (lhs, rhs):
+        mags = t.abs()
+        high.append(mags.max())
+        low.append(torch.where(mags > 0, mags, torch.inf).min())
+    lowest = float(low[0] * low[1]) * min(1.0, abs(scaling))
+    highest = float(high[0] * high[1]) * lhs.shape[1] * max(1.0, abs(scaling))
+    return lowest >= _PRESCALE_LOW and highest <= _PRESCALE_HIGH
 
 
 def lora_bias_delta(bias_b: torch.Tensor, scaling: float) -> torch.Tensor:

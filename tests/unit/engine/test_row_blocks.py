@@ -12,7 +12,7 @@ import torch
 
 from peft_shardmerge import MergeOptions, merge_and_save, merge_checkpoint
 from peft_shardmerge.engine import row_merge as row_merge_module
-from peft_shardmerge.engine.maths import add_lora_, merge_block, one_cpu_thread, tile_rows
+from peft_shardmerge.engine.maths import add_lora_, exact_prescale, merge_block, one_cpu_thread, tile_rows
 from peft_shardmerge.testing import build_adapter, build_base
 from tests.helpers import ROOT_DIR, folder_tensors
 
@@ -81,6 +81,61 @@ def test_blocks_that_a_plain_matmul_would_round_differently_agree():
     w = torch.zeros(1000, 4096)
     assert torch.equal(
         _blocked(w, [(a, b, 1.0)], 7, False), merge_block(w, [(a, b, 1.0)], 0, 1000, transposed=False)[0]
+    )
+
+
+def _peft_formula(w, factors, start, stop, transposed):
+    """Rows ``[start, stop)`` of ``float32(W) + (B @ A) * scaling`` for each factor in turn, as PEFT writes it: the
+    product on the tile grid, rounded, then scaled, then added (no moved scaling, no fused widening)."""
+    out = w.to(torch.float32, copy=True)
+    for a, b, scaling in factors:
+        lhs, rhs = (a.T, b.T) if transposed else (b, a)
+        rhs, step = rhs.contiguous(), tile_rows(rhs.shape[1])
+        for t0 in range(start - start % step, stop, step):
+            t1 = min(t0 + step, lhs.shape[0])
+            delta = torch.mm(lhs[t0:t1].contiguous(), rhs) * scaling
+            lo, hi = max(t0, start), min(t1, stop)
+            out[lo - start : hi - start] += delta[lo - t0 : hi - t0]
+    return out
+
+
+@pytest.mark.parametrize("scaling", [1.0, 2.0, -4.0, 0.5, 2.0**-20, 0.37, -1.25])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_merged_rows_are_peft_formula_whatever_the_scaling_and_base_dtype(scaling, dtype):
+    """Widening the base inside the tile loop and moving a power-of-two scaling onto A give the bytes of PEFT's
+    formula, for whole tiles and for tiles cut by the block's edges, with two adapters on one weight."""
+    g = torch.Generator().manual_seed(1)
+    m, n = 700, 1024  # tiles of 256 rows: the blocks below start and stop inside tiles
+    w = torch.randn(m, n, generator=g).to(dtype)
+    f1 = (torch.randn(16, n, generator=g) * 0.02, torch.randn(m, 16, generator=g) * 0.02, scaling)
+    f2 = (torch.randn(8, n, generator=g) * 0.05, torch.randn(m, 8, generator=g) * 0.05, 0.37)
+    assert exact_prescale(f1[1], f1[0], scaling) is (scaling not in (0.37, -1.25))
+    for start, stop in ((0, m), (100, 600), (300, 301)):
+        want = _peft_formula(w[start:stop], [f1, f2], start, stop, False)
+        got = merge_block(w[start:stop], [f1, f2], start, stop, transposed=False)[0]
+        assert torch.equal(got, want), (start, stop)
+        widened = add_lora_(w[start:stop].to(torch.float32, copy=True), [f1], start, stop, transposed=False)
+        assert torch.equal(widened, _peft_formula(w[start:stop], [f1], start, stop, False))
+    # Conv1D: the stored weight [300, 700] is (B @ A).T, its rows come from columns of A
+    t = (torch.randn(16, 300, generator=g) * 0.02, torch.randn(700, 16, generator=g) * 0.02, scaling)
+    wt = torch.randn(300, 700, generator=g).to(dtype)
+    assert torch.equal(
+        merge_block(wt[50:250], [t], 50, 250, transposed=True)[0], _peft_formula(wt[50:250], [t], 50, 250, True)
+    )
+
+
+def test_the_scaling_stays_on_the_product_where_moving_it_would_round_differently():
+    """Products among float32's subnormals round on a coarser grid: scaling A by 4 first would change their bytes.
+    Such factors keep the scaling on the product (and so does one whose sums could overflow when scaled first)."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(16, 512, generator=g) * 2.0**-70
+    b = torch.randn(64, 16, generator=g) * 2.0**-70  # products near 2**-140, among the subnormals
+    assert not torch.equal(torch.mm(b, a * 4.0), torch.mm(b, a) * 4.0)  # what moving the scaling would do here
+    assert not exact_prescale(b, a, 4.0)
+    assert not exact_prescale(b * 2.0**140, a * 2.0**140, 4.0)  # sums near 2**142: beyond the upper bound
+    w = torch.zeros(64, 512)
+    assert torch.equal(
+        merge_block(w, [(a, b, 4.0)], 0, 64, transposed=False)[0], _peft_formula(w, [(a, b, 4.0)], 0, 64, False)
     )
 
 
