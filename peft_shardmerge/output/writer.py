@@ -17,6 +17,67 @@ from ..io.safetensors_io import build_header
 
 _COPY_PIECE = 64 << 20
 _FALLBACK_PIECE = 8 << 20
+#: bytes written to a shard between two requests to the kernel to put what is written so far on the disk
+FLUSH_EVERY = 64 << 20
+
+
+class Flusher:
+    """Puts a file's written bytes on the disk while more are being written: each :meth:`request` asks a thread of
+    its own for an ``fdatasync``, requests made while one runs are served by one more, and :meth:`close` waits for
+    the last. The final ``fsync`` then has only the tail left; without it the kernel would start writing a shard
+    only when it is closed (below its dirty-page limits), and the whole shard would wait on the disk at the end.
+
+    Args:
+        fd: the file, open for writing (kept open until :meth:`close` has returned).
+
+    Example:
+        >>> import tempfile
+        >>> fd, path = tempfile.mkstemp()
+        >>> flusher = Flusher(fd)
+        >>> os.write(fd, b"abc"); flusher.request(); flusher.close(); os.close(fd)
+        3
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.error: OSError | None = None
+        self._wanted = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="shard-flush", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        """Ask for the bytes written so far to go to the disk (returns at once)."""
+        self._wanted.set()
+
+    def _run(self) -> None:
+        sync = getattr(os, "fdatasync", os.fsync)
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._closing:
+                return
+            try:
+                sync(self.fd)
+            except OSError as e:  # kept for close(): after a failed sync, a later one may report success
+                self.error = self.error or e
+
+    def stop(self) -> None:
+        """Wait for the sync under way, if any, and stop the thread (before the file is closed)."""
+        if self._thread.is_alive():
+            self._closing = True
+            self._wanted.set()
+            self._thread.join()
+
+    def close(self) -> None:
+        """:meth:`stop`, then report a failed sync.
+
+        Raises:
+            OSError: a sync failed (the disk is full or failing): the file's bytes may not all be on the disk.
+        """
+        self.stop()
+        if self.error is not None:
+            raise self.error
 
 
 class TensorDigests:
@@ -115,6 +176,8 @@ class ShardWriter:
         self._tensors = TensorDigests(self._entries)
         self._placed: dict[int, str] = {}  # entries written in place (at), by index
         self._lock = threading.Lock()
+        self._flusher = Flusher(self._fd)
+        self._unflushed = 0  # bytes written since the last flush request
         header = build_header(entries, meta)
         self._header = (len(header), hashlib.sha256(header).hexdigest())
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -149,6 +212,16 @@ class ShardWriter:
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
+            self._wrote(n)
+
+    def _wrote(self, nbytes: int) -> None:
+        """Count bytes written (from any thread); every :data:`FLUSH_EVERY` of them, ask for a flush."""
+        with self._lock:
+            self._unflushed += nbytes
+            if self._unflushed < FLUSH_EVERY:
+                return
+            self._unflushed = 0
+        self._flusher.request()
 
     def write(self, tensor: torch.Tensor) -> None:
         """Append a tensor's (or a row block's) bytes, in its own dtype.
@@ -211,6 +284,7 @@ class ShardWriter:
             if use_kernel:
                 try:
                     n = os.copy_file_range(fd, self._fd, want, offset + done)
+                    self._wrote(n)
                 except OSError as e:
                     if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
                         raise
@@ -268,10 +342,12 @@ class ShardWriter:
             return
         try:
             self._stop()
+            self._flusher.close()
             if self._error is not None:
                 raise self._error
             os.fsync(self._fd)
         finally:
+            self._flusher.stop()
             os.close(self._fd)
             self._fd = -1
         if self.written != self.expected:
@@ -280,6 +356,7 @@ class ShardWriter:
     def abort(self) -> None:
         """Close without checks (after an error)."""
         self._stop()
+        self._flusher.stop()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -334,6 +411,7 @@ class TensorAt:
         while view:
             n = os.pwrite(fd, view, self.pos)
             view, self.pos, self.nbytes = view[n:], self.pos + n, self.nbytes + n
+            self.writer._wrote(n)
 
     def finish(self) -> None:
         """Record the tensor as written, with its digest.
