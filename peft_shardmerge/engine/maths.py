@@ -284,8 +284,7 @@ def add_lora_(
 
     Each product is formed on the fixed tile grid of :func:`tile_rows` from fresh contiguous operands; a tile
     cut by the block's edge is computed whole and the needed rows kept. Only one tile's delta is allocated.
-    Where the scaling is a power of two and no product comes near float32's smallest or largest values, ``A`` is
-    scaled before the product instead (see :func:`exact_prescale`): the same bytes, one pass less.
+    Factors from :func:`exact_factors` carry a scaling of 1 where it could be moved onto ``A``: one pass less.
 
     Args:
         rows32: float32 rows ``[start, stop)`` of the weight; modified in place.
@@ -355,9 +354,6 @@ def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, st
         # lhs: one row per output row ([rows, r]); rhs: [r, columns], the same for every tile
         lhs, rhs = (a32.T, b32.T) if transposed else (b32, a32)
         rhs = rhs.clone(memory_format=torch.contiguous_format)
-        if scaling != 1.0 and exact_prescale(lhs, rhs, scaling):
-            rhs.mul_(scaling)
-            scaling = 1.0
         total, step = lhs.shape[0], tile_rows(rhs.shape[1])
         for t0 in range(start - start % step, stop, step):
             t1 = min(t0 + step, total)
@@ -384,6 +380,30 @@ def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, st
 #: a product of two nonzero operands at least this large (in magnitude) has its exact value on float32's finest
 #: grid, so no rounding happens among the subnormals; sums at most this large (the other bound) never overflow
 _PRESCALE_LOW, _PRESCALE_HIGH = 2.0**-100, 2.0**100
+
+
+def exact_factors(factors: Sequence[Factors]) -> list[Factors]:
+    """The factors with each scaling moved onto ``A`` (as float32) where :func:`exact_prescale` shows that this gives
+    the same bytes: the tile loop then adds each product as it comes, without a pass to scale it.
+
+    Args:
+        factors: ``(A, B, scaling)`` of each LoRA module.
+
+    Returns:
+        ``(A * scaling, B, 1.0)`` where exact, the factor itself elsewhere.
+
+    Example:
+        >>> [s for _, _, s in exact_factors([(torch.ones(1, 2), torch.ones(2, 1), 2.0), (torch.ones(1, 2), torch.ones(2, 1), 0.3)])]
+        [1.0, 0.3]
+    """  # noqa: E501 - one doctest line
+    out = []
+    for a, b, scaling in factors:
+        a32 = a.to(torch.float32)
+        if scaling != 1.0 and exact_prescale(b.to(torch.float32), a32, scaling):
+            out.append((a32 * scaling, b, 1.0))
+        else:
+            out.append((a, b, scaling))
+    return out
 
 
 def exact_prescale(lhs: torch.Tensor, rhs: torch.Tensor, scaling: float) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -16,7 +17,7 @@ from ..io.safetensors_io import row_blocks
 from ..options import DEFAULT_CHUNK_ELEMS
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .changes import Changes
-from .maths import dora_rescale_, merge_block, probe_rows, replace_rows_, tile_rows, update_counts
+from .maths import dora_rescale_, exact_factors, merge_block, probe_rows, replace_rows_, tile_rows, update_counts
 from .task_vectors import magnitude_thresholds
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,8 @@ class RowMerger:
         """
         blocks = row_blocks(shape, self.chunk_elems)
         width = math.prod(shape[1:]) if shape else 1
+        if changes.factors:  # scalings moved onto A where that gives the same bytes: once per tensor, not per block
+            changes = dataclasses.replace(changes, factors=exact_factors(changes.factors))
         if changes.vectors is not None:  # magnitudes kept per adapter: a pass over the deltas, first
             self._prepare_vectors(name, changes, shape, device)
         probes = probe_vectors(name, width) if changes.factors and len(shape) >= 2 else None

@@ -12,7 +12,14 @@ import torch
 
 from peft_shardmerge import MergeOptions, merge_and_save, merge_checkpoint
 from peft_shardmerge.engine import row_merge as row_merge_module
-from peft_shardmerge.engine.maths import add_lora_, exact_prescale, merge_block, one_cpu_thread, tile_rows
+from peft_shardmerge.engine.maths import (
+    add_lora_,
+    exact_factors,
+    exact_prescale,
+    merge_block,
+    one_cpu_thread,
+    tile_rows,
+)
 from peft_shardmerge.testing import build_adapter, build_base
 from tests.helpers import ROOT_DIR, folder_tensors
 
@@ -109,18 +116,23 @@ def test_the_merged_rows_are_peft_formula_whatever_the_scaling_and_base_dtype(sc
     w = torch.randn(m, n, generator=g).to(dtype)
     f1 = (torch.randn(16, n, generator=g) * 0.02, torch.randn(m, 16, generator=g) * 0.02, scaling)
     f2 = (torch.randn(8, n, generator=g) * 0.05, torch.randn(m, 8, generator=g) * 0.05, 0.37)
-    assert exact_prescale(f1[1], f1[0], scaling) is (scaling not in (0.37, -1.25))
+    moved = scaling not in (0.37, -1.25)
+    assert exact_prescale(f1[1], f1[0], scaling) is moved
+    assert exact_factors([f1])[0][2] == (1.0 if moved else scaling)
     for start, stop in ((0, m), (100, 600), (300, 301)):
         want = _peft_formula(w[start:stop], [f1, f2], start, stop, False)
-        got = merge_block(w[start:stop], [f1, f2], start, stop, transposed=False)[0]
+        got = merge_block(w[start:stop], exact_factors([f1, f2]), start, stop, transposed=False)[0]
         assert torch.equal(got, want), (start, stop)
-        widened = add_lora_(w[start:stop].to(torch.float32, copy=True), [f1], start, stop, transposed=False)
+        widened = add_lora_(
+            w[start:stop].to(torch.float32, copy=True), exact_factors([f1]), start, stop, transposed=False
+        )
         assert torch.equal(widened, _peft_formula(w[start:stop], [f1], start, stop, False))
     # Conv1D: the stored weight [300, 700] is (B @ A).T, its rows come from columns of A
     t = (torch.randn(16, 300, generator=g) * 0.02, torch.randn(700, 16, generator=g) * 0.02, scaling)
     wt = torch.randn(300, 700, generator=g).to(dtype)
     assert torch.equal(
-        merge_block(wt[50:250], [t], 50, 250, transposed=True)[0], _peft_formula(wt[50:250], [t], 50, 250, True)
+        merge_block(wt[50:250], exact_factors([t]), 50, 250, transposed=True)[0],
+        _peft_formula(wt[50:250], [t], 50, 250, True),
     )
 
 
@@ -135,7 +147,8 @@ def test_the_scaling_stays_on_the_product_where_moving_it_would_round_differentl
     assert not exact_prescale(b * 2.0**140, a * 2.0**140, 4.0)  # sums near 2**142: beyond the upper bound
     w = torch.zeros(64, 512)
     assert torch.equal(
-        merge_block(w, [(a, b, 4.0)], 0, 64, transposed=False)[0], _peft_formula(w, [(a, b, 4.0)], 0, 64, False)
+        merge_block(w, exact_factors([(a, b, 4.0)]), 0, 64, transposed=False)[0],
+        _peft_formula(w, [(a, b, 4.0)], 0, 64, False),
     )
 
 
