@@ -17,6 +17,10 @@ bound: what is left out (the plan, copying the tensors the adapter does not chan
 to it. Each figure is the median of ``--repeats`` runs.
 
     python bench/bench_floor.py --size 0.5B,1B,8B-2L --repeats 3
+
+With ``--before TREE`` (another checkout of the package, e.g. ``git archive COMMIT | tar -x -C TREE``), the merge
+itself is also timed side by side: this checkout and TREE in turn, each merge in a fresh process, and the median of
+the pairwise ratios reported.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import hashlib
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -68,7 +73,57 @@ def _pieces(paths: list[str]):
             os.close(fd)
 
 
-def measure(size: str, repeats: int) -> dict:
+#: one merge in a fresh process, from the package of the checkout given first (``model_checks="first"``: only the
+#: merge is timed); prints the report's wall time
+_MERGE_IN = """
+import os, shutil, sys
+tree, base, adapter, out = sys.argv[1:]
+sys.path.insert(0, tree)
+import peft_shardmerge
+assert os.path.realpath(peft_shardmerge.__file__).startswith(os.path.realpath(tree)), peft_shardmerge.__file__
+report = peft_shardmerge.merge_checkpoint(base, adapter, out, model_checks="first", progress=False)
+shutil.rmtree(out)
+print(report.wall_time_s)
+"""
+
+
+def side_by_side(base: str, adapter: str, scratch: str, before: str, repeats: int) -> dict:
+    """The merge itself, this checkout against ``before``, each in a fresh process, in turn (the order swapped every
+    pair).
+
+    Args:
+        base: the base folder.
+        adapter: the adapter folder.
+        scratch: where the outputs go (removed after each run).
+        before: the other checkout's root.
+        repeats: pairs.
+
+    Returns:
+        ``{"now": median s, "before": median s, "ratio": median of now / before over the pairs}``.
+    """
+    trees = {"now": os.path.dirname(HERE), "before": before}
+    times: dict[str, list[float]] = {k: [] for k in trees}
+    for i in range(repeats):
+        for key in ("now", "before") if i % 2 == 0 else ("before", "now"):
+            os.sync()
+            out = os.path.join(scratch, f"merged-{key}")
+            done = subprocess.run(
+                [sys.executable, "-c", _MERGE_IN, trees[key], base, adapter, out],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=scratch,
+            )
+            times[key].append(float(done.stdout.split()[-1]))
+    ratios = [a / b for a, b in zip(times["now"], times["before"])]
+    return {
+        "now": statistics.median(times["now"]),
+        "before": statistics.median(times["before"]),
+        "ratio": statistics.median(ratios),
+    }
+
+
+def measure(size: str, repeats: int, before: str | None = None) -> dict:
     """Seconds of each step on one thread (its own calls timed, not the reads that feed it), the durable copy and
     the merge itself.
 
@@ -186,6 +241,7 @@ def measure(size: str, repeats: int) -> dict:
     merge()  # the first call's costs (imports, caches) out of the timing
     merge_s = _median(merge, repeats)
     merger.close()
+    pair = side_by_side(base, adapter, scratch, before, repeats) if before else None
     shutil.rmtree(scratch, ignore_errors=True)
     return {
         "gb": nbytes / 1e9,
@@ -194,6 +250,8 @@ def measure(size: str, repeats: int) -> dict:
         "copy": copy_s,
         "merge": merge_s,
         "cores": len(os.sched_getaffinity(0)),
+        "before": pair,
+        "before_tree": before,
     }
 
 
@@ -220,6 +278,13 @@ def table(size: str, r: dict) -> str:
         f"Least wall time / durable copy: {floor / r['copy']:.2f}; the merge itself / durable copy: "
         f"{r['merge'] / r['copy']:.2f}; the merge itself / least wall time: {r['merge'] / floor:.2f}.",
     ]
+    if r.get("before"):
+        b = r["before"]
+        lines += [
+            "",
+            f"The merge itself in a fresh process, side by side with {r['before_tree']}: {b['now']:.2f} s against "
+            f"{b['before']:.2f} s (medians); this checkout / the other: {b['ratio']:.3f} (median of the pairs).",
+        ]
     return "\n".join(lines)
 
 
@@ -227,9 +292,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="0.5B", help="comma-separated sizes of bench_merge.py")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--before", help="another checkout's root: its merge timed side by side with this one's")
     args = ap.parse_args()
     for size in args.size.split(","):
-        print(table(size, measure(size, args.repeats)), flush=True)
+        print(table(size, measure(size, args.repeats, args.before)), flush=True)
         print()
     return 0
 

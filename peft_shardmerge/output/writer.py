@@ -1,5 +1,6 @@
 """Streaming safetensors output: the header first, then tensor bytes as they are produced (with a SHA-256 per
-tensor and of the header, recorded while writing or handed in by whoever produced the bytes), then the index."""
+tensor and of the header, recorded while writing or handed in by whoever produced the bytes, and the file flushed
+to the disk as it grows), then the index."""
 
 from __future__ import annotations
 
