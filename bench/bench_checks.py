@@ -29,7 +29,7 @@ import peft_shardmerge
 from peft_shardmerge.engine import row_merge
 base, adapter, out, repeats, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 on = (row_merge.probe_vectors, row_merge.probe_rows, row_merge.update_counts)
-off = (lambda name, columns: None, lambda n, device=None: torch.empty(0, dtype=torch.long, device=device),
+off = (lambda name, columns: None, lambda n, device=None, width=1: torch.empty(0, dtype=torch.long, device=device),
        lambda before, merged, cast: (0, 0))
 times = {"on": [], "off": []}
 for i in range(repeats + 1):  # the first pair warms up and is not counted

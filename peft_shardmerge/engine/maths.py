@@ -39,8 +39,8 @@ def merge_block(
         transposed: the stored weight is the transpose of ``B @ A``.
         bias_deltas: whole fp32 deltas to add to a 1-D tensor (``lora_B.bias * scaling``); rows are taken.
         probes: float32 vectors ``[columns, k]``; when given, the merged rows are checked against the unmerged
-            computation, ``(W + dW) @ x`` vs ``W @ x + lora(x)``, on up to :data:`PROBE_ROWS` evenly spaced rows
-            of the block (enough to catch a wrong scaling, layout or factor; cheap next to the merge).
+            computation, ``(W + dW) @ x`` vs ``W @ x + lora(x)``, on the evenly spaced rows of :func:`probe_rows`
+            (enough to catch a wrong scaling, layout or factor; cheap next to the merge).
         inplace: float32 ``base_rows`` are a copy the merge may overwrite (no second copy is made).
 
     Returns:
@@ -82,7 +82,7 @@ def add_lora_checked_(
     probes: torch.Tensor | None,
     base: torch.Tensor | None = None,
 ) -> float:
-    """:func:`add_lora_` with the self-check: on up to :data:`PROBE_ROWS` rows, ``(W + dW) @ x`` is compared
+    """:func:`add_lora_` with the self-check: on the rows of :func:`probe_rows`, ``(W + dW) @ x`` is compared
     with ``W @ x + lora(x)`` computed from the factors without forming ``B @ A``.
 
     Args:
@@ -105,7 +105,7 @@ def add_lora_checked_(
         add_lora_(rows32, factors, start, stop, transposed=transposed, base=base)
         return 0.0
     probes = probes.to(rows32.device, torch.float32)
-    rows = probe_rows(rows32.shape[0], rows32.device)
+    rows = probe_rows(rows32.shape[0], rows32.device, probes.shape[0])
     want = (rows32 if base is None else base).index_select(0, rows).to(torch.float32) @ probes
     want += lora_probe(probes, factors, start, stop, transposed=transposed, rows=rows)
     add_lora_(rows32, factors, start, stop, transposed=transposed, base=base)
@@ -113,33 +113,38 @@ def add_lora_checked_(
     return float(got.sub_(want).abs_().max() / want.abs_().max().clamp_min(1e-30))
 
 
-#: rows of a block checked by the self-check and counted by the precision report
-PROBE_ROWS = 32
+#: rows of a block checked by the self-check and counted by the precision report: at most PROBE_ROWS, and in wide
+#: blocks as many as hold about PROBE_ELEMS elements (at least 2), so that the checks cost the same share of every
+#: block (32 rows up to a width of 4096; 9 at an 8B MLP's 14336, whose blocks have 292 rows)
+PROBE_ROWS, PROBE_ELEMS = 32, 1 << 17
 
 
-def probe_rows(n: int, device: torch.device | None = None) -> torch.Tensor:
-    """Up to :data:`PROBE_ROWS` evenly spaced row indices of an ``n``-row block, first and last included (one tensor
-    per ``n`` and device, shared: not to be modified).
+def probe_rows(n: int, device: torch.device | None = None, width: int = 1) -> torch.Tensor:
+    """Evenly spaced row indices of an ``n``-row block, first and last included: :data:`PROBE_ROWS` of them, fewer
+    in wide blocks (see :data:`PROBE_ELEMS`), all of a smaller block (one tensor per height, width and device,
+    shared: not to be modified).
 
     Args:
         n: rows in the block.
         device: where the index tensor goes.
+        width: elements per row.
 
     Returns:
         An int64 tensor of distinct indices.
 
     Example:
-        >>> probe_rows(5).tolist()
-        [0, 1, 2, 3, 4]
+        >>> probe_rows(5).tolist(), len(probe_rows(292, width=14336))
+        ([0, 1, 2, 3, 4], 9)
     """
-    return _probe_rows(n, torch.device("cpu") if device is None else torch.device(device))
+    k = max(2, min(PROBE_ROWS, PROBE_ELEMS // max(1, width)))
+    return _probe_rows(n, k, torch.device("cpu") if device is None else torch.device(device))
 
 
 @functools.lru_cache(maxsize=256)
-def _probe_rows(n: int, device: torch.device) -> torch.Tensor:
-    """:func:`probe_rows`, made once per block height and device (blocks of a tensor share their height): a handful
-    of small torch calls less per block, each a wait for the interpreter lock when several workers merge."""
-    rows = torch.arange(n) if n <= PROBE_ROWS else torch.linspace(0, n - 1, PROBE_ROWS).round().long().unique()
+def _probe_rows(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """:func:`probe_rows`, made once per block height, count and device (blocks of a tensor share their height): a
+    handful of small torch calls less per block, each a wait for the interpreter lock when several workers merge."""
+    rows = torch.arange(n) if n <= k else torch.linspace(0, n - 1, k).round().long().unique()
     rows = rows.to(device)
     if rows.device.type == "cuda":  # copied on this thread's stream, read on others'
         torch.cuda.current_stream(rows.device).synchronize()

@@ -241,7 +241,7 @@ class RowMerger:
         count = bool(changes.factors or changes.vectors) and out_dtype != torch.float32  # on sample rows
         for start, stop in blocks:
             base, merged = first if first is not None else (_base_rows(rows(start, stop), changes, start, stop), None)
-            sample = probe_rows(stop - start, base.device) if count else None
+            sample = probe_rows(stop - start, base.device, width) if count else None
             before = base.index_select(0, sample) if count else None  # a copy, kept when rows change in place
             if merged is None:
                 merged = self._changed_rows(name, base, changes, start, stop, device, probes, inplace)

@@ -246,3 +246,26 @@ def test_update_counts_equal_the_definition_with_masks(base_dtype, out_dtype):
     lost = changed & (cast == base.to(out_dtype))
     assert update_counts(base, merged, cast) == (int(changed.sum()), int(lost.sum()))
     assert 0 < int(lost.sum()) < int(changed.sum())
+
+
+def test_a_wide_block_samples_fewer_rows_and_its_self_check_still_catches_a_wrong_merge(monkeypatch):
+    """The checks look at about PROBE_ELEMS elements of a block (32 rows up to a width of 4096, 9 rows of a
+    292-row block at an 8B MLP's width 14336): a doubled scaling is still caught there."""
+    from peft_shardmerge.engine import maths
+    from peft_shardmerge.engine.row_merge import PROBE_TOLERANCE, probe_vectors
+
+    assert len(maths.probe_rows(292, width=14336)) == 9 and len(maths.probe_rows(292, width=4096)) == 32
+    assert len(maths.probe_rows(292, width=10**7)) == 2 and len(maths.probe_rows(5, width=14336)) == 5
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(292, 14336, generator=g)
+    a, b = torch.randn(16, 14336, generator=g) * 0.02, torch.randn(292, 16, generator=g) * 0.02
+    probes = probe_vectors("w", 14336)
+    assert maths.add_lora_checked_(w.clone(), [(a, b, 2.0)], 0, 292, transposed=False, probes=probes) < 1e-5
+    real = maths.add_lora_
+
+    def doubled(rows32, factors, start, stop, *, transposed, base=None):
+        return real(rows32, [(x, y, 2 * s) for x, y, s in factors], start, stop, transposed=transposed, base=base)
+
+    monkeypatch.setattr(maths, "add_lora_", doubled)
+    wrong = maths.add_lora_checked_(w.clone(), [(a, b, 2.0)], 0, 292, transposed=False, probes=probes)
+    assert wrong > PROBE_TOLERANCE
