@@ -365,7 +365,9 @@ def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, st
             lo, hi = max(t0, start), min(t1, stop)
             part = rows32[lo - start : hi - start]
             tile = lhs[t0:t1].clone(memory_format=torch.contiguous_format)
-            if base is not None and (lo, hi) == (t0, t1):  # a whole tile: its product written straight into the rows
+            if base is not None and (lo, hi) == (t0, t1) and part.data_ptr() % _ALIGN.get(part.device.type, 512) == 0:
+                # a whole tile whose rows start where a fresh tensor would (BLAS may pick its kernel, and so its
+                # rounding, by alignment): its product written straight into the rows
                 torch.mm(tile, rhs, out=part)
                 if scaling != 1.0:
                     part.mul_(scaling)
@@ -381,6 +383,10 @@ def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, st
         base = None
     return rows32
 
+
+#: the alignment of a fresh tensor's data (torch's CPU allocator: 64 bytes; CUDA's caching allocator: 512): a tile's
+#: product is written in place only where its rows start on it
+_ALIGN = {"cpu": 64}
 
 #: a product of two nonzero operands at least this large (in magnitude) has its exact value on float32's finest
 #: grid, so no rounding happens among the subnormals; sums at most this large (the other bound) never overflow
@@ -414,11 +420,15 @@ def exact_factors(factors: Sequence[Factors]) -> list[Factors]:
 def exact_prescale(lhs: torch.Tensor, rhs: torch.Tensor, scaling: float) -> bool:
     """Whether ``lhs @ (rhs * scaling)`` has the same float32 bytes as ``(lhs @ rhs) * scaling`` for these operands.
 
-    Scaling by a power of two is exact in float32 unless a value leaves the normal range, and then it commutes with
-    every rounding of the product's sums. The operands are checked for that: every product of a nonzero ``lhs`` and
+    Scaling by a positive power of two is exact in float32 unless a value leaves the normal range, and then it
+    commutes with every rounding of the product's sums. The operands are checked for that: ``rhs * scaling`` itself
+    exact (its nonzero entries stay at least ``2**-126`` and below ``2**127``); every product of a nonzero ``lhs`` and
     ``rhs`` entry, scaled or not, at least ``2**-100`` (the exact values of products and partial sums then lie on a
-    grid of ``2**-148``, which float32's subnormals hold without rounding), and every sum, scaled or not, at most
-    ``2**100`` (no overflow, even partway).
+    grid of ``2**-148``, which float32's subnormals hold without rounding); and every sum, scaled or not, at most
+    ``2**100`` (no overflow, even partway). A negative scaling is never moved: a sum that is exactly zero is ``+0``
+    either way, which a negative scaling applied after turns into ``-0``, and ``-0.0 + -0`` keeps the sign a
+    ``+0`` would lose. (Subnormals are assumed kept, as torch does by default; with ``torch.set_flush_denormal(True)``
+    a sum cancelling into them could be flushed in one order and not the other.)
 
     Args:
         lhs: float32 ``[rows, r]``.
@@ -430,20 +440,24 @@ def exact_prescale(lhs: torch.Tensor, rhs: torch.Tensor, scaling: float) -> bool
 
     Example:
         >>> a, b = torch.ones(2, 3), torch.ones(4, 2)
-        >>> exact_prescale(b, a, 2.0), exact_prescale(b, a, 0.3), exact_prescale(b * 1e-30, a * 1e-30, 2.0)
+        >>> exact_prescale(b, a, 2.0), exact_prescale(b, a, 0.3), exact_prescale(b, a, -2.0)
         (True, False, False)
+        >>> exact_prescale(b * 1e-30, a * 1e-30, 2.0)
+        False
     """
     if scaling == 1.0:
         return True
-    if scaling == 0.0 or not math.isfinite(scaling) or math.frexp(scaling)[0] not in (0.5, -0.5):
+    if not (math.isfinite(scaling) and scaling > 0.0 and math.frexp(scaling)[0] == 0.5):
         return False
     low, high = [], []
     for t in (lhs, rhs):
         mags = t.abs()
-        high.append(mags.max())
-        low.append(torch.where(mags > 0, mags, torch.inf).min())
-    lowest = float(low[0] * low[1]) * min(1.0, abs(scaling))
-    highest = float(high[0] * high[1]) * lhs.shape[1] * max(1.0, abs(scaling))
+        high.append(float(mags.max()) if mags.numel() else 0.0)
+        low.append(float(torch.where(mags > 0, mags, torch.inf).min()) if mags.numel() else math.inf)
+    if low[1] * min(1.0, scaling) < 2.0**-126 or high[1] * max(1.0, scaling) >= 2.0**127:
+        return False  # rhs * scaling would round (among the subnormals) or overflow
+    lowest = low[0] * low[1] * min(1.0, scaling)
+    highest = high[0] * high[1] * lhs.shape[1] * max(1.0, scaling)
     return lowest >= _PRESCALE_LOW and highest <= _PRESCALE_HIGH
 
 

@@ -24,9 +24,10 @@ FLUSH_EVERY = 64 << 20
 
 class Flusher:
     """Puts a file's written bytes on the disk while more are being written: each :meth:`request` asks a thread of
-    its own for an ``fdatasync``, requests made while one runs are served by one more, and :meth:`close` waits for
-    the last. The final ``fsync`` then has only the tail left; without it the kernel would start writing a shard
-    only when it is closed (below its dirty-page limits), and the whole shard would wait on the disk at the end.
+    its own for an ``fdatasync``, requests made while one runs are served by one more, and :meth:`stop` serves the
+    last one asked for before it returns. The final ``fsync`` then has only the tail left; without it the kernel
+    would start writing a shard only when it is closed (below its dirty-page limits), and the whole shard would
+    wait on the disk at the end.
 
     Args:
         fd: the file, open for writing (kept open until :meth:`close` has returned).
@@ -43,12 +44,16 @@ class Flusher:
         self.fd = fd
         self.error: OSError | None = None
         self._wanted = threading.Event()
+        self._lock = threading.Lock()
+        self._asked = self._served = 0  # requests made, and how many of them the last sync covered
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="shard-flush", daemon=True)
         self._thread.start()
 
     def request(self) -> None:
         """Ask for the bytes written so far to go to the disk (returns at once)."""
+        with self._lock:
+            self._asked += 1
         self._wanted.set()
 
     def _run(self) -> None:
@@ -56,15 +61,19 @@ class Flusher:
         while True:
             self._wanted.wait()
             self._wanted.clear()
+            with self._lock:
+                asked = self._asked
+            if asked > self._served:
+                try:
+                    sync(self.fd)
+                except OSError as e:  # kept for close(): after a failed sync, a later one may report success
+                    self.error = self.error or e
+                self._served = asked
             if self._closing:
                 return
-            try:
-                sync(self.fd)
-            except OSError as e:  # kept for close(): after a failed sync, a later one may report success
-                self.error = self.error or e
 
     def stop(self) -> None:
-        """Wait for the sync under way, if any, and stop the thread (before the file is closed)."""
+        """Serve the request asked for last, if not yet, and stop the thread (before the file is closed)."""
         if self._thread.is_alive():
             self._closing = True
             self._wanted.set()
@@ -171,16 +180,16 @@ class ShardWriter:
         self.expected = sum(e[3] for e in entries)
         self.written = 0
         meta = {"format": "pt", **(metadata or {})}
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        header = build_header(entries, meta)  # before the file and the threads: nothing to undo when it fails
+        self._header = (len(header), hashlib.sha256(header).hexdigest())
         self._error: BaseException | None = None
         self._entries = [(e[0], e[3]) for e in entries]
         self._tensors = TensorDigests(self._entries)
         self._placed: dict[int, str] = {}  # entries written in place (at), by index
         self._lock = threading.Lock()
-        self._flusher = Flusher(self._fd)
         self._unflushed = 0  # bytes written since the last flush request
-        header = build_header(entries, meta)
-        self._header = (len(header), hashlib.sha256(header).hexdigest())
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._flusher = Flusher(self._fd)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
         self._thread.start()
@@ -343,9 +352,10 @@ class ShardWriter:
             return
         try:
             self._stop()
-            self._flusher.close()
-            if self._error is not None:
+            self._flusher.stop()
+            if self._error is not None:  # a failed write explains more than the failed flush it may have caused
                 raise self._error
+            self._flusher.close()
             os.fsync(self._fd)
         finally:
             self._flusher.stop()

@@ -91,6 +91,11 @@ def test_blocks_that_a_plain_matmul_would_round_differently_agree():
     )
 
 
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal float32 bit for bit (``torch.equal`` takes ``-0.0`` for ``0.0``)."""
+    return x.shape == y.shape and torch.equal(x.view(torch.int32), y.view(torch.int32))
+
+
 def _peft_formula(w, factors, start, stop, transposed):
     """Rows ``[start, stop)`` of ``float32(W) + (B @ A) * scaling`` for each factor in turn, as PEFT writes it: the
     product on the tile grid, rounded, then scaled, then added (no moved scaling, no fused widening)."""
@@ -116,21 +121,21 @@ def test_the_merged_rows_are_peft_formula_whatever_the_scaling_and_base_dtype(sc
     w = torch.randn(m, n, generator=g).to(dtype)
     f1 = (torch.randn(16, n, generator=g) * 0.02, torch.randn(m, 16, generator=g) * 0.02, scaling)
     f2 = (torch.randn(8, n, generator=g) * 0.05, torch.randn(m, 8, generator=g) * 0.05, 0.37)
-    moved = scaling not in (0.37, -1.25)
+    moved = scaling in (1.0, 2.0, 0.5, 2.0**-20)  # positive powers of two (negative ones stay: signed zeros)
     assert exact_prescale(f1[1], f1[0], scaling) is moved
     assert exact_factors([f1])[0][2] == (1.0 if moved else scaling)
     for start, stop in ((0, m), (100, 600), (300, 301)):
         want = _peft_formula(w[start:stop], [f1, f2], start, stop, False)
         got = merge_block(w[start:stop], exact_factors([f1, f2]), start, stop, transposed=False)[0]
-        assert torch.equal(got, want), (start, stop)
+        assert _same_bits(got, want), (start, stop)
         widened = add_lora_(
             w[start:stop].to(torch.float32, copy=True), exact_factors([f1]), start, stop, transposed=False
         )
-        assert torch.equal(widened, _peft_formula(w[start:stop], [f1], start, stop, False))
+        assert _same_bits(widened, _peft_formula(w[start:stop], [f1], start, stop, False))
     # Conv1D: the stored weight [300, 700] is (B @ A).T, its rows come from columns of A
     t = (torch.randn(16, 300, generator=g) * 0.02, torch.randn(700, 16, generator=g) * 0.02, scaling)
     wt = torch.randn(300, 700, generator=g).to(dtype)
-    assert torch.equal(
+    assert _same_bits(
         merge_block(wt[50:250], exact_factors([t]), 50, 250, transposed=True)[0],
         _peft_formula(wt[50:250], [t], 50, 250, True),
     )
@@ -138,7 +143,9 @@ def test_the_merged_rows_are_peft_formula_whatever_the_scaling_and_base_dtype(sc
 
 def test_the_scaling_stays_on_the_product_where_moving_it_would_round_differently():
     """Products among float32's subnormals round on a coarser grid: scaling A by 4 first would change their bytes.
-    Such factors keep the scaling on the product (and so does one whose sums could overflow when scaled first)."""
+    Such factors keep the scaling on the product, as do an A whose scaled values would leave the normal range, sums
+    that could overflow when scaled first, and every negative scaling (an exact zero delta is ``+0`` when A is scaled
+    and ``-0`` when the product is, and ``-0.0 + -0`` keeps the sign ``-0.0 + +0`` loses)."""
     g = torch.Generator().manual_seed(2)
     a = torch.randn(16, 512, generator=g) * 2.0**-70
     b = torch.randn(64, 16, generator=g) * 2.0**-70  # products near 2**-140, among the subnormals
@@ -146,10 +153,23 @@ def test_the_scaling_stays_on_the_product_where_moving_it_would_round_differentl
     assert not exact_prescale(b, a, 4.0)
     assert not exact_prescale(b * 2.0**140, a * 2.0**140, 4.0)  # sums near 2**142: beyond the upper bound
     w = torch.zeros(64, 512)
-    assert torch.equal(
+    assert _same_bits(
         merge_block(w, exact_factors([(a, b, 4.0)]), 0, 64, transposed=False)[0],
         _peft_formula(w, [(a, b, 4.0)], 0, 64, False),
     )
+    ones = torch.ones(16, 512)
+    assert not exact_prescale(torch.full((64, 16), 2.0**40), ones * 1.5 * 2.0**-120, 2.0**-10)  # A * s subnormal
+    assert not exact_prescale(torch.full((64, 16), 2.0**-100), ones * 2.0**127, 4.0)  # A * s overflows
+
+    a, b = torch.randn(16, 512, generator=g), torch.randn(64, 16, generator=g)
+    b[2] = 0.0  # an exactly zero delta row
+    w = torch.randn(64, 512, generator=g).to(torch.bfloat16)
+    w[2] = -0.0
+    moved = torch.mm(b, a * -2.0) + w.float()  # what moving a negative scaling would write
+    want = _peft_formula(w, [(a, b, -2.0)], 0, 64, False)
+    assert not _same_bits(moved, want) and torch.equal(moved, want)  # only the signs of the zeros differ
+    assert not exact_prescale(b, a, -2.0) and exact_factors([(a, b, -2.0)])[0][2] == -2.0
+    assert _same_bits(merge_block(w, exact_factors([(a, b, -2.0)]), 0, 64, transposed=False)[0], want)
 
 
 @pytest.mark.slow
@@ -266,6 +286,15 @@ def test_a_wide_block_samples_fewer_rows_and_its_self_check_still_catches_a_wron
     def doubled(rows32, factors, start, stop, *, transposed, base=None):
         return real(rows32, [(x, y, 2 * s) for x, y, s in factors], start, stop, transposed=transposed, base=base)
 
+    from peft_shardmerge.engine.changes import Changes
+    from peft_shardmerge.engine.row_merge import RowMerger
+
+    merger = RowMerger(chunk_elems=292 * 14336)  # one block of 292 rows, as an 8B down_proj's
+    base = w.to(torch.bfloat16)
+    changes = Changes(factors=[(a, b, 2.0)], keys=["q"])
+    for _ in merger.merge_rows("w", lambda i, j: base[i:j], changes, (292, 14336), torch.bfloat16, w.device):
+        pass
+    assert 0 < merger.swallowed["w"][0] <= 9 * 14336  # the precision report counted 9 rows of it, not 32
     monkeypatch.setattr(maths, "add_lora_", doubled)
     wrong = maths.add_lora_checked_(w.clone(), [(a, b, 2.0)], 0, 292, transposed=False, probes=probes)
     assert wrong > PROBE_TOLERANCE
