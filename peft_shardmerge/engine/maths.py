@@ -62,10 +62,8 @@ def merge_block(
     """
     if inplace and base_rows.dtype == torch.float32:
         out, base = base_rows, None
-    elif factors:  # widened tile by tile as the first delta is added (one pass over the block, not two)
+    else:  # widened tile by tile as the first delta is added (one pass over the block, not two)
         out, base = torch.empty(base_rows.shape, dtype=torch.float32, device=base_rows.device), base_rows
-    else:
-        out, base = base_rows.to(torch.float32, copy=True), None
     err = add_lora_checked_(out, factors, start, stop, transposed=transposed, probes=probes, base=base)
     for d in bias_deltas:
         out += d[start:stop].to(out.device)
@@ -299,7 +297,7 @@ def add_lora_(
         transposed: the stored weight is the transpose of ``B @ A``.
         base: the weight's rows in any float dtype, when ``rows32`` does not hold them yet: ``rows32`` is then
             written as ``base`` widened to float32 plus the first delta, tile by tile (the same values as
-            widening first and adding after, in one pass). Needs at least one factor.
+            widening first and adding after, in one pass), or as ``base`` widened where there is no factor.
 
     Returns:
         ``rows32``.
@@ -353,6 +351,9 @@ def one_cpu_thread(device: torch.device) -> Iterator[None]:
 
 
 def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, stop: int, transposed: bool, base):
+    # a fresh tensor's alignment (torch's CPU allocator: 64 bytes; CUDA's caching allocator: 512): a tile's product
+    # is written in place only where its rows start on it, since BLAS may pick its kernel, and so its rounding, by it
+    align = 64 if rows32.device.type == "cpu" else 512
     for a, b, scaling in factors:
         a32 = a.to(device=rows32.device, dtype=torch.float32)
         b32 = b.to(device=rows32.device, dtype=torch.float32)
@@ -365,10 +366,8 @@ def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, st
             lo, hi = max(t0, start), min(t1, stop)
             part = rows32[lo - start : hi - start]
             tile = lhs[t0:t1].clone(memory_format=torch.contiguous_format)
-            if base is not None and (lo, hi) == (t0, t1) and part.data_ptr() % _ALIGN.get(part.device.type, 512) == 0:
-                # a whole tile whose rows start where a fresh tensor would (BLAS may pick its kernel, and so its
-                # rounding, by alignment): its product written straight into the rows
-                torch.mm(tile, rhs, out=part)
+            if base is not None and (lo, hi) == (t0, t1) and part.data_ptr() % align == 0:
+                torch.mm(tile, rhs, out=part)  # a whole tile: its product written straight into the rows
                 if scaling != 1.0:
                     part.mul_(scaling)
                 part += base[lo - start : hi - start]  # d + float32(w): the same sum as w + d
@@ -383,10 +382,6 @@ def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, st
         base = None
     return rows32
 
-
-#: the alignment of a fresh tensor's data (torch's CPU allocator: 64 bytes; CUDA's caching allocator: 512): a tile's
-#: product is written in place only where its rows start on it
-_ALIGN = {"cpu": 64}
 
 #: a product of two nonzero operands at least this large (in magnitude) has its exact value on float32's finest
 #: grid, so no rounding happens among the subnormals; sums at most this large (the other bound) never overflow
@@ -404,14 +399,14 @@ def exact_factors(factors: Sequence[Factors]) -> list[Factors]:
         ``(A * scaling, B, 1.0)`` where exact, the factor itself elsewhere.
 
     Example:
-        >>> [s for _, _, s in exact_factors([(torch.ones(1, 2), torch.ones(2, 1), 2.0), (torch.ones(1, 2), torch.ones(2, 1), 0.3)])]
+        >>> a, b = torch.ones(1, 2), torch.ones(2, 1)
+        >>> [s for _, _, s in exact_factors([(a, b, 2.0), (a, b, 0.3)])]
         [1.0, 0.3]
-    """  # noqa: E501 - one doctest line
+    """
     out = []
     for a, b, scaling in factors:
-        a32 = a.to(torch.float32)
-        if scaling != 1.0 and exact_prescale(b.to(torch.float32), a32, scaling):
-            out.append((a32 * scaling, b, 1.0))
+        if scaling != 1.0 and exact_prescale(b, a, scaling):
+            out.append((a.to(torch.float32) * scaling, b, 1.0))
         else:
             out.append((a, b, scaling))
     return out
@@ -431,8 +426,8 @@ def exact_prescale(lhs: torch.Tensor, rhs: torch.Tensor, scaling: float) -> bool
     a sum cancelling into them could be flushed in one order and not the other.)
 
     Args:
-        lhs: float32 ``[rows, r]``.
-        rhs: float32 ``[r, columns]``.
+        lhs: ``[rows, r]``, any float dtype (the product is taken in float32).
+        rhs: ``[r, columns]``, likewise.
         scaling: the factor.
 
     Returns:
@@ -449,15 +444,17 @@ def exact_prescale(lhs: torch.Tensor, rhs: torch.Tensor, scaling: float) -> bool
         return True
     if not (math.isfinite(scaling) and scaling > 0.0 and math.frexp(scaling)[0] == 0.5):
         return False
-    low, high = [], []
+    if lhs.numel() == 0 or rhs.numel() == 0:
+        return True  # no product to round
+    ends = []  # largest and smallest nonzero magnitude of each, read back at once (one wait on an accelerator)
     for t in (lhs, rhs):
-        mags = t.abs()
-        high.append(float(mags.max()) if mags.numel() else 0.0)
-        low.append(float(torch.where(mags > 0, mags, torch.inf).min()) if mags.numel() else math.inf)
-    if low[1] * min(1.0, scaling) < 2.0**-126 or high[1] * max(1.0, scaling) >= 2.0**127:
+        mags = t.abs().float()
+        ends += [mags.amax(), torch.where(mags > 0, mags, torch.inf).amin()]
+    high_l, low_l, high_r, low_r = torch.stack(ends).tolist()
+    if low_r * min(1.0, scaling) < 2.0**-126 or high_r * max(1.0, scaling) >= 2.0**127:
         return False  # rhs * scaling would round (among the subnormals) or overflow
-    lowest = low[0] * low[1] * min(1.0, scaling)
-    highest = high[0] * high[1] * lhs.shape[1] * max(1.0, scaling)
+    lowest = low_l * low_r * min(1.0, scaling)
+    highest = high_l * high_r * lhs.shape[1] * max(1.0, scaling)
     return lowest >= _PRESCALE_LOW and highest <= _PRESCALE_HIGH
 
 

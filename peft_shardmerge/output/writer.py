@@ -30,13 +30,17 @@ class Flusher:
     wait on the disk at the end.
 
     Args:
-        fd: the file, open for writing (kept open until :meth:`close` has returned).
+        fd: the file, open for writing (kept open until :meth:`stop` has returned).
+
+    Attributes:
+        error: the first failed sync, for the file's owner to raise (after a failed sync, Linux may report the next
+            one as a success).
 
     Example:
         >>> import tempfile
         >>> fd, path = tempfile.mkstemp()
         >>> flusher = Flusher(fd)
-        >>> os.write(fd, b"abc"); flusher.request(); flusher.close(); os.close(fd)
+        >>> os.write(fd, b"abc"); flusher.request(); flusher.stop(); os.close(fd); flusher.error
         3
     """
 
@@ -66,28 +70,18 @@ class Flusher:
             if asked > self._served:
                 try:
                     sync(self.fd)
-                except OSError as e:  # kept for close(): after a failed sync, a later one may report success
+                except OSError as e:
                     self.error = self.error or e
                 self._served = asked
             if self._closing:
                 return
 
     def stop(self) -> None:
-        """Serve the request asked for last, if not yet, and stop the thread (before the file is closed)."""
+        """Serve the request asked for last, if not yet, and stop the thread (before the file closes; idempotent)."""
         if self._thread.is_alive():
             self._closing = True
             self._wanted.set()
             self._thread.join()
-
-    def close(self) -> None:
-        """:meth:`stop`, then report a failed sync.
-
-        Raises:
-            OSError: a sync failed (the disk is full or failing): the file's bytes may not all be on the disk.
-        """
-        self.stop()
-        if self.error is not None:
-            raise self.error
 
 
 class TensorDigests:
@@ -353,9 +347,9 @@ class ShardWriter:
         try:
             self._stop()
             self._flusher.stop()
-            if self._error is not None:  # a failed write explains more than the failed flush it may have caused
-                raise self._error
-            self._flusher.close()
+            for error in (self._error, self._flusher.error):  # a failed write explains more than a failed flush
+                if error is not None:
+                    raise error
             os.fsync(self._fd)
         finally:
             self._flusher.stop()
