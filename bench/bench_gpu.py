@@ -511,10 +511,17 @@ def same_tensors(a: str, b: str) -> str:
     return f"{same} of {len(ta)}"
 
 
+DEFAULT_ROWS = ("peft", "cuda", "cpu", "checks-first", "dry", "inprocess", "inprocess-1")
+ROWS = DEFAULT_ROWS + ("spy-cuda", "spy-cpu", "spy-inprocess")  # once more under py-spy
+
+
 def speed(size: str, work: str, args) -> None:
     """Side by side on one base: a durable copy, PEFT's load-everything recipe on the GPU, ours from disk with
     ``--device cuda`` and ``--device cpu`` (and, with ``--before``, another tree of this package), in process from
-    4-bit, and a durable copy of that output."""
+    4-bit, and a durable copy of that output (the durable copy always, the other rows named by ``--rows``; the rows
+    ``spy-...`` run ours from disk or in process once more under ``py-spy record``, their raw stacks written into
+    ``--profile``)."""
+    rows = set(args.rows.split(","))
     base = os.path.join(work, "base")
     adapter = random_adapter(base, os.path.join(work, "speed-adapter"))
     nbytes = sum(os.path.getsize(os.path.join(base, f)) for f in os.listdir(base) if f.endswith(".safetensors"))
@@ -528,7 +535,7 @@ def speed(size: str, work: str, args) -> None:
     emit(dict(rec, method="cp -r BASE COPY && sync", wall_s=wall), args.json)
     copy_wall = wall
     ref = os.path.join(work, "peft-out")
-    if CUDA:
+    if CUDA and "peft" in rows:
         wall, text = timed([sys.executable, "-c", PEFT_RECIPE, base, adapter, ref], env)
         phases = re.search(r"phases (.*)", text).group(1).split()
         emit(
@@ -546,15 +553,38 @@ def speed(size: str, work: str, args) -> None:
             args.json,
         )
     for device in ("cuda", "cpu") if CUDA else ("cpu",):
-        r = dict(rec, method=f"ours: merge --device {device}")
-        emit(ours(base, adapter, work, device, None, ref, r, copy_wall), args.json)
-    r = dict(rec, method="ours: merge --device cpu --model-checks first (the checks before the merge, not beside it)")
-    emit(ours(base, adapter, work, "cpu", None, ref, r, copy_wall, ("--model-checks", "first")), args.json)
-    emit(startup(base, adapter, work, rec), args.json)
-    if CUDA and args.inprocess:
+        if device in rows:
+            r = dict(rec, method=f"ours: merge --device {device}")
+            emit(ours(base, adapter, work, device, None, ref, r, copy_wall), args.json)
+    if "checks-first" in rows:
+        how = "--model-checks first (the checks before the merge, not beside it)"
+        r = dict(rec, method=f"ours: merge --device cpu {how}")
+        emit(ours(base, adapter, work, "cpu", None, ref, r, copy_wall, ("--model-checks", "first")), args.json)
+    if args.before:
+        device = "cuda" if CUDA else "cpu"
+        r = dict(rec, method=f"before: merge --device {device}")
+        emit(ours(base, adapter, work, device, args.before, ref, r, copy_wall), args.json)
+    shutil.rmtree(ref, ignore_errors=True)  # the disk holds the base, one output and its copy at once from here
+    if "dry" in rows:
+        emit(startup(base, adapter, work, rec), args.json)
+    for device in ("cuda", "cpu") if CUDA else ("cpu",):
+        if f"spy-{device}" in rows:
+            out = os.path.join(work, f"ours-{device}")
+            raw = os.path.join(args.profile, f"{size}-disk-{device}.txt")
+            cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--device", device, "-q"]
+            wall, _ = timed([py_spy(), "record", "-r", "50", "-f", "raw", "--threads", "-o", raw, "--", *cmd], env)
+            emit(dict(rec, method=f"profile: merge --device {device} under py-spy", wall_s=wall, raw=raw), args.json)
+            shutil.rmtree(out, ignore_errors=True)
+    if CUDA and {"inprocess", "inprocess-1", "spy-inprocess"} & rows:
+        t0 = time.perf_counter()
         model = load_qlora(base)
+        loaded = time.perf_counter() - t0
+        emit(dict(rec, method="load the base in 4-bit NF4 on the GPU + LoRA", wall_s=loaded), args.json)
         out = os.path.join(work, "inproc")
-        for workers in (None, 1):  # the default (written by one thread per CPU, at most 8) and one thread
+        # the default (a writer thread per CPU, at most 8) and one thread
+        for workers, row in ((None, "inprocess"), (1, "inprocess-1")):
+            if row not in rows:
+                continue
             how = "" if workers is None else f", workers={workers}"
             method = f"in process: merge_and_save(4-bit NF4 on the GPU{how})"
             r = run_merge(model, out, 0.9, None, dict(rec, method=method), workers=workers)
@@ -562,15 +592,30 @@ def speed(size: str, work: str, args) -> None:
             r["durable_copy_of_output_s"] = wall
             emit(r, args.json)
             shutil.rmtree(copy, ignore_errors=True)
+        if "spy-inprocess" in rows:
+            raw = os.path.join(args.profile, f"{size}-inprocess.txt")
+            spy = subprocess.Popen(
+                [py_spy(), "record", "-r", "50", "-f", "raw", "--threads", "-o", raw, "--pid", str(os.getpid())],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(2)  # py-spy attached
+            r = run_merge(model, out, 0.9, None, dict(rec, method="profile: in process under py-spy", raw=raw))
+            spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
+            spy.wait()
+            emit(r, args.json)
         shutil.rmtree(out, ignore_errors=True)
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    if args.before:  # the tree before, last: the rows above matter more when time runs short
-        device = "cuda" if CUDA else "cpu"
-        r = dict(rec, method=f"before: merge --device {device}")
-        emit(ours(base, adapter, work, device, args.before, ref, r, copy_wall), args.json)
-    shutil.rmtree(ref, ignore_errors=True)
+
+
+def py_spy() -> str:
+    """The py-spy program beside this interpreter or on the PATH (``pip install py-spy``; the wheel carries it)."""
+    for folder in [os.path.dirname(sys.executable)] + [os.path.join(p, "bin") for p in sys.path if p]:
+        if os.path.exists(os.path.join(folder, "py-spy")):
+            return os.path.join(folder, "py-spy")
+    return shutil.which("py-spy") or "py-spy"
 
 
 def startup(base: str, adapter: str, work: str, rec: dict) -> dict:
@@ -753,8 +798,13 @@ def main() -> None:
     p.add_argument("--scenarios", default="cpu,gpu,tight,cap,other,disk,unload")
     p.add_argument("--keep", action="store_true", help="keep the bases")
     p.add_argument("--before", help="speed: also time this tree of the package (a folder holding peft_shardmerge/)")
-    p.add_argument("--no-inprocess", dest="inprocess", action="store_false", help="speed: skip the 4-bit model")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="speed: which rows, of " + ", ".join(ROWS))
+    p.add_argument("--profile", default="/tmp/gpu-profiles", help="speed: the folder for the spy rows' raw stacks")
     args = p.parse_args()
+    unknown = set(args.rows.split(",")) - set(ROWS)
+    if unknown:
+        p.error(f"unknown --rows {sorted(unknown)}; choose from {', '.join(ROWS)}")
+    os.makedirs(args.profile, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import bitsandbytes
     import peft

@@ -9,16 +9,17 @@
 #
 # then, on the GPU machine, in the repository's root, with .whl/ beside it:
 #
-#     bash bench/gpu_check.sh [tests|bench|all] [SIZES]     # default: all 8B
+#     bash bench/gpu_check.sh [tests|bench|all] [SIZES] [MORE...]   # default: all 8B
 #
-# What it prints is also written under $OUT (default /tmp/gpu-check): machine.txt, cuda-tests.txt, bench.txt and
-# gpu.jsonl, bench_gpu.py's raw lines.
+# MORE goes to bench_gpu.py (e.g. --rows cpu,inprocess,spy-inprocess; --before TREE). What it prints is also written
+# under $OUT (default /tmp/gpu-check): machine.txt, cuda-tests.txt, bench.txt, gpu.jsonl (bench_gpu.py's raw lines)
+# and, where a spy-... row ran, profiles.tar.gz (py-spy's raw stacks).
 set -euo pipefail
 
 # the tested set's packages (requirements/constraints.txt) that the GPU machines' image lacks or holds in another
-# version; its huggingface_hub, tokenizers, safetensors and accelerate satisfy these (and the wheels, 55 MiB, fit
-# the 64 MiB a call may carry beside the repository)
-PINNED="transformers peft bitsandbytes"
+# version, and py-spy for the profiles; its huggingface_hub, tokenizers, safetensors and accelerate satisfy these
+# (and the wheels, 58 MB, fit the 64 MiB a call may carry beside the repository)
+PINNED="transformers peft bitsandbytes zlib-ng py-spy"
 
 if [ "${1:-}" = "--fetch" ]; then
     exclude=$(git rev-parse --git-path info/exclude)
@@ -34,22 +35,23 @@ if [ "${1:-}" = "--fetch" ]; then
     # shellcheck disable=SC2086 # one argument per requirement
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform any -d .whl $specs
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl $specs
     ls .whl
     exit 0
 fi
 
 what=${1:-all}
 sizes=${2:-8B}
+shift $(($# < 2 ? $# : 2))
 case "$what" in
     tests | bench | all) ;;
-    *) echo "usage: bash bench/gpu_check.sh [--fetch | tests | bench | all] [SIZES]" >&2; exit 2 ;;
+    *) echo "usage: bash bench/gpu_check.sh [--fetch | tests | bench | all] [SIZES] [MORE...]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 else
     export PYTHONPATH=$PWD
 fi
@@ -59,7 +61,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi"
-    echo "$(nproc) CPUs, $(free -g | awk '/Mem:/ {print $2}') GiB RAM"
+    echo "$(nproc) CPUs, $(free -g | awk '/Mem:/ {print $2}') GiB RAM; /tmp: $(df -h /tmp | awk 'NR == 2 {print $4}') free"
     python3 -c "import sys, torch, transformers, peft, bitsandbytes; print(sys.version.split()[0], torch.__version__,
 'transformers', transformers.__version__, 'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__,
 'cuda', torch.cuda.is_available())" || echo "the tested set does not import: fetch its wheels (--fetch) and carry .whl"
@@ -78,6 +80,9 @@ if [ "$what" = "tests" ] || [ "$what" = "all" ]; then
 fi
 if [ "$what" = "bench" ] || [ "$what" = "all" ]; then
     python3 bench/bench_gpu.py --sizes "$sizes" --scenarios speed --work /tmp/gpu-bench --json "$OUT/gpu.jsonl" \
-        2>&1 | tee "$OUT/bench.txt"
+        "$@" 2>&1 | tee "$OUT/bench.txt"
+    if [ -n "$(ls -A /tmp/gpu-profiles 2>/dev/null)" ]; then
+        tar -czf "$OUT/profiles.tar.gz" -C /tmp gpu-profiles
+    fi
 fi
 exit "$tests"
