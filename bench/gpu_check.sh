@@ -73,6 +73,7 @@ if [ "$what" = "tests" ] || [ "$what" = "all" ]; then
     set +e # a failed test is reported, and the benchmark still runs
     python3 -m pytest -q -p no:cacheprovider -m cuda -rs \
         tests/integration/test_cuda.py tests/unit/engine/test_execute.py tests/integration/test_inprocess.py \
+        tests/unit/engine/test_host_slabs.py \
         2>&1 | tee "$OUT/cuda-tests.txt"
     tests=${PIPESTATUS[0]}
     set -e

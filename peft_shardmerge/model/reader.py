@@ -20,6 +20,7 @@ from ..io.safetensors_io import DTYPES, row_blocks
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..output.record import live_merge_info
 from ..quant.nf4 import pad_quant_state, quant_state_length, require_bitsandbytes
+from .host_slabs import HostSlabs
 from .walk import (
     LiveEntry,
     LiveModel,
@@ -234,9 +235,9 @@ REPACKED_NOTE = (
 class ModelReader(LiveMerger):
     """The loaded-model :class:`~peft_shardmerge.engine.source.Source`: each planned tensor produced whole, in plan
     order on the executor's thread, on the device the budget allows (retried on the CPU on out-of-memory); then
-    written in row blocks, by worker threads when there are several (the module copied out whole in the output dtype
-    first, so that the workers only hash and write it while the next module is merged); a weight re-quantized to
-    4-bit is written as the parts bitsandbytes stores.
+    written in row blocks, by worker threads when there are several (the module copied out first, block by block in
+    the output dtype into reused host buffers, so that the workers only hash and write it while the next module is
+    merged); a weight re-quantized to 4-bit is written as the parts bitsandbytes stores.
 
     Args:
         plan: a loaded model's plan (from :func:`~peft_shardmerge.model.planner.plan_live`).
@@ -248,8 +249,8 @@ class ModelReader(LiveMerger):
         workers: threads that write (1: the executor's thread merges and writes, one module after the other).
 
     Attributes:
-        ahead: one module per worker, and the next one, prepared and not yet written (each held whole in the output
-            dtype on the CPU until written)...
+        ahead: one module per worker, and the next one, prepared and not yet written (each held in the output dtype
+            on the CPU until written)...
         held_limit: ...and at most the largest planned tensor's bytes of them at once (one module waiting for its
             write, or several small ones; None with one worker, which writes each module as it is merged).
     """
@@ -265,6 +266,7 @@ class ModelReader(LiveMerger):
         self.workers, self.ahead = workers, workers + 1
         self.held_limit = max((t.nbytes for t in plan.tensors), default=0) if workers > 1 else None
         self.parts: dict[str, torch.Tensor] = {}
+        self._slabs: dict[bool, HostSlabs] = {}  # host buffers for blocks copied out, page-locked or not
 
     def prepare(self, t: PlannedTensor) -> Callable[[object], None]:
         """Produce one planned tensor (a part of a re-quantized weight, or an entry merged whole), in plan order: the
@@ -295,21 +297,35 @@ class ModelReader(LiveMerger):
             raise MergeCheckError(f"{e.name}: produced shape {list(data.shape)}, expected {list(e.shape)}")
         if e.kind != "plain" and not e.adapters and data.is_floating_point() and not torch.isfinite(data.sum()):
             raise MergeCheckError(f"tensor {e.name!r} has NaN or Inf")  # the row merge checked every changed one
-        target, blocks, copy = DTYPES[t.out_dtype][0], row_blocks(e.shape, self.chunk_elems), self.copy
+        target, blocks = DTYPES[t.out_dtype][0], row_blocks(e.shape, self.chunk_elems)
         if self.workers > 1:  # written later, by a worker: off the device and out of the model's storage now
-            data, copy = self._copied_out(data.detach(), blocks, target), False
-        return lambda w: self._write_blocks(data, blocks, target, copy, w)
+            parts = self._copied_out(data.detach(), blocks, target)
+            return lambda w: self._write_parts(parts, w)
+        return lambda w: self._write_blocks(data, blocks, target, self.copy, w)
 
-    def _copied_out(self, data: torch.Tensor, blocks, target: torch.dtype) -> torch.Tensor:
-        """The tensor off the device (and out of the model's or a gathered unit's storage) in the output dtype, cast
-        row block by row block: no temporary larger than a block (a whole-tensor device-to-host cast would stage the
-        tensor's float32 bytes on the host first)."""
+    def _copied_out(self, data: torch.Tensor, blocks, target: torch.dtype) -> list[torch.Tensor]:
+        """The tensor's row blocks off the device (and out of the model's or a gathered unit's storage) in the output
+        dtype, each in a reused host buffer (:class:`~peft_shardmerge.model.host_slabs.HostSlabs`, page-locked for
+        a GPU's): no temporary larger than a block, no page faulted in afresh per module."""
         if data.device.type == "cpu" and data.dtype == target and not self.copy:
-            return data  # a plain tensor as held: written from where it is
-        out = torch.empty(data.shape, dtype=target)
+            return [data[start:stop] for start, stop in blocks]  # a plain tensor as held: written from where it is
+        pinned = data.device.type == "cuda"
+        if pinned not in self._slabs:
+            self._slabs[pinned] = HostSlabs(self.chunk_elems * self.plan.dtype.itemsize, pinned)
+        parts = []
         for start, stop in blocks:
-            out[start:stop].copy_(data[start:stop])
-        return out
+            rows = data[start:stop]
+            part = self._slabs[pinned].take(tuple(rows.shape), target)
+            part.copy_(rows)  # from a GPU: waits for the copy, so the buffer is complete when handed on
+            parts.append(part)
+        return parts
+
+    def _write_parts(self, parts: list[torch.Tensor], w) -> None:
+        """Write the blocks of :meth:`_copied_out`, each buffer handed back as soon as it is written."""
+        for part in parts:
+            w.write(part)
+            for slabs in self._slabs.values():
+                slabs.give(part)
 
     @staticmethod
     def _write_blocks(data: torch.Tensor, blocks, target: torch.dtype, copy: bool, w) -> None:
@@ -365,7 +381,10 @@ class ModelReader(LiveMerger):
         check_applied(self.live.lora_layers, self.applied)
 
     def close(self) -> None:
-        """Nothing to release: the model stays the caller's."""
+        """Release the host buffers of the blocks copied out (the model stays the caller's)."""
+        for slabs in self._slabs.values():
+            slabs.release()
+        self._slabs.clear()
 
     def report_fields(self) -> dict:
         """The report's fields of a loaded model's merge."""

@@ -201,18 +201,18 @@ def test_a_loaded_model_is_merged_in_order_on_the_calling_thread_and_written_by_
 
     model = _loaded(make_base("llama"), make_adapter("llama", "default"))
     merged, written = [], []
-    real_produce, real_write = ModelReader.produce, ModelReader._write_blocks
+    real_produce, real_write = ModelReader.produce, ModelReader._write_parts
 
     def produce(self, entry):
         merged.append((entry.name, threading.current_thread().name))
         return real_produce(self, entry)
 
-    def write_blocks(*args):
+    def write_parts(*args):
         written.append(threading.current_thread().name)
         return real_write(*args)
 
     monkeypatch.setattr(ModelReader, "produce", produce)
-    monkeypatch.setattr(ModelReader, "_write_blocks", staticmethod(write_blocks))
+    monkeypatch.setattr(ModelReader, "_write_parts", write_parts)
     report = merge_and_save(model, str(tmp_path / "out"), workers=2, base_precision="dequantized", progress=False)
     assert {thread for _, thread in merged} == {threading.main_thread().name}
     record = json.loads((tmp_path / "out" / "merge_manifest.json").read_text())["shards"]["model.safetensors"]
@@ -232,7 +232,7 @@ def test_a_loaded_models_merge_that_fails_with_workers_leaves_nothing(
 
     model = _loaded(make_base("llama_sharded"), make_adapter("llama_sharded", "default"))
     victim = "model.layers.1.self_attn.q_proj.weight"
-    real_produce, real_write = ModelReader.produce, ModelReader._write_blocks
+    real_produce, real_write = ModelReader.produce, ModelReader._write_parts
     error = MergeCheckError(f"tensor {victim!r} has NaN or Inf") if where == "merge" else OSError(28, "No space")
 
     def produce(self, entry):
@@ -240,7 +240,7 @@ def test_a_loaded_models_merge_that_fails_with_workers_leaves_nothing(
             raise error
         return real_produce(self, entry)
 
-    def write_blocks(*args):
+    def write_parts(*args):
         written.append(threading.current_thread().name)
         if where == "write" and len(written) == 5:
             raise error
@@ -248,7 +248,7 @@ def test_a_loaded_models_merge_that_fails_with_workers_leaves_nothing(
 
     written: list[str] = []
     monkeypatch.setattr(ModelReader, "produce", produce)
-    monkeypatch.setattr(ModelReader, "_write_blocks", staticmethod(write_blocks))
+    monkeypatch.setattr(ModelReader, "_write_parts", write_parts)
     out = tmp_path / "out"
     with pytest.raises(type(error), match="NaN or Inf" if where == "merge" else "No space"):
         merge_and_save(
@@ -275,11 +275,11 @@ def test_a_failed_write_comes_before_a_later_failure_to_merge(make_base, make_ad
     from peft_shardmerge.model.reader import ModelReader
 
     model = _loaded(make_base("llama_sharded"), make_adapter("llama_sharded", "default"))
-    real_produce, real_write = ModelReader.produce, ModelReader._write_blocks
+    real_produce, real_write = ModelReader.produce, ModelReader._write_parts
     calls = {"writes": 0, "merges": 0}
     failed = threading.Event()
 
-    def write_blocks(*args):
+    def write_parts(*args):
         calls["writes"] += 1
         if calls["writes"] == 2:
             failed.set()
@@ -294,7 +294,7 @@ def test_a_failed_write_comes_before_a_later_failure_to_merge(make_base, make_ad
         return real_produce(self, entry)
 
     monkeypatch.setattr(ModelReader, "produce", produce)
-    monkeypatch.setattr(ModelReader, "_write_blocks", staticmethod(write_blocks))
+    monkeypatch.setattr(ModelReader, "_write_parts", write_parts)
     out = tmp_path / "out"
     with pytest.raises(OSError, match="No space left on device"):
         merge_and_save(model, str(out), workers=2, base_precision="dequantized", progress=False)
