@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.maths import one_cpu_thread
 from ..errors import InputError, NotFoundError
 from ..io.safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from ..options import DEFAULT_CHUNK_ELEMS
@@ -206,8 +207,10 @@ def read_adapter_tensors(folder: str, path: str) -> dict[str, AdapterTensor]:
 
 
 def _check_finite_files(tensors: dict[str, AdapterTensor]) -> None:
+    """Every float weight finite, read block by block and checked on one torch thread: the tensors are small, and
+    a pool of threads would be woken for each of hundreds of tiny ops."""
     bad = []
-    with RowReader() as reader:
+    with RowReader() as reader, one_cpu_thread(torch.device("cpu")):
         for name, t in tensors.items():
             if t.dtype not in FLOAT_DTYPES:
                 continue

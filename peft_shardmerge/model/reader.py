@@ -232,6 +232,18 @@ REPACKED_NOTE = (
 )
 
 
+def _narrowed(rows: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+    """Rows of an accelerator cast to ``target`` where they are (the same rounding as on the host), so that only the
+    output's bytes cross to the host: torch's copy into a host tensor of another dtype first brings the source dtype
+    over into a fresh host tensor, then casts there. Left as they are where the device has no room for the cast."""
+    if rows.device.type == "cpu" or rows.dtype == target:
+        return rows
+    try:
+        return rows.to(target)
+    except torch.OutOfMemoryError:
+        return rows
+
+
 class ModelReader(LiveMerger):
     """The loaded-model :class:`~peft_shardmerge.engine.source.Source`: each planned tensor produced whole, in plan
     order on the executor's thread, on the device the budget allows (retried on the CPU on out-of-memory); then
@@ -314,7 +326,7 @@ class ModelReader(LiveMerger):
             self._slabs[pinned] = HostSlabs(self.chunk_elems * self.plan.dtype.itemsize, pinned)
         parts = []
         for start, stop in blocks:
-            rows = data[start:stop]
+            rows = _narrowed(data[start:stop], target)
             part = self._slabs[pinned].take(tuple(rows.shape), target)
             part.copy_(rows)  # from a GPU: waits for the copy, so the buffer is complete when handed on
             parts.append(part)

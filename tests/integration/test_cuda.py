@@ -299,3 +299,25 @@ def test_merge_and_unload_on_cuda_returns_a_16bit_model_that_generates(base, tmp
         gen = plain.generate(input_ids=ids[:1, :4], max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.isfinite(after).all() and gen.shape == (1, 12)
     assert float((after - before).abs().max() / before.abs().max()) < 0.05
+
+
+def test_merged_rows_are_narrowed_on_the_gpu_with_the_hosts_rounding(base, tmp_path):
+    """A bf16 output of a merge on the GPU is cast there before it crosses to the host: the same bytes as the float32
+    output of the same merge cast on the host, every tensor (round to nearest even on both)."""
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.model.reader import _narrowed
+
+    x = torch.randn(4096, 1024, device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+    x[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130], device=DEV)  # ties, a subnormal
+    on_gpu = _narrowed(x, torch.bfloat16)
+    assert on_gpu.device == x.device
+    assert torch.equal(on_gpu.cpu().view(torch.int16), x.cpu().bfloat16().view(torch.int16))
+
+    model = qlora_on_cuda(base)
+    wide, narrow = str(tmp_path / "fp32"), str(tmp_path / "bf16")
+    for out, dtype in ((wide, "float32"), (narrow, "bfloat16")):
+        merge_and_save(model, out, dtype=dtype, base_precision="dequantized", progress=False, workers=2)
+    a, b = folder_tensors(wide), folder_tensors(narrow)
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        assert torch.equal(a[k].bfloat16().view(torch.int16), b[k].view(torch.int16)), k

@@ -95,3 +95,27 @@ def test_untied_names_on_a_real_tied_model(make_base):
     assert untied_names(info.tied, [source], present) == sorted([target, source])
     assert untied_names(info.tied, [target], [source]) == []  # the target cannot be written: nothing to untie
     assert untie_note([target, source]).endswith("both are written and tie_word_embeddings is set to false")
+
+
+def test_the_adapters_finite_check_runs_on_one_torch_thread(make_base, make_adapter, tmp_path, monkeypatch):
+    """Planning reads every adapter weight to check it is finite: hundreds of tiny tensors, each checked with torch
+    held to one thread (not a pool woken per op), and the setting put back after."""
+    import torch
+
+    from peft_shardmerge.io.safetensors_io import RowReader
+
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    seen, real = [], RowReader.read_rows
+
+    def read_rows(self, info, start, stop):
+        seen.append(torch.get_num_threads())
+        return real(self, info, start, stop)
+
+    monkeypatch.setattr(RowReader, "read_rows", read_rows)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        merge_checkpoint(base, adapter, str(tmp_path / "dry"), dry_run=True, progress=False)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
