@@ -6,6 +6,11 @@ thread); each sample is put in the stage of the innermost frame of its stack tha
 Wall time is measured around the command, without py-spy, in separate interleaved runs.
 
     python bench/bench_stages.py --before /path/to/old/checkout --size 0.5B
+
+``--raw`` instead puts the samples of py-spy raw files made elsewhere (``bench_gpu.py``'s ``spy-...`` rows) in the
+same stages, all threads and the main thread apart (the thread that merges a loaded model's modules):
+
+    python bench/bench_stages.py --raw 8B-inprocess.txt --rate 50
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ RULES = [
     ("read base rows", {"read_rows", "RowReader.read_rows", "RowReader.read", "_buffer"}),
     ("LoRA products", {"_add_tiles_", "add_lora_", "lora_probe", "add_lora_checked_"}),
     ("widen, checks, narrow (per block)", {"merge_block", "merge_rows", "RowMerger.merge_rows", "update_counts"}),
+    ("copy off the device (a loaded model's modules)", {"ModelReader._copied_out"}),
+    ("dequantize 4-bit (a loaded model's modules)", {"dequantize_4bit_exact", "dequantize_blockwise_exact"}),
+    ("adapter weights finite (planning)", {"_check_finite_files"}),
     ("planning (headers, configs, checks)", {"plan_from_folders", "plan_with_options"}),
     ("imports", {"_find_and_load", "_call_with_frames_removed", "import_module", "_compile_bytecode"}),
     ("waiting (queues, locks, idle workers)", {"wait", "Condition.wait", "_worker", "get", "Queue.get", "result"}),
@@ -69,12 +77,34 @@ def profile(tree: str, base: str, adapter: str, out: str, extra: list[str]) -> C
         check=True,
         capture_output=True,
     )
+    shutil.rmtree(out, ignore_errors=True)
+    return read_raw(raw, RATE)[0]
+
+
+def read_raw(raw: str, rate: int) -> tuple[Counter, Counter]:
+    """Seconds per stage of a py-spy raw file sampled at ``rate`` (``--threads``): all threads, and the main thread."""
     seconds: Counter = Counter()
+    main: Counter = Counter()
     for line in open(raw):
         stack, n = line.rsplit(" ", 1)
-        seconds[stage_of(stack.split(";")[1:])] += int(n) / RATE
-    shutil.rmtree(out, ignore_errors=True)
-    return seconds
+        frames = stack.split(";")
+        stage = stage_of(frames[1:])
+        seconds[stage] += int(n) / rate
+        if "MainThread" in frames[0]:
+            main[stage] += int(n) / rate
+    return seconds, main
+
+
+def summarize(files: list[str], rate: int) -> None:
+    """Print the stage table of py-spy raw files: thread-seconds of all threads and of the main thread, per file."""
+    read = {f: read_raw(f, rate) for f in files}
+    names = [os.path.basename(f) for f in files]
+    print("| stage (thread-seconds) | " + " | ".join(f"{n}: all threads | {n}: main thread" for n in names) + " |")
+    print("|---|" + "---:|---:|" * len(files))
+    for s in STAGES:
+        print(f"| {s} | " + " | ".join(f"{read[f][0][s]:.2f} | {read[f][1][s]:.2f}" for f in files) + " |")
+    total = [(sum(v for k, v in c.items() if k != WAITING) for c in read[f]) for f in files]
+    print("| **waiting left out** | " + " | ".join(f"{a:.2f} | {m:.2f}" for a, m in total) + " |")
 
 
 def wall(tree: str, base: str, adapter: str, out: str, extra: list[str]) -> float:
@@ -94,12 +124,19 @@ def wall(tree: str, base: str, adapter: str, out: str, extra: list[str]) -> floa
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, help="another checkout (a folder holding peft_shardmerge/)")
+    ap.add_argument("--before", help="another checkout (a folder holding peft_shardmerge/)")
     ap.add_argument("--after", default=os.path.dirname(HERE), help="this checkout (default)")
     ap.add_argument("--size", default="0.5B", choices=list(bench_merge.SIZES))
     ap.add_argument("--repeats", type=int, default=3, help="interleaved wall-time runs per tree (median)")
     ap.add_argument("--after-args", default="", help="more arguments for this tree's command (e.g. '--workers 1')")
+    ap.add_argument("--raw", nargs="+", help="instead: py-spy raw files to put in stages (made with --threads)")
+    ap.add_argument("--rate", type=int, default=RATE, help="the samples a second of the --raw files")
     args = ap.parse_args()
+    if args.raw:
+        summarize(args.raw, args.rate)
+        return 0
+    if not args.before:
+        ap.error("--before is needed (or --raw)")
     base, adapter = bench_merge.build(args.size)
     out = os.path.join(bench_merge.WORK, "out-stages")
     subprocess.run(["cat", *[os.path.join(base, f) for f in os.listdir(base)]], stdout=subprocess.DEVNULL)
