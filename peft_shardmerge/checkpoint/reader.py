@@ -13,10 +13,11 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..engine.block_checks import check_range
 from ..engine.changes import ChangeKey, Changes, Scale, TokenRows, WholeDelta
 from ..engine.maths import lora_bias_delta, one_cpu_thread
 from ..engine.plan import Op, Plan, PlannedTensor
-from ..engine.row_merge import RowMerger, check_applied, check_range
+from ..engine.row_merge import RowMerger, check_applied
 from ..engine.task_vectors import TaskVectors
 from ..io.safetensors_io import DTYPES, RowReader, row_blocks
 from ..output.record import disk_merge_info

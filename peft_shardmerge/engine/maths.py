@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
+
+from .block_checks import lora_probe, probe_rows
 
 #: one LoRA module's contribution: (A [r, n], B [m, r], scaling)
 Factors = tuple[torch.Tensor, torch.Tensor, float]
@@ -39,8 +40,9 @@ def merge_block(
         transposed: the stored weight is the transpose of ``B @ A``.
         bias_deltas: whole fp32 deltas to add to a 1-D tensor (``lora_B.bias * scaling``); rows are taken.
         probes: float32 vectors ``[columns, k]``; when given, the merged rows are checked against the unmerged
-            computation, ``(W + dW) @ x`` vs ``W @ x + lora(x)``, on the evenly spaced rows of :func:`probe_rows`
-            (enough to catch a wrong scaling, layout or factor; cheap next to the merge).
+            computation, ``(W + dW) @ x`` vs ``W @ x + lora(x)``, on the evenly spaced rows of
+            :func:`~peft_shardmerge.engine.block_checks.probe_rows` (enough to catch a wrong scaling, layout or
+            factor; cheap next to the merge).
         inplace: float32 ``base_rows`` are a copy the merge may overwrite (no second copy is made).
 
     Returns:
@@ -80,8 +82,8 @@ def add_lora_checked_(
     probes: torch.Tensor | None,
     base: torch.Tensor | None = None,
 ) -> float:
-    """:func:`add_lora_` with the self-check: on the rows of :func:`probe_rows`, ``(W + dW) @ x`` is compared
-    with ``W @ x + lora(x)`` computed from the factors without forming ``B @ A``.
+    """:func:`add_lora_` with the self-check: on the rows of :func:`~peft_shardmerge.engine.block_checks.probe_rows`,
+    ``(W + dW) @ x`` is compared with ``W @ x + lora(x)`` computed from the factors without forming ``B @ A``.
 
     Args:
         rows32, factors, start, stop, transposed, base: as for :func:`add_lora_` (``rows32`` is written in place).
@@ -109,143 +111,6 @@ def add_lora_checked_(
     add_lora_(rows32, factors, start, stop, transposed=transposed, base=base)
     got = rows32.index_select(0, rows) @ probes
     return float(got.sub_(want).abs_().max() / want.abs_().max().clamp_min(1e-30))
-
-
-#: rows of a block checked by the self-check and counted by the precision report: at most PROBE_ROWS, and in wide
-#: blocks as many as hold about PROBE_ELEMS elements (at least 2), so that the checks cost the same share of every
-#: block (32 rows up to a width of 4096; 9 at an 8B MLP's 14336, whose blocks have 292 rows)
-PROBE_ROWS, PROBE_ELEMS = 32, 1 << 17
-
-
-def probe_rows(n: int, device: torch.device | None = None, width: int = 1) -> torch.Tensor:
-    """Evenly spaced row indices of an ``n``-row block, first and last included: :data:`PROBE_ROWS` of them, fewer
-    in wide blocks (see :data:`PROBE_ELEMS`), all of a smaller block (one tensor per height, width and device,
-    shared: not to be modified).
-
-    Args:
-        n: rows in the block.
-        device: where the index tensor goes.
-        width: elements per row.
-
-    Returns:
-        An int64 tensor of distinct indices.
-
-    Example:
-        >>> probe_rows(5).tolist(), len(probe_rows(292, width=14336))
-        ([0, 1, 2, 3, 4], 9)
-    """
-    k = max(2, min(PROBE_ROWS, PROBE_ELEMS // max(1, width)))
-    return _probe_rows(n, k, torch.device("cpu") if device is None else torch.device(device))
-
-
-@functools.lru_cache(maxsize=256)
-def _probe_rows(n: int, k: int, device: torch.device) -> torch.Tensor:
-    """:func:`probe_rows`, made once per block height, count and device (blocks of a tensor share their height): a
-    handful of small torch calls less per block, each a wait for the interpreter lock when several workers merge."""
-    rows = torch.arange(n) if n <= k else torch.linspace(0, n - 1, k).round().long().unique()
-    rows = rows.to(device)
-    if rows.device.type == "cuda":  # copied on this thread's stream, read on others'
-        torch.cuda.current_stream(rows.device).synchronize()
-    return rows
-
-
-def swallowed(base_rows: torch.Tensor, cast: torch.Tensor) -> int:
-    """How many entries of a merged block the output dtype rounded back to the base value.
-
-    An entry is swallowed when ``cast(W + dW) == cast(W)``: in bf16, an update smaller than about |w|/256
-    vanishes. (Entries whose update is exactly zero count too; a trained LoRA leaves almost none.)
-
-    Args:
-        base_rows: the base rows as read (any dtype).
-        cast: the merged rows cast to the output dtype.
-
-    Returns:
-        The count.
-
-    Raises:
-        RuntimeError: from torch, when the shapes differ.
-
-    Example:
-        >>> swallowed(torch.tensor([1.0, 1.0]), torch.tensor([1.0001, 1.5]).to(torch.bfloat16))
-        1
-    """
-    return int((cast == base_rows.to(cast.dtype)).sum())
-
-
-def update_counts(base_rows: torch.Tensor, merged: torch.Tensor, cast: torch.Tensor) -> tuple[int, int]:
-    """How many entries of a merged block the adapter changed, and how many of those the output dtype rounded back
-    to the base value (so that the update is lost there). Entries the adapter left as they were count in neither:
-    an adapter with no update has nothing to lose.
-
-    Args:
-        base_rows: the base rows as read (any dtype).
-        merged: the merged rows in fp32, before casting.
-        cast: the merged rows cast to the output dtype.
-
-    Returns:
-        ``(changed, lost)``.
-
-    Raises:
-        RuntimeError: from torch, when the shapes differ.
-
-    Example:
-        >>> base = torch.tensor([1.0, 1.0, 1.0])
-        >>> merged = torch.tensor([1.0, 1.0001, 1.5])
-        >>> update_counts(base, merged, merged.to(torch.bfloat16))
-        (2, 1)
-    """
-    # an entry the adapter left as it was also casts to the base's value: those that moved in the output dtype are a
-    # subset of those the adapter changed, and the lost ones are the difference. Each count is a sum of |sign| of a
-    # difference (no comparison masks: those are the slow kernels here)
-    exact = torch.float32 if merged.numel() <= 1 << 24 else torch.float64  # sums of ones, exact below 2**24
-    changed = (merged - base_rows.to(merged.dtype)).sign_().abs_().sum(dtype=exact)
-    moved = (cast.to(torch.float32) - base_rows.to(cast.dtype).to(torch.float32)).sign_().abs_().sum(dtype=exact)
-    changed, moved = (int(v) for v in torch.stack((changed, moved)).tolist())
-    return changed, changed - moved
-
-
-def lora_probe(
-    x: torch.Tensor,
-    factors: Sequence[Factors],
-    start: int,
-    stop: int,
-    *,
-    transposed: bool,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``sum(scaling * B @ (A @ x))`` restricted to rows ``[start, stop)`` of the stored weight, without forming
-    ``B @ A``: the LoRA branch applied to probe vectors, for checking a merged block.
-
-    Args:
-        x: probe vectors ``[columns of the stored weight, k]`` in float32.
-        factors: ``(A, B, scaling)`` of each LoRA module.
-        start: first row.
-        stop: one past the last row.
-        transposed: the stored weight is the transpose of ``B @ A``.
-        rows: only these rows of the block (indices from ``start``).
-
-    Returns:
-        A float32 tensor ``[stop - start, k]`` (``[len(rows), k]`` with ``rows``).
-
-    Raises:
-        RuntimeError: from torch, when the shapes do not fit.
-
-    Example:
-        >>> a, b = torch.ones(1, 3), torch.ones(2, 1)
-        >>> lora_probe(torch.ones(3, 1), [(a, b, 0.5)], 0, 2, transposed=False)
-        tensor([[1.5000],
-                [1.5000]])
-    """
-    index = torch.arange(start, stop, device=x.device) if rows is None else rows.to(x.device) + start
-    out = torch.zeros(len(index), x.shape[1], device=x.device)
-    for a, b, scaling in factors:
-        a32 = a.to(device=x.device, dtype=torch.float32)
-        b32 = b.to(device=x.device, dtype=torch.float32)
-        if transposed:
-            out += (a32[:, index].T @ (b32.T @ x)) * scaling
-        else:
-            out += (b32[index] @ (a32 @ x)) * scaling
-    return out
 
 
 #: rows of a LoRA product are computed in tiles of about this many elements, on a grid fixed by the tensor's shape

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import math
 import threading
-import zlib
 from collections import Counter
 from typing import Callable, Iterator, TypeVar
 
@@ -15,89 +14,15 @@ import torch
 from ..errors import MergeCheckError
 from ..io.safetensors_io import row_blocks
 from ..options import DEFAULT_CHUNK_ELEMS
+from .block_checks import check_probe_error, check_range, probe_rows, probe_vectors, update_counts
 from .budget import MemoryBudget, free_accelerator_cache, is_out_of_memory
 from .changes import Changes
-from .maths import dora_rescale_, exact_factors, merge_block, probe_rows, replace_rows_, tile_rows, update_counts
+from .maths import dora_rescale_, exact_factors, merge_block, replace_rows_, tile_rows
 from .task_vectors import magnitude_thresholds
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: probe vectors per merged weight, and the largest relative error the self-check accepts
-PROBES = 2
-
-PROBE_TOLERANCE = 1e-3
-
-
-def probe_vectors(name: str, columns: int) -> torch.Tensor:
-    """Reproducible random probe vectors for the self-check of one tensor (seeded by its name).
-
-    Args:
-        name: the tensor's name.
-        columns: its number of columns (the length of each vector).
-
-    Returns:
-        A float32 tensor ``[columns, PROBES]``.
-
-    Example:
-        >>> probe_vectors("w", 3).shape
-        torch.Size([3, 2])
-    """
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    # held as [PROBES, columns]: a product with the transposed view is BLAS's fast case (a few columns held
-    # row-major are its slow one)
-    return torch.randn(PROBES, columns, generator=g).T
-
-
-def check_probe_error(name: str, start: int, stop: int, err: float) -> None:
-    """Fail the self-check of rows ``[start, stop)`` of tensor ``name`` when the probe error is over
-    :data:`PROBE_TOLERANCE`.
-
-    Args:
-        name: the tensor.
-        start: first row of the block.
-        stop: one past the last row.
-        err: the relative error from :func:`~peft_shardmerge.engine.maths.add_lora_checked_`.
-
-    Returns:
-        None.
-
-    Raises:
-        MergeCheckError: the error is over the tolerance, or not a number.
-
-    Example:
-        >>> check_probe_error("w", 0, 4, 1e-7)
-        >>> check_probe_error("w", 0, 4, float("nan"))
-        Traceback (most recent call last):
-        peft_shardmerge.errors.MergeCheckError: self-check failed for 'w' rows 0-4: merged weight times probe vectors differs from base + LoRA by nan (relative) > 0.001
-    """  # noqa: E501 - a doctest's expected exception is one line
-    if not err <= PROBE_TOLERANCE:  # also a NaN error, which no comparison with ">" would catch
-        raise MergeCheckError(
-            f"self-check failed for {name!r} rows {start}-{stop}: merged weight times probe vectors differs from "
-            f"base + LoRA by {err:.2e} (relative) > {PROBE_TOLERANCE:g}"
-        )
-
-
-def check_range(name: str, cast: torch.Tensor, dtype: torch.dtype) -> None:
-    """float16 tops out at 65504: a larger value would be written as inf.
-
-    Args:
-        name: the tensor.
-        cast: rows of it in the output dtype.
-        dtype: the output dtype.
-
-    Returns:
-        None.
-
-    Raises:
-        MergeCheckError: a float16 output holds an infinity.
-
-    Example:
-        >>> check_range("w", torch.tensor([1.0]).half(), torch.float16)
-    """
-    if dtype == torch.float16 and bool(cast.isinf().any()):
-        raise MergeCheckError(f"{name!r} has values beyond float16's range (65504); write bfloat16 or float32")
 
 
 def choose_device(name: str, preferred: torch.device, nbytes: int, budget: MemoryBudget | None) -> torch.device:

@@ -252,7 +252,7 @@ def test_update_counts_equal_the_definition_with_masks(base_dtype, out_dtype):
     """The precision report's counts, taken from sums of |sign| of differences, equal the definition written with
     comparisons: changed = merged != base, lost = changed and cast(merged) == cast(base); signed zeros, updates far
     below and far above the output dtype's step, and untouched entries included."""
-    from peft_shardmerge.engine.maths import update_counts
+    from peft_shardmerge.engine.block_checks import update_counts
 
     g = torch.Generator().manual_seed(0)
     base = (torch.randn(32, 512, generator=g) * 4).to(base_dtype)
@@ -272,10 +272,10 @@ def test_a_wide_block_samples_fewer_rows_and_its_self_check_still_catches_a_wron
     """The checks look at about PROBE_ELEMS elements of a block (32 rows up to a width of 4096, 9 rows of a
     292-row block at an 8B MLP's width 14336): a doubled scaling is still caught there."""
     from peft_shardmerge.engine import maths
-    from peft_shardmerge.engine.row_merge import PROBE_TOLERANCE, probe_vectors
+    from peft_shardmerge.engine.block_checks import PROBE_TOLERANCE, probe_rows, probe_vectors
 
-    assert len(maths.probe_rows(292, width=14336)) == 9 and len(maths.probe_rows(292, width=4096)) == 32
-    assert len(maths.probe_rows(292, width=10**7)) == 2 and len(maths.probe_rows(5, width=14336)) == 5
+    assert len(probe_rows(292, width=14336)) == 9 and len(probe_rows(292, width=4096)) == 32
+    assert len(probe_rows(292, width=10**7)) == 2 and len(probe_rows(5, width=14336)) == 5
     g = torch.Generator().manual_seed(3)
     w = torch.randn(292, 14336, generator=g)
     a, b = torch.randn(16, 14336, generator=g) * 0.02, torch.randn(292, 16, generator=g) * 0.02

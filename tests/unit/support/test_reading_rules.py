@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import CorruptFileError, InputError, MergeCheckError, NotFoundError, merge_checkpoint
 from peft_shardmerge.checkpoint.source import open_checkpoint
-from peft_shardmerge.engine.row_merge import check_probe_error
+from peft_shardmerge.engine.block_checks import check_probe_error
 from peft_shardmerge.io.safetensors_io import DTYPES, RowReader, read_header, row_blocks
 from peft_shardmerge.output.side_files import list_side_files
 from peft_shardmerge.support.peft_reading import peft_load_problems, positive_number, stored_key_problems
