@@ -600,6 +600,8 @@ def speed(size: str, work: str, args) -> None:
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(2)  # py-spy attached
+            if spy.poll() is not None:
+                raise RuntimeError(f"py-spy could not attach to this process (exit {spy.returncode}): ptrace refused?")
             r = run_merge(model, out, 0.9, None, dict(rec, method="profile: in process under py-spy", raw=raw))
             spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
             spy.wait()

@@ -80,6 +80,7 @@ if [ "$what" = "tests" ] || [ "$what" = "all" ]; then
     echo "pytest exit status: $tests" | tee -a "$OUT/cuda-tests.txt"
 fi
 if [ "$what" = "bench" ] || [ "$what" = "all" ]; then
+    rm -rf /tmp/gpu-profiles # the spy rows' raw stacks of this run only
     python3 bench/bench_gpu.py --sizes "$sizes" --scenarios speed --work /tmp/gpu-bench --json "$OUT/gpu.jsonl" \
         "$@" 2>&1 | tee "$OUT/bench.txt"
     if [ -n "$(ls -A /tmp/gpu-profiles 2>/dev/null)" ]; then

@@ -111,8 +111,9 @@ def merge_and_save(
             ``ties`` only).
         seed: the seed of DARE's random draw.
         workers: threads that write while the next module is merged (each merged module is copied out block by
-            block in the output dtype into reused host buffers, then hashed and written there; up to ``workers + 1``
-            modules, and at most the largest tensor's bytes of them, held meanwhile); None: one per CPU, at most 8;
+            block in the output dtype into reused host buffers, page-locked for a model on a GPU and released when
+            the merge ends, then hashed and written there; up to ``workers + 1`` modules, and at most the largest
+            tensor's bytes of them, held meanwhile); None: one per CPU, at most 8;
             1: each module merged and written in row blocks by the calling thread, the least memory. The bytes do
             not depend on it.
         overwrite: replace a non-empty ``out_dir`` (after the new output is complete).

@@ -75,10 +75,14 @@ class HostSlabs:
 
     def release(self) -> None:
         """Drop every buffer (those still taken are freed when their last reader lets go); page-locked ones are
-        handed back to the system, not kept in torch's cache of page-locked memory."""
+        handed back to the system, not kept in torch's cache of page-locked memory (where this torch has a call
+        to empty it: ``torch.accelerator.empty_host_cache``, or before it ``torch._C._host_emptyCache``)."""
         with self._lock:
+            made = bool(self._mine)
             self._free.clear()
             self._mine.clear()
-        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-        if self.pinned and empty is not None:
-            empty()
+        if self.pinned and made:
+            empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            empty = empty or getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()

@@ -232,16 +232,9 @@ REPACKED_NOTE = (
 )
 
 
-def _narrowed(rows: torch.Tensor, target: torch.dtype) -> torch.Tensor:
-    """Rows of an accelerator cast to ``target`` where they are (the same rounding as on the host), so that only the
-    output's bytes cross to the host: torch's copy into a host tensor of another dtype first brings the source dtype
-    over into a fresh host tensor, then casts there. Left as they are where the device has no room for the cast."""
-    if rows.device.type == "cpu" or rows.dtype == target:
-        return rows
-    try:
-        return rows.to(target)
-    except torch.OutOfMemoryError:
-        return rows
+def _rows(data: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a tensor; a 0-dim tensor (a scalar parameter) is its one row."""
+    return data[start:stop] if data.dim() else data.reshape(1)
 
 
 class ModelReader(LiveMerger):
@@ -278,7 +271,10 @@ class ModelReader(LiveMerger):
         self.workers, self.ahead = workers, workers + 1
         self.held_limit = max((t.nbytes for t in plan.tensors), default=0) if workers > 1 else None
         self.parts: dict[str, torch.Tensor] = {}
-        self._slabs: dict[bool, HostSlabs] = {}  # host buffers for blocks copied out, page-locked or not
+        # host buffers for blocks copied out, by whether they are page-locked (for a GPU's blocks)
+        block_bytes = self.chunk_elems * self.plan.dtype.itemsize
+        self._slabs = {pinned: HostSlabs(block_bytes, pinned) for pinned in (False, True)}
+        self._narrow_on_device = True
 
     def prepare(self, t: PlannedTensor) -> Callable[[object], None]:
         """Produce one planned tensor (a part of a re-quantized weight, or an entry merged whole), in plan order: the
@@ -311,38 +307,53 @@ class ModelReader(LiveMerger):
             raise MergeCheckError(f"tensor {e.name!r} has NaN or Inf")  # the row merge checked every changed one
         target, blocks = DTYPES[t.out_dtype][0], row_blocks(e.shape, self.chunk_elems)
         if self.workers > 1:  # written later, by a worker: off the device and out of the model's storage now
-            parts = self._copied_out(data.detach(), blocks, target)
+            parts = self._copied_out(data.detach(), blocks, target, checked=e.kind != "plain")
             return lambda w: self._write_parts(parts, w)
         return lambda w: self._write_blocks(data, blocks, target, self.copy, w)
 
-    def _copied_out(self, data: torch.Tensor, blocks, target: torch.dtype) -> list[torch.Tensor]:
+    def _copied_out(
+        self, data: torch.Tensor, blocks, target: torch.dtype, checked: bool
+    ) -> list[tuple[torch.Tensor, HostSlabs | None]]:
         """The tensor's row blocks off the device (and out of the model's or a gathered unit's storage) in the output
         dtype, each in a reused host buffer (:class:`~peft_shardmerge.model.host_slabs.HostSlabs`, page-locked for
-        a GPU's): no temporary larger than a block, no page faulted in afresh per module."""
+        a GPU's) and paired with the pool it goes back to: no temporary larger than a block, no page faulted in
+        afresh per module. ``checked``: its values are known finite (merged or checked), so narrowing it on the GPU
+        gives the host's bytes."""
         if data.device.type == "cpu" and data.dtype == target and not self.copy:
-            return [data[start:stop] for start, stop in blocks]  # a plain tensor as held: written from where it is
-        pinned = data.device.type == "cuda"
-        if pinned not in self._slabs:
-            self._slabs[pinned] = HostSlabs(self.chunk_elems * self.plan.dtype.itemsize, pinned)
+            return [(_rows(data, a, b), None) for a, b in blocks]  # a plain tensor as held: written from where it is
+        slabs = self._slabs[data.device.type == "cuda"]
         parts = []
         for start, stop in blocks:
-            rows = _narrowed(data[start:stop], target)
-            part = self._slabs[pinned].take(tuple(rows.shape), target)
+            rows = self._narrowed(_rows(data, start, stop), target) if checked else _rows(data, start, stop)
+            part = slabs.take(tuple(rows.shape), target)
             part.copy_(rows)  # from a GPU: waits for the copy, so the buffer is complete when handed on
-            parts.append(part)
+            parts.append((part, slabs))
         return parts
 
-    def _write_parts(self, parts: list[torch.Tensor], w) -> None:
-        """Write the blocks of :meth:`_copied_out`, each buffer handed back as soon as it is written."""
-        for part in parts:
+    def _narrowed(self, rows: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+        """Finite rows on an accelerator narrowed to ``target`` where they are (round to nearest even, as on the
+        host), so that only the output's bytes cross: torch's copy into a host tensor of a narrower dtype first
+        brings the wider rows over into a fresh pageable host tensor, then narrows them there. Left as they are
+        where the cast would widen, and for the rest of the merge once the device had no room for it."""
+        if rows.device.type == "cpu" or target.itemsize >= rows.element_size() or not self._narrow_on_device:
+            return rows
+        try:
+            return rows.to(target)
+        except torch.OutOfMemoryError:
+            self._narrow_on_device = False
+            return rows
+
+    def _write_parts(self, parts: list[tuple[torch.Tensor, HostSlabs | None]], w) -> None:
+        """Write the blocks of :meth:`_copied_out`, each buffer handed back to its pool as soon as it is written."""
+        for part, slabs in parts:
             w.write(part)
-            for slabs in self._slabs.values():
+            if slabs is not None:
                 slabs.give(part)
 
     @staticmethod
     def _write_blocks(data: torch.Tensor, blocks, target: torch.dtype, copy: bool, w) -> None:
         for start, stop in blocks:
-            w.write(data[start:stop].detach().to(device="cpu", dtype=target, copy=copy))
+            w.write(_rows(data, start, stop).detach().to(device="cpu", dtype=target, copy=copy))
 
     def _quantize(self, t: PlannedTensor) -> dict[str, torch.Tensor]:
         """The merged weight quantized with bitsandbytes as transformers stores it, by key suffix (``""``: the
@@ -396,7 +407,6 @@ class ModelReader(LiveMerger):
         """Release the host buffers of the blocks copied out (the model stays the caller's)."""
         for slabs in self._slabs.values():
             slabs.release()
-        self._slabs.clear()
 
     def report_fields(self) -> dict:
         """The report's fields of a loaded model's merge."""

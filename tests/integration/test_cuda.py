@@ -115,6 +115,12 @@ def capped(extra: int | Callable[[], int]):
             extra = extra()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            for _ in range(1000):  # what the measuring left in segments it still holds is taken too
+                sizes = free_blocks()
+                if not sizes:
+                    break
+                plugs.append(torch.empty(max(sizes), dtype=torch.uint8, device=DEV))
+            assert not free_blocks(), "the allocator's free blocks could not be taken"
         torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(DEV) + extra) / total, DEV)
         yield
     finally:
@@ -305,18 +311,27 @@ def test_merged_rows_are_narrowed_on_the_gpu_with_the_hosts_rounding(base, tmp_p
     """A bf16 output of a merge on the GPU is cast there before it crosses to the host: the same bytes as the float32
     output of the same merge cast on the host, every tensor (round to nearest even on both)."""
     from peft_shardmerge import merge_and_save
-    from peft_shardmerge.model.reader import _narrowed
+    from peft_shardmerge.model.reader import ModelReader
 
     x = torch.randn(4096, 1024, device=DEV, generator=torch.Generator(DEV).manual_seed(0))
     x[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130], device=DEV)  # ties, a subnormal
-    on_gpu = _narrowed(x, torch.bfloat16)
-    assert on_gpu.device == x.device
+    on_gpu = x.to(torch.bfloat16)  # what ModelReader._narrowed does with a float32 block on the GPU
     assert torch.equal(on_gpu.cpu().view(torch.int16), x.cpu().bfloat16().view(torch.int16))
 
     model = qlora_on_cuda(base)
     wide, narrow = str(tmp_path / "fp32"), str(tmp_path / "bf16")
-    for out, dtype in ((wide, "float32"), (narrow, "bfloat16")):
-        merge_and_save(model, out, dtype=dtype, base_precision="dequantized", progress=False, workers=2)
+    narrowed, real = [], ModelReader._narrowed
+
+    def spy(self, rows, target):
+        out = real(self, rows, target)
+        narrowed.append(out.device.type == "cuda" and out.dtype == target != rows.dtype)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelReader, "_narrowed", spy)
+        for out, dtype in ((wide, "float32"), (narrow, "bfloat16")):
+            merge_and_save(model, out, dtype=dtype, base_precision="dequantized", progress=False, workers=2)
+    assert any(narrowed)  # the bf16 merge's float32 blocks were narrowed on the GPU
     a, b = folder_tensors(wide), folder_tensors(narrow)
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:

@@ -84,3 +84,24 @@ def test_blocks_from_a_gpu_go_into_page_locked_buffers():
     slabs.give(part)
     slabs.release()
     assert slabs.allocated == 0
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_scalar_parameter_is_written_as_held(workers, make_base, make_adapter, tmp_path):
+    """A 0-dim parameter (a learned temperature, say) is one row of one element: written with its value and its
+    empty shape, by the calling thread or through the workers' buffers."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge import merge_and_save
+
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(make_base("llama")), make_adapter("llama", "default")
+    )
+    model.base_model.model.model.register_parameter("logit_scale", torch.nn.Parameter(torch.tensor(2.5)))
+    out = tmp_path / "out"
+    merge_and_save(model, str(out), dtype="bfloat16", base_precision="dequantized", workers=workers, progress=False)
+    written = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    scale = written["model.logit_scale"]
+    assert scale.shape == () and scale.dtype == torch.bfloat16 and float(scale) == 2.5
