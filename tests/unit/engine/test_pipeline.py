@@ -166,9 +166,18 @@ def _loaded(base: str, adapter: str, quant: str = "none"):
     return PeftModel.from_pretrained(model, adapter)
 
 
-@pytest.mark.parametrize(("arch", "quant"), [("llama_sharded", "nf4"), ("gpt2", "none"), ("qwen2", "8bit")])
+@pytest.mark.parametrize(
+    ("arch", "quant", "dtype"),
+    [
+        ("llama_sharded", "nf4", "bfloat16"),
+        ("gpt2", "none", "bfloat16"),
+        ("gpt2", "none", "float16"),
+        ("gpt2", "none", "float32"),
+        ("qwen2", "8bit", "bfloat16"),
+    ],
+)
 def test_a_loaded_model_gives_the_same_bytes_and_record_whatever_the_workers(
-    arch, quant, make_base, make_adapter, tmp_path
+    arch, quant, dtype, make_base, make_adapter, tmp_path
 ):
     """merge_and_save merges each module on the calling thread and, with several workers, has it written by a worker
     while the next is merged: the same files and the same per-tensor SHA-256 as one thread doing both."""
@@ -182,7 +191,7 @@ def test_a_loaded_model_gives_the_same_bytes_and_record_whatever_the_workers(
         merge_and_save(
             model,
             out,
-            dtype="bfloat16",
+            dtype=dtype,
             max_shard_size="200KB",
             workers=workers,
             base_precision="dequantized",
