@@ -610,6 +610,23 @@ def speed(size: str, work: str, args) -> None:
         del model
         gc.collect()
         torch.cuda.empty_cache()
+    if args.before and CUDA and "inprocess" in rows:
+        emit_before_inprocess(size, work, args)
+
+
+def emit_before_inprocess(size: str, work: str, args) -> None:
+    """The in-process row of the tree ``--before`` (its own bench_gpu.py, which must know ``--rows``: dd66410 or
+    later), run in a process of its own on the same base after this tree's rows; its lines re-emitted marked
+    ``tree: before``."""
+    lines = os.path.join(work, "before.jsonl")
+    script = os.path.join(os.path.abspath(args.before), "bench", "bench_gpu.py")
+    cmd = [sys.executable, script, "--sizes", size, "--scenarios", "speed", "--rows", "inprocess"]
+    timed([*cmd, "--work", args.work, "--keep", "--json", lines], cwd=args.before)
+    for line in open(lines):
+        record = json.loads(line)
+        if record.get("step") == "speed":
+            emit(dict(record, tree="before"), args.json)
+    os.remove(lines)
 
 
 def py_spy() -> str:
@@ -799,7 +816,11 @@ def main() -> None:
     p.add_argument("--json", help="append one JSON line per result to this file")
     p.add_argument("--scenarios", default="cpu,gpu,tight,cap,other,disk,unload")
     p.add_argument("--keep", action="store_true", help="keep the bases")
-    p.add_argument("--before", help="speed: also time this tree of the package (a folder holding peft_shardmerge/)")
+    p.add_argument(
+        "--before",
+        help="speed: also time this tree of the package (a folder holding peft_shardmerge/, and bench/ for its "
+        "in-process row)",
+    )
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="speed: which rows, of " + ", ".join(ROWS))
     p.add_argument("--profile", default="/tmp/gpu-profiles", help="speed: the folder for the spy rows' raw stacks")
     args = p.parse_args()

@@ -11,7 +11,8 @@
 #
 #     bash bench/gpu_check.sh [tests|bench|all] [SIZES] [MORE...]   # default: all 8B
 #
-# MORE goes to bench_gpu.py (e.g. --rows cpu,inprocess,spy-inprocess; --before TREE). What it prints is also written
+# MORE goes to bench_gpu.py (e.g. --rows cpu,inprocess,spy-inprocess; --before .before, a tree unpacked there with
+# `git archive REV peft_shardmerge bench | tar -x -C .before` and carried beside .whl). What it prints is also written
 # under $OUT (default /tmp/gpu-check): machine.txt, cuda-tests.txt, bench.txt, gpu.jsonl (bench_gpu.py's raw lines)
 # and, where a spy-... row ran, profiles.tar.gz (py-spy's raw stacks).
 set -euo pipefail
