@@ -521,6 +521,8 @@ def speed(size: str, work: str, args) -> None:
     4-bit, and a durable copy of that output (the durable copy always, the other rows named by ``--rows``; the rows
     ``spy-...`` run ours from disk or in process once more under ``py-spy record``, their raw stacks written into
     ``--profile``)."""
+    from bench_stages import spy_record
+
     rows = set(args.rows.split(","))
     base = os.path.join(work, "base")
     adapter = random_adapter(base, os.path.join(work, "speed-adapter"))
@@ -572,7 +574,7 @@ def speed(size: str, work: str, args) -> None:
             out = os.path.join(work, f"ours-{device}")
             raw = os.path.join(args.profile, f"{size}-disk-{device}.txt")
             cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "--device", device, "-q"]
-            wall, _ = timed([py_spy(), "record", "-r", "50", "-f", "raw", "--threads", "-o", raw, "--", *cmd], env)
+            wall, _ = timed([*spy_record(raw, 50), "--", *cmd], env)
             emit(dict(rec, method=f"profile: merge --device {device} under py-spy", wall_s=wall, raw=raw), args.json)
             shutil.rmtree(out, ignore_errors=True)
     if CUDA and {"inprocess", "inprocess-1", "spy-inprocess"} & rows:
@@ -595,7 +597,7 @@ def speed(size: str, work: str, args) -> None:
         if "spy-inprocess" in rows:
             raw = os.path.join(args.profile, f"{size}-inprocess.txt")
             spy = subprocess.Popen(
-                [py_spy(), "record", "-r", "50", "-f", "raw", "--threads", "-o", raw, "--pid", str(os.getpid())],
+                [*spy_record(raw, 50), "--pid", str(os.getpid())],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -627,14 +629,6 @@ def emit_before_inprocess(size: str, work: str, args) -> None:
         if record.get("step") == "speed":
             emit(dict(record, tree="before"), args.json)
     os.remove(lines)
-
-
-def py_spy() -> str:
-    """The py-spy program beside this interpreter or on the PATH (``pip install py-spy``; the wheel carries it)."""
-    for folder in [os.path.dirname(sys.executable)] + [os.path.join(p, "bin") for p in sys.path if p]:
-        if os.path.exists(os.path.join(folder, "py-spy")):
-            return os.path.join(folder, "py-spy")
-    return shutil.which("py-spy") or "py-spy"
 
 
 def startup(base: str, adapter: str, work: str, rec: dict) -> dict:

@@ -64,15 +64,23 @@ def stage_of(frames: list[str]) -> str:
     return "other"
 
 
+def spy_record(raw: str, rate: int) -> list[str]:
+    """``py-spy record`` of every thread into the raw file ``raw`` at ``rate`` samples a second, to be followed by
+    ``-- COMMAND`` or ``--pid PID``; py-spy as installed beside this interpreter, on the PATH, or by a wheel into a
+    folder of ``sys.path`` (``pip install --target``)."""
+    folders = [os.path.dirname(sys.executable)] + [os.path.join(p, "bin") for p in sys.path if p]
+    spy = next((os.path.join(f, "py-spy") for f in folders if os.path.exists(os.path.join(f, "py-spy"))), None)
+    return [spy or shutil.which("py-spy") or "py-spy", "record", "-r", str(rate), "-f", "raw", "--threads", "-o", raw]
+
+
 def profile(tree: str, base: str, adapter: str, out: str, extra: list[str]) -> Counter:
     """Thread-seconds per stage of one merge run from ``tree`` under py-spy."""
     raw = os.path.join(tempfile.mkdtemp(), "spy.txt")
     shutil.rmtree(out, ignore_errors=True)
     os.sync()
     cmd = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "-q", *extra]
-    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     subprocess.run(
-        [spy, "record", "-r", str(RATE), "-f", "raw", "--threads", "-o", raw, "--", *cmd],
+        [*spy_record(raw, RATE), "--", *cmd],
         cwd=tree,
         check=True,
         capture_output=True,

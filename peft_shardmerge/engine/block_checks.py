@@ -125,29 +125,6 @@ def _probe_rows(n: int, k: int, device: torch.device) -> torch.Tensor:
     return rows
 
 
-def swallowed(base_rows: torch.Tensor, cast: torch.Tensor) -> int:
-    """How many entries of a merged block the output dtype rounded back to the base value.
-
-    An entry is swallowed when ``cast(W + dW) == cast(W)``: in bf16, an update smaller than about |w|/256
-    vanishes. (Entries whose update is exactly zero count too; a trained LoRA leaves almost none.)
-
-    Args:
-        base_rows: the base rows as read (any dtype).
-        cast: the merged rows cast to the output dtype.
-
-    Returns:
-        The count.
-
-    Raises:
-        RuntimeError: from torch, when the shapes differ.
-
-    Example:
-        >>> swallowed(torch.tensor([1.0, 1.0]), torch.tensor([1.0001, 1.5]).to(torch.bfloat16))
-        1
-    """
-    return int((cast == base_rows.to(cast.dtype)).sum())
-
-
 def update_counts(base_rows: torch.Tensor, merged: torch.Tensor, cast: torch.Tensor) -> tuple[int, int]:
     """How many entries of a merged block the adapter changed, and how many of those the output dtype rounded back
     to the base value (so that the update is lost there). Entries the adapter left as they were count in neither:

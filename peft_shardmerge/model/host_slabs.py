@@ -11,8 +11,8 @@ import torch
 class HostSlabs:
     """Buffers of one size for row blocks copied out of a model and written later by another thread: taken for a
     block, given back once it is written. Reused, a buffer's pages are touched once, not faulted in afresh for every
-    module (in a virtual machine each fresh page costs the hypervisor a fault too); page-locked where the blocks come
-    from a GPU, so that they are copied by the GPU's copy engine rather than through the driver's bounce buffer.
+    module; page-locked where the blocks come from a GPU, so that the GPU copies into them directly rather than
+    through the driver's staging buffer.
 
     How many are held at once is bounded by what the executor holds (``held_limit``), not here.
 
