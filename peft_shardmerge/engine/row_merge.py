@@ -143,7 +143,8 @@ class RowMerger:
 
         Yields:
             ``(start, stop, merged float32 rows, the same cast to out_dtype or None with inplace)``, shaped
-            ``[stop - start, *shape[1:]]``, on the base rows' device.
+            ``[stop - start, *shape[1:]]``, on the device they were merged on (the CPU for a block redone there):
+            the checks and the cast run there, and only the output's bytes need to leave an accelerator.
 
         Raises:
             MergeCheckError: the self-check failed, a NaN or Inf, or a value beyond float16's range.
@@ -166,8 +167,8 @@ class RowMerger:
         count = bool(changes.factors or changes.vectors) and out_dtype != torch.float32  # on sample rows
         for start, stop in blocks:
             base, merged = first if first is not None else (_base_rows(rows(start, stop), changes, start, stop), None)
-            sample = probe_rows(stop - start, base.device, width) if count else None
-            before = base.index_select(0, sample) if count else None  # a copy, kept when rows change in place
+            # the sampled base rows: a copy, kept when rows change in place
+            before = base.index_select(0, probe_rows(stop - start, base.device, width)) if count else None
             if merged is None:
                 merged = self._changed_rows(name, base, changes, start, stop, device, probes, inplace)
             if columns is not None:
@@ -182,9 +183,10 @@ class RowMerger:
             if cast is not None:
                 check_range(name, cast, out_dtype)
             if count:
+                sample = probe_rows(stop - start, merged.device, width)
                 sampled = merged.index_select(0, sample)
                 c, lo = update_counts(
-                    before.reshape(sampled.shape),
+                    before.to(sampled.device).reshape(sampled.shape),
                     sampled,
                     cast.index_select(0, sample) if cast is not None else sampled.to(out_dtype),
                 )
@@ -229,12 +231,13 @@ class RowMerger:
             merged = self._changed_rows(name, base, changes, start, stop, device, None, False)
             for t in range(0, stop - start, step):
                 part = merged[t : t + step].double().pow(2).sum(0)
-                sumsq = part if sumsq is None else sumsq + part
+                sumsq = part if sumsq is None else sumsq + part.to(sumsq.device)  # a block redone on the CPU
         return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float(), None
 
     def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes, inplace) -> torch.Tensor:
-        """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA. In place,
-        a failure may leave the rows half-changed: the caller redoes the whole tensor."""
+        """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA, on the
+        device they were merged on. In place, a failure may leave the rows half-changed: the caller redoes the whole
+        tensor."""
         if inplace:
             merged, err = self._lora_rows(base, changes, start, stop, device, probes, True)
         else:
@@ -243,7 +246,6 @@ class RowMerger:
                 device,
                 f"{name} rows {start}-{stop}",
             )
-        merged = merged.to(base.device)
         if probes is not None:
             with self.lock:
                 self.probe_err = max(self.probe_err, err)

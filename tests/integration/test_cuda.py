@@ -269,6 +269,37 @@ def test_disk_engine_on_cuda_redoes_out_of_memory_blocks_on_the_cpu(base, tmp_pa
     assert_same(oom, cpu, exact=True)  # every block that ran out of memory was computed on the CPU
 
 
+def test_disk_engine_on_cuda_checks_and_casts_on_the_gpu(base, tmp_path):
+    """With ``device="cuda"`` only the output's bytes leave the GPU: the rows reach the shard writer cast to bf16 on
+    the GPU, with the same bytes as the float32 merge's rows cast on the host; DoRA's norms, taken on the GPU too,
+    agree with the CPU's merge."""
+    from peft_shardmerge import merge_checkpoint
+    from peft_shardmerge.output.writer import ShardWriter
+
+    for dora in (False, True):
+        adapter = build_adapter(base, str(tmp_path / f"adapter{dora}"), arch="llama", use_dora=dora)
+        wide, narrow, cpu = (str(tmp_path / f"{n}{dora}") for n in ("fp32", "bf16", "cpu"))
+        seen, real = [], ShardWriter.write
+
+        def spy(self, tensor):
+            seen.append((tensor.device.type, tensor.dtype))
+            return real(self, tensor)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ShardWriter, "write", spy)
+            merge_checkpoint(base, adapter, wide, dtype="float32", device="cuda", progress=False)
+            seen.clear()
+            report = merge_checkpoint(base, adapter, narrow, dtype="bfloat16", device="cuda", progress=False)
+        assert report.cpu_fallbacks == 0 and ("cuda", torch.bfloat16) in seen, seen
+        assert all(dtype == torch.bfloat16 for _, dtype in seen)
+        a, b = folder_tensors(wide), folder_tensors(narrow)
+        assert a.keys() == b.keys() and len(a) > 0
+        for k in a:
+            assert torch.equal(a[k].bfloat16().view(torch.int16), b[k].view(torch.int16)), k
+        merge_checkpoint(base, adapter, cpu, dtype="float32", device="cpu", progress=False)
+        assert_same(wide, cpu, exact=False)
+
+
 def test_auto_from_a_cuda_model_merges_the_original_on_the_gpu(base, tmp_path):
     from peft_shardmerge import merge_and_save, merge_checkpoint
 
