@@ -554,18 +554,14 @@ def speed(size: str, work: str, args) -> None:
             ),
             args.json,
         )
-    for device in ("cuda", "cpu") if CUDA else ("cpu",):
-        if device in rows:
-            r = dict(rec, method=f"ours: merge --device {device}")
-            emit(ours(base, adapter, work, device, None, ref, r, copy_wall), args.json)
-    if "checks-first" in rows:
-        how = "--model-checks first (the checks before the merge, not beside it)"
-        r = dict(rec, method=f"ours: merge --device cpu {how}")
-        emit(ours(base, adapter, work, "cpu", None, ref, r, copy_wall, ("--model-checks", "first")), args.json)
-    if args.before:
-        device = "cuda" if CUDA else "cpu"
-        r = dict(rec, method=f"before: merge --device {device}")
-        emit(ours(base, adapter, work, device, args.before, ref, r, copy_wall), args.json)
+    for n in range(1, args.repeat + 1):  # the disk rows, in turn, each round after a durable copy of its own
+        r = rec if args.repeat == 1 else dict(rec, round=n)
+        if n > 1:
+            wall, _ = timed(["sh", "-c", f"cp -r {base} {copy} && sync"])
+            shutil.rmtree(copy)
+            emit(dict(r, method="cp -r BASE COPY && sync", wall_s=wall), args.json)
+            copy_wall, ref = wall, os.path.join(work, "no-check")  # the bytes are compared with PEFT's once
+        disk_rows(base, adapter, work, ref, r, copy_wall, rows, args)
     shutil.rmtree(ref, ignore_errors=True)  # the disk holds the base, one output and its copy at once from here
     if "dry" in rows:
         emit(startup(base, adapter, work, rec), args.json)
@@ -614,6 +610,22 @@ def speed(size: str, work: str, args) -> None:
         torch.cuda.empty_cache()
     if args.before and CUDA and "inprocess" in rows:
         emit_before_inprocess(size, work, args)
+
+
+def disk_rows(base: str, adapter: str, work: str, ref: str, rec: dict, copy_wall: float, rows: set, args) -> None:
+    """Ours from disk with ``--device cuda`` and ``cpu``, with the checks first, and the tree ``--before``."""
+    for device in ("cuda", "cpu") if CUDA else ("cpu",):
+        if device in rows:
+            r = dict(rec, method=f"ours: merge --device {device}")
+            emit(ours(base, adapter, work, device, None, ref, r, copy_wall), args.json)
+    if "checks-first" in rows:
+        how = "--model-checks first (the checks before the merge, not beside it)"
+        r = dict(rec, method=f"ours: merge --device cpu {how}")
+        emit(ours(base, adapter, work, "cpu", None, ref, r, copy_wall, ("--model-checks", "first")), args.json)
+    if args.before:
+        device = "cuda" if CUDA else "cpu"
+        r = dict(rec, method=f"before: merge --device {device}")
+        emit(ours(base, adapter, work, device, args.before, ref, r, copy_wall), args.json)
 
 
 def emit_before_inprocess(size: str, work: str, args) -> None:
@@ -816,6 +828,9 @@ def main() -> None:
         "in-process row)",
     )
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="speed: which rows, of " + ", ".join(ROWS))
+    p.add_argument(
+        "--repeat", type=int, default=1, help="speed: rounds of the disk rows, each after a durable copy of its own"
+    )
     p.add_argument("--profile", default="/tmp/gpu-profiles", help="speed: the folder for the spy rows' raw stacks")
     args = p.parse_args()
     unknown = set(args.rows.split(",")) - set(ROWS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 from typing import Callable
@@ -274,19 +275,20 @@ def test_disk_engine_on_cuda_checks_and_casts_on_the_gpu(base, tmp_path):
     the GPU, with the same bytes as the float32 merge's rows cast on the host; DoRA's norms, taken on the GPU too,
     agree with the CPU's merge."""
     from peft_shardmerge import merge_checkpoint
-    from peft_shardmerge.output.writer import ShardWriter
+    from peft_shardmerge.output.writer import ShardWriter, TensorAt
 
     for dora in (False, True):
         adapter = build_adapter(base, str(tmp_path / f"adapter{dora}"), arch="llama", use_dora=dora)
         wide, narrow, cpu = (str(tmp_path / f"{n}{dora}") for n in ("fp32", "bf16", "cpu"))
-        seen, real = [], ShardWriter.write
+        seen = []
 
-        def spy(self, tensor):
+        def spy(self, real, tensor):
             seen.append((tensor.device.type, tensor.dtype))
             return real(self, tensor)
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(ShardWriter, "write", spy)
+            for sink in (ShardWriter, TensorAt):  # one writer thread, or a tensor written where it goes by several
+                mp.setattr(sink, "write", functools.partialmethod(spy, getattr(sink, "write")))
             merge_checkpoint(base, adapter, wide, dtype="float32", device="cuda", progress=False)
             seen.clear()
             report = merge_checkpoint(base, adapter, narrow, dtype="bfloat16", device="cuda", progress=False)
