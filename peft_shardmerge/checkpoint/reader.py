@@ -196,7 +196,8 @@ class CheckpointReader(RowMerger):
                 w.write(cast)
             return
         for _, _, _, cast in self.merge_rows(t.name, self._base(t), self.changes(t), t.shape, out_dtype, self.device):
-            w.write(cast)
+            w.write(cast)  # copied to the host there
+            del cast  # not held on the device while the next block is merged
 
     def _base(self, t: PlannedTensor):
         """``rows(start, stop)`` of the base as read, or of dequant(quantize(base)) for a 4-bit base."""

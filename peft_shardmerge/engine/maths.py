@@ -343,13 +343,15 @@ def lora_bias_delta(bias_b: torch.Tensor, scaling: float) -> torch.Tensor:
     return bias_b.to(torch.float32) * scaling
 
 
-def dora_rescale_(merged_rows: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+def dora_rescale_(merged_rows: torch.Tensor, magnitude: torch.Tensor, start: int = 0) -> torch.Tensor:
     """DoRA's merge of full rows of a Linear weight, in place: ``m * (W + dW) / ||W + dW||`` with the L2 norm of
-    each output row, as PEFT's ``DoraLinearLayer`` computes it.
+    each output row, as PEFT's ``DoraLinearLayer`` computes it (the norms by :func:`row_norms`).
 
     Args:
-        merged_rows: float32 rows of ``W + dW`` (whole rows: the norm is per row); modified in place.
+        merged_rows: float32 rows ``[start, start + n)`` of ``W + dW`` (whole rows: the norm is per row); modified
+            in place.
         magnitude: the matching entries of ``lora_magnitude_vector``.
+        start: the first row's index in the weight.
 
     Returns:
         ``merged_rows``.
@@ -361,9 +363,42 @@ def dora_rescale_(merged_rows: torch.Tensor, magnitude: torch.Tensor) -> torch.T
         >>> dora_rescale_(torch.tensor([[3.0, 4.0]]), torch.tensor([10.0]))
         tensor([[6., 8.]])
     """
-    norm = torch.linalg.norm(merged_rows, dim=1)
+    norm = row_norms(merged_rows, start)
     merged_rows *= (magnitude.to(merged_rows.device, torch.float32) / norm).unsqueeze(1)
     return merged_rows
+
+
+def row_norms(rows: torch.Tensor, start: int = 0, *, tiled: bool | None = None) -> torch.Tensor:
+    """The L2 norm of each row of a 2-D block whose first row is row ``start`` of its tensor, the same whatever the
+    block. On the CPU torch reduces each row alike however many rows it is given; on an accelerator the reduction's
+    layout (threads per row, blocks per row) follows the number of rows, so there each norm is taken in a fresh,
+    zero-padded tile of :func:`tile_rows` rows on the tensor's fixed tile grid: always the same shape.
+
+    Args:
+        rows: float32 ``[n, width]``.
+        start: the first row's index in the tensor.
+        tiled: take the norms tile by tile (default: off the CPU).
+
+    Returns:
+        float32 ``[n]`` on ``rows``' device.
+
+    Example:
+        >>> x = torch.arange(12.0).reshape(6, 2)
+        >>> torch.equal(row_norms(x[1:], 1, tiled=True), torch.linalg.norm(x[1:], dim=1))
+        True
+    """
+    if not (rows.device.type != "cpu" if tiled is None else tiled):
+        return torch.linalg.norm(rows, dim=1)
+    n, width = rows.shape
+    step = tile_rows(width)
+    out = torch.empty(n, dtype=torch.float32, device=rows.device)
+    tile = torch.zeros(step, width, dtype=torch.float32, device=rows.device)
+    for t0 in range(start - start % step, start + n, step):
+        lo, hi = max(t0, start), min(t0 + step, start + n)
+        tile.zero_()
+        tile[lo - t0 : hi - t0] = rows[lo - start : hi - start]
+        out[lo - start : hi - start] = torch.linalg.norm(tile, dim=1)[lo - t0 : hi - t0]
+    return out
 
 
 def linear_factors(factors: Sequence[Factors]) -> Factors:

@@ -169,33 +169,53 @@ class RowMerger:
             base, merged = first if first is not None else (_base_rows(rows(start, stop), changes, start, stop), None)
             # the sampled base rows: a copy, kept when rows change in place
             before = base.index_select(0, probe_rows(stop - start, base.device, width)) if count else None
-            if merged is None:
-                merged = self._changed_rows(name, base, changes, start, stop, device, probes, inplace)
-            if columns is not None:
-                merged *= columns.to(merged.device).unsqueeze(0)
-            else:
-                for magnitude in changes.magnitudes:  # m * (W + dW) / ||W + dW||, norms per output row, as PEFT
-                    dora_rescale_(merged, magnitude[start:stop])
-            if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
-                raise MergeCheckError(f"merged tensor {name!r} has NaN or Inf in rows {start}-{stop}")
-            merged = merged.reshape(stop - start, *shape[1:])
-            cast = merged.to(out_dtype) if not inplace or out_dtype == torch.float16 else None
-            if cast is not None:
-                check_range(name, cast, out_dtype)
-            if count:
-                sample = probe_rows(stop - start, merged.device, width)
-                sampled = merged.index_select(0, sample)
-                c, lo = update_counts(
-                    before.to(sampled.device).reshape(sampled.shape),
-                    sampled,
-                    cast.index_select(0, sample) if cast is not None else sampled.to(out_dtype),
-                )
-                changed, lost = changed + c, lost + lo
+            tries = []
+
+            def block(dev: torch.device, base=base, merged=merged, before=before, start=start, stop=stop, tries=tries):
+                # a retry starts again from the base rows: the first try may have rescaled its rows in place
+                if merged is None or tries:
+                    merged = self._changed_rows(name, base, changes, start, stop, dev, probes, inplace)
+                tries.append(dev)
+                return self._finish(name, merged, before, changes, columns, start, stop, shape, out_dtype, inplace)
+
+            # an out-of-memory anywhere in the block redoes it on the CPU; in place, the caller redoes the tensor
+            what = f"{name} rows {start}-{stop}"
+            merged, cast, counts = block(device) if inplace else self.on_device(block, device, what)
+            if counts is not None:
+                changed, lost = changed + counts[0], lost + counts[1]
             yield start, stop, merged, cast
+            del merged, cast  # not held on the device while the next block is merged
         with self.lock:
             if changed:
                 self.swallowed[name] = (changed, lost)
             self.applied.update(changes.keys)
+
+    @staticmethod
+    def _finish(name, merged, before, changes: Changes, columns, start, stop, shape, out_dtype, inplace):
+        """A block's rows after the adapter's changes, where they are: DoRA's rescale, the finite check, the cast and
+        its range check, the precision report's counts (``before``: the sampled base rows, None for no counts).
+        Returns ``(merged rows, cast or None, (changed, lost) or None)``."""
+        if columns is not None:
+            merged *= columns.to(merged.device).unsqueeze(0)
+        else:
+            for magnitude in changes.magnitudes:  # m * (W + dW) / ||W + dW||, norms per output row, as PEFT
+                dora_rescale_(merged, magnitude[start:stop], start)
+        if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
+            raise MergeCheckError(f"merged tensor {name!r} has NaN or Inf in rows {start}-{stop}")
+        merged = merged.reshape(stop - start, *shape[1:])
+        cast = merged.to(out_dtype) if not inplace or out_dtype == torch.float16 else None
+        if cast is not None:
+            check_range(name, cast, out_dtype)
+        if before is None:
+            return merged, cast, None
+        sample = probe_rows(stop - start, merged.device, math.prod(shape[1:]) if shape else 1)
+        sampled = merged.index_select(0, sample)
+        counts = update_counts(
+            before.to(sampled.device).reshape(sampled.shape),
+            sampled,
+            cast.index_select(0, sample) if cast is not None else sampled.to(out_dtype),
+        )
+        return merged, cast, counts
 
     def _prepare_vectors(self, name: str, changes: Changes, shape, device: torch.device) -> None:
         """Move a combination's factors to ``device`` once and set its magnitude thresholds (a pass that runs out of
@@ -217,10 +237,15 @@ class RowMerger:
 
         Returns ``(column scale, (base rows, merged rows) of a tensor merged whole or None)``."""
         total, width = shape[0], math.prod(shape[1:])
+        magnitude = changes.magnitudes[0]
         if total * width <= WHOLE_NORM_ELEMS:
             base = _base_rows(rows(0, total), changes, 0, total)
-            merged = self._changed_rows(name, base, changes, 0, total, device, probes, False)
-            scale = changes.magnitudes[0].to(merged.device, torch.float32) / torch.linalg.norm(merged, dim=0)
+
+            def whole(dev: torch.device):
+                merged = self._changed_rows(name, base, changes, 0, total, dev, probes, False)
+                return magnitude.to(merged.device, torch.float32) / torch.linalg.norm(merged, dim=0), merged
+
+            scale, merged = self.on_device(whole, device, f"{name} (DoRA's column norms)")
             return scale, (base, merged)
         step = tile_rows(width)
         per_block = max(step, (self.chunk_elems // max(1, width)) // step * step)
@@ -228,11 +253,14 @@ class RowMerger:
         for start in range(0, total, per_block):
             stop = min(total, start + per_block)
             base = _base_rows(rows(start, stop), changes, start, stop)
-            merged = self._changed_rows(name, base, changes, start, stop, device, None, False)
-            for t in range(0, stop - start, step):
-                part = merged[t : t + step].double().pow(2).sum(0)
+
+            def squares(dev: torch.device, base=base, start=start, stop=stop) -> list[torch.Tensor]:
+                merged = self._changed_rows(name, base, changes, start, stop, dev, None, False)
+                return [merged[t : t + step].double().pow(2).sum(0) for t in range(0, stop - start, step)]
+
+            for part in self.on_device(squares, device, f"{name} rows {start}-{stop} (DoRA's column norms)"):
                 sumsq = part if sumsq is None else sumsq + part.to(sumsq.device)  # a block redone on the CPU
-        return changes.magnitudes[0].to(sumsq.device, torch.float32) / sumsq.sqrt().float(), None
+        return magnitude.to(sumsq.device, torch.float32) / sumsq.sqrt().float(), None
 
     def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes, inplace) -> torch.Tensor:
         """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA, on the

@@ -302,6 +302,59 @@ def test_disk_engine_on_cuda_checks_and_casts_on_the_gpu(base, tmp_path):
         assert_same(wide, cpu, exact=False)
 
 
+def test_dora_on_cuda_does_not_follow_the_row_block(base, tmp_path):
+    """DoRA's row norms taken on the GPU: the same bytes whatever the row block (a short last block included), since
+    each norm is taken in a padded tile of the fixed grid."""
+    from peft_shardmerge import MergeOptions, merge_checkpoint
+
+    adapter = build_adapter(base, str(tmp_path / "adapter"), arch="llama", use_dora=True)
+    outs = []
+    for chunk in (1 << 22, 1_000_003):  # blocks of 4096 and of 976 rows of 1024
+        out = str(tmp_path / f"out-{chunk}")
+        options = MergeOptions(dtype="float32", device="cuda", chunk_elems=chunk, progress=False)
+        merge_checkpoint(base, adapter, out, options=options)
+        outs.append(folder_tensors(out))
+    assert [k for k in outs[0] if not torch.equal(outs[0][k], outs[1][k])] == []
+
+
+def test_blocks_of_one_tensor_on_the_gpu_and_the_cpu_meet(tmp_path, monkeypatch):
+    """Blocks of one tensor merged some on the GPU, some on the CPU after a (forced) out-of-memory in the LoRA step
+    or in the steps after it: DoRA on Conv1D (column norms summed block by block), the precision report's counts and
+    the cast meet across devices, and the output is the CPU's merge to bf16's rounding."""
+    from peft_shardmerge import MergeOptions, merge_checkpoint
+    from peft_shardmerge.engine import row_merge
+    from peft_shardmerge.engine.row_merge import RowMerger
+
+    gpt2 = build_base(str(tmp_path / "gpt2"), "gpt2", dtype=torch.bfloat16)
+    adapter = build_adapter(gpt2, str(tmp_path / "adapter"), use_dora=True, fan_in_fan_out=True)
+    monkeypatch.setattr(row_merge, "WHOLE_NORM_ELEMS", 0)  # every DoRA tensor takes the norms summed by block
+    calls = {"lora": 0, "finish": 0}
+    lora_rows, finish = RowMerger._lora_rows, RowMerger._finish
+
+    def flaky(kind, real, *args):
+        on_gpu = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) or any(
+            isinstance(a, torch.device) and a.type == "cuda" for a in args
+        )
+        calls[kind] += on_gpu
+        if on_gpu and calls[kind] % 3 == 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (forced for this test)")
+        return real(*args)
+
+    monkeypatch.setattr(RowMerger, "_lora_rows", staticmethod(functools.partial(flaky, "lora", lora_rows)))
+    monkeypatch.setattr(RowMerger, "_finish", staticmethod(functools.partial(flaky, "finish", finish)))
+    options = dict(dtype="bfloat16", chunk_elems=1 << 14, progress=False)
+    report = merge_checkpoint(gpt2, adapter, str(tmp_path / "mixed"), options=MergeOptions(device="cuda", **options))
+    assert report.cpu_fallbacks > 0 and calls["lora"] > 3 and calls["finish"] > 3
+    monkeypatch.undo()
+    monkeypatch.setattr(row_merge, "WHOLE_NORM_ELEMS", 0)
+    cpu = merge_checkpoint(gpt2, adapter, str(tmp_path / "cpu"), options=MergeOptions(device="cpu", **options))
+    assert report.swallowed.keys() == cpu.swallowed.keys()
+    a, b = folder_tensors(str(tmp_path / "mixed")), folder_tensors(str(tmp_path / "cpu"))
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], msg=k)
+
+
 def test_auto_from_a_cuda_model_merges_the_original_on_the_gpu(base, tmp_path):
     from peft_shardmerge import merge_and_save, merge_checkpoint
 

@@ -13,6 +13,7 @@ import peft_shardmerge.engine.row_merge as row_merge
 from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.checkpoint.reader import CheckpointReader
 from peft_shardmerge.engine.pipeline import default_workers
+from tests.helpers import folder_tensors
 
 
 def _leftovers(folder) -> list[str]:
@@ -82,6 +83,40 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     ):
         for k in ha.keys():
             assert torch.equal(ha.get_tensor(k), hb.get_tensor(k)), k
+
+
+@pytest.mark.parametrize(
+    ("arch", "tag", "targets", "victim"),
+    [
+        ("llama_sharded", "dora", ["q_proj", "v_proj", "up_proj"], "model.layers.0.mlp.up_proj.weight"),
+        # merged whole for PEFT's column norm before its block: the retry must not reuse those rescaled rows
+        ("llama", "dora-embedding", ["q_proj", "embed_tokens"], "model.embed_tokens.weight"),
+    ],
+)
+def test_an_out_of_memory_after_the_lora_step_redoes_the_block(
+    arch, tag, targets, victim, make_base, make_adapter, tmp_path, monkeypatch
+):
+    """An out-of-memory in a block's later steps (DoRA's rescale, the checks, the cast: on the device since the rows
+    stay where they were merged) redoes the block on the CPU from its base rows, not from rows already rescaled: the
+    output equals an undisturbed merge, and the retry is counted."""
+    base = make_base(arch)
+    adapter = make_adapter(arch, tag, use_dora=True, target_modules=targets)
+    real, failed = row_merge.check_range, []
+
+    def check_range(name, cast, dtype):  # after DoRA has rescaled the rows in place
+        if name == victim and not failed:
+            failed.append(name)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real(name, cast, dtype)
+
+    monkeypatch.setattr(row_merge, "check_range", check_range)
+    report = merge_checkpoint(base, adapter, str(tmp_path / "a"), dtype="bfloat16", progress=False)
+    assert failed == [victim] and report.cpu_fallbacks == 1
+    monkeypatch.undo()
+    merge_checkpoint(base, adapter, str(tmp_path / "b"), dtype="bfloat16", progress=False)
+    a, b = folder_tensors(str(tmp_path / "a")), folder_tensors(str(tmp_path / "b"))
+    assert a.keys() == b.keys() and victim in a
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
 @pytest.mark.cuda

@@ -18,6 +18,7 @@ from peft_shardmerge.engine.maths import (
     exact_prescale,
     merge_block,
     one_cpu_thread,
+    row_norms,
     tile_rows,
 )
 from peft_shardmerge.testing import build_adapter, build_base
@@ -242,6 +243,20 @@ def test_dora_column_norms_do_not_follow_the_row_block(tmp_path, monkeypatch):
         merge_checkpoint(base, adapter, out, options=MergeOptions(dtype="float32", chunk_elems=chunk, progress=False))
         outs.append(folder_tensors(out))
     assert [k for k in outs[0] if not torch.equal(outs[0][k], outs[1][k])] == []
+
+
+@pytest.mark.parametrize("width", [3, 96, 4096, 14336])
+def test_row_norms_on_the_tile_grid_are_each_rows_norm(width):
+    """The tiled norms (off the CPU) take each row in a zero-padded tile of the fixed grid: every row's own norm,
+    wherever the block starts and ends (on the CPU torch's row norms do not depend on the block, so they must be
+    equal here, bit for bit)."""
+    step = tile_rows(width)
+    rows = 3 * step + 5
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(width))
+    want = torch.linalg.norm(x, dim=1)
+    for start, stop in [(0, rows), (1, step + 1), (step - 1, 2 * step + 3), (rows - 2, rows), (step, 2 * step)]:
+        got = row_norms(x[start:stop], start, tiled=True)
+        assert got.shape == (stop - start,) and torch.equal(got, want[start:stop]), (start, stop)
 
 
 @pytest.mark.parametrize(
