@@ -16,7 +16,8 @@ def tiny_config(arch: str = "llama", **overrides):
     """A small transformers config of the given architecture.
 
     Args:
-        arch: ``"llama"``, ``"qwen2"`` (tied embeddings, attention biases) or ``"gpt2"`` (Conv1D layers).
+        arch: ``"llama"``, ``"qwen2"`` (tied embeddings, attention biases) or ``"gpt2"`` (Conv1D layers), and
+            ``"bert"``, ``"t5"``, ``"llava"``, ``"qwen2_vl"`` (:data:`ARCHITECTURES`).
         **overrides: config fields to change (``hidden_size``, ``num_hidden_layers``, ...).
 
     Returns:
@@ -29,129 +30,136 @@ def tiny_config(arch: str = "llama", **overrides):
         >>> tiny_config("llama").hidden_size
         128
     """
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    if arch not in _TINY:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    return _TINY[arch](overrides)
 
-    common = dict(vocab_size=512, bos_token_id=1, eos_token_id=2)
-    if arch == "llama":
-        kw = dict(
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            tie_word_embeddings=False,
-        )
-        return LlamaConfig(**{**common, **kw, **overrides})
-    if arch == "qwen2":
-        kw = dict(
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            tie_word_embeddings=True,
-        )
-        return Qwen2Config(**{**common, **kw, **overrides})
-    if arch == "gpt2":
-        kw = dict(n_embd=128, n_layer=2, n_head=4, n_positions=256)
-        return GPT2Config(**{**common, **kw, **overrides})
-    if arch == "bert":
-        from transformers import BertConfig
 
-        kw = dict(
-            vocab_size=512,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=128,
-            architectures=["BertForMaskedLM"],
-        )
-        return BertConfig(**{**kw, **overrides})
-    if arch == "t5":
-        from transformers import T5Config
+#: the fields every tiny causal LM shares
+_COMMON = dict(vocab_size=512, bos_token_id=1, eos_token_id=2)
+#: a tiny Llama-like decoder's sizes (Llama and Qwen2 text models)
+_DECODER = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+#: the smaller decoder of the vision-language models
+_VL_TEXT = dict(_DECODER, vocab_size=512, hidden_size=64, intermediate_size=128)
 
-        kw = dict(
-            vocab_size=512,
-            d_model=64,
-            d_kv=16,
-            d_ff=128,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
-            architectures=["T5ForConditionalGeneration"],
-        )
-        return T5Config(**{**kw, **overrides})
-    if arch == "llava":
-        from transformers import CLIPVisionConfig, LlavaConfig
 
-        vision = CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-            projection_dim=32,
-        )
-        text = LlamaConfig(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-        )
-        kw = dict(
-            vision_config=vision,
-            text_config=text,
-            image_token_id=IMAGE_TOKEN,
-            vision_feature_layer=-2,
-            vision_feature_select_strategy="default",
-            architectures=["LlavaForConditionalGeneration"],
-        )
-        return LlavaConfig(**{**kw, **overrides})
-    if arch == "qwen2_vl":
-        from transformers import Qwen2VLConfig
+def _tiny_llama(overrides: dict):
+    from transformers import LlamaConfig
 
-        text = dict(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
-        )
-        vision = dict(
-            depth=2,
-            embed_dim=32,
-            hidden_size=64,
-            num_heads=4,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
-        )
-        kw = dict(
-            text_config=text,
-            vision_config=vision,
-            image_token_id=IMAGE_TOKEN,
-            video_token_id=501,
-            vision_start_token_id=502,
-            vision_end_token_id=503,
-            architectures=["Qwen2VLForConditionalGeneration"],
-        )
-        return Qwen2VLConfig(**{**kw, **overrides})
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    return LlamaConfig(**{**_COMMON, **_DECODER, "tie_word_embeddings": False, **overrides})
+
+
+def _tiny_qwen2(overrides: dict):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**_COMMON, **_DECODER, "tie_word_embeddings": True, **overrides})
+
+
+def _tiny_gpt2(overrides: dict):
+    from transformers import GPT2Config
+
+    return GPT2Config(**{**_COMMON, "n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 256, **overrides})
+
+
+def _tiny_bert(overrides: dict):
+    from transformers import BertConfig
+
+    kw = dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        architectures=["BertForMaskedLM"],
+    )
+    return BertConfig(**{**kw, **overrides})
+
+
+def _tiny_t5(overrides: dict):
+    from transformers import T5Config
+
+    kw = dict(
+        vocab_size=512,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        architectures=["T5ForConditionalGeneration"],
+    )
+    return T5Config(**{**kw, **overrides})
+
+
+def _tiny_llava(overrides: dict):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        projection_dim=32,
+    )
+    kw = dict(
+        vision_config=vision,
+        text_config=LlamaConfig(**_VL_TEXT),
+        image_token_id=IMAGE_TOKEN,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        architectures=["LlavaForConditionalGeneration"],
+    )
+    return LlavaConfig(**{**kw, **overrides})
+
+
+def _tiny_qwen2_vl(overrides: dict):
+    from transformers import Qwen2VLConfig
+
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        hidden_size=64,
+        num_heads=4,
+        mlp_ratio=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+    )
+    kw = dict(
+        text_config=dict(_VL_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}),
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=501,
+        vision_start_token_id=502,
+        vision_end_token_id=503,
+        architectures=["Qwen2VLForConditionalGeneration"],
+    )
+    return Qwen2VLConfig(**{**kw, **overrides})
+
+
+_TINY = {
+    "llama": _tiny_llama,
+    "qwen2": _tiny_qwen2,
+    "gpt2": _tiny_gpt2,
+    "bert": _tiny_bert,
+    "t5": _tiny_t5,
+    "llava": _tiny_llava,
+    "qwen2_vl": _tiny_qwen2_vl,
+}
 
 
 def build_base(

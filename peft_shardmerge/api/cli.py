@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"peft-shardmerge {__version__}")
     sub = p.add_subparsers(dest="command")
+    _merge_parser(sub)
+    _verify_parser(sub)
+    return p
+
+
+def _merge_parser(sub) -> None:
+    """The ``merge`` command and its options."""
     m = sub.add_parser(
         "merge",
         help="merge a base checkpoint and a LoRA adapter folder into a new checkpoint",
@@ -159,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--dry-run", action="store_true", help="print the plan and exit; read no tensor data")
     m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    verbosity = m.add_mutually_exclusive_group()
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="errors and warnings only, no progress bar")
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _verify_parser(sub) -> None:
+    """The ``verify`` command and its options."""
     v = sub.add_parser(
         "verify",
         help="check a merged checkpoint (every byte against its merge record; with --base/--adapter, every tensor "
@@ -177,10 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--prompts", help="a text file, one prompt a line, to compare logits on (default: random ids)")
     v.add_argument("--tolerance", type=float, help="largest accepted relative logits error")
-    verbosity = m.add_mutually_exclusive_group()
-    verbosity.add_argument("-q", "--quiet", action="store_true", help="errors and warnings only, no progress bar")
-    verbosity.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
