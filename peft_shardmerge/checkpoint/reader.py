@@ -195,9 +195,10 @@ class CheckpointReader(RowMerger):
                 check_range(t.name, cast, out_dtype)
                 w.write(cast)
             return
-        for _, _, _, cast in self.merge_rows(t.name, self._base(t), self.changes(t), t.shape, out_dtype, self.device):
+        blocks = self.merge_rows(t.name, self._base(t), self.changes(t), t.shape, out_dtype, self.device)
+        for *_, merged, cast in blocks:
             w.write(cast)  # copied to the host there
-            del cast  # not held on the device while the next block is merged
+            del merged, cast  # not held on the device while the next block is merged
 
     def _base(self, t: PlannedTensor):
         """``rows(start, stop)`` of the base as read, or of dequant(quantize(base)) for a 4-bit base."""

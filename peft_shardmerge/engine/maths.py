@@ -368,11 +368,18 @@ def dora_rescale_(merged_rows: torch.Tensor, magnitude: torch.Tensor, start: int
     return merged_rows
 
 
+#: rows of a tile of row norms at least: torch's CUDA reduction sizes its thread blocks by the number of rows while
+#: there are few (Reduce.cuh), so a tile of a very wide tensor is not left at a handful of rows, laid out unlike the
+#: whole weight PEFT takes DoRA's norms of
+NORM_TILE_ROWS = 16
+
+
 def row_norms(rows: torch.Tensor, start: int = 0, *, tiled: bool | None = None) -> torch.Tensor:
     """The L2 norm of each row of a 2-D block whose first row is row ``start`` of its tensor, the same whatever the
     block. On the CPU torch reduces each row alike however many rows it is given; on an accelerator the reduction's
     layout (threads per row, blocks per row) follows the number of rows, so there each norm is taken in a fresh,
-    zero-padded tile of :func:`tile_rows` rows on the tensor's fixed tile grid: always the same shape.
+    zero-padded tile of :func:`tile_rows` rows (at least :data:`NORM_TILE_ROWS`) on a grid fixed by the tensor's
+    shape: always the same shape.
 
     Args:
         rows: float32 ``[n, width]``.
@@ -390,7 +397,7 @@ def row_norms(rows: torch.Tensor, start: int = 0, *, tiled: bool | None = None) 
     if not (rows.device.type != "cpu" if tiled is None else tiled):
         return torch.linalg.norm(rows, dim=1)
     n, width = rows.shape
-    step = tile_rows(width)
+    step = max(NORM_TILE_ROWS, tile_rows(width))
     out = torch.empty(n, dtype=torch.float32, device=rows.device)
     tile = torch.zeros(step, width, dtype=torch.float32, device=rows.device)
     for t0 in range(start - start % step, start + n, step):

@@ -119,6 +119,34 @@ def test_an_out_of_memory_after_the_lora_step_redoes_the_block(
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
+@pytest.mark.parametrize("whole", [True, False])
+def test_an_out_of_memory_in_doras_column_norms_is_redone(whole, make_base, make_adapter, tmp_path, monkeypatch):
+    """DoRA's column norms (an embedding) are a pass of their own before the blocks: merged whole, or block by block
+    into float64 sums. An out-of-memory there redoes that step on the CPU, counted, and the output equals an
+    undisturbed merge."""
+    base = make_base("llama")
+    adapter = make_adapter("llama", "dora-embedding", use_dora=True, target_modules=["q_proj", "embed_tokens"])
+    victim, real, failed = "model.embed_tokens.weight", row_merge.RowMerger._changed_rows, []
+
+    def changed_rows(self, name, *args):  # the first rows of the embedding merged: in the column norms' pass
+        if name == victim and not failed:
+            failed.append(name)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real(self, name, *args)
+
+    if not whole:
+        monkeypatch.setattr(row_merge, "WHOLE_NORM_ELEMS", 0)
+    options = dict(dtype="bfloat16", chunk_elems=1 << 12, progress=False)
+    monkeypatch.setattr(row_merge.RowMerger, "_changed_rows", changed_rows)
+    report = merge_checkpoint(base, adapter, str(tmp_path / "a"), **options)
+    assert failed == [victim] and report.cpu_fallbacks == 1
+    monkeypatch.setattr(row_merge.RowMerger, "_changed_rows", real)
+    merge_checkpoint(base, adapter, str(tmp_path / "b"), **options)
+    a, b = folder_tensors(str(tmp_path / "a")), folder_tensors(str(tmp_path / "b"))
+    assert a.keys() == b.keys() and victim in a
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_merge_matches_cpu(make_base, make_adapter, tmp_path):
