@@ -478,6 +478,15 @@ def random_adapter(base: str, folder: str) -> str:
     return write_adapter(shapes, folder, torch.Generator().manual_seed(1))
 
 
+def durable_copy(src: str, copy: str) -> float:
+    """Seconds ``cp -r SRC COPY && sync`` takes (the floor for reading and durably writing every byte); the copy
+    removed after."""
+    shutil.rmtree(copy, ignore_errors=True)
+    wall, _ = timed(["sh", "-c", f"cp -r {src} {copy} && sync"])
+    shutil.rmtree(copy, ignore_errors=True)
+    return wall
+
+
 def timed(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, str]:
     """Run a command after ``sync`` (no dirty pages left from the step before); its wall time and output."""
     os.sync()
@@ -531,11 +540,8 @@ def speed(size: str, work: str, args) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     rec = dict(size=size, step="speed", gb=nbytes / 1e9)
     copy = os.path.join(work, "copy")
-    shutil.rmtree(copy, ignore_errors=True)
-    wall, _ = timed(["sh", "-c", f"cp -r {base} {copy} && sync"])
-    shutil.rmtree(copy)
-    emit(dict(rec, method="cp -r BASE COPY && sync", wall_s=wall), args.json)
-    copy_wall = wall
+    copy_wall = durable_copy(base, copy)
+    emit(dict(rec, method="cp -r BASE COPY && sync", wall_s=copy_wall), args.json)
     ref = os.path.join(work, "peft-out")
     if CUDA and "peft" in rows:
         wall, text = timed([sys.executable, "-c", PEFT_RECIPE, base, adapter, ref], env)
@@ -557,10 +563,8 @@ def speed(size: str, work: str, args) -> None:
     for n in range(1, args.repeat + 1):  # the disk rows, in turn, each round after a durable copy of its own
         r = rec if args.repeat == 1 else dict(rec, round=n)
         if n > 1:
-            wall, _ = timed(["sh", "-c", f"cp -r {base} {copy} && sync"])
-            shutil.rmtree(copy)
-            emit(dict(r, method="cp -r BASE COPY && sync", wall_s=wall), args.json)
-            copy_wall = wall
+            copy_wall = durable_copy(base, copy)
+            emit(dict(r, method="cp -r BASE COPY && sync", wall_s=copy_wall), args.json)
         # the bytes are compared with PEFT's in the first round only
         disk_rows(base, adapter, work, ref if n == 1 else os.path.join(work, "no-check"), r, copy_wall, rows, args)
     shutil.rmtree(ref, ignore_errors=True)  # the disk holds the base, one output and its copy at once from here
@@ -587,10 +591,8 @@ def speed(size: str, work: str, args) -> None:
             how = "" if workers is None else f", workers={workers}"
             method = f"in process: merge_and_save(4-bit NF4 on the GPU{how})"
             r = run_merge(model, out, 0.9, None, dict(rec, method=method), workers=workers)
-            wall, _ = timed(["sh", "-c", f"cp -r {out} {copy} && sync"])
-            r["durable_copy_of_output_s"] = wall
+            r["durable_copy_of_output_s"] = durable_copy(out, copy)
             emit(r, args.json)
-            shutil.rmtree(copy, ignore_errors=True)
         if "spy-inprocess" in rows:
             raw = os.path.join(args.profile, f"{size}-inprocess.txt")
             spy = subprocess.Popen(

@@ -30,13 +30,18 @@ def tiny_config(arch: str = "llama", **overrides):
         >>> tiny_config("llama").hidden_size
         128
     """
-    if arch not in _TINY:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
-    return _TINY[arch](overrides)
+    import copy
+
+    import transformers
+
+    if arch in _FLAT:  # a copy: a config may change its lists in place
+        name, fields = _FLAT[arch]
+        return getattr(transformers, name)(**{**copy.deepcopy(fields), **overrides})
+    if arch in _NESTED:
+        return _NESTED[arch](overrides)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
 
 
-#: the fields every tiny causal LM shares
-_COMMON = dict(vocab_size=512, bos_token_id=1, eos_token_id=2)
 #: a tiny Llama-like decoder's sizes (Llama and Qwen2 text models)
 _DECODER = dict(
     hidden_size=128,
@@ -46,60 +51,45 @@ _DECODER = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+#: the fields every tiny causal LM shares
+_COMMON = dict(vocab_size=512, bos_token_id=1, eos_token_id=2)
 #: the smaller decoder of the vision-language models
 _VL_TEXT = dict(_DECODER, vocab_size=512, hidden_size=64, intermediate_size=128)
 
-
-def _tiny_llama(overrides: dict):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**{**_COMMON, **_DECODER, "tie_word_embeddings": False, **overrides})
-
-
-def _tiny_qwen2(overrides: dict):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(**{**_COMMON, **_DECODER, "tie_word_embeddings": True, **overrides})
-
-
-def _tiny_gpt2(overrides: dict):
-    from transformers import GPT2Config
-
-    return GPT2Config(**{**_COMMON, "n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 256, **overrides})
-
-
-def _tiny_bert(overrides: dict):
-    from transformers import BertConfig
-
-    kw = dict(
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        architectures=["BertForMaskedLM"],
-    )
-    return BertConfig(**{**kw, **overrides})
-
-
-def _tiny_t5(overrides: dict):
-    from transformers import T5Config
-
-    kw = dict(
-        vocab_size=512,
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-        architectures=["T5ForConditionalGeneration"],
-    )
-    return T5Config(**{**kw, **overrides})
+#: the architectures of one flat config: the transformers class and its fields
+_FLAT = {
+    "llama": ("LlamaConfig", dict(_COMMON, **_DECODER, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(_COMMON, **_DECODER, tie_word_embeddings=True)),
+    "gpt2": ("GPT2Config", dict(_COMMON, n_embd=128, n_layer=2, n_head=4, n_positions=256)),
+    "bert": (
+        "BertConfig",
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=128,
+            architectures=["BertForMaskedLM"],
+        ),
+    ),
+    "t5": (
+        "T5Config",
+        dict(
+            vocab_size=512,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+            architectures=["T5ForConditionalGeneration"],
+        ),
+    ),
+}
 
 
 def _tiny_llava(overrides: dict):
@@ -151,15 +141,8 @@ def _tiny_qwen2_vl(overrides: dict):
     return Qwen2VLConfig(**{**kw, **overrides})
 
 
-_TINY = {
-    "llama": _tiny_llama,
-    "qwen2": _tiny_qwen2,
-    "gpt2": _tiny_gpt2,
-    "bert": _tiny_bert,
-    "t5": _tiny_t5,
-    "llava": _tiny_llava,
-    "qwen2_vl": _tiny_qwen2_vl,
-}
+#: the architectures whose config holds others (a vision tower and a text model)
+_NESTED = {"llava": _tiny_llava, "qwen2_vl": _tiny_qwen2_vl}
 
 
 def build_base(

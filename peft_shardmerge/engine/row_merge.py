@@ -165,17 +165,17 @@ class RowMerger:
             blocks = [(0, shape[0])]
         changed = lost = 0
         count = bool(changes.factors or changes.vectors) and out_dtype != torch.float32  # on sample rows
+        given = first[1] if first is not None else None  # rows merged whole for the column norms: used once
         for start, stop in blocks:
-            base, merged = first if first is not None else (_base_rows(rows(start, stop), changes, start, stop), None)
+            base = first[0] if first is not None else _base_rows(rows(start, stop), changes, start, stop)
             # the sampled base rows: a copy, kept when rows change in place
             before = base.index_select(0, probe_rows(stop - start, base.device, width)) if count else None
-            tries = []
 
-            def block(dev: torch.device, base=base, merged=merged, before=before, start=start, stop=stop, tries=tries):
-                # a retry starts again from the base rows: the first try may have rescaled its rows in place
-                if merged is None or tries:
+            def block(dev: torch.device, base=base, before=before, start=start, stop=stop):
+                nonlocal given  # a retry starts again from the base rows: the first try may have rescaled them
+                merged, given = given, None
+                if merged is None:
                     merged = self._changed_rows(name, base, changes, start, stop, dev, probes, inplace)
-                tries.append(dev)
                 return self._finish(name, merged, before, changes, columns, start, stop, shape, out_dtype, inplace)
 
             # an out-of-memory anywhere in the block redoes it on the CPU; in place, the caller redoes the tensor
@@ -263,17 +263,10 @@ class RowMerger:
         return magnitude.to(sumsq.device, torch.float32) / sumsq.sqrt().float(), None
 
     def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes, inplace) -> torch.Tensor:
-        """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA, on the
-        device they were merged on. In place, a failure may leave the rows half-changed: the caller redoes the whole
-        tensor."""
-        if inplace:
-            merged, err = self._lora_rows(base, changes, start, stop, device, probes, True)
-        else:
-            merged, err = self.on_device(
-                lambda dev: self._lora_rows(base, changes, start, stop, dev, probes),
-                device,
-                f"{name} rows {start}-{stop}",
-            )
+        """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA, merged on
+        ``device``; an out-of-memory is the caller's to retry (in place, a failure may leave the rows half-changed:
+        the caller redoes the whole tensor)."""
+        merged, err = self._lora_rows(base, changes, start, stop, device, probes, inplace)
         if probes is not None:
             with self.lock:
                 self.probe_err = max(self.probe_err, err)
