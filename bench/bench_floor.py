@@ -18,6 +18,9 @@ to it. Each figure is the median of ``--repeats`` runs.
 
     python bench/bench_floor.py --size 0.5B,1B,8B-2L --repeats 3
 
+It also times the whole command in a fresh process (start-up, the model-class checks beside the merge), and, given
+several sizes, how each cost grows with the model (``--size 0.5B,1B,8B``: the whole Llama-8B shape, 16 GB).
+
 With ``--before TREE`` (another checkout of the package, e.g. ``git archive COMMIT | tar -x -C TREE``), the merge
 itself is also timed side by side: this checkout and TREE in turn, each merge in a fresh process, and the median of
 the pairwise ratios reported.
@@ -227,6 +230,19 @@ def measure(size: str, repeats: int, before: str | None = None) -> dict:
         shutil.rmtree(out)
         return report.wall_time_s
 
+    def command():
+        out = os.path.join(scratch, "merged")
+        t = clock()
+        subprocess.run(
+            [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "-q"],
+            check=True,
+            capture_output=True,
+            env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)),
+        )
+        spent = clock() - t
+        shutil.rmtree(out)
+        return spent
+
     steps = {
         "read (`pread`)": read,
         "input CRC-32 (what a resumed merge compares)": crc,
@@ -240,6 +256,7 @@ def measure(size: str, repeats: int, before: str | None = None) -> dict:
     torch.set_num_threads(threads)  # the merge as a user runs it
     merge()  # the first call's costs (imports, caches) out of the timing
     merge_s = _median(merge, repeats)
+    command_s = _median(command, repeats)
     merger.close()
     pair = side_by_side(base, adapter, scratch, before, repeats) if before else None
     shutil.rmtree(scratch, ignore_errors=True)
@@ -249,6 +266,7 @@ def measure(size: str, repeats: int, before: str | None = None) -> dict:
         "fsync": fsync_s,
         "copy": copy_s,
         "merge": merge_s,
+        "command": command_s,
         "cores": len(os.sched_getaffinity(0)),
         "before": pair,
         "before_tree": before,
@@ -274,6 +292,8 @@ def table(size: str, r: dict) -> str:
         f"durable copy where that is longer | {floor:.2f} | |",
         f"| the merge itself (`merge_checkpoint`, its report's wall time) | {r['merge']:.2f} | "
         f"{r['gb'] / r['merge']:.2f} |",
+        f"| the whole command (`python -m peft_shardmerge merge BASE ADAPTER OUT -q`, a fresh process, start-up and "
+        f"the checks beside included) | {r['command']:.2f} | {r['gb'] / r['command']:.2f} |",
         "",
         f"Least wall time / durable copy: {floor / r['copy']:.2f}; the merge itself / durable copy: "
         f"{r['merge'] / r['copy']:.2f}; the merge itself / least wall time: {r['merge'] / floor:.2f}.",
@@ -294,10 +314,29 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--before", help="another checkout's root: its merge timed side by side with this one's")
     args = ap.parse_args()
+    results = {}
     for size in args.size.split(","):
-        print(table(size, measure(size, args.repeats, args.before)), flush=True)
+        results[size] = measure(size, args.repeats, args.before)
+        print(table(size, results[size]), flush=True)
         print()
+    if len(results) > 1:
+        print(growth(results))
     return 0
+
+
+def growth(results: dict) -> str:
+    """How the cost grows with the model: GB/s of the copy, the merge itself and the whole command at each size."""
+    lines = [
+        "| base | GB | durable copy (s) | GB/s | the merge itself (s) | GB/s | × copy | whole command (s) | GB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size, r in results.items():
+        gb = r["gb"]
+        lines.append(
+            f"| {size} | {gb:.2f} | {r['copy']:.2f} | {gb / r['copy']:.2f} | {r['merge']:.2f} | {gb / r['merge']:.2f} "
+            f"| {r['merge'] / r['copy']:.2f} | {r['command']:.2f} | {gb / r['command']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ SIZES = {
 # two layers of Llama-8B's shapes (hidden 4096, MLP 14336) and a small vocabulary: the widest rows of an 8B merge
 # (bench_checks.py, bench_floor.py), on a machine without room or time for the whole model
 SIZES["8B-2L"] = dict(SIZES["1B"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, vocab_size=32000)
+# Llama-3-8B's shapes, whole (16.06 GB): how the cost grows with the model (bench_floor.py --size 0.5B,1B,8B)
+SIZES["8B"] = dict(SIZES["1B"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

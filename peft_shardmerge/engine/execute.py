@@ -154,13 +154,23 @@ def run(
     finally:
         bar.close()
         source.close()
+    meter.stop()
+    report = _report(plan, source, out_dir, time.perf_counter() - t0, meter, coordinator.notes(), len(sink.resumed))
+    log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
+    coordinator.committed(report)
+    return report
+
+
+def _report(
+    plan: Plan, source: Source, out_dir: str, wall: float, meter: PeakRss, ranks_notes: list[str], resumed: int
+) -> MergeReport:
+    """The report of a finished run: the plan's totals, the source's counts and notes, the peak RSS."""
     fields = source.report_fields()
     fields["notes"] = (
         list(fields.get("notes", ()))
-        + ([f"resumed: {len(sink.resumed)} shard(s) kept from an interrupted run"] if sink.resumed else [])
-        + coordinator.notes()
+        + ([f"resumed: {resumed} shard(s) kept from an interrupted run"] if resumed else [])
+        + ranks_notes
     )
-    meter.stop()
     report = MergeReport(
         out_dir=os.path.abspath(out_dir),
         dtype=str(plan.dtype).removeprefix("torch."),
@@ -168,7 +178,7 @@ def run(
         lora_modules_total=plan.layer_count,
         shards=list(plan.shard_names),
         bytes_written=plan.total_size,
-        wall_time_s=time.perf_counter() - t0,
+        wall_time_s=wall,
         peak_rss_bytes=meter.peak,
         baseline_rss_bytes=meter.baseline,
         peak_rss_method=meter.method,
@@ -179,6 +189,4 @@ def run(
         **fields,
     )
     report.notes = list(report.notes) + precision_notes(source.swallowed, plan.dtype)
-    log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
-    coordinator.committed(report)
     return report
