@@ -171,10 +171,12 @@ def _plan(
     recover: bool,
     beside: bool = False,
     check_out: bool = True,
+    before_checks=None,
 ) -> tuple[Plan, ChecksBeside | None]:
     """:func:`plan_with_options`; with ``beside``, the plan from the files alone and the second process checking it
     (the whole plan, made here, where that plan has problems); without ``check_out``, ``out_dir`` is not checked (the
-    second process's whole plan: the merge checked it)."""
+    second process's whole plan: the merge checked it); ``before_checks`` as
+    :func:`~peft_shardmerge.checkpoint.planner.plan_from_folders` takes it."""
     problems = list(problems if problems is not None else opts.problems())
     opts = opts.for_path("disk")
     base, bad_base = path_argument(base, "base")
@@ -187,7 +189,15 @@ def _plan(
     except InputError as e:
         problems += [p for p in e.problems if p not in problems]
     planned = functools.partial(
-        plan_from_folders, base, locations, opts, problems, out_dir=out_dir, check_out=check_out, recover=recover
+        plan_from_folders,
+        base,
+        locations,
+        opts,
+        problems,
+        out_dir=out_dir,
+        check_out=check_out,
+        recover=recover,
+        before_checks=before_checks,
     )
     checks = ChecksBeside.take((base, locations), opts) if beside and not problems else None
     if checks is None:
@@ -205,7 +215,7 @@ def _plan(
         return planned(), None
 
 
-def whole_plan(base, adapter, opts: MergeOptions, problems: list[str]) -> Plan:
+def whole_plan(base, adapter, opts: MergeOptions, problems: list[str], before_checks=None) -> Plan:
     """The plan a merge's model-class checks make beside it (:mod:`~peft_shardmerge.api.model_checks`): every check
     but those of the output folder, which the merge made.
 
@@ -214,6 +224,7 @@ def whole_plan(base, adapter, opts: MergeOptions, problems: list[str]) -> Plan:
         adapter: the adapter argument (one or a list).
         opts: the options.
         problems: problems found already.
+        before_checks: see :func:`~peft_shardmerge.checkpoint.planner.plan_from_folders`.
 
     Returns:
         The :class:`~peft_shardmerge.engine.plan.Plan`.
@@ -221,7 +232,7 @@ def whole_plan(base, adapter, opts: MergeOptions, problems: list[str]) -> Plan:
     Raises:
         InputError, NotFoundError, UnsupportedError, CorruptFileError: as :func:`plan_checkpoint_merge`.
     """
-    return _plan(base, adapter, None, opts, problems, recover=False, check_out=False)[0]
+    return _plan(base, adapter, None, opts, problems, recover=False, check_out=False, before_checks=before_checks)[0]
 
 
 def _adapter_locations(adapter) -> tuple[list, list[str]]:

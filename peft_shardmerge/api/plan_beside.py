@@ -25,9 +25,29 @@ def main(request: dict) -> int:
     answer_to = sys.stdout
     try:
         with contextlib.redirect_stdout(sys.stderr), quiet_libraries():
-            plan = whole_plan(*request["given"], options_from(request["options"]), [])
+            plan = whole_plan(*request["given"], options_from(request["options"]), [], keep_bitsandbytes_out)
         answer = {"outline": outline(plan)}
     except Exception as e:  # said again, with its own type, by the merge's process planning itself
         answer = {"error": f"{type(e).__name__}: {e}"}
     json.dump(answer, answer_to)
     return 0
+
+
+def keep_bitsandbytes_out(precision: str, storage: str | None) -> None:
+    """Where a plan needs nothing of bitsandbytes (a 16- or 32-bit base merged as stored), keep this process from
+    importing it: importing PEFT would, and about a second of this process goes to it (its kernels are compiled at
+    import; docs/benchmarks.md, "The checks process without bitsandbytes"), while the merge waits for this process.
+    ``None`` in ``sys.modules`` makes ``importlib.util.find_spec`` answer None, so PEFT and transformers take it for
+    not installed, as where it is not. Only this process, which exists for the one plan, is ever changed so.
+
+    Args:
+        precision: the resolved base precision (``"original"`` or ``"nf4"``: the latter quantizes with it).
+        storage: the base's storage (``Quantized.method``), None for a 16- or 32-bit base.
+
+    Example:
+        >>> import sys
+        >>> keep_bitsandbytes_out("nf4", None); sys.modules.get("bitsandbytes", "left") is not None
+        True
+    """
+    if precision == "original" and storage is None and "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None

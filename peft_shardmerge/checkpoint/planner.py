@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import os
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -354,6 +355,7 @@ def plan_from_folders(
     check_out: bool = False,
     recover: bool = False,
     model_checks: bool = True,
+    before_checks: Callable[[str, str | None], None] | None = None,
 ) -> Plan:
     """Plan the merge of adapter folders into a base checkpoint: the one planner entry of a merge from disk (the
     command line, :func:`~peft_shardmerge.api.disk.merge_checkpoint`, a loaded model's original checkpoint).
@@ -371,6 +373,9 @@ def plan_from_folders(
         model_checks: build the model class on the meta device and ask PEFT which adapter tensors it loads; False
             plans from the files alone (as for a custom architecture), for a merge whose checks run beside it
             (:mod:`~peft_shardmerge.api.model_checks`).
+        before_checks: with ``model_checks``, called before them with the resolved base precision and the base's
+            storage (``Quantized.method``, None for a 16- or 32-bit base): the second process of the checks keeps
+            out what they will not need.
 
     Returns:
         The :class:`Plan`; its ``reproduces`` says which model the output is, its first notes compare the base with
@@ -399,6 +404,8 @@ def plan_from_folders(
         opts.base_precision, trained, src.quantized.method if src.quantized is not None else None
     )
     opts = replace(opts, base_precision=precision, **nf4_fields)
+    if model_checks and before_checks is not None:
+        before_checks(precision, src.quantized.method if src.quantized is not None else None)
     if check_out:
         inputs = {
             "base": src.folder,

@@ -141,6 +141,25 @@ def test_the_second_process_answers_with_the_outline_of_the_whole_plan(make_base
     assert made == outline(plan_from_folders(base, [adapter], opts))
 
 
+#: the second process's plan, made in a fresh process: whether PEFT was imported (the checks ran) and what
+#: ``sys.modules`` holds for bitsandbytes afterwards
+_PLAN_ALONE = """
+import sys
+from peft_shardmerge.api.disk import whole_plan
+from peft_shardmerge.api.plan_beside import keep_bitsandbytes_out
+from peft_shardmerge.options import MergeOptions
+whole_plan(sys.argv[1], sys.argv[2], MergeOptions(), [], keep_bitsandbytes_out)
+print("peft" in sys.modules, sys.modules.get("bitsandbytes", "not-imported") is None)
+"""
+
+
+def test_the_second_process_leaves_bitsandbytes_unimported_for_a_16_bit_base(make_base, make_adapter):
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    r = subprocess.run([sys.executable, "-c", _PLAN_ALONE, base, adapter], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True"]  # the checks imported PEFT; bitsandbytes was kept out
+
+
 def test_options_are_sent_as_json_numbers_and_names():
     import numpy as np
 

@@ -18,6 +18,9 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from peft_shardmerge import merge_and_save, merge_checkpoint
 from peft_shardmerge.api.cli import main
+from peft_shardmerge.api.model_checks import ChecksBeside, outline
+from peft_shardmerge.checkpoint.planner import plan_from_folders
+from peft_shardmerge.options import MergeOptions
 from peft_shardmerge.testing import build_base, default_targets, token_ids
 from tests.helpers import folder_tensors, logits_of, rel_err
 
@@ -93,6 +96,20 @@ def test_the_cli_reproduces_the_trained_4bit_model_as_merge_and_save_does(qlora,
     line = next(ln for ln in head if ln.startswith("reproduces:"))
     assert "the trained model" in line and "tiny-llama-bnb-4bit" in line
     assert any(ln.startswith("base precision:  nf4") for ln in head)
+
+
+def test_the_checks_beside_a_merge_for_a_4bit_trained_adapter_keep_bitsandbytes(qlora):
+    """'auto' resolves to 'nf4' here, which quantizes with bitsandbytes: the second process must not keep it out
+    (it would answer with "bitsandbytes is not installed")."""
+    base, adapter = qlora[:2]
+    checks = ChecksBeside.start((base, [adapter]), {"dtype": "float32"})
+    try:
+        made = checks.join()
+    finally:
+        checks.stop()
+    plan = plan_from_folders(base, [adapter], MergeOptions(dtype="float32").for_path("disk"))
+    assert plan.base_precision == "nf4"
+    assert made == outline(plan)
 
 
 def test_an_adapter_whose_files_show_no_4bit_base_says_so_in_the_dry_run(make_base, make_adapter, tmp_path, capsys):
