@@ -1,10 +1,11 @@
 """Benchmark: peak RSS and wall time of peft-shardmerge vs plain file copying vs PEFT's reload + merge + save.
 
-Builds random bf16 bases (~0.5B Qwen2-like, ~1.2B Llama-3.2-1B-like; ``8B-2L``, two layers of Llama-8B's shapes, for
-the other benchmarks) and rank-16 adapters on every projection under bench/_work, then runs each method in a fresh
-subprocess, side by side, and writes a Markdown table. Peak RSS is the subprocess's peak resident memory during the
-job (``ru_maxrss`` when the job sets a new peak, else the highest of 5 ms samples of ``/proc/self/statm``) minus its
-RSS after importing torch, transformers, peft and peft_shardmerge (the post-import baseline).
+Builds random bf16 bases (~0.5B Qwen2-like, ~1.2B Llama-3.2-1B-like; ``8B-2L``, two layers of Llama-8B's shapes, and
+``8B``, the whole of them, for the other benchmarks) and rank-16 adapters on every projection under bench/_work, then
+runs each method in a fresh subprocess, side by side, and writes a Markdown table. Peak RSS is the subprocess's peak
+resident memory during the job (``ru_maxrss`` when the job sets a new peak, else the highest of 5 ms samples of
+``/proc/self/statm``) minus its RSS after importing torch, transformers, peft and peft_shardmerge (the post-import
+baseline).
 
     python bench/bench_merge.py --sizes 0.5B,1B --write docs/benchmarks.md
 """

@@ -4,6 +4,7 @@ again, and the command line starting them early, for its merge to take over."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -141,23 +142,40 @@ def test_the_second_process_answers_with_the_outline_of_the_whole_plan(make_base
     assert made == outline(plan_from_folders(base, [adapter], opts))
 
 
-#: the second process's plan, made in a fresh process: whether PEFT was imported (the checks ran) and what
-#: ``sys.modules`` holds for bitsandbytes afterwards
-_PLAN_ALONE = """
+#: the second process's answer (``plan_beside.main``, in a fresh process), then, on a line of its own, what
+#: ``sys.modules`` holds afterwards: whether PEFT was imported (the checks ran) and bitsandbytes kept out
+_SECOND_PROCESS = """
 import sys
-from peft_shardmerge.api.disk import whole_plan
-from peft_shardmerge.api.plan_beside import keep_bitsandbytes_out
-from peft_shardmerge.options import MergeOptions
-whole_plan(sys.argv[1], sys.argv[2], MergeOptions(), [], keep_bitsandbytes_out)
+from peft_shardmerge.api.plan_beside import main
+main({"given": [sys.argv[1], [sys.argv[2]]], "options": {}})
+print()
 print("peft" in sys.modules, sys.modules.get("bitsandbytes", "not-imported") is None)
 """
 
 
+def _second_process(base: str, adapter: str) -> tuple[dict, list[str]]:
+    r = subprocess.run(
+        [sys.executable, "-c", _SECOND_PROCESS, base, adapter], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr
+    answer, modules = r.stdout.rsplit("\n", 2)[:2]
+    return json.loads(answer), modules.split()
+
+
 def test_the_second_process_leaves_bitsandbytes_unimported_for_a_16_bit_base(make_base, make_adapter):
     base, adapter = make_base("llama"), make_adapter("llama", "default")
-    r = subprocess.run([sys.executable, "-c", _PLAN_ALONE, base, adapter], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["True", "True"]  # the checks imported PEFT; bitsandbytes was kept out
+    answer, modules = _second_process(base, adapter)
+    assert modules == ["True", "True"]  # the checks imported PEFT; bitsandbytes was kept out
+    assert answer == {"outline": outline(plan_from_folders(base, [adapter], MergeOptions().for_path("disk")))}
+
+
+def test_without_bitsandbytes_the_second_process_still_finds_what_peft_would_not_load(make_base, tmp_path):
+    base = make_base("llama")
+    adapter = build_adapter(base, str(tmp_path / "adapter"))
+    _with_base_weight(adapter)
+    answer, modules = _second_process(base, adapter)
+    assert modules == ["True", "True"]
+    assert "would not be loaded by PEFT" in answer["error"]
 
 
 def test_options_are_sent_as_json_numbers_and_names():
