@@ -62,7 +62,7 @@ def plan_checkpoint_merge(
         combination: ``"cat"`` (exactly ``sum_i w_i * dW_i``, any ranks), ``"linear"`` (PEFT's
             ``add_weighted_adapter`` linear factors, equal ranks), or a task-vector method on each tensor's full
             deltas, as MergeKit defines it: ``"ties"``, ``"dare_ties"``, ``"dare_linear"``, ``"magnitude_prune"``;
-            see :func:`~peft_shardmerge.checkpoint.adapter.combine_adapters`.
+            see :func:`~peft_shardmerge.checkpoint.combine.combine_adapters`.
         density: the fraction of each adapter's delta a task-vector method keeps, in (0, 1] (required by them).
         majority_sign: how ``ties``/``dare_ties`` elect each element's sign: ``"total"`` (the sign of the weighted
             sum) or ``"frequency"`` (the sign most adapters have).

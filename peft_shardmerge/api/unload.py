@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint.adapter import task_vector_method
+from ..checkpoint.combine import task_vector_method
 from ..distributed.sharding import SHARDINGS, sharding_of
 from ..engine.budget import MemoryBudget
 from ..errors import InputError

@@ -21,7 +21,8 @@ from ..support.model import check_model, no_bias_problem
 from ..support.model_info import ModelInfo, inspect_model
 from ..support.peft_reading import adapter_load_problems, unmergeable_targets
 from ..support.ties import untie_note
-from .adapter import AdapterSpec, combine_adapters, load_adapter
+from .adapter import AdapterSpec, load_adapter
+from .combine import combine_adapters
 from .peft_deltas import rebuild
 from .planners import PlanState, plan_lora, plan_peft_ops, plan_replacements, plan_ties, plan_tokens, plan_vocab
 from .source import CheckpointSource, check_base_files, open_checkpoint

@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..checkpoint.adapter import check_weights, modifies_base, task_vector_method
+from ..checkpoint.adapter import check_weights, modifies_base
+from ..checkpoint.combine import task_vector_method
 from ..checkpoint.peft_deltas import DELTA_TYPES
 from ..checkpoint.planner import plan_from_folders
 from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems

@@ -252,7 +252,8 @@ class _Compare:
 def _plan(base: str, adapters: list[str], options: dict):
     """``(model info, plan)``: the disk engine's plan for ``options``, built the way ``plan_checkpoint_merge``
     builds it (without an output folder)."""
-    from ..checkpoint.adapter import combine_adapters, load_adapter
+    from ..checkpoint.adapter import load_adapter
+    from ..checkpoint.combine import combine_adapters
     from ..checkpoint.peft_deltas import rebuild
     from ..checkpoint.planner import build_plan
     from ..checkpoint.source import open_checkpoint

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from peft_shardmerge.checkpoint.adapter import task_vector_method
+from peft_shardmerge.checkpoint.combine import task_vector_method
 from peft_shardmerge.engine.task_vectors import (
     TaskVectors,
     adapter_delta,
