@@ -143,13 +143,16 @@ def test_the_second_process_answers_with_the_outline_of_the_whole_plan(make_base
 
 
 #: the second process's answer (``plan_beside.main``, in a fresh process), then, on a line of its own, what
-#: ``sys.modules`` holds afterwards: whether PEFT was imported (the checks ran) and bitsandbytes kept out
+#: ``sys.modules`` holds afterwards (whether PEFT was imported, whether bitsandbytes was kept out) and whether the
+#: model class still builds there (a failed build only warns and plans without it)
 _SECOND_PROCESS = """
 import sys
 from peft_shardmerge.api.plan_beside import main
+from peft_shardmerge.support.model_info import inspect_model
 main({"given": [sys.argv[1], [sys.argv[2]]], "options": {}})
 print()
-print("peft" in sys.modules, sys.modules.get("bitsandbytes", "not-imported") is None)
+kept_out = sys.modules.get("bitsandbytes", "not-imported") is None
+print("peft" in sys.modules, kept_out, inspect_model(sys.argv[1]).available)
 """
 
 
@@ -165,7 +168,7 @@ def _second_process(base: str, adapter: str) -> tuple[dict, list[str]]:
 def test_the_second_process_leaves_bitsandbytes_unimported_for_a_16_bit_base(make_base, make_adapter):
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     answer, modules = _second_process(base, adapter)
-    assert modules == ["True", "True"]  # the checks imported PEFT; bitsandbytes was kept out
+    assert modules == ["True", "True", "True"]  # the checks imported PEFT; bitsandbytes was kept out; the class built
     assert answer == {"outline": outline(plan_from_folders(base, [adapter], MergeOptions().for_path("disk")))}
 
 
@@ -174,7 +177,7 @@ def test_without_bitsandbytes_the_second_process_still_finds_what_peft_would_not
     adapter = build_adapter(base, str(tmp_path / "adapter"))
     _with_base_weight(adapter)
     answer, modules = _second_process(base, adapter)
-    assert modules == ["True", "True"]
+    assert modules == ["True", "True", "True"]
     assert "would not be loaded by PEFT" in answer["error"]
 
 
