@@ -230,19 +230,6 @@ def measure(size: str, repeats: int, before: str | None = None) -> dict:
         shutil.rmtree(out)
         return report.wall_time_s
 
-    def command():
-        out = os.path.join(scratch, "merged")
-        t = clock()
-        subprocess.run(
-            [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter, out, "-q"],
-            check=True,
-            capture_output=True,
-            env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)),
-        )
-        spent = clock() - t
-        shutil.rmtree(out)
-        return spent
-
     steps = {
         "read (`pread`)": read,
         "input CRC-32 (what a resumed merge compares)": crc,
@@ -256,7 +243,7 @@ def measure(size: str, repeats: int, before: str | None = None) -> dict:
     torch.set_num_threads(threads)  # the merge as a user runs it
     merge()  # the first call's costs (imports, caches) out of the timing
     merge_s = _median(merge, repeats)
-    command_s = _median(command, repeats)
+    command_s = _median(lambda: bench_merge.run("cli", base, adapter)["wall_s"], repeats)  # `make bench`'s row
     merger.close()
     pair = side_by_side(base, adapter, scratch, before, repeats) if before else None
     shutil.rmtree(scratch, ignore_errors=True)
@@ -292,8 +279,8 @@ def table(size: str, r: dict) -> str:
         f"durable copy where that is longer | {floor:.2f} | |",
         f"| the merge itself (`merge_checkpoint`, its report's wall time) | {r['merge']:.2f} | "
         f"{r['gb'] / r['merge']:.2f} |",
-        f"| the whole command (`python -m peft_shardmerge merge BASE ADAPTER OUT -q`, a fresh process, start-up and "
-        f"the checks beside included) | {r['command']:.2f} | {r['gb'] / r['command']:.2f} |",
+        f"| the whole command (`python -m peft_shardmerge merge BASE ADAPTER OUT --model-checks auto`, a fresh "
+        f"process, start-up and the checks beside included) | {r['command']:.2f} | {r['gb'] / r['command']:.2f} |",
         "",
         f"Least wall time / durable copy: {floor / r['copy']:.2f}; the merge itself / durable copy: "
         f"{r['merge'] / r['copy']:.2f}; the merge itself / least wall time: {r['merge'] / floor:.2f}.",

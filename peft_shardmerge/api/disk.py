@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..checkpoint.planner import plan_from_folders
+from ..checkpoint.planner import BeforeChecks, plan_from_folders
 from ..checkpoint.reader import CheckpointReader
 from ..distributed.coordinators import SpreadShards
 from ..distributed.ranks import STEPS, agree_on_plan, failed
@@ -171,7 +171,7 @@ def _plan(
     recover: bool,
     beside: bool = False,
     check_out: bool = True,
-    before_checks=None,
+    before_checks: BeforeChecks | None = None,
 ) -> tuple[Plan, ChecksBeside | None]:
     """:func:`plan_with_options`; with ``beside``, the plan from the files alone and the second process checking it
     (the whole plan, made here, where that plan has problems); without ``check_out``, ``out_dir`` is not checked (the
@@ -215,7 +215,9 @@ def _plan(
         return planned(), None
 
 
-def whole_plan(base, adapter, opts: MergeOptions, problems: list[str], before_checks=None) -> Plan:
+def whole_plan(
+    base, adapter, opts: MergeOptions, problems: list[str], before_checks: BeforeChecks | None = None
+) -> Plan:
     """The plan a merge's model-class checks make beside it (:mod:`~peft_shardmerge.api.model_checks`): every check
     but those of the output folder, which the merge made.
 

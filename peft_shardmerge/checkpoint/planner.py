@@ -28,6 +28,9 @@ from .planners import PlanState, plan_lora, plan_peft_ops, plan_replacements, pl
 from .source import CheckpointSource, check_base_files, open_checkpoint
 from .trained_base import base_name_notes, disk_base_choice
 
+#: what :func:`plan_from_folders` calls before the model-class checks: ``(base precision, base storage or None)``
+BeforeChecks = Callable[[str, str | None], None]
+
 
 def _base_dtype(base: CheckpointSource) -> torch.dtype:
     for key in ("dtype", "torch_dtype"):
@@ -356,7 +359,7 @@ def plan_from_folders(
     check_out: bool = False,
     recover: bool = False,
     model_checks: bool = True,
-    before_checks: Callable[[str, str | None], None] | None = None,
+    before_checks: BeforeChecks | None = None,
 ) -> Plan:
     """Plan the merge of adapter folders into a base checkpoint: the one planner entry of a merge from disk (the
     command line, :func:`~peft_shardmerge.api.disk.merge_checkpoint`, a loaded model's original checkpoint).
@@ -401,12 +404,11 @@ def plan_from_folders(
     except InputError as e:  # nothing further can be planned: every problem found so far, at once
         raise InputError(problems + [p for p in e.problems if p not in problems]) from e
     trained = [(part.folder, part.config) for part in spec.parts or [spec]]
-    precision, nf4_fields, reproduces = disk_base_choice(
-        opts.base_precision, trained, src.quantized.method if src.quantized is not None else None
-    )
+    storage = src.quantized.method if src.quantized is not None else None
+    precision, nf4_fields, reproduces = disk_base_choice(opts.base_precision, trained, storage)
     opts = replace(opts, base_precision=precision, **nf4_fields)
     if model_checks and before_checks is not None:
-        before_checks(precision, src.quantized.method if src.quantized is not None else None)
+        before_checks(precision, storage)
     if check_out:
         inputs = {
             "base": src.folder,

@@ -399,7 +399,7 @@ def row_norms(rows: torch.Tensor, start: int = 0, *, tiled: bool | None = None) 
     n, width = rows.shape
     step = max(NORM_TILE_ROWS, tile_rows(width))
     out = torch.empty(n, dtype=torch.float32, device=rows.device)
-    tile = torch.zeros(step, width, dtype=torch.float32, device=rows.device)
+    tile = torch.empty(step, width, dtype=torch.float32, device=rows.device)  # zeroed for each tile
     for t0 in range(start - start % step, start + n, step):
         lo, hi = max(t0, start), min(t0 + step, start + n)
         tile.zero_()
