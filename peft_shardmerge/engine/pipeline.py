@@ -4,8 +4,7 @@ the thread that made it."""
 from __future__ import annotations
 
 import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
@@ -124,7 +123,9 @@ def write_placed(
     done: Callable[[int], None] = lambda n: None,
 ) -> None:
     """Prepare the tensors of one shard on this thread, in order, and write each on the threads of ``pool`` at its
-    place in the file (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). The first failure among the writes,
+    place in the file (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). A tensor is prepared as soon as any write
+    in flight ends (not only the oldest), so that one long write does not leave the other threads idle. The first
+    failure among the writes,
     in their order, is raised once no thread works on the shard any more (also when this thread is interrupted
     meanwhile), and nothing more is prepared once a write has failed; a failure of ``before`` or ``prepare``
     (another rank stopped, a merged value not finite) is raised as soon as the threads have stopped, unless a write
@@ -139,9 +140,10 @@ def write_placed(
         ahead: tensors prepared and not yet seen written, at most (a few beyond the running ones, so that a failure
             is seen early; what is prepared is held until written).
         held_limit: their planned bytes, at most, where each holds its whole tensor until written (None: not
-            counted); a tensor that would go over waits for the writes before it (one alone always goes).
+            counted); a tensor that would go over waits until enough of the writes in flight have ended (one alone
+            always goes).
         before: called on this thread before ``t`` is prepared.
-        done: called on this thread with the byte count of each tensor written, in order.
+        done: called on this thread with the byte count of each tensor written, as each is seen finished.
 
     Returns:
         None.
@@ -159,8 +161,8 @@ def write_placed(
         >>> load_file(path)
         {'a': tensor([1.]), 'b': tensor([1., 1.])}
     """
-    pending: deque[Future] = deque()
-    held: deque[int] = deque()  # the planned bytes of each pending tensor
+    pending: dict[Future, tuple[int, int]] = {}  # each write not yet seen finished: (its place, planned bytes held)
+    failures: list[tuple[int, BaseException]] = []
 
     def task(index: int, write: Callable[[object], None]) -> int:
         sink = writer.at(index)
@@ -169,29 +171,51 @@ def write_placed(
         sink.finish()
         return sink.nbytes
 
+    def settle(finished) -> None:
+        """Count the finished writes and let go of what they held; keep their failures."""
+        for future in finished:
+            index, _ = pending.pop(future)
+            if future.cancelled():
+                continue
+            if future.exception() is None:
+                done(future.result())
+            else:
+                failures.append((index, future.exception()))
+
+    def first_failure() -> BaseException | None:
+        """Once no thread works on the shard: the failure of the earliest write in plan order, if any."""
+        _stop(pending)
+        settle(list(pending))
+        return min(failures, key=lambda f: f[0])[1] if failures else None
+
+    def full(t) -> bool:
+        return len(pending) >= ahead or (
+            held_limit is not None and sum(h for _, h in pending.values()) + t.nbytes > held_limit
+        )
+
     try:
         for index, t in enumerate(tensors):
-            while pending and (
-                len(pending) >= ahead or (held_limit is not None and sum(held) + t.nbytes > held_limit)
-            ):
-                held.popleft()
-                done(pending.popleft().result())
-            if any(f.done() and f.exception() is not None for f in pending):
+            settle([f for f in pending if f.done()])
+            # whichever write ends first makes room: a long one does not hold back the tensors after it
+            while pending and not failures and full(t):
+                settle(wait(pending, return_when=FIRST_COMPLETED).done)
+            if failures:
                 break  # a write failed: nothing more is prepared, the first failure is raised below
             try:
                 before(t)
                 with torch.no_grad():
                     write = prepare(t)
             except Exception as err:  # an earlier tensor's failed write comes first
-                _stop(pending)
-                earlier = next((f.exception() for f in pending if not f.cancelled() and f.exception()), None)
+                earlier = first_failure()
                 if earlier is not None:
                     raise earlier from err
                 raise
-            pending.append(pool.submit(task, index, write))
-            held.append(t.nbytes if held_limit is not None else 0)
-        while pending:
-            done(pending.popleft().result())
+            pending[pool.submit(task, index, write)] = (index, t.nbytes if held_limit is not None else 0)
+        while pending and not failures:
+            settle(wait(pending, return_when=FIRST_COMPLETED).done)
+        earlier = first_failure()
+        if earlier is not None:
+            raise earlier
     finally:
         _stop(pending)
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import merge_checkpoint
 from peft_shardmerge.checkpoint.reader import CheckpointReader
@@ -343,6 +343,35 @@ def test_what_is_prepared_and_not_yet_written_stays_under_the_byte_limit(tmp_pat
             assert any(own < total for total, own in seen)  # several at once
             seen.clear()
     assert (tmp_path / "48.safetensors").read_bytes() == (tmp_path / "None.safetensors").read_bytes()
+
+
+def test_a_long_write_does_not_hold_back_the_tensors_after_it(tmp_path):
+    """write_placed with two workers and two tensors in flight at most: the first write ends only once the last tensor
+    is written, so the others must go through the second worker meanwhile (waiting for the writes in their order would
+    hold the third tensor back until the first write ended, which never comes: its wait times out and fails it)."""
+    from types import SimpleNamespace
+
+    from peft_shardmerge.engine.pipeline import worker_pool, write_placed
+
+    ts = [SimpleNamespace(name=f"t{i}", shape=(i + 1,), nbytes=4 * (i + 1)) for i in range(6)]
+    entries = [(t.name, "F32", t.shape, t.nbytes) for t in ts]
+    last_written, counted = threading.Event(), []
+
+    def prepare(t):
+        def write(sink):
+            if t is ts[0] and not last_written.wait(5):
+                raise TimeoutError("the last tensor was not written while the first one's write ran")
+            sink.write(torch.full(t.shape, float(t.shape[0])))
+            if t is ts[-1]:
+                last_written.set()
+
+        return write
+
+    path = tmp_path / "model.safetensors"
+    with ShardWriter(str(path), entries) as w, worker_pool(2) as pool:
+        write_placed(ts, prepare, w, pool, ahead=2, done=counted.append)
+    assert sorted(counted) == sorted(t.nbytes for t in ts)
+    assert {k: v.tolist() for k, v in load_file(str(path)).items()} == {t.name: [t.shape[0]] * t.shape[0] for t in ts}
 
 
 @pytest.mark.parametrize("model_checks", ["first", "beside"])
