@@ -123,13 +123,12 @@ def write_placed(
     done: Callable[[int], None] = lambda n: None,
 ) -> None:
     """Prepare the tensors of one shard on this thread, in order, and write each on the threads of ``pool`` at its
-    place in the file (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). A tensor is prepared as soon as any write
-    in flight ends (not only the oldest), so that one long write does not leave the other threads idle. The first
-    failure among the writes,
-    in their order, is raised once no thread works on the shard any more (also when this thread is interrupted
-    meanwhile), and nothing more is prepared once a write has failed; a failure of ``before`` or ``prepare``
-    (another rank stopped, a merged value not finite) is raised as soon as the threads have stopped, unless a write
-    handed out before it failed (that one is raised, from it).
+    place in the file (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). The next tensor is prepared as soon as
+    any write in flight ends (not only the oldest), so that one long write does not leave the other threads idle.
+    The first failure among the writes, in their order, is raised once no thread works on the shard any more (also
+    when this thread is interrupted meanwhile), and nothing more is prepared once a write has failed; a failure of
+    ``before`` or ``prepare`` (another rank stopped, a merged value not finite) is raised as soon as the threads have
+    stopped, unless a write handed out before it failed (that one is raised, from it).
 
     Args:
         tensors: the planned tensors of the shard, in the order of its entries.
