@@ -9,7 +9,8 @@ Every step a merge must take is timed alone on one thread over the whole base:
   the changes the plan gives each weight): the rows widened to fp32, the LoRA products added, the self-check, the
   finite check and the precision report's counts, the cast back to bf16;
 - the SHA-256 of the output, for the merge record;
-- writing the output (``pwrite`` into the page cache; the ``fsync`` after it, the disk's time, apart).
+- writing the output (``pwrite`` into the page cache, in the shard writer's pieces; the ``fsync`` after it, the
+  disk's time, apart).
 
 The sum is the CPU time a merge needs; divided by the cores, it is the wall time of a merge whose steps overlap
 perfectly and cost nothing more. Where a durable copy takes longer, the copy is the bound instead. Either is a lower
@@ -143,6 +144,7 @@ def measure(size: str, repeats: int, before: str | None = None) -> dict:
     from peft_shardmerge.checkpoint.reader import CheckpointReader
     from peft_shardmerge.engine.plan import DTYPES, Op
     from peft_shardmerge.output.resume import Crc32
+    from peft_shardmerge.output.writer import WRITE_PIECE
 
     base, adapter = bench_merge.build(size)
     paths = _shards(base)
@@ -200,7 +202,8 @@ def measure(size: str, repeats: int, before: str | None = None) -> dict:
         try:
             for piece in _pieces(paths):
                 t = clock()
-                os.pwrite(fd, piece, pos)
+                for at in range(0, len(piece), WRITE_PIECE):  # as the shard writer hands them to the kernel
+                    os.pwrite(fd, piece[at : at + WRITE_PIECE], pos + at)
                 spent += clock() - t
                 pos += len(piece)
             t = clock()

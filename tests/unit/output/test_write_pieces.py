@@ -1,5 +1,5 @@
-"""A shard's bytes go to the kernel in pieces of at most output/writer.py's ``_PIECE`` (whatever the size of the row
-block handed in), in order, in place and through a copy, and the file is the same as written whole."""
+"""A shard's bytes go to the kernel in pieces of at most ``WRITE_PIECE`` (output/writer.py), whatever the size of the
+row block handed in: in order, in place and through a copy; the file is the same as written whole."""
 
 from __future__ import annotations
 
@@ -67,5 +67,5 @@ def test_large_blocks_and_copies_are_written_in_pieces(placed, calls, tmp_path):
     loaded = load_file(str(path))
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
     data = calls[1:]  # the header is written first, in one call
-    assert sum(data) == 8 * N and max(data) == writer_module._PIECE
-    assert len(data) >= 2 * (4 * N // writer_module._PIECE)
+    assert sum(data) == 8 * N and max(data) == writer_module.WRITE_PIECE
+    assert len(data) >= 2 * (4 * N // writer_module.WRITE_PIECE)
