@@ -124,7 +124,9 @@ def write_placed(
 ) -> None:
     """Prepare the tensors of one shard on this thread, in order, and write each on the threads of ``pool`` at its
     place in the file (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). The next tensor is prepared as soon as
-    any write in flight ends (not only the oldest), so that one long write does not leave the other threads idle.
+    there is room for it under ``ahead`` and ``held_limit``, made by whichever writes in flight end first (not only
+    the oldest): a long write does not hold back the tensors after it while there is room beside it (under a byte
+    limit, one that holds most of the limit still does).
     The first failure among the writes, in their order, is raised once no thread works on the shard any more (also
     when this thread is interrupted meanwhile), and nothing more is prepared once a write has failed; a failure of
     ``before`` or ``prepare`` (another rank stopped, a merged value not finite) is raised as soon as the threads have
@@ -182,8 +184,11 @@ def write_placed(
                 failures.append((index, future.exception()))
 
     def first_failure() -> BaseException | None:
-        """Once no thread works on the shard: the failure of the earliest write in plan order, if any."""
-        _stop(pending)
+        """Once no thread works on the shard: the failure of the earliest write in plan order, if any (an interrupt
+        while waiting goes up; the ``finally`` below waits for the threads through any further one)."""
+        for future in pending:
+            future.cancel()
+        wait(pending)
         settle(list(pending))
         return min(failures, key=lambda f: f[0])[1] if failures else None
 
@@ -195,7 +200,7 @@ def write_placed(
     try:
         for index, t in enumerate(tensors):
             settle([f for f in pending if f.done()])
-            # whichever write ends first makes room: a long one does not hold back the tensors after it
+            # room is made by whichever writes end first, not only the oldest
             while pending and not failures and full(t):
                 settle(wait(pending, return_when=FIRST_COMPLETED).done)
             if failures:
@@ -227,11 +232,12 @@ def _stop(futures) -> None:
 
 
 def _wait_for(futures) -> None:
-    """Wait until none of ``futures`` runs, through further interrupts: the shard's file and the inputs are closed
-    after this, and a thread still writing would write through a closed (or reused) descriptor."""
+    """Wait until none of ``futures`` runs, through further interrupts (Ctrl-C, or the command's SIGTERM): the shard's
+    file and the inputs are closed after this, and a thread still writing would write through a closed (or reused)
+    descriptor."""
     while True:
         try:
             wait(futures)
             return
-        except KeyboardInterrupt:  # the first interrupt is on its way up already
+        except BaseException:  # the first interrupt is on its way up already
             continue

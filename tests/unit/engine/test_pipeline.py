@@ -348,20 +348,27 @@ def test_what_is_prepared_and_not_yet_written_stays_under_the_byte_limit(tmp_pat
 def test_a_long_write_does_not_hold_back_the_tensors_after_it(tmp_path):
     """write_placed with two workers and two tensors in flight at most: the first write ends only once the last tensor
     is written, so the others must go through the second worker meanwhile (waiting for the writes in their order would
-    hold the third tensor back until the first write ended, which never comes: its wait times out and fails it)."""
+    hold the third tensor back until the first write ended, which never comes: its wait times out and fails it), and
+    never more than two are prepared and not yet written."""
     from types import SimpleNamespace
 
     from peft_shardmerge.engine.pipeline import worker_pool, write_placed
 
     ts = [SimpleNamespace(name=f"t{i}", shape=(i + 1,), nbytes=4 * (i + 1)) for i in range(6)]
     entries = [(t.name, "F32", t.shape, t.nbytes) for t in ts]
-    last_written, counted = threading.Event(), []
+    last_written, counted, lock, in_flight = threading.Event(), [], threading.Lock(), [0, 0]  # now, most
 
     def prepare(t):
+        with lock:
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight)
+
         def write(sink):
-            if t is ts[0] and not last_written.wait(5):
+            if t is ts[0] and not last_written.wait(60):
                 raise TimeoutError("the last tensor was not written while the first one's write ran")
             sink.write(torch.full(t.shape, float(t.shape[0])))
+            with lock:
+                in_flight[0] -= 1
             if t is ts[-1]:
                 last_written.set()
 
@@ -370,6 +377,7 @@ def test_a_long_write_does_not_hold_back_the_tensors_after_it(tmp_path):
     path = tmp_path / "model.safetensors"
     with ShardWriter(str(path), entries) as w, worker_pool(2) as pool:
         write_placed(ts, prepare, w, pool, ahead=2, done=counted.append)
+    assert in_flight == [0, 2]
     assert sorted(counted) == sorted(t.nbytes for t in ts)
     assert {k: v.tolist() for k, v in load_file(str(path)).items()} == {t.name: [t.shape[0]] * t.shape[0] for t in ts}
 

@@ -13,30 +13,37 @@ from safetensors.torch import load_file, save_file
 from peft_shardmerge.output import writer as writer_module
 from peft_shardmerge.output.writer import ShardWriter
 
-N = (7 << 20) // 4 + 5  # float32 elements: a little over 7 MiB, not a whole number of pieces
+N = 7 * writer_module.WRITE_PIECE // 4 + 5  # float32 elements: 7 pieces and a little more
 
 
 @pytest.fixture
 def calls(monkeypatch, tmp_path):
-    """The size of every write/pwrite into files under tmp_path's "out" file, and copies done without the kernel."""
-    sizes: list[int] = []
-    real_write, real_pwrite = os.write, os.pwrite
+    """The size of every write/pwrite into the "out" file and of every pread from the "src" file; copies done
+    without the kernel."""
+    sizes: dict[str, list[int]] = {"written": [], "read": []}
+    real_write, real_pwrite, real_pread = os.write, os.pwrite, os.pread
 
     def write(fd, data):
         if os.readlink(f"/proc/self/fd/{fd}").endswith("out.safetensors"):
-            sizes.append(len(data))
+            sizes["written"].append(len(data))
         return real_write(fd, data)
 
     def pwrite(fd, data, offset):
         if os.readlink(f"/proc/self/fd/{fd}").endswith("out.safetensors"):
-            sizes.append(len(data))
+            sizes["written"].append(len(data))
         return real_pwrite(fd, data, offset)
+
+    def pread(fd, n, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("src.safetensors"):
+            sizes["read"].append(n)
+        return real_pread(fd, n, offset)
 
     def no_kernel_copy(*args):
         raise OSError(errno.EXDEV, "cross-device link")  # as between two filesystems: the copy reads and writes
 
     monkeypatch.setattr(os, "write", write)
     monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pread", pread)
     monkeypatch.setattr(os, "copy_file_range", no_kernel_copy)
     return sizes
 
@@ -66,6 +73,6 @@ def test_large_blocks_and_copies_are_written_in_pieces(placed, calls, tmp_path):
         os.close(fd)
     loaded = load_file(str(path))
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
-    data = calls[1:]  # the header is written first, in one call
+    data = calls["written"][1:]  # the header is written first, in one call
     assert sum(data) == 8 * N and max(data) == writer_module.WRITE_PIECE
-    assert len(data) >= 2 * (4 * N // writer_module.WRITE_PIECE)
+    assert sum(calls["read"]) == 4 * N and max(calls["read"]) == writer_module.WRITE_PIECE
