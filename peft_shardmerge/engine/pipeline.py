@@ -125,8 +125,8 @@ def write_placed(
     """Prepare the tensors of one shard on this thread, in order, and write each on the threads of ``pool`` at its
     place in the file (:meth:`~peft_shardmerge.output.writer.ShardWriter.at`). The next tensor is prepared as soon as
     there is room for it under ``ahead`` and ``held_limit``, made by whichever writes in flight end first (not only
-    the oldest): a long write does not hold back the tensors after it while there is room beside it (under a byte
-    limit, one that holds most of the limit still does).
+    the oldest): a long write does not hold back the tensors after it while there is room beside it (under
+    ``held_limit``, a long write that holds most of the limit still holds them back).
     The first failure among the writes, in their order, is raised once no thread works on the shard any more (also
     when this thread is interrupted meanwhile), and nothing more is prepared once a write has failed; a failure of
     ``before`` or ``prepare`` (another rank stopped, a merged value not finite) is raised as soon as the threads have
