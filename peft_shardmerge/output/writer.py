@@ -19,9 +19,9 @@ from ..io.safetensors_io import build_header
 _COPY_PIECE = 64 << 20
 #: the most one ``write``/``pwrite`` (or a copy's ``pread``) moves at once, whatever the block handed in: with calls
 #: of 1 MiB instead of one per row block (8 MiB, freshly cast), a merge on 2 cores took 0.58-0.60 times as long at
-#: 0.5B and 1B (at 8B, the page cache full, 1.06 times: 3 pairs; Linux 6.18, ext4; docs/benchmarks.md, "Writes in
-#: pieces of 1 MiB"); it costs one system call per MiB. A copy in the kernel (``copy_file_range``, in pieces of
-#: ``_COPY_PIECE``) has no user buffer to cut and is left as it is.
+#: 0.5B and 1B (at 8B, the page cache full, 1.06 times: 3 pairs); a copy's reads of 8 MiB, written in 1 MiB pieces,
+#: made it 1.05-1.10 times as long again (Linux 6.18, ext4; docs/benchmarks.md, "Writes in pieces of 1 MiB"). A copy in
+#: the kernel (``copy_file_range``, in pieces of ``_COPY_PIECE``) has no user buffer to cut and is left as it is.
 WRITE_PIECE = 1 << 20
 #: bytes written to a shard between two requests to the kernel to put what is written so far on the disk
 FLUSH_EVERY = 64 << 20
