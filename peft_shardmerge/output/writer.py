@@ -1,6 +1,6 @@
 """Streaming safetensors output: the header first, then tensor bytes as they are produced (with a SHA-256 per
 tensor and of the header, recorded while writing or handed in by whoever produced the bytes, and the file flushed
-to the disk as it grows), then the index."""
+to the disk as it grows; written in place, past the page cache where the filesystem takes it), then the index."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 
 from ..errors import MergeCheckError
 from ..io.safetensors_io import build_header
+from . import direct
+from .direct import DirectWrites
 
 _COPY_PIECE = 64 << 20
 #: the most one ``write``/``pwrite`` (or a copy's ``pread``) moves at once, whatever the block handed in: with calls
@@ -147,7 +149,9 @@ class ShardWriter:
 
     In order (:meth:`write`, :meth:`copy_from`), writes happen on a background thread so that computing the next
     block overlaps writing this one; at most ``depth`` blocks wait in between, so memory stays bounded by a few
-    blocks. In place (:meth:`at`), each tensor is written by the thread that produces it, several at once.
+    blocks. In place (:meth:`at`), each tensor is written by the thread that produces it, several at once; on the
+    filesystems of :data:`~peft_shardmerge.output.direct.DIRECT_FILESYSTEMS` past the page cache
+    (:class:`~peft_shardmerge.output.direct.DirectWrites`), the same bytes.
 
     Args:
         path: the file to create (must not exist).
@@ -188,6 +192,8 @@ class ShardWriter:
         self._lock = threading.Lock()
         self._unflushed = 0  # bytes written since the last flush request
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._head = header  # for the writes in place past the page cache: the block it shares with the first tensor
+        self._direct: DirectWrites | None | bool = None  # made at the first write in place; False: through the cache
         self._flusher = Flusher(self._fd)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
@@ -275,7 +281,16 @@ class ShardWriter:
             A :class:`TensorAt`; its :meth:`~TensorAt.finish` records the tensor.
         """
         begin = self._header[0] + sum(n for _, n in self._entries[:index])
+        with self._lock:
+            if self._direct is None:
+                self._direct = self._direct_writes()
         return TensorAt(self, index, begin)
+
+    def _direct_writes(self) -> "DirectWrites | bool":
+        """The shard's writes past the page cache where its filesystem takes them, else False."""
+        if not direct.wanted(self.path):
+            return False
+        return DirectWrites(self.path, self._fd, self.expected + self._header[0], self._head, WRITE_PIECE)
 
     def _placed_tensor(self, index: int, nbytes: int, sha256: str) -> None:
         with self._lock:
@@ -355,9 +370,13 @@ class ShardWriter:
             for error in (self._error, self._flusher.error):  # a failed write explains more than a failed flush
                 if error is not None:
                     raise error
+            if self._direct:
+                self._direct.close()
             os.fsync(self._fd)
         finally:
             self._flusher.stop()
+            if self._direct:
+                self._direct.abort()
             os.close(self._fd)
             self._fd = -1
         if self.written != self.expected:
@@ -367,6 +386,8 @@ class ShardWriter:
         """Close without checks (after an error)."""
         self._stop()
         self._flusher.stop()
+        if self._direct:
+            self._direct.abort()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -382,8 +403,9 @@ class ShardWriter:
 
 
 class TensorAt:
-    """One tensor's bytes written at their place in a shard (``pwrite``), hashed on the way: the sink a worker
-    thread writes a tensor into (:meth:`ShardWriter.at`), with the calls a :class:`ShardWriter` receives.
+    """One tensor's bytes written at their place in a shard (``pwrite``, or the shard's direct writes), hashed on the
+    way: the sink a worker thread writes a tensor into (:meth:`ShardWriter.at`), with the calls a :class:`ShardWriter`
+    receives.
 
     Args:
         writer: the shard.
@@ -417,6 +439,11 @@ class TensorAt:
             done += len(piece)
 
     def _pwrite(self, view: memoryview) -> None:
+        if self.writer._direct:  # past the page cache, in pieces of its own
+            self.writer._direct.pwrite(view, self.pos)
+            self.pos, self.nbytes = self.pos + len(view), self.nbytes + len(view)
+            self.writer._wrote(len(view))
+            return
         fd = self.writer._fd
         while view:
             n = os.pwrite(fd, view[:WRITE_PIECE], self.pos)

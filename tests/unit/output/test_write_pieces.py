@@ -1,5 +1,6 @@
 """A shard's bytes go to the kernel in pieces of at most ``WRITE_PIECE`` (output/writer.py), whatever the size of the
-row block handed in: in order, in place and through a copy; the file is the same as written whole."""
+row block handed in: in order, in place and through a copy; the file is the same as written whole (through the page
+cache; past it, test_direct_writes.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from peft_shardmerge.output import direct
 from peft_shardmerge.output import writer as writer_module
 from peft_shardmerge.output.writer import ShardWriter
 
@@ -45,6 +47,7 @@ def calls(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "pread", pread)
     monkeypatch.setattr(os, "copy_file_range", no_kernel_copy)
+    monkeypatch.setenv(direct.ENVIRONMENT, "0")  # through the page cache (test_direct_writes.py: past it)
     return sizes
 
 

@@ -1,0 +1,197 @@
+"""Writes past the page cache (output/direct.py): whatever the order, the threads and the cuts of the writes, the file
+holds exactly the bytes written; a refused or failed direct write is handled; the merge's output is the same bytes
+with and without them."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import filecmp
+import mmap
+import os
+import random
+import shutil
+import subprocess
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peft_shardmerge import merge_checkpoint
+from peft_shardmerge.output import direct
+from peft_shardmerge.output.direct import ALIGN, DirectWrites
+from peft_shardmerge.output.writer import ShardWriter
+from peft_shardmerge.testing import build_adapter, build_base
+
+PIECE = 4 * ALIGN  # small pieces: many direct writes per tensor
+
+
+def _is_direct(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def _layout(seed: int):
+    """A header and tensor sizes around the block size: empty, tiny (several in one block), one byte short of and
+    past a block, many blocks; and the bytes the file must hold."""
+    rng = random.Random(seed)
+    head = os.urandom(rng.choice([8, 37, ALIGN - 3, ALIGN, 2 * ALIGN + 100]))
+    sizes = [0, 1, 3, 8, ALIGN - 1, ALIGN, ALIGN + 1, 3 * PIECE + 5, 5, 2 * PIECE, 17, PIECE - 8]
+    rng.shuffle(sizes)
+    tensors = [os.urandom(n) for n in sizes]
+    return head, tensors, head + b"".join(tensors)
+
+
+def _write(path, head, tensors, seed: int, threads: int = 3) -> DirectWrites:
+    """Write the tensors from several threads, each tensor cut at random places and handed in in order."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, head)
+        size = len(head) + sum(map(len, tensors))
+        d = DirectWrites(str(path), fd, size, head, PIECE, threads=2, buffers=3)
+        begins = [len(head) + sum(map(len, tensors[:i])) for i in range(len(tensors))]
+        order = list(range(len(tensors)))
+        random.Random(seed).shuffle(order)
+
+        def worker(k: int) -> None:
+            rng = random.Random(seed * 100 + k)
+            for i in order[k::threads]:
+                data, pos = memoryview(tensors[i]), begins[i]
+                while data:
+                    n = rng.randint(1, max(1, len(data)))
+                    d.pwrite(data[:n], pos)
+                    data, pos = data[n:], pos + n
+
+        workers = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        d.close()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return d
+
+
+def _needs_direct(tmp_path) -> None:
+    try:
+        fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError as e:
+        pytest.skip(f"this filesystem takes no O_DIRECT: {e}")
+    try:
+        os.pwrite(fd, memoryview(mmap.mmap(-1, ALIGN)), 0)
+    except OSError as e:
+        pytest.skip(f"this filesystem refuses direct writes: {e}")
+    finally:
+        os.close(fd)
+        os.unlink(tmp_path / "probe")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_writes_from_several_threads_in_any_order_and_cut_give_the_bytes_written(seed, tmp_path, monkeypatch):
+    _needs_direct(tmp_path)
+    head, tensors, want = _layout(seed)
+    sizes = {"direct": [], "cached": []}
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        sizes["direct" if _is_direct(fd) else "cached"].append((offset, len(data)))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    d = _write(tmp_path / "f", head, tensors, seed)
+    assert (tmp_path / "f").read_bytes() == want
+    assert d.direct and d.error is None
+    # every direct write is aligned and at most a piece; together with the blocks written through the cache, every
+    # byte after the header's whole blocks is written exactly once
+    assert sizes["direct"] and all(o % ALIGN == 0 and 0 < n <= PIECE and n % ALIGN == 0 for o, n in sizes["direct"])
+    covered = sorted(sizes["direct"] + sizes["cached"])
+    start = len(head) - len(head) % ALIGN
+    assert covered[0][0] == start and all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))
+    assert covered[-1][0] + covered[-1][1] == len(want)
+
+
+def test_a_refused_direct_write_sends_the_rest_through_the_page_cache(tmp_path, monkeypatch):
+    _needs_direct(tmp_path)
+    head, tensors, want = _layout(1)
+    real = os.pwrite
+    refused = []
+
+    def pwrite(fd, data, offset):
+        if _is_direct(fd):
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    d = _write(tmp_path / "f", head, tensors, 1)
+    assert (tmp_path / "f").read_bytes() == want
+    assert not d.direct and refused
+
+
+def test_a_failed_direct_write_is_raised(tmp_path, monkeypatch):
+    _needs_direct(tmp_path)
+    head, tensors, _ = _layout(2)
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        if _is_direct(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(OSError) as e:
+        _write(tmp_path / "f", head, tensors, 2)
+    assert e.value.errno == errno.ENOSPC
+
+
+def test_a_block_never_completed_is_named_at_close(tmp_path):
+    from peft_shardmerge.errors import MergeCheckError
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        d = DirectWrites(str(tmp_path / "f"), fd, 3 * ALIGN, b"", PIECE)
+        d.pwrite(memoryview(b"x" * (ALIGN + 10)), 0)
+        with pytest.raises(MergeCheckError, match=f"1 block.*offset {ALIGN}"):
+            d.close()
+    finally:
+        os.close(fd)
+
+
+def test_a_shard_in_place_goes_past_the_page_cache_only_where_wanted(tmp_path, monkeypatch):
+    for name, setting in (("a", "1"), ("b", "0")):
+        monkeypatch.setenv(direct.ENVIRONMENT, setting)
+        path = str(tmp_path / f"{name}.safetensors")
+        with ShardWriter(path, [("w", "F32", (4,), 16)]) as w:
+            sink = w.at(0)
+            sink.write(torch.arange(4.0))
+            sink.finish()
+            used = bool(w._direct)
+        assert used == (setting == "1" and direct.filesystem_type(str(tmp_path)) in direct.DIRECT_FILESYSTEMS)
+        assert torch.equal(load_file(path)["w"], torch.arange(4.0))
+
+
+@pytest.mark.skipif(shutil.which("findmnt") is None, reason="findmnt (util-linux) is the reference")
+@pytest.mark.parametrize("where", ["tmp", "/proc", "/dev/shm", "/"])
+def test_the_filesystem_type_is_the_one_findmnt_names(where, tmp_path):
+    path = str(tmp_path) if where == "tmp" else where
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not on this machine")
+    want = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", path], capture_output=True, text=True, check=True)
+    assert direct.filesystem_type(path) == want.stdout.split()[-1]  # over-mounts: the last one is seen
+
+
+def test_a_merge_writes_the_same_bytes_past_the_page_cache_and_through_it(tmp_path, monkeypatch):
+    base = build_base(str(tmp_path / "base"))
+    adapter = build_adapter(base, str(tmp_path / "adapter"))
+    if not direct.wanted(str(tmp_path / "x")):
+        pytest.skip("this filesystem is not one direct writes are used on")
+    merge_checkpoint(base, adapter, str(tmp_path / "direct"), workers=2, progress=False, model_checks="first")
+    monkeypatch.setenv(direct.ENVIRONMENT, "0")
+    merge_checkpoint(base, adapter, str(tmp_path / "cached"), workers=2, progress=False, model_checks="first")
+    names = sorted(n for n in os.listdir(tmp_path / "direct") if n.endswith((".safetensors", ".json")))
+    names.remove("merge_manifest.json")  # names the output folder
+    assert any(n.endswith(".safetensors") for n in names)
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "direct", tmp_path / "cached", names, shallow=False)
+    assert not mismatch and not errors
