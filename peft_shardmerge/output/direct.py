@@ -12,87 +12,149 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import MergeCheckError
 
-#: the alignment of a direct write's offset, length and buffer: the page size, a multiple of every logical block size
-#: Linux's local filesystems use
+#: the least alignment of a direct write's offset, length and buffer: a multiple of every logical block size Linux's
+#: local filesystems use; a file on a larger page or filesystem block is aligned to that (:func:`alignment`)
 ALIGN = 4096
 #: filesystems whose direct writes are used (an allowlist: on others, FUSE and network filesystems among them, a direct
 #: write may be refused, slow, or cached all the same)
 DIRECT_FILESYSTEMS = frozenset({"ext4", "xfs"})
-#: set to ``0`` in the environment to write every shard through the page cache
+#: ``0`` in the environment: every shard through the page cache; ``1``: past it wherever the filesystem allows; unset
+#: (or ``auto``): past it where the machine's free memory would not hold the shard
 ENVIRONMENT = "PEFT_SHARDMERGE_DIRECT_IO"
 
 
 def filesystem_type(path: str) -> str | None:
-    """The type of the filesystem that holds ``path`` (``"ext4"``, ``"tmpfs"``...), from ``/proc/self/mountinfo``.
+    """The type of the filesystem that holds ``path`` (``"ext4"``, ``"tmpfs"``...), from ``/proc/self/mountinfo``:
+    the innermost mount point above it among the mounts of its device (a mount another one hides is not taken).
 
     Args:
         path: an existing file or folder.
 
     Returns:
-        The type of the innermost mount holding it, or None where it cannot be told (no ``/proc``).
+        The type, or None where it cannot be told (no ``/proc``, a device no mount names).
 
     Example:
         >>> filesystem_type("/proc") in ("proc", None)
         True
     """
-    real, best, kind = os.path.realpath(path), "", None
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields, _, rest = line.partition(" - ")
-                mount = fields.split()[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best) and rest:  # a later mount on the same point hides the earlier
-                    best, kind = mount, rest.split()[0]
+        real, dev = os.fsencode(os.path.realpath(path)), os.stat(path).st_dev
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
     except OSError:
         return None
+    best, kind = b"", None
+    for line in lines:
+        fields, _, rest = line.partition(b" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        major, _, minor = parts[2].partition(b":")
+        if (int(major), int(minor)) != (os.major(dev), os.minor(dev)):
+            continue
+        mount = _unescape(parts[4])
+        inside = real == mount or real.startswith(mount.rstrip(b"/") + b"/")
+        if inside and len(mount) >= len(best):  # a later mount on the same point hides the earlier
+            best, kind = mount, os.fsdecode(rest.split()[0])
     return kind
 
 
-def wanted(path: str) -> bool:
-    """Whether the tensors of a shard at ``path`` are written past the page cache: on an allowlisted filesystem
-    (:data:`DIRECT_FILESYSTEMS`), unless the environment variable :data:`ENVIRONMENT` is ``0``.
+def _unescape(field: bytes) -> bytes:
+    """A mountinfo path field as the path: the kernel writes space, tab, newline and backslash as octal escapes."""
+    for code, char in ((b"\\040", b" "), (b"\\011", b"\t"), (b"\\012", b"\n"), (b"\\134", b"\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def alignment(fd: int) -> int:
+    """The alignment of the direct writes into ``fd``: :data:`ALIGN`, or the page size or the file's block size where
+    larger (so that a block written through the page cache never shares a page with one written direct).
+
+    Args:
+        fd: the file.
+
+    Returns:
+        A power of two, at least :data:`ALIGN`.
+
+    Example:
+        >>> alignment(0) >= ALIGN
+        True
+    """
+    return max(ALIGN, mmap.PAGESIZE, os.fstat(fd).st_blksize)
+
+
+def wanted(path: str, nbytes: int) -> bool:
+    """Whether the tensors of a shard are written past the page cache: on an allowlisted filesystem
+    (:data:`DIRECT_FILESYSTEMS`) where the machine's free memory would not hold the shard (writing it through the
+    page cache would first evict as much of what the cache holds, the base being read among it), or as the
+    environment variable :data:`ENVIRONMENT` says.
 
     Args:
         path: the shard (its folder exists).
+        nbytes: its size.
 
     Returns:
         True to use :class:`DirectWrites`.
 
     Example:
-        >>> wanted("/proc/version")
+        >>> wanted("/proc/version", 1 << 40)
         False
     """
-    if os.environ.get(ENVIRONMENT, "1") == "0" or not hasattr(os, "O_DIRECT"):
+    setting = os.environ.get(ENVIRONMENT, "auto")
+    if setting == "0" or not hasattr(os, "O_DIRECT"):
         return False
-    return filesystem_type(os.path.dirname(os.path.abspath(path)) or ".") in DIRECT_FILESYSTEMS
+    if filesystem_type(os.path.dirname(os.path.abspath(path)) or ".") not in DIRECT_FILESYSTEMS:
+        return False
+    return setting == "1" or free_memory() < nbytes
+
+
+def free_memory() -> int:
+    """The machine's free memory in bytes (``MemFree`` of ``/proc/meminfo``; the page cache not counted as free),
+    or 0 where it cannot be read.
+
+    Example:
+        >>> free_memory() >= 0
+        True
+    """
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemFree:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class DirectWrites:
-    """The tensor bytes of one shard, from any thread (several at once), written with ``O_DIRECT``: the whole
-    :data:`ALIGN`-blocks of each write are copied, in pieces of ``piece`` bytes, into free page-aligned buffers that
-    ``threads`` threads of its own write to the disk while the caller goes on (it waits only for a free buffer); the
-    partial blocks at a write's ends (shared with the header or the neighbouring write) are assembled in memory and
-    written through the page cache once complete. Where the file cannot be opened so, or the filesystem refuses a
-    direct write, everything from then on goes through the page cache: the bytes are the same either way.
+    """The tensor bytes of one shard, from any thread (several at once), written with ``O_DIRECT``: the whole aligned
+    blocks of each write (:func:`alignment`) are copied, in pieces of ``piece`` bytes, into free page-aligned buffers
+    that ``threads`` threads of its own write to the disk while the caller goes on (it waits only for a free buffer);
+    the partial blocks at a write's ends (shared with the header or the neighbouring write) are assembled in memory and
+    written through the page cache by :meth:`close`, after the direct writes. Where the file cannot be opened so, or
+    the filesystem refuses a direct write, everything from then on goes through the page cache: the same bytes.
 
     Why by hand: neither the standard library nor safetensors offers aligned direct writes, and on a machine whose
-    memory the page cache must first be given (a virtual machine that returns free memory to its host, say), copying
-    into fresh page-cache pages cost more than the merge's own arithmetic (docs/benchmarks.md, "Writes past the page
-    cache").
+    memory the page cache must first be given (a virtual machine that returns free memory to its host, say), filling
+    the page cache cost more than the merge's own arithmetic (docs/benchmarks.md, "Writes past the page cache").
 
     Args:
         path: the shard, created already.
         fd: its descriptor through the page cache (kept open by the caller until :meth:`close` has returned).
         size: the shard's final size in bytes.
         head: the bytes written before (the header): the block they share with the first tensor is completed here.
-        piece: the most one direct write moves (a multiple of :data:`ALIGN`).
+        piece: the most one direct write moves (a multiple of :data:`ALIGN`; rounded down to the file's alignment).
         threads: the threads that write the pieces.
         buffers: pieces copied and not yet written, at most.
 
     Attributes:
+        align: the file's alignment.
         direct: whether pieces still go past the page cache.
-        error: the first failed direct write, raised at the next call.
+        error: the first failed write of a piece (direct, or through the page cache after a refusal): raised by the
+            next call that writes whole blocks, and by :meth:`close`.
+
+    Raises:
+        ValueError: ``piece`` is not a multiple of :data:`ALIGN`.
 
     Example:
         >>> import tempfile
@@ -111,31 +173,42 @@ class DirectWrites:
     ):
         if piece % ALIGN:
             raise ValueError(f"piece must be a multiple of {ALIGN}, got {piece}")
-        self.fd, self.size, self.piece = fd, size, piece
+        self.fd, self.size, self.align = fd, size, alignment(fd)
+        self.piece = max(self.align, piece - piece % self.align)
         self.error: BaseException | None = None
         try:
             self._dfd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0) | getattr(os, "O_CLOEXEC", 0))
         except OSError:  # no direct writes on this filesystem after all
             self._dfd = -1
         self.direct = self._dfd >= 0 and hasattr(os, "O_DIRECT")
+        if self.direct:
+            try:  # the blocks allocated at once: every direct write then an overwrite, several at once (ext4, XFS)
+                os.posix_fallocate(self._dfd, 0, size)
+            except OSError:
+                pass
         self._closed = False
         self._lock = threading.Lock()
-        self._free: queue.Queue = queue.Queue()
-        for _ in range(buffers if self.direct else 0):
-            self._free.put(memoryview(mmap.mmap(-1, piece)))  # anonymous maps are page-aligned
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-direct")
         self._partial: dict[int, tuple[bytearray, int]] = {}  # block index -> (its bytes, how many are in)
-        cut = len(head) - len(head) % ALIGN
-        self._fragment(memoryview(head)[cut:], cut)
+        self._complete: list[tuple[int, bytearray]] = []  # (block index, bytes): written by close
+        self._free: queue.Queue = queue.Queue()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-direct")
+        try:
+            for _ in range(buffers if self.direct else 0):
+                self._free.put(memoryview(mmap.mmap(-1, self.piece)))  # anonymous maps are page-aligned
+            cut = len(head) - len(head) % self.align
+            self._fragment(memoryview(head)[cut:], cut)
+        except BaseException:
+            self.abort()
+            raise
 
     def pwrite(self, view: memoryview, pos: int) -> None:
         """Write ``view`` (bytes, format ``B``) at ``pos``; every byte of the file is written once, by one call.
 
         Raises:
-            OSError: the write failed (disk full, I/O error).
+            OSError: a write failed (disk full, I/O error; this one or an earlier piece's), or the writes were closed.
         """
         end = pos + len(view)
-        first, last = -(-pos // ALIGN) * ALIGN, end // ALIGN * ALIGN
+        first, last = -(-pos // self.align) * self.align, end // self.align * self.align
         if first >= last:  # no whole block inside
             self._fragment(view, pos)
             return
@@ -144,25 +217,33 @@ class DirectWrites:
         self._fragment(view[last - pos :], last)
 
     def close(self) -> None:
-        """Wait for the direct writes in flight and close the direct descriptor (the caller fsyncs ``fd``, which
-        covers both).
+        """Wait for the pieces in flight, close the direct descriptor, and write the blocks assembled in memory through
+        ``fd`` (the caller fsyncs it, which covers both).
 
         Raises:
-            OSError: a direct write failed.
+            OSError: a write failed.
             MergeCheckError: a block was left incomplete (bytes of the file never written).
         """
-        self.abort(cancel=False)
+        self.abort()
         if self.error is not None:
             raise self.error
         if self._partial:
             blocks = sorted(self._partial)
-            raise MergeCheckError(f"bytes never written in {len(blocks)} block(s) from offset {blocks[0] * ALIGN}")
+            raise MergeCheckError(
+                f"bytes never written in {len(blocks)} block(s) from offset {blocks[0] * self.align}"
+            )
+        for block, data in sorted(self._complete):
+            self._buffered(memoryview(data), block * self.align)
+        self._complete.clear()
 
-    def abort(self, cancel: bool = True) -> None:
-        """Stop (the writes not started are dropped unless ``cancel`` is False), wait for the rest, and close the
-        direct descriptor."""
-        self._pool.shutdown(wait=True, cancel_futures=cancel)
-        self._closed = True  # a late call writes through the page cache, waiting for no buffer
+    def abort(self) -> None:
+        """Refuse further writes, wait for the pieces in flight (at most ``buffers``), let go of the buffers and close
+        the direct descriptor (idempotent)."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        while not self._free.empty():
+            self._free.get_nowait()
         if self._dfd >= 0:
             os.close(self._dfd)
             self._dfd = -1
@@ -174,12 +255,29 @@ class DirectWrites:
             if self.error is not None:
                 raise self.error
             chunk = view[at : at + self.piece]
-            if not self.direct or self._closed:
+            if not self.direct:
+                self._check_open()
                 self._buffered(chunk, pos + at)
                 continue
-            buffer = self._free.get()
+            buffer = self._take()
             buffer[: len(chunk)] = chunk
-            self._pool.submit(self._write, buffer, len(chunk), pos + at)
+            with self._lock:  # never submitted once closed: abort waits only for what was
+                if self._closed:
+                    self._free.put(buffer)
+                self._check_open()
+                self._pool.submit(self._write, buffer, len(chunk), pos + at)
+
+    def _take(self) -> memoryview:
+        """A free buffer, once one is (the writes closed meanwhile: an error)."""
+        while True:
+            try:
+                return self._free.get(timeout=0.5)
+            except queue.Empty:
+                self._check_open()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OSError(errno.EBADF, "the shard's writes were closed")
 
     def _write(self, buffer: memoryview, n: int, pos: int) -> None:
         """One piece, direct (through the page cache once the filesystem has refused one); the buffer freed after."""
@@ -199,21 +297,23 @@ class DirectWrites:
             self._free.put(buffer)
 
     def _fragment(self, view: memoryview, pos: int) -> None:
-        """Bytes short of whole blocks: kept in their blocks until complete, then written through the page cache."""
+        """Bytes short of whole blocks: kept in their blocks, which :meth:`close` writes through the page cache once
+        the direct writes are done (a write through the cache waits for every direct one in flight: ext4 takes the
+        file's lock for it alone)."""
         while view:
-            block, offset = divmod(pos, ALIGN)
-            take = min(len(view), ALIGN - offset)
-            length = min(ALIGN, self.size - block * ALIGN)  # the file's last block may be short
+            block, offset = divmod(pos, self.align)
+            take = min(len(view), self.align - offset)
+            length = min(self.align, self.size - block * self.align)  # the file's last block may be short
             with self._lock:
+                self._check_open()
                 data, filled = self._partial.pop(block, (None, 0))
                 data = bytearray(length) if data is None else data
                 data[offset : offset + take] = view[:take]
                 filled += take
                 if filled < length:
                     self._partial[block] = (data, filled)
-                    data = None
-            if data is not None:
-                self._buffered(memoryview(data), block * ALIGN)
+                else:
+                    self._complete.append((block, data))
             view, pos = view[take:], pos + take
 
     def _buffered(self, view: memoryview, pos: int) -> None:

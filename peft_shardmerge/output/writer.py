@@ -287,10 +287,11 @@ class ShardWriter:
         return TensorAt(self, index, begin)
 
     def _direct_writes(self) -> "DirectWrites | bool":
-        """The shard's writes past the page cache where its filesystem takes them, else False."""
-        if not direct.wanted(self.path):
+        """The shard's writes past the page cache where :func:`~peft_shardmerge.output.direct.wanted`, else False."""
+        size = self.expected + self._header[0]
+        if not direct.wanted(self.path, size):
             return False
-        return DirectWrites(self.path, self._fd, self.expected + self._header[0], self._head, WRITE_PIECE)
+        return DirectWrites(self.path, self._fd, size, self._head, WRITE_PIECE)
 
     def _placed_tensor(self, index: int, nbytes: int, sha256: str) -> None:
         with self._lock:
@@ -439,10 +440,9 @@ class TensorAt:
             done += len(piece)
 
     def _pwrite(self, view: memoryview) -> None:
-        if self.writer._direct:  # past the page cache, in pieces of its own
+        if self.writer._direct:  # past the page cache, in pieces of its own (nothing for the flusher but the tail)
             self.writer._direct.pwrite(view, self.pos)
             self.pos, self.nbytes = self.pos + len(view), self.nbytes + len(view)
-            self.writer._wrote(len(view))
             return
         fd = self.writer._fd
         while view:

@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
@@ -105,9 +106,10 @@ def test_writes_from_several_threads_in_any_order_and_cut_give_the_bytes_written
     assert d.direct and d.error is None
     # every direct write is aligned and at most a piece; together with the blocks written through the cache, every
     # byte after the header's whole blocks is written exactly once
-    assert sizes["direct"] and all(o % ALIGN == 0 and 0 < n <= PIECE and n % ALIGN == 0 for o, n in sizes["direct"])
+    align = d.align
+    assert sizes["direct"] and all(o % align == 0 and 0 < n <= PIECE and n % align == 0 for o, n in sizes["direct"])
     covered = sorted(sizes["direct"] + sizes["cached"])
-    start = len(head) - len(head) % ALIGN
+    start = len(head) - len(head) % align
     assert covered[0][0] == start and all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))
     assert covered[-1][0] + covered[-1][1] == len(want)
 
@@ -146,30 +148,83 @@ def test_a_failed_direct_write_is_raised(tmp_path, monkeypatch):
     assert e.value.errno == errno.ENOSPC
 
 
+def test_abort_while_threads_write_stops_them_without_a_hang(tmp_path, monkeypatch):
+    _needs_direct(tmp_path)
+    real = os.pwrite
+
+    def slow(fd, data, offset):
+        if _is_direct(fd):
+            time.sleep(0.05)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    ends: list[BaseException | None] = []
+    try:
+        d = DirectWrites(str(tmp_path / "f"), fd, 8 * 16 * PIECE, b"", PIECE, threads=2, buffers=3)
+
+        def writer(k: int) -> None:
+            try:
+                d.pwrite(memoryview(bytes(16 * PIECE)), k * 16 * PIECE)
+                ends.append(None)
+            except OSError as e:
+                ends.append(e)
+
+        threads = [threading.Thread(target=writer, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        d.abort()
+        for t in threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in threads)
+        assert len(ends) == 8 and any(isinstance(e, OSError) and e.errno == errno.EBADF for e in ends)
+        with pytest.raises(OSError):  # nothing is written once closed
+            d.pwrite(memoryview(bytes(PIECE)), 0)
+        d.abort()  # again: nothing left to do
+    finally:
+        os.close(fd)
+
+
 def test_a_block_never_completed_is_named_at_close(tmp_path):
     from peft_shardmerge.errors import MergeCheckError
 
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         d = DirectWrites(str(tmp_path / "f"), fd, 3 * ALIGN, b"", PIECE)
-        d.pwrite(memoryview(b"x" * (ALIGN + 10)), 0)
-        with pytest.raises(MergeCheckError, match=f"1 block.*offset {ALIGN}"):
+        d.pwrite(memoryview(b"x" * (d.align + 10)), 0)
+        with pytest.raises(MergeCheckError, match=f"1 block.*offset {d.align}"):
             d.close()
     finally:
         os.close(fd)
 
 
-def test_a_shard_in_place_goes_past_the_page_cache_only_where_wanted(tmp_path, monkeypatch):
-    for name, setting in (("a", "1"), ("b", "0")):
+@pytest.mark.parametrize(
+    "setting, free, want",
+    [("1", 1 << 50, True), ("0", 0, False), ("auto", 0, True), ("auto", 1 << 50, False), (None, 0, True)],
+    ids=["always", "never", "auto, no free memory", "auto, memory free", "unset"],
+)
+def test_a_shard_in_place_goes_past_the_page_cache_where_wanted(setting, free, want, tmp_path, monkeypatch):
+    if setting is None:
+        monkeypatch.delenv(direct.ENVIRONMENT, raising=False)
+    else:
         monkeypatch.setenv(direct.ENVIRONMENT, setting)
-        path = str(tmp_path / f"{name}.safetensors")
-        with ShardWriter(path, [("w", "F32", (4,), 16)]) as w:
-            sink = w.at(0)
-            sink.write(torch.arange(4.0))
-            sink.finish()
-            used = bool(w._direct)
-        assert used == (setting == "1" and direct.filesystem_type(str(tmp_path)) in direct.DIRECT_FILESYSTEMS)
-        assert torch.equal(load_file(path)["w"], torch.arange(4.0))
+    monkeypatch.setattr(direct, "free_memory", lambda: free)
+    allowed = direct.filesystem_type(str(tmp_path)) in direct.DIRECT_FILESYSTEMS
+    path = str(tmp_path / "a.safetensors")
+    with ShardWriter(path, [("w", "F32", (4,), 16)]) as w:
+        sink = w.at(0)
+        sink.write(torch.arange(4.0))
+        sink.finish()
+        used = bool(w._direct)
+    assert used == (want and allowed)
+    assert torch.equal(load_file(path)["w"], torch.arange(4.0))
+
+
+def test_free_memory_is_the_kernels_memfree():
+    with open("/proc/meminfo") as f:
+        want = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemFree:"))
+    assert abs(direct.free_memory() - want) < 256 << 20  # read a moment apart
 
 
 @pytest.mark.skipif(shutil.which("findmnt") is None, reason="findmnt (util-linux) is the reference")
@@ -185,7 +240,8 @@ def test_the_filesystem_type_is_the_one_findmnt_names(where, tmp_path):
 def test_a_merge_writes_the_same_bytes_past_the_page_cache_and_through_it(tmp_path, monkeypatch):
     base = build_base(str(tmp_path / "base"))
     adapter = build_adapter(base, str(tmp_path / "adapter"))
-    if not direct.wanted(str(tmp_path / "x")):
+    monkeypatch.setenv(direct.ENVIRONMENT, "1")
+    if not direct.wanted(str(tmp_path / "x"), 1):
         pytest.skip("this filesystem is not one direct writes are used on")
     merge_checkpoint(base, adapter, str(tmp_path / "direct"), workers=2, progress=False, model_checks="first")
     monkeypatch.setenv(direct.ENVIRONMENT, "0")
