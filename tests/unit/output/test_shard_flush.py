@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from peft_shardmerge import merge_checkpoint
+from peft_shardmerge.output import direct
 from peft_shardmerge.output import writer as writer_module
 from peft_shardmerge.output.writer import ShardWriter
 
@@ -21,6 +22,7 @@ def _entries(n: int):
 
 def test_a_shard_is_flushed_while_it_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_module, "FLUSH_EVERY", 1 << 20)
+    monkeypatch.setenv(direct.ENVIRONMENT, "0")  # through the page cache (past it, nothing is left to flush)
     real, sizes, flushed = os.fdatasync, [], threading.Event()
 
     def recorded(fd):
@@ -49,6 +51,7 @@ def test_a_shard_is_flushed_while_it_is_written(tmp_path, monkeypatch):
 
 def test_a_failed_flush_fails_the_shard_even_when_the_last_fsync_succeeds(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_module, "FLUSH_EVERY", 1 << 20)
+    monkeypatch.setenv(direct.ENVIRONMENT, "0")  # through the page cache (past it: test_direct_writes.py)
 
     def failing(fd):
         raise OSError(errno.EIO, "Input/output error")
