@@ -15,6 +15,8 @@ from ..errors import MergeCheckError
 #: the least alignment of a direct write's offset, length and buffer: a multiple of every logical block size Linux's
 #: local filesystems use; a file on a larger page or filesystem block is aligned to that (:func:`alignment`)
 ALIGN = 4096
+#: complete shared blocks held for :meth:`DirectWrites.close`, at most; that many are written at once beyond it
+HELD_BLOCKS = 1024
 #: filesystems whose direct writes are used (an allowlist: on others, FUSE and network filesystems among them, a direct
 #: write may be refused, slow, or cached all the same)
 DIRECT_FILESYSTEMS = frozenset({"ext4", "xfs"})
@@ -131,8 +133,9 @@ class DirectWrites:
     blocks of each write (:func:`alignment`) are copied, in pieces of ``piece`` bytes, into free page-aligned buffers
     that ``threads`` threads of its own write to the disk while the caller goes on (it waits only for a free buffer);
     the partial blocks at a write's ends (shared with the header or the neighbouring write) are assembled in memory and
-    written through the page cache by :meth:`close`, after the direct writes. Where the file cannot be opened so, or
-    the filesystem refuses a direct write, everything from then on goes through the page cache: the same bytes.
+    written through the page cache by :meth:`close`, after the direct writes (or :data:`HELD_BLOCKS` at a time, so
+    that memory stays bounded). Where the file cannot be opened so, or the filesystem refuses a direct write,
+    everything from then on goes through the page cache: the same bytes.
 
     Why by hand: neither the standard library nor safetensors offers aligned direct writes, and on a machine whose
     memory the page cache must first be given (a virtual machine that returns free memory to its host, say), filling
@@ -299,11 +302,12 @@ class DirectWrites:
     def _fragment(self, view: memoryview, pos: int) -> None:
         """Bytes short of whole blocks: kept in their blocks, which :meth:`close` writes through the page cache once
         the direct writes are done (a write through the cache waits for every direct one in flight: ext4 takes the
-        file's lock for it alone)."""
+        file's lock for it alone), or, :data:`HELD_BLOCKS` of them at a time, the call that completes the last."""
         while view:
             block, offset = divmod(pos, self.align)
             take = min(len(view), self.align - offset)
             length = min(self.align, self.size - block * self.align)  # the file's last block may be short
+            ready = None
             with self._lock:
                 self._check_open()
                 data, filled = self._partial.pop(block, (None, 0))
@@ -314,6 +318,10 @@ class DirectWrites:
                     self._partial[block] = (data, filled)
                 else:
                     self._complete.append((block, data))
+                    if len(self._complete) >= HELD_BLOCKS:  # memory stays bounded, whatever the shard's size
+                        ready, self._complete = self._complete, []
+            for block_ready, data_ready in sorted(ready or ()):
+                self._buffered(memoryview(data_ready), block_ready * self.align)
             view, pos = view[take:], pos + take
 
     def _buffered(self, view: memoryview, pos: int) -> None:

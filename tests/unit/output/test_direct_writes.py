@@ -114,6 +114,23 @@ def test_writes_from_several_threads_in_any_order_and_cut_give_the_bytes_written
     assert covered[-1][0] + covered[-1][1] == len(want)
 
 
+def test_the_shared_blocks_held_are_bounded(tmp_path, monkeypatch):
+    _needs_direct(tmp_path)
+    monkeypatch.setattr(direct, "HELD_BLOCKS", 2)
+    head, tensors, want = _layout(3)
+    held = []
+    real = DirectWrites._fragment
+
+    def fragment(self, view, pos):
+        real(self, view, pos)
+        held.append(len(self._complete))
+
+    monkeypatch.setattr(DirectWrites, "_fragment", fragment)
+    _write(tmp_path / "f", head, tensors, 3)
+    assert (tmp_path / "f").read_bytes() == want
+    assert held and max(held) < 2
+
+
 def test_a_refused_direct_write_sends_the_rest_through_the_page_cache(tmp_path, monkeypatch):
     _needs_direct(tmp_path)
     head, tensors, want = _layout(1)
