@@ -429,10 +429,14 @@ class TensorAt:
         self._pwrite(view)
 
     def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
-        """Copy ``nbytes`` from another file, hashing them as read (the digest needs the bytes: read once)."""
+        """Copy ``nbytes`` from another file, hashing them as read (the digest needs the bytes: read once); past the
+        page cache, the first piece is cut so that the others start on the file's blocks (whole blocks, written
+        direct, not shared ones)."""
         done = 0
+        align = self.writer._direct.align if self.writer._direct else 1
         while done < nbytes:
-            piece = os.pread(fd, min(WRITE_PIECE, nbytes - done), offset + done)
+            want = WRITE_PIECE - self.pos % align if done == 0 else WRITE_PIECE
+            piece = os.pread(fd, min(want, nbytes - done), offset + done)
             if not piece:
                 raise MergeCheckError(f"source file ended early while copying into {self.writer.path}")
             self._sha.update(piece)

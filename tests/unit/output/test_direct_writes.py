@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from peft_shardmerge import merge_checkpoint
 from peft_shardmerge.output import direct
+from peft_shardmerge.output import writer as writer_module
 from peft_shardmerge.output.direct import ALIGN, DirectWrites
 from peft_shardmerge.output.writer import ShardWriter
 from peft_shardmerge.testing import build_adapter, build_base
@@ -129,6 +130,37 @@ def test_the_shared_blocks_held_are_bounded(tmp_path, monkeypatch):
     _write(tmp_path / "f", head, tensors, 3)
     assert (tmp_path / "f").read_bytes() == want
     assert held and max(held) < 2
+
+
+def test_a_copy_at_an_unaligned_place_shares_only_its_end_blocks(tmp_path, monkeypatch):
+    _needs_direct(tmp_path)
+    monkeypatch.setenv(direct.ENVIRONMENT, "1")
+    n = 5 * writer_module.WRITE_PIECE + 7
+    data = os.urandom(n)
+    (tmp_path / "src").write_bytes(data)
+    cached = []
+    real = os.pwrite
+
+    def pwrite(fd, view, offset):
+        if not _is_direct(fd):
+            cached.append(len(view))
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    path = str(tmp_path / "out.safetensors")
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    try:
+        with ShardWriter(path, [("a", "U8", (3,), 3), ("b", "U8", (n,), n)]) as w:
+            for index, (offset, nbytes) in enumerate([(0, 3), (0, n)]):
+                sink = w.at(index)
+                sink.copy_from(src, offset, nbytes)
+                sink.finish()
+            assert w._direct
+    finally:
+        os.close(src)
+    loaded = load_file(path)
+    assert loaded["a"].numpy().tobytes() == data[:3] and loaded["b"].numpy().tobytes() == data
+    assert len(cached) <= 3  # the header (written first), and the two blocks the tensors share with their ends
 
 
 def test_a_refused_direct_write_sends_the_rest_through_the_page_cache(tmp_path, monkeypatch):
