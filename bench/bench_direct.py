@@ -38,6 +38,8 @@ sys.path.insert(0, HERE)
 import bench_floor  # noqa: E402 - the merge run in a fresh process
 import bench_merge  # noqa: E402 - the benchmark models
 
+from peft_shardmerge.output.direct import free_memory  # noqa: E402 - this checkout's
+
 CHUNK = 256 << 20
 RESERVE = 768 << 20  # left free in the "memory full" state: the merge's own working set
 SETTLE_S = 5.0  # the wait in the "memory free" state (Linux reports free pages to the host after 2 s)
@@ -56,14 +58,6 @@ os.close(fd); os.unlink(path)
 """
 
 
-def _mem_free() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemFree:"):
-                return int(line.split()[1]) << 10
-    raise RuntimeError("no MemFree in /proc/meminfo")
-
-
 class Memory:
     """The state of the machine's memory before each run: held (``full``) or given back and left to settle."""
 
@@ -72,7 +66,7 @@ class Memory:
 
     def full(self) -> None:
         """Hold free memory until only :data:`RESERVE` is left (touched, so it is really taken)."""
-        while _mem_free() > RESERVE + CHUNK:
+        while free_memory() > RESERVE + CHUNK:
             m = mmap.mmap(-1, CHUNK)
             m.write(b"\1" * CHUNK)
             self.held.append(m)

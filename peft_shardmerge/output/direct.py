@@ -69,20 +69,20 @@ def _unescape(field: bytes) -> bytes:
 
 
 def alignment(fd: int) -> int:
-    """The alignment of the direct writes into ``fd``: :data:`ALIGN`, or the page size or the file's block size where
-    larger (so that a block written through the page cache never shares a page with one written direct).
+    """The alignment of the direct writes into ``fd``: :data:`ALIGN`, or the page size or the filesystem's block size
+    where larger (so that a block written through the page cache never shares a page with one written direct).
 
     Args:
-        fd: the file.
+        fd: the file (or any descriptor on its filesystem).
 
     Returns:
         A power of two, at least :data:`ALIGN`.
 
     Example:
-        >>> alignment(0) >= ALIGN
+        >>> fd = os.open(".", os.O_RDONLY); alignment(fd) >= ALIGN; os.close(fd)
         True
     """
-    return max(ALIGN, mmap.PAGESIZE, os.fstat(fd).st_blksize)
+    return max(ALIGN, mmap.PAGESIZE, os.fstatvfs(fd).f_frsize)
 
 
 def wanted(path: str, nbytes: int) -> bool:
@@ -111,21 +111,17 @@ def wanted(path: str, nbytes: int) -> bool:
 
 
 def free_memory() -> int:
-    """The machine's free memory in bytes (``MemFree`` of ``/proc/meminfo``; the page cache not counted as free),
-    or 0 where it cannot be read.
+    """The machine's free memory in bytes, as the C library counts it (``MemFree`` of ``/proc/meminfo``: the page
+    cache not counted as free), or 0 where it cannot tell.
 
     Example:
         >>> free_memory() >= 0
         True
     """
     try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemFree:"):
-                    return int(line.split()[1]) << 10
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
 
 
 class DirectWrites:
@@ -180,10 +176,10 @@ class DirectWrites:
         self.piece = max(self.align, piece - piece % self.align)
         self.error: BaseException | None = None
         try:
-            self._dfd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0) | getattr(os, "O_CLOEXEC", 0))
+            self._dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
         except OSError:  # no direct writes on this filesystem after all
             self._dfd = -1
-        self.direct = self._dfd >= 0 and hasattr(os, "O_DIRECT")
+        self.direct = self._dfd >= 0
         if self.direct:
             try:  # the blocks allocated at once: every direct write then an overwrite, several at once (ext4, XFS)
                 os.posix_fallocate(self._dfd, 0, size)

@@ -16,7 +16,6 @@ import torch
 from ..errors import MergeCheckError
 from ..io.safetensors_io import build_header
 from . import direct
-from .direct import DirectWrites
 
 _COPY_PIECE = 64 << 20
 #: the most one ``write``/``pwrite`` (or a copy's ``pread``) moves at once, whatever the block handed in: with calls
@@ -193,7 +192,7 @@ class ShardWriter:
         self._unflushed = 0  # bytes written since the last flush request
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._head = header  # for the writes in place past the page cache: the block it shares with the first tensor
-        self._direct: DirectWrites | None | bool = None  # made at the first write in place; False: through the cache
+        self._direct: direct.DirectWrites | None | bool = None  # made at the first write in place; False: not used
         self._flusher = Flusher(self._fd)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
@@ -286,12 +285,12 @@ class ShardWriter:
                 self._direct = self._direct_writes()
         return TensorAt(self, index, begin)
 
-    def _direct_writes(self) -> "DirectWrites | bool":
+    def _direct_writes(self) -> "direct.DirectWrites | bool":
         """The shard's writes past the page cache where :func:`~peft_shardmerge.output.direct.wanted`, else False."""
         size = self.expected + self._header[0]
         if not direct.wanted(self.path, size):
             return False
-        return DirectWrites(self.path, self._fd, size, self._head, WRITE_PIECE)
+        return direct.DirectWrites(self.path, self._fd, size, self._head, WRITE_PIECE)
 
     def _placed_tensor(self, index: int, nbytes: int, sha256: str) -> None:
         with self._lock:

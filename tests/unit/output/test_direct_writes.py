@@ -271,9 +271,18 @@ def test_a_shard_in_place_goes_past_the_page_cache_where_wanted(setting, free, w
 
 
 def test_free_memory_is_the_kernels_memfree():
-    with open("/proc/meminfo") as f:
+    with open("/proc/meminfo") as f:  # the kernel's own count, read a moment apart
         want = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemFree:"))
-    assert abs(direct.free_memory() - want) < 256 << 20  # read a moment apart
+    assert abs(direct.free_memory() - want) < 256 << 20
+
+
+def test_the_alignment_is_the_filesystems_block_where_larger(tmp_path):
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        block = int(subprocess.run(["stat", "-f", "-c", "%S", str(tmp_path)], capture_output=True, text=True).stdout)
+        assert direct.alignment(fd) == max(ALIGN, mmap.PAGESIZE, block)
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.skipif(shutil.which("findmnt") is None, reason="findmnt (util-linux) is the reference")
