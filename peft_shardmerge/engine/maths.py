@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -12,10 +12,6 @@ from .block_checks import lora_probe, probe_rows
 
 #: one LoRA module's contribution: (A [r, n], B [m, r], scaling)
 Factors = tuple[torch.Tensor, torch.Tensor, float]
-
-#: called with ``(lo, hi, rows)`` once rows ``[lo, hi)`` of a block (counted from its first row) hold their last
-#: delta, while they are in the cache: the cast and the finite check of the merge, in the same pass
-TileDone = Callable[[int, int, torch.Tensor], None]
 
 
 def merge_block(
@@ -28,7 +24,6 @@ def merge_block(
     bias_deltas: Sequence[torch.Tensor] = (),
     probes: torch.Tensor | None = None,
     inplace: bool = False,
-    tile_done: TileDone | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Rows ``[start, stop)`` of ``W + sum(scaling * B @ A)`` in fp32, computed in place on a fp32 copy (or on
     ``base_rows`` itself, with ``inplace`` and float32 rows), and the self-check's error on them.
@@ -49,7 +44,6 @@ def merge_block(
             :func:`~peft_shardmerge.engine.block_checks.probe_rows` (enough to catch a wrong scaling, layout or
             factor; cheap next to the merge).
         inplace: float32 ``base_rows`` are a copy the merge may overwrite (no second copy is made).
-        tile_done: see :func:`add_lora_` (only where there are no ``bias_deltas``, which are added after the tiles).
 
     Returns:
         ``(rows, error)``: a new float32 tensor shaped like ``base_rows`` (``base_rows`` itself with ``inplace`` and
@@ -72,11 +66,7 @@ def merge_block(
         out, base = base_rows, None
     else:  # widened tile by tile as the first delta is added (one pass over the block, not two)
         out, base = torch.empty(base_rows.shape, dtype=torch.float32, device=base_rows.device), base_rows
-    if tile_done is not None and bias_deltas:
-        raise ValueError("tile_done is called before the bias deltas are added; merge without it")
-    err = add_lora_checked_(
-        out, factors, start, stop, transposed=transposed, probes=probes, base=base, tile_done=tile_done
-    )
+    err = add_lora_checked_(out, factors, start, stop, transposed=transposed, probes=probes, base=base)
     for d in bias_deltas:
         out += d[start:stop].to(out.device)
     return out, err
@@ -91,14 +81,12 @@ def add_lora_checked_(
     transposed: bool,
     probes: torch.Tensor | None,
     base: torch.Tensor | None = None,
-    tile_done: TileDone | None = None,
 ) -> float:
     """:func:`add_lora_` with the self-check: on the rows of :func:`~peft_shardmerge.engine.block_checks.probe_rows`,
     ``(W + dW) @ x`` is compared with ``W @ x + lora(x)`` computed from the factors without forming ``B @ A``.
 
     Args:
-        rows32, factors, start, stop, transposed, base, tile_done: as for :func:`add_lora_` (``rows32`` is written
-            in place).
+        rows32, factors, start, stop, transposed, base: as for :func:`add_lora_` (``rows32`` is written in place).
         probes: float32 probe vectors ``[columns, k]``, or None to skip the check.
 
     Returns:
@@ -114,13 +102,13 @@ def add_lora_checked_(
         True
     """
     if probes is None or not factors:
-        add_lora_(rows32, factors, start, stop, transposed=transposed, base=base, tile_done=tile_done)
+        add_lora_(rows32, factors, start, stop, transposed=transposed, base=base)
         return 0.0
     probes = probes.to(rows32.device, torch.float32)
     rows = probe_rows(rows32.shape[0], rows32.device, probes.shape[0])
     want = (rows32 if base is None else base).index_select(0, rows).to(torch.float32) @ probes
     want += lora_probe(probes, factors, start, stop, transposed=transposed, rows=rows)
-    add_lora_(rows32, factors, start, stop, transposed=transposed, base=base, tile_done=tile_done)
+    add_lora_(rows32, factors, start, stop, transposed=transposed, base=base)
     got = rows32.index_select(0, rows) @ probes
     return float(got.sub_(want).abs_().max() / want.abs_().max().clamp_min(1e-30))
 
@@ -158,7 +146,6 @@ def add_lora_(
     *,
     transposed: bool,
     base: torch.Tensor | None = None,
-    tile_done: TileDone | None = None,
 ) -> torch.Tensor:
     """Add the LoRA deltas of rows ``[start, stop)`` to a float32 tensor in place, as PEFT does:
     ``W + (B @ A) * scaling``, the product rounded to fp32, then scaled, then added.
@@ -176,8 +163,6 @@ def add_lora_(
         base: the weight's rows in any float dtype, when ``rows32`` does not hold them yet: ``rows32`` is then
             written as ``base`` widened to float32 plus the first delta, tile by tile (the same values as
             widening first and adding after, in one pass), or as ``base`` widened where there is no factor.
-        tile_done: called as each tile's rows receive their last delta (:data:`TileDone`); with no factor, once for
-            the whole block.
 
     Returns:
         ``rows32``.
@@ -189,22 +174,15 @@ def add_lora_(
         >>> add_lora_(torch.empty(1, 2), [(torch.ones(1, 2), torch.ones(1, 1), 0.5)], 0, 1, transposed=False,
         ...           base=torch.ones(1, 2, dtype=torch.bfloat16))
         tensor([[1.5000, 1.5000]])
-        >>> sums = []
-        >>> _ = add_lora_(torch.zeros(2, 3), [(torch.ones(1, 3), torch.ones(2, 1), 2.0)], 0, 2, transposed=False,
-        ...               tile_done=lambda lo, hi, rows: sums.append((lo, hi, float(rows.sum()))))
-        >>> sums
-        [(0, 2, 12.0)]
     """
     if stop <= start:
         return rows32
     if not factors:
         if base is not None:
             rows32.copy_(base)
-        if tile_done is not None:
-            tile_done(0, stop - start, rows32)
         return rows32
     with one_cpu_thread(rows32.device):
-        return _add_tiles_(rows32, factors, start, stop, transposed, base, tile_done)
+        return _add_tiles_(rows32, factors, start, stop, transposed, base)
 
 
 @contextmanager
@@ -237,12 +215,11 @@ def one_cpu_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start, stop, transposed: bool, base, tile_done):
+def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start: int, stop: int, transposed: bool, base):
     # a fresh tensor's alignment (torch's CPU allocator: 64 bytes; CUDA's caching allocator: 512): a tile's product
     # is written in place only where its rows start on it, since BLAS may pick its kernel, and so its rounding, by it
     align = 64 if rows32.device.type == "cpu" else 512
-    last = len(factors) - 1
-    for i, (a, b, scaling) in enumerate(factors):
+    for a, b, scaling in factors:
         a32 = a.to(device=rows32.device, dtype=torch.float32)
         b32 = b.to(device=rows32.device, dtype=torch.float32)
         # lhs: one row per output row ([rows, r]); rhs: [r, columns], the same for every tile
@@ -259,16 +236,14 @@ def _add_tiles_(rows32: torch.Tensor, factors: Sequence[Factors], start, stop, t
                 if scaling != 1.0:
                     part.mul_(scaling)
                 part += base[lo - start : hi - start]  # d + float32(w): the same sum as w + d
+                continue
+            delta = torch.mm(tile, rhs)
+            if scaling != 1.0:
+                delta.mul_(scaling)
+            if base is None:
+                part += delta[lo - t0 : hi - t0]
             else:
-                delta = torch.mm(tile, rhs)
-                if scaling != 1.0:
-                    delta.mul_(scaling)
-                if base is None:
-                    part += delta[lo - t0 : hi - t0]
-                else:
-                    torch.add(base[lo - start : hi - start], delta[lo - t0 : hi - t0], out=part)
-            if i == last and tile_done is not None:
-                tile_done(lo - start, hi - start, part)
+                torch.add(base[lo - start : hi - start], delta[lo - t0 : hi - t0], out=part)
         base = None
     return rows32
 

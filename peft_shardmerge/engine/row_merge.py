@@ -166,9 +166,6 @@ class RowMerger:
         changed = lost = 0
         count = bool(changes.factors or changes.vectors) and out_dtype != torch.float32  # on sample rows
         given = first[1] if first is not None else None  # rows merged whole for the column norms: used once
-        # the LoRA products are the last change: each tile is cast and summed as it is done, while in the cache
-        fuse = bool(changes.factors) and not (inplace or changes.bias_deltas or changes.vectors or changes.peft)
-        fuse = fuse and not changes.magnitudes and first is None
         for start, stop in blocks:
             base = first[0] if first is not None else _base_rows(rows(start, stop), changes, start, stop)
             # the sampled base rows: a copy, kept when rows change in place
@@ -177,12 +174,9 @@ class RowMerger:
             def block(dev: torch.device, base=base, before=before, start=start, stop=stop):
                 nonlocal given  # a retry starts again from the base rows: the first try may have rescaled them
                 merged, given = given, None
-                done = _TilesDone(stop - start, width, out_dtype) if fuse and dev.type == "cpu" else None
                 if merged is None:
-                    merged = self._changed_rows(name, base, changes, start, stop, dev, probes, inplace, done)
-                return self._finish(
-                    name, merged, before, changes, columns, start, stop, shape, out_dtype, inplace, done
-                )
+                    merged = self._changed_rows(name, base, changes, start, stop, dev, probes, inplace)
+                return self._finish(name, merged, before, changes, columns, start, stop, shape, out_dtype, inplace)
 
             # an out-of-memory anywhere in the block redoes it on the CPU; in place, the caller redoes the tensor
             what = f"{name} rows {start}-{stop}"
@@ -197,24 +191,19 @@ class RowMerger:
             self.applied.update(changes.keys)
 
     @staticmethod
-    def _finish(name, merged, before, changes: Changes, columns, start, stop, shape, out_dtype, inplace, done):
+    def _finish(name, merged, before, changes: Changes, columns, start, stop, shape, out_dtype, inplace):
         """A block's rows after the adapter's changes, where they are: DoRA's rescale, the finite check, the cast and
-        its range check, the precision report's counts (``before``: the sampled base rows, None for no counts;
-        ``done``: the cast and sums made tile by tile, or None). Returns ``(merged rows, cast or None, (changed, lost)
-        or None)``."""
+        its range check, the precision report's counts (``before``: the sampled base rows, None for no counts).
+        Returns ``(merged rows, cast or None, (changed, lost) or None)``."""
         if columns is not None:
             merged *= columns.to(merged.device).unsqueeze(0)
         else:
             for magnitude in changes.magnitudes:  # m * (W + dW) / ||W + dW||, norms per output row, as PEFT
                 dora_rescale_(merged, magnitude[start:stop], start)
-        # one cheap pass (or the tiles' sums); finite sums mean finite values here
-        if not (done.finite() if done is not None else torch.isfinite(merged.sum())):
+        if not torch.isfinite(merged.sum()):  # one cheap pass; finite sums mean finite values here
             raise MergeCheckError(f"merged tensor {name!r} has NaN or Inf in rows {start}-{stop}")
         merged = merged.reshape(stop - start, *shape[1:])
-        if done is not None:
-            cast = merged if done.cast is None else done.cast.reshape(merged.shape)
-        else:
-            cast = merged.to(out_dtype) if not inplace or out_dtype == torch.float16 else None
+        cast = merged.to(out_dtype) if not inplace or out_dtype == torch.float16 else None
         if cast is not None:
             check_range(name, cast, out_dtype)
         if before is None:
@@ -273,13 +262,11 @@ class RowMerger:
                 sumsq = part if sumsq is None else sumsq + part.to(sumsq.device)  # a block redone on the CPU
         return magnitude.to(sumsq.device, torch.float32) / sumsq.sqrt().float(), None
 
-    def _changed_rows(
-        self, name, base, changes: Changes, start, stop, device, probes, inplace, done: "_TilesDone | None" = None
-    ) -> torch.Tensor:
+    def _changed_rows(self, name, base, changes: Changes, start, stop, device, probes, inplace) -> torch.Tensor:
         """Rows of the base with LoRA (self-checked), ``lora_bias`` and PEFT's own changes, before DoRA, merged on
-        ``device`` (``done``: given each tile once its LoRA products are in); an out-of-memory is the caller's to
-        retry (in place, a failure may leave the rows half-changed: the caller redoes the whole tensor)."""
-        merged, err = self._lora_rows(base, changes, start, stop, device, probes, inplace, done)
+        ``device``; an out-of-memory is the caller's to retry (in place, a failure may leave the rows half-changed:
+        the caller redoes the whole tensor)."""
+        merged, err = self._lora_rows(base, changes, start, stop, device, probes, inplace)
         if probes is not None:
             with self.lock:
                 self.probe_err = max(self.probe_err, err)
@@ -289,9 +276,7 @@ class RowMerger:
         return merged
 
     @staticmethod
-    def _lora_rows(
-        base, changes: Changes, start, stop, device, probes, inplace=False, done=None
-    ) -> tuple[torch.Tensor, float]:
+    def _lora_rows(base, changes: Changes, start, stop, device, probes, inplace=False) -> tuple[torch.Tensor, float]:
         """The step run on the accelerator: fp32 rows plus the LoRA products and bias deltas, and the self-check
         error (0.0 without probes)."""
         factors = changes.factors
@@ -306,30 +291,10 @@ class RowMerger:
             bias_deltas=changes.bias_deltas,
             probes=probes,
             inplace=inplace,
-            tile_done=done,
         )
         if changes.vectors is not None:
             changes.vectors.add_(merged.reshape(stop - start, -1), start, stop, transposed=changes.transposed)
         return merged, err
-
-
-class _TilesDone:
-    """The cast and the finite check of one block on the CPU, made tile by tile as the LoRA products finish each
-    tile (:data:`~peft_shardmerge.engine.maths.TileDone`): the rows are read while in the cache, not in two more
-    passes over the block. The same bytes as casting the block after; a float32 output is the rows themselves."""
-
-    def __init__(self, rows: int, width: int, dtype: torch.dtype):
-        self.cast = None if dtype == torch.float32 else torch.empty((rows, width), dtype=dtype)
-        self.sums: list[torch.Tensor] = []
-
-    def __call__(self, lo: int, hi: int, rows: torch.Tensor) -> None:
-        if self.cast is not None:
-            self.cast[lo:hi].copy_(rows)
-        self.sums.append(rows.sum())
-
-    def finite(self) -> bool:
-        """Every tile's sum is finite."""
-        return bool(torch.isfinite(torch.stack(self.sums)).all()) if self.sums else True
 
 
 def _base_rows(rows: torch.Tensor, changes: Changes, start: int, stop: int) -> torch.Tensor:

@@ -611,8 +611,8 @@ def test_self_check_and_precision_report_in_process(make_base, tmp_path, monkeyp
 
     real = maths.add_lora_
 
-    def doubled(rows32, factors, *args, **kwargs):
-        return real(rows32, [(a, b, 2 * s) for a, b, s in factors], *args, **kwargs)
+    def doubled(rows32, factors, start, stop, *, transposed, base=None):
+        return real(rows32, [(a, b, 2 * s) for a, b, s in factors], start, stop, transposed=transposed, base=base)
 
     monkeypatch.setattr(maths, "add_lora_", doubled)
     out = tmp_path / "b"

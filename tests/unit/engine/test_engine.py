@@ -248,8 +248,8 @@ def test_self_check_catches_a_wrong_merge(make_base, make_adapter, tmp_path, mon
 
     real = maths.add_lora_
 
-    def doubled(rows32, factors, *args, **kwargs):
-        return real(rows32, [(a, b, 2 * s) for a, b, s in factors], *args, **kwargs)
+    def doubled(rows32, factors, start, stop, *, transposed, base=None):
+        return real(rows32, [(a, b, 2 * s) for a, b, s in factors], start, stop, transposed=transposed, base=base)
 
     monkeypatch.setattr(maths, "add_lora_", doubled)
     out = tmp_path / "m"

@@ -60,12 +60,12 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     victim = "model.layers.1.mlp.down_proj.weight"
     real = CheckpointReader._lora_rows
 
-    def lora_rows(base_rows, changes, start, stop, device, probes, inplace=False, done=None):
+    def lora_rows(base_rows, changes, start, stop, device, probes, inplace=False):
         if device.type != "cpu":
             if victim.removesuffix(".weight") in changes.keys:  # the LoRA module of that weight
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             device = torch.device("cpu")
-        return real(base_rows, changes, start, stop, device, probes, inplace, done)
+        return real(base_rows, changes, start, stop, device, probes, inplace)
 
     monkeypatch.setattr(CheckpointReader, "_lora_rows", staticmethod(lora_rows))
     # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
