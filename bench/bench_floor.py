@@ -24,7 +24,10 @@ several sizes, how each cost grows with the model (``--size 0.5B,1B,8B``: the wh
 
 With ``--before TREE`` (another checkout of the package, e.g. ``git archive COMMIT | tar -x -C TREE``), the merge
 itself is also timed side by side: this checkout and TREE in turn, each merge in a fresh process, and the median of
-the pairwise ratios reported.
+the pairwise ratios reported, of the wall time and of the CPU seconds (the merge's process, and the whole machine's,
+which counts the kernel's writeback threads too); ``--pairs-only`` times only that:
+
+    python bench/bench_floor.py --size 0.5B,1B --repeats 8 --before TREE --pairs-only
 """
 
 from __future__ import annotations
@@ -78,16 +81,36 @@ def _pieces(paths: list[str]):
 
 
 #: one merge in a fresh process, from the package of the checkout given first (``model_checks="first"``: only the
-#: merge is timed); prints the report's wall time
+#: merge is timed); prints the report's wall time, the process's CPU seconds (user + system) and the machine's busy CPU
+#: seconds (every core, the kernel's writeback threads included, from /proc/stat) over the executor's run
 _MERGE_IN = """
-import os, shutil, sys
+import os, resource, shutil, sys
 tree, base, adapter, out = sys.argv[1:]
 sys.path.insert(0, tree)
 import peft_shardmerge
+from peft_shardmerge.api import disk
 assert os.path.realpath(peft_shardmerge.__file__).startswith(os.path.realpath(tree)), peft_shardmerge.__file__
+
+def busy():
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+run, cpu = disk.run, {}
+
+def timed(*args, **kwargs):
+    r0, m0 = resource.getrusage(resource.RUSAGE_SELF), busy()
+    try:
+        return run(*args, **kwargs)
+    finally:
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu["process"] = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+        cpu["machine"] = busy() - m0
+
+disk.run = timed
 report = peft_shardmerge.merge_checkpoint(base, adapter, out, model_checks="first", progress=False)
 shutil.rmtree(out)
-print(report.wall_time_s)
+print(report.wall_time_s, cpu["process"], cpu["machine"])
 """
 
 
@@ -103,10 +126,12 @@ def side_by_side(base: str, adapter: str, scratch: str, before: str, repeats: in
         repeats: pairs.
 
     Returns:
-        ``{"now": median s, "before": median s, "ratio": median of now / before over the pairs}``.
+        ``{"now": median s, "before": median s, "ratio": median of now / before over the pairs}``, and the same of
+        the process's CPU seconds (``"cpu"``) and of the machine's (``"machine"``), each ``{"now", "before",
+        "ratio"}``.
     """
     trees = {"now": os.path.dirname(HERE), "before": before}
-    times: dict[str, list[float]] = {k: [] for k in trees}
+    runs: dict[str, list[tuple[float, ...]]] = {k: [] for k in trees}
     for i in range(repeats):
         for key in ("now", "before") if i % 2 == 0 else ("before", "now"):
             os.sync()
@@ -118,13 +143,14 @@ def side_by_side(base: str, adapter: str, scratch: str, before: str, repeats: in
                 check=True,
                 cwd=scratch,
             )
-            times[key].append(float(done.stdout.split()[-1]))
-    ratios = [a / b for a, b in zip(times["now"], times["before"])]
-    return {
-        "now": statistics.median(times["now"]),
-        "before": statistics.median(times["before"]),
-        "ratio": statistics.median(ratios),
-    }
+            runs[key].append(tuple(float(v) for v in done.stdout.split()[-3:]))
+
+    def compared(k: int) -> dict:
+        now, old = [r[k] for r in runs["now"]], [r[k] for r in runs["before"]]
+        ratios = [a / b for a, b in zip(now, old)]
+        return {"now": statistics.median(now), "before": statistics.median(old), "ratio": statistics.median(ratios)}
+
+    return {**compared(0), "cpu": compared(1), "machine": compared(2)}
 
 
 def measure(size: str, repeats: int, before: str | None = None) -> dict:
@@ -289,13 +315,19 @@ def table(size: str, r: dict) -> str:
         f"{r['merge'] / r['copy']:.2f}; the merge itself / least wall time: {r['merge'] / floor:.2f}.",
     ]
     if r.get("before"):
-        b = r["before"]
-        lines += [
-            "",
-            f"The merge itself in a fresh process, side by side with {r['before_tree']}: {b['now']:.2f} s against "
-            f"{b['before']:.2f} s (medians); this checkout / the other: {b['ratio']:.3f} (median of the pairs).",
-        ]
+        lines += ["", pairs_line(r["before"], r["before_tree"])]
     return "\n".join(lines)
+
+
+def pairs_line(b: dict, tree: str) -> str:
+    """What :func:`side_by_side` found, as a sentence."""
+    return (
+        f"The merge itself in a fresh process, side by side with {tree}: {b['now']:.2f} s against "
+        f"{b['before']:.2f} s (medians); this checkout / the other: {b['ratio']:.3f} (median of the pairs). "
+        f"CPU seconds of its process: {b['cpu']['now']:.2f} against {b['cpu']['before']:.2f} "
+        f"({b['cpu']['ratio']:.3f}); of the whole machine: {b['machine']['now']:.2f} against "
+        f"{b['machine']['before']:.2f} ({b['machine']['ratio']:.3f})."
+    )
 
 
 def main() -> int:
@@ -303,7 +335,19 @@ def main() -> int:
     ap.add_argument("--size", default="0.5B", help="comma-separated sizes of bench_merge.py")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--before", help="another checkout's root: its merge timed side by side with this one's")
+    ap.add_argument("--pairs-only", action="store_true", help="with --before: only the side-by-side merges")
     args = ap.parse_args()
+    if args.pairs_only:
+        if not args.before:
+            ap.error("--pairs-only needs --before TREE")
+        for size in args.size.split(","):
+            base, adapter = bench_merge.build(size)
+            scratch = os.path.join(bench_merge.WORK, "floor")
+            shutil.rmtree(scratch, ignore_errors=True)
+            os.makedirs(scratch)
+            pair = side_by_side(base, adapter, scratch, args.before, args.repeats)
+            print(f"{size}: {pairs_line(pair, args.before)}", flush=True)
+        return 0
     results = {}
     for size in args.size.split(","):
         results[size] = measure(size, args.repeats, args.before)

@@ -198,6 +198,7 @@ class ShardWriter:
         self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
         self._thread.start()
         try:
+            direct.preallocate(self._fd, path, len(header) + self.expected)  # a full disk said before any byte
             self._write_all(memoryview(header), data=False)
         except BaseException:
             self.abort()

@@ -309,3 +309,77 @@ def test_a_merge_writes_the_same_bytes_past_the_page_cache_and_through_it(tmp_pa
     assert any(n.endswith(".safetensors") for n in names)
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "direct", tmp_path / "cached", names, shallow=False)
     assert not mismatch and not errors
+
+
+def _entries(sizes):
+    return [(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
+
+
+def test_a_shards_blocks_are_allocated_when_it_is_created_on_the_listed_filesystems(tmp_path):
+    """On ext4 and XFS the whole file is allocated before its first tensor (the size the header announces, its
+    blocks on the disk); on a filesystem off the list (tmpfs) nothing is: the file grows as it is written."""
+    if direct.filesystem_type(str(tmp_path)) not in direct.DIRECT_FILESYSTEMS:
+        pytest.skip("the test folder is on no filesystem of the list")
+    sizes = [3 << 20, 5, 1 << 20]
+    path = tmp_path / "model.safetensors"
+    w = ShardWriter(str(path), _entries(sizes))
+    try:
+        st = os.stat(path)
+        assert st.st_size == w._header[0] + sum(sizes)
+        assert st.st_blocks * 512 >= st.st_size
+        for i, n in enumerate(sizes):
+            sink = w.at(i)
+            sink.write(torch.full((n,), i + 1, dtype=torch.uint8))
+            sink.finish()
+        w.close()
+    finally:
+        w.abort()
+    loaded = load_file(str(path))
+    assert [int(loaded[f"t{i}"].sum()) for i in range(3)] == [(i + 1) * n for i, n in enumerate(sizes)]
+    if direct.filesystem_type("/dev/shm") != "tmpfs":
+        return
+    other = ShardWriter(f"/dev/shm/{os.getpid()}-{tmp_path.name}.safetensors", _entries(sizes))
+    try:
+        assert os.path.getsize(other.path) == other._header[0]  # the header alone: not allocated ahead
+    finally:
+        other.abort()
+        os.unlink(other.path)
+
+
+@pytest.mark.parametrize("failure", [errno.ENOSPC, errno.EOPNOTSUPP])
+def test_a_disk_without_room_for_a_shard_is_said_before_a_byte_is_written(failure, tmp_path, monkeypatch):
+    """The allocation failing for want of room stops the merge before it writes a byte of a shard, named as the
+    filesystem's error, the earlier output in OUT untouched; on a filesystem that does not allocate so (EOPNOTSUPP) the
+    merge writes the same bytes all the same."""
+    from peft_shardmerge.errors import FileSystemError
+
+    if direct.filesystem_type(str(tmp_path)) not in direct.DIRECT_FILESYSTEMS:
+        pytest.skip("the test folder is on no filesystem of the list")
+    base = build_base(str(tmp_path / "base"))
+    adapter = build_adapter(base, str(tmp_path / "adapter"))
+    out = tmp_path / "out"
+    options = dict(progress=False, model_checks="first", overwrite=True)
+    merge_checkpoint(base, adapter, str(out), **options)
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    written = []
+    real_pwrite = os.pwrite
+
+    def refused(fd, offset, length):
+        raise OSError(failure, os.strerror(failure))
+
+    def pwrite(fd, data, offset):
+        written.append(os.readlink(f"/proc/self/fd/{fd}"))  # the shards' writes, and others (the output lock)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "posix_fallocate", refused)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    if failure == errno.EOPNOTSUPP:
+        merge_checkpoint(base, adapter, str(out), **options)
+        assert any(p.endswith(".safetensors") for p in written)
+        after = {n: (out / n).read_bytes() for n in os.listdir(out) if n != "merge_manifest.json"}
+        assert after == {n: b for n, b in before.items() if n != "merge_manifest.json"}
+        return
+    with pytest.raises(FileSystemError, match="No space left on device"):
+        merge_checkpoint(base, adapter, str(out), **options)
+    assert not any(p.endswith(".safetensors") for p in written)
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
