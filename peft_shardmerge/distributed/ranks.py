@@ -3,6 +3,7 @@ shards into the one staging folder; rank 0 holds the lock, writes the index, con
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -127,17 +128,14 @@ class OtherRanks:
 
     def poll(self) -> None:
         """Between two of rank 0's tensors, at most once a second: add the bytes the other ranks have written so far
-        to rank 0's progress bar (their shard files grow as they write), so that it covers every rank's work."""
+        to rank 0's progress bar (:func:`written_bytes` of their shards), so that it covers every rank's work."""
         now = time.monotonic()
         if now - self.polled < 1.0 or not self.theirs:
             return
         self.polled = now
         written = 0
         for path, planned in self.theirs:
-            try:
-                written += min(planned, os.path.getsize(path))
-            except OSError:
-                pass
+            written += min(planned, written_bytes(path))
         if written > self.seen:
             self.bar.update(written - self.seen)
             self.seen = written
@@ -172,6 +170,43 @@ class OtherRanks:
             m.probe_err = max(m.probe_err, c["probe_err"])
             m.swallowed.update(c["swallowed"])
         self.bar.update(sum(planned for _, planned in self.theirs) - self.seen)  # their last bytes
+
+
+def written_bytes(path: str) -> int:
+    """The bytes written so far into a shard another process writes: the file's data, not its size (a shard's blocks
+    are allocated when it is created, :func:`~peft_shardmerge.output.direct.preallocate`, and read as holes until
+    written); where the filesystem cannot tell data from holes, its size. 0 where there is no such file yet.
+
+    Args:
+        path: the shard.
+
+    Returns:
+        The bytes.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     _ = f.write(b"abc"); f.flush(); written_bytes(f.name)
+        3
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        size, total, pos = os.fstat(fd).st_size, 0, 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # no data from pos on
+                    break
+                return size  # SEEK_DATA not taken here
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            total, pos = total + min(end, size) - start, end
+        return total
+    finally:
+        os.close(fd)
 
 
 def _sizes(plan: Plan) -> list[int]:

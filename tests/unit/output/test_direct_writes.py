@@ -336,9 +336,12 @@ def test_a_shards_blocks_are_allocated_when_it_is_created_on_the_listed_filesyst
         w.abort()
     loaded = load_file(str(path))
     assert [int(loaded[f"t{i}"].sum()) for i in range(3)] == [(i + 1) * n for i, n in enumerate(sizes)]
-    if direct.filesystem_type("/dev/shm") != "tmpfs":
-        return
-    other = ShardWriter(f"/dev/shm/{os.getpid()}-{tmp_path.name}.safetensors", _entries(sizes))
+
+
+def test_a_shard_on_a_filesystem_off_the_list_is_not_allocated_ahead(tmp_path):
+    if not os.path.isdir("/dev/shm") or direct.filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    other = ShardWriter(f"/dev/shm/{os.getpid()}-{tmp_path.name}.safetensors", _entries([3 << 20, 5]))
     try:
         assert os.path.getsize(other.path) == other._header[0]  # the header alone: not allocated ahead
     finally:
@@ -346,40 +349,83 @@ def test_a_shards_blocks_are_allocated_when_it_is_created_on_the_listed_filesyst
         os.unlink(other.path)
 
 
-@pytest.mark.parametrize("failure", [errno.ENOSPC, errno.EOPNOTSUPP])
-def test_a_disk_without_room_for_a_shard_is_said_before_a_byte_is_written(failure, tmp_path, monkeypatch):
-    """The allocation failing for want of room stops the merge before it writes a byte of a shard, named as the
-    filesystem's error, the earlier output in OUT untouched; on a filesystem that does not allocate so (EOPNOTSUPP) the
-    merge writes the same bytes all the same."""
-    from peft_shardmerge.errors import FileSystemError
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_what_another_rank_wrote_is_read_as_data_not_as_the_allocated_size(setting, tmp_path, monkeypatch):
+    """Rank 0's progress bar counts the data of the other ranks' shards: a shard allocated whole shows only the
+    header and the tensors written so far (through the page cache or past it), the whole file once it is closed."""
+    from peft_shardmerge.distributed.ranks import written_bytes
 
     if direct.filesystem_type(str(tmp_path)) not in direct.DIRECT_FILESYSTEMS:
         pytest.skip("the test folder is on no filesystem of the list")
+    monkeypatch.setenv(direct.ENVIRONMENT, setting)
+    mib = 1 << 20
+    path = str(tmp_path / "model.safetensors")
+    assert written_bytes(path) == 0  # not created yet
+    w = ShardWriter(path, _entries([mib, mib, mib]))
+    try:
+        head = w._header[0]
+        assert os.path.getsize(path) == head + 3 * mib
+        assert written_bytes(path) < mib  # the header's block
+        for i in (0, 2):
+            sink = w.at(i)
+            sink.write(torch.full((mib,), i + 1, dtype=torch.uint8))
+            sink.finish()
+        deadline = time.monotonic() + 10  # past the page cache, the shard's threads write the pieces meanwhile,
+        while written_bytes(path) < 2 * mib - 8 * ALIGN and time.monotonic() < deadline:  # the ends at close
+            time.sleep(0.01)
+        assert 2 * mib - 8 * ALIGN <= written_bytes(path) <= head + 2 * mib + 2 * ALIGN  # to the file's blocks
+        sink = w.at(1)
+        sink.write(torch.full((mib,), 2, dtype=torch.uint8))
+        sink.finish()
+        w.close()
+    finally:
+        w.abort()
+    assert written_bytes(path) == head + 3 * mib
+
+
+@pytest.mark.parametrize("failure", [errno.ENOSPC, errno.EOPNOTSUPP])
+def test_a_disk_without_room_for_a_shard_is_said_before_a_byte_is_written(failure, tmp_path, monkeypatch):
+    """The allocation failing for want of room (the kernel's ENOSPC, injected: the disk filled since the merge checked
+    its free space) stops the merge before it writes a byte of the shard, header included, named as the filesystem's
+    error; the staging folder goes and the earlier output in OUT is untouched. Where the filesystem does not allocate
+    so (EOPNOTSUPP), the merge writes the same bytes all the same."""
+    from peft_shardmerge.errors import FileSystemError
+
+    kind = direct.filesystem_type(str(tmp_path))
+    monkeypatch.setattr(direct, "DIRECT_FILESYSTEMS", direct.DIRECT_FILESYSTEMS | {kind})  # wherever the test runs
+    monkeypatch.setenv(direct.ENVIRONMENT, "0")
     base = build_base(str(tmp_path / "base"))
     adapter = build_adapter(base, str(tmp_path / "adapter"))
     out = tmp_path / "out"
     options = dict(progress=False, model_checks="first", overwrite=True)
     merge_checkpoint(base, adapter, str(out), **options)
     before = {n: (out / n).read_bytes() for n in os.listdir(out)}
-    written = []
-    real_pwrite = os.pwrite
+    written, asked = [], []
+    real_write, real_pwrite = os.write, os.pwrite
 
-    def refused(fd, offset, length):
+    def refused(fd, size):
+        asked.append(os.fstat(fd).st_size)
         raise OSError(failure, os.strerror(failure))
 
-    def pwrite(fd, data, offset):
+    def write(fd, data):
         written.append(os.readlink(f"/proc/self/fd/{fd}"))  # the shards' writes, and others (the output lock)
+        return real_write(fd, data)
+
+    def pwrite(fd, data, offset):
+        written.append(os.readlink(f"/proc/self/fd/{fd}"))
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(os, "posix_fallocate", refused)
+    monkeypatch.setattr(direct, "_fallocate", refused)
+    monkeypatch.setattr(os, "write", write)
     monkeypatch.setattr(os, "pwrite", pwrite)
     if failure == errno.EOPNOTSUPP:
         merge_checkpoint(base, adapter, str(out), **options)
-        assert any(p.endswith(".safetensors") for p in written)
+        assert asked and any(p.endswith(".safetensors") for p in written)
         after = {n: (out / n).read_bytes() for n in os.listdir(out) if n != "merge_manifest.json"}
         assert after == {n: b for n, b in before.items() if n != "merge_manifest.json"}
         return
     with pytest.raises(FileSystemError, match="No space left on device"):
         merge_checkpoint(base, adapter, str(out), **options)
-    assert not any(p.endswith(".safetensors") for p in written)
+    assert asked == [0] and not any(p.endswith(".safetensors") for p in written)
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    assert sorted(os.listdir(tmp_path)) == ["adapter", "base", "out"]  # no staging folder, no lock left

@@ -23,10 +23,11 @@ def _entries(n: int):
 def test_a_shard_is_flushed_while_it_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_module, "FLUSH_EVERY", 1 << 20)
     monkeypatch.setenv(direct.ENVIRONMENT, "0")  # through the page cache (past it, nothing is left to flush)
-    real, sizes, flushed, handed = os.fdatasync, [], threading.Event(), []
+    monkeypatch.setattr(direct, "preallocate", lambda fd, path, size: False)  # the file grows as it is written
+    real, sizes, flushed = os.fdatasync, [], threading.Event()
 
     def recorded(fd):
-        sizes.append(len(handed))  # tensors written when the flush came (the file's size is its final one already)
+        sizes.append(os.fstat(fd).st_size)
         real(fd)
         flushed.set()
 
@@ -34,14 +35,16 @@ def test_a_shard_is_flushed_while_it_is_written(tmp_path, monkeypatch):
     path = tmp_path / "model.safetensors"
     tensors = [torch.full((1 << 18,), float(i)) for i in range(4)]
     with ShardWriter(str(path), _entries(4)) as w:
-        for i in range(4):
+        sink = w.at(0)
+        sink.write(tensors[0])
+        sink.finish()
+        assert flushed.wait(30), "no flush was asked for after the first MiB"
+        first = sizes[0]
+        for i in (1, 2, 3):
             sink = w.at(i)
             sink.write(tensors[i])
             sink.finish()
-            handed.append(i)
-            if i == 0:
-                assert flushed.wait(30), "no flush was asked for after the first MiB"
-    assert sizes[0] <= 1  # the first flush came with the first MiB, before the other tensors were written
+    assert 0 < first < path.stat().st_size  # the first flush came before the last bytes were written
     assert len(sizes) >= 2
     loaded = load_file(str(path))
     assert all(torch.equal(loaded[f"t{i}"], t) for i, t in enumerate(tensors))
