@@ -193,20 +193,22 @@ def written_bytes(path: str) -> int:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return 0
+    total = pos = size = 0
     try:
-        size, total, pos = os.fstat(fd).st_size, 0, 0
+        size = os.fstat(fd).st_size
         while pos < size:
-            try:
-                start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError as e:
-                if e.errno == errno.ENXIO:  # no data from pos on
-                    break
-                return size  # SEEK_DATA not taken here
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            if start >= size:
+                break
             end = os.lseek(fd, start, os.SEEK_HOLE)
+            if end <= start:  # a filesystem that answers so cannot tell: its size
+                return size
             total, pos = total + min(end, size) - start, end
-        return total
+    except OSError as e:  # ENXIO: no data from pos on; anything else: SEEK_DATA not taken here, or the file changed
+        return total if e.errno == errno.ENXIO else size
     finally:
         os.close(fd)
+    return total
 
 
 def _sizes(plan: Plan) -> list[int]:

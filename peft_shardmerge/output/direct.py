@@ -146,7 +146,8 @@ def preallocate(fd: int, path: str, size: int) -> bool:
     try:
         _fallocate(fd, size)
     except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV):
+        # EPERM: a sandbox that forbids the call (the file was just created: not append-only nor immutable)
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.EPERM):
             return False
         raise
     return True
