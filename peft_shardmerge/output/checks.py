@@ -7,7 +7,7 @@ import logging
 import os
 import shutil
 
-from .files import is_nonempty, name_problems, sidecar_problems, snapshot
+from .files import is_nonempty, name_problems, read_manifest, sidecar, sidecar_problems, snapshot
 from .recovery import finish_killed_commit
 
 log = logging.getLogger(__name__)
@@ -427,7 +427,8 @@ def _parent_problems(raw: str, out: str) -> list[str]:
 
 
 def check_space(out_dir: str, nbytes: int) -> list[str]:
-    """Whether ``out_dir`` can be created and ``nbytes`` written beside it, without writing anything.
+    """Whether ``out_dir`` can be created and ``nbytes`` written beside it, without writing anything (the files an
+    interrupted run of ours left in the staging folder count as free: see :func:`staged_bytes`).
 
     Args:
         out_dir: the output folder (it and its parents may not exist yet).
@@ -449,12 +450,40 @@ def check_space(out_dir: str, nbytes: int) -> list[str]:
         return [
             f"cannot write in {folder} (read-only or no permission) to create {out_dir}; choose another output folder"
         ]
-    free = shutil.disk_usage(folder).free
+    staged = staged_bytes(out_dir)
+    free = shutil.disk_usage(folder).free + staged
     need = nbytes + (1 << 20)
     if free < need:
+        held = f" (counting the {staged / 1e9:.3f} GB an interrupted run left in {sidecar(out_dir, 'partial')})"
         return [
             f"not enough free space for {out_dir}: the merge writes {need / 1e9:.3f} GB and the filesystem of "
-            f"{parent if os.path.exists(parent) else folder} has {free / 1e9:.3f} GB free; free some space or "
-            "choose another output folder"
+            f"{parent if os.path.exists(parent) else folder} has {free / 1e9:.3f} GB free{held if staged else ''}; "
+            "free some space or choose another output folder"
         ]
     return []
+
+
+def staged_bytes(out_dir: str) -> int:
+    """The disk space held by the files of ``out_dir``'s staging folder, where an earlier run of ours left it: the
+    next run either keeps a finished shard (and does not write it again) or removes the file, so that space counts as
+    free for it.
+
+    Args:
+        out_dir: the output folder.
+
+    Returns:
+        The bytes allocated to the staging folder's regular files (0 where there is none, or it is not ours).
+
+    Example:
+        >>> staged_bytes("/tmp/never-merged-here")
+        0
+    """
+    path = sidecar(out_dir, "partial")
+    if not os.path.isdir(path) or os.path.islink(path) or read_manifest(path) is None:
+        return 0
+    total = 0
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total

@@ -242,6 +242,73 @@ def test_disk_full_is_refused_up_front(small_fs, make_base, make_adapter):
     assert os.listdir(small_fs) == []
 
 
+_KILL_AFTER_SHARDS = """
+import os, sys
+from peft_shardmerge import merge_checkpoint
+from peft_shardmerge.output import staging
+
+record, count = staging.Staging.record, []
+
+
+def record_then_die(self, *a, **k):
+    record(self, *a, **k)
+    count.append(1)
+    if len(count) == 3:
+        os._exit(9)  # killed outright once three shards are finished: the staging folder stays, as after SIGKILL
+
+
+staging.Staging.record = record_then_die
+base, adapter, out = sys.argv[1:]
+merge_checkpoint(base, adapter, out, dtype="bfloat16", max_shard_size="1MB", model_checks="first", progress=False)
+"""
+
+
+def test_resume_counts_the_space_its_staging_folder_holds(other_fs, tmp_path):
+    """A merge killed on a nearly full disk is resumed although the disk has less free space than the whole output:
+    the shards it finished are kept, not written again."""
+    base = build_base(
+        str(tmp_path / "base"),
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=1024,
+    )
+    adapter = build_adapter(base, str(tmp_path / "adapter"), arch="llama")
+    opts = dict(dtype="bfloat16", max_shard_size="1MB", model_checks="first", progress=False)
+    reference = str(tmp_path / "reference")
+    merge_checkpoint(base, adapter, reference, **opts)
+    whole = sum(os.path.getsize(os.path.join(reference, f)) for f in os.listdir(reference))
+    out = str(other_fs / "out")
+    killed = [sys.executable, "-c", _KILL_AFTER_SHARDS, base, adapter, out]
+    r = subprocess.run(killed, capture_output=True, timeout=300)
+    assert r.returncode == 9, r.stderr
+    staged = json.load(open(os.path.join(partial_dir(out), "manifest.json")))["shards"]
+    staged_size = sum(meta["size"] for meta in staged.values())
+    assert len(staged) == 3 and staged_size > 2 * (1 << 20)
+    # fill the disk so that it has the output's size less what is staged, and a little more: not the whole output
+    free = shutil.disk_usage(other_fs).free
+    with open(other_fs / "ballast", "wb") as f:
+        f.write(b"\0" * (free - (whole - staged_size + (3 << 20) // 2)))
+    assert shutil.disk_usage(other_fs).free < whole
+    report = merge_checkpoint(base, adapter, out, **opts)
+    assert any("resumed" in n for n in report.notes), report.notes
+    assert {f: b for f, b in _tree_bytes(out).items() if f != "merge_manifest.json"} == {
+        f: b for f, b in _tree_bytes(reference).items() if f != "merge_manifest.json"
+    }
+    # what is staged counts only as much as the disk then lacks: with less room still, the rerun is refused up front
+    shutil.rmtree(out)
+    assert subprocess.run(killed, capture_output=True, timeout=300).returncode == 9
+    free = shutil.disk_usage(other_fs).free
+    with open(other_fs / "more ballast", "wb") as f:
+        f.write(b"\0" * (free - (whole - staged_size - (1 << 20))))
+    with pytest.raises(InputError, match=r"not enough free space .* \(counting the 0\.00[0-9] GB an interrupted run"):
+        merge_checkpoint(base, adapter, out, **opts)
+    assert len(json.load(open(os.path.join(partial_dir(out), "manifest.json")))["shards"]) == 3
+
+
 def test_disk_full_mid_write_removes_everything(small_fs, make_base, make_adapter, monkeypatch):
     """The up-front check is told there is room; the kernel's real ENOSPC then hits the writer."""
     import peft_shardmerge.checkpoint.planner as planner

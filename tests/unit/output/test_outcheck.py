@@ -112,3 +112,24 @@ def test_overwrite_refuses_an_earlier_output_whose_files_the_user_edited(tiny, t
     (out / "config.json").write_bytes(b"")  # replaced by the user: refused too
     with pytest.raises(InputError, match="changed since"):
         merge_checkpoint(*tiny, str(out), overwrite=True, progress=False)
+
+
+def test_only_a_staging_folder_of_ours_counts_as_space_for_the_next_run(tmp_path):
+    from peft_shardmerge.output.checks import staged_bytes
+    from peft_shardmerge.output.files import sidecar
+
+    out = tmp_path / "out"
+    staging = tmp_path / ".out.partial"
+    assert sidecar(str(out), "partial") == str(staging)
+    staging.mkdir()
+    (staging / "model-00001-of-00002.safetensors").write_bytes(os.urandom(3 << 20))
+    assert staged_bytes(str(out)) == 0  # no manifest: not ours, never counted (the merge refuses to touch it)
+    (staging / "manifest.json").write_text('{"made_by": "peft-shardmerge", "shards": {}}')
+    (staging / "sub").mkdir()  # not a file of a merge: not counted
+    (staging / "sub" / "x").write_bytes(os.urandom(1 << 20))
+    counted = staged_bytes(str(out))
+    disk = sum(os.stat(staging / f).st_blocks * 512 for f in ("model-00001-of-00002.safetensors", "manifest.json"))
+    assert counted == disk and counted >= 3 << 20
+    link = tmp_path / ".linked.partial"
+    link.symlink_to(staging)
+    assert staged_bytes(str(tmp_path / "linked")) == 0
