@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
+from contextlib import suppress
 
 from .files import is_nonempty, name_problems, read_manifest, sidecar, sidecar_problems, snapshot
 from .recovery import finish_killed_commit
@@ -454,7 +456,7 @@ def check_space(out_dir: str, nbytes: int) -> list[str]:
     free = shutil.disk_usage(folder).free + staged
     need = nbytes + (1 << 20)
     if free < need:
-        held = f" (counting the {staged / 1e9:.3f} GB an interrupted run left in {sidecar(out_dir, 'partial')})"
+        held = f" (counting the {staged / 1e9:.4g} GB an interrupted run left in {sidecar(out_dir, 'partial')})"
         return [
             f"not enough free space for {out_dir}: the merge writes {need / 1e9:.3f} GB and the filesystem of "
             f"{parent if os.path.exists(parent) else folder} has {free / 1e9:.3f} GB free{held if staged else ''}; "
@@ -472,18 +474,24 @@ def staged_bytes(out_dir: str) -> int:
         out_dir: the output folder.
 
     Returns:
-        The bytes allocated to the staging folder's regular files (0 where there is none, or it is not ours).
+        The bytes allocated to the staging folder's regular files that have no other name (0 where there is no
+        such folder, it is not ours, or it cannot be read).
 
     Example:
         >>> staged_bytes("/tmp/never-merged-here")
         0
     """
     path = sidecar(out_dir, "partial")
-    if not os.path.isdir(path) or os.path.islink(path) or read_manifest(path) is None:
-        return 0
     total = 0
-    with os.scandir(path) as entries:
-        for entry in entries:
-            if entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    try:
+        if not os.path.isdir(path) or os.path.islink(path) or read_manifest(path) is None:
+            return 0
+        with os.scandir(path) as entries:
+            for entry in entries:
+                with suppress(FileNotFoundError):  # another run of ours renamed or removed it meanwhile
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # a linked file frees nothing when removed
+                        total += st.st_blocks * 512
+    except OSError:  # unreadable: no credit (what was counted stands); the merge itself reports the folder
+        pass
     return total

@@ -4,6 +4,7 @@ merge record lists; a folder with anything else is refused before anything is wr
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -122,7 +123,10 @@ def test_only_a_staging_folder_of_ours_counts_as_space_for_the_next_run(tmp_path
     staging = tmp_path / ".out.partial"
     assert sidecar(str(out), "partial") == str(staging)
     staging.mkdir()
-    (staging / "model-00001-of-00002.safetensors").write_bytes(os.urandom(3 << 20))
+    shard = staging / "model-00001-of-00002.safetensors"
+    with open(shard, "wb") as f:
+        f.write(os.urandom(3 << 20))
+        os.fsync(f.fileno())  # blocks counted once written (some filesystems allocate late)
     assert staged_bytes(str(out)) == 0  # no manifest: not ours, never counted (the merge refuses to touch it)
     (staging / "manifest.json").write_text('{"made_by": "peft-shardmerge", "shards": {}}')
     (staging / "sub").mkdir()  # not a file of a merge: not counted
@@ -133,3 +137,59 @@ def test_only_a_staging_folder_of_ours_counts_as_space_for_the_next_run(tmp_path
     link = tmp_path / ".linked.partial"
     link.symlink_to(staging)
     assert staged_bytes(str(tmp_path / "linked")) == 0
+    os.link(shard, tmp_path / "kept-elsewhere")  # a second name: removing the staged one frees nothing
+    assert staged_bytes(str(out)) == counted - os.stat(shard).st_blocks * 512
+
+
+def test_an_unreadable_staging_folder_counts_for_nothing_and_breaks_no_check(tmp_path, monkeypatch):
+    import errno
+
+    from peft_shardmerge.output.checks import check_space, staged_bytes
+
+    out = tmp_path / "out"
+    staging = tmp_path / ".out.partial"
+    staging.mkdir()
+    (staging / "manifest.json").write_text('{"made_by": "peft-shardmerge", "shards": {}}')
+    (staging / "model-00001-of-00001.safetensors").write_bytes(os.urandom(1 << 20))
+    assert staged_bytes(str(out)) > 1 << 20
+    if os.geteuid() == 0:  # root lists any folder: the listing fails as it does for a user on a 0o300 folder
+        real = os.scandir
+
+        def denied(path):
+            if os.fspath(path) == str(staging):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real(path)
+
+        monkeypatch.setattr(os, "scandir", denied)
+    staging.chmod(0o300)  # can enter and write, cannot list
+    try:
+        assert staged_bytes(str(out)) == 0
+        assert check_space(str(out), 1000) == []
+        free = shutil.disk_usage(tmp_path).free
+        (problem,) = check_space(str(out), free + (1 << 30))
+        assert "not enough free space" in problem and "interrupted run" not in problem
+    finally:
+        staging.chmod(0o700)
+
+
+def test_a_staged_file_removed_while_it_is_counted_is_skipped(tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    from peft_shardmerge.output.checks import staged_bytes
+
+    out = tmp_path / "out"
+    staging = tmp_path / ".out.partial"
+    staging.mkdir()
+    (staging / "manifest.json").write_text('{"made_by": "peft-shardmerge", "shards": {}}')
+    (staging / "manifest.json.tmp").write_bytes(os.urandom(1 << 20))
+    real = os.scandir
+
+    @contextmanager
+    def listed_then_renamed(path):  # another merge of ours renames its manifest between the listing and the stat
+        with real(path) as entries:
+            listed = list(entries)
+        os.replace(staging / "manifest.json.tmp", staging / "manifest.json")
+        yield iter(listed)
+
+    monkeypatch.setattr(os, "scandir", listed_then_renamed)
+    assert staged_bytes(str(out)) == os.stat(staging / "manifest.json").st_blocks * 512
