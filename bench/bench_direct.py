@@ -16,6 +16,7 @@ For each state and size, pairs of runs, each in a fresh process, the order swapp
   through the page cache: the disk's own pace, and what filling the page cache costs.
 
     python bench/bench_direct.py --size 0.5B,1B --repeats 4
+    python bench/bench_direct.py --size 8B --states free --repeats 3   # the base and the output larger than memory
 
 The table is printed (Markdown); the state is set before every run.
 """
@@ -132,6 +133,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="0.5B,1B", help="comma-separated sizes of bench_merge.py")
     ap.add_argument("--repeats", type=int, default=4, help="pairs per size, state and run kind")
+    ap.add_argument("--states", default="full,free", help="the memory states measured (full, free)")
     ap.add_argument("--scratch", default=os.path.join(HERE, "_work", "direct"), help="where outputs go (removed)")
     args = ap.parse_args()
     os.makedirs(args.scratch, exist_ok=True)
@@ -140,13 +142,13 @@ def main() -> int:
     labels = {
         ("merge", "1"): "the merge itself, past the page cache",
         ("merge", "0"): "the merge itself, through it",
-        ("merge", "auto"): "the merge itself, the default (past it where free memory would not hold the shard)",
+        ("merge", "auto"): "the merge itself, the default (`auto`)",
         ("write", "1"): "durable write, one buffer, past the page cache (`O_DIRECT`)",
         ("write", "0"): "durable write, one buffer, through it",
     }
     try:
         for size in args.size.split(","):
-            for state in ("full", "free"):
+            for state in args.states.split(","):
                 r = measure(size, state, args.repeats, args.scratch, memory)
                 for run in RUNS:
                     seconds, ratio = r[run]

@@ -114,6 +114,7 @@ def run(
         overwrite=overwrite,
         fingerprint=keys[0] if keys else None,
         inputs=keys[1] if keys else None,
+        working_set=plan.total_size + sum(t.source.nbytes for t in plan.tensors if t.entry is None),
         replace_check=replace_check,
     )
     bar = tqdm(

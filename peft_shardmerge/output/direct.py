@@ -24,7 +24,8 @@ HELD_BLOCKS = 1024
 #: write may be refused, slow, or cached all the same)
 DIRECT_FILESYSTEMS = frozenset({"ext4", "xfs"})
 #: ``0`` in the environment: every shard through the page cache; ``1``: past it wherever the filesystem allows; unset
-#: (or ``auto``): past it where the machine's free memory would not hold the shard
+#: (or ``auto``): past it where the machine's free memory would not hold the shard, or its memory would not hold what
+#: the merge reads and writes together
 ENVIRONMENT = "PEFT_SHARDMERGE_DIRECT_IO"
 
 
@@ -88,15 +89,16 @@ def alignment(fd: int) -> int:
     return max(ALIGN, mmap.PAGESIZE, os.fstatvfs(fd).f_frsize)
 
 
-def wanted(path: str, nbytes: int) -> bool:
+def wanted(path: str, nbytes: int, working_set: int = 0) -> bool:
     """Whether the tensors of a shard are written past the page cache: on an allowlisted filesystem
-    (:data:`DIRECT_FILESYSTEMS`) where the machine's free memory would not hold the shard (writing it through the
-    page cache would first evict as much of what the cache holds, the base being read among it), or as the
-    environment variable :data:`ENVIRONMENT` says.
+    (:data:`DIRECT_FILESYSTEMS`) where the machine's free memory would not hold the shard, or its memory would not hold
+    the whole merge's reads and writes together (either way, writing through the page cache would evict what the cache
+    holds, the base still to be read among it), or as the environment variable :data:`ENVIRONMENT` says.
 
     Args:
         path: the shard (its folder exists).
         nbytes: its size.
+        working_set: the bytes the whole merge reads from disk and writes (0: not known).
 
     Returns:
         True to use :class:`DirectWrites`.
@@ -110,7 +112,7 @@ def wanted(path: str, nbytes: int) -> bool:
         return False
     if filesystem_type(os.path.dirname(os.path.abspath(path)) or ".") not in DIRECT_FILESYSTEMS:
         return False
-    return setting == "1" or free_memory() < nbytes
+    return setting == "1" or free_memory() < nbytes or 0 < physical_memory() < working_set
 
 
 def preallocate(fd: int, path: str, size: int) -> bool:
@@ -186,6 +188,19 @@ def free_memory() -> int:
     """
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def physical_memory() -> int:
+    """The machine's memory in bytes (``MemTotal`` of ``/proc/meminfo``), or 0 where it cannot tell.
+
+    Example:
+        >>> physical_memory() > 0
+        True
+    """
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 0
 

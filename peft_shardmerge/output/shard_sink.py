@@ -58,6 +58,8 @@ class ShardSink:
         fingerprint: identity of the merge for resuming (None: never resume).
         inputs: digests of the inputs per shard (:class:`~peft_shardmerge.output.resume.InputDigests`), for resuming.
         depth: blocks queued to the writer thread.
+        working_set: the bytes the merge reads from disk and writes, for the choice of writes past the page cache
+            (:func:`~peft_shardmerge.output.direct.wanted`; 0: not known).
         replace_check: with ``overwrite``, the problems that forbid replacing a non-empty ``out_dir``, checked again
             under the output lock (see :func:`~peft_shardmerge.output.staging.staged_output`); None: an earlier
             output of ours may be replaced.
@@ -81,6 +83,7 @@ class ShardSink:
         fingerprint: str | None = None,
         inputs=None,
         depth: int = 2,
+        working_set: int = 0,
         replace_check: Callable[[str], list[str]] | None = None,
     ):
         self.out_dir = out_dir
@@ -90,6 +93,7 @@ class ShardSink:
         self.fingerprint = fingerprint
         self.inputs = inputs
         self.depth = depth
+        self.working_set = working_set
         self.resumed: list[str] = []
         self.records: dict[str, dict] = {}
 
@@ -182,7 +186,9 @@ class ShardSink:
                     inputs = None
                     if staging.inputs is not None:
                         inputs = digests.submit(staging.inputs.shard, name, stop=stopping)
-                    w = ShardWriter(os.path.join(staging.path, name), entries, depth=self.depth)
+                    w = ShardWriter(
+                        os.path.join(staging.path, name), entries, depth=self.depth, working_set=self.working_set
+                    )
                     try:
                         produce(i, w)
                     except BaseException:

@@ -156,6 +156,9 @@ class ShardWriter:
         path: the file to create (must not exist).
         entries: ``(name, dtype, shape, nbytes)`` of every tensor, in write order.
         metadata: the ``__metadata__`` map; ``{"format": "pt"}`` is always included.
+        depth: blocks queued to the writer thread.
+        working_set: the bytes the whole merge reads from disk and writes, for the choice of writes past the page
+            cache (:func:`~peft_shardmerge.output.direct.wanted`; 0: not known).
 
     Raises:
         FileExistsError: ``path`` exists.
@@ -177,8 +180,10 @@ class ShardWriter:
         metadata: dict[str, str] | None = None,
         *,
         depth: int = 2,
+        working_set: int = 0,
     ):
         self.path = path
+        self.working_set = working_set
         self.expected = sum(e[3] for e in entries)
         self.written = 0
         meta = {"format": "pt", **(metadata or {})}
@@ -289,7 +294,7 @@ class ShardWriter:
     def _direct_writes(self) -> "direct.DirectWrites | bool":
         """The shard's writes past the page cache where :func:`~peft_shardmerge.output.direct.wanted`, else False."""
         size = self.expected + self._header[0]
-        if not direct.wanted(self.path, size):
+        if not direct.wanted(self.path, size, self.working_set):
             return False
         return direct.DirectWrites(self.path, self._fd, size, self._head, WRITE_PIECE)
 

@@ -249,11 +249,27 @@ def test_a_block_never_completed_is_named_at_close(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "setting, free, want",
-    [("1", 1 << 50, True), ("0", 0, False), ("auto", 0, True), ("auto", 1 << 50, False), (None, 0, True)],
-    ids=["always", "never", "auto, no free memory", "auto, memory free", "unset"],
+    "setting, free, merge, want",
+    [
+        ("1", 1 << 50, 0, True),
+        ("0", 0, 1 << 62, False),
+        ("auto", 0, 0, True),
+        ("auto", 1 << 50, 0, False),
+        ("auto", 1 << 50, 1 << 62, True),
+        ("auto", 1 << 50, 1 << 20, False),
+        (None, 0, 0, True),
+    ],
+    ids=[
+        "always",
+        "never",
+        "auto, no free memory",
+        "auto, memory free",
+        "auto, the merge larger than memory",
+        "auto, the merge smaller than memory",
+        "unset",
+    ],
 )
-def test_a_shard_in_place_goes_past_the_page_cache_where_wanted(setting, free, want, tmp_path, monkeypatch):
+def test_a_shard_in_place_goes_past_the_page_cache_where_wanted(setting, free, merge, want, tmp_path, monkeypatch):
     if setting is None:
         monkeypatch.delenv(direct.ENVIRONMENT, raising=False)
     else:
@@ -261,7 +277,7 @@ def test_a_shard_in_place_goes_past_the_page_cache_where_wanted(setting, free, w
     monkeypatch.setattr(direct, "free_memory", lambda: free)
     allowed = direct.filesystem_type(str(tmp_path)) in direct.DIRECT_FILESYSTEMS
     path = str(tmp_path / "a.safetensors")
-    with ShardWriter(path, [("w", "F32", (4,), 16)]) as w:
+    with ShardWriter(path, [("w", "F32", (4,), 16)], working_set=merge) as w:
         sink = w.at(0)
         sink.write(torch.arange(4.0))
         sink.finish()
@@ -274,6 +290,61 @@ def test_free_memory_is_the_kernels_memfree():
     with open("/proc/meminfo") as f:  # the kernel's own count, read a moment apart
         want = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemFree:"))
     assert abs(direct.free_memory() - want) < 256 << 20
+
+
+def test_physical_memory_is_the_kernels_memtotal():
+    with open("/proc/meminfo") as f:
+        want = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemTotal:"))
+    assert abs(direct.physical_memory() - want) < 1 << 30  # the kernel reserves a little at boot, counted or not
+
+
+def _tensor_bytes(folder, names=None):
+    """The data bytes of a folder's safetensors files, as safetensors reads them (of ``names`` only, if given)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), "pt") as st:
+                for k in st.keys():
+                    if names is None or k in names:
+                        t = st.get_tensor(k)
+                        total += t.numel() * t.element_size()
+    return total
+
+
+def test_a_merge_weighs_what_it_reads_and_writes_against_the_machines_memory(tmp_path, monkeypatch):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge import merge_and_save
+
+    base = build_base(str(tmp_path / "base"))
+    adapter = build_adapter(base, str(tmp_path / "adapter"))
+    seen: list[int] = []
+    wanted = direct.wanted
+    monkeypatch.setattr(direct, "wanted", lambda path, nbytes, working_set=0: seen.append(working_set) or False)
+    merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False, model_checks="first")
+    out = _tensor_bytes(tmp_path / "disk")
+    assert seen and set(seen) == {_tensor_bytes(base) + out}  # every base tensor read once, every output written
+    seen.clear()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+    merge_and_save(model, str(tmp_path / "original"), progress=False)  # merged from the base's folder it came from
+    assert set(seen) == {_tensor_bytes(base) + out}
+    seen.clear()
+    merge_and_save(model, str(tmp_path / "loaded"), base_precision="dequantized", progress=False)
+    assert seen and set(seen) == {_tensor_bytes(tmp_path / "loaded")}  # from the weights in memory: nothing read
+    monkeypatch.setenv(direct.ENVIRONMENT, "auto")
+    monkeypatch.setattr(direct, "physical_memory", lambda: out + 1)  # holds the output, not the base beside it
+    if not wanted(str(tmp_path / "x"), 1, out + 2):
+        pytest.skip("this filesystem is not one direct writes are used on")
+    chosen: list[bool] = []
+    monkeypatch.setattr(direct, "wanted", lambda *a: chosen.append(wanted(*a)) or chosen[-1])
+    merge_checkpoint(base, adapter, str(tmp_path / "direct"), progress=False, workers=2, model_checks="first")
+    assert chosen and all(chosen)  # with free memory to spare: the base would not stay in the page cache beside it
+    names = [n for n in os.listdir(tmp_path / "disk") if n.endswith(".safetensors")]
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "disk", tmp_path / "direct", names, shallow=False)
+    assert match == names
 
 
 def test_the_alignment_is_the_filesystems_block_where_larger(tmp_path):
