@@ -1,5 +1,5 @@
-"""Small helpers shared by the test modules: a checkpoint folder's tensors, and comparing a merged checkpoint's logits
-with a reference."""
+"""Small helpers shared by the test modules: a checkpoint folder's tensors, comparing a merged checkpoint's logits
+with a reference, and a merge killed after some shards."""
 
 from __future__ import annotations
 
@@ -148,3 +148,49 @@ def tree(folder) -> dict[str, str]:
             else:
                 out[rel] = hashlib.sha256(open(path, "rb").read()).hexdigest()
     return out
+
+
+def tensor_bytes(folder, names=None) -> int:
+    """The data bytes of a folder's safetensors files as safetensors reads them (of the tensors in ``names`` only)."""
+    total = 0
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), "pt") as st:
+                for k in st.keys():
+                    if names is None or k in names:
+                        t = st.get_tensor(k)
+                        total += t.numel() * t.element_size()
+    return total
+
+
+def shard_keys(folder) -> dict[str, list[str]]:
+    """The tensor names of each safetensors file of ``folder``, as safetensors lists them."""
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), "pt") as st:
+                out[f] = list(st.keys())
+    return out
+
+
+#: ``python -c KILL_AFTER_SHARDS BASE ADAPTER OUT``: a bfloat16 merge into 1 MB shards, killed outright (exit 9) once
+#: three shards are finished, its staging folder left as after SIGKILL
+KILL_AFTER_SHARDS = """
+import os, sys
+from peft_shardmerge import merge_checkpoint
+from peft_shardmerge.output import staging
+
+record, count = staging.Staging.record, []
+
+
+def record_then_die(self, *a, **k):
+    record(self, *a, **k)
+    count.append(1)
+    if len(count) == 3:
+        os._exit(9)
+
+
+staging.Staging.record = record_then_die
+base, adapter, out = sys.argv[1:]
+merge_checkpoint(base, adapter, out, dtype="bfloat16", max_shard_size="1MB", model_checks="first", progress=False)
+"""

@@ -475,7 +475,7 @@ def staged_bytes(out_dir: str) -> int:
 
     Returns:
         The bytes allocated to the staging folder's regular files that have no other name (0 where there is no
-        such folder, it is not ours, or it cannot be read).
+        such folder or it is not ours; where it cannot be read, what was counted before the error).
 
     Example:
         >>> staged_bytes("/tmp/never-merged-here")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import logging
 import mmap
 import os
 import queue
@@ -14,6 +15,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import MergeCheckError
+
+log = logging.getLogger(__name__)
 
 #: the least alignment of a direct write's offset, length and buffer: a multiple of every logical block size Linux's
 #: local filesystems use; a file on a larger page or filesystem block is aligned to that (:func:`alignment`)
@@ -112,7 +115,22 @@ def wanted(path: str, nbytes: int, working_set: int = 0) -> bool:
         return False
     if filesystem_type(os.path.dirname(os.path.abspath(path)) or ".") not in DIRECT_FILESYSTEMS:
         return False
-    return setting == "1" or free_memory() < nbytes or 0 < physical_memory() < working_set
+    if setting == "1":
+        return True
+    free, memory = free_memory(), physical_memory()
+    if free < nbytes or 0 < memory < working_set:
+        log.debug(
+            "%s written past the page cache: %.2f GB free for %.2f GB; %.2f GB of memory for a merge reading and "
+            "writing %.2f GB (%s=0 to write through it)",
+            os.path.basename(path),
+            free / 1e9,
+            nbytes / 1e9,
+            memory / 1e9,
+            working_set / 1e9,
+            ENVIRONMENT,
+        )
+        return True
+    return False
 
 
 def preallocate(fd: int, path: str, size: int) -> bool:
@@ -179,30 +197,101 @@ def _fallocate_call():
 
 
 def free_memory() -> int:
-    """The machine's free memory in bytes, as the C library counts it (``MemFree`` of ``/proc/meminfo``: the page
-    cache not counted as free), or 0 where it cannot tell.
+    """The free memory in bytes, as the C library counts it (``MemFree`` of ``/proc/meminfo``: the page cache not
+    counted as free), or less where this process's control group has a memory limit (:func:`cgroup_memory`: the limit
+    less what the group holds, its page cache included), or 0 where it cannot tell.
 
     Example:
         >>> free_memory() >= 0
         True
     """
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 0
+    group = cgroup_memory()
+    return free if group is None else max(0, min(free, group[0] - group[1]))
 
 
 def physical_memory() -> int:
-    """The machine's memory in bytes (``MemTotal`` of ``/proc/meminfo``), or 0 where it cannot tell.
+    """The memory in bytes: the machine's (``MemTotal`` of ``/proc/meminfo``), or this process's control group's
+    memory limit where smaller (:func:`cgroup_memory`; a container's), or 0 where it cannot tell.
 
     Example:
         >>> physical_memory() > 0
         True
     """
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 0
+    group = cgroup_memory()
+    return total if group is None else min(total, group[0])
+
+
+#: this process's control groups, one line per hierarchy: ``ID:CONTROLLERS:PATH`` (``0::PATH`` for cgroup v2)
+_PROC_CGROUP = "/proc/self/cgroup"
+#: where the memory controller is mounted: cgroup v2 (unified, or hybrid), then v1; with the files of a group's limit
+#: and of what it holds now
+_CGROUP_MOUNTS = (
+    ("/sys/fs/cgroup", "", ("memory.max", "memory.current")),
+    ("/sys/fs/cgroup/unified", "", ("memory.max", "memory.current")),
+    ("/sys/fs/cgroup/memory", "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")),
+)
+
+
+def cgroup_memory() -> tuple[int, int] | None:
+    """The tightest memory limit on this process among its control group and the groups above it (cgroup v2 or v1, at
+    their usual mount points), and what that group holds now (its page cache included), in bytes.
+
+    Why by hand: neither the standard library nor torch reads it; a container's page cache is reclaimed at its limit,
+    not at the machine's memory.
+
+    Returns:
+        ``(limit, held)``, or None where no limit is set or none can be read.
+
+    Example:
+        >>> cgroup_memory() is None or cgroup_memory()[0] > 0
+        True
+    """
+    try:
+        with open(_PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1], parts[2]
+        for mount, controller, files in _CGROUP_MOUNTS:
+            if controllers != controller and controller not in controllers.split(","):
+                continue
+            folder = os.path.normpath(mount + path)
+            folders = [mount]  # where the group's path is not below the mount: a container's own group, mounted whole
+            if os.path.isdir(folder):
+                folders = [folder]
+                while folder != mount and folder.startswith(mount + "/"):  # the groups above it, up to the mount
+                    folder = os.path.dirname(folder)
+                    folders.append(folder)
+            for folder in folders:
+                best = _tighter(best, folder, *files)
+    return best
+
+
+def _tighter(best: tuple[int, int] | None, folder: str, limit_file: str, held_file: str) -> tuple[int, int] | None:
+    """``best`` or ``folder``'s limit and usage, whichever limit is smaller (``max`` or past 2**60: no limit)."""
+    try:
+        with open(os.path.join(folder, limit_file)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, held_file)) as f:
+            held = int(f.read().strip())
+    except (OSError, ValueError):
+        return best
+    if not limit.isdigit() or int(limit) >= 1 << 60:
+        return best
+    return (int(limit), held) if best is None or int(limit) < best[0] else best
 
 
 class DirectWrites:

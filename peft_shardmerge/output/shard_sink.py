@@ -58,8 +58,9 @@ class ShardSink:
         fingerprint: identity of the merge for resuming (None: never resume).
         inputs: digests of the inputs per shard (:class:`~peft_shardmerge.output.resume.InputDigests`), for resuming.
         depth: blocks queued to the writer thread.
-        working_set: the bytes the merge reads from disk and writes, for the choice of writes past the page cache
-            (:func:`~peft_shardmerge.output.direct.wanted`; 0: not known).
+        shard_bytes: per shard, the bytes the merge reads from disk and writes for it; those of the shards not done
+            yet are the working set the writes past the page cache are chosen by
+            (:func:`~peft_shardmerge.output.direct.wanted`; None: not known).
         replace_check: with ``overwrite``, the problems that forbid replacing a non-empty ``out_dir``, checked again
             under the output lock (see :func:`~peft_shardmerge.output.staging.staged_output`); None: an earlier
             output of ours may be replaced.
@@ -83,7 +84,7 @@ class ShardSink:
         fingerprint: str | None = None,
         inputs=None,
         depth: int = 2,
-        working_set: int = 0,
+        shard_bytes: list[int] | None = None,
         replace_check: Callable[[str], list[str]] | None = None,
     ):
         self.out_dir = out_dir
@@ -93,7 +94,7 @@ class ShardSink:
         self.fingerprint = fingerprint
         self.inputs = inputs
         self.depth = depth
-        self.working_set = working_set
+        self.shard_bytes = shard_bytes
         self.resumed: list[str] = []
         self.records: dict[str, dict] = {}
 
@@ -170,6 +171,9 @@ class ShardSink:
         # and fsynced, then recorded in the manifest) while the next one is produced. When the merge stops, both
         # stop at their next step: the error (a Ctrl-C, say) is raised at once, not after an fsync or a long read.
         stopping = threading.Event()
+        working_set = sum(
+            n for (name, _), n in zip(self.shards, self.shard_bytes or []) if not staging.is_done(name)
+        )  # every rank's, on one machine: the filesystems written past the page cache are local ones
         with (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="input-digest") as digests,
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-close") as closer,
@@ -187,7 +191,7 @@ class ShardSink:
                     if staging.inputs is not None:
                         inputs = digests.submit(staging.inputs.shard, name, stop=stopping)
                     w = ShardWriter(
-                        os.path.join(staging.path, name), entries, depth=self.depth, working_set=self.working_set
+                        os.path.join(staging.path, name), entries, depth=self.depth, working_set=working_set
                     )
                     try:
                         produce(i, w)

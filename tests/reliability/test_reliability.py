@@ -18,6 +18,7 @@ from peft_shardmerge import InputError, merge_checkpoint
 from peft_shardmerge.errors import OutputLockedError
 from peft_shardmerge.output.staging import output_lock, partial_dir
 from peft_shardmerge.testing import build_adapter, build_base
+from tests.helpers import KILL_AFTER_SHARDS
 
 #: subprocesses, signals and kills: make test-all runs them
 pytestmark = pytest.mark.slow
@@ -242,27 +243,6 @@ def test_disk_full_is_refused_up_front(small_fs, make_base, make_adapter):
     assert os.listdir(small_fs) == []
 
 
-_KILL_AFTER_SHARDS = """
-import os, sys
-from peft_shardmerge import merge_checkpoint
-from peft_shardmerge.output import staging
-
-record, count = staging.Staging.record, []
-
-
-def record_then_die(self, *a, **k):
-    record(self, *a, **k)
-    count.append(1)
-    if len(count) == 3:
-        os._exit(9)  # killed outright once three shards are finished: the staging folder stays, as after SIGKILL
-
-
-staging.Staging.record = record_then_die
-base, adapter, out = sys.argv[1:]
-merge_checkpoint(base, adapter, out, dtype="bfloat16", max_shard_size="1MB", model_checks="first", progress=False)
-"""
-
-
 def test_resume_counts_the_space_its_staging_folder_holds(other_fs, tmp_path):
     """A merge killed on a nearly full disk is resumed although the disk has less free space than the whole output:
     the shards it finished are kept, not written again."""
@@ -282,7 +262,7 @@ def test_resume_counts_the_space_its_staging_folder_holds(other_fs, tmp_path):
     merge_checkpoint(base, adapter, reference, **opts)
     whole = sum(os.path.getsize(os.path.join(reference, f)) for f in os.listdir(reference))
     out = str(other_fs / "out")
-    killed = [sys.executable, "-c", _KILL_AFTER_SHARDS, base, adapter, out]
+    killed = [sys.executable, "-c", KILL_AFTER_SHARDS, base, adapter, out]
     r = subprocess.run(killed, capture_output=True, timeout=300)
     assert r.returncode == 9, r.stderr
     staged = json.load(open(os.path.join(partial_dir(out), "manifest.json")))["shards"]

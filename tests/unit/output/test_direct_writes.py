@@ -7,11 +7,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import filecmp
+import json
 import mmap
 import os
 import random
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -25,6 +27,7 @@ from peft_shardmerge.output import writer as writer_module
 from peft_shardmerge.output.direct import ALIGN, DirectWrites
 from peft_shardmerge.output.writer import ShardWriter
 from peft_shardmerge.testing import build_adapter, build_base
+from tests.helpers import KILL_AFTER_SHARDS, shard_keys, tensor_bytes
 
 PIECE = 4 * ALIGN  # small pieces: many direct writes per tensor
 
@@ -298,21 +301,6 @@ def test_physical_memory_is_the_kernels_memtotal():
     assert abs(direct.physical_memory() - want) < 1 << 30  # the kernel reserves a little at boot, counted or not
 
 
-def _tensor_bytes(folder, names=None):
-    """The data bytes of a folder's safetensors files, as safetensors reads them (of ``names`` only, if given)."""
-    from safetensors import safe_open
-
-    total = 0
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, f), "pt") as st:
-                for k in st.keys():
-                    if names is None or k in names:
-                        t = st.get_tensor(k)
-                        total += t.numel() * t.element_size()
-    return total
-
-
 def test_a_merge_weighs_what_it_reads_and_writes_against_the_machines_memory(tmp_path, monkeypatch):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -325,18 +313,18 @@ def test_a_merge_weighs_what_it_reads_and_writes_against_the_machines_memory(tmp
     wanted = direct.wanted
     monkeypatch.setattr(direct, "wanted", lambda path, nbytes, working_set=0: seen.append(working_set) or False)
     merge_checkpoint(base, adapter, str(tmp_path / "disk"), progress=False, model_checks="first")
-    out = _tensor_bytes(tmp_path / "disk")
-    assert seen and set(seen) == {_tensor_bytes(base) + out}  # every base tensor read once, every output written
+    out = tensor_bytes(tmp_path / "disk")
+    assert seen and set(seen) == {tensor_bytes(base) + out}  # every base tensor read once, every output written
     seen.clear()
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
     merge_and_save(model, str(tmp_path / "original"), progress=False)  # merged from the base's folder it came from
-    assert set(seen) == {_tensor_bytes(base) + out}
+    assert set(seen) == {tensor_bytes(base) + out}
     seen.clear()
     merge_and_save(model, str(tmp_path / "loaded"), base_precision="dequantized", progress=False)
-    assert seen and set(seen) == {_tensor_bytes(tmp_path / "loaded")}  # from the weights in memory: nothing read
+    assert seen and set(seen) == {tensor_bytes(tmp_path / "loaded")}  # from the weights in memory: nothing read
     monkeypatch.setenv(direct.ENVIRONMENT, "auto")
     monkeypatch.setattr(direct, "physical_memory", lambda: out + 1)  # holds the output, not the base beside it
-    if not wanted(str(tmp_path / "x"), 1, out + 2):
+    if direct.filesystem_type(str(tmp_path)) not in direct.DIRECT_FILESYSTEMS:
         pytest.skip("this filesystem is not one direct writes are used on")
     chosen: list[bool] = []
     monkeypatch.setattr(direct, "wanted", lambda *a: chosen.append(wanted(*a)) or chosen[-1])
@@ -345,6 +333,32 @@ def test_a_merge_weighs_what_it_reads_and_writes_against_the_machines_memory(tmp
     names = [n for n in os.listdir(tmp_path / "disk") if n.endswith(".safetensors")]
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "disk", tmp_path / "direct", names, shallow=False)
     assert match == names
+
+
+def test_a_resumed_merge_weighs_only_the_shards_it_has_left(tmp_path, monkeypatch):
+    base = build_base(
+        str(tmp_path / "base"),
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=1024,
+    )
+    adapter = build_adapter(base, str(tmp_path / "adapter"), arch="llama")
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "-c", KILL_AFTER_SHARDS, base, adapter, out], capture_output=True, timeout=300)
+    assert r.returncode == 9, r.stderr
+    with open(tmp_path / ".out.partial" / "manifest.json") as f:
+        kept = set(json.load(f)["shards"])  # finished and recorded; the next one was being written
+    assert len(kept) == 3
+    seen: list[int] = []
+    monkeypatch.setattr(direct, "wanted", lambda path, nbytes, working_set=0: seen.append(working_set) or False)
+    merge_checkpoint(base, adapter, out, dtype="bfloat16", max_shard_size="1MB", model_checks="first", progress=False)
+    left = [n for f, keys in shard_keys(out).items() if f not in kept for n in keys]
+    whole = tensor_bytes(base) + tensor_bytes(out)
+    assert set(seen) == {tensor_bytes(base, left) + tensor_bytes(out, left)} and seen[0] < whole
 
 
 def test_the_alignment_is_the_filesystems_block_where_larger(tmp_path):
@@ -380,6 +394,91 @@ def test_a_merge_writes_the_same_bytes_past_the_page_cache_and_through_it(tmp_pa
     assert any(n.endswith(".safetensors") for n in names)
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "direct", tmp_path / "cached", names, shallow=False)
     assert not mismatch and not errors
+
+
+def _fake_cgroups(root, monkeypatch, line: str, groups: dict[str, tuple[str, str]], v1: bool):
+    """``/proc/self/cgroup`` and a memory controller's folders under ``root``, each group's limit and usage files."""
+    (root / "self").write_text(line + "\n")
+    mount = root / ("memory" if v1 else "unified")
+    files = ("memory.limit_in_bytes", "memory.usage_in_bytes") if v1 else ("memory.max", "memory.current")
+    for group, (limit, held) in groups.items():
+        folder = mount / group.lstrip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / files[0]).write_text(limit + "\n")
+        (folder / files[1]).write_text(held + "\n")
+    monkeypatch.setattr(direct, "_PROC_CGROUP", str(root / "self"))
+    monkeypatch.setattr(direct, "_CGROUP_MOUNTS", ((str(mount), "memory" if v1 else "", files),))
+
+
+@pytest.mark.parametrize(
+    "v1, line, groups, want",
+    [
+        (False, "0::/pod/ctr", {"/": ("max", "9"), "/pod": ("max", "5"), "/pod/ctr": ("1000", "300")}, (1000, 300)),
+        (False, "0::/pod/ctr", {"/pod": ("800", "500"), "/pod/ctr": ("max", "300")}, (800, 500)),
+        (False, "0::/", {"/": ("max", "7")}, None),
+        (True, "4:cpu,memory:/docker/abc", {"/docker/abc": ("2000", "10")}, (2000, 10)),
+        (True, "4:memory:/docker/abc", {"/": ("3000", "20")}, (3000, 20)),  # mounted at the container's own group
+        (True, "4:memory:/", {"/": ("9223372036854771712", "20")}, None),
+        (True, "3:cpu:/x", {"/x": ("1000", "1")}, None),
+    ],
+    ids=[
+        "v2 own limit",
+        "v2 a parent's",
+        "v2 none",
+        "v1",
+        "v1 mounted at the group",
+        "v1 unlimited",
+        "no memory line",
+    ],
+)
+def test_the_tightest_control_group_limit_is_the_processs(v1, line, groups, want, tmp_path, monkeypatch):
+    _fake_cgroups(tmp_path, monkeypatch, line, groups, v1)
+    assert direct.cgroup_memory() == want
+    if want is not None:
+        assert direct.physical_memory() == want[0] and direct.free_memory() == want[0] - want[1]
+
+
+def test_a_real_control_group_limit_is_seen_and_chosen_by(tmp_path):
+    """Where this process may create a memory control group (root on a cgroup v1 or v2 host), a child process put in
+    one limited to 512 MiB sees that limit, and a merge of 600 MiB goes past the page cache."""
+    with open("/proc/self/cgroup") as f:
+        lines = [line.split(":", 2) for line in f.read().splitlines()]
+    candidates = [f"/sys/fs/cgroup/memory{p}" for _, c, p in lines if "memory" in c.split(",")]
+    candidates += [f"/sys/fs/cgroup{p}" for _, c, p in lines if c == ""]
+    group = None
+    for parent in candidates:
+        try:
+            os.mkdir(os.path.join(parent, "peft-shardmerge-test"))
+        except OSError:
+            continue
+        group = os.path.join(parent, "peft-shardmerge-test")
+        break
+    if group is None:
+        pytest.skip("no memory control group can be created here")
+    try:
+        limit_file = "memory.limit_in_bytes" if "/memory" in group else "memory.max"
+        try:
+            with open(os.path.join(group, limit_file), "w") as f:
+                f.write(str(512 << 20))
+        except OSError:
+            pytest.skip("the memory controller is not enabled for a new control group here")
+        code = (
+            "from peft_shardmerge.output import direct; import sys; "
+            "print(direct.physical_memory(), direct.free_memory(), direct.wanted(sys.argv[1], 1, 600 << 20))"
+        )
+        script = f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1" "$2"'
+        r = subprocess.run(
+            ["sh", "-c", script, sys.executable, code, str(tmp_path / "x")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        memory, free, chosen = r.stdout.split()
+        assert int(memory) == 512 << 20 and 0 <= int(free) <= 512 << 20
+        assert chosen == str(direct.filesystem_type(str(tmp_path)) in direct.DIRECT_FILESYSTEMS)
+    finally:
+        os.rmdir(group)
 
 
 def _entries(sizes):
@@ -522,3 +621,16 @@ def test_a_disk_without_room_for_a_shard_is_said_before_a_byte_is_written(failur
     assert asked == [0] and not any(p.endswith(".safetensors") for p in written)
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
     assert sorted(os.listdir(tmp_path)) == ["adapter", "base", "out"]  # no staging folder, no lock left
+
+
+def test_the_choice_of_writes_past_the_page_cache_is_logged_with_its_figures(tmp_path, monkeypatch, caplog):
+    import logging
+
+    if direct.filesystem_type(str(tmp_path)) not in direct.DIRECT_FILESYSTEMS:
+        pytest.skip("this filesystem is not one direct writes are used on")
+    monkeypatch.setenv(direct.ENVIRONMENT, "auto")
+    monkeypatch.setattr(direct, "free_memory", lambda: 0)
+    with caplog.at_level(logging.DEBUG, logger="peft_shardmerge.output.direct"):
+        assert direct.wanted(str(tmp_path / "model.safetensors"), 2 << 30, 5 << 30)
+    assert "model.safetensors written past the page cache: 0.00 GB free for 2.15 GB" in caplog.text
+    assert "writing 5.37 GB (PEFT_SHARDMERGE_DIRECT_IO=0 to write through it)" in caplog.text

@@ -131,6 +131,7 @@ def test_only_a_staging_folder_of_ours_counts_as_space_for_the_next_run(tmp_path
     (staging / "manifest.json").write_text('{"made_by": "peft-shardmerge", "shards": {}}')
     (staging / "sub").mkdir()  # not a file of a merge: not counted
     (staging / "sub" / "x").write_bytes(os.urandom(1 << 20))
+    (staging / "link").symlink_to("x" * 200)  # a link long enough to take a block of its own: not counted either
     counted = staged_bytes(str(out))
     disk = sum(os.stat(staging / f).st_blocks * 512 for f in ("model-00001-of-00002.safetensors", "manifest.json"))
     assert counted == disk and counted >= 3 << 20
@@ -187,7 +188,7 @@ def test_a_staged_file_removed_while_it_is_counted_is_skipped(tmp_path, monkeypa
     @contextmanager
     def listed_then_renamed(path):  # another merge of ours renames its manifest between the listing and the stat
         with real(path) as entries:
-            listed = list(entries)
+            listed = sorted(entries, key=lambda e: e.name != "manifest.json.tmp")  # the vanishing one first
         os.replace(staging / "manifest.json.tmp", staging / "manifest.json")
         yield iter(listed)
 

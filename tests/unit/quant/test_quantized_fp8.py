@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import transformers.integrations.finegrained_fp8 as finegrained_fp8
-from helpers import folder_tensors, logits_of, rel_err
+from helpers import folder_tensors, logits_of, rel_err, tensor_bytes
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
@@ -431,3 +431,10 @@ def test_verify_says_ok_for_a_merge_from_an_fp8_base(fp8):
 
     report = verify_checkpoint(fp8["out"], base=fp8["base"], adapter=fp8["adapter"])
     assert report.status == "OK" and "checked: logits vs base + adapter" in report.summary(), report.summary()
+
+
+def test_a_merge_from_an_fp8_base_weighs_the_bytes_it_reads_not_the_dequantized_ones(fp8):
+    from peft_shardmerge.engine.execute import shard_bytes
+
+    plan = plan_checkpoint_merge(fp8["base"], fp8["adapter"], str(fp8["root"] / "weighed"), dtype="bfloat16")
+    assert sum(shard_bytes(plan)) == tensor_bytes(fp8["base"]) + tensor_bytes(fp8["out"])
