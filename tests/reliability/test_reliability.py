@@ -284,7 +284,7 @@ def test_resume_counts_the_space_its_staging_folder_holds(other_fs, tmp_path):
     free = shutil.disk_usage(other_fs).free
     with open(other_fs / "more ballast", "wb") as f:
         f.write(b"\0" * (free - (whole - staged_size - (1 << 20))))
-    with pytest.raises(InputError, match=r"not enough free space .* \(counting the 0\.00[0-9] GB an interrupted run"):
+    with pytest.raises(InputError, match=r"not enough free space .* \(counting the 0\.00[0-9]+ GB an interrupted run"):
         merge_checkpoint(base, adapter, out, **opts)
     assert len(json.load(open(os.path.join(partial_dir(out), "manifest.json")))["shards"]) == 3
 
