@@ -173,6 +173,16 @@ def shard_keys(folder) -> dict[str, list[str]]:
     return out
 
 
+def seven_shard_merge(tmp_path) -> tuple[str, str]:
+    """A base and adapter under ``tmp_path`` (4 Llama layers, float32) whose bfloat16 merge into 1 MB shards fills
+    7 of them: the inputs of :data:`KILL_AFTER_SHARDS`."""
+    from peft_shardmerge.testing import build_adapter, build_base
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8)
+    base = build_base(str(tmp_path / "base"), "llama", num_key_value_heads=4, vocab_size=1024, **shape)
+    return base, build_adapter(base, str(tmp_path / "adapter"), arch="llama")
+
+
 #: ``python -c KILL_AFTER_SHARDS BASE ADAPTER OUT``: a bfloat16 merge into 1 MB shards, killed outright (exit 9) once
 #: three shards are finished, its staging folder left as after SIGKILL
 KILL_AFTER_SHARDS = """

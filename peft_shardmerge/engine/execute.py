@@ -51,36 +51,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     raise InputError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
-def shard_bytes(plan: Plan) -> list[int]:
-    """Per output shard, the bytes a merge reads from disk (the stored bytes of its base tensors; nothing for a loaded
-    model's weights in memory) and writes for it.
-
-    Args:
-        plan: the plan.
-
-    Returns:
-        One count per shard, in order.
-
-    Example:
-        >>> import os, tempfile
-        >>> from peft_shardmerge import plan_checkpoint_merge
-        >>> from peft_shardmerge.testing import build_adapter, build_base
-        >>> tmp = tempfile.mkdtemp()
-        >>> base = build_base(os.path.join(tmp, "base"))
-        >>> adapter = build_adapter(base, os.path.join(tmp, "adapter"))
-        >>> plan = plan_checkpoint_merge(base, adapter, os.path.join(tmp, "merged"))
-        >>> shard_bytes(plan) == [2 * plan.total_size]  # a float32 base merged into float32: read once, written once
-        True
-    """
-    counts = [0] * len(plan.shard_names)
-    for t in plan.tensors:
-        read = 0
-        if t.entry is None:  # a quantized base's tensor: its packed codes and scales are what is read
-            read = sum(s.nbytes for s in t.source.decoder.stored) if t.source.decoder is not None else t.source.nbytes
-        counts[t.shard] += t.nbytes + read
-    return counts
-
-
 def run(
     plan: Plan,
     source: Source,
@@ -144,7 +114,7 @@ def run(
         overwrite=overwrite,
         fingerprint=keys[0] if keys else None,
         inputs=keys[1] if keys else None,
-        shard_bytes=shard_bytes(plan),
+        io_bytes=plan.shard_io_bytes(),
         replace_check=replace_check,
     )
     bar = tqdm(

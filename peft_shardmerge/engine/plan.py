@@ -90,6 +90,14 @@ class PlannedTensor:
         return self.source.numel * DTYPES[self.out_dtype][1]
 
     @property
+    def stored(self) -> tuple[TensorInfo, ...]:
+        """The stored tensors read from disk to make it: a quantized base's packed codes and scales, else its source;
+        none for a loaded model's tensor (its weights are in memory)."""
+        if self.entry is not None:
+            return ()
+        return self.source.decoder.stored if self.source.decoder is not None else (self.source,)
+
+    @property
     def op(self) -> Op:
         """The planned ``kind``, else what the tensor's changes and dtypes call for."""
         if self.kind is not None:
@@ -186,6 +194,13 @@ class Plan:
             (name, [(t.name, t.out_dtype, t.shape, t.nbytes) for t in self.shard_tensors(i)])
             for i, name in enumerate(self.shard_names)
         ]
+
+    def shard_io_bytes(self) -> list[int]:
+        """Per shard, in order, the bytes a merge reads from disk (:attr:`PlannedTensor.stored`) and writes for it."""
+        counts = [0] * len(self.shard_names)
+        for t in self.tensors:
+            counts[t.shard] += t.nbytes + sum(s.nbytes for s in t.stored)
+        return counts
 
     def index(self) -> dict:
         """The ``model.safetensors.index.json`` content (used when there is more than one shard)."""

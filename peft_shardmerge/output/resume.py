@@ -96,8 +96,9 @@ class InputDigests:
         self.plan = plan
         self._ranges: dict[str, list[tuple[str, int, int]]] = {}
         for t in plan.tensors:
-            stored = t.source.decoder.stored if t.source.decoder is not None else (t.source,)
-            self._ranges.setdefault(plan.shard_names[t.shard], []).extend((s.path, s.offset, s.nbytes) for s in stored)
+            self._ranges.setdefault(plan.shard_names[t.shard], []).extend(
+                (s.path, s.offset, s.nbytes) for s in t.stored
+            )
 
     def common(self) -> str:
         """The digest of the inputs every shard depends on (``"missing"`` when one cannot be read)."""

@@ -58,8 +58,8 @@ class ShardSink:
         fingerprint: identity of the merge for resuming (None: never resume).
         inputs: digests of the inputs per shard (:class:`~peft_shardmerge.output.resume.InputDigests`), for resuming.
         depth: blocks queued to the writer thread.
-        shard_bytes: per shard, the bytes the merge reads from disk and writes for it; those of the shards not done
-            yet are the working set the writes past the page cache are chosen by
+        io_bytes: per shard, the bytes the merge reads from disk and writes for it; those of the shards not done yet
+            are the working set the writes past the page cache are chosen by
             (:func:`~peft_shardmerge.output.direct.wanted`; None: not known).
         replace_check: with ``overwrite``, the problems that forbid replacing a non-empty ``out_dir``, checked again
             under the output lock (see :func:`~peft_shardmerge.output.staging.staged_output`); None: an earlier
@@ -84,7 +84,7 @@ class ShardSink:
         fingerprint: str | None = None,
         inputs=None,
         depth: int = 2,
-        shard_bytes: list[int] | None = None,
+        io_bytes: list[int] | None = None,
         replace_check: Callable[[str], list[str]] | None = None,
     ):
         self.out_dir = out_dir
@@ -94,7 +94,7 @@ class ShardSink:
         self.fingerprint = fingerprint
         self.inputs = inputs
         self.depth = depth
-        self.shard_bytes = shard_bytes
+        self.io_bytes = io_bytes
         self.resumed: list[str] = []
         self.records: dict[str, dict] = {}
 
@@ -172,7 +172,7 @@ class ShardSink:
         # stop at their next step: the error (a Ctrl-C, say) is raised at once, not after an fsync or a long read.
         stopping = threading.Event()
         working_set = sum(
-            n for (name, _), n in zip(self.shards, self.shard_bytes or []) if not staging.is_done(name)
+            n for (name, _), n in zip(self.shards, self.io_bytes or []) if not staging.is_done(name)
         )  # every rank's, on one machine: the filesystems written past the page cache are local ones
         with (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="input-digest") as digests,

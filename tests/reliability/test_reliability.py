@@ -18,7 +18,7 @@ from peft_shardmerge import InputError, merge_checkpoint
 from peft_shardmerge.errors import OutputLockedError
 from peft_shardmerge.output.staging import output_lock, partial_dir
 from peft_shardmerge.testing import build_adapter, build_base
-from tests.helpers import KILL_AFTER_SHARDS
+from tests.helpers import KILL_AFTER_SHARDS, seven_shard_merge
 
 #: subprocesses, signals and kills: make test-all runs them
 pytestmark = pytest.mark.slow
@@ -246,17 +246,7 @@ def test_disk_full_is_refused_up_front(small_fs, make_base, make_adapter):
 def test_resume_counts_the_space_its_staging_folder_holds(other_fs, tmp_path):
     """A merge killed on a nearly full disk is resumed although the disk has less free space than the whole output:
     the shards it finished are kept, not written again."""
-    base = build_base(
-        str(tmp_path / "base"),
-        "llama",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=1024,
-    )
-    adapter = build_adapter(base, str(tmp_path / "adapter"), arch="llama")
+    base, adapter = seven_shard_merge(tmp_path)
     opts = dict(dtype="bfloat16", max_shard_size="1MB", model_checks="first", progress=False)
     reference = str(tmp_path / "reference")
     merge_checkpoint(base, adapter, reference, **opts)

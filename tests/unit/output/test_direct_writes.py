@@ -27,7 +27,7 @@ from peft_shardmerge.output import writer as writer_module
 from peft_shardmerge.output.direct import ALIGN, DirectWrites
 from peft_shardmerge.output.writer import ShardWriter
 from peft_shardmerge.testing import build_adapter, build_base
-from tests.helpers import KILL_AFTER_SHARDS, shard_keys, tensor_bytes
+from tests.helpers import KILL_AFTER_SHARDS, seven_shard_merge, shard_keys, tensor_bytes
 
 PIECE = 4 * ALIGN  # small pieces: many direct writes per tensor
 
@@ -289,13 +289,15 @@ def test_a_shard_in_place_goes_past_the_page_cache_where_wanted(setting, free, m
     assert torch.equal(load_file(path)["w"], torch.arange(4.0))
 
 
-def test_free_memory_is_the_kernels_memfree():
+def test_free_memory_is_the_kernels_memfree(monkeypatch):
+    monkeypatch.setattr(direct, "_PROC_CGROUP", "/nonexistent")  # the machine's, whatever container runs the tests
     with open("/proc/meminfo") as f:  # the kernel's own count, read a moment apart
         want = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemFree:"))
     assert abs(direct.free_memory() - want) < 256 << 20
 
 
-def test_physical_memory_is_the_kernels_memtotal():
+def test_physical_memory_is_the_kernels_memtotal(monkeypatch):
+    monkeypatch.setattr(direct, "_PROC_CGROUP", "/nonexistent")
     with open("/proc/meminfo") as f:
         want = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemTotal:"))
     assert abs(direct.physical_memory() - want) < 1 << 30  # the kernel reserves a little at boot, counted or not
@@ -336,17 +338,7 @@ def test_a_merge_weighs_what_it_reads_and_writes_against_the_machines_memory(tmp
 
 
 def test_a_resumed_merge_weighs_only_the_shards_it_has_left(tmp_path, monkeypatch):
-    base = build_base(
-        str(tmp_path / "base"),
-        "llama",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=1024,
-    )
-    adapter = build_adapter(base, str(tmp_path / "adapter"), arch="llama")
+    base, adapter = seven_shard_merge(tmp_path)
     out = str(tmp_path / "out")
     r = subprocess.run([sys.executable, "-c", KILL_AFTER_SHARDS, base, adapter, out], capture_output=True, timeout=300)
     assert r.returncode == 9, r.stderr

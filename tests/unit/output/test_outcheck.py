@@ -115,6 +115,15 @@ def test_overwrite_refuses_an_earlier_output_whose_files_the_user_edited(tiny, t
         merge_checkpoint(*tiny, str(out), overwrite=True, progress=False)
 
 
+def _our_staging(tmp_path, name: str, nbytes: int):
+    """``tmp_path/.out.partial`` with a manifest of ours and ``name`` holding ``nbytes`` random bytes; ``OUT``."""
+    staging = tmp_path / ".out.partial"
+    staging.mkdir()
+    (staging / "manifest.json").write_text('{"made_by": "peft-shardmerge", "shards": {}}')
+    (staging / name).write_bytes(os.urandom(nbytes))
+    return tmp_path / "out", staging
+
+
 def test_only_a_staging_folder_of_ours_counts_as_space_for_the_next_run(tmp_path):
     from peft_shardmerge.output.checks import staged_bytes
     from peft_shardmerge.output.files import sidecar
@@ -147,11 +156,7 @@ def test_an_unreadable_staging_folder_counts_for_nothing_and_breaks_no_check(tmp
 
     from peft_shardmerge.output.checks import check_space, staged_bytes
 
-    out = tmp_path / "out"
-    staging = tmp_path / ".out.partial"
-    staging.mkdir()
-    (staging / "manifest.json").write_text('{"made_by": "peft-shardmerge", "shards": {}}')
-    (staging / "model-00001-of-00001.safetensors").write_bytes(os.urandom(1 << 20))
+    out, staging = _our_staging(tmp_path, "model-00001-of-00001.safetensors", 1 << 20)
     assert staged_bytes(str(out)) > 1 << 20
     if os.geteuid() == 0:  # root lists any folder: the listing fails as it does for a user on a 0o300 folder
         real = os.scandir
@@ -178,11 +183,7 @@ def test_a_staged_file_removed_while_it_is_counted_is_skipped(tmp_path, monkeypa
 
     from peft_shardmerge.output.checks import staged_bytes
 
-    out = tmp_path / "out"
-    staging = tmp_path / ".out.partial"
-    staging.mkdir()
-    (staging / "manifest.json").write_text('{"made_by": "peft-shardmerge", "shards": {}}')
-    (staging / "manifest.json.tmp").write_bytes(os.urandom(1 << 20))
+    out, staging = _our_staging(tmp_path, "manifest.json.tmp", 1 << 20)
     real = os.scandir
 
     @contextmanager

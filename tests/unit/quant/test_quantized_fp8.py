@@ -434,7 +434,5 @@ def test_verify_says_ok_for_a_merge_from_an_fp8_base(fp8):
 
 
 def test_a_merge_from_an_fp8_base_weighs_the_bytes_it_reads_not_the_dequantized_ones(fp8):
-    from peft_shardmerge.engine.execute import shard_bytes
-
     plan = plan_checkpoint_merge(fp8["base"], fp8["adapter"], str(fp8["root"] / "weighed"), dtype="bfloat16")
-    assert sum(shard_bytes(plan)) == tensor_bytes(fp8["base"]) + tensor_bytes(fp8["out"])
+    assert sum(plan.shard_io_bytes()) == tensor_bytes(fp8["base"]) + tensor_bytes(fp8["out"])
