@@ -161,8 +161,10 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
         data, qs = _unpack_cpu_format(data, qs)
         if notes is not None:
             notes.append("repacked")
-    elif getattr(qs, "original_qshape", None) is not None and notes is not None:
-        notes.append("repacked")  # repacked, then undone in place by a state_dict() (PEFT's save_pretrained): lossy
+    elif getattr(qs, "original_qshape", None) is not None:
+        qs = _undone_in_place(qs)
+        if notes is not None:
+            notes.append("repacked")  # repacked, then undone in place by a state_dict() (PEFT's save_pretrained): lossy
     expected = (qs.shape.numel() + 1) // 2
     if hasattr(data, "placements") or data.numel() * data.element_size() != expected:
         raise MergeCheckError(
@@ -180,6 +182,16 @@ def _quant_state_on(qs, device: torch.device):
 
     packed = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in qs.as_dict(packed=True).items()}
     return QuantState.from_dict(packed, device=device)
+
+
+def _undone_in_place(qs):
+    """The quant state of a repacking bitsandbytes undid in place (a ``state_dict()``): without double quant it
+    leaves the block scales in the repacked layout (bf16, ``[blocks per row, rows]``), read here as a flat copy."""
+    if qs.nested or qs.absmax.dim() != 2:
+        return qs
+    state = copy.copy(qs)
+    state.absmax = qs.absmax.T.reshape(-1).to(torch.float32)
+    return state
 
 
 def _unpack_cpu_format(packed: torch.Tensor, qs):

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .recompute import merge_settings
+from .recompute import merge_settings, settle_stored_base
 
 #: the largest relative logits error left UNCHECKED, not FAILED, when the merge read 4-bit weights from bitsandbytes'
 #: CPU repacking (their block scales off by up to 2^-9 and re-quantized): the 16-bit tolerance
@@ -133,7 +133,7 @@ def check_logits(
     """
     from transformers import AutoConfig
 
-    options, _ = merge_settings(record, None)
+    options, _ = settle_stored_base(*merge_settings(record, None)[:1], record, base)
     if options is None:
         return
     if options.get("task_vectors"):

@@ -131,6 +131,52 @@ def merge_settings(record: dict | None, out_dtype: str | None) -> tuple[dict | N
     return options, []
 
 
+def settle_stored_base(options: dict | None, record: dict | None, base: str) -> tuple[dict | None, list[str]]:
+    """The settings of :func:`merge_settings` for the base actually given: an in-process merge of a model loaded
+    from a bitsandbytes 4-bit checkpoint held that checkpoint's own 4-bit weights, so its recomputation reads the
+    stored weights dequantized (base precision ``original``), not a 16-bit base quantized again.
+
+    Args:
+        options: what :func:`merge_settings` returned (None: nothing to settle).
+        record: the ``merge`` section of ``merge_manifest.json``, or None.
+        base: the base checkpoint given.
+
+    Returns:
+        ``(options or None, notes)``: options None when the base given is stored in another 4-bit format than the
+        one the merge held (the one note then says so, and which base to give).
+
+    Example:
+        >>> settle_stored_base(None, None, "base")
+        (None, [])
+    """
+    if options is None or options["base_precision"] != "nf4" or (record or {}).get("path") == "disk":
+        return options, []
+    from ..checkpoint.source import open_checkpoint
+
+    try:
+        view = open_checkpoint(base).quantized
+    except ShardMergeError:  # the plan names what is wrong with the base
+        return options, []
+    if view is None:
+        return options, []
+    nf4 = options["nf4"] or {}
+    held = (nf4.get("quant_type"), nf4.get("blocksize"), bool(nf4.get("double_quant")))
+    stored = {
+        (d.quant_type, d.blocksize, bool(d.nested_blocksize))
+        for t in view.tensors
+        if (d := getattr(t, "decoder", None)) is not None and hasattr(d, "quant_type")
+    }
+    if stored != {held}:
+        return None, [
+            f"the merge held its base in 4-bit ({held[0]}, blocksize {held[1]}, "
+            f"{'' if held[2] else 'no '}double quant), but {base} is stored as {view.method}: not recomputed; "
+            "give the 16-bit checkpoint the model was quantized from, or the 4-bit checkpoint it was loaded from"
+        ]
+    return {**options, "base_precision": "original", "nf4": None, "held": None}, [
+        f"the base is stored as {view.method}, the weights the merge held: recomputed from them dequantized"
+    ]
+
+
 def _reproducible(held: str | None, plan) -> str:
     """Why the disk engine cannot reproduce an in-process merge whose base was held in (or quantized from)
     ``held``, or "" when it can: every stored value of a changed weight must survive the cast to ``held``."""
@@ -431,6 +477,12 @@ def recompute_and_compare(
     out_dtype = str(next(iter(floats))).removeprefix("torch.") if len(floats) == 1 else None
     options, notes = merge_settings(record, out_dtype)
     result.notes += notes
+    if options is not None:
+        options, settled = settle_stored_base(options, record, base)
+        if options is None:  # the base given cannot be the one merged: no verdict either way
+            result.unchecked += settled
+            return result
+        result.notes += settled
     if options is None:
         return result
     n_recorded = len((record or {}).get("adapters") or [])

@@ -196,6 +196,41 @@ def test_in_process_dequantized_merges_pass(quant, double_quant, dtype, make_bas
         assert any("logits vs base + adapter (4-bit base)" in c for c in report.checks)
 
 
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_in_process_merge_of_a_4bit_checkpoint_verifies_against_that_checkpoint(
+    double_quant, make_base, make_adapter, tmp_path
+):
+    """A model loaded from a saved -bnb-4bit folder holds that folder's 4-bit weights: verify with it as the base
+    recomputes from those weights dequantized (no base precision to drop), byte for byte; a 4-bit folder of
+    another format is named, not taken for the base merged."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge import merge_and_save
+    from tests.helpers import no_cpu_repack
+
+    pytest.importorskip("bitsandbytes")
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    saved = str(tmp_path / "base-bnb-4bit")
+    _load_4bit(base, "nf4", double_quant).save_pretrained(saved)
+    loaded = AutoModelForCausalLM.from_pretrained(saved, device_map="cpu")
+    no_cpu_repack(loaded)
+    out = str(tmp_path / "merged")
+    merge_and_save(PeftModel.from_pretrained(loaded, adapter), out, progress=False)
+    report = verify_checkpoint(out, base=saved, adapter=adapter)
+    assert report.status == "OK" and report.recomputed, report.summary()
+    assert any(
+        "recomputed 21 tensors from base + adapter (base precision original): 21 equal byte" in c
+        for c in report.checks
+    ), report.summary()
+    assert any("the base is stored as bitsandbytes 4-bit (nf4" in n for n in report.notes), report.summary()
+    other = str(tmp_path / "base-fp4")
+    _load_4bit(base, "fp4", double_quant).save_pretrained(other)
+    report = verify_checkpoint(out, base=other, adapter=adapter)
+    assert report.status == "UNCHECKED" and not report.problems and report.recomputed is None, report.summary()
+    assert any(f"but {other} is stored as bitsandbytes 4-bit (fp4" in n for n in report.unchecked), report.summary()
+
+
 def test_base_held_in_a_coarser_dtype_is_not_recomputed_but_passes(make_base, make_adapter, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
