@@ -164,7 +164,7 @@ def dequantize(holder: nn.Module, device: torch.device, notes: list[str] | None 
     elif getattr(qs, "original_qshape", None) is not None:
         qs = _undone_in_place(qs)
         if notes is not None:
-            notes.append("repacked")  # repacked, then undone in place by a state_dict() (PEFT's save_pretrained): lossy
+            notes.append("repacked")  # repacked, then undone in place by a state_dict() (PEFT save_pretrained)
     expected = (qs.shape.numel() + 1) // 2
     if hasattr(data, "placements") or data.numel() * data.element_size() != expected:
         raise MergeCheckError(
