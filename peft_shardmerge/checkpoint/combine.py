@@ -160,7 +160,8 @@ def _whole_tensor_problems(specs: list[AdapterSpec], combination: str) -> list[s
         if kinds:
             problems.append(
                 f"combination {combination!r} combines the LoRA deltas of modules only; the adapter {s.folder} also "
-                f"saves {', '.join(kinds)}. Combine it with 'cat' or 'linear', or save the adapter without them "
+                f"saves {', '.join(kinds)}. Combine it with 'cat' (or 'linear', for adapters of equal rank), or save "
+                "the adapter without them "
                 "(an embedding layer PEFT saved beside a LoRA on it, with an unchanged vocabulary: "
                 "save_pretrained(..., save_embedding_layers=False))"
             )

@@ -133,7 +133,7 @@ def adapter_selection(model: nn.Module, adapter_names, weights, combination_type
     if problems:
         return names, {}, problems
     weights, problems = combination_problems(
-        [configs[a] for a in names], names, weights, combination_type, option="combination_type"
+        [configs[a] for a in names], names, weights, combination_type, option="combination_type", in_process=True
     )
     if len(weights) != len(names):
         return names, {}, problems

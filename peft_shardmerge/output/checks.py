@@ -83,6 +83,7 @@ def check_out_dir(
                 f"e.g. {os.path.join(raw, 'merged')}"
             ]
     problems += _unresolved_input_problems(raw, real, inputs)
+    is_input = bool(problems)  # an input (or inside one): no overwrite can help, so none is offered
     seen = set()
     for role, folder in _with_link_targets(inputs):
         src = os.path.realpath(os.fspath(folder)) if folder is not None else None
@@ -94,6 +95,7 @@ def check_out_dir(
             problems.append(
                 f"output folder {raw} {where} the {role} folder {os.fspath(folder)}; choose a folder outside it"
             )
+            is_input = True
         elif src.startswith(real.rstrip(os.sep) + os.sep):
             problems.append(
                 f"the {role} folder {os.fspath(folder)} is inside the output folder {raw}; replacing it would destroy "
@@ -117,16 +119,76 @@ def check_out_dir(
     elif os.path.lexists(out):
         if not os.path.isdir(out):
             problems.append(f"output {raw} exists and is not a folder; remove it or choose another path")
-        elif not overwrite and is_nonempty(out):
-            problems.append(f"output folder {raw} is not empty; pass overwrite=True to replace it")
-        elif overwrite and only_ours:
-            problems += replace_problems(out, raw)
+        elif not overwrite and not is_input and is_nonempty(out):
+            problems += _not_empty_problems(out, raw, only_ours)
+        elif overwrite and only_ours and not is_input:
+            refused = replace_problems(out, raw)
+            problems += refused
+            if not refused and recover and is_nonempty(out):
+                log.info(
+                    "%s: the earlier output there (%s) is replaced once the new one is complete",
+                    raw,
+                    replaced_entries(out),
+                )
     return problems + sidecar_problems(out)
+
+
+#: what users add to a merged model (or edit in it) that ``overwrite`` replaces with the earlier output: its model card
+MODEL_CARD = ("readme.md",)
+
+
+def _not_empty_problems(out: str, shown: str, only_ours: bool) -> list[str]:
+    """A non-empty output folder without ``overwrite``: what is there, and whether ``overwrite`` would replace it (the
+    hint names it only where it would)."""
+    if not only_ours:
+        return [f"output folder {shown} is not empty; pass overwrite=True to replace it"]
+    refused = replace_problems(out, shown)
+    if refused:
+        return refused
+    listed, _ = _record_listing(out)
+    if not listed:  # nothing in it but empty folders
+        return [f"output folder {shown} is not empty (it holds empty folders only); pass overwrite=True to replace it"]
+    return [
+        f"output folder {shown} holds an earlier output of peft-shardmerge; pass overwrite=True to replace it "
+        f"({replaced_entries(out)})"
+    ]
+
+
+def replaced_entries(out_dir: str | os.PathLike) -> str:
+    """What ``overwrite`` replaces in an earlier output of ours, in words: its files by kind, and a model card added
+    or edited since.
+
+    Args:
+        out_dir: an output folder :func:`replace_problems` accepts.
+
+    Returns:
+        A phrase, e.g. ``"2 shards, 4 other files of the merge and README.md, added after it"``.
+
+    Example:
+        >>> import tempfile
+        >>> replaced_entries(tempfile.mkdtemp())
+        'nothing'
+    """
+    folder = os.fspath(out_dir)
+    listed, changed = _record_listing(folder)
+    try:
+        found = {rel for rel in snapshot(folder) if rel != "."}
+    except OSError:
+        found = set()
+    top = {rel for rel in found if os.sep not in rel}
+    shards = sorted(rel for rel in top & listed if rel.endswith(".safetensors"))
+    others = sorted(top & listed - set(shards))
+    cards = sorted(rel for rel in top if rel.lower() in MODEL_CARD and (rel not in listed or rel in changed))
+    parts = [f"{len(shards)} shard{'s' * (len(shards) != 1)}"] if shards else []
+    parts += [f"{len(others)} other file{'s' * (len(others) != 1)} of the merge"] if others else []
+    parts += [f"{c}, {'edited' if c in listed else 'added'} after it" for c in cards]
+    return " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts) or "nothing"
 
 
 def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> list[str]:
     """Why ``overwrite`` may not replace an existing folder: only an empty folder, or an earlier output of
-    peft-shardmerge holding nothing but what its merge record (``merge_manifest.json``) lists, is ever replaced.
+    peft-shardmerge holding nothing but what its merge record (``merge_manifest.json``) lists, and a model card
+    (``README.md``) added or edited since, is ever replaced.
 
     Args:
         out_dir: the existing output folder.
@@ -141,7 +203,7 @@ def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> li
         >>> replace_problems(folder)
         []
         >>> _ = open(os.path.join(folder, "notes.txt"), "w").write("mine")
-        >>> print(replace_problems(folder, "out")[0].split(";")[0])
+        >>> print(replace_problems(folder, "out")[0].split(" and is ")[0])
         output folder out holds files peft-shardmerge did not write (notes.txt)
     """
     folder, shown = os.fspath(out_dir), shown if shown is not None else os.fspath(out_dir)
@@ -161,6 +223,9 @@ def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> li
             ours.add(rel)
             rel = os.path.dirname(rel)
     foreign = sorted(rel for rel in found if rel != "." and rel not in ours)
+    if listed:  # an earlier output of ours: its model card goes with it
+        foreign = [rel for rel in foreign if rel.lower() not in MODEL_CARD]
+        changed = [rel for rel in changed if rel.lower() not in MODEL_CARD]
     if changed:
         names = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
         return [
@@ -173,17 +238,17 @@ def replace_problems(out_dir: str | os.PathLike, shown: str | None = None) -> li
     if not foreign:
         return []
     names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-    what = (
-        "is not an output of peft-shardmerge (no merge_manifest.json of ours) and holds"
-        if not listed
-        else "holds files its merge record (merge_manifest.json) does not list, added after the merge:"
-    )
+    entries = f"{len(foreign)} {'entry' if len(foreign) == 1 else 'entries'}"
+    if not listed:
+        return [
+            f"output folder {shown} holds files peft-shardmerge did not write ({names}) and is not an output of "
+            "peft-shardmerge (no merge_manifest.json of ours); overwrite replaces only an empty folder or an earlier "
+            "output of peft-shardmerge: choose another output folder, or move them out"
+        ]
     return [
-        (
-            f"output folder {shown} holds files peft-shardmerge did not write ({names}); overwrite replaces only "
-            f"an empty folder or an earlier output of peft-shardmerge, and this folder {what} {len(foreign)} such "
-            "entries: move them out (or remove the folder yourself), or choose another output folder"
-        )
+        f"output folder {shown} holds an earlier output of peft-shardmerge and {entries} added after the merge "
+        f"that its merge record (merge_manifest.json) does not list ({names}); overwrite replaces that output and "
+        "its model card (README.md), nothing else: move the others out, or choose another output folder"
     ]
 
 

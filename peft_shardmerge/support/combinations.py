@@ -50,6 +50,7 @@ def check_weights(
         weights: one weight per adapter, or None for 1.0 each.
         combination: one of :data:`COMBINATIONS`.
         option: the option's name in messages (``combination_type`` in process).
+        in_process: the adapters are combined on a loaded model (the advice names what works there).
 
     Returns:
         ``(weights as a list, problems)``.
@@ -81,6 +82,7 @@ def combination_problems(
     combination: str,
     *,
     option: str = "combination",
+    in_process: bool = False,
 ) -> tuple[list[float], list[str]]:
     """Check a weighted combination of adapters from their configs alone (the disk and in-process paths).
 
@@ -95,6 +97,7 @@ def combination_problems(
         weights: one weight per adapter, or None for 1.0 each.
         combination: one of :data:`COMBINATIONS`.
         option: the option's name in messages (``combination_type`` in process).
+        in_process: the adapters are combined on a loaded model (the advice names what works there).
 
     Returns:
         ``(weights as a list, problems)``; every problem found, at once.
@@ -116,7 +119,7 @@ def combination_problems(
     if ia3:
         problems.append(f"IA3 adapters cannot be weighted or combined (their scalings multiply): {ia3}")
     if vectors:
-        problems += _task_vector_config_problems(configs, names, combination, option)
+        problems += _task_vector_config_problems(configs, names, combination, option, in_process)
     if combination == "linear" and len(configs) > 1:
         shapes = {
             (config_value(c, "r"), tuple(sorted((config_value(c, "rank_pattern", {}) or {}).items()))) for c in configs
@@ -130,8 +133,11 @@ def combination_problems(
     return weights, problems
 
 
-def _task_vector_config_problems(configs: Sequence, names: Sequence[str], combination: str, option: str) -> list[str]:
-    """What a task-vector method cannot combine: anything but plain LoRA deltas of modules (an allowlist)."""
+def _task_vector_config_problems(
+    configs: Sequence, names: Sequence[str], combination: str, option: str, in_process: bool
+) -> list[str]:
+    """What a task-vector method cannot combine: anything but plain LoRA deltas of modules (an allowlist); the
+    advice names a combination the same path then accepts."""
     problems = []
     for name, c in zip(names, configs):
         kinds = []
@@ -140,6 +146,14 @@ def _task_vector_config_problems(configs: Sequence, names: Sequence[str], combin
             kinds.append(f"peft_type {peft_type}")
         if config_value(c, "target_parameters"):
             kinds.append("LoRA on target_parameters")
+        if kinds and not in_process:  # the disk engine combines LoRA on modules only, whatever the method
+            problems.append(
+                f"{option} {combination!r} combines the LoRA deltas of modules only; the adapter {name} has "
+                f"{', '.join(kinds)}, and on disk only LoRA adapters on modules are combined at all: combine such "
+                "adapters (of one PEFT type) in process, with merge_and_save(model, out_dir, adapter_names=[...], "
+                "combination_type='cat'), or use an adapter trained without them"
+            )
+            continue
         if config_value(c, "modules_to_save"):
             kinds.append(f"modules_to_save {list(config_value(c, 'modules_to_save'))}")
         if config_value(c, "trainable_token_indices"):
@@ -149,8 +163,8 @@ def _task_vector_config_problems(configs: Sequence, names: Sequence[str], combin
         if kinds:
             problems.append(
                 f"{option} {combination!r} combines the LoRA deltas of modules only; the adapter {name} also has "
-                f"{', '.join(kinds)}, which {combination} does not define. Combine it with 'cat' or 'linear', or "
-                "use an adapter trained without them"
+                f"{', '.join(kinds)}, which {combination} does not define. Combine it with 'cat' (or 'linear', "
+                "for adapters of equal rank), or use an adapter trained without them"
             )
     return problems
 

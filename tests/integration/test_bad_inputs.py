@@ -587,7 +587,7 @@ CASES = [
         r"4-bit blocksize must be a power of two",
     ),
     ("device-cuda-without-cuda", option(device="cuda"), InputError, r"CUDA is not available"),
-    ("out-not-empty", out_at(_out_not_empty), InputError, r"is not empty; pass overwrite=True"),
+    ("out-not-empty", out_at(_out_not_empty), InputError, r"did not write \(keep\.txt\).*choose another output"),
     ("out-is-a-file", out_at(_out_is_file), InputError, r"exists and is not a folder"),
     ("out-equals-base", out_at(lambda c, b, a: b, overwrite=True), InputError, r"is the base folder"),
     ("out-inside-base", out_at(lambda c, b, a: os.path.join(b, "m")), InputError, r"is inside the base folder"),

@@ -112,6 +112,45 @@ def test_verify_recomputes_a_task_vector_merge(tmp_path, two):
     assert verify_checkpoint(out, base=base, adapter=adapters).status == "FAILED"
 
 
+def _loha(base: str, folder: str, seed: int, **kw) -> str:
+    from peft import LoHaConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge.testing import perturb_trainable
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoHaConfig(r=4, **kw))
+    perturb_trainable(model, 0.02)
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_each_refusal_of_a_task_vector_method_names_a_combination_that_then_works(tmp_path, two, make_adapter):
+    """The advice is followed: from disk, modules_to_save -> 'cat' from disk; a LoHa adapter (or LoRA on
+    target_parameters), which the disk engine never combines -> 'cat' in process."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, adapters = two
+    saved = make_adapter("llama_sharded", "tv-saved", modules_to_save=["lm_head"], target_modules=["q_proj"])
+    with pytest.raises(InputError, match=r"Combine it with 'cat' \(or 'linear', for adapters of equal rank\)"):
+        merge_checkpoint(base, [adapters[0], saved], str(tmp_path / "o"), combination="ties", density=0.5)
+    merge_checkpoint(base, [adapters[0], saved], str(tmp_path / "cat"), combination="cat", progress=False)
+    loha = [_loha(base, str(tmp_path / f"loha{i}"), i, target_modules=["q_proj", "v_proj"]) for i in (1, 2)]
+    with pytest.raises(InputError) as e:
+        merge_checkpoint(base, loha, str(tmp_path / "o"), combination="ties", density=0.5)
+    text = str(e.value)
+    assert "on disk only LoRA adapters on modules are combined at all" in text
+    assert "merge_and_save(model, out_dir, adapter_names=[...], combination_type='cat')" in text
+    assert "Combine it with 'cat'" not in text
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), loha[0], adapter_name="a")
+    model.load_adapter(loha[1], adapter_name="b")
+    with pytest.raises(InputError, match="the adapter a also has peft_type LOHA.*Combine it with 'cat'"):
+        merge_and_save(model, str(tmp_path / "o"), adapter_names=["a", "b"], combination_type="ties", density=0.5)
+    merge_and_save(model, str(tmp_path / "ip"), adapter_names=["a", "b"], combination_type="cat", progress=False)
+    assert os.path.exists(tmp_path / "ip" / "model.safetensors")
+
+
 def test_what_a_task_vector_method_refuses(tmp_path, two, make_adapter):
     base, adapters = two
     out = str(tmp_path / "o")

@@ -139,7 +139,7 @@ def test_a_kill_at_every_step_of_the_commit_is_recovered(outputs, merger, tmp_pa
         assert now in ((None, old) if overwrite else (None,)) or now == new, step
         # the up-front check of any next run finishes the cut commit and removes the dead merge's lock ...
         problems = check_out_dir(str(out), inputs={}, overwrite=overwrite, recover=True)  # a run about to merge
-        assert problems == [] or (not overwrite and "is not empty" in problems[0]), (step, problems)
+        assert problems == [] or (not overwrite and "pass overwrite=True" in problems[0]), (step, problems)
         assert tree(out) in (old, new) if out.exists() else not overwrite, step
         assert ".out.lock" not in _beside(out), step
         # ... and the same command again ends with the complete new output and nothing beside it

@@ -38,7 +38,7 @@ def test_every_problem_is_reported_at_once(pair, tmp_path):
     assert text.startswith("3 problems found before writing anything:")
     assert "dtype 'int4' is not supported" in text
     assert "max_shard_size 'lots' is not a size" in text
-    assert "is not empty; pass overwrite=True to replace it" in text
+    assert "holds files peft-shardmerge did not write (keep.txt)" in text and "overwrite=True" not in text
     assert (out / "keep.txt").read_text() == "mine"
     _nothing_written(tmp_path, str(out))
 

@@ -58,11 +58,72 @@ def test_overwrite_on_the_command_line_refuses_it_too(tiny, tmp_path):
 def test_a_file_added_to_an_earlier_output_is_never_deleted(tiny, tmp_path):
     out = tmp_path / "out"
     merge_checkpoint(*tiny, str(out), progress=False)
-    (out / "notes.txt").write_text("added after the merge")
+    (out / "training_args.bin").write_bytes(b"trainer state")
     before = tree(out)
-    with pytest.raises(InputError, match=r"did not write \(notes\.txt\).*does not list, added after the merge"):
-        merge_checkpoint(*tiny, str(out), overwrite=True, dtype="float16", progress=False)
-    assert tree(out) == before
+    for overwrite in (False, True):  # the hint without overwrite is the refusal overwrite would give
+        with pytest.raises(InputError) as e:
+            merge_checkpoint(*tiny, str(out), overwrite=overwrite, dtype="float16", progress=False)
+        assert str(e.value) == (
+            f"1 problem found before writing anything:\n  - output folder {out} holds an earlier output of "
+            "peft-shardmerge and 1 entry added after the merge that its merge record (merge_manifest.json) does not "
+            "list (training_args.bin); overwrite replaces that output and its model card (README.md), nothing "
+            "else: move the others out, or choose another output folder"
+        )
+        assert tree(out) == before
+
+
+@pytest.mark.parametrize("card", ["added", "edited"])
+def test_overwrite_replaces_an_earlier_output_with_its_model_card_and_says_so(tiny, tmp_path, card, caplog):
+    """The model card is the most common edit after a merge: the hint names it, overwrite replaces it with the
+    rest of the earlier output (here with the base's own README.md, carried into the new output)."""
+    import logging
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny[0], base)
+    if card == "edited":
+        (base / "README.md").write_text("the base's card")
+    out = tmp_path / "out"
+    merge_checkpoint(str(base), tiny[1], str(out), progress=False, max_shard_size="300KB")
+    (out / "README.md").write_text("my own card")
+    with pytest.raises(InputError) as e:
+        merge_checkpoint(str(base), tiny[1], str(out), progress=False, max_shard_size="300KB")
+    shards = len([f for f in os.listdir(out) if f.endswith(".safetensors")])
+    assert shards > 1
+    assert str(e.value).endswith(
+        f"output folder {out} holds an earlier output of peft-shardmerge; pass overwrite=True to replace it "
+        f"({shards} shards, {4 + (card == 'edited')} other files of the merge and README.md, {card} after it)"
+    )
+    with caplog.at_level(logging.INFO, logger="peft_shardmerge.output.checks"):
+        merge_checkpoint(str(base), tiny[1], str(out), overwrite=True, dtype="float16", progress=False)
+    assert any(
+        "README.md, " + card + " after it) is replaced once the new one is complete" in r.getMessage()
+        for r in caplog.records
+    )
+    if card == "edited":
+        assert (out / "README.md").read_text() == "the base's card"
+    else:
+        assert not (out / "README.md").exists()
+
+
+def test_a_folder_that_overwrite_would_not_replace_is_never_offered_overwrite(tiny, tmp_path):
+    from peft_shardmerge.api.cli import main
+
+    for name in ("notes.txt", ".gitkeep"):
+        out = tmp_path / name.strip(".")
+        out.mkdir()
+        (out / name).write_text("")
+        with pytest.raises(InputError) as e:
+            merge_checkpoint(*tiny, str(out), progress=False)
+        assert "overwrite=True" not in str(e.value) and f"did not write ({name})" in str(e.value)
+        assert "choose another output folder, or move them out" in str(e.value)
+    for overwrite in ([], ["--overwrite"]):  # OUT is the base: one problem, no flag offered
+        with pytest.raises(InputError) as e:
+            merge_checkpoint(*tiny, tiny[0], progress=False, overwrite=bool(overwrite))
+        assert str(e.value) == (
+            f"1 problem found before writing anything:\n  - output folder {tiny[0]} is the base folder {tiny[0]}; "
+            "choose a folder outside it"
+        )
+    assert main(["merge", *tiny, tiny[0], "-q"]) == 2
 
 
 def test_merge_and_save_with_overwrite_refuses_a_folder_of_the_users(tiny, tmp_path):

@@ -228,13 +228,13 @@ def test_plan_model_merge_checks_the_options_and_the_folder(make_base, tmp_path)
     with pytest.raises(InputError) as e:
         plan_model_merge(model, tmp_path / "full", dtype="int3", base_precision="nope")
     text = str(e.value)
-    assert "base_precision" in text and "int3" in text and "not empty" in text
+    assert "base_precision" in text and "int3" in text and "did not write (x.txt)" in text
     assert isinstance(plan_model_merge(model, base_precision="dequantized").inputs, LiveSource)  # no folder checked
 
 
 def test_the_dry_run_takes_overwrite_as_merge_and_save_does(make_base, make_adapter, tmp_path):
-    """plan_model_merge into a non-empty folder says to pass overwrite=True; with it, refuses a folder of the user's
-    as merge_and_save does, and accepts an earlier output of ours (nothing is written)."""
+    """plan_model_merge into a folder of the user's refuses it with or without overwrite=True (and offers none), as
+    merge_and_save does, and accepts an earlier output of ours with it (nothing is written)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -246,7 +246,7 @@ def test_the_dry_run_takes_overwrite_as_merge_and_save_does(make_base, make_adap
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(InputError, match="pass overwrite=True"):
+    with pytest.raises(InputError, match=r"did not write \(notes\.txt\).*choose another output folder"):
         plan_model_merge(model, str(out))
     with pytest.raises(InputError, match=r"did not write \(notes\.txt\)"):
         plan_model_merge(model, str(out), overwrite=True)
