@@ -239,9 +239,7 @@ def _merge(args: argparse.Namespace) -> int:
         if args.verbose
         else logging.INFO
     )
-    logging.basicConfig(
-        level=level, format="%(levelname)s " + ("" if rank is None else f"[rank {rank}] ") + "%(name)s: %(message)s"
-    )
+    _log_to_stderr(level, rank, args.verbose)
     if not args.verbose:
         for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -298,6 +296,29 @@ def _merge(args: argparse.Namespace) -> int:
     if (args.dry_run or not args.quiet) and not rank:  # a dry run's plan is its output; -q silences the summary
         _print(report.summary())
     return 0
+
+
+class _CommandLineFormatter(logging.Formatter):
+    """Log records as the command line says things: ``peft-shardmerge: warning: ...`` (a record of ours at INFO
+    without a level), options named by their flags; with ``-v``, each record's level and logger too."""
+
+    def __init__(self, rank: int | None, verbose: bool):
+        super().__init__()
+        self.who, self.verbose = _who(rank), verbose
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = command_line_text(super().format(record))
+        if self.verbose:
+            return f"{record.levelname} {record.name}: {text}"
+        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        return f"{self.who}: {level}{text}"
+
+
+def _log_to_stderr(level: int, rank: int | None, verbose: bool) -> None:
+    """Log records to stderr, formatted by :class:`_CommandLineFormatter`, at ``level``."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_CommandLineFormatter(rank, verbose))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def run() -> None:
@@ -390,7 +411,11 @@ def _verify(args, parser) -> int:
 
 
 #: the Python spellings of options in the library's messages, and the flags the command line takes instead
-FLAGS = {"overwrite=True": "--overwrite", "device='cpu' or 'auto'": "--device cpu or auto"}
+FLAGS = {
+    "overwrite=True": "--overwrite",
+    "device='cpu' or 'auto'": "--device cpu or auto",
+    "normalize=False": "--no-normalize",
+}
 
 
 def command_line_text(message: str) -> str:

@@ -123,7 +123,8 @@ class CheckpointReader(RowMerger):
         plan = self.plan
         return dict(
             base=plan.inputs.base.folder,
-            adapter=(plan.adapter_text or ", ".join(plan.inputs.adapter.folders))
+            adapter=plan.adapter_text  # a loaded model's adapters, their combination included
+            or ", ".join(plan.inputs.adapter.folders)
             + (f" ({plan.inputs.adapter.combination})" if plan.inputs.adapter.combination else ""),
             base_precision=plan.base_precision,
             lora_modules_merged=len(

@@ -15,6 +15,11 @@ import torch
 
 from .maths import Factors, add_lora_, tile_rows
 
+#: a normalized combination whose weights can scale a delta up this many times is named in a warning: weights of
+#: one sign never scale it past 1 (a weighted mean), and 10 is reached only where opposite weights are within 20% of
+#: cancelling (1 and -0.82), which no intended task negation needs
+SCALE_WARNING = 10.0
+
 
 @dataclass(frozen=True)
 class TaskVectorMethod:
@@ -56,6 +61,65 @@ class TaskVectorMethod:
             parts.append(f"seed {self.seed}")
         parts.append("normalized" if self.normalized else "not normalized")
         return f"{self.name} ({'; '.join(parts)})"
+
+    def scale_bound(self) -> float:
+        """How many times the largest of the adapters' own deltas at an element the combined delta can reach.
+        Normalized: at most 1 where the weights share a sign (a weighted mean), more where weights of opposite signs
+        nearly cancel in the divisor (the sum of the weights kept at the element, MergeKit's maths); not
+        normalized: the sum of the weights' magnitudes.
+
+        Returns:
+            The largest ``sum |w_i| / |sum w_i|`` over the sets of adapters an element may keep (a sum of 0, which
+            the divisor replaces by 1, counts as 1); ``sum |w_i|`` when not normalized.
+
+        Example:
+            >>> round(TaskVectorMethod("ties", (1.0, -0.99), 0.5, "magnitude", True, True).scale_bound(), 1)
+            199.0
+        """
+        if not self.normalized:
+            return sum(abs(w) for w in self.weights)
+        n = len(self.weights)
+        subsets = range(1, 1 << n) if (self.elects_sign and n <= 12) else [(1 << n) - 1]
+        worst = 1.0
+        for bits in subsets:
+            kept = [w for i, w in enumerate(self.weights) if bits >> i & 1]
+            total = float(torch.tensor(kept, dtype=torch.float32).sum())  # the divisor, summed as the merge does
+            worst = max(worst, sum(abs(w) for w in kept) / (abs(total) if abs(total) >= 1e-8 else 1.0))
+        return worst
+
+    def notes(self) -> list[str]:
+        """What this combination does that a user may not expect, in words: one adapter is only sparsified (there
+        is nothing to combine), and weights that nearly cancel scale the normalized deltas up (a warning above
+        :data:`SCALE_WARNING` times).
+
+        Returns:
+            The notes, each a sentence with what to do instead; empty when there is nothing to say.
+
+        Example:
+            >>> TaskVectorMethod("ties", (1.0,), 0.5, "magnitude", True, True).notes()[0][:60]
+            "combination 'ties' of one adapter combines nothing: it keeps"
+        """
+        notes = []
+        if len(self.weights) == 1:
+            kept = (
+                f"the {self.density:.0%} largest values of its delta"
+                if self.sparsification == "magnitude"
+                else f"a random {self.density:.0%} of its delta (seed {self.seed}) divided by {self.density:g}"
+            )
+            notes.append(
+                f"combination {self.name!r} of one adapter combines nothing: it keeps {kept} (density "
+                f"{self.density:g}) and drops the rest; to merge the whole delta, merge the adapter without a "
+                "combination (cat, the default)"
+            )
+        bound = self.scale_bound()
+        if self.normalized and bound >= SCALE_WARNING:
+            notes.append(
+                f"weights {', '.join(f'{w:g}' for w in self.weights)} nearly cancel: normalized, an element kept "
+                f"by adapters of opposite weights is divided by the sum of their weights, which scales its delta "
+                f"up to {bound:.3g} times (MergeKit's maths does the same); pass normalize=False, or weights that "
+                "do not cancel"
+            )
+        return notes
 
     def record(self) -> dict:
         """The parameters as JSON-ready values, for the merge record."""

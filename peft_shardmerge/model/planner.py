@@ -15,6 +15,7 @@ from ..engine.task_vectors import TaskVectorMethod
 from ..io.safetensors_io import DTYPES, TensorInfo
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..quant.nf4 import Nf4Settings, packed_4bit_layout
+from ..support.combinations import combination_warnings
 from .original import base_config
 from .walk import LiveEntry, LiveModel
 
@@ -132,7 +133,7 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
         config=config,
         chunk_elems=chunk_elems,
         untied=list(live.untied),
-        notes=list(live.notes),
+        notes=list(live.notes) + combination_warnings(source.vectors),
         adapter_text=in_memory_text(source.adapter_names, source.weights)
         + (f" ({source.vectors.describe()})" if source.vectors else ""),
     )

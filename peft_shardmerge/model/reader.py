@@ -413,7 +413,7 @@ class ModelReader(LiveMerger):
         live, plan = self.live, self.plan
         return dict(
             base=self.src.origin,
-            adapter="(in memory)" + (f" ({self.vectors.describe()})" if self.vectors else ""),
+            adapter=plan.adapter_text or "(in memory)" + (f" ({self.vectors.describe()})" if self.vectors else ""),
             base_precision="dequantized",
             combination=self.vectors.describe() if self.vectors else "",
             lora_modules_merged=sum(not k.startswith("tokens:") for k in self.applied),

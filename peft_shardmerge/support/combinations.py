@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Sequence
+
+log = logging.getLogger(__name__)
 
 #: the task-vector combinations of full deltas, as MergeKit defines them: each method's (sparsification, sign
 #: election, normalize by default); ``magnitude_prune`` is PEFT's name for magnitude sparsification and a weighted sum
@@ -241,3 +244,23 @@ def task_vector_problems(
     elif seed != 0 and sparsification != "random":
         problems.append(f"seed={seed!r} applies to DARE's random draw (dare_ties, dare_linear), not {combination!r}")
     return problems
+
+
+def combination_warnings(vectors) -> list[str]:
+    """The notes of a task-vector combination (its ``notes()``: one adapter is only sparsified, weights that nearly
+    cancel scale deltas up), each logged as a warning as the plan is made.
+
+    Args:
+        vectors: the :class:`~peft_shardmerge.engine.task_vectors.TaskVectorMethod`, or None.
+
+    Returns:
+        The notes, for the plan and the report.
+
+    Example:
+        >>> combination_warnings(None)
+        []
+    """
+    notes = vectors.notes() if vectors is not None else []
+    for note in notes:
+        log.warning("%s", note)
+    return notes

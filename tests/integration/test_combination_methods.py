@@ -78,6 +78,9 @@ def test_a_loaded_model_gives_the_bytes_of_the_merge_from_disk(tmp_path, two, me
     )
     assert live.base_precision == base_precision
     assert method in live.combination
+    first = live.summary().splitlines()[0]  # the adapters, then the method once
+    assert first.count(f"{method} (weights 0.7, 0.3;") == 1, first
+    assert "(in memory: adapter 'a' x 0.7, adapter 'b' x 0.3)" in first, first
     cat = folder_tensors(
         merge_checkpoint(base, adapters, str(tmp_path / "cat"), weights=[0.7, 0.3], progress=False).out_dir
     )

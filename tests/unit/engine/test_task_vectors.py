@@ -4,6 +4,7 @@ top-k threshold and DARE's draw against their definitions."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -178,6 +179,66 @@ def test_equals_mergekit_on_whole_tensors(name, majority, normalize, transposed)
 
 
 @pytest.mark.parametrize(
+    "weights,normalize,warned",
+    [((1.0, -0.99), True, True), ((1.0, -0.5), True, False), ((0.7, 0.3), True, False), ((1.0, -0.99), False, False)],
+)
+def test_weights_that_nearly_cancel_scale_the_deltas_as_far_as_the_warning_says(weights, normalize, warned):
+    """The bound the warning quotes is what the maths (ours and MergeKit's) does: elements kept by both adapters
+    reach it within a factor of 2, none exceeds it."""
+    rows, cols = 64, 48
+    adapters = [lora_factors(rows, cols, 4, s) for s in (1, 2)]
+    deltas = [adapter_delta(f, (rows, cols), CPU, 0, rows, False) for f in adapters]
+    method = task_vector_method("ties", list(weights), 1.0, normalize=normalize)
+    out = combined(method, adapters, (rows, cols), 1 << 10)
+    theirs = mergekit_merge(
+        torch.zeros(rows, cols),
+        deltas,
+        list(weights),
+        1.0,
+        consensus=ConsensusMethod.sum,
+        sparsify=SparsificationMethod.magnitude,
+        normalize=normalize,
+    )
+    assert torch.allclose(out, theirs, rtol=1e-5, atol=1e-7)
+    ratio = (out.abs() / torch.maximum(deltas[0].abs(), deltas[1].abs())).max().item()
+    bound = method.scale_bound()
+    assert ratio <= bound * (1 + 1e-4) and ratio >= bound / 2, (ratio, bound)
+    notes = method.notes()
+    assert bool(notes) == warned, notes
+    if warned:
+        assert notes == [
+            f"weights 1, -0.99 nearly cancel: normalized, an element kept by adapters of opposite weights is divided "
+            f"by the sum of their weights, which scales its delta up to {bound:.3g} times (MergeKit's maths does the "
+            "same); pass normalize=False, or weights that do not cancel"
+        ]
+
+
+@pytest.mark.parametrize("name,kept", [("ties", "the 30% largest values"), ("dare_linear", "a random 30%")])
+def test_one_adapter_under_a_task_vector_method_is_named_as_pruned(
+    name, kept, tmp_path, make_base, make_adapter, caplog
+):
+    """One adapter: nothing to combine, only pruning; the plan warns and the report says so, and the output is
+    the pruned delta indeed (fewer elements changed than by a plain merge)."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    from peft_shardmerge import merge_checkpoint
+
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    with caplog.at_level(logging.WARNING, logger="peft_shardmerge"):
+        report = merge_checkpoint(base, adapter, str(tmp_path / "v"), combination=name, density=0.3, progress=False)
+    warned = [r.getMessage() for r in caplog.records if "of one adapter combines nothing" in r.getMessage()]
+    assert len(warned) == 1 and kept in warned[0] and warned[0] in report.notes, warned
+    merge_checkpoint(base, adapter, str(tmp_path / "plain"), progress=False)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    before = load_file(os.path.join(base, "model.safetensors"))[key]
+    pruned = (load_file(str(tmp_path / "v" / "model.safetensors"))[key] != before).float().mean().item()
+    whole = (load_file(str(tmp_path / "plain" / "model.safetensors"))[key] != before).float().mean().item()
+    assert pruned < 0.45 < whole, (pruned, whole)
+
+
+@pytest.mark.parametrize(
     "config,named",
     [
         ({"lora_bias": True}, "lora_bias"),
@@ -193,7 +254,7 @@ def test_a_task_vector_method_takes_plain_lora_deltas_only(config, named):
     plain = {"peft_type": "LORA", "r": 8}
     for method in ("ties", "dare_linear"):
         _, problems = combination_problems([plain, {**plain, **config}], ["a", "b"], None, method)
-        assert len(problems) == 1 and "the adapter b also has" in problems[0] and named in problems[0], problems
+        assert len(problems) == 1 and "the adapter b " in problems[0] and named in problems[0], problems
     _, dora = combination_problems([plain, {**plain, "use_dora": True}], ["a", "b"], None, "ties")
     assert "DoRA adapters cannot be weighted or combined" in dora[0]
 
