@@ -154,6 +154,8 @@ class Plan:
         untied: tied weights written separately because the adapter changed one side.
         notes: things the user should know (logged and kept in the report).
         adapter_text: which adapters are merged, when the inputs' own description is not the one to show.
+        in_memory_adapters: the names of a loaded model's adapters merged through copies saved for the plan (the
+            record names them, not the copies' files).
         resources: what the plan's inputs live in, kept as long as the plan (a temporary folder).
         reproduces: which model the output reproduces (the trained model, or the original base + adapter).
     """
@@ -168,6 +170,7 @@ class Plan:
     untied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     adapter_text: str = ""
+    in_memory_adapters: list[str] = field(default_factory=list)
     resources: list = field(default_factory=list)
     reproduces: str = ""
 

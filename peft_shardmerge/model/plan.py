@@ -399,4 +399,5 @@ def _plan_from_original(
     for note in plan.notes:
         log.info("%s", note)
     plan.resources.append(folder)  # the adapter files live as long as the plan
+    plan.in_memory_adapters = list(adapters)
     return ModelPlan(plan, "", device)

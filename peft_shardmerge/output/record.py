@@ -207,7 +207,8 @@ def disk_merge_info(plan) -> dict:
         "dtype": str(plan.dtype).removeprefix("torch."),
         "chunk_elems": plan.chunk_elems,
         "base": input_identity(plan.inputs.base.folder, hash_files=False),
-        "adapters": [input_identity(f, hash_files=True) for f in plan.inputs.adapter.folders],
+        "adapters": [{"name": n, "in_memory": True} for n in plan.in_memory_adapters]  # no file of the user's
+        or [input_identity(f, hash_files=True) for f in plan.inputs.adapter.folders],
         "combination": kind or None,
         "weights": weights,
         **extra,

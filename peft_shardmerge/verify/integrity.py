@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 from ..io.safetensors_io import read_header
@@ -80,6 +81,16 @@ def read_record(folder: str) -> tuple[dict | None, list[str]]:
     return record, []
 
 
+#: what transformers' Trainer writes into an output folder besides the model (its ``TRAINING_ARGS_NAME``,
+#: ``TRAINER_STATE_NAME``, optimizer, scheduler, scaler and RNG states, and ``save_metrics``'
+#: ``{split}_results.json``), at the folder's top: no model loader reads them, so a copy beside a merged model leaves
+#: its check complete
+TRAINER_FILES = re.compile(
+    r"training_args\.bin|trainer_state\.json|optimizer\.(pt|bin)|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth"
+    r"|(all|train|eval|test|predict)_results\.json"
+)
+
+
 def check_integrity(folder: str) -> IntegrityResult:
     """Compare every byte of a merged checkpoint with its record: each shard's size, header and tensors, every
     other file written by the merge, shards or weight files that are missing or were added; and look for NaN/Inf
@@ -99,7 +110,9 @@ def check_integrity(folder: str) -> IntegrityResult:
         return result
     result.record = record
     for name in unlisted_files(folder, record):
-        if name.lower().endswith(WEIGHT_SUFFIXES):
+        if TRAINER_FILES.fullmatch(name):
+            result.notes.append(f"{name} was added after the merge (training state, which no loader reads)")
+        elif name.lower().endswith(WEIGHT_SUFFIXES):
             result.problems.append(f"{name} was not written by the merge (a loader may take weights from it)")
         elif _documentation(name):
             result.notes.append(f"{name} was added after the merge (not covered by {RECORD_FILE})")

@@ -152,7 +152,7 @@ def check_logits(
     cls = model_class(AutoConfig.from_pretrained(folder))
     merged = cls.from_pretrained(folder, dtype=torch.float32).eval()
     try:
-        ref = reference_model(cls, base, adapters[0], options)
+        ref = reference_model(cls, base, adapters[0], options, _vocab_size(merged.config))
     except Exception as e:  # without a reference nothing is wrong, only unchecked
         return _no_reference(report, e)
     if prompts:
@@ -228,22 +228,34 @@ def model_outputs(out) -> dict[str, torch.Tensor]:
     return found
 
 
+def _vocab_size(config) -> int | None:
+    """The text vocabulary of a transformers config (a multimodal config's text part)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "vocab_size", None)
+
+
 def _no_reference(report, error: Exception) -> None:
-    """Record that base + adapter could not serve as the outputs' reference: UNCHECKED with the reason."""
+    """Record that base + adapter could not serve as the outputs' reference: UNCHECKED with the reason (a message
+    that only introduces its details, such as torch's "Error(s) in loading state_dict for ...:", with the first)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        lines[0] = f"{lines[0]} {lines[1]}"
     why = f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
     report.unchecked.append(f"logits not compared: base + adapter could not be run as the reference ({why})")
 
 
-def reference_model(cls, base: str, adapter: str, options: dict):
+def reference_model(cls, base: str, adapter: str, options: dict, vocab_size: int | None = None):
     """PeftModel(base, adapter) in fp32; when the merge used a 4-bit base, the base is loaded in 4-bit by
-    transformers + bitsandbytes (from the dtype the merge quantized) and dequantized by transformers.
+    transformers + bitsandbytes (from the dtype the merge quantized) and dequantized by transformers. A base
+    whose vocabulary the adapter resized is resized first, as before training (``resize_token_embeddings``; the
+    adapter's saved embedding layers then replace the rows).
 
     Args:
         cls: the transformers model class.
         base: the base checkpoint.
         adapter: the adapter folder.
         options: the merge's settings from :func:`~peft_shardmerge.verify.recompute.merge_settings`.
+        vocab_size: the merged checkpoint's vocabulary (None: the base's).
 
     Returns:
         The PeftModel, in eval mode.
@@ -254,7 +266,7 @@ def reference_model(cls, base: str, adapter: str, options: dict):
     from peft import PeftModel
 
     if options["base_precision"] != "nf4":
-        return PeftModel.from_pretrained(dequantized_base(cls, base), adapter).eval()
+        return PeftModel.from_pretrained(_resized(dequantized_base(cls, base), vocab_size), adapter).eval()
     from transformers import BitsAndBytesConfig
 
     from ..quant.nf4 import require_bitsandbytes
@@ -272,7 +284,15 @@ def reference_model(cls, base: str, adapter: str, options: dict):
             bnb_4bit_compute_dtype=torch.float32,
         ),
     )
-    return PeftModel.from_pretrained(exact_dequantize(quantized), adapter).eval()
+    return PeftModel.from_pretrained(_resized(exact_dequantize(quantized), vocab_size), adapter).eval()
+
+
+def _resized(model: torch.nn.Module, vocab_size: int | None) -> torch.nn.Module:
+    """The model with ``vocab_size`` token embeddings where it has another number (the new rows are the adapter's)."""
+    embeddings = model.get_input_embeddings()
+    if vocab_size and embeddings is not None and embeddings.num_embeddings != vocab_size:
+        model.resize_token_embeddings(vocab_size, mean_resizing=False)
+    return model
 
 
 def exact_dequantize(model: torch.nn.Module) -> torch.nn.Module:

@@ -485,3 +485,99 @@ def test_in_process_fused_experts_pass_with_a_note(tmp_path):
     assert report.status == "OK" and report.recomputed is False and report.integrity, report.summary()
     assert any("4 tensor(s) stored fused as transformers loads them" in n for n in report.notes)
     assert report.logits_max_rel_err < 1e-4
+
+
+def test_a_resized_vocabulary_with_saved_embeddings_is_checked_by_its_logits_too(make_base, tmp_path):
+    """The reference base is resized as before training, so the adapter's saved embedding layers load into it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge.testing import perturb_trainable
+
+    base = make_base("llama")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.resize_token_embeddings(model.config.vocab_size + 8, mean_resizing=False)
+    model = get_peft_model(
+        model,
+        LoraConfig(target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"], init_lora_weights=False),
+    )
+    perturb_trainable(model)
+    adapter, out = str(tmp_path / "adapter"), str(tmp_path / "m")
+    model.save_pretrained(adapter)
+    merge_checkpoint(base, adapter, out, progress=False)
+    report = verify_checkpoint(out, base=base, adapter=adapter)
+    assert report.status == "OK" and report.recomputed, report.summary()
+    assert report.logits_max_rel_err < 1e-5, report.summary()
+
+
+def test_a_reference_that_cannot_load_is_named_with_the_detail():
+    from peft_shardmerge.verify.logits import _no_reference
+    from peft_shardmerge.verify.report import VerifyReport
+
+    try:
+        torch.nn.Linear(2, 2).load_state_dict({"weight": torch.zeros(3, 3), "bias": torch.zeros(2)})
+    except RuntimeError as e:
+        error = e
+    report = VerifyReport("out")
+    _no_reference(report, error)
+    (line,) = report.unchecked
+    assert line.startswith(
+        "logits not compared: base + adapter could not be run as the reference (RuntimeError: Error(s) in loading "
+        "state_dict for Linear: size mismatch for weight"
+    ), line
+
+
+def test_merge_and_save_of_a_lora_on_the_embeddings_names_no_other_adapter(make_base, tmp_path):
+    """The in-process merge into the original checkpoint goes through a copy of the adapter saved for it: the
+    record names the adapter in memory, not that copy, so the adapter the user saved is not called another one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.testing import perturb_trainable
+
+    base = make_base("llama")
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(target_modules=["q_proj", "embed_tokens"], init_lora_weights=False),
+    )
+    perturb_trainable(model)
+    adapter, out = str(tmp_path / "adapter"), str(tmp_path / "m")
+    model.save_pretrained(adapter)  # saves the embedding layer too (save_embedding_layers="auto")
+    merge_and_save(model, out, progress=False)
+    record = json.load(open(os.path.join(out, "merge_manifest.json")))["merge"]
+    assert record["adapters"] == [{"name": "default", "in_memory": True}]
+    report = verify_checkpoint(out, base=base, adapter=adapter)
+    assert report.status == "OK" and report.recomputed, report.summary()
+    assert not any("differs from the one merged" in n for n in report.notes), report.summary()
+
+
+def test_what_a_trainer_writes_beside_the_model_leaves_the_check_complete(merged, tmp_path):
+    """The files transformers' Trainer writes (its arguments, state and metrics), copied into the output, are
+    named and leave verify OK; a config a loader reads still makes it UNCHECKED."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    base, _, out = merged
+    out = str(_copy(out, tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    data = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(2)]
+    run = str(tmp_path / "run")
+    args = TrainingArguments(run, max_steps=1, per_device_train_batch_size=2, report_to=[], use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_state()
+    trainer.save_model(run)
+    trainer.save_metrics("eval", {"eval_loss": 1.0})
+    written = sorted(
+        n
+        for n in os.listdir(run)
+        if os.path.isfile(os.path.join(run, n)) and (not n.endswith((".safetensors", ".json")) or "results" in n)
+    ) + ["trainer_state.json"]
+    assert {"training_args.bin", "eval_results.json", "all_results.json"} <= set(written), written
+    for name in written:
+        shutil.copy(os.path.join(run, name), os.path.join(out, name))
+    report = verify_checkpoint(out)
+    assert report.status == "OK", report.summary()
+    assert sum("training state, which no loader reads" in n for n in report.notes) == len(written), report.notes
+    shutil.copy(os.path.join(run, "config.json"), os.path.join(out, "extra_config.json"))
+    assert verify_checkpoint(out).status == "UNCHECKED"
