@@ -106,13 +106,21 @@ def _merge_parser(sub) -> None:
     """The ``merge`` command and its options."""
     m = sub.add_parser(
         "merge",
+        usage="peft-shardmerge merge [-h] [options] [BASE] ADAPTER OUT",
         help="merge a base checkpoint and a LoRA adapter folder into a new checkpoint",
         description="Merge BASE + ADAPTER into OUT, one row block at a time. Under torchrun (torchrun "
         "--nproc_per_node N -m peft_shardmerge merge ...) the output shards are split over the ranks; "
         "rank 0 commits, and the bytes are those one process writes.",
     )
-    m.add_argument("base", metavar="BASE", help="base checkpoint folder, or a Hub id in the local cache")
-    m.add_argument("adapter", metavar="ADAPTER", help="PEFT LoRA adapter folder, or a Hub id in the local cache")
+    m.add_argument(
+        "base",
+        metavar="BASE",
+        help="base checkpoint folder, or a Hub id in the local cache; left out (merge ADAPTER OUT), the base the "
+        "adapter names (base_model_name_or_path in its adapter_config.json)",
+    )
+    m.add_argument(
+        "adapter", metavar="ADAPTER", nargs="?", help="PEFT LoRA adapter folder, or a Hub id in the local cache"
+    )
     m.add_argument("out", metavar="OUT", help="output folder (created; replaced only with --overwrite)")
     _combination_arguments(m)
     m.add_argument(
@@ -247,6 +255,13 @@ def _merge(args: argparse.Namespace) -> int:
     try:
         from ..output.files import held_signals
 
+        if args.adapter is None:  # merge ADAPTER OUT: the base is the one the adapter names
+            from ..checkpoint.trained_base import base_named_by
+
+            args.adapter, args.base = args.base, base_named_by(args.base)
+            logging.getLogger(__name__).info(
+                "base: %s (base_model_name_or_path in the adapter's adapter_config.json)", args.base
+            )
         adapters = [args.adapter, *args.add_adapter]
 
         options = dict(

@@ -17,7 +17,7 @@ from ..options import BASE_PRECISIONS, OUTPUT_DTYPES, MergeOptions
 from ..output.checks import check_out_dir, check_space
 from ..quant.nf4 import Nf4Settings
 from ..support.check import DISK, check_layers, config_variants, raise_if_any
-from ..support.combinations import combination_warnings
+from ..support.combinations import warn_about_combination
 from ..support.model import check_model, no_bias_problem
 from ..support.model_info import ModelInfo, inspect_model
 from ..support.peft_reading import adapter_load_problems, unmergeable_targets
@@ -286,7 +286,7 @@ def build_plan(
         notes.append(f"merging into the 4-bit base the adapter was trained on ({nf4.describe()})")
     if adapter.tokenizer_files:
         notes.append("tokenizer files taken from the adapter folder (they replace the base's)")
-    notes += combination_warnings(adapter.vectors)
+    warn_about_combination(adapter.vectors)
     problems += unmergeable_targets(list(st.planned.values()))  # integer / float8 tensors cannot take a delta
     raise_if_any(disk_layer_problems(adapter, info), problems)
 

@@ -70,8 +70,34 @@ def resolve_folder(location: str, *, what: str, must_have: tuple[str, ...]) -> s
             )
         path = cached
     if not any(os.path.exists(os.path.join(path, name)) for name in must_have):
-        raise NotFoundError(_swapped_hint(path, what) + f"{what} folder {path} has none of {', '.join(must_have)}")
+        raise NotFoundError(
+            _swapped_hint(path, what)
+            + f"{what} folder {path} has none of {', '.join(must_have)}"
+            + _checkpoints_hint(path, must_have)
+        )
     return path
+
+
+def _checkpoints_hint(path: str, must_have: tuple[str, ...]) -> str:
+    """Where a training run's output folder holds what was asked for in its ``checkpoint-N`` folders (the Trainer's
+    saves): "; it holds ... (pass one, e.g. the last: ...)", newest step last; else ""."""
+    found = []
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return ""
+    for name in entries:
+        step = name.removeprefix("checkpoint-")
+        if step.isdigit() and any(os.path.isfile(os.path.join(path, name, m)) for m in must_have):
+            found.append((int(step), name))
+    if not found:
+        return ""
+    names = [n for _, n in sorted(found)]
+    shown = ", ".join(names[:3] + (["..."] if len(names) > 4 else []) + names[3:][-1:])
+    return (
+        f"; it holds {len(names)} training checkpoint(s) that do ({shown}): pass one, e.g. the last, "
+        f"{os.path.join(path, names[-1])}"
+    )
 
 
 def _swapped_hint(path: str, what: str) -> str:

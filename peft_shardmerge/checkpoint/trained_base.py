@@ -97,6 +97,54 @@ def named_config(name: str) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
+def base_named_by(adapter: str) -> str:
+    """The base an adapter names (``base_model_name_or_path`` in its ``adapter_config.json``), for a merge given the
+    adapter alone (``peft-shardmerge merge ADAPTER OUT``, as Axolotl and LLaMA-Factory take it): a local folder, or a
+    Hub id in the local Hugging Face cache (never downloaded).
+
+    Args:
+        adapter: the adapter folder, or a Hub id in the local cache.
+
+    Returns:
+        The base, as the adapter names it.
+
+    Raises:
+        NotFoundError: the adapter is not found, or the base it names is neither a folder here nor in the cache.
+        InputError: the adapter names no base.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = open(os.path.join(folder, "adapter_config.json"), "w").write('{"base_model_name_or_path": null}')
+        >>> base_named_by(folder)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        peft_shardmerge.errors.InputError: 1 problem found before writing anything:
+          - adapter /... names no base (base_model_name_or_path is empty in its adapter_config.json): ...
+    """
+    from ..errors import InputError, NotFoundError
+    from .source import resolve_folder
+
+    folder = resolve_folder(adapter, what="adapter", must_have=("adapter_config.json",))
+    try:
+        with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise InputError(f"adapter {folder}: adapter_config.json cannot be read ({e})") from e
+    name = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InputError(
+            f"adapter {folder} names no base (base_model_name_or_path is empty in its adapter_config.json): "
+            "pass the base too, peft-shardmerge merge BASE ADAPTER OUT"
+        )
+    if os.path.isdir(name) or named_config(name) is not None:
+        return name
+    raise NotFoundError(
+        f"adapter {folder} was trained on {name} (base_model_name_or_path in its adapter_config.json), which is "
+        f"neither a folder here nor a Hub id in the local Hugging Face cache: download it (hf download {name}) or "
+        "pass the base folder too, peft-shardmerge merge BASE ADAPTER OUT"
+    )
+
+
 def _card_settings(adapter_folder: str) -> dict:
     """The bitsandbytes settings PEFT's model card lists after :data:`CARD_PREFIX` (``- key: value`` lines)."""
     try:

@@ -15,7 +15,7 @@ from ..engine.task_vectors import TaskVectorMethod
 from ..io.safetensors_io import DTYPES, TensorInfo
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..quant.nf4 import Nf4Settings, packed_4bit_layout
-from ..support.combinations import combination_warnings
+from ..support.combinations import warn_about_combination
 from .original import base_config
 from .walk import LiveEntry, LiveModel
 
@@ -113,6 +113,7 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
         A :class:`~peft_shardmerge.engine.plan.Plan` with ``live`` set.
     """
     live = source.live
+    warn_about_combination(source.vectors)
     q4 = live.info.linear_weights if source.quant4 is not None else set()
     groups = [_entry_tensors(live, e, out_dtype, source.settings if e.name in q4 else None) for e in live.entries]
     indices, names = assign_shards([sum(t.nbytes for t in g) for g in groups], limit)
@@ -133,7 +134,7 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
         config=config,
         chunk_elems=chunk_elems,
         untied=list(live.untied),
-        notes=list(live.notes) + combination_warnings(source.vectors),
+        notes=list(live.notes),
         adapter_text=in_memory_text(source.adapter_names, source.weights)
         + (f" ({source.vectors.describe()})" if source.vectors else ""),
     )

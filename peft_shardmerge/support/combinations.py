@@ -246,21 +246,16 @@ def task_vector_problems(
     return problems
 
 
-def combination_warnings(vectors) -> list[str]:
-    """The notes of a task-vector combination (its ``notes()``: one adapter is only sparsified, weights that nearly
-    cancel scale deltas up), each logged as a warning as the plan is made.
+def warn_about_combination(vectors) -> None:
+    """Log, as warnings, what a task-vector combination does that a user may not expect (its ``notes()``: one adapter
+    is only sparsified, weights that nearly cancel scale deltas up), once, as the plan is made (a warning, not a note
+    of the report: the command line shows it once, under ``-q`` too).
 
     Args:
         vectors: the :class:`~peft_shardmerge.engine.task_vectors.TaskVectorMethod`, or None.
 
-    Returns:
-        The notes, for the plan and the report.
-
     Example:
-        >>> combination_warnings(None)
-        []
+        >>> warn_about_combination(None)
     """
-    notes = vectors.notes() if vectors is not None else []
-    for note in notes:
+    for note in vectors.notes() if vectors is not None else []:
         log.warning("%s", note)
-    return notes
