@@ -215,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         SystemExit: from argparse, for ``--help``, ``--version`` or unparsable arguments (status 2).
         Exception: an unexpected failure (a bug) propagates with its traceback.
     """
+    global _out
     parser = build_parser()
     args = parser.parse_args(argv)
+    _out = getattr(args, "out", None) if args.command == "merge" else None
     if args.command is None:  # bare `peft-shardmerge`: say what it does rather than fail on a missing argument
         parser.print_help()
         return 0
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _merge(args)
     finally:
-        if collecting:
+        if collecting and not _exiting:  # the command exits without collecting (a finalizer may meet a signal)
             gc.enable()
 
 
@@ -294,19 +296,19 @@ def _merge(args: argparse.Namespace) -> int:
         adapter = adapters[0] if len(adapters) == 1 else adapters
         report = merge_checkpoint(args.base, adapter, args.out, dry_run=args.dry_run, distributed=True, **options)
     except ShardMergeError as e:
-        print(f"{_who(rank)}: error: {command_line_text(str(e))}", file=sys.stderr)
+        if not getattr(e, "said_by_rank_0", False):  # in a job, rank 0 says what every rank found, once
+            print(f"{_who(rank)}: error: {command_line_text(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print(f"{_who(rank)}: interrupted; {_out_state(args.out)}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Terminated:
-        print(f"{_who(rank)}: terminated; {_out_state(args.out)}", file=sys.stderr)
-        return EXIT_TERMINATED
+        return _stopped("interrupted", EXIT_INTERRUPTED)
+    except Terminated:  # in a job, also the launcher stopping the other ranks after one failed: rank 0 says it
+        return _stopped("terminated", EXIT_TERMINATED)
     except OSError as e:
-        print(
-            f"{_who(rank)}: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(args.out)}",
-            file=sys.stderr,
-        )
+        if not getattr(e, "said_by_rank_0", False):
+            print(
+                f"{_who(rank)}: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(args.out)}",
+                file=sys.stderr,
+            )
         return EXIT_USER_ERROR
     if (args.dry_run or not args.quiet) and not rank:  # a dry run's plan is its output; -q silences the summary
         _print(report.summary())
@@ -350,7 +352,17 @@ def run() -> None:
     Raises:
         SystemExit: with :func:`main`'s status.
     """
-    code = main()
+    global _exiting
+    _exiting = True
+    try:
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # from here, Ctrl-C is a KeyboardInterrupt
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        code = main()
+        _ignore_signals()  # the outcome is known and said: a signal now could only print a traceback
+    except KeyboardInterrupt:  # before or after the steps main answers itself (arguments, logging, exit)
+        code = _stopped("interrupted", EXIT_INTERRUPTED)
+    except Terminated:
+        code = _stopped("terminated", EXIT_TERMINATED)
     if _rank() is None:
         sys.exit(code)
     logging.shutdown()
@@ -360,6 +372,30 @@ def run() -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+#: OUT of the merge this process runs, once its arguments are parsed (what an interrupt then says became of it)
+_out: str | None = None
+
+
+#: set by :func:`run`: the process exits once :func:`main` returns (main leaves the garbage collector off)
+_exiting = False
+
+
+def _ignore_signals() -> None:
+    """Ctrl-C and SIGTERM ignored from now on: the command is stopping, and says so once."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def _stopped(what: str, code: int) -> int:
+    """A stop: one line (rank 0's alone in a distributed job, where the launcher's SIGTERM to the other ranks after
+    one failed is no news), further signals ignored meanwhile, and ``code``."""
+    _ignore_signals()
+    if not _rank():
+        state = _out_state(_out) if _out is not None else "nothing was written and OUT is unchanged"
+        print(f"{_who(_rank())}: {what}; {state}", file=sys.stderr)
+    return code
 
 
 def _rank() -> int | None:

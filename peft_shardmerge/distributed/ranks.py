@@ -318,8 +318,16 @@ def failed(steps: JobSteps, error: BaseException, out_dir: str) -> BaseException
         out_dir: the output folder.
 
     Returns:
-        The exception to raise.
+        The exception to raise; on a rank other than 0 whose failure reached rank 0, marked ``said_by_rank_0`` (the
+        command line leaves the message to rank 0, which says it once for the job).
     """
+    error = _failed(steps, error, out_dir)
+    error.said_by_rank_0 = steps.world.rank != 0 and (steps.told or isinstance(steps.failure, PeerFailedError))
+    return error
+
+
+def _failed(steps: JobSteps, error: BaseException, out_dir: str) -> BaseException:
+    """:func:`failed` without the mark."""
     rank = steps.world.rank
     if rank != 0:
         _leave_stop(steps)  # rank 0 removes the staging folder only after every rank took the next step

@@ -167,6 +167,7 @@ class JobSteps:
         self.broken = False  # the group is out of step (a gather failed half-way): no more messages on it
         self.failure: PeerFailedError | None = None  # the first failure another rank reported
         self.staging: str | None = None  # the staging folder, once rank 0 opened it (where a stop file goes)
+        self.told = False  # this rank's failure reached every rank (rank 0 says it)
 
     def _exchange(self, name: str, item: tuple) -> list[tuple]:
         if self.taken >= len(self.names) or self.names[self.taken] != name:
@@ -252,6 +253,7 @@ class JobSteps:
             except PeerLostError as e:  # the group itself broke (a rank died): nobody is left to tell
                 log.debug("could not tell the other ranks: %s", e)
                 break
+            self.told = True
             said = got[0][1].get("state") if got[0][0] == "failed" and got[0][1].get("state") else said
         return said
 

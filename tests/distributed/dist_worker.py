@@ -490,6 +490,11 @@ if __name__ == "__main__":
     scenario, args = sys.argv[1], sys.argv[2:]
     if scenario == "cli":
         code = cli(args)
+    elif scenario == "command":  # the peft-shardmerge command itself, exit included
+        from peft_shardmerge.api.entry import run
+
+        sys.argv = ["peft-shardmerge", *args]
+        run()
     elif scenario == "kill-after-shard":  # this rank dies
         code = signal_after_shard(int(args[0]), args[1:], os.getpid(), signal.SIGKILL)
     elif scenario == "killall-after-record":

@@ -107,31 +107,47 @@ def test_a_dare_ties_combination_on_two_ranks_is_the_bytes_of_one_process(inputs
     assert "dare_ties (weights 0.6, 0.4; density 0.3; majority sign total; seed 7; not normalized)" in run.stdout
 
 
-@pytest.mark.parametrize("failing,other", [(1, 0), (0, 1)])
-def test_a_failure_on_one_rank_stops_every_rank_with_its_message(inputs, tmp_path, failing, other):
+def _our_lines(stderr: str) -> list[str]:
+    """What the ranks of peft-shardmerge printed (not torchrun), and any trace of a Python exception."""
+    ours = ("peft-shardmerge", "peft_shardmerge", "Exception ignored", "Traceback (most recent call last)")
+    lines = [ln for ln in stderr.splitlines() if ln.startswith(ours[:3])]
+    return lines + [ln for ln in stderr.splitlines() if "peft_shardmerge" in ln and ln not in lines]
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_failure_on_one_rank_stops_every_rank_with_one_message_from_rank_0(inputs, tmp_path, failing):
     out = str(tmp_path / "out")
     run = torchrun(
         2, "fail", str(failing), "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "20KB"
     )
     assert run.returncode != 0
-    removed = "; the partial output was removed and OUT is unchanged"
-    assert (
-        f"peft-shardmerge[rank {other}]: error: rank {failing}: No space left on device (shard)" + removed
-        in run.stderr
-    ), run.stderr[-3000:]
-    assert f"peft-shardmerge[rank {failing}]: error: No space left on device (shard)" + removed in run.stderr
+    said = "" if failing == 0 else f"rank {failing}: "
+    assert _our_lines(run.stderr) == [
+        f"peft-shardmerge[rank 0]: error: {said}No space left on device (shard); the partial output was removed and "
+        "OUT is unchanged"
+    ], run.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == []  # no OUT, no staging folder, no lock
 
 
-def test_a_failure_of_rank_0_after_the_shards_is_said_once_on_every_rank(inputs, tmp_path):
+@pytest.mark.parametrize("ranks", [4, 8])
+def test_bad_input_on_every_rank_is_said_once_by_rank_0(inputs, tmp_path, ranks):
+    """Every rank finds the same problem; the launcher then stops the others (SIGTERM): one line, no traceback."""
+    run = torchrun(ranks, "command", "merge", inputs["single"], str(tmp_path / "missing"), str(tmp_path / "out"))
+    assert run.returncode != 0
+    lines = _our_lines(run.stderr)
+    assert len(lines) == 1 and lines[0].startswith("peft-shardmerge[rank 0]: error: adapter "), run.stderr[-3000:]
+
+
+def test_a_failure_of_rank_0_after_the_shards_is_said_once(inputs, tmp_path):
     out = str(tmp_path / "out")
     run = torchrun(
         2, "fail-finish", "0", "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "60KB"
     )
     assert run.returncode != 0
     state = "the partial output was removed and OUT is unchanged"
-    assert f"peft-shardmerge[rank 1]: error: rank 0: No space left on device (config.json); {state}" in run.stderr
-    assert f"{state} (config.json)" not in run.stderr and f"{state}; {state}" not in run.stderr  # said once
+    assert _our_lines(run.stderr) == [
+        f"peft-shardmerge[rank 0]: error: No space left on device (config.json); {state}"
+    ], run.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == []
 
 
@@ -457,22 +473,22 @@ def test_ctrl_c_stops_every_rank_and_removes_the_partial_output(inputs, tmp_path
         "40KB",
     )
     assert run.returncode != 0
-    # the ranks' messages share one stderr and may interleave mid-line: look for each one whole
-    assert "peft-shardmerge[rank 0]: interrupted; the partial output was removed and OUT is unchanged" in run.stderr
+    assert _our_lines(run.stderr) == [
+        "peft-shardmerge[rank 0]: interrupted; the partial output was removed and OUT is unchanged"
+    ], run.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == []
 
 
-def test_an_output_locked_by_another_merge_is_refused_on_every_rank(inputs, tmp_path):
+def test_an_output_locked_by_another_merge_is_refused_once_for_every_rank(inputs, tmp_path):
     from peft_shardmerge.output.staging import output_lock
 
     out = str(tmp_path / "out")
     with output_lock(out):
         run = torchrun(2, "cli", "merge", inputs["single"], inputs["single_ad"], out)
     assert run.returncode != 0
-    # the ranks' messages share one stderr and may interleave mid-line: look for each one
-    assert "peft-shardmerge[rank 0]: error: another merge is writing" in run.stderr, run.stderr[-3000:]
-    assert "peft-shardmerge[rank 1]: error: rank 0: another merge is writing" in run.stderr
-    assert "; nothing was written and OUT is unchanged" in run.stderr
+    (line,) = _our_lines(run.stderr)
+    assert line.startswith("peft-shardmerge[rank 0]: error: another merge is writing"), run.stderr[-3000:]
+    assert line.endswith("wait for it to finish or choose another output folder")
     assert not os.path.exists(out)
 
 

@@ -165,6 +165,74 @@ def test_sigterm_and_ctrl_c_clean_up(sig, code, word, medium, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+#: where a Ctrl-C lands, made certain by the code run before the command: while Python imports the command line,
+#: while it parses the arguments, while it sets up logging, and twice: once the staging folder is made, again as the
+#: partial output is removed
+_INTERRUPT_AT = {
+    "import": """
+        import importlib.abc
+        class Interrupt(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "peft_shardmerge.api.cli":
+                    os.kill(os.getpid(), signal.SIGINT)
+        sys.meta_path.insert(0, Interrupt())
+    """,
+    "arguments": """
+        import argparse
+        parse = argparse.ArgumentParser.parse_args
+        def interrupted(self, *a, **k):
+            os.kill(os.getpid(), signal.SIGINT)
+            return parse(self, *a, **k)
+        argparse.ArgumentParser.parse_args = interrupted
+    """,
+    "logging": """
+        import logging
+        config = logging.basicConfig
+        def interrupted(*a, **k):
+            os.kill(os.getpid(), signal.SIGINT)
+            return config(*a, **k)
+        logging.basicConfig = interrupted
+    """,
+    "twice": """
+        from peft_shardmerge.output import staging
+        opened, discard = staging.Staging.open, staging.Staging.discard
+        def first(self, *a, **k):
+            done = opened(self, *a, **k)
+            os.kill(os.getpid(), signal.SIGINT)
+            return done
+        def again(self, *a, **k):
+            os.kill(os.getpid(), signal.SIGINT)
+            return discard(self, *a, **k)
+        staging.Staging.open, staging.Staging.discard = first, again
+    """,
+}
+
+
+@pytest.mark.parametrize("when", list(_INTERRUPT_AT))
+def test_ctrl_c_at_any_moment_of_the_command_is_one_line(when, tmp_path, make_base, make_adapter):
+    """One line and status 130, never a traceback nor an 'Exception ignored', wherever the interrupt lands."""
+    import textwrap
+
+    out = tmp_path / "out"
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        + textwrap.dedent(_INTERRUPT_AT[when])
+        + "\nfrom peft_shardmerge.api.entry import run\nrun()\n"
+    )
+    args = ["merge", make_base("llama_sharded"), make_adapter("llama_sharded", "default"), str(out)]
+    r = subprocess.run(
+        [sys.executable, str(script), *args, "--max-shard-size", "100KB", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    state = "the partial output was removed" if when == "twice" else "nothing was written"
+    assert (r.returncode, r.stderr) == (130, f"peft-shardmerge: interrupted; {state} and OUT is unchanged\n")
+    assert os.listdir(tmp_path) == ["run.py"]
+
+
 def test_changed_option_invalidates_the_manifest(medium, tmp_path):
     base, adapter = medium
     out = str(tmp_path / "out")
