@@ -23,6 +23,7 @@ from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
 from ..output.checks import check_out_dir, path_argument
 from ..output.staging import NOTHING_WRITTEN
+from .gguf import gguf_out_problems
 from .model_checks import ChecksBeside, checks_beside, outline
 from .quiet import quiet_libraries
 
@@ -128,7 +129,7 @@ def plan_checkpoint_merge(
         overwrite=overwrite,
         chunk_elems=chunk_elems,
     )
-    return plan_with_options(base, adapter, out_dir, opts, problems)
+    return plan_with_options(base, adapter, out_dir, opts, problems + gguf_out_problems(out_dir))
 
 
 def plan_with_options(
@@ -382,6 +383,7 @@ def merge_checkpoint(
         workers=workers,
         model_checks=model_checks,
     )
+    problems += gguf_out_problems(out_dir)
     with quiet_libraries(transformers=False):  # each step that may import it holds its messages back itself
         if not distributed:
             return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, JobSteps(World(), STEPS))

@@ -19,6 +19,7 @@ from ..options import MODEL, MergeOptions
 from ..output.checks import check_out_dir, path_argument, source_folders
 from ..output.record import unlisted_files
 from ..verify.integrity import read_record
+from .gguf import gguf_hint, push_to_hub_gguf, save_pretrained_gguf
 from .inprocess import merge_and_save, save_merged_4bit, save_model
 from .unload import merge_and_unload as _merge_and_unload
 
@@ -29,10 +30,12 @@ SAVE_METHODS = {
     "merged_4bit_forced": "merged_4bit",
     "lora": "lora",
     "mxfp4": None,
+    "gguf": None,
 }
 REFUSED_METHODS = {
     "mxfp4": "save_method='mxfp4' (gpt-oss's native format) is not written here; use save_method='merged_16bit' "
     "(a bf16 checkpoint that vLLM and transformers load as is)",
+    "gguf": f"save_method='gguf': {gguf_hint()}",
 }
 
 #: the files of an adapter-only save (``save_method="lora"``)
@@ -517,7 +520,8 @@ def merge_and_unload(
 
 def patch_peft() -> None:
     """Opt in to ``model.save_pretrained_merged(...)``, ``model.push_to_hub_merged(...)`` and
-    ``model.merge_and_save(...)`` on every ``PeftModel``, as in Unsloth.
+    ``model.merge_and_save(...)`` on every ``PeftModel``, as in Unsloth (and ``save_pretrained_gguf`` /
+    ``push_to_hub_gguf``, which say how to get a GGUF).
 
     PEFT's own ``merge_and_unload`` is left alone; call :func:`merge_and_unload` for the lossless one.
 
@@ -535,4 +539,6 @@ def patch_peft() -> None:
 
     PeftModel.save_pretrained_merged = save_pretrained_merged
     PeftModel.push_to_hub_merged = push_to_hub_merged
+    PeftModel.save_pretrained_gguf = save_pretrained_gguf  # refused, saying how to get a GGUF
+    PeftModel.push_to_hub_gguf = push_to_hub_gguf
     PeftModel.merge_and_save = merge_and_save

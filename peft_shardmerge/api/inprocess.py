@@ -37,6 +37,7 @@ from ..options import MODEL, MergeOptions, parse_dtype, parse_size
 from ..output.checks import check_out_dir, foreign_model_problems, source_folders
 from ..output.record import live_merge_info
 from ..support.model import require_supported
+from .gguf import gguf_out_problems
 from .quiet import quiet_libraries
 
 #: the shardings planned from a view of the model unsharded (FSDP2 shows full shapes as it is)
@@ -161,6 +162,7 @@ def merge_and_save(
         overwrite=overwrite,
         progress=progress,
     )
+    problems += gguf_out_problems(out_dir)
     return save_model(model, out_dir, opts, problems, adapter_names=adapter_names, tokenizer=tokenizer)
 
 
