@@ -193,11 +193,34 @@ def model_card(
     name = repo_id.split("/")[-1]
     body = (
         f"\n# {name}\n\n{origin} with a {adapter or 'LoRA'} adapter merged into its weights by "
-        "[peft-shardmerge](https://pypi.org/project/peft-shardmerge/). It loads with "
+        f"{project_link()}. It loads with "
         f'`AutoModelForCausalLM.from_pretrained("{repo_id}")`; no PEFT or bitsandbytes is needed.\n\n'
         f"| merge setting | value |\n|---|---|\n{table}\n"
     )
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
+
+
+def project_link() -> str:
+    """peft-shardmerge and its version as a model card names them: linked to the repository the installed package's
+    metadata names (``Project-URL``: Repository, Source or Homepage), plain text where it names none.
+
+    Returns:
+        Markdown, e.g. ``"peft-shardmerge 0.1.0"``.
+
+    Example:
+        >>> project_link().startswith(("peft-shardmerge ", "[peft-shardmerge "))
+        True
+    """
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    text = f"peft-shardmerge {__version__}"
+    try:
+        urls = metadata("peft-shardmerge").get_all("Project-URL") or []
+    except PackageNotFoundError:
+        urls = []
+    named = {label.strip().lower(): url.strip() for label, _, url in (u.partition(",") for u in urls)}
+    url = next((named[k] for k in ("repository", "source", "homepage") if named.get(k, "").startswith("https://")), "")
+    return f"[{text}]({url})" if url else text
 
 
 def publish(

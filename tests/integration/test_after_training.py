@@ -496,6 +496,26 @@ def test_push_to_a_bare_repository_name_with_a_clean_model_card(tmp_path, monkey
     assert str(tmp_path) not in card and "/tmp" not in card
     assert "| target modules | down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj |" in card
     assert "model.layers.0" not in card
+    from peft_shardmerge import __version__
+
+    assert "pypi.org" not in card and f"by peft-shardmerge {__version__}. It loads with" in card  # no dead link
+
+
+def test_the_model_card_links_the_repository_the_package_names(monkeypatch):
+    import importlib.metadata as md
+    from email.message import Message
+
+    from peft_shardmerge.api.hub import project_link
+
+    meta = Message()
+    meta["Project-URL"] = "Documentation, https://docs.example/peft-shardmerge"
+    meta["Project-URL"] = "Repository, https://git.example/peft-shardmerge"
+    monkeypatch.setattr(md, "metadata", lambda name: meta)
+    from peft_shardmerge import __version__
+
+    assert project_link() == f"[peft-shardmerge {__version__}](https://git.example/peft-shardmerge)"
+    monkeypatch.setattr(md, "metadata", lambda name: Message())
+    assert project_link() == f"peft-shardmerge {__version__}"
 
 
 def test_a_pre_quantized_base_says_what_is_wrong_with_it(tmp_path):
