@@ -22,7 +22,15 @@ from ..output.checks import check_out_dir, foreign_model_problems, source_folder
 from ..output.staging import NOTHING_WRITTEN
 from ..support.combinations import TASK_VECTOR_METHODS, combination_problems
 from ..support.model import require_supported, selected_adapters
-from .original import OriginalCheck, default_dtype, describe_base, find_original, inner_problems, is_quantized
+from .original import (
+    OriginalCheck,
+    candidate_folders,
+    default_dtype,
+    describe_base,
+    find_original,
+    inner_problems,
+    is_quantized,
+)
 from .planner import LiveSource, in_memory_text, plan_live, valid_generation_config
 from .walk import check_adapter_names, unwrap, walk
 
@@ -364,11 +372,38 @@ def build_model_plan(
             vectors,
             generation_config=valid_generation_config(inner),
         )
-        result = ModelPlan(plan_live(source, out_dtype, opts.shard_bytes, opts.chunk_elems), "")
+        order = checkpoint_order(inner) if sharded is None else ()
+        result = ModelPlan(plan_live(source, out_dtype, opts.shard_bytes, opts.chunk_elems, order), "")
     result.plan.adapter_text = in_memory_text(adapters, weight_map) + (f" ({vectors.describe()})" if vectors else "")
     result.reproduces = result.plan.reproduces = reproduces
     result.plan.notes[:0] = [f"base precision {base_precision!r}: {note}"] + ([dtype_note] if dtype_note else [])
     return result
+
+
+def checkpoint_order(inner: nn.Module) -> list[str]:
+    """The tensor names of the checkpoint a model was loaded from (``config._name_or_path``: a folder, or the Hub
+    cache's snapshot ``refs/main`` points at), in its order (a quantized one's dequantized names), from its headers
+    alone; empty when there is none to read.
+
+    Args:
+        inner: the transformers model.
+
+    Returns:
+        The names, in checkpoint order.
+
+    Example:
+        >>> checkpoint_order(nn.Linear(2, 2))
+        []
+    """
+    from ..checkpoint.source import open_checkpoint
+
+    name = str(getattr(getattr(inner, "config", None), "_name_or_path", "") or "")
+    for folder in candidate_folders(name)[:1]:
+        try:
+            return [t.name for t in open_checkpoint(folder).tensors]
+        except (ShardMergeError, OSError):  # unreadable or not a checkpoint: the module order stands
+            return []
+    return []
 
 
 def _plan_from_original(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -100,7 +101,13 @@ class LiveSource:
         )
 
 
-def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> Plan:
+def plan_live(
+    source: LiveSource,
+    out_dtype: torch.dtype,
+    limit: int,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    order: Sequence[str] = (),
+) -> Plan:
     """The plan of a walked model's merge: each entry's output tensors, sized from shapes alone.
 
     Args:
@@ -108,6 +115,9 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
         out_dtype: the floating-point dtype written.
         limit: the largest shard in bytes.
         chunk_elems: elements per row block.
+        order: the tensor names of the checkpoint the model was loaded from, in its order: where it names every
+            output tensor (one a module), the shards are filled in that order, as a merge from that checkpoint
+            fills them (the same files); else in the model's module order.
 
     Returns:
         A :class:`~peft_shardmerge.engine.plan.Plan` with ``live`` set.
@@ -116,6 +126,9 @@ def plan_live(source: LiveSource, out_dtype: torch.dtype, limit: int, chunk_elem
     warn_about_combination(source.vectors)
     q4 = live.info.linear_weights if source.quant4 is not None else set()
     groups = [_entry_tensors(live, e, out_dtype, source.settings if e.name in q4 else None) for e in live.entries]
+    place = {name: i for i, name in enumerate(order)}
+    if place and all(len(g) == 1 and g[0].name in place for g in groups):
+        groups.sort(key=lambda g: place[g[0].name])
     indices, names = assign_shards([sum(t.nbytes for t in g) for g in groups], limit)
     tensors = []
     for g, shard in zip(groups, indices):

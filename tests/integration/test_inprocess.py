@@ -375,7 +375,7 @@ def test_save_pretrained_merged_methods(make_base, tmp_path, fake_hub):
     assert save_pretrained_merged(model, str(tmp_path / "x"), is_main_process=False) is None
     assert not (tmp_path / "x").exists()
     with pytest.raises(InputError, match=r"(?s)save_method must be one of.*safe_serialization=False"):
-        save_pretrained_merged(model, str(tmp_path / "q"), save_method="gguf", safe_serialization=False)
+        save_pretrained_merged(model, str(tmp_path / "q"), save_method="awq", safe_serialization=False)
     with pytest.raises(InputError, match="save_directory is also the Hub repository id"):
         save_pretrained_merged(model, str(tmp_path / "a" / "b"), push_to_hub=True)
     assert not (tmp_path / "q").exists()

@@ -162,3 +162,35 @@ def test_modules_training_kept_in_16_bit_are_not_quantized_by_auto(tmp_path):
     report = merge_checkpoint(base, adapter, out, dtype="float32", progress=False)
     assert any("kept in 16-bit: down_proj, lm_head" in n for n in report.notes), report.notes
     assert rel_err(logits_of(out, ids), trained) < 1e-4
+
+
+@pytest.mark.parametrize("loaded_from", ["16-bit", "bnb-4bit"])
+def test_a_4bit_model_and_its_merge_from_disk_write_the_same_files(tmp_path, loaded_from):
+    """The in-process merge of a 4-bit model fills the shards in the order of the checkpoint it was loaded from, as
+    the merge from disk does: from a 16-bit checkpoint quantized on load (against --base-precision nf4), and from a
+    -bnb-4bit checkpoint (against a merge of that checkpoint), every file byte for byte, shards and index."""
+    from peft_shardmerge.testing import build_adapter
+    from tests.helpers import no_cpu_repack, tree
+
+    base = build_base(str(tmp_path / "base"), "llama", max_shard_size="300KB")
+    adapter = build_adapter(base, str(tmp_path / "adapter"))
+    qc = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=qc, dtype=torch.float32)
+    disk_base, precision = base, "nf4"
+    if loaded_from == "bnb-4bit":
+        disk_base, precision = str(tmp_path / "base-bnb-4bit"), "original"
+        model.save_pretrained(disk_base, max_shard_size="200KB")
+        model = AutoModelForCausalLM.from_pretrained(disk_base, dtype=torch.float32)
+    no_cpu_repack(model)
+    kw = dict(dtype="float32", max_shard_size="300KB", progress=False)
+    merge_and_save(PeftModel.from_pretrained(model, adapter), str(tmp_path / "live"), **kw)
+    merge_checkpoint(disk_base, adapter, str(tmp_path / "disk"), base_precision=precision, **kw)
+    live, disk = tree(tmp_path / "live"), tree(tmp_path / "disk")
+    weights = sorted(n for n in live if n.endswith((".safetensors", ".index.json")))
+    assert len(weights) > 3 and weights == sorted(n for n in disk if n.endswith((".safetensors", ".index.json")))
+    assert {n: live[n] for n in weights} == {n: disk[n] for n in weights}
