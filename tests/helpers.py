@@ -1,10 +1,11 @@
 """Small helpers shared by the test modules: a checkpoint folder's tensors, comparing a merged checkpoint's logits
-with a reference, and a merge killed after some shards."""
+with a reference, a merge killed after some shards, and a command run on a terminal."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from importlib.metadata import version
 
 import pytest
@@ -204,3 +205,34 @@ staging.Staging.record = record_then_die
 base, adapter, out = sys.argv[1:]
 merge_checkpoint(base, adapter, out, dtype="bfloat16", max_shard_size="1MB", model_checks="first", progress=False)
 """
+
+
+def run_on_a_terminal(args: list[str], timeout: float = 300, env: dict | None = None) -> tuple[int, str]:
+    """Run a command with its stdout and stderr on a pseudo-terminal (as in an interactive shell): its exit status
+    and everything it wrote there."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+
+    main, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new one is 0 columns wide
+    proc = subprocess.Popen(args, stdout=secondary, stderr=secondary, env=env, close_fds=True)
+    os.close(secondary)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([main], [], [], 0.1)
+        if ready:
+            try:
+                data = os.read(main, 65536)
+            except OSError:  # the other end closed: the command ended
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    os.close(main)
+    return proc.wait(timeout=timeout), b"".join(chunks).decode(errors="replace")

@@ -14,6 +14,9 @@ from ..support.combinations import COMBINATIONS, MAJORITY_SIGNS
 from ..version import __version__
 from .model_checks import ChecksBeside, checks_beside
 
+#: the libraries whose log records under ERROR the command line leaves out (``-v`` shows them)
+NOISY = ("transformers", "huggingface_hub", "bitsandbytes", "kernels", "torch", "accelerate", "DeepSpeed")
+
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
@@ -251,7 +254,7 @@ def _merge(args: argparse.Namespace) -> int:
     )
     _log_to_stderr(level, rank, args.verbose)
     if not args.verbose:
-        for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
+        for noisy in NOISY:
             logging.getLogger(noisy).setLevel(logging.ERROR)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
@@ -327,8 +330,10 @@ class _CommandLineFormatter(logging.Formatter):
         text = command_line_text(super().format(record))
         if self.verbose:
             return f"{record.levelname} {record.name}: {text}"
-        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
-        return f"{self.who}: {level}{text}"
+        level = "" if record.levelno == logging.INFO else record.levelname.lower()
+        if not record.name.startswith("peft_shardmerge"):  # another library's record: say whose
+            level = f"{level or 'info'} ({record.name})"
+        return f"{self.who}: {level}: {text}" if level else f"{self.who}: {text}"
 
 
 def _log_to_stderr(level: int, rank: int | None, verbose: bool) -> None:
@@ -440,7 +445,7 @@ def _dtype_arg(value: str) -> str | None:
 
 def _verify(args, parser) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("transformers", "huggingface_hub", "bitsandbytes", "torch"):
+    for noisy in NOISY:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if (args.base is None) != (args.adapter is None):
         parser.error("--base and --adapter go together")

@@ -24,7 +24,7 @@ from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
 from ..output.checks import check_out_dir, path_argument
 from ..output.staging import NOTHING_WRITTEN
 from .gguf import gguf_out_problems
-from .model_checks import ChecksBeside, checks_beside, outline
+from .model_checks import ChecksBeside, KnownChecks, checks_beside, outline
 from .quiet import quiet_libraries
 
 log = logging.getLogger(__name__)
@@ -430,7 +430,7 @@ def _merge(
     except PlanChanged as e:
         log.info("%s; merging again with it", e)
     finally:
-        checks.stop()
+        confirm.checks.stop()
     plan, _ = _planned(base, adapter, out_dir, opts, problems, recover=True)
     return _run(plan, out_dir, opts, before_commit, steps)
 
@@ -491,15 +491,21 @@ class _Confirmed(Alone):
         """Take the checks' verdict (waiting for it); raise when the plan they made is not this one."""
         if self.confirmed:
             return
-        made = self.checks.join()
+        checks = self.checks
+        made = checks.join()
+        if isinstance(checks, KnownChecks) and made != outline(self.plan):  # kept for a plan this is not: check now
+            log.debug("model-class checks beside the merge: the kept verdict is for another plan; checking")
+            checks = ChecksBeside.start(checks.given, checks.options) or checks
+            self.checks, made = checks, checks.join() if not isinstance(checks, KnownChecks) else None
         if made is None:  # the second process did not plan: plan here, raising its problems with their own type
             try:
                 with quiet_libraries():
-                    made = outline(whole_plan(*self.checks.given, self.checks.opts, []))
+                    made = outline(whole_plan(*checks.given, checks.opts, []))
             except InputError as e:
                 raise InputError(e.problems, when=BESIDE_FOUND) from e
         if made != outline(self.plan):
             raise PlanChanged("the plan made with the model class differs from the one made from the files alone")
+        checks.remember(made)
         self.confirmed = True
 
     def then(self, before_commit) -> Callable[[str], None]:

@@ -4,6 +4,7 @@ and the outline its plan and the merged one must share."""
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
@@ -198,7 +199,7 @@ class ChecksBeside:
             None.
         """
         cls.drop_early()
-        early = cls.start(given, options)
+        early = KnownChecks.find(given, options) or cls.start(given, options)
         _EARLY[:] = [early] if early is not None else []
 
     @classmethod
@@ -214,23 +215,36 @@ class ChecksBeside:
 
     @classmethod
     def take(cls, given: tuple, opts) -> "ChecksBeside | None":
-        """The checks of this merge: those started early for it, else new ones.
+        """The checks of this merge: those started early for it, else the verdict kept for the same inputs
+        (:class:`KnownChecks`), else new ones.
 
         Args:
             given: the merge's ``(base, adapters)`` arguments.
             opts: its options.
 
         Returns:
-            The running :class:`ChecksBeside`, or None where none could be started.
+            The running :class:`ChecksBeside` (or a kept verdict), or None where none could be started.
         """
         early = _EARLY.pop() if _EARLY else None
+        options = {f.name: getattr(opts, f.name) for f in fields(opts) if f.init}
         if early is not None:
             if early.given == given and early.opts == opts:
                 log.debug("model-class checks beside the merge: the ones started early")
                 return early
             early.stop()
+        known = KnownChecks.find(given, options)
+        if known is not None:
+            return known
         log.debug("model-class checks beside the merge: started")
-        return cls.start(given, {f.name: getattr(opts, f.name) for f in fields(opts) if f.init})
+        return cls.start(given, options)
+
+    def remember(self, made: str) -> None:
+        """Keep the verdict (the outline of the plan these checks made) for a next merge of the same inputs.
+
+        Args:
+            made: the outline, once the merge's own plan matched it.
+        """
+        KnownChecks.keep(self.given, self.options, made)
 
     @property
     def opts(self):
@@ -270,6 +284,149 @@ class ChecksBeside:
             proc.wait()
         self.out.close()
         self.err.close()
+
+
+class KnownChecks(ChecksBeside):
+    """The verdict of the model-class checks of an earlier merge of the same inputs, kept in a small cache (a JSON
+    file a verdict, named by a digest of what the checks depend on): the content of every small file of the base and
+    adapter folders and of every adapter file, the base's safetensors headers (not its data), the options, the
+    versions of Python, torch, transformers, PEFT, bitsandbytes, safetensors and huggingface_hub, and peft-shardmerge's
+    own source. A merge that finds one needs no second process; its plan must still have the outline kept (else the
+    checks run). Only verdicts that passed are kept; only local, unquantized bases have one (a quantized base's checks
+    read more than headers). ``PEFT_SHARDMERGE_CACHE`` names the folder (default ``~/.cache/peft-shardmerge``);
+    ``PEFT_SHARDMERGE_CHECKS_CACHE=0`` turns it off.
+
+    Args:
+        given: the merge's ``(base, adapters)`` arguments.
+        options: its option keywords.
+        made: the outline kept.
+    """
+
+    def __init__(self, given: tuple, options: dict, made: str) -> None:
+        self.given, self.options, self.made = given, options, made
+        self.started = time.perf_counter()
+
+    @classmethod
+    def find(cls, given: tuple, options: dict) -> "KnownChecks | None":
+        """The verdict kept for these inputs, or None.
+
+        Args:
+            given: the merge's ``(base, adapters)`` arguments.
+            options: its option keywords.
+
+        Returns:
+            The kept verdict, or None.
+
+        Example:
+            >>> KnownChecks.find(("/no/base", ["/no/adapter"]), {}) is None
+            True
+        """
+        path = _known_path(given, options)
+        try:
+            with open(path or "", encoding="utf-8") as f:
+                made = json.load(f)["outline"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        log.debug("model-class checks beside the merge: the verdict kept for the same inputs (%s)", path)
+        return cls(given, options, made) if isinstance(made, str) else None
+
+    @classmethod
+    def keep(cls, given: tuple, options: dict, made: str) -> None:
+        """Keep a verdict for these inputs (nothing where they have no key, or the cache cannot be written).
+
+        Args:
+            given: the merge's ``(base, adapters)`` arguments.
+            options: its option keywords.
+            made: the outline the checks made, which the merge's plan matched.
+        """
+        path = _known_path(given, options)
+        if path is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"outline": made}, f)
+            os.replace(temporary, path)
+        except OSError as e:  # a cache that cannot be written only costs the next merge its checks
+            log.debug("the model-class checks' verdict was not kept (%s)", e)
+
+    def done(self) -> bool:
+        """Always: the verdict is known."""
+        return True
+
+    def join(self) -> str:
+        """The kept outline."""
+        return self.made
+
+    def remember(self, made: str) -> None:
+        """Nothing to keep: it is kept already."""
+
+    def stop(self) -> None:
+        """Nothing runs."""
+
+
+def _known_path(given: tuple, options: dict) -> str | None:
+    """Where the verdict for these inputs is kept, or None where they have no key (off, a Hub id, a quantized base)."""
+    if os.environ.get("PEFT_SHARDMERGE_CHECKS_CACHE", "1") == "0":
+        return None
+    try:
+        base, adapters = given
+        adapters = [adapters] if isinstance(adapters, (str, os.PathLike)) else list(adapters)
+        digest = hashlib.sha256(json.dumps([_code(), options], sort_keys=True, default=_plain).encode())
+        for folder, whole in [(os.fspath(base), False)] + [(os.fspath(a), True) for a in adapters]:
+            if not os.path.isdir(folder) or not _digest_folder(digest, folder, whole):
+                return None
+    except (OSError, TypeError, ValueError):
+        return None
+    root = os.environ.get("PEFT_SHARDMERGE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "peft-shardmerge"
+    )
+    return os.path.join(root, "checks", digest.hexdigest() + ".json")
+
+
+def _digest_folder(digest, folder: str, whole: bool) -> bool:
+    """Add a folder to ``digest``: every file's name and size; the content of its small files (every file where
+    ``whole``, an adapter's); a safetensors file's header. False for a quantized base (no key)."""
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            digest.update(f"{name}/".encode())
+            continue
+        size = os.path.getsize(path)
+        digest.update(f"{name}:{size}".encode())
+        with open(path, "rb") as f:
+            if whole or size <= 1 << 20:
+                data = f.read()
+                if name == "config.json" and not whole and b"quantization_config" in data:
+                    return False
+                digest.update(hashlib.sha256(data).digest())
+            elif name.endswith(".safetensors"):
+                length = int.from_bytes(f.read(8), "little")
+                digest.update(f.read(min(length, 100 << 20)))
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _code() -> list:
+    """What the checks' verdict depends on besides the inputs: the versions of Python and the libraries, and
+    peft-shardmerge's own source (its version does not change between edits of a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = [sys.version]
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "safetensors", "huggingface_hub"):
+        try:
+            versions.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            versions.append(f"{name} -")
+    source = hashlib.sha256()
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder, dirs, files in sorted(os.walk(package)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as f:
+                source.update(name.encode() + f.read())
+    return versions + [source.hexdigest()]
 
 
 #: the checks started early for a merge about to be called (at most one)

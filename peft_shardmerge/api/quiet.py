@@ -1,6 +1,7 @@
-"""Our own output only: what transformers, PEFT, bitsandbytes, accelerate, huggingface_hub and DeepSpeed print while
-a merge imports or calls them (warnings, log records under ERROR, progress bars) is held back for that call, and the
-user's settings are put back after it. With debug logging on (the command line's ``-v``) nothing is held back."""
+"""Our own output only: what transformers, PEFT, bitsandbytes (and its kernels), accelerate, huggingface_hub and
+DeepSpeed print while a merge imports or calls them (warnings, log records under ERROR, progress bars) is held back for
+that call, and the user's settings are put back after it. With debug logging on (the command line's ``-v``) nothing is
+held back."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 
 #: the libraries whose messages a merge holds back (their loggers, and the modules their warnings come from)
-LIBRARIES = ("transformers", "peft", "bitsandbytes", "accelerate", "huggingface_hub", "deepspeed")
+LIBRARIES = ("transformers", "peft", "bitsandbytes", "kernels", "accelerate", "huggingface_hub", "deepspeed")
 #: DeepSpeed's logger, which sets its own level when DeepSpeed is imported (a filter holds it back instead)
 DEEPSPEED_LOGGER = "DeepSpeed"
 

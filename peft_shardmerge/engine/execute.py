@@ -14,7 +14,7 @@ from ..options import DEVICES
 from ..output.shard_sink import FolderFiles, ShardSink
 from .pipeline import produce_shard, worker_pool
 from .plan import Plan
-from .report import MergeReport
+from .report import MergeReport, bar_disabled
 from .row_merge import precision_notes
 from .rss import PeakRss
 from .source import Alone, Coordinator, Source
@@ -118,7 +118,11 @@ def run(
         replace_check=replace_check,
     )
     bar = tqdm(
-        total=plan.total_size, unit="B", unit_scale=True, desc="merging", disable=not (progress and coordinator.leads)
+        total=plan.total_size,
+        unit="B",
+        unit_scale=True,
+        desc="merging",
+        disable=bar_disabled(progress and coordinator.leads),
     )
     coordinator.start(source, bar)
 

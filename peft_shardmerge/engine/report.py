@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 #: what a merge from disk reproduces, by base precision (in process, the merge says it itself)
@@ -131,3 +132,23 @@ class MergeReport:
             lines.append(f"  {self.cpu_fallbacks} block(s) redone on the CPU after out-of-memory")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def bar_disabled(progress: bool) -> bool | None:
+    """tqdm's ``disable`` for a progress bar the caller asked for or not: off when not asked; shown in a notebook
+    (its output is no terminal, but bars are what it shows); else None, which tqdm takes as "only on a terminal", so a
+    log file or CI output gets no bar.
+
+    Args:
+        progress: whether the caller wants a bar.
+
+    Returns:
+        True, False or None.
+
+    Example:
+        >>> bar_disabled(False), bar_disabled(True) in (None, False)
+        (True, True)
+    """
+    if not progress:
+        return True
+    return False if "ipykernel" in sys.modules else None

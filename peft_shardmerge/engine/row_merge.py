@@ -314,11 +314,16 @@ WHOLE_NORM_ELEMS = 1 << 22
 
 #: above this fraction of swallowed updates a tensor is named in a warning
 SWALLOWED_WARNING = 0.5
+#: below this share of the update kept, the report notes it (else it is logged at DEBUG, ``-v``): a trained LoRA
+#: merged into bf16 keeps about 98.5-99.5% of its sampled entries (99.4% for the guide's tiny Llama, 98.6% in a user
+#: trial); 95% is more than three times that loss, where writing float32 or float16 is worth deciding on
+KEPT_NOTE = 0.95
 
 
 def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> list[str]:
-    """A note on how much of the LoRA update the output dtype kept, and a warning (also logged) naming the
-    tensors where it swallowed more than :data:`SWALLOWED_WARNING` of it.
+    """A note on how much of the LoRA update the output dtype kept (where it kept less than :data:`KEPT_NOTE`; else
+    logged at DEBUG), and a warning (also logged) naming the tensors where it swallowed more than
+    :data:`SWALLOWED_WARNING` of it.
 
     Args:
         counts: per tensor, ``(sampled entries, entries rounded back to the base value)``.
@@ -328,18 +333,21 @@ def precision_notes(counts: dict[str, tuple[int, int]], dtype: torch.dtype) -> l
         Notes for the report (none when nothing was sampled).
 
     Example:
-        >>> precision_notes({"w": (100, 1)}, torch.bfloat16)[0][:40]
-        'bfloat16 kept the LoRA update in 99.0% o'
+        >>> precision_notes({"w": (100, 1)}, torch.bfloat16), precision_notes({"w": (100, 10)}, torch.bfloat16)[0][:40]
+        ([], 'bfloat16 kept the LoRA update in 90.0% o')
     """
     if not counts:
         return []
     changed = sum(c for c, _ in counts.values())
     lost = sum(s for _, s in counts.values())
     name = str(dtype).removeprefix("torch.")
-    notes = [
+    kept = (
         f"{name} kept the LoRA update in {100 * (1 - lost / changed):.1f}% of the merged entries "
         f"({lost} of {changed} sampled entries rounded back to the base value)"
-    ]
+    )
+    notes = [kept] if 1 - lost / changed < KEPT_NOTE else []
+    if not notes:
+        log.debug("%s", kept)  # the usual share: worth a look with -v only
     worst = sorted((s / c, k) for k, (c, s) in counts.items() if s / c > SWALLOWED_WARNING)
     if worst:
         names = ", ".join(k for _, k in worst[-5:][::-1])

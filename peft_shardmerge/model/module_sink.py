@@ -10,6 +10,7 @@ from torch import nn
 
 from ..engine.budget import free_accelerator_cache
 from ..engine.plan import Plan
+from ..engine.report import bar_disabled
 from ..engine.row_merge import check_applied
 from ..errors import InputError, MergeCheckError, ShardMergeError
 from ..support.model import HALF_MERGED
@@ -73,7 +74,7 @@ class ModuleSink:
                     self.groups.items(),
                     total=len(self.groups),
                     desc="Unloading and merging model",
-                    disable=not progress,
+                    disable=bar_disabled(progress),
                 ):
                     _set_submodule(
                         inner, path, _replacement(group, merger, self.dtype, Conv1D, self.live, self.folders.get(path))

@@ -222,13 +222,10 @@ class LiveMerger(RowMerger):
 
 
 REPACKED_NOTE = (
-    "{} 4-bit weight(s) had been repacked by bitsandbytes for its CPU kernel (an eval forward on a CPU with "
-    "AVX512-BF16): 4-bit codes exact, block scales rounded to bf16 by the repacking (and re-quantized where "
-    "bitsandbytes undid it in place, e.g. at a save_pretrained), so the trained model's exact 4-bit base could not be "
-    "read back bit for bit; those tensors are merged within that loss, and `verify` reports them UNCHECKED, not "
-    "equal. Re-quantizing the original 16-bit weights gives the very 4-bit bytes the model was loaded with: load "
-    "it again with module.support_avx512bf16_for_cpu = False set on every Linear4bit after loading, load the "
-    "adapter, and merge"
+    "{} 4-bit weight(s) were repacked by bitsandbytes for its CPU kernel, which rounds their block scales to bf16: "
+    "they are merged within that loss (verify names it where it shows). For the exact merge, reload the model with "
+    "support_avx512bf16_for_cpu = False on every Linear4bit, load the adapter and merge again "
+    '(docs/after-training.md, "bitsandbytes\' CPU repacking")'
 )
 
 

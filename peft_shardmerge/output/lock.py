@@ -95,7 +95,14 @@ class OutputLock:
         self.fd = fd
         self.previous = _parse(previous)
         if previous:
-            log.info("taking over a stale lock on %s (%s)", self.out_dir, previous[:200].decode(errors="replace"))
+            who = self.previous if isinstance(self.previous, dict) else {}
+            log.info(
+                "%s: the lock of a merge that stopped (pid %s, started %s) is taken over",
+                self.out_dir,
+                who.get("pid", "?"),
+                who.get("started", "at an unknown time"),
+            )
+            log.debug("the stale lock held: %s", previous[:200].decode(errors="replace"))
         self.record = {
             "made_by": MADE_BY,
             "pid": os.getpid(),

@@ -30,8 +30,19 @@ def test_cli_merge_and_summary(make_base, make_adapter, tmp_path):
     assert "LoRA modules merged 14/14" in r.stdout
     shards = [f for f in os.listdir(out) if f.endswith(".safetensors")]
     assert len(shards) > 1 and f"shards {len(shards)}," in r.stdout and "peak RSS" in r.stdout
-    assert "merging" in r.stderr  # the progress bar
+    assert "merging" not in r.stderr and r.stderr == "", r.stderr  # no bar in a pipe (a log file, CI)
     assert compare_logits(base, adapter, out) < 1e-4
+
+
+def test_the_progress_bar_is_shown_on_a_terminal_only(make_base, make_adapter, tmp_path):
+    from tests.helpers import run_on_a_terminal
+
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    command = [sys.executable, "-m", "peft_shardmerge", "merge", base, adapter]
+    code, shown = run_on_a_terminal([*command, str(tmp_path / "t")], env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert code == 0 and "merging: 100%" in shown, shown
+    code, shown = run_on_a_terminal([*command, str(tmp_path / "q"), "-q"], env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert code == 0 and shown == "", shown  # -q: nothing at all
 
 
 @pytest.mark.slow

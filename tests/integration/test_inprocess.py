@@ -607,7 +607,7 @@ def test_self_check_and_precision_report_in_process(make_base, tmp_path, monkeyp
     report = merge_and_save(model, str(tmp_path / "a"), dtype="bfloat16", base_precision="dequantized", progress=False)
     assert 0 < report.self_check_max_rel_err < 1e-5
     assert len(report.swallowed) == 14 and max(report.swallowed.values()) < 0.5
-    assert any(n.startswith("bfloat16 kept the LoRA update in ") for n in report.notes)
+    assert not any(n.startswith("bfloat16 kept the LoRA update in ") for n in report.notes)  # the usual share
 
     real = maths.add_lora_
 

@@ -101,7 +101,12 @@ def test_the_libraries_are_held_back_for_the_call_and_restored_after(bars):
             warnings.simplefilter("always")
             with quiet_libraries():
                 assert not hf_logging.is_progress_bar_enabled()
-                for name in ("transformers.modeling_utils", "bitsandbytes.backends.cpu.ops", "accelerate.utils"):
+                for name in (
+                    "transformers.modeling_utils",
+                    "bitsandbytes.backends.cpu.ops",
+                    "kernels._internals.hf_hub",  # "Skipping publisher trust check" when bitsandbytes loads it offline
+                    "accelerate.utils",
+                ):
                     assert not logging.getLogger(name).isEnabledFor(logging.WARNING), name
                     assert logging.getLogger(name).isEnabledFor(logging.ERROR), name
                 record = logging.LogRecord(
@@ -194,6 +199,32 @@ def test_the_command_line_prints_only_our_output_and_imports_no_deepspeed(make_b
     assert r.returncode == 0, r.stderr
     assert "LoRA modules merged 14/14" in r.stdout and "deepspeed imported: False" in r.stdout
     assert _foreign(r.stdout + r.stderr) == [], r.stdout + r.stderr
+
+
+def test_the_command_line_leaves_out_the_warnings_of_the_libraries_it_calls(make_base, make_adapter, tmp_path):
+    """What the libraries log while the command plans (here the kernels package's offline notice, as bitsandbytes
+    loading its CPU kernel makes it say) is left out; an error of theirs is not."""
+    base, adapter = make_base("llama"), make_adapter("llama", "default")
+    code = (
+        "import logging, sys; from peft_shardmerge.checkpoint import planner; real = planner.build_plan\n"
+        "def noisy(*a, **k):\n"
+        "    logging.getLogger('kernels._internals.hf_hub').warning('Skipping publisher trust check')\n"
+        "    logging.getLogger('DeepSpeed').warning('Setting accelerator to CPU')\n"
+        "    logging.getLogger('accelerate.utils').error('an error of theirs')\n"
+        "    return real(*a, **k)\n"
+        "planner.build_plan = noisy\n"
+        "from peft_shardmerge.api.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "merge", base, adapter, str(tmp_path / "m"), "--model-checks", "first", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
+    assert (r.returncode, r.stdout) == (0, ""), r.stderr
+    assert r.stderr.splitlines() == ["peft-shardmerge: error (accelerate.utils): an error of theirs"], r.stderr
 
 
 @pytest.mark.slow

@@ -256,3 +256,20 @@ def test_a_staged_file_removed_while_it_is_counted_is_skipped(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "scandir", listed_then_renamed)
     assert staged_bytes(str(out)) == os.stat(staging / "manifest.json").st_blocks * 512
+
+
+def test_a_stale_lock_taken_over_is_one_plain_line(tiny, tmp_path, caplog):
+    import json
+    import logging
+
+    from peft_shardmerge.output.files import MADE_BY, sidecar
+
+    out = tmp_path / "out"
+    with open(sidecar(str(out), "lock"), "w") as f:  # a merge killed outright: its record, no process holding it
+        json.dump({"made_by": MADE_BY, "pid": 2**22 + 7, "host": "gone", "started": "2026-12-01 10:00:00"}, f)
+    with caplog.at_level(logging.INFO, logger="peft_shardmerge.output.lock"):
+        merge_checkpoint(*tiny, str(out), progress=False)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name.endswith(".lock")]
+    assert said == [
+        f"{out}: the lock of a merge that stopped (pid {2**22 + 7}, started 2026-12-01 10:00:00) is taken over"
+    ]
