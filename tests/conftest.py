@@ -7,6 +7,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the model-class checks run in every test (a kept verdict would skip them); tests of the cache turn it on themselves
+os.environ.setdefault("PEFT_SHARDMERGE_CHECKS_CACHE", "0")
 
 import pytest
 import torch

@@ -301,3 +301,44 @@ def test_between_tensors_a_finished_second_process_stops_a_merge_of_another_plan
                 assert confirm.confirmed
         finally:
             checks.stop()
+
+
+def test_a_verdict_kept_for_the_same_inputs_spares_the_second_process(make_base, tmp_path, monkeypatch, caplog):
+    """The checks' verdict is kept for the same inputs: a next merge of them starts no second process (here one
+    that would fail, so any start shows) and writes the same files; an edited input, or one whose plan differs from
+    the verdict's (its time changed), is checked again; a verdict that failed is never kept."""
+    monkeypatch.setenv("PEFT_SHARDMERGE_CHECKS_CACHE", "1")
+    monkeypatch.setenv("PEFT_SHARDMERGE_CACHE", str(tmp_path / "cache"))
+    base = make_base("llama")
+    adapter = build_adapter(base, str(tmp_path / "adapter"))
+    _merge(base, adapter, tmp_path / "first", "beside")
+    kept = os.listdir(tmp_path / "cache" / "checks")
+    assert len(kept) == 1 and kept[0].endswith(".json")
+    monkeypatch.setattr(model_checks, "CHILD", "import sys; sys.exit(3)")  # a second process started now fails
+    with caplog.at_level(logging.DEBUG, logger="peft_shardmerge"):
+        _merge(base, adapter, tmp_path / "again", "beside")
+    assert "the verdict kept for the same inputs" in caplog.text and "did not plan" not in caplog.text
+    assert tree(tmp_path / "again") == tree(tmp_path / "first")
+
+    config = os.path.join(adapter, "adapter_config.json")
+    text = open(config).read()
+    assert '"lora_dropout": 0.0' in text
+    open(config, "w").write(text.replace('"lora_dropout": 0.0', '"lora_dropout": 0.1'))  # same size, other content
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="peft_shardmerge"):
+        _merge(base, adapter, tmp_path / "edited", "beside")
+    assert "the verdict kept" not in caplog.text and "did not plan (exit status 3" in caplog.text
+
+    os.utime(os.path.join(adapter, "adapter_model.safetensors"), (1e9, 1e9))  # same content, another time
+    monkeypatch.setattr(model_checks, "CHILD", "import sys; sys.exit(3)")
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="peft_shardmerge"):
+        _merge(base, adapter, tmp_path / "touched", "beside")
+    assert "the kept verdict is for another plan; checking" in caplog.text, caplog.text
+    assert tree(tmp_path / "touched") == tree(tmp_path / "edited")
+
+    _with_base_weight(adapter)  # now refused by the checks: nothing is kept for it
+    before = sorted(os.listdir(tmp_path / "cache" / "checks"))
+    with pytest.raises(InputError, match="would not be loaded by PEFT"):
+        _merge(base, adapter, tmp_path / "refused", "beside")
+    assert sorted(os.listdir(tmp_path / "cache" / "checks")) == before
