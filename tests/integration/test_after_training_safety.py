@@ -142,8 +142,8 @@ def test_python_errors_name_keywords_and_the_command_line_names_flags(make_base,
 
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
+    merge_checkpoint(base, adapter, str(out), progress=False)  # an earlier output of ours: overwrite replaces it
+    before = tree(out)
     with pytest.raises(InputError) as e:
         merge_checkpoint(base, adapter, str(out), progress=False)
     assert "pass overwrite=True to replace it" in str(e.value)
@@ -153,7 +153,7 @@ def test_python_errors_name_keywords_and_the_command_line_names_flags(make_base,
     err = capsys.readouterr().err
     assert "pass --overwrite to replace it" in err
     assert "overwrite=True" not in err
-    assert (out / "notes.txt").read_text() == "mine"
+    assert tree(out) == before
 
 
 @pytest.mark.parametrize("save_method", ["merged_16bit", "merged_4bit_forced"])
