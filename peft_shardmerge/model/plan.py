@@ -372,7 +372,7 @@ def build_model_plan(
             vectors,
             generation_config=valid_generation_config(inner),
         )
-        order = checkpoint_order(inner) if sharded is None else ()
+        order = checkpoint_order(inner)  # a sharded model too: its units are gathered in that order
         result = ModelPlan(plan_live(source, out_dtype, opts.shard_bytes, opts.chunk_elems, order), "")
     result.plan.adapter_text = in_memory_text(adapters, weight_map) + (f" ({vectors.describe()})" if vectors else "")
     result.reproduces = result.plan.reproduces = reproduces
