@@ -21,7 +21,7 @@ from ..engine.report import MergeReport
 from ..engine.source import Alone
 from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
-from ..output.checks import check_out_dir, path_argument
+from ..output.checks import check_out_dir, path_argument, settle_out_dir
 from ..output.staging import NOTHING_WRITTEN
 from .gguf import gguf_out_problems
 from .model_checks import ChecksBeside, KnownChecks, checks_beside, outline
@@ -138,8 +138,6 @@ def plan_with_options(
     out_dir: str | os.PathLike,
     opts: MergeOptions,
     problems: list[str] | None = None,
-    *,
-    recover: bool = False,
 ) -> Plan:
     """:func:`plan_checkpoint_merge` with its knobs as one :class:`~peft_shardmerge.options.MergeOptions`.
 
@@ -149,8 +147,6 @@ def plan_with_options(
         out_dir: the output folder.
         opts: the options (their problems are reported with the rest).
         problems: problems found already (conflicts between keywords and ``options``), reported with the rest.
-        recover: first finish or undo the commit of a killed merge into ``out_dir`` (a merge about to run; a plan
-            alone touches nothing).
 
     Returns:
         The :class:`~peft_shardmerge.engine.plan.Plan`.
@@ -159,7 +155,7 @@ def plan_with_options(
         InputError, NotFoundError, UnsupportedError, CorruptFileError: as :func:`plan_checkpoint_merge`.
 
     """
-    return _plan(base, adapter, out_dir, opts, problems, recover=recover)[0]
+    return _plan(base, adapter, out_dir, opts, problems)[0]
 
 
 def _plan(
@@ -169,7 +165,6 @@ def _plan(
     opts: MergeOptions,
     problems: list[str] | None,
     *,
-    recover: bool,
     beside: bool = False,
     check_out: bool = True,
     before_checks: BeforeChecks | None = None,
@@ -197,7 +192,6 @@ def _plan(
         problems,
         out_dir=out_dir,
         check_out=check_out,
-        recover=recover,
         before_checks=before_checks,
     )
     checks = ChecksBeside.take((base, locations), opts) if beside and not problems else None
@@ -235,7 +229,7 @@ def whole_plan(
     Raises:
         InputError, NotFoundError, UnsupportedError, CorruptFileError: as :func:`plan_checkpoint_merge`.
     """
-    return _plan(base, adapter, None, opts, problems, recover=False, check_out=False, before_checks=before_checks)[0]
+    return _plan(base, adapter, None, opts, problems, check_out=False, before_checks=before_checks)[0]
 
 
 def _adapter_locations(adapter) -> tuple[list, list[str]]:
@@ -402,7 +396,9 @@ def _merge(
 ) -> MergeReport:
     """Plan (every rank agreeing on the plan in a distributed job), then carry the plan out or describe it."""
     beside = checks_beside(opts.model_checks, distributed=steps.world.distributed, dry_run=dry_run, out_dir=out_dir)
-    plan, checks = _planned(base, adapter, out_dir, opts, problems, recover=not dry_run, beside=beside)
+    if not dry_run:  # the one write before the plan: a commit a killed merge left half done is finished or undone
+        settle_out_dir(out_dir, inputs=_inputs(base, adapter), overwrite=opts.overwrite)
+    plan, checks = _planned(base, adapter, out_dir, opts, problems, beside=beside)
     agree_on_plan(steps, plan, out_dir)
     out_dir = os.path.abspath(os.fspath(out_dir))  # resolved once: every later step uses this path
     for note in plan.notes if steps.world.rank == 0 else ():
@@ -431,8 +427,16 @@ def _merge(
         log.info("%s; merging again with it", e)
     finally:
         confirm.checks.stop()
-    plan, _ = _planned(base, adapter, out_dir, opts, problems, recover=True)
+    plan, _ = _planned(base, adapter, out_dir, opts, problems)
     return _run(plan, out_dir, opts, before_commit, steps)
+
+
+def _inputs(base, adapter) -> dict:
+    """The input folders by role, as given (for the output folder's checks before they are resolved)."""
+    adapters = [adapter] if isinstance(adapter, (str, os.PathLike)) else adapter
+    adapters = adapters if isinstance(adapters, (list, tuple)) else []  # a wrong type: the checks name it
+    given = {"base": base, **{f"adapter {i + 1}": a for i, a in enumerate(adapters)}}
+    return {role: os.fspath(p) for role, p in given.items() if isinstance(p, (str, os.PathLike))}
 
 
 def _planned(

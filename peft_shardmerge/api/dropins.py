@@ -16,7 +16,7 @@ from ..engine.report import MergeReport
 from ..errors import InputError
 from ..model.walk import unwrap
 from ..options import MODEL, MergeOptions
-from ..output.checks import check_out_dir, path_argument, source_folders
+from ..output.checks import check_out_dir, path_argument, settle_out_dir, source_folders
 from ..output.record import unlisted_files
 from ..verify.integrity import read_record
 from .gguf import gguf_hint, push_to_hub_gguf, save_pretrained_gguf
@@ -73,9 +73,8 @@ def _replace_problems(
     """Problems with saving into ``save_directory`` as Unsloth does: an earlier save there is replaced (a merged
     checkpoint by any save, an adapter folder by an adapter save); an input folder, or a folder with other content,
     never is."""
-    problems = check_out_dir(
-        save_directory, inputs=source_folders(model), overwrite=True, only_ours=any_content, recover=True
-    )
+    settle_out_dir(save_directory, inputs=source_folders(model), overwrite=False)
+    problems = check_out_dir(save_directory, inputs=source_folders(model), overwrite=True, only_ours=any_content)
     if problems or any_content:
         return problems
     return _not_an_earlier_save(save_directory, method)

@@ -34,7 +34,7 @@ from ..model.planner import LiveSource, plan_live, valid_generation_config
 from ..model.reader import ModelReader
 from ..model.walk import unwrap, walk
 from ..options import MODEL, MergeOptions, parse_dtype, parse_size
-from ..output.checks import check_out_dir, foreign_model_problems, source_folders
+from ..output.checks import check_out_dir, foreign_model_problems, settle_out_dir, source_folders
 from ..output.record import live_merge_info
 from ..support.model import require_supported
 from .gguf import gguf_out_problems
@@ -197,6 +197,8 @@ def save_model(
             )
         if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
             raise InputError(sharding_problems(model, opts.base_precision) + problems)
+        # the one write before planning: a commit a killed merge left half done is finished or undone
+        settle_out_dir(out_dir, inputs=source_folders(model), overwrite=opts.overwrite)
         # a model sharded by FSDP1 or ZeRO-3 is planned from a view of it unsharded; FSDP2 shows full shapes as it is
         view = VIEWS.get(sharding)
         steps = JobSteps(current_world(), STEPS) if sharding is not None else None
@@ -213,7 +215,6 @@ def save_model(
                     adapter_names,
                     problems,
                     sharded=sharding if view is not None else None,
-                    recover=True,
                 )
                 info = _record_info(planned.plan) if view is not None else None
             plan = planned.plan
@@ -351,7 +352,8 @@ def save_merged_4bit(
 
     budget = MemoryBudget(maximum_memory_usage)
     inner = unwrap(model)
-    out_problems = check_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite, recover=True)
+    settle_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite)
+    out_problems = check_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite)
     problems = require_supported(model, None, out_problems + foreign_model_problems(out_dir))
     if sharding_of(model) is not None:
         problems.append(

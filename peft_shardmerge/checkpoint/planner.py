@@ -359,7 +359,6 @@ def plan_from_folders(
     *,
     out_dir: str | None = None,
     check_out: bool = False,
-    recover: bool = False,
     model_checks: bool = True,
     before_checks: BeforeChecks | None = None,
 ) -> Plan:
@@ -375,7 +374,6 @@ def plan_from_folders(
         out_dir: the output folder: its free space is checked (and, with ``check_out``, everything else about it).
         check_out: check ``out_dir`` as :func:`~peft_shardmerge.output.checks.check_out_dir` does (False: the
             caller did).
-        recover: with ``check_out``, first finish or undo the commit of a killed merge into ``out_dir``.
         model_checks: build the model class on the meta device and ask PEFT which adapter tensors it loads; False
             plans from the files alone (as for a custom architecture), for a merge whose checks run beside it
             (:mod:`~peft_shardmerge.api.model_checks`).
@@ -416,7 +414,7 @@ def plan_from_folders(
             "base": src.folder,
             **{"adapter" if len(spec.folders) == 1 else f"adapter {i + 1}": f for i, f in enumerate(spec.folders)},
         }
-        problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover)
+        problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite)
     info = inspect_model(src.folder) if model_checks else ModelInfo()
     if model_checks:
         problems += adapter_load_problems(spec, src.folder)  # what PeftModel.from_pretrained would ignore

@@ -304,8 +304,6 @@ def build_model_plan(
     adapter_names: list[str] | None,
     problems: list[str] | None = None,
     sharded: str | None = None,
-    *,
-    recover: bool = False,
 ) -> ModelPlan:
     """Check every option of a loaded model's merge (all problems named at once) and plan it.
 
@@ -317,7 +315,6 @@ def build_model_plan(
         adapter_names: adapters to merge (None: the active ones).
         problems: problems the caller found already (reported with these).
         sharded: the sharding of the model this one was unwrapped from (``"fsdp1"``), when it is not its own.
-        recover: first finish or undo the commit of a killed merge into ``out_dir`` (a merge about to run).
 
     Returns:
         The :class:`ModelPlan`.
@@ -350,9 +347,7 @@ def build_model_plan(
             problems.append(f"base_precision='original' cannot be used: {reason}; use 'dequantized'")
     if out_dir is not None:
         inputs = {**source_folders(model), **({"base": original} if original else {})}
-        problems += check_out_dir(
-            out_dir, inputs=inputs, overwrite=opts.overwrite, recover=recover
-        ) + foreign_model_problems(out_dir)
+        problems += check_out_dir(out_dir, inputs=inputs, overwrite=opts.overwrite) + foreign_model_problems(out_dir)
     if problems:  # among them any option value that does not parse: the parsed values are read only past here
         raise InputError(problems)
     out_dtype, dtype_note = opts.out_dtype, ""

@@ -21,19 +21,16 @@ def check_out_dir(
     inputs: dict[str, str | os.PathLike | None],
     overwrite: bool,
     only_ours: bool = True,
-    recover: bool = False,
 ) -> list[str]:
-    """Find every problem with an output folder, touching nothing but what a killed merge into it left.
+    """Find every problem with an output folder, touching nothing.
 
     ``out_dir`` is resolved once (a trailing slash changes nothing). Refused whatever ``overwrite`` says: an empty
     path, the filesystem root, the current working folder or a folder holding it, the home folder or a folder
     holding it, an input folder, a folder inside an input or holding one, a symlink, a mount point. Also named
     here: a parent that is a file, a parent that cannot be written, a name too long for the staging folder and
-    lock beside it, and those names taken by something the merge did not make. A commit that a merge killed outright
-    left half done is finished or undone first, and that merge's lock removed, when ``recover`` is set
-    (:func:`~peft_shardmerge.output.recovery.finish_killed_commit`): a merge about to run does that; a plan or a dry
-    run
-    touches nothing.
+    lock beside it, and those names taken by something the merge did not make. A merge about to run calls
+    :func:`settle_out_dir` first, which finishes or undoes a commit a killed merge left half done; checking and
+    planning never write.
 
     Args:
         out_dir: the output folder (``str`` or ``os.PathLike``).
@@ -43,7 +40,6 @@ def check_out_dir(
             holding nothing its merge record does not list (:func:`replace_problems`).
         only_ours: False lets the caller decide which non-empty folders ``overwrite`` replaces (the Unsloth-style
             saves replace their own earlier saves).
-        recover: finish or undo the commit of a merge into ``out_dir`` that was killed (a merge about to run).
 
     Returns:
         The problems, each a sentence with the fix; empty when ``out_dir`` is fine. They are returned, never
@@ -56,32 +52,109 @@ def check_out_dir(
         >>> check_out_dir("", inputs={}, overwrite=True)
         ["output folder is an empty path (''); name the folder to create, e.g. ./merged"]
     """
+    raw, out, problems, is_input = _path_problems(out_dir, inputs)
+    if out is None:
+        return problems
+    if os.path.islink(out):
+        if not problems:
+            problems.append(
+                f"output {raw} is a symlink; the output is staged beside it and renamed into place, "
+                f"which would replace the link: pass the real path ({os.path.realpath(out)})"
+            )
+    elif os.path.ismount(out):
+        problems.append(
+            f"output {raw} is a mount point; the output is staged beside it and renamed, which cannot "
+            "replace a mount point: choose a folder inside it"
+        )
+    elif os.path.lexists(out):
+        if not os.path.isdir(out):
+            problems.append(f"output {raw} exists and is not a folder; remove it or choose another path")
+        elif not overwrite and not is_input and is_nonempty(out):
+            problems += _not_empty_problems(out, raw, only_ours)
+        elif overwrite and only_ours and not is_input:
+            problems += replace_problems(out, raw)
+    return problems + sidecar_problems(out)
+
+
+def settle_out_dir(
+    out_dir: str | os.PathLike, *, inputs: dict[str, str | os.PathLike | None], overwrite: bool
+) -> None:
+    """The one step of a merge about to run that writes before its plan: a commit a merge into ``out_dir`` killed
+    outright left half done is finished or undone, and that merge's lock removed
+    (:func:`~peft_shardmerge.output.recovery.finish_killed_commit`), so that ``out_dir`` is judged as it is; then,
+    with ``overwrite``, what an earlier output there will be replaced by is logged. Nothing happens where the path
+    itself is refused (:func:`check_out_dir` names why); a plan or a dry run never calls this.
+
+    Args:
+        out_dir: the output folder.
+        inputs: the merge's input folders, by role (as :func:`check_out_dir` takes them).
+        overwrite: whether the merge may replace an earlier output.
+
+    Example:
+        >>> settle_out_dir("", inputs={}, overwrite=False)  # an empty path: refused by the checks, left alone
+    """
+    raw, out, problems, is_input = _path_problems(out_dir, inputs)
+    if out is None or problems:
+        return
+    finish_killed_commit(out)
+    if overwrite and not is_input and os.path.isdir(out) and not os.path.islink(out) and is_nonempty(out):
+        if not replace_problems(out, raw):
+            log.info(
+                "%s: the earlier output there (%s) is replaced once the new one is complete",
+                raw,
+                replaced_entries(out),
+            )
+
+
+def _path_problems(out_dir, inputs: dict) -> tuple[str | None, str | None, list[str], bool]:
+    """``(raw, absolute path or None, problems, is_input)`` of an output path, from its spelling, the inputs and the
+    folders around it (never its content): the absolute path is None where the path cannot be taken at all."""
     raw, problems = path_argument(out_dir, "output folder")
     if raw is None:
-        return problems
+        return raw, None, problems, False
     if not raw.strip():
-        return [f"output folder is an empty path ({raw!r}); name the folder to create, e.g. ./merged"]
+        return (
+            raw,
+            None,
+            [f"output folder is an empty path ({raw!r}); name the folder to create, e.g. ./merged"],
+            False,
+        )
     bad_name = _not_utf8_problem(raw)
     if bad_name:
-        return [bad_name]
+        return raw, None, [bad_name], False
     out = os.path.abspath(raw)
     real = os.path.realpath(out)
     as_the_system_reads = os.path.realpath(os.path.join(_here() or os.sep, raw))
     if ".." in raw.split(os.sep) and as_the_system_reads != real:
-        return [
-            f"output folder {raw} has '..' after a symbolic link: the system reads it as {as_the_system_reads}, "
-            f"not {out}; pass the path without '..'"
-        ]
+        return (
+            raw,
+            None,
+            [
+                f"output folder {raw} has '..' after a symbolic link: the system reads it as {as_the_system_reads}, "
+                f"not {out}; pass the path without '..'"
+            ],
+            False,
+        )
     if real == os.sep:
-        return [f"output folder {raw} is the filesystem root; name a new folder, e.g. {os.path.join(raw, 'merged')}"]
+        return (
+            raw,
+            None,
+            [f"output folder {raw} is the filesystem root; name a new folder, e.g. {os.path.join(raw, 'merged')}"],
+            False,
+        )
     for what, folder in (("the current working folder", _here()), ("your home folder", os.path.expanduser("~"))):
         folder = os.path.realpath(folder) if folder else None
         if folder and (real == folder or folder.startswith(real.rstrip(os.sep) + os.sep)):
             where = "is" if real == folder else "holds"
-            return [
-                f"output folder {raw} ({real}) {where} {what}, which the merge would replace; name a new folder, "
-                f"e.g. {os.path.join(raw, 'merged')}"
-            ]
+            return (
+                raw,
+                None,
+                [
+                    f"output folder {raw} ({real}) {where} {what}, which the merge would replace; name a new folder, "
+                    f"e.g. {os.path.join(raw, 'merged')}"
+                ],
+                False,
+            )
     problems += _unresolved_input_problems(raw, real, inputs)
     is_input = bool(problems)  # an input (or inside one): no overwrite can help, so none is offered
     seen = set()
@@ -103,34 +176,7 @@ def check_out_dir(
             )
     problems += name_problems(out)
     problems += _parent_problems(raw, out)
-    if recover and not problems:  # a merge killed in its commit: OUT is judged once it is finished or undone
-        finish_killed_commit(out)
-    if os.path.islink(out):
-        if not problems:
-            problems.append(
-                f"output {raw} is a symlink; the output is staged beside it and renamed into place, "
-                f"which would replace the link: pass the real path ({real})"
-            )
-    elif os.path.ismount(out):
-        problems.append(
-            f"output {raw} is a mount point; the output is staged beside it and renamed, which cannot "
-            "replace a mount point: choose a folder inside it"
-        )
-    elif os.path.lexists(out):
-        if not os.path.isdir(out):
-            problems.append(f"output {raw} exists and is not a folder; remove it or choose another path")
-        elif not overwrite and not is_input and is_nonempty(out):
-            problems += _not_empty_problems(out, raw, only_ours)
-        elif overwrite and only_ours and not is_input:
-            refused = replace_problems(out, raw)
-            problems += refused
-            if not refused and recover and is_nonempty(out):
-                log.info(
-                    "%s: the earlier output there (%s) is replaced once the new one is complete",
-                    raw,
-                    replaced_entries(out),
-                )
-    return problems + sidecar_problems(out)
+    return raw, out, problems, is_input
 
 
 #: what users add to a merged model (or edit in it) that ``overwrite`` replaces with the earlier output: its model card

@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from peft_shardmerge.output.checks import check_out_dir
+from peft_shardmerge.output.checks import check_out_dir, settle_out_dir
 from tests.helpers import tree
 
 WRITER = textwrap.dedent("""
@@ -138,7 +138,8 @@ def test_a_kill_at_every_step_of_the_commit_is_recovered(outputs, merger, tmp_pa
         now = tree(out) if out.exists() else None
         assert now in ((None, old) if overwrite else (None,)) or now == new, step
         # the up-front check of any next run finishes the cut commit and removes the dead merge's lock ...
-        problems = check_out_dir(str(out), inputs={}, overwrite=overwrite, recover=True)  # a run about to merge
+        settle_out_dir(str(out), inputs={}, overwrite=overwrite)  # what a run about to merge does first
+        problems = check_out_dir(str(out), inputs={}, overwrite=overwrite)
         assert problems == [] or (not overwrite and "pass overwrite=True" in problems[0]), (step, problems)
         assert tree(out) in (old, new) if out.exists() else not overwrite, step
         assert ".out.lock" not in _beside(out), step

@@ -275,3 +275,26 @@ def test_each_rule_catches_what_it_forbids(tmp_path):
     assert import_cycles({k: v for k, v in mods.items() if k != "fakepkg.c"}, "fakepkg") == [
         "fakepkg.a <-> fakepkg.testing"
     ]
+
+
+def test_planning_writes_nothing():
+    """Planning and checking are pure: no function of the planners (the sources' folders) takes ``recover``, nor does
+    the output folder's check, and the one step that writes before a plan (finishing a killed merge's commit,
+    ``settle_out_dir``) is called from the entries in ``api/`` alone."""
+    import inspect
+
+    from peft_shardmerge.output.checks import check_out_dir
+
+    recovers, settles = [], []
+    for mod in read_package(PACKAGE_DIR).values():
+        folder = mod.name.split(".")[1] if mod.name.count(".") else ""
+        for node in ast.walk(mod.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and folder in ("checkpoint", "model"):
+                if any(a.arg == "recover" for a in node.args.args + node.args.kwonlyargs):
+                    recovers.append(f"{mod.name}.{node.name}")
+            if isinstance(node, ast.Call) and folder not in ("api", "output"):
+                name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+                if name in ("settle_out_dir", "finish_killed_commit"):
+                    settles.append(f"{mod.name}: {name}")
+    assert recovers == [] and settles == []
+    assert "recover" not in inspect.signature(check_out_dir).parameters
