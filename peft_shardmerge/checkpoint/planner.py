@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import os
 from dataclasses import dataclass, replace
@@ -15,11 +14,12 @@ from ..errors import InputError
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, row_blocks
 from ..options import BASE_PRECISIONS, OUTPUT_DTYPES, MergeOptions
 from ..output.checks import check_out_dir, check_space
+from ..output.config import output_config
 from ..quant.nf4 import Nf4Settings
 from ..support.check import DISK, check_layers, config_variants, raise_if_any
 from ..support.combinations import warn_about_combination
 from ..support.model import check_model, no_bias_problem
-from ..support.model_info import ModelInfo, inspect_model
+from ..support.model_info import ModelInfo, in_file_names, inspect_model
 from ..support.peft_reading import adapter_load_problems, unmergeable_targets
 from ..support.ties import untie_note
 from .adapter import AdapterSpec, load_adapter
@@ -45,81 +45,6 @@ def _base_dtype(base: CheckpointSource) -> torch.dtype:
     if not counts:
         return torch.float32
     return DTYPES[max(counts, key=counts.get)][0]
-
-
-def output_config(config: dict, dtype: torch.dtype, *, untie: bool) -> dict:
-    """The ``config.json`` of the merged checkpoint.
-
-    Removes ``quantization_config`` (also inside ``text_config``/``vision_config``), records the dtype
-    written, and turns weight tying off when tied weights were written separately.
-
-    Args:
-        config: the base config.
-        dtype: the dtype written.
-        untie: set ``tie_word_embeddings`` to False.
-
-    Returns:
-        A new dict.
-
-    Example:
-        >>> output_config({"quantization_config": {}, "dtype": "float32"}, torch.bfloat16, untie=False)
-        {'dtype': 'bfloat16'}
-    """
-    out = copy.deepcopy(config)
-    name = str(dtype).removeprefix("torch.")
-    for sub in (out, out.get("text_config"), out.get("vision_config")):
-        if isinstance(sub, dict):
-            sub.pop("quantization_config", None)
-            if sub is out or "dtype" in sub or "torch_dtype" in sub:
-                sub["dtype"] = name
-            sub.pop("torch_dtype", None)
-            if untie and sub is out:
-                sub["tie_word_embeddings"] = False
-            elif untie and "tie_word_embeddings" in sub:
-                sub["tie_word_embeddings"] = False
-    return out
-
-
-def in_file_names(info: ModelInfo, file_keys: list[str]):
-    """Translate the structure facts of ``info`` (in-memory names) into the checkpoint's own key names.
-
-    transformers renames some checkpoints' keys on load (LLaVA's ``language_model.model.*`` becomes
-    ``model.language_model.*``, Qwen2-VL's ``model.*`` becomes ``model.language_model.*``); adapters use the
-    in-memory names. The merged checkpoint keeps the base's names.
-
-    Args:
-        info: the model structure.
-        file_keys: the base checkpoint's tensor names.
-
-    Returns:
-        ``(info in file names, function in-memory name -> file name, parts)``; names the checkpoint does not hold
-        go through the reverse renaming ``save_pretrained`` applies; ``parts`` maps an in-memory tensor that the
-        checkpoint stores as several keys (fused MoE experts stored per expert) to those keys.
-
-    Example:
-        >>> info, to_file, parts = in_file_names(ModelInfo(), ["w"])
-        >>> to_file("w"), parts
-        ('w', {})
-    """
-    if not info.available:
-        return info, lambda name: name, {}
-    memory = info.memory_names(file_keys)
-    by_memory = {m: f for f, (m, converted) in memory.items() if not converted}
-    parts: dict[str, list[str]] = {}
-    for f, (m, converted) in memory.items():
-        if converted:
-            parts.setdefault(m, []).append(f)
-
-    def to_file(name: str) -> str:
-        return by_memory.get(name) or info.file_name(name)
-
-    out = copy.copy(info)
-    out.transposed = {to_file(n) for n in info.transposed}
-    out.linear_weights = {to_file(n) for n in info.linear_weights}
-    out.tied = {to_file(t): to_file(s) for t, s in info.tied.items()}
-    out.input_embedding = to_file(info.input_embedding) if info.input_embedding else None
-    out.output_embedding = to_file(info.output_embedding) if info.output_embedding else None
-    return out, to_file, parts
 
 
 def disk_layer_problems(adapter: AdapterSpec, info: ModelInfo) -> list[str]:

@@ -103,10 +103,10 @@ def _samples(live: LiveModel) -> list:
 
 def _compare(live: LiveModel, folder: str) -> tuple[str, tuple[str, ...], list[float]]:
     """``(problem or "", names compared, per-layer quantization errors)`` for one candidate folder."""
-    from ..checkpoint.planner import in_file_names
     from ..checkpoint.source import open_checkpoint
     from ..io.safetensors_io import RowReader
     from ..quant.nf4 import Nf4Settings, quantize_roundtrip
+    from ..support.model_info import in_file_names
 
     src = open_checkpoint(folder)
     if src.quantized is not None:  # the folder a 4-bit model was loaded from is not a 16-bit original

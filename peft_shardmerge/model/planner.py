@@ -10,11 +10,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..checkpoint.planner import TORCH_TO_ST, output_config
 from ..engine.plan import Op, Plan, PlannedTensor, assign_shards
 from ..engine.task_vectors import TaskVectorMethod
-from ..io.safetensors_io import DTYPES, TensorInfo
+from ..io.safetensors_io import DTYPES, TORCH_TO_ST, TensorInfo
 from ..options import DEFAULT_CHUNK_ELEMS
+from ..output.config import output_config
 from ..quant.nf4 import Nf4Settings, packed_4bit_layout
 from ..support.combinations import warn_about_combination
 from .original import base_config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -257,3 +258,45 @@ def _conversions(model) -> tuple:
         tuple(t for t in reverse if isinstance(t, WeightRenaming)),
         getattr(model, "base_model_prefix", "") or "",
     )
+
+
+def in_file_names(info: ModelInfo, file_keys: list[str]):
+    """Translate the structure facts of ``info`` (in-memory names) into the checkpoint's own key names.
+
+    transformers renames some checkpoints' keys on load (LLaVA's ``language_model.model.*`` becomes
+    ``model.language_model.*``, Qwen2-VL's ``model.*`` becomes ``model.language_model.*``); adapters use the
+    in-memory names. The merged checkpoint keeps the base's names.
+
+    Args:
+        info: the model structure.
+        file_keys: the base checkpoint's tensor names.
+
+    Returns:
+        ``(info in file names, function in-memory name -> file name, parts)``; names the checkpoint does not hold
+        go through the reverse renaming ``save_pretrained`` applies; ``parts`` maps an in-memory tensor that the
+        checkpoint stores as several keys (fused MoE experts stored per expert) to those keys.
+
+    Example:
+        >>> info, to_file, parts = in_file_names(ModelInfo(), ["w"])
+        >>> to_file("w"), parts
+        ('w', {})
+    """
+    if not info.available:
+        return info, lambda name: name, {}
+    memory = info.memory_names(file_keys)
+    by_memory = {m: f for f, (m, converted) in memory.items() if not converted}
+    parts: dict[str, list[str]] = {}
+    for f, (m, converted) in memory.items():
+        if converted:
+            parts.setdefault(m, []).append(f)
+
+    def to_file(name: str) -> str:
+        return by_memory.get(name) or info.file_name(name)
+
+    out = copy.copy(info)
+    out.transposed = {to_file(n) for n in info.transposed}
+    out.linear_weights = {to_file(n) for n in info.linear_weights}
+    out.tied = {to_file(t): to_file(s) for t, s in info.tied.items()}
+    out.input_embedding = to_file(info.input_embedding) if info.input_embedding else None
+    out.output_embedding = to_file(info.output_embedding) if info.output_embedding else None
+    return out, to_file, parts
