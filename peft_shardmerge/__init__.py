@@ -33,7 +33,7 @@ _LAZY = {
     "push_to_hub_gguf": "api.gguf",
     "merge_checkpoint": "api.disk",
     "plan_checkpoint_merge": "api.disk",
-    "plan_model_merge": "model.plan",
+    "plan_model_merge": "api.model_plan",
     "check_out_dir": "output.checks",
     "MergeReport": "engine.report",
     "MergeOptions": "options",

@@ -142,7 +142,7 @@ class MergeOptions:
     (:func:`~peft_shardmerge.api.disk.merge_checkpoint`, :func:`~peft_shardmerge.api.disk.plan_checkpoint_merge`) and
     of a
     loaded model (:func:`~peft_shardmerge.api.inprocess.merge_and_save`,
-    :func:`~peft_shardmerge.model.plan.plan_model_merge`); their keywords of the same names build one
+    :func:`~peft_shardmerge.api.model_plan.plan_model_merge`); their keywords of the same names build one
     (``combination_type``, PEFT's name, is ``combination``). A knob that means something on one path only is
     refused on the other when set.
 

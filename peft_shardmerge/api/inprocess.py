@@ -22,14 +22,6 @@ from ..engine.pipeline import default_workers
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
 from ..errors import InputError
-from ..model.plan import (  # noqa: F401 - public
-    BASE_PRECISIONS,
-    adapter_selection,
-    build_model_plan,
-    model_dtype,
-    plan_model_merge,
-    save_adapter_untouched,
-)
 from ..model.planner import LiveSource, plan_live, valid_generation_config
 from ..model.reader import ModelReader
 from ..model.walk import unwrap, walk
@@ -38,6 +30,14 @@ from ..output.checks import check_out_dir, foreign_model_problems, settle_out_di
 from ..output.record import live_merge_info
 from ..support.model import require_supported
 from .gguf import gguf_out_problems
+from .model_plan import (  # noqa: F401 - public
+    BASE_PRECISIONS,
+    adapter_selection,
+    build_model_plan,
+    model_dtype,
+    plan_model_merge,
+    save_adapter_untouched,
+)
 from .quiet import quiet_libraries
 
 #: the shardings planned from a view of the model unsharded (FSDP2 shows full shapes as it is)

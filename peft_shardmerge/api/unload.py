@@ -10,12 +10,12 @@ from ..checkpoint.combine import task_vector_method
 from ..distributed.sharding import SHARDINGS, sharding_of
 from ..engine.budget import MemoryBudget
 from ..errors import InputError
-from ..model.plan import adapter_selection, model_dtype
 from ..model.reader import LiveMerger
 from ..model.walk import unwrap, walk
 from ..options import parse_dtype
 from ..support.combinations import task_vector_problems
 from ..support.model import require_supported
+from .model_plan import adapter_selection, model_dtype
 
 
 def finish_unload(inner: nn.Module, *, untied: list[str] | tuple[str, ...] = ()) -> None:

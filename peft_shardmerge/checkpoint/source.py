@@ -377,34 +377,3 @@ def read_json(path: str, what: str) -> dict:
     if not isinstance(data, dict):
         raise CorruptFileError(f"{path}: {what} is not a JSON object")
     return data
-
-
-def copy_base_side_files(name_or_path: str, dest: str, *, skip: tuple[str, ...] = ()) -> list[str]:
-    """Carry the side files of the folder a model was loaded from (``config._name_or_path``: a local folder or a
-    Hub id in the local cache) into ``dest``, as the disk path does
-    (:func:`~peft_shardmerge.output.side_files.list_side_files`).
-
-    Args:
-        name_or_path: the model's ``config._name_or_path``.
-        dest: the output (staging) folder.
-        skip: top-level names not to copy.
-
-    Returns:
-        The relative paths copied; empty when the folder cannot be found (nothing is downloaded).
-
-    Raises:
-        OSError: a file could not be read or written.
-
-    Example:
-        >>> copy_base_side_files("", "/tmp/out")
-        []
-    """
-    from ..output.side_files import copy_side_files
-
-    if not name_or_path:
-        return []
-    try:
-        folder = resolve_folder(name_or_path, what="base", must_have=("config.json",))
-    except NotFoundError:
-        return []
-    return copy_side_files(folder, dest, skip=skip)

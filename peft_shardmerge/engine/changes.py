@@ -128,3 +128,72 @@ class ChangeKey:
     def __str__(self) -> str:
         suffix = ".bias" if self.kind == "lora_bias" else ""
         return f"{self.name}{suffix}@{self.tensor}" if self.tensor else f"{self.name}{suffix}"
+
+
+def peft_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+    """The float32 weight delta of a PEFT layer (LoHa, LoKr, VeRA: ``get_delta_weight``; LoRA on a parameter:
+    :func:`param_delta`), unweighted, in the layout of the tensor it changes; the one used from disk and in process.
+
+    Args:
+        layer: the PEFT layer.
+        adapter: the adapter name.
+
+    Returns:
+        The float32 delta.
+    """
+    if type(layer).__name__ == "ParamWrapper":  # its get_delta_weight rounds to the parameter's dtype (or meta)
+        return param_delta(layer, adapter)
+    return layer.get_delta_weight(adapter).detach().float()
+
+
+def param_delta(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
+    """The float32 delta of PEFT's LoRA on a parameter (``ParamWrapper``, ``target_parameters``), in the parameter's
+    layout.
+
+    PEFT's ``get_delta_weight`` and ``get_delta_factors`` cast to the parameter's dtype (bf16 for a bf16 model)
+    before the merge adds them; here the factors are laid out as ``get_delta_factors`` lays them out, and multiplied
+    in float32, so that the delta is rounded once, with the sum.
+
+    Args:
+        layer: the ``ParamWrapper``.
+        adapter: the adapter name.
+
+    Returns:
+        ``[experts, ...]`` for fused experts, ``[out, in]`` for a 2-D parameter, float32, unweighted.
+    """
+    if layer.num_experts == 1:  # a 2-D parameter: PEFT's delta is B @ A, in the weight's [out, in]
+        a, b = layer.lora_A[adapter].weight.detach().float(), layer.lora_B[adapter].weight.detach().float()
+        return (b @ a) * layer.scaling[adapter]
+    lhs, rhs, scaling = expert_factors(layer, adapter)
+    return (lhs @ rhs) * scaling
+
+
+def expert_factors(layer: torch.nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """PEFT's ``get_delta_factors`` of LoRA on fused experts, in float32: ``(lhs, rhs, scaling)`` with the delta
+    ``scaling * lhs @ rhs`` per expert, laid out as PEFT lays them out, but taken from the ``lora_A``/``lora_B``
+    weights as stored (PEFT casts them to the parameter's dtype first, bf16 for a bf16 model).
+
+    Args:
+        layer: the ``ParamWrapper`` over a 3-D expert parameter.
+        adapter: the adapter name.
+
+    Returns:
+        ``lhs`` ``[experts, rows, rank]``, ``rhs`` ``[experts, rank, cols]`` (float32) and the scaling.
+
+    Example:
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+        >>> cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...                      num_key_value_heads=1, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8)
+        >>> moe = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+        >>> peft = get_peft_model(moe, LoraConfig(r=2, target_parameters=["mlp.experts.down_proj"]))
+        >>> lhs, rhs, scaling = expert_factors(peft.base_model.model.model.layers[0].mlp.experts, "default")
+        >>> lhs.dtype, tuple(lhs.shape), tuple(rhs.shape), scaling
+        (torch.float32, (2, 16, 2), (2, 2, 8), 4.0)
+    """
+    a, b = layer.lora_A[adapter].weight.detach().float(), layer.lora_B[adapter].weight.detach().float()
+    experts = layer.num_experts
+    a = a.reshape(experts, -1, a.shape[-1])  # (experts, rank, in)
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)  # (experts, out, rank)
+    lhs, rhs = (b, a) if layer._did_swap_in_out_features else (a.transpose(-2, -1), b.transpose(-2, -1))
+    return lhs, rhs, layer.scaling[adapter]

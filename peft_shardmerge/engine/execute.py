@@ -71,7 +71,7 @@ def run(
 
     Args:
         plan: the plan (from :func:`~peft_shardmerge.api.disk.plan_checkpoint_merge` or
-            :func:`~peft_shardmerge.model.plan.plan_model_merge`).
+            :func:`~peft_shardmerge.api.model_plan.plan_model_merge`).
         source: what produces each planned tensor (:class:`~peft_shardmerge.engine.source.Source`).
         out_dir: the output folder (validated by the caller).
         overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the output lock).

@@ -14,10 +14,9 @@ from ..engine.plan import Op, Plan, PlannedTensor, assign_shards
 from ..engine.task_vectors import TaskVectorMethod
 from ..io.safetensors_io import DTYPES, TORCH_TO_ST, TensorInfo
 from ..options import DEFAULT_CHUNK_ELEMS
-from ..output.config import output_config
+from ..output.config import base_config, output_config
 from ..quant.nf4 import Nf4Settings, packed_4bit_layout
 from ..support.combinations import warn_about_combination
-from .original import base_config
 from .walk import LiveEntry, LiveModel
 
 log = logging.getLogger(__name__)

@@ -7,10 +7,8 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint.peft_deltas import peft_delta
-from ..checkpoint.source import copy_base_side_files
 from ..engine.budget import MemoryBudget
-from ..engine.changes import Changes, Scale, TokenRows, WholeDelta
+from ..engine.changes import Changes, Scale, TokenRows, WholeDelta, peft_delta
 from ..engine.maths import ia3_multiplier, linear_factors, lora_bias_delta
 from ..engine.plan import Op, Plan, PlannedTensor
 from ..engine.row_merge import RowMerger, check_applied, choose_device
@@ -19,6 +17,7 @@ from ..errors import MergeCheckError
 from ..io.safetensors_io import DTYPES, row_blocks
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..output.record import live_merge_info
+from ..output.side_files import copy_base_side_files
 from ..quant.nf4 import pad_quant_state, quant_state_length, require_bitsandbytes
 from .host_slabs import HostSlabs
 from .walk import (

@@ -291,3 +291,80 @@ def copy_side_files(
         shutil.copyfile(os.path.realpath(src), dst)
         copied.append(rel)
     return copied
+
+
+def candidate_folders(name: str) -> list[str]:
+    """The folders that may hold the checkpoint named ``name``: the folder itself, or for a Hub id every
+    snapshot in the local cache, the one ``refs/main`` points at first.
+
+    transformers does not record the revision a model was loaded from, so every cached revision is a
+    candidate and the tensors decide (:func:`find_original`).
+
+    Args:
+        name: ``config._name_or_path``: a folder or a Hub id.
+
+    Returns:
+        Folder paths (possibly none).
+
+    Example:
+        >>> candidate_folders("/no/such/folder")
+        []
+    """
+    if os.path.isdir(name):
+        return [os.path.abspath(name)]
+    if not name or name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return []
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.constants import HF_HUB_CACHE
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        return []
+    folders = []
+    try:
+        folders.append(snapshot_download(name, local_files_only=True))
+    except Exception:  # not cached at refs/main; other revisions may be
+        pass
+    snapshots = os.path.join(HF_HUB_CACHE, "models--" + name.replace("/", "--"), "snapshots")
+    if os.path.isdir(snapshots):
+        others = sorted(
+            (os.path.join(snapshots, s) for s in os.listdir(snapshots)), key=os.path.getmtime, reverse=True
+        )
+        folders += [f for f in others if os.path.realpath(f) not in {os.path.realpath(x) for x in folders}]
+    return folders
+
+
+def copy_base_side_files(name_or_path: str, dest: str, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Carry the side files of the folder a model was loaded from (``config._name_or_path``: a local folder, or a
+    Hub id whose ``refs/main`` snapshot is in the local cache) into ``dest``, as the disk path does
+    (:func:`~peft_shardmerge.output.side_files.list_side_files`).
+
+    Args:
+        name_or_path: the model's ``config._name_or_path``.
+        dest: the output (staging) folder.
+        skip: top-level names not to copy.
+
+    Returns:
+        The relative paths copied; empty when the folder cannot be found (nothing is downloaded).
+
+    Raises:
+        OSError: a file could not be read or written.
+
+    Example:
+        >>> copy_base_side_files("", "/tmp/out")
+        []
+    """
+    folders = candidate_folders(name_or_path) if name_or_path else []
+    first = folders[0] if folders and (os.path.isdir(name_or_path) or _at_main(name_or_path, folders[0])) else None
+    if first is None or not os.path.isfile(os.path.join(first, "config.json")):
+        return []
+    return copy_side_files(first, dest, skip=skip)
+
+
+def _at_main(repo_id: str, folder: str) -> bool:
+    """Whether ``folder`` is the cached snapshot ``refs/main`` of ``repo_id`` points at (the one loading takes)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return os.path.realpath(snapshot_download(repo_id, local_files_only=True)) == os.path.realpath(folder)
+    except Exception:  # not cached at refs/main
+        return False

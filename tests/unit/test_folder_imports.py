@@ -10,12 +10,12 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 TOP = "(top)"  # the package's own modules: errors, options, version, testing, __init__, __main__
 
 #: folder -> the folders it may import: the layers, top-down. The engine reaches the two sources and the ranks only
-#: through the Source protocol and the coordinator's hooks; only api/ and model/ (a sharded model) reach distributed/.
+#: through the Source protocol and the coordinator's hooks; only api/ reaches distributed/.
 ALLOWED = {
     TOP: {"api", "quant", "support", "verify"},  # __init__'s lazy public names, options' 4-bit settings, testing
-    "api": {TOP, "checkpoint", "distributed", "engine", "model", "output", "support", "verify"},
+    "api": {TOP, "checkpoint", "distributed", "engine", "io", "model", "output", "quant", "support", "verify"},
     "verify": {TOP, "checkpoint", "engine", "io", "output", "quant", "support"},
-    "model": {TOP, "checkpoint", "distributed", "engine", "io", "output", "quant", "support"},
+    "model": {TOP, "engine", "io", "output", "quant", "support"},  # the two sources never import each other
     "checkpoint": {TOP, "engine", "io", "output", "quant", "support"},
     "distributed": {TOP, "engine", "output", "quant"},
     "engine": {TOP, "io", "output"},

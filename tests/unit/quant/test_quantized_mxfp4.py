@@ -324,7 +324,7 @@ def test_config_and_weights_disagree(tmp_path, bases):
 def test_param_delta_lays_out_experts_as_peft_does(bases):
     """param_delta multiplies in float32 what PEFT's get_delta_weight multiplies; on a float32 model PEFT does not
     round, so the two must be equal: a layout drift in PEFT shows here."""
-    from peft_shardmerge.checkpoint.peft_deltas import param_delta
+    from peft_shardmerge.engine.changes import param_delta
 
     model = peft.PeftModel.from_pretrained(load_dequantized(bases["single"], dtype=torch.float32), bases["adapter"])
     wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]

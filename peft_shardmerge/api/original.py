@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, ShardMergeError
-from .walk import LiveModel, bnb_kind, dequantize, materialized, offload_owner
+from ..model.walk import LiveModel, bnb_kind, dequantize, materialized, offload_owner
+from ..output.side_files import candidate_folders
 
 log = logging.getLogger(__name__)
 
@@ -40,46 +41,6 @@ class OriginalCheck:
     reason: str = ""
     compared: tuple[str, ...] = ()
     quant_error: float | None = None
-
-
-def candidate_folders(name: str) -> list[str]:
-    """The folders that may hold the checkpoint named ``name``: the folder itself, or for a Hub id every
-    snapshot in the local cache, the one ``refs/main`` points at first.
-
-    transformers does not record the revision a model was loaded from, so every cached revision is a
-    candidate and the tensors decide (:func:`find_original`).
-
-    Args:
-        name: ``config._name_or_path``: a folder or a Hub id.
-
-    Returns:
-        Folder paths (possibly none).
-
-    Example:
-        >>> candidate_folders("/no/such/folder")
-        []
-    """
-    if os.path.isdir(name):
-        return [os.path.abspath(name)]
-    if not name or name.count("/") != 1 or name.startswith((".", "/", "~")):
-        return []
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.constants import HF_HUB_CACHE
-    except ImportError:  # pragma: no cover - a dependency of transformers
-        return []
-    folders = []
-    try:
-        folders.append(snapshot_download(name, local_files_only=True))
-    except Exception:  # not cached at refs/main; other revisions may be
-        pass
-    snapshots = os.path.join(HF_HUB_CACHE, "models--" + name.replace("/", "--"), "snapshots")
-    if os.path.isdir(snapshots):
-        others = sorted(
-            (os.path.join(snapshots, s) for s in os.listdir(snapshots)), key=os.path.getmtime, reverse=True
-        )
-        folders += [f for f in others if os.path.realpath(f) not in {os.path.realpath(x) for x in folders}]
-    return folders
 
 
 def _samples(live: LiveModel) -> list:
@@ -334,49 +295,3 @@ def describe_base(used: str | None, check: OriginalCheck, quantized: bool, reaso
         reproduces = "the trained model (its weights as held in memory + adapter)"
         note = f"merged into the weights in memory ({reason})"
     return reproduces, note
-
-
-#: config values the model in memory may have changed in a way the merged weights follow (a resized vocabulary)
-_SHAPE_KEYS = ("vocab_size",)
-#: values transformers adds to a config in memory that a checkpoint's config.json does not need
-_MEMORY_ONLY_KEYS = ("_name_or_path", "transformers_version", "use_cache", "_attn_implementation_autoset")
-
-
-def base_config(inner: torch.nn.Module) -> dict:
-    """The config to write beside merged weights from a model in memory: the checkpoint's own ``config.json``
-    with only the values that shape the weights taken from memory (a resized ``vocab_size``), as the disk path
-    writes it; without a checkpoint, the model's config without its local path and training-time settings.
-
-    Args:
-        inner: the transformers model.
-
-    Returns:
-        A config dict (``output_config`` then sets the dtype and drops ``quantization_config``).
-
-    Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> cfg = base_config(LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=64,
-        ...     intermediate_size=64, num_attention_heads=2, vocab_size=32)))
-        >>> "_name_or_path" in cfg, cfg["vocab_size"]
-        (False, 32)
-    """
-    import json
-
-    memory = inner.config.to_dict()
-    for folder in candidate_folders(memory.get("_name_or_path") or "")[:1]:
-        try:
-            with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-                disk = json.load(f)
-        except (OSError, ValueError):
-            break
-        if not isinstance(disk, dict) or disk.get("model_type") != memory.get("model_type"):
-            break
-        for sub in ("", "text_config"):
-            have, want = (disk, memory) if not sub else (disk.get(sub), memory.get(sub))
-            if isinstance(have, dict) and isinstance(want, dict):
-                have.update({k: want[k] for k in _SHAPE_KEYS if k in have and k in want})
-        return disk
-    out = inner.config.to_diff_dict()
-    for key in _MEMORY_ONLY_KEYS:
-        out.pop(key, None)
-    return out

@@ -17,22 +17,22 @@ from ..checkpoint.planner import plan_from_folders
 from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
 from ..engine.plan import Plan
 from ..errors import FileSystemError, InputError, ShardMergeError
+from ..model.planner import LiveSource, in_memory_text, plan_live, valid_generation_config
+from ..model.walk import check_adapter_names, unwrap, walk
 from ..options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions
 from ..output.checks import check_out_dir, foreign_model_problems, source_folders
+from ..output.side_files import candidate_folders
 from ..output.staging import NOTHING_WRITTEN
 from ..support.combinations import TASK_VECTOR_METHODS, combination_problems
 from ..support.model import require_supported, selected_adapters
 from .original import (
     OriginalCheck,
-    candidate_folders,
     default_dtype,
     describe_base,
     find_original,
     inner_problems,
     is_quantized,
 )
-from .planner import LiveSource, in_memory_text, plan_live, valid_generation_config
-from .walk import check_adapter_names, unwrap, walk
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def _original_checkpoint(
     """The 16-bit checkpoint to merge into from disk, ``(folder, "", check)``, or ``(None, why not, check)``.
 
     The checkpoint is used only when a sample of its tensors equals the model in memory (any cached revision,
-    :func:`~peft_shardmerge.model.original.find_original`). ``"auto"`` reproduces the trained model: it takes the
+    :func:`~peft_shardmerge.api.original.find_original`). ``"auto"`` reproduces the trained model: it takes the
     checkpoint only for an unquantized model (the same numbers as in memory), never for a quantized one.
     """
     from peft import PeftModel
