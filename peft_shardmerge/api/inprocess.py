@@ -29,7 +29,6 @@ from ..options import MODEL, MergeOptions, parse_dtype, parse_size
 from ..output.checks import check_out_dir, foreign_model_problems, settle_out_dir, source_folders
 from ..output.record import live_merge_info
 from ..support.model import require_supported
-from .gguf import gguf_out_problems
 from .model_plan import (  # noqa: F401 - public
     BASE_PRECISIONS,
     adapter_selection,
@@ -162,7 +161,6 @@ def merge_and_save(
         overwrite=overwrite,
         progress=progress,
     )
-    problems += gguf_out_problems(out_dir)
     return save_model(model, out_dir, opts, problems, adapter_names=adapter_names, tokenizer=tokenizer)
 
 

@@ -147,10 +147,11 @@ class ChecksBeside:
     Args:
         given: the merge's ``(base, adapters)`` arguments, as it resolved them.
         options: the :class:`~peft_shardmerge.options.MergeOptions` fields it was given (keywords).
+        known: where their verdict is kept for these inputs (:func:`_known_path`; None: nowhere).
     """
 
-    def __init__(self, given: tuple, options: dict) -> None:
-        self.given, self.options = given, options
+    def __init__(self, given: tuple, options: dict, known: str | None = None) -> None:
+        self.given, self.options, self.known = given, options, known
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # never a full pipe: it never waits
         self.started = time.perf_counter()
         try:
@@ -166,12 +167,13 @@ class ChecksBeside:
             raise
 
     @classmethod
-    def start(cls, given: tuple, options: dict) -> "ChecksBeside | None":
+    def start(cls, given: tuple, options: dict, known: str | None = None) -> "ChecksBeside | None":
         """Start the second process.
 
         Args:
             given: the merge's ``(base, adapters)`` arguments.
             options: its option keywords.
+            known: where its verdict is to be kept (None: nowhere).
 
         Returns:
             The running checks, or None where no process could be started (the merge then makes them first).
@@ -181,7 +183,7 @@ class ChecksBeside:
             True
         """
         try:
-            return cls(given, options)
+            return cls(given, options, known)
         except (OSError, ValueError, TypeError) as e:
             log.debug("the model-class checks could not be started beside the merge (%s); they come first", e)
             return None
@@ -199,7 +201,7 @@ class ChecksBeside:
             None.
         """
         cls.drop_early()
-        early = KnownChecks.find(given, options) or cls.start(given, options)
+        early = cls.begin(given, options)
         _EARLY[:] = [early] if early is not None else []
 
     @classmethod
@@ -232,19 +234,43 @@ class ChecksBeside:
                 log.debug("model-class checks beside the merge: the ones started early")
                 return early
             early.stop()
-        known = KnownChecks.find(given, options)
-        if known is not None:
-            return known
+        return cls.begin(given, options)
+
+    @classmethod
+    def begin(cls, given: tuple, options: dict) -> "ChecksBeside | None":
+        """The verdict kept for these inputs (:class:`KnownChecks`), else the second process started.
+
+        Args:
+            given: the merge's ``(base, adapters)`` arguments.
+            options: its option keywords.
+
+        Returns:
+            The checks, or None where no process could be started.
+        """
+        known = _known_path(given, options)  # the inputs' digest: taken once, for the lookup and the keeping
+        kept = KnownChecks.at(known, given, options)
+        if kept is not None:
+            return kept
         log.debug("model-class checks beside the merge: started")
-        return cls.start(given, options)
+        return cls.start(given, options, known)
 
     def remember(self, made: str) -> None:
-        """Keep the verdict (the outline of the plan these checks made) for a next merge of the same inputs.
+        """Keep the verdict (the outline of the plan these checks made) for a next merge of the same inputs
+        (nothing where they have no key, or the cache cannot be written).
 
         Args:
             made: the outline, once the merge's own plan matched it.
         """
-        KnownChecks.keep(self.given, self.options, made)
+        if self.known is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.known), exist_ok=True)
+            fd, temporary = tempfile.mkstemp(dir=os.path.dirname(self.known), suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"outline": made}, f)
+            os.replace(temporary, self.known)
+        except OSError as e:  # a cache that cannot be written only costs the next merge its checks
+            log.debug("the model-class checks' verdict was not kept (%s)", e)
 
     @property
     def opts(self):
@@ -288,29 +314,31 @@ class ChecksBeside:
 
 class KnownChecks(ChecksBeside):
     """The verdict of the model-class checks of an earlier merge of the same inputs, kept in a small cache (a JSON
-    file a verdict, named by a digest of what the checks depend on): the content of every small file of the base and
-    adapter folders and of every adapter file, the base's safetensors headers (not its data), the options, the
-    versions of Python, torch, transformers, PEFT, bitsandbytes, safetensors and huggingface_hub, and peft-shardmerge's
-    own source. A merge that finds one needs no second process; its plan must still have the outline kept (else the
-    checks run). Only verdicts that passed are kept; only local, unquantized bases have one (a quantized base's checks
-    read more than headers). ``PEFT_SHARDMERGE_CACHE`` names the folder (default ``~/.cache/peft-shardmerge``);
+    file a verdict, named by a digest of what the checks read: the content of the base's small files and of the
+    adapters' files but their weights, every safetensors header (not its data), the options, the versions of Python,
+    torch, transformers, PEFT, bitsandbytes, safetensors and huggingface_hub, and peft-shardmerge's own source). A
+    merge that finds one needs no second process; its plan must still have the outline kept (else the checks run).
+    Only verdicts that passed are kept; only local, unquantized bases have one (a quantized base's checks read more
+    than headers). ``PEFT_SHARDMERGE_CACHE`` names the folder (default ``~/.cache/peft-shardmerge``);
     ``PEFT_SHARDMERGE_CHECKS_CACHE=0`` turns it off.
 
     Args:
         given: the merge's ``(base, adapters)`` arguments.
         options: its option keywords.
+        known: where the verdict is kept.
         made: the outline kept.
     """
 
-    def __init__(self, given: tuple, options: dict, made: str) -> None:
-        self.given, self.options, self.made = given, options, made
+    def __init__(self, given: tuple, options: dict, known: str, made: str) -> None:
+        self.given, self.options, self.known, self.made = given, options, known, made
         self.started = time.perf_counter()
 
     @classmethod
-    def find(cls, given: tuple, options: dict) -> "KnownChecks | None":
-        """The verdict kept for these inputs, or None.
+    def at(cls, known: str | None, given: tuple, options: dict) -> "KnownChecks | None":
+        """The verdict kept at ``known``, or None.
 
         Args:
+            known: where a verdict for these inputs would be (None: nowhere).
             given: the merge's ``(base, adapters)`` arguments.
             options: its option keywords.
 
@@ -318,38 +346,16 @@ class KnownChecks(ChecksBeside):
             The kept verdict, or None.
 
         Example:
-            >>> KnownChecks.find(("/no/base", ["/no/adapter"]), {}) is None
+            >>> KnownChecks.at(None, ("base", ["adapter"]), {}) is None
             True
         """
-        path = _known_path(given, options)
         try:
-            with open(path or "", encoding="utf-8") as f:
+            with open(known or "", encoding="utf-8") as f:
                 made = json.load(f)["outline"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        log.debug("model-class checks beside the merge: the verdict kept for the same inputs (%s)", path)
-        return cls(given, options, made) if isinstance(made, str) else None
-
-    @classmethod
-    def keep(cls, given: tuple, options: dict, made: str) -> None:
-        """Keep a verdict for these inputs (nothing where they have no key, or the cache cannot be written).
-
-        Args:
-            given: the merge's ``(base, adapters)`` arguments.
-            options: its option keywords.
-            made: the outline the checks made, which the merge's plan matched.
-        """
-        path = _known_path(given, options)
-        if path is None:
-            return
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"outline": made}, f)
-            os.replace(temporary, path)
-        except OSError as e:  # a cache that cannot be written only costs the next merge its checks
-            log.debug("the model-class checks' verdict was not kept (%s)", e)
+        log.debug("model-class checks beside the merge: the verdict kept for the same inputs (%s)", known)
+        return cls(given, options, known, made) if isinstance(made, str) else None
 
     def done(self) -> bool:
         """Always: the verdict is known."""
@@ -374,8 +380,8 @@ def _known_path(given: tuple, options: dict) -> str | None:
         base, adapters = given
         adapters = [adapters] if isinstance(adapters, (str, os.PathLike)) else list(adapters)
         digest = hashlib.sha256(json.dumps([_code(), options], sort_keys=True, default=_plain).encode())
-        for folder, whole in [(os.fspath(base), False)] + [(os.fspath(a), True) for a in adapters]:
-            if not os.path.isdir(folder) or not _digest_folder(digest, folder, whole):
+        for folder, is_base in [(os.fspath(base), True)] + [(os.fspath(a), False) for a in adapters]:
+            if not os.path.isdir(folder) or not _digest_folder(digest, folder, is_base):
                 return None
     except (OSError, TypeError, ValueError):
         return None
@@ -385,9 +391,9 @@ def _known_path(given: tuple, options: dict) -> str | None:
     return os.path.join(root, "checks", digest.hexdigest() + ".json")
 
 
-def _digest_folder(digest, folder: str, whole: bool) -> bool:
-    """Add a folder to ``digest``: every file's name and size; the content of its small files (every file where
-    ``whole``, an adapter's); a safetensors file's header. False for a quantized base (no key)."""
+def _digest_folder(digest, folder: str, base: bool) -> bool:
+    """Add a folder to ``digest``: every file's name and size, every safetensors header, the content of the other
+    files (a base's only where small: its weights are read by headers alone). False for a quantized base (no key)."""
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
@@ -396,14 +402,14 @@ def _digest_folder(digest, folder: str, whole: bool) -> bool:
         size = os.path.getsize(path)
         digest.update(f"{name}:{size}".encode())
         with open(path, "rb") as f:
-            if whole or size <= 1 << 20:
+            if name.endswith(".safetensors"):
+                length = f.read(8)
+                digest.update(length + f.read(min(int.from_bytes(length, "little"), 100 << 20)))
+            elif not base or size <= 1 << 20:
                 data = f.read()
-                if name == "config.json" and not whole and b"quantization_config" in data:
+                if base and name == "config.json" and b"quantization_config" in data:
                     return False
                 digest.update(hashlib.sha256(data).digest())
-            elif name.endswith(".safetensors"):
-                length = int.from_bytes(f.read(8), "little")
-                digest.update(f.read(min(length, 100 << 20)))
     return True
 
 

@@ -395,7 +395,7 @@ def checkpoint_order(inner: nn.Module) -> list[str]:
     name = str(getattr(getattr(inner, "config", None), "_name_or_path", "") or "")
     for folder in candidate_folders(name)[:1]:
         try:
-            return [t.name for t in open_checkpoint(folder).tensors]
+            return [t.name for t in open_checkpoint(folder, check_files=False).tensors]
         except (ShardMergeError, OSError):  # unreadable or not a checkpoint: the module order stands
             return []
     return []

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from ..errors import CorruptFileError, FileSystemError, InputError, OutputChangedError, ShardMergeError
-from .checks import replace_problems
 from .files import (
     MADE_BY,
     MANIFEST,
@@ -31,6 +30,7 @@ from .files import (
 from .lock import OutputLock, output_lock  # noqa: F401 - output_lock: public here too
 from .record import shard_record
 from .recovery import drop_manifest, fsync_dir, lstat_or_none, recover_commit, write_manifest
+from .replace import replace_problems
 from .writer import shard_digest
 
 log = logging.getLogger(__name__)

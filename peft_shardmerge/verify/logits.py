@@ -133,7 +133,8 @@ def check_logits(
     """
     from transformers import AutoConfig
 
-    options, _ = settle_stored_base(*merge_settings(record, None)[:1], record, base)
+    options, _ = merge_settings(record, None)
+    options, _ = settle_stored_base(options, record, base)  # the recomputation notes what it settled
     if options is None:
         return
     if options.get("task_vectors"):
