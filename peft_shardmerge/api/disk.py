@@ -22,6 +22,7 @@ from ..engine.source import Alone
 from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
 from ..output.checks import check_out_dir, path_argument, settle_out_dir
+from ..output.shard_sink import FolderSink
 from ..output.staging import NOTHING_WRITTEN
 from .model_checks import ChecksBeside, KnownChecks, checks_beside, outline
 from .quiet import quiet_libraries
@@ -464,8 +465,7 @@ def _run(
     return run(
         plan,
         reader,
-        out_dir,
-        overwrite=opts.overwrite,
+        FolderSink(out_dir, overwrite=opts.overwrite),
         progress=opts.progress,
         before_commit=before_commit,
         coordinator=SpreadShards(plan, steps) if steps.world.distributed else confirm,

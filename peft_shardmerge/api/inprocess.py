@@ -28,6 +28,7 @@ from ..model.walk import unwrap, walk
 from ..options import MODEL, MergeOptions, parse_dtype, parse_size
 from ..output.checks import check_out_dir, foreign_model_problems, settle_out_dir, source_folders
 from ..output.record import live_merge_info
+from ..output.shard_sink import FolderSink
 from ..support.model import require_supported
 from .model_plan import (  # noqa: F401 - public
     BASE_PRECISIONS,
@@ -226,15 +227,16 @@ def save_model(
             else:  # from the original checkpoint on disk
                 source, coordinator = CheckpointReader(plan, torch.device(planned.device), workers=workers), None
             try:
+                sink = FolderSink(
+                    os.path.abspath(os.fspath(out_dir)), overwrite=opts.overwrite, replace_check=replace_check
+                )
                 return run(
                     plan,
                     source,
-                    os.path.abspath(os.fspath(out_dir)),
-                    overwrite=opts.overwrite,
+                    sink,
                     progress=opts.progress,
                     before_commit=_side_saver(tokenizer),
                     coordinator=coordinator,
-                    replace_check=replace_check,
                 )
             finally:
                 for folder in plan.resources:
@@ -385,11 +387,9 @@ def save_merged_4bit(
     report = run(
         plan,
         ModelReader(plan, budget, workers=default_workers()),
-        out_dir,
-        overwrite=overwrite,
+        FolderSink(out_dir, overwrite=overwrite, replace_check=replace_check),
         progress=progress,
         before_commit=_side_saver(tokenizer),
-        replace_check=replace_check,
     )
     report.notes.insert(
         0,

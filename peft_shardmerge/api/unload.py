@@ -1,4 +1,4 @@
-"""merge_and_unload: a loaded model merged in place (its live plan carried out by a ModuleSink), and what that leaves:
+"""merge_and_unload: a loaded model merged in place (its plan carried out by a ModuleReplacer), and what that leaves:
 no PEFT module, the ties transformers makes, and no trace of quantization."""
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def merge_and_unload(
             weights cannot be written back where accelerate keeps them (the model is then unchanged).
         UnsupportedError: an adapter feature that cannot be merged (named).
     """
-    from ..model.module_sink import ModuleSink
+    from ..model.in_place import ModuleReplacer
     from ..model.planner import LiveSource, plan_live
 
     budget = MemoryBudget(maximum_memory_usage)
@@ -233,9 +233,9 @@ def merge_and_unload(
     )
     live = walk(model, names)
     plan = plan_live(LiveSource(live, names, weight_map, combination_type, vectors), out_dtype, limit=1 << 62)
-    sink = ModuleSink(plan, out_dtype)  # checks, before changing anything
+    replacer = ModuleReplacer(plan, out_dtype)  # checks, before changing anything
     merger = LiveMerger(live, budget, out_dtype, weight_map, combination_type, plan.chunk_elems, vectors)
-    sink.write(merger, progress=progress)
+    replacer.write(merger, progress=progress)
     finish_unload(inner, untied=live.untied)
-    sink.cast(model)
+    replacer.cast(model)
     return inner

@@ -29,7 +29,7 @@ from .source import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointReader", "check_counts", "planned_keys", "stream_tensors"]
+__all__ = ["CheckpointReader", "check_counts", "planned_keys"]
 
 
 def _flat(factor: torch.Tensor) -> torch.Tensor:
@@ -95,6 +95,24 @@ class CheckpointReader(RowMerger):
             for t in tensors:
                 self.replacements += t.from_adapter
                 self.applied.update(str(k) for k in planned_keys(t))
+
+    def counts(self) -> dict:
+        """What this process merged, for the rank that commits (:meth:`add_counts`)."""
+        return {
+            "applied": dict(self.applied),
+            "replacements": self.replacements,
+            "fallbacks": self.fallbacks,
+            "probe_err": self.probe_err,
+            "swallowed": self.swallowed,
+        }
+
+    def add_counts(self, counts: dict) -> None:
+        """Add what another rank merged (its :meth:`counts`), for the count check and the report."""
+        self.applied.update(counts["applied"])
+        self.replacements += counts["replacements"]
+        self.fallbacks += counts["fallbacks"]
+        self.probe_err = max(self.probe_err, counts["probe_err"])
+        self.swallowed.update(counts["swallowed"])
 
     def resume_keys(self) -> tuple[str, InputDigests] | None:
         """The plan's fingerprint and its inputs' digests (None without ``resume``)."""
@@ -290,30 +308,3 @@ def check_counts(plan: Plan, merger: RowMerger) -> None:
     expected += [ChangeKey("lora_bias", m.key) for m in modules if m.bias is not None]
     expected += [k for t in plan.tensors for k in planned_keys(t) if k.kind in ("tokens", "peft")]
     check_applied([str(k) for k in expected], merger.applied)
-
-
-def stream_tensors(
-    plan: Plan, sink, tensors: list[PlannedTensor] | None = None, *, device: torch.device = torch.device("cpu")
-) -> None:
-    """Produce planned tensors with the very code a merge writes them with, into ``sink`` instead of a shard
-    (``peft-shardmerge verify`` compares them with a merged checkpoint this way).
-
-    Args:
-        plan: the plan.
-        sink: an object with ``begin(t)`` (called before each tensor's bytes), ``write(tensor)`` and
-            ``copy_from(fd, offset, nbytes)`` (the calls a :class:`~peft_shardmerge.output.writer.ShardWriter`
-            receives).
-        tensors: the planned tensors to produce (default: all, in write order).
-        device: where the maths runs.
-
-    Raises:
-        MergeCheckError: a merged value is not finite or the self-check fails.
-    """
-    reader = CheckpointReader(plan, device)
-    try:
-        with torch.no_grad():
-            for t in plan.tensors if tensors is None else tensors:
-                sink.begin(t)
-                reader.write_tensor(t, sink)
-    finally:
-        reader.close()

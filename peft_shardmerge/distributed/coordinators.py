@@ -9,9 +9,27 @@ from .sharding import UnitGatherer
 from .world import JobSteps
 
 
-class SpreadShards:
+class _Leading:
+    """The leader's hooks, handed to its side of the other ranks (``ranks``):
+    :class:`~peft_shardmerge.distributed.ranks.OtherRanks` or :class:`~peft_shardmerge.distributed.ranks.LiveRanks`."""
+
+    ranks: OtherRanks | LiveRanks | None
+
+    def opened(self, out) -> set[int]:
+        """Tell the other ranks the output is open; the parts they write."""
+        return self.ranks.opened(out)
+
+    def stopped(self, error: BaseException) -> None:
+        self.ranks.stopped(error)
+
+    def gathered(self, out) -> None:
+        """Wait for the other ranks; take over what they wrote."""
+        self.ranks.gathered(out)
+
+
+class SpreadShards(_Leading):
     """A merge from disk spread over the ranks (:class:`~peft_shardmerge.engine.source.Coordinator`): each rank
-    writes its share of the shards into rank 0's staging folder; rank 0 writes the rest of the folder and commits.
+    writes its share of the parts into the output rank 0 opened; rank 0 writes the rest of the output and commits.
 
     Args:
         plan: the plan every rank agreed on.
@@ -25,7 +43,7 @@ class SpreadShards:
         self.source = None
 
     def start(self, source, progress) -> None:
-        """Keep the source (its counts travel to rank 0); on rank 0, watch the other ranks' shards."""
+        """Keep the source (its counts travel to rank 0); on rank 0, watch the other ranks' parts."""
         self.source = source
         if self.leads:
             self.ranks = OtherRanks(self.plan, source, self.steps, progress)
@@ -36,9 +54,9 @@ class SpreadShards:
         if self.ranks is not None:
             self.ranks.poll()
 
-    def follow(self, out_dir: str, sink, produce) -> MergeReport:
-        """Write this rank's shards into rank 0's staging folder; return rank 0's report."""
-        return write_share(self.plan, out_dir, self.steps, sink, produce, self.source)
+    def follow(self, sink, layout, produce) -> MergeReport:
+        """Write this rank's parts into the output rank 0 opened; return rank 0's report."""
+        return write_share(self.plan, self.steps, sink, layout, produce, self.source)
 
     def notes(self) -> list[str]:
         return [f"spread over {self.steps.world.size} ranks; the peak memory above is rank 0's"]
@@ -47,7 +65,7 @@ class SpreadShards:
         self.steps.step("committed", report)
 
 
-class GatherUnits:
+class GatherUnits(_Leading):
     """A sharded model merged collectively (:class:`~peft_shardmerge.engine.source.Coordinator`): every rank gathers
     each unit in plan order, rank 0 merges and writes every shard.
 
@@ -62,7 +80,7 @@ class GatherUnits:
         order = [t for i in range(len(plan.shard_names)) for t in plan.shard_tensors(i)]  # the write order
         self.gatherer = UnitGatherer(root, order)
         self.leads = steps.world.rank == 0
-        self.ranks = LiveRanks(steps, self.gatherer) if self.leads else None
+        self.ranks = LiveRanks(steps, self.gatherer)
 
     def start(self, source, progress) -> None:
         pass
@@ -71,9 +89,9 @@ class GatherUnits:
         """Gather the unit ``t`` lives in (releasing the one before)."""
         self.gatherer.before(t)
 
-    def follow(self, out_dir: str, sink, produce) -> MergeReport:
+    def follow(self, sink, layout, produce) -> MergeReport:
         """Take every gather rank 0 takes, in its order; return rank 0's report."""
-        return follow_plan(self.plan, out_dir, self.steps, self.gatherer)
+        return follow_plan(sink.location, self.steps, self.gatherer)
 
     def notes(self) -> list[str]:
         units, notes = self.gatherer.units, []

@@ -1,18 +1,15 @@
-"""A merge from disk spread over the ranks of a torch.distributed job: every rank writes its share of the output
-shards into the one staging folder; rank 0 holds the lock, writes the index, config and side files, and commits."""
+"""The ranks of a torch.distributed merge: from disk, every rank writes its share of the output's parts into the output
+rank 0 opened, which writes the rest and commits; a sharded model is gathered by all and written by rank 0."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
 
-import torch
-
 from ..engine.plan import Plan
 from ..errors import FileSystemError, InputError, PeerFailedError, PeerLostError, ShardMergeError, Stopped
-from ..output.staging import Staging, note_outcome, outcome
+from ..output.staging import note_outcome, outcome
 from .world import JobSteps, World, assign_shards  # noqa: F401 - World: doctest
 
 log = logging.getLogger(__name__)
@@ -81,20 +78,9 @@ def _leave_stop(steps: JobSteps) -> None:
             pass
 
 
-def _counts(merger) -> dict:
-    return {
-        "applied": merger.applied,
-        "replacements": merger.replacements,
-        "fallbacks": merger.fallbacks,
-        "probe_err": merger.probe_err,
-        "swallowed": merger.swallowed,
-    }
-
-
 class OtherRanks:
-    """Rank 0's side of a distributed merge from disk, for :meth:`~peft_shardmerge.output.shard_sink.ShardSink.write`:
-    it says
-    which shards rank 0 writes, then takes over what the other ranks wrote.
+    """Rank 0's side of a distributed merge from disk, for the executor's hooks: it says which parts the other ranks
+    write, then takes over what they wrote.
 
     Args:
         plan: the plan every rank agreed on.
@@ -105,37 +91,38 @@ class OtherRanks:
 
     def __init__(self, plan: Plan, merger, steps: JobSteps, bar):
         self.plan, self.merger, self.steps, self.bar = plan, merger, steps, bar
-        self.theirs: list[tuple[str, int]] = []  # (path, planned bytes) of the shards the other ranks write
+        self.out = None
+        self.theirs: list[tuple[int, int]] = []  # (part, planned bytes) of the parts the other ranks write
         self.seen, self.polled = 0, 0.0
 
-    def opened(self, staging) -> set[int]:
-        """Tell every rank where the staging folder is and which shards an earlier run finished.
+    def opened(self, out) -> set[int]:
+        """Tell every rank where the output is and which parts an earlier run finished.
 
         Args:
-            staging: the opened :class:`~peft_shardmerge.output.staging.Staging`.
+            out: the opened output (:class:`~peft_shardmerge.engine.sink.Opened`).
 
         Returns:
-            The shards rank 0 writes.
+            The parts the other ranks write.
         """
-        self.steps.step("open", {"done": sorted(staging.done), "common": staging.common})
-        self.steps.staging = staging.path
-        share = _share(self.plan, sorted(staging.done), self.steps)
+        handle = out.handle()
+        self.steps.step("open", handle)
+        self.steps.staging = handle["path"]
+        self.out = out
+        share = _share(self.plan, handle["done"], self.steps)
         sizes = _sizes(self.plan)
-        self.theirs = [
-            (os.path.join(staging.path, self.plan.shard_names[i]), sizes[i]) for other in share[1:] for i in other
-        ]
-        return set(share[0])
+        self.theirs = [(i, sizes[i]) for other in share[1:] for i in other]
+        return {i for i, _ in self.theirs}
 
     def poll(self) -> None:
         """Between two of rank 0's tensors, at most once a second: add the bytes the other ranks have written so far
-        to rank 0's progress bar (:func:`written_bytes` of their shards), so that it covers every rank's work."""
+        to rank 0's progress bar, so that it covers every rank's work."""
         now = time.monotonic()
         if now - self.polled < 1.0 or not self.theirs:
             return
         self.polled = now
         written = 0
-        for path, planned in self.theirs:
-            written += min(planned, written_bytes(path))
+        for i, planned in self.theirs:
+            written += min(planned, self.out.progress(i))
         if written > self.seen:
             self.bar.update(written - self.seen)
             self.seen = written
@@ -150,86 +137,39 @@ class OtherRanks:
         _leave_stop(self.steps)
         self.steps.fail(error, until="committed")
 
-    def gathered(self, staging, records: dict) -> None:
-        """Wait for every rank's shards; take over their records, manifests and counts.
+    def gathered(self, out) -> None:
+        """Wait for every rank's parts; hand them to ``out`` and take over their counts.
 
         Args:
-            staging: the staging folder.
-            records: rank 0's shard records, to which the others' are added.
+            out: the opened output.
 
         Raises:
             PeerFailedError: a rank failed.
         """
         for got in self.steps.step("written", None)[1:]:
-            records.update(got["records"])
-            staging.adopt(got["done"])
-            m, c = self.merger, got["counts"]
-            m.applied.update(c["applied"])
-            m.replacements += c["replacements"]
-            m.fallbacks += c["fallbacks"]
-            m.probe_err = max(m.probe_err, c["probe_err"])
-            m.swallowed.update(c["swallowed"])
+            out.adopt(got["written"])
+            self.merger.add_counts(got["counts"])
         self.bar.update(sum(planned for _, planned in self.theirs) - self.seen)  # their last bytes
-
-
-def written_bytes(path: str) -> int:
-    """The bytes written so far into a shard another process writes: the file's data, not its size (a shard's blocks
-    are allocated when it is created, :func:`~peft_shardmerge.output.direct.preallocate`, and read as holes until
-    written); where the filesystem cannot tell data from holes, its size. 0 where there is no such file yet.
-
-    Args:
-        path: the shard.
-
-    Returns:
-        The bytes.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.NamedTemporaryFile() as f:
-        ...     _ = f.write(b"abc"); f.flush(); written_bytes(f.name)
-        3
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return 0
-    total = pos = size = 0
-    try:
-        size = os.fstat(fd).st_size
-        while pos < size:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-            if start >= size:
-                break
-            end = os.lseek(fd, start, os.SEEK_HOLE)
-            if end <= start:  # a filesystem that answers so cannot tell: its size
-                return size
-            total, pos = total + min(end, size) - start, end
-    except OSError as e:  # ENXIO: no data from pos on; anything else: SEEK_DATA not taken here, or the file changed
-        return total if e.errno == errno.ENXIO else size
-    finally:
-        os.close(fd)
-    return total
 
 
 def _sizes(plan: Plan) -> list[int]:
     return [sum(e[3] for e in entries) for _, entries in plan.shard_entries()]
 
 
-def _share(plan: Plan, done: list[str], steps: JobSteps) -> list[list[int]]:
-    return assign_shards(_sizes(plan), steps.world.size, skip=[plan.shard_names.index(n) for n in done])
+def _share(plan: Plan, done: list[int], steps: JobSteps) -> list[list[int]]:
+    return assign_shards(_sizes(plan), steps.world.size, skip=done)
 
 
-def write_share(plan: Plan, out_dir: str, steps: JobSteps, sink, produce, merger):
-    """A rank other than 0: write this rank's shards into rank 0's staging folder with ``sink``, recording each one
-    finished in ``manifest.rank-N.json`` there (so a rerun keeps it, whatever its rank count); return rank 0's report.
+def write_share(plan: Plan, steps: JobSteps, sink, layout, produce, merger):
+    """A rank other than 0: write this rank's parts into the output rank 0 opened
+    (:meth:`~peft_shardmerge.engine.sink.Sink.join`); return rank 0's report.
 
     Args:
         plan: the plan every rank agreed on.
-        out_dir: the output folder (the same path on every rank: the plans agreed on it).
         steps: the job's steps (``open``, ``written`` and ``committed`` are left).
-        sink: the :class:`~peft_shardmerge.output.shard_sink.ShardSink` rank 0 writes with too (its ``fingerprint`` and
-            ``inputs`` say whether finished shards are recorded for a rerun).
-        produce: ``produce(i, writer)`` writes shard ``i``'s tensors.
+        sink: the sink rank 0 writes with too.
+        layout: the plan's layout.
+        produce: ``produce(i, writer)`` writes part ``i``'s tensors.
         merger: the merger ``produce`` writes with (its counts go to rank 0).
 
     Returns:
@@ -240,18 +180,17 @@ def write_share(plan: Plan, out_dir: str, steps: JobSteps, sink, produce, merger
         MergeCheckError: a merged value is not finite, or the self-check failed.
         OSError: the filesystem failed.
     """
-    note_outcome(out_dir, UNKNOWN)
+    note_outcome(sink.location, UNKNOWN)
     opened = steps.step("open", None)[0]
-    staging = Staging.joined(out_dir, steps.world.rank, opened["common"], sink.fingerprint, sink.inputs)
-    steps.staging = staging.path
-    with torch.no_grad():
-        sink.write_shards(staging, produce, mine=set(_share(plan, opened["done"], steps)[steps.world.rank]))
-    steps.step("written", {"records": sink.records, "done": staging.done, "counts": _counts(merger)})
+    steps.staging = opened["path"]
+    with sink.join(layout, opened, steps.world.rank) as out:
+        out.write(_share(plan, opened["done"], steps)[steps.world.rank], produce)
+        steps.step("written", {"written": out.written(), "counts": merger.counts()})
     return steps.step("committed", None)[0]
 
 
 class LiveRanks:
-    """Rank 0's side of a merge of a sharded model in process: rank 0 writes every shard (onto its own disk: no
+    """Rank 0's side of a merge of a sharded model in process: rank 0 writes every part (onto its own disk: no
     shared filesystem needed) while every rank takes the same gathers.
 
     Args:
@@ -262,11 +201,12 @@ class LiveRanks:
     def __init__(self, steps: JobSteps, gatherer):
         self.steps, self.gatherer = steps, gatherer
 
-    def opened(self, staging) -> None:
-        """Tell the other ranks the output is open (they start gathering with rank 0); rank 0 writes every shard."""
+    def opened(self, out) -> set[int]:
+        """Tell the other ranks the output is open (they start gathering with rank 0); rank 0 writes every part."""
         self.steps.step("open", None)
+        return set()
 
-    def gathered(self, staging, records: dict) -> None:
+    def gathered(self, out) -> None:
         """Release the last units and wait for the other ranks (raises PeerFailedError when one failed)."""
         self.gatherer.close()
         self.steps.step("written", None)
@@ -281,13 +221,12 @@ class LiveRanks:
         self.steps.fail(error, until="committed")
 
 
-def follow_plan(plan: Plan, out_dir: str, steps: JobSteps, gatherer):
+def follow_plan(out_dir: str, steps: JobSteps, gatherer):
     """A rank other than 0 of a merge of a sharded model in process: take every gather rank 0 takes, in the same
     order, keeping nothing; return rank 0's report.
 
     Args:
-        plan: the plan every rank agreed on.
-        out_dir: the output folder (written by rank 0).
+        out_dir: the output (written by rank 0).
         steps: the job's steps after ``plan``.
         gatherer: the :class:`~peft_shardmerge.distributed.sharding.UnitGatherer`.
 

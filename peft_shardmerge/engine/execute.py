@@ -1,4 +1,4 @@
-"""The one executor: a plan's tensors from a Source streamed into shards, checked, committed, reported."""
+"""The one executor: a plan's tensors from a Source streamed into a Sink, checked, committed, reported."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import torch
 
 from ..errors import InputError
 from ..options import DEVICES
-from ..output.shard_sink import FolderFiles, ShardSink
 from .pipeline import produce_shard, worker_pool
 from .plan import Plan
 from .report import MergeReport, bar_disabled
 from .row_merge import precision_notes
 from .rss import PeakRss
+from .sink import Finish, Layout, Sink
 from .source import Alone, Coordinator, Source
 
 log = logging.getLogger(__name__)
@@ -54,29 +54,26 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def run(
     plan: Plan,
     source: Source,
-    out_dir: str,
+    sink: Sink,
     *,
-    overwrite: bool,
     progress: bool = True,
     before_commit: Callable[[str], None] | None = None,
     coordinator: Coordinator | None = None,
-    replace_check: Callable[[str], list[str]] | None = None,
 ) -> MergeReport:
-    """Carry out a plan: every planned tensor from ``source`` streamed into shards in a staging folder beside
-    ``out_dir``, then the index, config, side files and record; checked, then moved into place.
+    """Carry out a plan: every planned tensor from ``source`` streamed into ``sink``, part by part, then what the
+    output holds besides; checked, then committed.
 
-    The one executor of both paths: a checkpoint on disk and a loaded model differ only in their ``source``; a job's
-    ranks only in the ``coordinator``'s hooks. ``out_dir`` is replaced only after every file is complete and checked;
-    on any failure the staging folder goes and ``out_dir`` is left as it was.
+    The one executor of every merge: a checkpoint on disk and a loaded model differ only in their ``source``, a
+    folder on disk and verify's comparison only in their ``sink``, a job's ranks only in the ``coordinator``'s hooks.
+    The sink commits only once every part is written and checked; on any failure it is left as it was.
 
     Args:
         plan: the plan (from :func:`~peft_shardmerge.api.disk.plan_checkpoint_merge` or
             :func:`~peft_shardmerge.api.model_plan.plan_model_merge`).
         source: what produces each planned tensor (:class:`~peft_shardmerge.engine.source.Source`).
-        out_dir: the output folder (validated by the caller).
-        overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the output lock).
+        sink: where the tensors go (:class:`~peft_shardmerge.engine.sink.Sink`).
         progress: show a progress bar over the bytes written.
-        before_commit: called with the staging folder after the side files (e.g. to save a tokenizer there).
+        before_commit: called with the folder being written after the side files (e.g. to save a tokenizer there).
         coordinator: the job's ranks (default: this process alone).
 
     Returns:
@@ -85,20 +82,21 @@ def run(
     Raises:
         MergeCheckError: a change was not applied exactly once, a merged value is not finite, or a written file
             does not match the plan.
-        InputError: ``out_dir`` became non-empty meanwhile and ``overwrite`` is False.
+        InputError: the sink's destination became non-empty meanwhile and may not be replaced.
         OSError: the filesystem failed (disk full, permissions); nothing is left behind.
 
     Example:
         >>> import os, tempfile
         >>> from peft_shardmerge import plan_checkpoint_merge
         >>> from peft_shardmerge.checkpoint.reader import CheckpointReader
+        >>> from peft_shardmerge.output.shard_sink import FolderSink
         >>> from peft_shardmerge.testing import build_adapter, build_base
         >>> tmp = tempfile.mkdtemp()
         >>> base = build_base(os.path.join(tmp, "base"))
         >>> adapter = build_adapter(base, os.path.join(tmp, "adapter"))
         >>> out = os.path.join(tmp, "merged")
         >>> plan = plan_checkpoint_merge(base, adapter, out)
-        >>> report = run(plan, CheckpointReader(plan), out, overwrite=False, progress=False)
+        >>> report = run(plan, CheckpointReader(plan), FolderSink(out, overwrite=False), progress=False)
         >>> report.lora_modules_merged == report.lora_modules_total == 14, sorted(os.listdir(out))[:2]
         (True, ['config.json', 'generation_config.json'])
     """
@@ -107,21 +105,13 @@ def run(
     t0 = time.perf_counter()
     meter = PeakRss().start()
     coordinator = coordinator if coordinator is not None else Alone()
-    keys = source.resume_keys()
-    sink = ShardSink(
-        out_dir,
-        plan.shard_entries(),
-        overwrite=overwrite,
-        fingerprint=keys[0] if keys else None,
-        inputs=keys[1] if keys else None,
-        io_bytes=plan.shard_io_bytes(),
-        replace_check=replace_check,
-    )
+    fingerprint, inputs = source.resume_keys() or (None, None)
+    layout = Layout(plan.shard_entries(), plan.shard_io_bytes(), fingerprint, inputs)
     bar = tqdm(
         total=plan.total_size,
         unit="B",
         unit_scale=True,
-        desc="merging",
+        desc=sink.label,
         disable=bar_disabled(progress and coordinator.leads),
     )
     coordinator.start(source, bar)
@@ -138,29 +128,37 @@ def run(
             done=bar.update,
         )
 
-    def skip(i: int) -> None:
-        kept = plan.shard_tensors(i)
-        source.skip(kept)
-        bar.update(sum(t.nbytes for t in kept))
-
     try:
-        with worker_pool(source.workers, source.one_torch_thread) as pool:
+        with worker_pool(source.workers, source.one_torch_thread) as pool, torch.no_grad():
             if not coordinator.leads:
-                return coordinator.follow(out_dir, sink, produce)
-            files = FolderFiles(
-                config=plan.config,
-                index=plan.index(),
-                side_files=source.side_files,
-                before_commit=before_commit,
-                merge_info=source.merge_info,
-                checks=[source.check],
-            )
-            sink.write(produce, files, skip=skip, ranks=coordinator.ranks)
+                return coordinator.follow(sink, layout, produce)
+            with sink.open(layout) as out:
+                kept = sorted(out.done)
+                for i in kept:  # parts an interrupted run finished: their changes count as applied
+                    source.skip(plan.shard_tensors(i))
+                    bar.update(layout.sizes()[i])
+                theirs = coordinator.opened(out)
+                try:
+                    out.write([i for i in range(len(layout.parts)) if i not in out.done and i not in theirs], produce)
+                except BaseException as e:
+                    coordinator.stopped(e)  # the other ranks stop first: nobody writes into the output as it goes
+                    raise
+                coordinator.gathered(out)
+                out.finish(
+                    Finish(
+                        config=plan.config,
+                        index=plan.index(),
+                        side_files=source.side_files,
+                        before_commit=before_commit,
+                        merge_info=source.merge_info,
+                        checks=[source.check],
+                    )
+                )
     finally:
         bar.close()
         source.close()
     meter.stop()
-    report = _report(plan, source, out_dir, time.perf_counter() - t0, meter, coordinator.notes(), len(sink.resumed))
+    report = _report(plan, source, sink.location, time.perf_counter() - t0, meter, coordinator.notes(), len(kept))
     log.debug("%s", report.summary())  # the caller prints it (the CLI on stdout, once)
     coordinator.committed(report)
     return report

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: the executor never imports an implementation
     from .plan import PlannedTensor
     from .report import MergeReport
+    from .sink import Layout, Opened, Sink
 
 __all__ = ["Alone", "Coordinator", "Source"]
 
@@ -85,12 +86,10 @@ class Coordinator(Protocol):
     :mod:`peft_shardmerge.distributed.coordinators`.
 
     Attributes:
-        leads: this process writes the folder's own files and commits (rank 0).
-        ranks: the other ranks' side, for :meth:`~peft_shardmerge.output.shard_sink.ShardSink.write` (None alone).
+        leads: this process opens the sink, writes what the output holds besides the tensors, and commits (rank 0).
     """
 
     leads: bool
-    ranks: object
 
     def start(self, source: Source, progress) -> None:
         """Called once before the first tensor, with the source and the progress bar."""
@@ -100,7 +99,21 @@ class Coordinator(Protocol):
         """Called before each tensor this process writes."""
         ...  # pragma: no cover - a protocol
 
-    def follow(self, out_dir: str, sink, produce: Callable) -> MergeReport:
+    def opened(self, out: Opened) -> set[int]:
+        """On the leader, once the sink is open: the parts the other ranks write (this process writes the rest of
+        those not :attr:`~peft_shardmerge.engine.sink.Opened.done`)."""
+        ...  # pragma: no cover - a protocol
+
+    def stopped(self, error: BaseException) -> None:
+        """On the leader, when writing its parts failed: make the other ranks stop, before the output goes."""
+        ...  # pragma: no cover - a protocol
+
+    def gathered(self, out: Opened) -> None:
+        """On the leader, after its parts: wait for the other ranks' and hand them to ``out``
+        (:meth:`~peft_shardmerge.engine.sink.Opened.adopt`)."""
+        ...  # pragma: no cover - a protocol
+
+    def follow(self, sink: Sink, layout: Layout, produce: Callable) -> MergeReport:
         """On a rank that does not lead: take this rank's part, then return the leader's report."""
         ...  # pragma: no cover - a protocol
 
@@ -122,7 +135,6 @@ class Alone:
     """
 
     leads = True
-    ranks = None
 
     def start(self, source: Source, progress) -> None:
         pass
@@ -130,7 +142,16 @@ class Alone:
     def before(self, t: PlannedTensor) -> None:
         pass
 
-    def follow(self, out_dir: str, sink, produce: Callable) -> MergeReport:
+    def opened(self, out: Opened) -> set[int]:
+        return set()
+
+    def stopped(self, error: BaseException) -> None:
+        pass
+
+    def gathered(self, out: Opened) -> None:
+        pass
+
+    def follow(self, sink: Sink, layout: Layout, produce: Callable) -> MergeReport:
         raise AssertionError("a single process leads")  # pragma: no cover - never called: leads is True
 
     def notes(self) -> list[str]:

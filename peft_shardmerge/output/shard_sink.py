@@ -1,178 +1,191 @@
-"""The output folder of a merge: shards streamed from a producer, index, config, side files, record, checks, commit."""
+"""The safetensors folder as a Sink: shards streamed by the executor, then index, config, side files, record."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
-import torch
-
+from ..engine.sink import Finish, Layout
 from ..errors import MergeCheckError
 from ..io.safetensors_io import read_header
 from .record import write_merge_record
-from .staging import staged_output
+from .staging import Staging, staged_output
 from .writer import ShardWriter, shard_digest, write_json
-
-#: ``(name, safetensors dtype, shape, nbytes)`` of one output tensor
-Entry = tuple[str, str, tuple[int, ...], int]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class FolderFiles:
-    """What a merged folder holds besides its shards, written after them and before the record.
+class FolderSink:
+    """A merged checkpoint folder (:class:`~peft_shardmerge.engine.sink.Sink`), written through
+    :func:`~peft_shardmerge.output.staging.staged_output`.
 
-    Attributes:
-        config: the ``config.json`` content.
-        index: the ``model.safetensors.index.json`` content (written when there is more than one shard).
-        side_files: called with the staging folder to copy the base's other files (tokenizer, generation config).
-        before_commit: the caller's hook, called with the staging folder after the side files.
-        merge_info: returns the ``merge`` part of ``merge_manifest.json``.
-        checks: called before the headers are read back (e.g. each LoRA layer applied exactly once).
-    """
-
-    config: dict
-    index: dict | None = None
-    side_files: Callable[[str], None] | None = None
-    before_commit: Callable[[str], None] | None = None
-    merge_info: Callable[[], dict] = dict
-    checks: list[Callable[[], None]] = field(default_factory=list)
-
-
-class ShardSink:
-    """Writes a merged checkpoint folder through :func:`~peft_shardmerge.output.staging.staged_output`.
-
-    Each shard's header is built from the planned entries before any data; a producer streams the data into a
+    Each shard's header is built from the layout's entries before any data; the executor streams the data into a
     :class:`~peft_shardmerge.output.writer.ShardWriter`. The folder appears at ``out_dir`` only once complete and
     checked; on any failure ``out_dir`` is left as it was.
 
     Args:
         out_dir: the output folder.
-        shards: ``(file name, [entry, ...])`` per shard, in write order.
         overwrite: whether a non-empty ``out_dir`` may be replaced (checked again under the output lock).
-        fingerprint: identity of the merge for resuming (None: never resume).
-        inputs: digests of the inputs per shard (:class:`~peft_shardmerge.output.resume.InputDigests`), for resuming.
         depth: blocks queued to the writer thread.
-        io_bytes: per shard, the bytes the merge reads from disk and writes for it; those of the shards not done yet
-            are the working set the writes past the page cache are chosen by
-            (:func:`~peft_shardmerge.output.direct.wanted`; None: not known).
         replace_check: with ``overwrite``, the problems that forbid replacing a non-empty ``out_dir``, checked again
             under the output lock (see :func:`~peft_shardmerge.output.staging.staged_output`); None: an earlier
             output of ours may be replaced.
 
     Example:
-        >>> import os, tempfile
+        >>> import os, tempfile, torch
         >>> from safetensors.torch import load_file
+        >>> from peft_shardmerge.engine.sink import Finish, Layout
         >>> out = os.path.join(tempfile.mkdtemp(), "merged")
-        >>> sink = ShardSink(out, [("model.safetensors", [("w", "F32", (2,), 8)])], overwrite=False)
-        >>> sink.write(lambda i, w: w.write(torch.ones(2)), FolderFiles(config={}))
+        >>> with FolderSink(out, overwrite=False).open(Layout([("model.safetensors", [("w", "F32", (2,), 8)])])) as o:
+        ...     o.write([0], lambda i, w: w.write(torch.ones(2)))
+        ...     o.finish(Finish(config={}))
         >>> sorted(os.listdir(out)), load_file(os.path.join(out, "model.safetensors"))["w"]
         (['config.json', 'merge_manifest.json', 'model.safetensors'], tensor([1., 1.]))
     """
 
+    label = "merging"
+
     def __init__(
         self,
         out_dir: str,
-        shards: list[tuple[str, list[Entry]]],
         *,
         overwrite: bool,
-        fingerprint: str | None = None,
-        inputs=None,
         depth: int = 2,
-        io_bytes: list[int] | None = None,
         replace_check: Callable[[str], list[str]] | None = None,
     ):
-        self.out_dir = out_dir
-        self.shards = shards
+        self.location = out_dir
         self.overwrite = overwrite
         self.replace_check = replace_check
-        self.fingerprint = fingerprint
-        self.inputs = inputs
         self.depth = depth
-        self.io_bytes = io_bytes
-        self.resumed: list[str] = []
-        self.records: dict[str, dict] = {}
 
-    def write(
-        self,
-        produce: Callable[[int, ShardWriter], None],
-        files: FolderFiles,
-        skip: Callable[[int], None] | None = None,
-        ranks=None,
-    ) -> None:
-        """Write every shard, then the folder's other files; check it and move it into place.
+    @contextmanager
+    def open(self, layout: Layout) -> Iterator["FolderOutput"]:
+        """The staging folder beside ``out_dir``, locked; moved into place when the block ends, removed when it
+        raises (see :func:`~peft_shardmerge.output.staging.staged_output`).
 
         Args:
-            produce: ``produce(i, writer)`` writes the data of shard ``i``'s tensors, in header order.
-            files: what else the folder holds.
-            skip: ``skip(i)`` is called instead of ``produce`` for a shard kept from an interrupted run.
-            ranks: on rank 0 of a distributed merge, the other ranks' side
-                (:class:`~peft_shardmerge.distributed.ranks.OtherRanks`): ``opened(staging)`` returns the shards this
-                rank writes (None: all), ``gathered(staging, records)`` waits for the rest, ``stopped(error)``
-                makes the others stop and waits for them when this rank fails while writing.
+            layout: the shards.
 
         Returns:
-            None; ``resumed`` lists the kept shards and ``records`` the record of each shard written.
+            A context manager yielding the :class:`FolderOutput`.
 
         Raises:
-            MergeCheckError: a written header differs from the plan, or a check failed.
             InputError: ``out_dir`` became non-empty and ``overwrite`` is False.
             OSError: the filesystem failed; nothing is left behind.
         """
-        with (
-            staged_output(
-                self.out_dir,
-                fingerprint=self.fingerprint,
-                overwrite=self.overwrite,
-                inputs=self.inputs,
-                replace_check=self.replace_check,
-            ) as staging,
-            torch.no_grad(),
-        ):
-            tmp = staging.path
-            mine = None if ranks is None else ranks.opened(staging)
-            try:
-                self.write_shards(staging, produce, skip, mine)
-            except BaseException as e:
-                if ranks is not None:  # the other ranks stop first: nobody writes into the folder as it goes
-                    ranks.stopped(e)
-                raise
-            if ranks is not None:
-                ranks.gathered(staging, self.records)
-            self.resumed = list(staging.resumed)
-            self._finish(tmp, files)
+        with staged_output(
+            self.location,
+            fingerprint=layout.fingerprint,
+            overwrite=self.overwrite,
+            inputs=layout.inputs,
+            replace_check=self.replace_check,
+        ) as staging:
+            yield FolderOutput(staging, layout, self.depth)
 
-    def write_shards(
-        self,
-        staging,
-        produce: Callable[[int, ShardWriter], None],
-        skip: Callable[[int], None] | None = None,
-        mine=None,
-    ) -> None:
-        """Write the shards that are not done yet into ``staging`` (all, or those in ``mine``), each recorded in the
-        staging manifest once fsynced; ``records`` gets each one's record.
+    @contextmanager
+    def join(self, layout: Layout, handle: dict, rank: int) -> Iterator["FolderOutput"]:
+        """The staging folder another process opened, as rank ``rank`` writes shards into it: each one it finishes
+        is recorded in its own manifest there, and it never creates, removes or commits the folder.
 
         Args:
-            staging: the :class:`~peft_shardmerge.output.staging.Staging` (rank 0's, or another rank's
-                :meth:`~peft_shardmerge.output.staging.Staging.joined`).
+            layout: the shards (the same on every rank).
+            handle: the leader's :meth:`FolderOutput.handle`.
+            rank: this process's rank.
+
+        Returns:
+            A context manager yielding the :class:`FolderOutput`.
+        """
+        staging = Staging.joined(self.location, rank, handle["common"], layout.fingerprint, layout.inputs)
+        yield FolderOutput(staging, layout, self.depth)
+
+
+class FolderOutput:
+    """An opened :class:`FolderSink` (:class:`~peft_shardmerge.engine.sink.Opened`): its staging folder, the shards
+    written into it and their records.
+
+    Args:
+        staging: the :class:`~peft_shardmerge.output.staging.Staging`.
+        layout: the shards.
+        depth: blocks queued to each shard's writer thread.
+    """
+
+    def __init__(self, staging: Staging, layout: Layout, depth: int = 2):
+        self.staging, self.layout, self.depth = staging, layout, depth
+        self.shards = layout.parts
+        self.names = [name for name, _ in layout.parts]
+        self.records: dict[str, dict] = {}
+
+    @property
+    def done(self) -> set[int]:
+        """The shards an earlier run finished and this one keeps (others' adopted ones included)."""
+        return {i for i, name in enumerate(self.names) if self.staging.is_done(name)}
+
+    def handle(self) -> dict:
+        """The staging folder, its kept shards and the digest of the common inputs, for the other ranks."""
+        return {"path": self.staging.path, "done": sorted(self.done), "common": self.staging.common}
+
+    def written(self) -> dict:
+        """This process's shard records and the staging records of the shards it finished."""
+        return {"records": self.records, "done": self.staging.done}
+
+    def adopt(self, written: dict) -> None:
+        """Take over another process's shards: their records, and their entries in the staging manifest."""
+        self.records.update(written["records"])
+        self.staging.adopt(written["done"])
+
+    def progress(self, i: int) -> int:
+        """The bytes of shard ``i`` on disk so far (:func:`written_bytes`)."""
+        return written_bytes(os.path.join(self.staging.path, self.names[i]))
+
+    def write(self, parts: list[int], produce: Callable[[int, ShardWriter], None]) -> None:
+        """Write the shards ``parts`` into the staging folder, each recorded in the staging manifest once fsynced;
+        ``records`` gets each one's record.
+
+        Args:
+            parts: the shard indexes, in order.
             produce: ``produce(i, writer)`` writes shard ``i``'s tensors.
-            skip: called for a shard kept from an interrupted run.
-            mine: the shard indexes this process writes (None: every one).
 
         Returns:
             None.
         """
+        self._write_shards(self.staging, produce, parts)
+
+    def finish(self, finish: Finish) -> None:
+        """The index, config, side files, the caller's hook and the record; then the checks, and every shard's
+        header read back against the layout.
+
+        Args:
+            finish: what the folder holds besides its shards.
+
+        Raises:
+            MergeCheckError: a written header differs from the layout, or a check failed.
+        """
+        tmp = self.staging.path
+        if len(self.shards) > 1 and finish.index is not None:
+            write_json(os.path.join(tmp, "model.safetensors.index.json"), finish.index)
+        write_json(os.path.join(tmp, "config.json"), finish.config)
+        if finish.side_files is not None:
+            finish.side_files(tmp)
+        if finish.before_commit is not None:
+            finish.before_commit(tmp)
+        write_merge_record(tmp, self.records, finish.merge_info())
+        for check in finish.checks:
+            check()
+        check_written(tmp, [(name, [(n, d, s) for n, d, s, _ in entries]) for name, entries in self.shards])
+
+    def _write_shards(self, staging: Staging, produce: Callable[[int, ShardWriter], None], parts: list[int]) -> None:
+        """:meth:`write`: one thread reads the inputs' digests beside each shard, another closes each finished one."""
         # one thread reads the inputs' digests beside each shard; another closes a finished shard (its writes drained
         # and fsynced, then recorded in the manifest) while the next one is produced. When the merge stops, both
         # stop at their next step: the error (a Ctrl-C, say) is raised at once, not after an fsync or a long read.
         stopping = threading.Event()
         working_set = sum(
-            n for (name, _), n in zip(self.shards, self.io_bytes or []) if not staging.is_done(name)
+            n for (name, _), n in zip(self.shards, self.layout.io_bytes or []) if not staging.is_done(name)
         )  # every rank's, on one machine: the filesystems written past the page cache are local ones
         with (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="input-digest") as digests,
@@ -180,13 +193,8 @@ class ShardSink:
         ):
             closing: list[tuple[Future, ShardWriter]] = []
             try:
-                for i, (name, entries) in enumerate(self.shards):
-                    if staging.is_done(name):
-                        if skip is not None:
-                            skip(i)
-                        continue
-                    if mine is not None and i not in mine:
-                        continue
+                for i in parts:
+                    name, entries = self.shards[i]
                     inputs = None
                     if staging.inputs is not None:
                         inputs = digests.submit(staging.inputs.shard, name, stop=stopping)
@@ -230,19 +238,6 @@ class ShardSink:
         self.records[name] = record
         log.debug("%s written", name)
 
-    def _finish(self, tmp: str, files: FolderFiles) -> None:
-        if len(self.shards) > 1 and files.index is not None:
-            write_json(os.path.join(tmp, "model.safetensors.index.json"), files.index)
-        write_json(os.path.join(tmp, "config.json"), files.config)
-        if files.side_files is not None:
-            files.side_files(tmp)
-        if files.before_commit is not None:
-            files.before_commit(tmp)
-        write_merge_record(tmp, self.records, files.merge_info())
-        for check in files.checks:
-            check()
-        check_written(tmp, [(name, [(n, d, s) for n, d, s, _ in entries]) for name, entries in self.shards])
-
 
 def check_written(folder: str, shards: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> None:
     """Read back every written shard's header and compare it with what was planned.
@@ -263,3 +258,42 @@ def check_written(folder: str, shards: list[tuple[str, list[tuple[str, str, tupl
         got = [(t.name, t.dtype, t.shape) for t in infos]
         if got != [(n, d, tuple(s)) for n, d, s in want] or meta.get("format") != "pt":
             raise MergeCheckError(f"{shard_name}: written header does not match the plan")
+
+
+def written_bytes(path: str) -> int:
+    """The bytes written so far into a shard another process writes: the file's data, not its size (a shard's blocks
+    are allocated when it is created, :func:`~peft_shardmerge.output.direct.preallocate`, and read as holes until
+    written); where the filesystem cannot tell data from holes, its size. 0 where there is no such file yet.
+
+    Args:
+        path: the shard.
+
+    Returns:
+        The bytes.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     _ = f.write(b"abc"); f.flush(); written_bytes(f.name)
+        3
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    total = pos = size = 0
+    try:
+        size = os.fstat(fd).st_size
+        while pos < size:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+            if start >= size:
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            if end <= start:  # a filesystem that answers so cannot tell: its size
+                return size
+            total, pos = total + min(end, size) - start, end
+    except OSError as e:  # ENXIO: no data from pos on; anything else: SEEK_DATA not taken here, or the file changed
+        return total if e.errno == errno.ENXIO else size
+    finally:
+        os.close(fd)
+    return total

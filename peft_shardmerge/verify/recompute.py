@@ -3,6 +3,7 @@ engine's own plan and merge code, one row block at a time, and compared with the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -11,16 +12,7 @@ import torch
 from ..engine.plan import Op
 from ..errors import ShardMergeError
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TensorInfo
-
-#: beyond one unit in the last place of the output dtype, a merged value may differ by this many float32
-#: epsilons of the largest value in its row block (a different summation order of the LoRA product)
-SUM_ORDER_EPS = 8
-#: how far a weight an in-process merge read from bitsandbytes' CPU repacking may be from the exact 4-bit base, as a
-#: fraction of its row block's largest value: the repacking keeps each block scale in bf16 (relative error <= 2^-9),
-#: and undoing it in place (a state_dict()) re-quantizes those scales with a new double-quant offset (measured up to
-#: 1.5 * 2^-8 on tiny Llamas); a wrong base (another checkpoint, garbage) is off by far more
-REPACK_LOSS = 2.0**-6
-_PIECE = 8 << 20
+from .compare import CompareSink
 
 
 @dataclass
@@ -48,26 +40,6 @@ class RecomputeResult:
     complete: bool = False
     fits: bool | None = None
     unchecked: list[str] = field(default_factory=list)
-
-
-def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of ``dtype`` at each of ``values`` (the smallest normal's below it).
-
-    Args:
-        values: any floating-point values.
-        dtype: a floating-point dtype.
-
-    Returns:
-        float32 (float64 for float64) spacings, same shape.
-
-    Example:
-        >>> ulp(torch.tensor([1.0, 3.0]), torch.bfloat16).tolist()
-        [0.0078125, 0.015625]
-    """
-    info = torch.finfo(dtype)
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    _, exponent = torch.frexp(values.to(work).abs().clamp_min(info.tiny))
-    return torch.ldexp(torch.full_like(values, info.eps, dtype=work), exponent - 1)
 
 
 def merge_settings(record: dict | None, out_dtype: str | None) -> tuple[dict | None, list[str]]:
@@ -195,106 +167,6 @@ def _reproducible(held: str | None, plan) -> str:
     return ""
 
 
-class _Compare:
-    """A sink for :func:`~peft_shardmerge.engine.execute.stream_tensors`: compares each produced block with the bytes
-    at
-    the same place in the merged checkpoint."""
-
-    def __init__(self, stored: dict[str, TensorInfo], repacked: set[str] = frozenset()):
-        self.stored = stored
-        self.repacked = repacked
-        self.fds: dict[str, int] = {}
-        self.current = None
-        self.differ: list[tuple[str, str]] = []
-        self.within_repacking: list[str] = []
-        self.compared = self.bitwise = 0
-
-    def begin(self, t) -> None:
-        self.finish()
-        info = self.stored[t.name]
-        if info.path not in self.fds:
-            self.fds[info.path] = os.open(info.path, os.O_RDONLY)
-        repacked = info.name in self.repacked
-        self.current = {
-            "t": t,
-            "info": info,
-            "pos": 0,
-            "equal": True,
-            "bad": 0,
-            "worst": 0.0,
-            "short": False,
-            "rounding": t.op is Op.MERGE or repacked,
-            "loose": repacked,
-            "repack": False,
-        }
-
-    def _stored(self, n: int) -> bytes:
-        c = self.current
-        data = os.pread(self.fds[c["info"].path], n, c["info"].offset + c["pos"])
-        c["pos"] += n
-        if len(data) != n:
-            c["short"] = True
-        return data
-
-    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
-        for pos in range(0, nbytes, _PIECE):
-            n = min(_PIECE, nbytes - pos)
-            if os.pread(fd, n, offset + pos) != self._stored(n):
-                self.current["equal"] = False
-                self.current["bad"] += 1
-
-    def write(self, tensor: torch.Tensor) -> None:
-        c = self.current
-        want = tensor.detach().to("cpu").contiguous().reshape(-1)
-        raw = self._stored(want.numel() * want.element_size())
-        if c["short"]:
-            c["equal"] = False
-            return
-        if raw == want.view(torch.uint8).numpy().tobytes():
-            return
-        c["equal"] = False
-        if not (c["rounding"] and want.is_floating_point()):
-            c["bad"] += int((torch.frombuffer(bytearray(raw), dtype=torch.uint8) != want.view(torch.uint8)).sum())
-            return
-        got = torch.frombuffer(bytearray(raw), dtype=want.dtype)
-        work = torch.float64 if want.dtype == torch.float64 else torch.float32
-        g, w = got.to(work), want.to(work)
-        diff = (g - w).abs()
-        tol = ulp(w, want.dtype) + SUM_ORDER_EPS * torch.finfo(torch.float32).eps * w.abs().max()
-        if c["loose"]:  # read from bitsandbytes' CPU repacking: within its loss is no verdict either way
-            c["repack"] = c["repack"] or not bool((diff <= tol).all())
-            tol = tol + REPACK_LOSS * w.abs().max()
-        bad = ~(diff <= tol)  # NaN on either side counts as a difference
-        c["bad"] += int(bad.sum())
-        if bool(bad.any()):
-            worst = float(torch.where(bad, diff / tol, torch.zeros_like(diff)).nan_to_num(float("inf")).max())
-            c["worst"] = max(c["worst"], worst)
-
-    def finish(self) -> None:
-        c, self.current = self.current, None
-        if c is None:
-            return
-        self.compared += 1
-        name = c["t"].name
-        if c["short"]:
-            self.differ.append((name, "the stored tensor is shorter than its header says"))
-        elif c["pos"] != c["info"].nbytes:
-            self.differ.append((name, f"{c['pos']} bytes recomputed, {c['info'].nbytes} stored"))
-        elif c["equal"]:
-            self.bitwise += 1
-        elif c["bad"]:
-            what = "values beyond rounding" if c["rounding"] else "bytes"
-            worst = f" (worst {c['worst']:.3g}x the allowed rounding)" if c["worst"] else ""
-            self.differ.append((name, f"{c['bad']} {what} differ from base + adapter{worst}"))
-        elif c["repack"]:
-            self.within_repacking.append(c["info"].name)
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
 def _plan(base: str, adapters: list[str], options: dict):
     """``(model info, plan)``: the disk engine's plan for ``options``, built the way ``plan_checkpoint_merge``
     builds it (without an output folder)."""
@@ -418,7 +290,7 @@ def _check_layout(result: RecomputeResult, planned: dict, stored: dict[str, Tens
     return target, shapes
 
 
-def _summarize(result: RecomputeResult, sink: _Compare, options: dict, n_stored: int) -> None:
+def _summarize(result: RecomputeResult, sink: CompareSink, options: dict, n_stored: int) -> None:
     """Add the comparison's outcome to ``result``: the tensors that differ (ten named) and the one-line check."""
     result.compared, result.bitwise = sink.compared, sink.bitwise
     for name, why in sink.differ[:10]:
@@ -469,8 +341,8 @@ def recompute_and_compare(
     Returns:
         The :class:`RecomputeResult`; inputs that do not fit are among its problems, never raised.
     """
-    from ..checkpoint.reader import stream_tensors
-    from ..engine.execute import resolve_device
+    from ..checkpoint.reader import CheckpointReader
+    from ..engine.execute import resolve_device, run
 
     result = RecomputeResult()
     floats = {DTYPES[t.dtype][0] for t in stored.values() if t.dtype in FLOAT_DTYPES}
@@ -508,14 +380,17 @@ def recompute_and_compare(
     planned = {t.name: t for t in plan.tensors}
     target, shapes = _check_layout(result, planned, stored, info)
     todo = [t for t in plan.tensors if t.name in target and t.name not in shapes]
-    sink = _Compare({n: stored[m] for n, m in target.items()}, set((record or {}).get("cpu_repacked") or ()))
+    sink = CompareSink(
+        os.path.dirname(next(iter(stored.values())).path) if stored else ".",
+        {n: stored[m] for n, m in target.items()},
+        rounding={t.name for t in todo if t.op is Op.MERGE},
+        repacked=set((record or {}).get("cpu_repacked") or ()),
+    )
+    part = dataclasses.replace(plan, tensors=todo)  # those whose name, dtype and shape the checkpoint has
     try:
-        stream_tensors(plan, sink, todo, device=resolve_device(device))
-        sink.finish()
+        run(part, CheckpointReader(part, resolve_device(device)), sink, progress=False)
     except ShardMergeError as e:
         result.problems.append(f"recomputing failed: {str(e).splitlines()[0]}")
         return result
-    finally:
-        sink.close()
     _summarize(result, sink, options, len(stored))
     return result

@@ -231,11 +231,11 @@ def killall_after_record(rank: int, argv: list[str]) -> int:
 def fail_finish(rank: int, argv: list[str]) -> int:
     from peft_shardmerge.output import shard_sink as sinks
 
-    def full_disk(self, tmp, files):
+    def full_disk(self, finish):
         if RANK == rank:
             raise OSError(errno.ENOSPC, "No space left on device", "config.json")
 
-    sinks.ShardSink._finish = full_disk  # every rank patches it; only rank 0 calls it
+    sinks.FolderOutput.finish = full_disk  # every rank patches it; only rank 0 calls it
     return cli(argv)
 
 

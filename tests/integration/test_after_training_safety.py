@@ -255,7 +255,7 @@ def test_merge_and_unload_of_an_offloaded_model_without_room_for_its_merged_weig
     from accelerate import dispatch_model
 
     from peft_shardmerge import merge_and_unload
-    from peft_shardmerge.model import module_sink
+    from peft_shardmerge.model import in_place
 
     torch.manual_seed(0)
     ref = get_peft_model(
@@ -279,7 +279,7 @@ def test_merge_and_unload_of_an_offloaded_model_without_room_for_its_merged_weig
     with torch.no_grad():
         before = model(input_ids=ids).logits
     files, kinds = sorted(os.listdir(offload)), [type(m) for m in model.modules()]
-    monkeypatch.setattr(module_sink, "free_bytes", lambda folder: 0)
+    monkeypatch.setattr(in_place, "free_bytes", lambda folder: 0)
     with pytest.raises(InputError, match=r"(?s)nothing was changed.*has 0 MiB free; the merged offloaded weights "):
         merge_and_unload(model)
     assert sorted(os.listdir(offload)) == files and kinds == [type(m) for m in model.modules()]

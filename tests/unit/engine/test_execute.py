@@ -13,6 +13,7 @@ import peft_shardmerge.engine.row_merge as row_merge
 from peft_shardmerge import merge_checkpoint, plan_checkpoint_merge
 from peft_shardmerge.checkpoint.reader import CheckpointReader
 from peft_shardmerge.engine.pipeline import default_workers
+from peft_shardmerge.output.shard_sink import FolderSink
 from tests.helpers import folder_tensors
 
 
@@ -71,7 +72,10 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
     plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="float32", device="cpu")
     report = execute.run(
-        plan, CheckpointReader(plan, torch.device("meta")), str(tmp_path / "a"), progress=False, overwrite=False
+        plan,
+        CheckpointReader(plan, torch.device("meta")),
+        FolderSink(str(tmp_path / "a"), overwrite=False),
+        progress=False,
     )
     assert report.cpu_fallbacks == 1
     assert "redone on the CPU" in report.summary()

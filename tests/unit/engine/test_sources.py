@@ -13,6 +13,7 @@ from peft_shardmerge.engine.budget import MemoryBudget
 from peft_shardmerge.engine.execute import run
 from peft_shardmerge.engine.source import Source
 from peft_shardmerge.io.safetensors_io import RowReader
+from peft_shardmerge.output.shard_sink import FolderSink
 from tests.helpers import folder_tensors
 
 
@@ -27,8 +28,8 @@ def test_both_sources_through_the_one_executor_write_the_same_bytes(make_base, t
     live_plan = plan_model_merge(model, base_precision="dequantized")
     disk, live = CheckpointReader(disk_plan), ModelReader(live_plan, MemoryBudget(0.9))
     assert isinstance(disk, Source) and isinstance(live, Source)
-    a = run(disk_plan, disk, str(tmp_path / "disk"), overwrite=False, progress=False)
-    b = run(live_plan, live, str(tmp_path / "live"), overwrite=False, progress=False)
+    a = run(disk_plan, disk, FolderSink(str(tmp_path / "disk"), overwrite=False), progress=False)
+    b = run(live_plan, live, FolderSink(str(tmp_path / "live"), overwrite=False), progress=False)
     assert a.lora_modules_merged == b.lora_modules_merged == 4
     on_disk, in_memory = folder_tensors(str(tmp_path / "disk")), folder_tensors(str(tmp_path / "live"))
     assert set(on_disk) == set(in_memory) and len(on_disk) > 10

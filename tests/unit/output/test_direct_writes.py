@@ -515,7 +515,7 @@ def test_a_shard_on_a_filesystem_off_the_list_is_not_allocated_ahead(tmp_path):
 def test_what_another_rank_wrote_is_read_as_data_not_as_the_allocated_size(setting, tmp_path, monkeypatch):
     """Rank 0's progress bar counts the data of the other ranks' shards: a shard allocated whole shows only the
     header and the tensors written so far (through the page cache or past it), the whole file once it is closed."""
-    from peft_shardmerge.distributed.ranks import written_bytes
+    from peft_shardmerge.output.shard_sink import written_bytes
 
     if direct.filesystem_type(str(tmp_path)) not in direct.DIRECT_FILESYSTEMS:
         pytest.skip("the test folder is on no filesystem of the list")
@@ -550,7 +550,7 @@ def test_what_another_rank_wrote_is_read_as_data_not_as_the_allocated_size(setti
 def test_a_filesystem_that_cannot_tell_data_from_holes_gives_the_size(answer, tmp_path, monkeypatch):
     """Rank 0's count of another rank's bytes never hangs nor fails the merge: a SEEK_HOLE that does not move on, or an
     lseek failing, gives the file's size; ENXIO (no data from there on) what was counted before it."""
-    from peft_shardmerge.distributed.ranks import written_bytes
+    from peft_shardmerge.output.shard_sink import written_bytes
 
     path = tmp_path / "shard"
     path.write_bytes(b"x" * 10000)

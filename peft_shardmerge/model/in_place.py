@@ -1,5 +1,9 @@
-"""ModuleSink: where merge_and_unload puts merged tensors: the live model's PEFT and bitsandbytes modules replaced by
-plain ones, offloaded layers kept offloaded."""
+"""merge_and_unload's module replacement: the live model's PEFT and bitsandbytes modules replaced by merged plain ones.
+
+Not a Sink of the one executor, which hands a destination bytes on the host, part by part: each merged weight here
+stays on its module's device and replaces the module with the others of its group (fused or tied weights) at once,
+and an offloaded layer's weights go back where accelerate keeps them; a round trip through host bytes would copy
+every weight off the device and back."""
 
 from __future__ import annotations
 
@@ -26,13 +30,13 @@ from .weights import (
 )
 
 
-class ModuleSink:
-    """The sink of ``merge_and_unload``: each module of a loaded model's plan replaced in place, one at a time.
+class ModuleReplacer:
+    """``merge_and_unload``'s writer: each module of a loaded model's plan replaced in place, one at a time.
 
     Built from the plan of a walked model (:func:`~peft_shardmerge.model.planner.plan_live`): the planned tensors of
     one PEFT or bitsandbytes module are produced by the per-tensor merger and put into a plain ``nn.Linear``,
     ``Conv1D`` or ``nn.Embedding`` (or written back where accelerate keeps an offloaded layer). Every check that
-    can refuse runs when the sink is made, before anything changes.
+    can refuse runs when the replacer is made, before anything changes.
 
     Args:
         plan: the plan of the loaded model (from :func:`~peft_shardmerge.model.planner.plan_live`).
@@ -99,7 +103,7 @@ class ModuleSink:
         free_accelerator_cache()
 
     def cast(self, model: nn.Module) -> None:
-        """Cast the merged model to the sink's dtype (an offloaded one module by module, its hooks serving that
+        """Cast the merged model to the replacer's dtype (an offloaded one module by module, its hooks serving that
         dtype, with the device map kept for ``save_pretrained``).
 
         Args:
