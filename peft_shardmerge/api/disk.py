@@ -12,18 +12,18 @@ import torch
 from ..checkpoint.planner import BeforeChecks, plan_from_folders
 from ..checkpoint.reader import CheckpointReader
 from ..distributed.coordinators import SpreadShards
-from ..distributed.ranks import STEPS, agree_on_plan, failed
+from ..distributed.ranks import STEPS
 from ..distributed.world import JobSteps, World, joined_world
-from ..engine.execute import resolve_device, run
+from ..engine.execute import resolve_device
 from ..engine.pipeline import default_workers
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
-from ..engine.source import Alone
+from ..engine.source import Alone, Coordinator
 from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
-from ..output.checks import check_out_dir, path_argument, settle_out_dir
-from ..output.shard_sink import FolderSink
+from ..output.checks import check_out_dir, path_argument
 from ..output.staging import NOTHING_WRITTEN
+from .job import MergeJob
 from .model_checks import ChecksBeside, KnownChecks, checks_beside, outline
 from .quiet import quiet_libraries
 
@@ -379,55 +379,110 @@ def merge_checkpoint(
     )
     with quiet_libraries(transformers=False):  # each step that may import it holds its messages back itself
         if not distributed:
-            return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, JobSteps(World(), STEPS))
+            steps = JobSteps(World(), STEPS)
+            return CheckpointJob(base, adapter, out_dir, opts, problems, steps, dry_run, before_commit).run()
         with joined_world(opts.device) as world:
             steps = JobSteps(world, ("plan",) if dry_run else STEPS)
-            try:
-                return _merge(base, adapter, out_dir, opts, problems, dry_run, before_commit, steps)
-            except BaseException as e:
-                if not world.distributed:
-                    raise
-                raise failed(steps, e, out_dir)
+            return CheckpointJob(base, adapter, out_dir, opts, problems, steps, dry_run, before_commit).run()
 
 
-def _merge(
-    base, adapter, out_dir, opts: MergeOptions, problems: list[str], dry_run: bool, before_commit, steps: JobSteps
-) -> MergeReport:
-    """Plan (every rank agreeing on the plan in a distributed job), then carry the plan out or describe it."""
-    beside = checks_beside(opts.model_checks, distributed=steps.world.distributed, dry_run=dry_run, out_dir=out_dir)
-    if not dry_run:  # the one write before the plan: a commit a killed merge left half done is finished or undone
-        settle_out_dir(out_dir, inputs=_inputs(base, adapter), overwrite=opts.overwrite)
-    plan, checks = _planned(base, adapter, out_dir, opts, problems, beside=beside)
-    agree_on_plan(steps, plan, out_dir)
-    out_dir = os.path.abspath(os.fspath(out_dir))  # resolved once: every later step uses this path
-    for note in plan.notes if steps.world.rank == 0 else ():
-        log.debug("%s", note)  # the report's summary (the CLI prints it) shows each note once
-    if dry_run:
-        return MergeReport(
-            out_dir=os.path.abspath(out_dir),
-            base=plan.inputs.base.folder,
-            adapter=", ".join(plan.inputs.adapter.folders),
-            dtype=str(plan.dtype).removeprefix("torch."),
-            base_precision=plan.base_precision,
-            tensors_written=0,
-            lora_modules_total=plan.layer_count,
-            shards=list(plan.shard_names),
-            notes=list(plan.notes),
-            dry_run=True,
-            plan_text=plan.describe(),
-            reproduces=plan.reproduces,
+class CheckpointJob(MergeJob):
+    """A merge from disk (:func:`merge_checkpoint`, the command line) as one
+    :class:`~peft_shardmerge.api.job.MergeJob`: planned from the folders' files, its model-class checks run first
+    or beside the merge, read by a :class:`~peft_shardmerge.checkpoint.reader.CheckpointReader`, spread over the
+    ranks of a distributed job.
+
+    Args:
+        base, adapter: as :func:`merge_checkpoint` takes them.
+        out_dir: the output folder.
+        opts: the options.
+        problems: the options' problems.
+        steps: the job's steps (one process: a world of one).
+        dry_run: plan and describe only: nothing is settled or written.
+        before_commit: the caller's hook, called with the folder being written after its side files.
+    """
+
+    def __init__(
+        self,
+        base,
+        adapter,
+        out_dir,
+        opts: MergeOptions,
+        problems: list[str],
+        steps: JobSteps,
+        dry_run: bool = False,
+        before_commit: Callable[[str], None] | None = None,
+    ):
+        super().__init__(out_dir, opts, problems, steps)
+        self.base, self.adapter, self.dry_run, self.hook = base, adapter, dry_run, before_commit
+        self.writes = not dry_run
+        self.beside = checks_beside(
+            opts.model_checks, distributed=steps.world.distributed, dry_run=dry_run, out_dir=out_dir
         )
-    if checks is None:
-        return _run(plan, out_dir, opts, before_commit, steps)
-    confirm = _Confirmed(plan, checks)
-    try:
-        return _run(plan, out_dir, opts, before_commit, steps, confirm)
-    except PlanChanged as e:
-        log.info("%s; merging again with it", e)
-    finally:
-        confirm.checks.stop()
-    plan, _ = _planned(base, adapter, out_dir, opts, problems)
-    return _run(plan, out_dir, opts, before_commit, steps)
+        self.checks: ChecksBeside | None = None
+        self.confirm: _Confirmed | None = None
+
+    def inputs(self) -> dict:
+        return _inputs(self.base, self.adapter)
+
+    def plan(self) -> Plan:
+        plan, self.checks = _planned(
+            self.base, self.adapter, self.out_dir, self.opts, self.problems, beside=self.beside
+        )
+        return plan
+
+    def carry_out(self, plan: Plan) -> MergeReport:
+        """The plan described (a dry run) or merged; where the model-class checks run beside it and made another
+        plan, merged again with theirs."""
+        for note in plan.notes if self.steps.world.rank == 0 else ():
+            log.debug("%s", note)  # the report's summary (the CLI prints it) shows each note once
+        if self.dry_run:
+            return _described(plan, self.out_dir)
+        if self.checks is None:
+            return super().carry_out(plan)
+        self.confirm = _Confirmed(plan, self.checks)
+        try:
+            return super().carry_out(plan)
+        except PlanChanged as e:
+            log.info("%s; merging again with it", e)
+        finally:
+            self.confirm.checks.stop()
+        self.confirm = None
+        plan, _ = _planned(self.base, self.adapter, self.out_dir, self.opts, self.problems)
+        return super().carry_out(plan)
+
+    def source(self, plan: Plan) -> CheckpointReader:
+        return CheckpointReader(
+            plan,
+            self.steps.world.device(resolve_device(self.opts.device)),
+            resume=self.opts.resume,
+            workers=self.opts.workers or default_workers(self.steps.world.local_size),
+        )
+
+    def coordinator(self, plan: Plan) -> Coordinator | None:
+        """The ranks' shares of a distributed job; one process whose checks run beside it: their verdict."""
+        return SpreadShards(plan, self.steps) if self.steps.world.distributed else self.confirm
+
+    def before_commit(self) -> Callable[[str], None] | None:
+        return self.confirm.then(self.hook) if self.confirm is not None else self.hook
+
+
+def _described(plan: Plan, out_dir) -> MergeReport:
+    """The report of a dry run: the plan, nothing written."""
+    return MergeReport(
+        out_dir=os.path.abspath(out_dir),
+        base=plan.inputs.base.folder,
+        adapter=", ".join(plan.inputs.adapter.folders),
+        dtype=str(plan.dtype).removeprefix("torch."),
+        base_precision=plan.base_precision,
+        tensors_written=0,
+        lora_modules_total=plan.layer_count,
+        shards=list(plan.shard_names),
+        notes=list(plan.notes),
+        dry_run=True,
+        plan_text=plan.describe(),
+        reproduces=plan.reproduces,
+    )
 
 
 def _inputs(base, adapter) -> dict:
@@ -448,28 +503,6 @@ def _planned(
         if isinstance(e, ShardMergeError):
             raise
         raise FileSystemError(e, NOTHING_WRITTEN) from e
-
-
-def _run(
-    plan: Plan, out_dir: str, opts: MergeOptions, before_commit, steps: JobSteps, confirm: "_Confirmed | None" = None
-) -> MergeReport:
-    """Carry the plan out into ``out_dir`` (checked by ``confirm`` between tensors and before the commit)."""
-    reader = CheckpointReader(
-        plan,
-        steps.world.device(resolve_device(opts.device)),
-        resume=opts.resume,
-        workers=opts.workers or default_workers(steps.world.local_size),
-    )
-    if confirm is not None:
-        before_commit = confirm.then(before_commit)
-    return run(
-        plan,
-        reader,
-        FolderSink(out_dir, overwrite=opts.overwrite),
-        progress=opts.progress,
-        before_commit=before_commit,
-        coordinator=SpreadShards(plan, steps) if steps.world.distributed else confirm,
-    )
 
 
 #: how an error found by the checks beside a merge begins

@@ -13,25 +13,26 @@ from ..checkpoint.reader import CheckpointReader
 from ..distributed import fsdp1 as fsdp1_view
 from ..distributed import zero3 as zero3_view
 from ..distributed.coordinators import GatherUnits
-from ..distributed.ranks import STEPS, agree_on_plan, failed
+from ..distributed.ranks import STEPS
 from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
 from ..distributed.world import JobSteps, current_world
 from ..engine.budget import MemoryBudget
-from ..engine.execute import run
 from ..engine.pipeline import default_workers
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
+from ..engine.source import Coordinator, Source
 from ..errors import InputError
 from ..model.planner import LiveSource, plan_live, valid_generation_config
 from ..model.reader import ModelReader
 from ..model.walk import unwrap, walk
 from ..options import MODEL, MergeOptions, parse_dtype, parse_size
-from ..output.checks import check_out_dir, foreign_model_problems, settle_out_dir, source_folders
+from ..output.checks import check_out_dir, foreign_model_problems, source_folders
 from ..output.record import live_merge_info
-from ..output.shard_sink import FolderSink
 from ..support.model import require_supported
+from .job import MergeJob
 from .model_plan import (  # noqa: F401 - public
     BASE_PRECISIONS,
+    ModelPlan,
     adapter_selection,
     build_model_plan,
     model_dtype,
@@ -179,9 +180,42 @@ def save_model(
     ``overwrite``, ``replace_check(out_dir)`` names what forbids replacing a non-empty ``out_dir`` (checked again
     under the output lock, as the drop-ins' re-save needs)."""
     with quiet_libraries():
-        budget = None
+        return ModelJob(model, out_dir, opts, problems, adapter_names, tokenizer, replace_check).run()
+
+
+class ModelJob(MergeJob):
+    """A loaded model's merge (:func:`merge_and_save`, the drop-ins' 16-bit saves) as one
+    :class:`~peft_shardmerge.api.job.MergeJob`: planned from the model (a sharded one from a view of it unsharded),
+    read from the weights in memory or the original checkpoint, gathered unit by unit on every rank of a sharded
+    model.
+
+    Args:
+        model: the PeftModel (or the engine or wrapper sharding it).
+        out_dir: the output folder.
+        opts: the options.
+        problems: the options' problems.
+        adapter_names: the adapters merged (None: the active ones).
+        tokenizer: saved with the model (an object, a folder or a Hub id).
+        replace_check: with ``overwrite``, what forbids replacing a non-empty ``out_dir``.
+
+    Raises:
+        InputError: a wrapper that does not shard the model, or a sharding that cannot be gathered (before anything
+            is written).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        out_dir,
+        opts: MergeOptions,
+        problems: list[str],
+        adapter_names: list[str] | None = None,
+        tokenizer: Any = None,
+        replace_check: Callable[[str], list[str]] | None = None,
+    ):
+        self.budget = None
         try:
-            budget = MemoryBudget(opts.maximum_memory_usage)
+            self.budget = MemoryBudget(opts.maximum_memory_usage)
         except InputError as e:  # reported with every other problem
             problems += e.problems
         wrapper, sharding = type(model).__name__, sharding_of(model)
@@ -196,53 +230,47 @@ def save_model(
             )
         if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
             raise InputError(sharding_problems(model, opts.base_precision) + problems)
-        # the one write before planning: a commit a killed merge left half done is finished or undone
-        settle_out_dir(out_dir, inputs=source_folders(model), overwrite=opts.overwrite)
-        # a model sharded by FSDP1 or ZeRO-3 is planned from a view of it unsharded; FSDP2 shows full shapes as it is
-        view = VIEWS.get(sharding)
-        steps = JobSteps(current_world(), STEPS) if sharding is not None else None
-        try:
-            if view is not None:
-                problems += sharding_problems(model, opts.base_precision)
-                if problems:
-                    raise InputError(problems)
-            with view(model) if view is not None else nullcontext(model) as planned_model:
-                planned = build_model_plan(
-                    planned_model,
-                    out_dir,
-                    opts,
-                    adapter_names,
-                    problems,
-                    sharded=sharding if view is not None else None,
-                )
-                info = _record_info(planned.plan) if view is not None else None
-            plan = planned.plan
-            workers = opts.workers or default_workers(steps.world.local_size if steps is not None else 1)
-            if steps is not None:  # every rank gathers each unit in plan order; rank 0 writes
-                agree_on_plan(steps, plan, out_dir)
-                source = ModelReader(plan, budget, info, copy=True, workers=workers)
-                coordinator = GatherUnits(plan, steps, model)
-            elif isinstance(plan.inputs, LiveSource):
-                source, coordinator = ModelReader(plan, budget, workers=workers), None
-            else:  # from the original checkpoint on disk
-                source, coordinator = CheckpointReader(plan, torch.device(planned.device), workers=workers), None
-            try:
-                sink = FolderSink(
-                    os.path.abspath(os.fspath(out_dir)), overwrite=opts.overwrite, replace_check=replace_check
-                )
-                return run(
-                    plan,
-                    source,
-                    sink,
-                    progress=opts.progress,
-                    before_commit=_side_saver(tokenizer),
-                    coordinator=coordinator,
-                )
-            finally:
-                for folder in plan.resources:
-                    folder.cleanup()
-        except BaseException as e:
-            raise failed(steps, e, out_dir) if steps is not None and steps.world.distributed else e
+        super().__init__(out_dir, opts, problems, JobSteps(current_world(), STEPS) if sharding is not None else None)
+        self.model, self.sharding, self.adapter_names, self.tokenizer = model, sharding, adapter_names, tokenizer
+        self.replace_check = replace_check
+        self.planned: ModelPlan | None = None
+        self.info: dict | None = None
+
+    def inputs(self) -> dict:
+        return source_folders(self.model)
+
+    def plan(self) -> Plan:
+        """The plan; a model sharded by FSDP1 or ZeRO-3 is planned from a view of it unsharded (FSDP2 shows full
+        shapes as it is)."""
+        model, view = self.model, VIEWS.get(self.sharding)
+        if view is not None:
+            self.problems += sharding_problems(model, self.opts.base_precision)
+            if self.problems:
+                raise InputError(self.problems)
+        with view(model) if view is not None else nullcontext(model) as planned_model:
+            sharded = self.sharding if view is not None else None
+            self.planned = build_model_plan(
+                planned_model, self.out_dir, self.opts, self.adapter_names, self.problems, sharded=sharded
+            )
+            self.info = _record_info(self.planned.plan) if view is not None else None
+        return self.planned.plan
+
+    def source(self, plan: Plan) -> Source:
+        """The weights in memory (every rank gathering each unit, for a sharded model), or the original checkpoint."""
+        steps = self.steps
+        workers = self.opts.workers or default_workers(steps.world.local_size if steps is not None else 1)
+        if steps is not None:
+            return ModelReader(plan, self.budget, self.info, copy=True, workers=workers)
+        if isinstance(plan.inputs, LiveSource):
+            return ModelReader(plan, self.budget, workers=workers)
+        return CheckpointReader(plan, torch.device(self.planned.device), workers=workers)
+
+    def coordinator(self, plan: Plan) -> Coordinator | None:
+        """A sharded model: every rank gathers each unit in plan order; rank 0 writes."""
+        return GatherUnits(plan, self.steps, self.model) if self.steps is not None else None
+
+    def before_commit(self) -> Callable[[str], None] | None:
+        return _side_saver(self.tokenizer)
 
 
 def _record_info(plan: Plan) -> dict:
@@ -346,54 +374,95 @@ def save_merged_4bit(
     Raises:
         InputError: bad options or output folder.
     """
-    import warnings
-
-    from transformers import BitsAndBytesConfig
-
     budget = MemoryBudget(maximum_memory_usage)
-    inner = unwrap(model)
-    settle_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite)
-    out_problems = check_out_dir(out_dir, inputs=source_folders(model), overwrite=overwrite)
-    problems = require_supported(model, None, out_problems + foreign_model_problems(out_dir))
-    if sharding_of(model) is not None:
-        problems.append(
-            f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
-            "gather it; merge_and_save (called on every rank) writes the 16-bit merge"
-        )
-    out_dtype = parse_dtype(dtype) or model_dtype(inner)
-    if out_dtype == torch.float32:
-        out_dtype = torch.bfloat16
-    limit = parse_size(max_shard_size)
-    if problems:
-        raise InputError(problems)
-    qc = getattr(inner.config, "quantization_config", None)
-    qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
-    quant4 = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=qc.get("bnb_4bit_quant_type", "nf4") if qc.get("load_in_4bit") else "nf4",
-        bnb_4bit_use_double_quant=bool(qc.get("bnb_4bit_use_double_quant", True)) if qc.get("load_in_4bit") else True,
-        bnb_4bit_compute_dtype=out_dtype,
-    ).to_dict()
-    message = (
-        "save_method='merged_4bit' re-quantizes the merged weights to 4-bit: the result is not the model "
-        "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy"
-    )
-    warnings.warn(message, UserWarning, stacklevel=3)  # once: a log record as well would show it twice
-    plan = plan_live(
-        LiveSource(walk(model, None), quant4=quant4, generation_config=valid_generation_config(inner)),
-        out_dtype,
-        limit,
-    )
-    report = run(
-        plan,
-        ModelReader(plan, budget, workers=default_workers()),
-        FolderSink(out_dir, overwrite=overwrite, replace_check=replace_check),
-        progress=progress,
-        before_commit=_side_saver(tokenizer),
-    )
+    opts = MergeOptions(overwrite=overwrite, progress=progress)
+    job = Requantized4bitJob(model, out_dir, opts, tokenizer, dtype, max_shard_size, budget, replace_check)
+    report = job.run()
+    quant4 = job.quant4
     report.notes.insert(
         0,
         f"weights re-quantized to 4-bit ({quant4['bnb_4bit_quant_type']}, "
         f"{'double quant' if quant4['bnb_4bit_use_double_quant'] else 'no double quant'})",
     )
     return report
+
+
+class Requantized4bitJob(ModelJob):
+    """``save_method="merged_4bit"`` as one :class:`~peft_shardmerge.api.job.MergeJob`: the model merged in fp32,
+    each weight bitsandbytes quantizes stored in 4-bit again (a model that is not sharded).
+
+    Args:
+        model: the trained ``PeftModel``.
+        out_dir: the output folder.
+        opts: ``overwrite`` and ``progress``.
+        tokenizer: saved with the model when given.
+        dtype: the compute dtype recorded for the 4-bit layers, as given (None: the model's; fp32 becomes bf16).
+        max_shard_size: the largest shard, as given.
+        budget: the :class:`~peft_shardmerge.engine.budget.MemoryBudget`.
+        replace_check: with ``overwrite``, what forbids replacing a non-empty ``out_dir``.
+
+    Attributes:
+        quant4: the 4-bit settings written (once planned).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        out_dir,
+        opts: MergeOptions,
+        tokenizer: Any,
+        dtype: str | torch.dtype | None,
+        max_shard_size: int | str,
+        budget: MemoryBudget,
+        replace_check: Callable[[str], list[str]] | None,
+    ):
+        MergeJob.__init__(self, out_dir, opts, [])  # not sharded: none of ModelJob's checks of a sharding apply
+        self.model, self.tokenizer, self.replace_check = model, tokenizer, replace_check
+        self.dtype, self.max_shard_size, self.budget = dtype, max_shard_size, budget
+        self.quant4: dict = {}
+
+    def plan(self) -> Plan:
+        """Every check, then the live plan with the 4-bit settings (warning once that the result is not the model
+        trained)."""
+        import warnings
+
+        from transformers import BitsAndBytesConfig
+
+        model, out_dir, opts = self.model, self.out_dir, self.opts
+        inner = unwrap(model)
+        out_problems = check_out_dir(out_dir, inputs=source_folders(model), overwrite=opts.overwrite)
+        problems = require_supported(model, None, out_problems + foreign_model_problems(out_dir))
+        if sharding_of(model) is not None:
+            problems.append(
+                f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
+                "gather it; merge_and_save (called on every rank) writes the 16-bit merge"
+            )
+        out_dtype = parse_dtype(self.dtype) or model_dtype(inner)
+        if out_dtype == torch.float32:
+            out_dtype = torch.bfloat16
+        limit = parse_size(self.max_shard_size)
+        if problems:
+            raise InputError(problems)
+        qc = getattr(inner.config, "quantization_config", None)
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
+        self.quant4 = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=qc.get("bnb_4bit_quant_type", "nf4") if qc.get("load_in_4bit") else "nf4",
+            bnb_4bit_use_double_quant=bool(qc.get("bnb_4bit_use_double_quant", True))
+            if qc.get("load_in_4bit")
+            else True,
+            bnb_4bit_compute_dtype=out_dtype,
+        ).to_dict()
+        message = (
+            "save_method='merged_4bit' re-quantizes the merged weights to 4-bit: the result is not the model "
+            "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy"
+        )
+        warnings.warn(message, UserWarning, stacklevel=5)  # once: a log record as well would show it twice
+        walked = LiveSource(walk(model, None), quant4=self.quant4, generation_config=valid_generation_config(inner))
+        return plan_live(walked, out_dtype, limit)
+
+    def source(self, plan: Plan) -> Source:
+        return ModelReader(plan, self.budget, workers=default_workers())
+
+    def coordinator(self, plan: Plan) -> Coordinator | None:
+        return None

@@ -1,0 +1,122 @@
+"""One merge from call to commit: the output settled once, the plan agreed on by every rank, then carried out."""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from ..distributed.ranks import agree_on_plan, failed
+from ..distributed.world import JobSteps
+from ..engine.execute import run
+from ..engine.plan import Plan
+from ..engine.report import MergeReport
+from ..engine.sink import Sink
+from ..engine.source import Coordinator, Source
+from ..options import MergeOptions
+from ..output.checks import settle_out_dir
+from ..output.shard_sink import FolderSink
+
+
+class MergeJob(ABC):
+    """One merge, from the call to the commit, the way every entry that writes a merged folder runs it. What differs
+    between entries (where the plan comes from, what produces its tensors, which ranks take part) is a method a
+    subclass gives; the order of the steps is here, once:
+
+    1. the output settled: a commit a killed merge left half done is finished or undone (the one write before the
+       plan; planning itself writes nothing);
+    2. the plan made (:meth:`plan`), and agreed on by every rank of a distributed job;
+    3. carried out (:meth:`carry_out`): the one executor streams the plan's tensors from :meth:`source` into
+       :meth:`sink`, with :meth:`coordinator`'s hooks for the job's ranks;
+    4. the plan's resources released; in a distributed job, a failure said once, with what became of ``out_dir``.
+
+    Args:
+        out_dir: the output folder, as given (the output checks name a wrong one).
+        opts: the merge's options.
+        problems: problems found in the options, reported with the plan's.
+        steps: the steps of a distributed job's ranks (None: this process alone).
+
+    Example:
+        >>> import os, tempfile
+        >>> from peft_shardmerge.api.disk import CheckpointJob
+        >>> from peft_shardmerge.distributed.world import JobSteps, World
+        >>> from peft_shardmerge.distributed.ranks import STEPS
+        >>> from peft_shardmerge.options import MergeOptions
+        >>> from peft_shardmerge.testing import build_adapter, build_base
+        >>> tmp = tempfile.mkdtemp()
+        >>> base = build_base(os.path.join(tmp, "base"))
+        >>> adapter = build_adapter(base, os.path.join(tmp, "adapter"))
+        >>> job = CheckpointJob(base, adapter, os.path.join(tmp, "merged"), MergeOptions(progress=False), [],
+        ...                     JobSteps(World(), STEPS))
+        >>> job.run().lora_modules_merged
+        14
+    """
+
+    #: whether the job writes (a dry run only plans: nothing is settled)
+    writes = True
+    #: with ``overwrite``, what forbids replacing a non-empty ``out_dir`` (None: anything but an earlier output)
+    replace_check: Callable[[str], list[str]] | None = None
+
+    def __init__(self, out_dir, opts: MergeOptions, problems: list[str], steps: JobSteps | None = None):
+        self.out_dir, self.opts, self.problems, self.steps = out_dir, opts, problems, steps
+
+    def run(self) -> MergeReport:
+        """Settle the output, plan, agree on the plan, carry it out; release the plan's resources.
+
+        Returns:
+            The :class:`~peft_shardmerge.engine.report.MergeReport`.
+        """
+        try:
+            if self.writes:
+                settle_out_dir(self.out_dir, inputs=self.inputs(), overwrite=self.opts.overwrite)
+            plan = self.plan()
+            if self.steps is not None:
+                agree_on_plan(self.steps, plan, self.out_dir)
+            try:
+                return self.carry_out(plan)
+            finally:
+                for folder in plan.resources:
+                    folder.cleanup()
+        except BaseException as e:
+            if self.steps is None or not self.steps.world.distributed:
+                raise
+            raise failed(self.steps, e, self.out_dir)
+
+    def carry_out(self, plan: Plan) -> MergeReport:
+        """The one executor, from :meth:`source` into :meth:`sink`."""
+        return run(
+            plan,
+            self.source(plan),
+            self.sink(plan),
+            progress=self.opts.progress,
+            before_commit=self.before_commit(),
+            coordinator=self.coordinator(plan),
+        )
+
+    @abstractmethod
+    def inputs(self) -> dict:
+        """The input folders by role, which the output may not be."""
+        ...  # pragma: no cover - each job says
+
+    @abstractmethod
+    def plan(self) -> Plan:
+        """The plan (raising every problem found, those of the options included)."""
+        ...  # pragma: no cover - each job says
+
+    @abstractmethod
+    def source(self, plan: Plan) -> Source:
+        """What produces the plan's tensors."""
+        ...  # pragma: no cover - each job says
+
+    def coordinator(self, plan: Plan) -> Coordinator | None:
+        """The hooks of the job's ranks (None: this process alone)."""
+        return None
+
+    def sink(self, plan: Plan) -> Sink:
+        """Where the merge goes: the safetensors folder ``out_dir``."""
+        out = os.path.abspath(os.fspath(self.out_dir))
+        return FolderSink(out, overwrite=self.opts.overwrite, replace_check=self.replace_check)
+
+    def before_commit(self) -> Callable[[str], None] | None:
+        """Called with the folder being written, after its side files."""
+        return None
