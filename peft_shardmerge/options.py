@@ -112,6 +112,8 @@ BASE_PRECISIONS = ("auto", "original", "nf4")
 MODEL_BASE_PRECISIONS = ("auto", "original", "dequantized")
 #: the two paths: a checkpoint on disk (merge_checkpoint) and a loaded model (merge_and_save)
 DISK, MODEL = "disk", "model"
+#: the in-process entries' keywords named as PEFT names them, and the option fields they set
+PEFT_NAMES = {"combination_type": "combination", "majority_sign_method": "majority_sign"}
 _PATH_DEFAULTS = {DISK: {"base_precision": "auto"}, MODEL: {"base_precision": "auto"}}
 #: knobs that mean something on one path only, with what to use on the other
 _ONE_PATH = {
@@ -363,6 +365,28 @@ class MergeOptions:
         if problems:
             raise InputError(problems)
         return self
+
+    @classmethod
+    def from_call(cls, call: dict, *, path: str = DISK) -> tuple["MergeOptions", list[str]]:
+        """The options of a public call, from its arguments as its signature names them (``locals()`` as it starts):
+        each option field among them (PEFT's ``combination_type`` and ``majority_sign_method`` taken as
+        ``combination`` and ``majority_sign``), merged with its ``options=`` by :meth:`merged`'s precedence.
+
+        Args:
+            call: the call's arguments by name; those that are no option (the model, the folders) are left out.
+            path: ``"disk"`` or ``"model"``: which path's defaults and knobs apply.
+
+        Returns:
+            ``(options, problems)`` as :meth:`merged` returns them.
+
+        Example:
+            >>> opts, problems = MergeOptions.from_call({"model": None, "combination_type": "linear"})
+            >>> opts.combination, problems
+            ('linear', [])
+        """
+        names = {f.name for f in fields(cls) if f.init}
+        given = {PEFT_NAMES.get(k, k): v for k, v in call.items() if PEFT_NAMES.get(k, k) in names}
+        return cls.merged(call.get("options"), path=path, **given)
 
     @classmethod
     def merged(cls, options: "MergeOptions | None", *, path: str = DISK, **given) -> tuple["MergeOptions", list[str]]:

@@ -111,24 +111,7 @@ def plan_checkpoint_merge(
         >>> os.path.exists(os.path.join(tmp, "merged"))   # a plan writes nothing
         False
     """
-    opts, problems = MergeOptions.merged(
-        options,
-        weights=weights,
-        combination=combination,
-        density=density,
-        majority_sign=majority_sign,
-        normalize=normalize,
-        seed=seed,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        base_precision=base_precision,
-        nf4_quant_type=nf4_quant_type,
-        nf4_blocksize=nf4_blocksize,
-        nf4_double_quant=nf4_double_quant,
-        device=device,
-        overwrite=overwrite,
-        chunk_elems=chunk_elems,
-    )
+    opts, problems = MergeOptions.from_call(locals())
     return plan_with_options(base, adapter, out_dir, opts, problems)
 
 
@@ -355,28 +338,7 @@ def merge_checkpoint(
         >>> report.lora_modules_merged, report.dtype, report.shards
         (14, 'bfloat16', ['model.safetensors'])
     """
-    opts, problems = MergeOptions.merged(
-        options,
-        weights=weights,
-        combination=combination,
-        density=density,
-        majority_sign=majority_sign,
-        normalize=normalize,
-        seed=seed,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        base_precision=base_precision,
-        nf4_quant_type=nf4_quant_type,
-        nf4_blocksize=nf4_blocksize,
-        nf4_double_quant=nf4_double_quant,
-        device=device,
-        overwrite=overwrite,
-        progress=progress,
-        chunk_elems=chunk_elems,
-        resume=resume,
-        workers=workers,
-        model_checks=model_checks,
-    )
+    opts, problems = MergeOptions.from_call(locals())
     with quiet_libraries(transformers=False):  # each step that may import it holds its messages back itself
         if not distributed:
             steps = JobSteps(World(), STEPS)

@@ -169,16 +169,7 @@ def _save_merged(
             progress=progress,
             replace_check=replace_check,
         )
-    opts, problems = MergeOptions.merged(
-        None,
-        path=MODEL,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        maximum_memory_usage=maximum_memory_usage,
-        base_precision=base_precision,
-        overwrite=overwrite,
-        progress=progress,
-    )
+    opts, problems = MergeOptions.from_call(locals(), path=MODEL)
     return save_model(model, folder, opts, problems, tokenizer=tokenizer, replace_check=replace_check)
 
 

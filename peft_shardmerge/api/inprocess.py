@@ -146,23 +146,7 @@ def merge_and_save(
         >>> report.lora_modules_merged, report.base_precision, report.dtype
         (4, 'dequantized', 'float32')
     """
-    opts, problems = MergeOptions.merged(
-        options,
-        path=MODEL,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        maximum_memory_usage=maximum_memory_usage,
-        base_precision=base_precision,
-        weights=weights,
-        combination=combination_type,
-        density=density,
-        majority_sign=majority_sign_method,
-        normalize=normalize,
-        seed=seed,
-        workers=workers,
-        overwrite=overwrite,
-        progress=progress,
-    )
+    opts, problems = MergeOptions.from_call(locals(), path=MODEL)
     return save_model(model, out_dir, opts, problems, adapter_names=adapter_names, tokenizer=tokenizer)
 
 

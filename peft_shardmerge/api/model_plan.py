@@ -278,20 +278,7 @@ def plan_model_merge(
         >>> print(plan.describe().splitlines()[5])
         changed layers:  4
     """
-    opts, problems = MergeOptions.merged(
-        options,
-        path=MODEL,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        base_precision=base_precision,
-        weights=weights,
-        combination=combination_type,
-        density=density,
-        majority_sign=majority_sign_method,
-        normalize=normalize,
-        seed=seed,
-        overwrite=overwrite,
-    )
+    opts, problems = MergeOptions.from_call(locals(), path=MODEL)
     if out_dir is None:
         opts = replace(opts, overwrite=True)
     return build_model_plan(model, out_dir, opts, adapter_names, problems).plan
