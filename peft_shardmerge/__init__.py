@@ -34,7 +34,7 @@ _LAZY = {
     "merge_checkpoint": "api.disk",
     "plan_checkpoint_merge": "api.disk",
     "plan_model_merge": "api.model_plan",
-    "check_out_dir": "output.checks",
+    "check_out_dir": "output.out_dir",
     "MergeReport": "engine.report",
     "MergeOptions": "options",
     "Plan": "engine.plan",

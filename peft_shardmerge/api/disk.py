@@ -21,7 +21,7 @@ from ..engine.report import MergeReport
 from ..engine.source import Alone, Coordinator
 from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
-from ..output.checks import check_out_dir, path_argument
+from ..output.out_dir import check_out_dir, path_argument
 from ..output.staging import NOTHING_WRITTEN
 from .job import MergeJob
 from .model_checks import ChecksBeside, KnownChecks, checks_beside, outline

@@ -11,13 +11,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..checkpoint.source import TOKENIZER_FILES
+from ..checkpoint.base_folder import TOKENIZER_FILES
 from ..engine.report import MergeReport
 from ..errors import InputError
 from ..model.walk import unwrap
 from ..options import MODEL, MergeOptions
-from ..output.checks import check_out_dir, path_argument, settle_out_dir, source_folders
 from ..output.gguf import gguf_hint
+from ..output.out_dir import check_out_dir, path_argument, settle_out_dir, source_folders
 from ..output.record import unlisted_files
 from ..verify.integrity import read_record
 from .gguf import push_to_hub_gguf, save_pretrained_gguf

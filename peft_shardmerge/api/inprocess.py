@@ -22,11 +22,11 @@ from ..engine.plan import Plan
 from ..engine.report import MergeReport
 from ..engine.source import Coordinator, Source
 from ..errors import InputError
-from ..model.planner import LiveSource, plan_live, valid_generation_config
+from ..model.planner import LiveInputs, plan_live, valid_generation_config
 from ..model.reader import ModelReader
 from ..model.walk import unwrap, walk
 from ..options import MODEL, MergeOptions, parse_dtype, parse_size
-from ..output.checks import check_out_dir, foreign_model_problems, source_folders
+from ..output.out_dir import check_out_dir, foreign_model_problems, source_folders
 from ..output.record import live_merge_info
 from ..support.model import require_supported
 from .job import MergeJob
@@ -245,7 +245,7 @@ class ModelJob(MergeJob):
         workers = self.opts.workers or default_workers(steps.world.local_size if steps is not None else 1)
         if steps is not None:
             return ModelReader(plan, self.budget, self.info, copy=True, workers=workers)
-        if isinstance(plan.inputs, LiveSource):
+        if isinstance(plan.inputs, LiveInputs):
             return ModelReader(plan, self.budget, workers=workers)
         return CheckpointReader(plan, torch.device(self.planned.device), workers=workers)
 
@@ -274,7 +274,7 @@ def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
     tokenizer = load_tokenizer(tokenizer)
 
     def save(folder: str) -> None:
-        from ..checkpoint.source import TOKENIZER_FILES
+        from ..checkpoint.base_folder import TOKENIZER_FILES
 
         for name in TOKENIZER_FILES:  # no file of the base's tokenizer may outlive the one given
             path = os.path.join(folder, name)
@@ -442,7 +442,7 @@ class Requantized4bitJob(ModelJob):
             "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy"
         )
         warnings.warn(message, UserWarning, stacklevel=5)  # once: a log record as well would show it twice
-        walked = LiveSource(walk(model, None), quant4=self.quant4, generation_config=valid_generation_config(inner))
+        walked = LiveInputs(walk(model, None), quant4=self.quant4, generation_config=valid_generation_config(inner))
         return plan_live(walked, out_dtype, limit)
 
     def source(self, plan: Plan) -> Source:

@@ -14,7 +14,7 @@ from ..engine.report import MergeReport
 from ..engine.sink import Sink
 from ..engine.source import Coordinator, Source
 from ..options import MergeOptions
-from ..output.checks import settle_out_dir
+from ..output.out_dir import settle_out_dir
 from ..output.shard_sink import FolderSink
 
 

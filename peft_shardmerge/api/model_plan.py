@@ -17,10 +17,10 @@ from ..checkpoint.planner import plan_from_folders
 from ..distributed.sharding import SHARDINGS, sharding_of, sharding_problems
 from ..engine.plan import Plan
 from ..errors import FileSystemError, InputError, ShardMergeError
-from ..model.planner import LiveSource, in_memory_text, plan_live, valid_generation_config
+from ..model.planner import LiveInputs, in_memory_text, plan_live, valid_generation_config
 from ..model.walk import check_adapter_names, unwrap, walk
 from ..options import MODEL, MODEL_BASE_PRECISIONS, MergeOptions
-from ..output.checks import check_out_dir, foreign_model_problems, source_folders
+from ..output.out_dir import check_out_dir, foreign_model_problems, source_folders
 from ..output.side_files import candidate_folders
 from ..output.staging import NOTHING_WRITTEN
 from ..support.combinations import TASK_VECTOR_METHODS, combination_problems
@@ -346,7 +346,7 @@ def build_model_plan(
             model, inner, original, out_dir, replace(opts, dtype=out_dtype), adapters, weight_map
         )
     else:
-        source = LiveSource(
+        source = LiveInputs(
             walk(model, names),
             names,
             weight_map,
@@ -377,7 +377,7 @@ def checkpoint_order(inner: nn.Module) -> list[str]:
         >>> checkpoint_order(nn.Linear(2, 2))
         []
     """
-    from ..checkpoint.source import open_checkpoint
+    from ..checkpoint.base_folder import open_checkpoint
 
     name = str(getattr(getattr(inner, "config", None), "_name_or_path", "") or "")
     for folder in candidate_folders(name)[:1]:

@@ -64,7 +64,7 @@ def _samples(live: LiveModel) -> list:
 
 def _compare(live: LiveModel, folder: str) -> tuple[str, tuple[str, ...], list[float]]:
     """``(problem or "", names compared, per-layer quantization errors)`` for one candidate folder."""
-    from ..checkpoint.source import open_checkpoint
+    from ..checkpoint.base_folder import open_checkpoint
     from ..io.safetensors_io import RowReader
     from ..quant.nf4 import Nf4Settings, quantize_roundtrip
     from ..support.model_info import in_file_names

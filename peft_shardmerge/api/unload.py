@@ -203,7 +203,7 @@ def merge_and_unload(
         UnsupportedError: an adapter feature that cannot be merged (named).
     """
     from ..model.in_place import ModuleReplacer
-    from ..model.planner import LiveSource, plan_live
+    from ..model.planner import LiveInputs, plan_live
 
     budget = MemoryBudget(maximum_memory_usage)
     out_dtype = parse_dtype(dtype)
@@ -232,7 +232,7 @@ def merge_and_unload(
         combination_type, list(weight_map.values()), density, majority_sign_method, normalize, seed
     )
     live = walk(model, names)
-    plan = plan_live(LiveSource(live, names, weight_map, combination_type, vectors), out_dtype, limit=1 << 62)
+    plan = plan_live(LiveInputs(live, names, weight_map, combination_type, vectors), out_dtype, limit=1 << 62)
     replacer = ModuleReplacer(plan, out_dtype)  # checks, before changing anything
     merger = LiveMerger(live, budget, out_dtype, weight_map, combination_type, plan.chunk_elems, vectors)
     replacer.write(merger, progress=progress)

@@ -13,7 +13,7 @@ import torch
 
 from ..engine.task_vectors import TaskVectorMethod
 from ..errors import CorruptFileError, InputError
-from ..support.check import DISK, check_layers, raise_if_any, residual_init
+from ..support.claims import DISK, check_layers, raise_if_any, residual_init
 from ..support.combinations import (
     COMBINATIONS,
     check_weights,
@@ -31,8 +31,8 @@ from .adapter_files import (
     pattern_key,
     read_adapter_tensors,
 )
+from .base_folder import read_json, resolve_folder
 from .peft_deltas import DELTA_TYPES
-from .source import read_json, resolve_folder
 
 __all__ = [
     "ADAPTER_BIN",
@@ -165,7 +165,7 @@ def load_adapter(location: str) -> AdapterSpec:
         InputError: config fields are missing or of the wrong type, or A/B shapes disagree.
         CorruptFileError: the weights file is malformed.
     """
-    from .source import TOKENIZER_FILES
+    from .base_folder import TOKENIZER_FILES
 
     folder = resolve_folder(location, what="adapter", must_have=(ADAPTER_CONFIG,))
     config = read_json(os.path.join(folder, ADAPTER_CONFIG), "adapter_config.json")

@@ -12,7 +12,7 @@ from ..engine.maths import one_cpu_thread
 from ..errors import InputError, NotFoundError
 from ..io.safetensors_io import FLOAT_DTYPES, RowReader, TensorInfo, read_header, row_blocks
 from ..options import DEFAULT_CHUNK_ELEMS
-from ..support.check import DISK, check_config, raise_if_any
+from ..support.claims import DISK, check_config, raise_if_any
 from ..support.peft_reading import positive_number
 from .peft_deltas import DELTA_TYPES
 

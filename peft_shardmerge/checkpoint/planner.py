@@ -13,20 +13,20 @@ from ..engine.plan import Op, Plan, PlannedTensor, assign_shards
 from ..errors import InputError
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, row_blocks
 from ..options import BASE_PRECISIONS, OUTPUT_DTYPES, MergeOptions
-from ..output.checks import check_out_dir, check_space
 from ..output.config import output_config
+from ..output.out_dir import check_out_dir, check_space
 from ..quant.nf4 import Nf4Settings
-from ..support.check import DISK, check_layers, config_variants, raise_if_any
+from ..support.claims import DISK, check_layers, config_variants, raise_if_any
 from ..support.combinations import warn_about_combination
 from ..support.model import check_model, no_bias_problem
 from ..support.model_info import ModelInfo, in_file_names, inspect_model
 from ..support.peft_reading import adapter_load_problems, unmergeable_targets
 from ..support.ties import untie_note
 from .adapter import AdapterSpec, load_adapter
+from .base_folder import CheckpointSource, check_base_files, open_checkpoint
 from .combine import combine_adapters
 from .peft_deltas import rebuild
-from .planners import PlanState, plan_lora, plan_peft_ops, plan_replacements, plan_ties, plan_tokens, plan_vocab
-from .source import CheckpointSource, check_base_files, open_checkpoint
+from .place_changes import PlanState, plan_lora, plan_peft_ops, plan_replacements, plan_ties, plan_tokens, plan_vocab
 from .trained_base import base_name_notes, disk_base_choice
 
 #: what :func:`plan_from_folders` calls before the model-class checks: ``(base precision, base storage or None)``
@@ -297,7 +297,7 @@ def plan_from_folders(
         opts: the options; ``base_precision`` ``"auto"`` is resolved here from the adapters' training settings.
         problems: problems already found, reported with the plan's.
         out_dir: the output folder: its free space is checked (and, with ``check_out``, everything else about it).
-        check_out: check ``out_dir`` as :func:`~peft_shardmerge.output.checks.check_out_dir` does (False: the
+        check_out: check ``out_dir`` as :func:`~peft_shardmerge.output.out_dir.check_out_dir` does (False: the
             caller did).
         model_checks: build the model class on the meta device and ask PEFT which adapter tensors it loads; False
             plans from the files alone (as for a custom architecture), for a merge whose checks run beside it

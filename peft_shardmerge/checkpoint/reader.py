@@ -25,7 +25,7 @@ from ..output.resume import InputDigests
 from ..output.side_files import copy_side_files
 from ..output.writer import ShardWriter
 from ..quant.nf4 import quantize_roundtrip
-from .source import TOKENIZER_FILES
+from .base_folder import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 

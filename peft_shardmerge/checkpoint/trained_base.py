@@ -122,7 +122,7 @@ def base_named_by(adapter: str) -> str:
           - adapter /... names no base (base_model_name_or_path is empty in its adapter_config.json): ...
     """
     from ..errors import InputError, NotFoundError
-    from .source import resolve_folder
+    from .base_folder import resolve_folder
 
     folder = resolve_folder(adapter, what="adapter", must_have=("adapter_config.json",))
     try:

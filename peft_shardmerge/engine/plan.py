@@ -112,7 +112,7 @@ class PlannedTensor:
 class PlanInputs(Protocol):
     """What a plan reads, as the plan shows it: a checkpoint and adapter folders
     (:class:`~peft_shardmerge.checkpoint.planner.CheckpointInputs`) or a loaded model
-    (:class:`~peft_shardmerge.model.planner.LiveSource`)."""
+    (:class:`~peft_shardmerge.model.planner.LiveInputs`)."""
 
     def header(self, plan: Plan) -> list[str]:
         """The first lines of :meth:`Plan.describe`: base, adapter, precision, changed layers."""

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class LiveSource:
+class LiveInputs:
     """What produces the tensors of a loaded model's plan.
 
     Attributes:
@@ -101,7 +101,7 @@ class LiveSource:
 
 
 def plan_live(
-    source: LiveSource,
+    source: LiveInputs,
     out_dtype: torch.dtype,
     limit: int,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,

@@ -1,5 +1,5 @@
 """The allowlist as data: every (PEFT type, layer, variant, path) peft-shardmerge claims to merge, and how each
-adapter config field is classified (inert, handled, refused); :mod:`peft_shardmerge.support.check` checks inputs
+adapter config field is classified (inert, handled, refused); :mod:`peft_shardmerge.support.claims` checks inputs
 against it."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from .check import DISK, IN_PROCESS, check_supported, config_variants, layer_kind, peft_type_of, raise_if_any
+from .claims import DISK, IN_PROCESS, check_supported, config_variants, layer_kind, peft_type_of, raise_if_any
 
 #: the attribute a merge_and_unload that failed part-way leaves on the model, holding the refusal of later merges
 HALF_MERGED = "peft_shardmerge_half_merged"

@@ -6,7 +6,7 @@ import copy
 import logging
 from dataclasses import dataclass, field
 
-from .check import layer_kind
+from .claims import layer_kind
 from .ties import tie_enabled
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class ModelInfo:
         shapes: the expected shape of each of them.
         tie_enabled: whether the config ties the output embedding to the input embedding.
         layers: the allowlist's kind of each module that holds parameters (``{"model.layers.0.mlp.up_proj":
-            "Linear"}``; see :func:`~peft_shardmerge.support.check.layer_kind`).
+            "Linear"}``; see :func:`~peft_shardmerge.support.claims.layer_kind`).
     """
 
     available: bool = False

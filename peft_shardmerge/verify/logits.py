@@ -343,7 +343,7 @@ def dequantized_base(cls, base: str) -> torch.nn.Module:
     Raises:
         OSError: the checkpoint cannot be read.
     """
-    from ..checkpoint.source import open_checkpoint
+    from ..checkpoint.base_folder import open_checkpoint
     from ..quant.formats import quant_method
 
     src = open_checkpoint(base)

@@ -123,7 +123,7 @@ def settle_stored_base(options: dict | None, record: dict | None, base: str) -> 
     """
     if options is None or options["base_precision"] != "nf4" or (record or {}).get("path") == "disk":
         return options, []
-    from ..checkpoint.source import open_checkpoint
+    from ..checkpoint.base_folder import open_checkpoint
 
     try:
         view = open_checkpoint(base).quantized
@@ -171,10 +171,10 @@ def _plan(base: str, adapters: list[str], options: dict):
     """``(model info, plan)``: the disk engine's plan for ``options``, built the way ``plan_checkpoint_merge``
     builds it (without an output folder)."""
     from ..checkpoint.adapter import load_adapter
+    from ..checkpoint.base_folder import open_checkpoint
     from ..checkpoint.combine import combine_adapters
     from ..checkpoint.peft_deltas import rebuild
     from ..checkpoint.planner import build_plan
-    from ..checkpoint.source import open_checkpoint
     from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
     from ..support.model_info import inspect_model
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checkpoint.source import INDEX_FILE, SINGLE_FILE, safe_shard_name
+from ..checkpoint.base_folder import INDEX_FILE, SINGLE_FILE, safe_shard_name
 from ..errors import NotFoundError, ShardMergeError
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, RowReader, read_header, row_blocks
 from ..output.record import RECORD_FILE

@@ -1,11 +1,11 @@
-"""What the allowlist (``peft_shardmerge.support.check``) claims about a conformance case, read through its public
+"""What the allowlist (``peft_shardmerge.support.claims``) claims about a conformance case, read through its public
 data (``is_claimed``, ``layer_kind``, ``config_variants``): the matrix then asserts that claimed cases are merged,
 never refused."""
 
 from __future__ import annotations
 
 try:
-    from peft_shardmerge.support import check as support
+    from peft_shardmerge.support import claims as support
 except ImportError:  # an allowlist is optional to the matrix: without one nothing is claimed
     support = None
 

@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from peft_shardmerge.output.checks import check_out_dir, settle_out_dir
+from peft_shardmerge.output.out_dir import check_out_dir, settle_out_dir
 from tests.helpers import tree
 
 WRITER = textwrap.dedent("""

@@ -283,7 +283,7 @@ def test_planning_writes_nothing():
     ``settle_out_dir``) is called from the entries in ``api/`` alone."""
     import inspect
 
-    from peft_shardmerge.output.checks import check_out_dir
+    from peft_shardmerge.output.out_dir import check_out_dir
 
     recovers, settles = [], []
     for mod in read_package(PACKAGE_DIR).values():

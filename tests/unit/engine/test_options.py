@@ -82,8 +82,8 @@ def test_dtype_and_shard_size_are_parsed_once_and_a_value_that_does_not_parse_ne
     make_base, make_adapter
 ):
     from peft_shardmerge.checkpoint.adapter import load_adapter
+    from peft_shardmerge.checkpoint.base_folder import open_checkpoint
     from peft_shardmerge.checkpoint.planner import build_plan
-    from peft_shardmerge.checkpoint.source import open_checkpoint
     from peft_shardmerge.support.model_info import inspect_model
 
     opts = MergeOptions(dtype="fp16", max_shard_size="2GiB")

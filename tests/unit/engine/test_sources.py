@@ -37,7 +37,7 @@ def test_both_sources_through_the_one_executor_write_the_same_bytes(make_base, t
 
 
 def test_a_row_block_of_the_disk_source_reads_only_its_rows(make_base):
-    from peft_shardmerge.checkpoint.source import open_checkpoint
+    from peft_shardmerge.checkpoint.base_folder import open_checkpoint
 
     disk = open_checkpoint(make_base("llama"))
     name = next(t.name for t in disk.tensors if t.name.endswith("mlp.down_proj.weight"))

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peft_shardmerge import ShardMergeError
-from peft_shardmerge.checkpoint.source import open_checkpoint
+from peft_shardmerge.checkpoint.base_folder import open_checkpoint
 from peft_shardmerge.errors import CorruptFileError
 from peft_shardmerge.io.safetensors_io import read_header
 

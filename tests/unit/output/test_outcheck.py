@@ -93,7 +93,7 @@ def test_overwrite_replaces_an_earlier_output_with_its_model_card_and_says_so(ti
         f"output folder {out} holds an earlier output of peft-shardmerge; pass overwrite=True to replace it "
         f"({shards} shards, {4 + (card == 'edited')} other files of the merge and README.md, {card} after it)"
     )
-    with caplog.at_level(logging.INFO, logger="peft_shardmerge.output.checks"):
+    with caplog.at_level(logging.INFO, logger="peft_shardmerge.output.out_dir"):
         merge_checkpoint(str(base), tiny[1], str(out), overwrite=True, dtype="float16", progress=False)
     assert any(
         "README.md, " + card + " after it) is replaced once the new one is complete" in r.getMessage()
@@ -186,8 +186,8 @@ def _our_staging(tmp_path, name: str, nbytes: int):
 
 
 def test_only_a_staging_folder_of_ours_counts_as_space_for_the_next_run(tmp_path):
-    from peft_shardmerge.output.checks import staged_bytes
     from peft_shardmerge.output.files import sidecar
+    from peft_shardmerge.output.out_dir import staged_bytes
 
     out = tmp_path / "out"
     staging = tmp_path / ".out.partial"
@@ -215,7 +215,7 @@ def test_only_a_staging_folder_of_ours_counts_as_space_for_the_next_run(tmp_path
 def test_an_unreadable_staging_folder_counts_for_nothing_and_breaks_no_check(tmp_path, monkeypatch):
     import errno
 
-    from peft_shardmerge.output.checks import check_space, staged_bytes
+    from peft_shardmerge.output.out_dir import check_space, staged_bytes
 
     out, staging = _our_staging(tmp_path, "model-00001-of-00001.safetensors", 1 << 20)
     assert staged_bytes(str(out)) > 1 << 20
@@ -242,7 +242,7 @@ def test_an_unreadable_staging_folder_counts_for_nothing_and_breaks_no_check(tmp
 def test_a_staged_file_removed_while_it_is_counted_is_skipped(tmp_path, monkeypatch):
     from contextlib import contextmanager
 
-    from peft_shardmerge.output.checks import staged_bytes
+    from peft_shardmerge.output.out_dir import staged_bytes
 
     out, staging = _our_staging(tmp_path, "manifest.json.tmp", 1 << 20)
     real = os.scandir

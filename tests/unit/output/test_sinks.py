@@ -20,7 +20,7 @@ from peft_shardmerge import InputError, Plan, plan_model_merge
 from peft_shardmerge.api.inprocess import merge_and_save, save_merged_4bit
 from peft_shardmerge.checkpoint.planner import CheckpointInputs
 from peft_shardmerge.io.safetensors_io import read_header
-from peft_shardmerge.model.planner import LiveSource
+from peft_shardmerge.model.planner import LiveInputs
 from peft_shardmerge.output.staging import staged_output
 from peft_shardmerge.quant.nf4 import Nf4Settings, packed_4bit_layout, pad_quant_state, quant_state_fields
 from peft_shardmerge.testing import default_targets
@@ -216,7 +216,7 @@ def test_plan_model_merge_says_what_merge_and_save_writes(kind, make_base, tmp_p
     index = json.load(open(out / "model.safetensors.index.json"))
     assert index == plan.index()
     if kind == "nf4":  # merged from memory; the unquantized model from the checkpoint it was loaded from
-        assert isinstance(plan.inputs, LiveSource) and "merge" in {t.op for t in plan.tensors}
+        assert isinstance(plan.inputs, LiveInputs) and "merge" in {t.op for t in plan.tensors}
     else:
         assert isinstance(plan.inputs, CheckpointInputs)
 
@@ -229,7 +229,7 @@ def test_plan_model_merge_checks_the_options_and_the_folder(make_base, tmp_path)
         plan_model_merge(model, tmp_path / "full", dtype="int3", base_precision="nope")
     text = str(e.value)
     assert "base_precision" in text and "int3" in text and "did not write (x.txt)" in text
-    assert isinstance(plan_model_merge(model, base_precision="dequantized").inputs, LiveSource)  # no folder checked
+    assert isinstance(plan_model_merge(model, base_precision="dequantized").inputs, LiveInputs)  # no folder checked
 
 
 def test_the_dry_run_takes_overwrite_as_merge_and_save_does(make_base, make_adapter, tmp_path):

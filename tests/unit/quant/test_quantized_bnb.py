@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from peft_shardmerge import merge_checkpoint
 from peft_shardmerge.api.disk import plan_checkpoint_merge
 from peft_shardmerge.api.inprocess import merge_and_save
-from peft_shardmerge.checkpoint.source import open_checkpoint
+from peft_shardmerge.checkpoint.base_folder import open_checkpoint
 from peft_shardmerge.errors import CorruptFileError, InputError
 from peft_shardmerge.io.safetensors_io import RowReader, row_blocks
 from peft_shardmerge.testing import build_adapter, build_base, token_ids
@@ -357,7 +357,7 @@ def test_in_process_merge_and_disk_merge_agree(tiny):
 def test_rows_of_weights_whose_rows_do_not_fill_quantization_blocks(tmp_path, kind):
     """Row lengths 68 and 131 are not multiples of the block size (64): every single row, cut anywhere inside a
     quantization block, equals transformers' dequantization."""
-    from peft_shardmerge.checkpoint.source import open_checkpoint
+    from peft_shardmerge.checkpoint.base_folder import open_checkpoint
 
     base = build_base(
         str(tmp_path / "base"),

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from peft_shardmerge import merge_and_save, merge_checkpoint, plan_checkpoint_merge
-from peft_shardmerge.checkpoint.source import open_checkpoint
+from peft_shardmerge.checkpoint.base_folder import open_checkpoint
 from peft_shardmerge.errors import CorruptFileError, InputError
 from peft_shardmerge.io.safetensors_io import RowReader, row_blocks
 from peft_shardmerge.testing import tiny_config, token_ids

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from peft_shardmerge import merge_and_save, merge_checkpoint, plan_checkpoint_merge
-from peft_shardmerge.checkpoint.source import open_checkpoint
+from peft_shardmerge.checkpoint.base_folder import open_checkpoint
 from peft_shardmerge.errors import CorruptFileError, InputError
 from peft_shardmerge.io.safetensors_io import RowReader
 from tests.helpers import folder_tensors

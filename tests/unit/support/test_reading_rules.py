@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from peft_shardmerge import CorruptFileError, InputError, MergeCheckError, NotFoundError, merge_checkpoint
-from peft_shardmerge.checkpoint.source import open_checkpoint
+from peft_shardmerge.checkpoint.base_folder import open_checkpoint
 from peft_shardmerge.engine.block_checks import check_probe_error
 from peft_shardmerge.io.safetensors_io import DTYPES, RowReader, read_header, row_blocks
 from peft_shardmerge.output.side_files import list_side_files

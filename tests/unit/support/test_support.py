@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_shardmerge import InputError, UnsupportedError, merge_and_save, merge_checkpoint, save_pretrained_merged
 from peft_shardmerge.api.unload import merge_and_unload
-from peft_shardmerge.support.check import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
+from peft_shardmerge.support.claims import CLAIMS, PEFT_TYPES, is_claimed, layer_kind, support_table
 from peft_shardmerge.testing import perturb_trainable, token_ids
 from tests.helpers import ROOT_DIR, logits_of, rel_err
 
@@ -243,7 +243,7 @@ def test_a_plain_torch_module_is_refused_not_crashed(targets, tmp_path):
     ],
 )
 def test_layer_refusals_name_the_layer_and_the_fix(kind, path, message):
-    from peft_shardmerge.support.check import check_layers
+    from peft_shardmerge.support.claims import check_layers
 
     problems = check_layers([("m", "LORA", kind, [])], path=path)
     assert len(problems) == 1 and re.match(message, problems[0]), problems
@@ -359,7 +359,7 @@ def test_every_field_of_the_claimed_peft_configs_is_classified():
     ],
 )
 def test_config_options_that_change_the_forward_are_refused_on_both_paths(options, message):
-    from peft_shardmerge.support.check import check_config
+    from peft_shardmerge.support.claims import check_config
 
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, **options}
     for path in ("disk", "in_process"):

@@ -14,8 +14,8 @@ from ..io.safetensors_io import FLOAT_DTYPES, TensorInfo
 from ..support.model_info import ModelInfo
 from ..support.ties import tie_enabled, tokens_on_both_sides, untied_names
 from .adapter import AdapterSpec, LoraModule
+from .base_folder import CheckpointSource
 from .peft_deltas import PartOp
-from .source import CheckpointSource
 
 
 @dataclass
