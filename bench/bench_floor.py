@@ -198,16 +198,16 @@ def measure(size: str, repeats: int, before: str | None = None) -> dict:
         return spent
 
     plan = plan_checkpoint_merge(base, adapter, os.path.join(scratch, "plan"))
-    merger = CheckpointReader(plan)  # the merge's own per-tensor step, with the plan's changes of each weight
+    reader = CheckpointReader(plan)  # the merge's own per-tensor step, with the plan's changes of each weight
     merged = [t for t in plan.tensors if t.op is Op.MERGE]
 
     def maths():
         spent = 0.0
         for t in merged:
-            whole = merger.reader.read(t.source)  # read first: the step's time is the merge's alone
-            changes = merger.changes(t)
+            whole = reader.reader.read(t.source)  # read first: the step's time is the merge's alone
+            changes = reader.changes(t)
             start = clock()
-            for _ in merger.merge_rows(
+            for _ in reader.merger.merge_rows(
                 t.name, lambda a, b: whole[a:b], changes, t.shape, DTYPES[t.out_dtype][0], torch.device("cpu")
             ):
                 pass
@@ -274,7 +274,7 @@ def measure(size: str, repeats: int, before: str | None = None) -> dict:
     merge()  # the first call's costs (imports, caches) out of the timing
     merge_s = _median(merge, repeats)
     command_s = _median(lambda: bench_merge.run("cli", base, adapter)["wall_s"], repeats)  # `make bench`'s row
-    merger.close()
+    reader.close()
     pair = side_by_side(base, adapter, scratch, before, repeats) if before else None
     shutil.rmtree(scratch, ignore_errors=True)
     return {

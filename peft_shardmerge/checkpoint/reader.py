@@ -17,7 +17,7 @@ from ..engine.block_checks import check_range
 from ..engine.changes import ChangeKey, Changes, Scale, TokenRows, WholeDelta
 from ..engine.maths import lora_bias_delta, one_cpu_thread
 from ..engine.plan import Op, Plan, PlannedTensor
-from ..engine.row_merge import RowMerger, check_applied
+from ..engine.row_merge import MergeCounts, RowMerger, check_applied
 from ..engine.task_vectors import TaskVectors
 from ..io.safetensors_io import DTYPES, RowReader, row_blocks
 from ..output.record import disk_merge_info
@@ -53,7 +53,7 @@ def planned_keys(t: PlannedTensor) -> list[ChangeKey]:
     return keys + [ChangeKey("peft", o.key) for o in t.peft_ops]
 
 
-class CheckpointReader(RowMerger):
+class CheckpointReader:
     """The disk :class:`~peft_shardmerge.engine.source.Source`: each planned tensor copied, cast or merged from the
     checkpoint's and adapter's files, one row block at a time.
 
@@ -64,7 +64,9 @@ class CheckpointReader(RowMerger):
         workers: tensors produced at once, on as many threads (:mod:`~peft_shardmerge.engine.pipeline`).
 
     Attributes:
-        replacements: tensors taken from the adapter (``modules_to_save``).
+        merger: the :class:`~peft_shardmerge.engine.row_merge.RowMerger` every merged tensor goes through.
+        counts: what it counted (:class:`~peft_shardmerge.engine.row_merge.MergeCounts`; ``replaced``: tensors taken
+            from the adapter, ``modules_to_save``).
         ahead: twice the workers (a tensor in flight holds a row block: one being merged, one handed out beside it).
     """
 
@@ -72,7 +74,8 @@ class CheckpointReader(RowMerger):
     held_limit = None  # a tensor in flight holds a row block
 
     def __init__(self, plan: Plan, device: torch.device = torch.device("cpu"), resume: bool = False, workers: int = 1):
-        super().__init__(plan.chunk_elems)
+        self.merger = RowMerger(plan.chunk_elems)
+        self.counts, self.lock = self.merger.counts, self.merger.lock
         if device.type == "cuda" and device.index is None:  # worker threads start on GPU 0: name the caller's GPU
             device = torch.device("cuda", torch.cuda.current_device())
         self.plan = plan
@@ -82,7 +85,6 @@ class CheckpointReader(RowMerger):
         self.device = device
         self.resume = resume
         self.reader = RowReader()
-        self.replacements = 0
         self.parts: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
 
     def close(self) -> None:
@@ -93,26 +95,8 @@ class CheckpointReader(RowMerger):
         """Count the changes of tensors of a shard kept from an interrupted run (already merged and verified)."""
         with self.lock:
             for t in tensors:
-                self.replacements += t.from_adapter
-                self.applied.update(str(k) for k in planned_keys(t))
-
-    def counts(self) -> dict:
-        """What this process merged, for the rank that commits (:meth:`add_counts`)."""
-        return {
-            "applied": dict(self.applied),
-            "replacements": self.replacements,
-            "fallbacks": self.fallbacks,
-            "probe_err": self.probe_err,
-            "swallowed": self.swallowed,
-        }
-
-    def add_counts(self, counts: dict) -> None:
-        """Add what another rank merged (its :meth:`counts`), for the count check and the report."""
-        self.applied.update(counts["applied"])
-        self.replacements += counts["replacements"]
-        self.fallbacks += counts["fallbacks"]
-        self.probe_err = max(self.probe_err, counts["probe_err"])
-        self.swallowed.update(counts["swallowed"])
+                self.counts.replaced += t.from_adapter
+                self.counts.applied.update(str(k) for k in planned_keys(t))
 
     def resume_keys(self) -> tuple[str, InputDigests] | None:
         """The plan's fingerprint and its inputs' digests (None without ``resume``)."""
@@ -134,7 +118,7 @@ class CheckpointReader(RowMerger):
 
     def check(self) -> None:
         """Every LoRA module, ``lora_bias``, token row and PEFT change of the plan applied exactly once."""
-        check_counts(self.plan, self)
+        check_counts(self.plan, self.counts)
 
     def report_fields(self) -> dict:
         """The report's fields of a merge from disk."""
@@ -148,11 +132,11 @@ class CheckpointReader(RowMerger):
             lora_modules_merged=len(
                 {
                     k.split("@")[0]
-                    for k in self.applied
+                    for k in self.counts.applied
                     if not k.endswith((".bias", "::bias")) and not k.startswith("tokens:")
                 }
             ),
-            replacements_applied=self.replacements,
+            replacements_applied=self.counts.replaced,
             combination=plan.inputs.adapter.combination,
             device=str(self.device),
             untied=list(plan.untied),
@@ -203,7 +187,7 @@ class CheckpointReader(RowMerger):
         src = t.source
         if t.from_adapter:
             with self.lock:
-                self.replacements += 1
+                self.counts.replaced += 1
         if t.op is Op.COPY:
             w.copy_from(self.reader.fd(src.path), src.offset, src.nbytes)
             return
@@ -214,7 +198,7 @@ class CheckpointReader(RowMerger):
                 check_range(t.name, cast, out_dtype)
                 w.write(cast)
             return
-        blocks = self.merge_rows(t.name, self._base(t), self.changes(t), t.shape, out_dtype, self.device)
+        blocks = self.merger.merge_rows(t.name, self._base(t), self.changes(t), t.shape, out_dtype, self.device)
         for *_, merged, cast in blocks:
             w.write(cast)  # copied to the host there
             del merged, cast  # not held on the device while the next block is merged
@@ -289,13 +273,13 @@ class CheckpointReader(RowMerger):
         return pieces[part.file_name].float()
 
 
-def check_counts(plan: Plan, merger: RowMerger) -> None:
+def check_counts(plan: Plan, counts: MergeCounts) -> None:
     """The count check of a checkpoint merge: every LoRA module of the adapter (and its ``lora_bias``), every
     token-row and PEFT change of the plan applied exactly once.
 
     Args:
         plan: the plan executed.
-        merger: its merger.
+        counts: what its source counted.
 
     Returns:
         None.
@@ -307,4 +291,4 @@ def check_counts(plan: Plan, merger: RowMerger) -> None:
     expected = [ChangeKey("lora", m.key) for m in modules]
     expected += [ChangeKey("lora_bias", m.key) for m in modules if m.bias is not None]
     expected += [k for t in plan.tensors for k in planned_keys(t) if k.kind in ("tokens", "peft")]
-    check_applied([str(k) for k in expected], merger.applied)
+    check_applied([str(k) for k in expected], counts.applied)

@@ -148,7 +148,7 @@ class OtherRanks:
         """
         for got in self.steps.step("written", None)[1:]:
             out.adopt(got["written"])
-            self.merger.add_counts(got["counts"])
+            self.merger.counts.add(got["counts"])
         self.bar.update(sum(planned for _, planned in self.theirs) - self.seen)  # their last bytes
 
 
@@ -185,7 +185,7 @@ def write_share(plan: Plan, steps: JobSteps, sink, layout, produce, merger):
     steps.staging = opened["path"]
     with sink.join(layout, opened, steps.world.rank) as out:
         out.write(_share(plan, opened["done"], steps)[steps.world.rank], produce)
-        steps.step("written", {"written": out.written(), "counts": merger.counts()})
+        steps.step("written", {"written": out.written(), "counts": merger.counts})
     return steps.step("committed", None)[0]
 
 

@@ -168,7 +168,7 @@ def _report(
     plan: Plan, source: Source, out_dir: str, wall: float, meter: PeakRss, ranks_notes: list[str], resumed: int
 ) -> MergeReport:
     """The report of a finished run: the plan's totals, the source's counts and notes, the peak RSS."""
-    fields = source.report_fields()
+    fields, counts = source.report_fields(), source.counts
     fields["notes"] = (
         list(fields.get("notes", ()))
         + ([f"resumed: {resumed} shard(s) kept from an interrupted run"] if resumed else [])
@@ -185,11 +185,11 @@ def _report(
         peak_rss_bytes=meter.peak,
         baseline_rss_bytes=meter.baseline,
         peak_rss_method=meter.method,
-        cpu_fallbacks=source.fallbacks,
-        self_check_max_rel_err=source.probe_err,
+        cpu_fallbacks=counts.fallbacks,
+        self_check_max_rel_err=counts.probe_err,
         reproduces=plan.reproduces,
-        swallowed={k: v[1] / v[0] for k, v in source.swallowed.items()},
+        swallowed={k: v[1] / v[0] for k, v in counts.swallowed.items()},
         **fields,
     )
-    report.notes = list(report.notes) + precision_notes(source.swallowed, plan.dtype)
+    report.notes = list(report.notes) + precision_notes(counts.swallowed, plan.dtype)
     return report

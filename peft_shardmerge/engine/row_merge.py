@@ -7,6 +7,7 @@ import logging
 import math
 import threading
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, TypeVar
 
 import torch
@@ -55,15 +56,45 @@ def choose_device(name: str, preferred: torch.device, nbytes: int, budget: Memor
     return preferred
 
 
+@dataclass
+class MergeCounts:
+    """What a source's merge counted: the figures of the count check and of the report.
+
+    Attributes:
+        applied: how often each change key was applied.
+        fallbacks: out-of-memory failures redone on the CPU.
+        probe_err: the largest self-check error seen.
+        swallowed: per tensor, ``(sampled entries the adapter changed, of those rounded back to the base value)``.
+        replaced: whole tensors taken from the adapter (``modules_to_save``, trained biases) where the source counts
+            them as it writes (from disk; a loaded model's plan counts them).
+
+    Example:
+        >>> a, b = MergeCounts(Counter({"q": 1}), probe_err=0.1), MergeCounts(Counter({"v": 1}), fallbacks=1)
+        >>> a.add(b); sorted(a.applied), a.fallbacks, a.probe_err
+        (['q', 'v'], 1, 0.1)
+    """
+
+    applied: Counter = field(default_factory=Counter)
+    fallbacks: int = 0
+    probe_err: float = 0.0
+    swallowed: dict = field(default_factory=dict)
+    replaced: int = 0
+
+    def add(self, other: "MergeCounts") -> None:
+        """Add what another process of the job counted."""
+        self.applied.update(other.applied)
+        self.fallbacks += other.fallbacks
+        self.probe_err = max(self.probe_err, other.probe_err)
+        self.swallowed.update(other.swallowed)
+        self.replaced += other.replaced
+
+
 class RowMerger:
     """The per-tensor merge both paths run, and what it counted.
 
     Attributes:
         chunk_elems: elements per row block.
-        applied: how often each change key was applied.
-        fallbacks: out-of-memory failures redone on the CPU.
-        probe_err: the largest self-check error seen.
-        swallowed: per tensor, ``(sampled entries the adapter changed, of those rounded back to the base value)``.
+        counts: what it counted (:class:`MergeCounts`).
 
     Example:
         >>> from peft_shardmerge.engine.changes import Changes
@@ -72,17 +103,14 @@ class RowMerger:
         >>> [c.tolist() for *_, c in m.merge_rows("w", lambda a, b: torch.zeros(b - a, 2), changes, (2, 2),
         ...                                           torch.float32, torch.device("cpu"))]
         [[[1.0, 1.0], [1.0, 1.0]]]
-        >>> m.applied
+        >>> m.counts.applied
         Counter({'q': 1})
     """
 
     def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS):
         self.chunk_elems = chunk_elems
-        self.applied: Counter[str] = Counter()
-        self.fallbacks = 0
-        self.probe_err = 0.0
-        self.swallowed: dict[str, tuple[int, int]] = {}
-        self.lock = threading.Lock()  # the counts above, updated from several worker threads
+        self.counts = MergeCounts()
+        self.lock = threading.Lock()  # the counts, updated from several worker threads
 
     def on_device(self, step: Callable[[torch.device], T], device: torch.device, what: str) -> T:
         """Run ``step(device)``; when it runs out of memory, free the accelerator's cache, count it, and run
@@ -110,7 +138,7 @@ class RowMerger:
                 raise
         free_accelerator_cache()
         with self.lock:
-            self.fallbacks += 1
+            self.counts.fallbacks += 1
         log.warning("out of memory on %s for %s; redoing it on the CPU", device, what)
         return step(torch.device("cpu"))
 
@@ -187,8 +215,8 @@ class RowMerger:
             del merged, cast  # not held on the device while the next block is merged
         with self.lock:
             if changed:
-                self.swallowed[name] = (changed, lost)
-            self.applied.update(changes.keys)
+                self.counts.swallowed[name] = (changed, lost)
+            self.counts.applied.update(changes.keys)
 
     @staticmethod
     def _finish(name, merged, before, changes: Changes, columns, start, stop, shape, out_dtype, inplace):
@@ -269,7 +297,7 @@ class RowMerger:
         merged, err = self._lora_rows(base, changes, start, stop, device, probes, inplace)
         if probes is not None:
             with self.lock:
-                self.probe_err = max(self.probe_err, err)
+                self.counts.probe_err = max(self.counts.probe_err, err)
             check_probe_error(name, start, stop, err)
         for change in changes.peft:
             change.apply_(merged, start, stop)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: the executor never imports an implementation
     from .plan import PlannedTensor
     from .report import MergeReport
+    from .row_merge import MergeCounts
     from .sink import Layout, Opened, Sink
 
 __all__ = ["Alone", "Coordinator", "Source"]
@@ -16,16 +17,14 @@ __all__ = ["Alone", "Coordinator", "Source"]
 class Source(Protocol):
     """Where the planned tensors' bytes come from. Two implementations: a checkpoint on disk read in row blocks
     (:class:`~peft_shardmerge.checkpoint.reader.CheckpointReader`) and a loaded model read module by module
-    (:class:`~peft_shardmerge.model.reader.ModelReader`). Both merge through the same
-    :class:`~peft_shardmerge.engine.row_merge.RowMerger`, whose counts (``applied``, ``fallbacks``, ``probe_err``,
-    ``swallowed``) they carry; everything else a merge does (shards, progress, staging, record, checks, commit, the
-    report, the ranks) is the executor's, the same for both.
+    (:class:`~peft_shardmerge.model.reader.ModelReader`). Both hold a
+    :class:`~peft_shardmerge.engine.row_merge.RowMerger` every merged tensor goes through, and say what it counted
+    (:class:`~peft_shardmerge.engine.row_merge.MergeCounts`); everything else a merge does (parts, progress, the
+    sink, checks, commit, the report, the ranks) is the executor's, the same for both.
 
     Attributes:
-        applied: how often each change key was applied (the count check compares it with the plan).
-        fallbacks: out-of-memory failures redone on the CPU.
-        probe_err: the largest self-check error seen.
-        swallowed: per tensor, (sampled entries the adapter changed, of those rounded back to the base value).
+        counts: what its merger counted (changes applied, CPU fallbacks, the self-check's largest error, the updates
+            the output dtype rounded away), for the count check and the report.
         workers: tensors it may have in flight at once, each written (and, from disk, produced) on its own thread
             (1: one after the other, on the executor's thread).
         ahead: tensors prepared and not yet written, at most (what the memory held in flight is counted in).
@@ -35,10 +34,7 @@ class Source(Protocol):
             each: a merge from disk); False where they only copy out, hash and write what was prepared.
     """
 
-    applied: dict
-    fallbacks: int
-    probe_err: float
-    swallowed: dict
+    counts: MergeCounts
     workers: int
     ahead: int
     held_limit: int | None

@@ -84,7 +84,7 @@ class ModuleReplacer:
                         inner, path, _replacement(group, merger, self.dtype, Conv1D, self.live, self.folders.get(path))
                     )
                     done += _changes(group)
-                check_applied(self.live.lora_layers, merger.applied)
+                check_applied(self.live.lora_layers, merger.counts.applied)
         except ShardMergeError as e:
             if done:  # the model now mixes merged and unmerged layers: say so, and refuse it from now on
                 message = (

@@ -233,7 +233,7 @@ def _rows(data: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return data[start:stop] if data.dim() else data.reshape(1)
 
 
-class ModelReader(LiveMerger):
+class ModelReader:
     """The loaded-model :class:`~peft_shardmerge.engine.source.Source`: each planned tensor produced whole, in plan
     order on the executor's thread, on the device the budget allows (retried on the CPU on out-of-memory); then
     written in row blocks, by worker threads when there are several (the module copied out first, block by block in
@@ -250,6 +250,8 @@ class ModelReader(LiveMerger):
         workers: threads that write (1: the executor's thread merges and writes, one module after the other).
 
     Attributes:
+        merger: the :class:`LiveMerger` that produces each module's tensors.
+        counts: what it counted (:class:`~peft_shardmerge.engine.row_merge.MergeCounts`).
         ahead: one module per worker, and the next one, prepared and not yet written (each held in the output dtype
             on the CPU until written)...
         held_limit: ...and at most the largest planned tensor's bytes of them at once (one module waiting for its
@@ -262,7 +264,10 @@ class ModelReader(LiveMerger):
         self, plan: Plan, budget: MemoryBudget, merge_info: dict | None = None, copy: bool = False, workers: int = 1
     ):
         src = plan.inputs
-        super().__init__(src.live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems, src.vectors)
+        self.merger = LiveMerger(
+            src.live, budget, plan.dtype, src.weights, src.combination, plan.chunk_elems, src.vectors
+        )
+        self.live, self.counts, self.chunk_elems = src.live, self.merger.counts, plan.chunk_elems
         self.plan, self.src, self.info, self.copy = plan, src, merge_info, copy
         self.workers, self.ahead = workers, workers + 1
         self.held_limit = max((t.nbytes for t in plan.tensors), default=0) if workers > 1 else None
@@ -296,7 +301,7 @@ class ModelReader(LiveMerger):
                 )
             return lambda w: w.write(data)
         e = t.entry
-        data = self.produce(e)
+        data = self.merger.produce(e)
         if tuple(data.shape) != e.shape:
             raise MergeCheckError(f"{e.name}: produced shape {list(data.shape)}, expected {list(e.shape)}")
         if e.kind != "plain" and not e.adapters and data.is_floating_point() and not torch.isfinite(data.sum()):
@@ -356,7 +361,7 @@ class ModelReader(LiveMerger):
         codes), on the CPU; the quant-state JSON padded to its planned length."""
         F = require_bitsandbytes()
         e, settings, dtype = t.entry, self.src.settings, self.plan.dtype
-        w = self.produce(e)
+        w = self.merger.produce(e)
         if e.transpose_out or e.name in self.live.info.transposed:  # bitsandbytes holds Conv1D as [out, in]
             w = w.T
         q, state = F.quantize_4bit(
@@ -393,11 +398,11 @@ class ModelReader(LiveMerger):
         info = self.info or live_merge_info(
             self.live.model, self.plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination, src.vectors
         )
-        return {**info, "cpu_repacked": sorted(self.repacked)} if self.repacked else info
+        return {**info, "cpu_repacked": sorted(self.merger.repacked)} if self.merger.repacked else info
 
     def check(self) -> None:
         """Every LoRA layer of the walked model applied exactly once."""
-        check_applied(self.live.lora_layers, self.applied)
+        check_applied(self.live.lora_layers, self.counts.applied)
 
     def close(self) -> None:
         """Release the host buffers of the blocks copied out (the model stays the caller's)."""
@@ -406,15 +411,15 @@ class ModelReader(LiveMerger):
 
     def report_fields(self) -> dict:
         """The report's fields of a loaded model's merge."""
-        live, plan = self.live, self.plan
+        live, plan, vectors, repacked = self.live, self.plan, self.merger.vectors, self.merger.repacked
         return dict(
             base=self.src.origin,
-            adapter=plan.adapter_text or "(in memory)" + (f" ({self.vectors.describe()})" if self.vectors else ""),
+            adapter=plan.adapter_text or "(in memory)" + (f" ({vectors.describe()})" if vectors else ""),
             base_precision="dequantized",
-            combination=self.vectors.describe() if self.vectors else "",
-            lora_modules_merged=sum(not k.startswith("tokens:") for k in self.applied),
+            combination=vectors.describe() if vectors else "",
+            lora_modules_merged=sum(not k.startswith("tokens:") for k in self.counts.applied),
             replacements_applied=sum(1 for e in live.entries if e.kind == "saved"),
             device=str(next((p.device for p in live.model.parameters()), "cpu")),
             untied=list(live.untied),
-            notes=list(plan.notes) + ([REPACKED_NOTE.format(len(self.repacked))] if self.repacked else []),
+            notes=list(plan.notes) + ([REPACKED_NOTE.format(len(repacked))] if repacked else []),
         )

@@ -135,9 +135,9 @@ def module_needs(model, out: str) -> dict[str, int]:
     weight name: its working set as torch's allocator rounds it into segments (whose sizes depend on the allocator
     and the request, not on the budget's arithmetic)."""
     from peft_shardmerge import merge_and_save
-    from peft_shardmerge.model.reader import ModelReader
+    from peft_shardmerge.model.reader import LiveMerger
 
-    needs, real = {}, ModelReader.produce
+    needs, real = {}, LiveMerger.produce
 
     def produce(self, entry):
         torch.cuda.synchronize()
@@ -150,7 +150,7 @@ def module_needs(model, out: str) -> dict[str, int]:
         return data
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ModelReader, "produce", produce)
+        mp.setattr(LiveMerger, "produce", produce)
         merge_and_save(model, out, dtype="float32", base_precision="dequantized", progress=False, workers=2)
     return needs
 

@@ -90,7 +90,7 @@ def test_a_destination_that_fails_its_finish_is_not_committed(make_base, make_ad
     plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "unused"))
     memory = _Memory()
     reader = CheckpointReader(plan)
-    reader.applied["lora:never-planned"] = 1  # the count check fails: a change applied that the plan never had
+    reader.counts.applied["lora:never-planned"] = 1  # the count check fails: a change applied that the plan never had
     with pytest.raises(MergeCheckError):
         run(plan, reader, memory, progress=False)
     assert not memory.committed

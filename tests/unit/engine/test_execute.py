@@ -59,7 +59,7 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
     that block is redone on the CPU, counted, and the output equals an all-CPU merge."""
     base, adapter = make_base("llama"), make_adapter("llama", "default")
     victim = "model.layers.1.mlp.down_proj.weight"
-    real = CheckpointReader._lora_rows
+    real = row_merge.RowMerger._lora_rows
 
     def lora_rows(base_rows, changes, start, stop, device, probes, inplace=False):
         if device.type != "cpu":
@@ -68,7 +68,7 @@ def test_accelerator_oom_falls_back_to_cpu(make_base, make_adapter, tmp_path, mo
             device = torch.device("cpu")
         return real(base_rows, changes, start, stop, device, probes, inplace)
 
-    monkeypatch.setattr(CheckpointReader, "_lora_rows", staticmethod(lora_rows))
+    monkeypatch.setattr(row_merge.RowMerger, "_lora_rows", staticmethod(lora_rows))
     # "meta" stands in for the accelerator; blocks of other modules are computed on the CPU
     plan = plan_checkpoint_merge(base, adapter, str(tmp_path / "a"), dtype="float32", device="cpu")
     report = execute.run(

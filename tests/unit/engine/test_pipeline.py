@@ -206,11 +206,11 @@ def test_a_loaded_model_is_merged_in_order_on_the_calling_thread_and_written_by_
     """The walk, the budget and a job's gathers follow the plan on the calling thread; the hashing and writing of
     every tensor happens on the worker threads."""
     from peft_shardmerge import merge_and_save
-    from peft_shardmerge.model.reader import ModelReader
+    from peft_shardmerge.model.reader import LiveMerger, ModelReader
 
     model = _loaded(make_base("llama"), make_adapter("llama", "default"))
     merged, written = [], []
-    real_produce, real_write = ModelReader.produce, ModelReader._write_parts
+    real_produce, real_write = LiveMerger.produce, ModelReader._write_parts
 
     def produce(self, entry):
         merged.append((entry.name, threading.current_thread().name))
@@ -220,7 +220,7 @@ def test_a_loaded_model_is_merged_in_order_on_the_calling_thread_and_written_by_
         written.append(threading.current_thread().name)
         return real_write(*args)
 
-    monkeypatch.setattr(ModelReader, "produce", produce)
+    monkeypatch.setattr(LiveMerger, "produce", produce)
     monkeypatch.setattr(ModelReader, "_write_parts", write_parts)
     report = merge_and_save(model, str(tmp_path / "out"), workers=2, base_precision="dequantized", progress=False)
     assert {thread for _, thread in merged} == {threading.main_thread().name}
@@ -237,11 +237,11 @@ def test_a_loaded_models_merge_that_fails_with_workers_leaves_nothing(
     """A failure while merging a module (on the calling thread) or while writing one (on a worker): raised, and
     neither the output nor a staging folder is left."""
     from peft_shardmerge import merge_and_save
-    from peft_shardmerge.model.reader import ModelReader
+    from peft_shardmerge.model.reader import LiveMerger, ModelReader
 
     model = _loaded(make_base("llama_sharded"), make_adapter("llama_sharded", "default"))
     victim = "model.layers.1.self_attn.q_proj.weight"
-    real_produce, real_write = ModelReader.produce, ModelReader._write_parts
+    real_produce, real_write = LiveMerger.produce, ModelReader._write_parts
     error = MergeCheckError(f"tensor {victim!r} has NaN or Inf") if where == "merge" else OSError(28, "No space")
 
     def produce(self, entry):
@@ -256,7 +256,7 @@ def test_a_loaded_models_merge_that_fails_with_workers_leaves_nothing(
         return real_write(*args)
 
     written: list[str] = []
-    monkeypatch.setattr(ModelReader, "produce", produce)
+    monkeypatch.setattr(LiveMerger, "produce", produce)
     monkeypatch.setattr(ModelReader, "_write_parts", write_parts)
     out = tmp_path / "out"
     with pytest.raises(type(error), match="NaN or Inf" if where == "merge" else "No space"):
@@ -281,10 +281,10 @@ def test_a_failed_write_comes_before_a_later_failure_to_merge(make_base, make_ad
     """A worker's write fails, then the calling thread fails to merge a later module: the write's error is raised
     (the first failure in plan order), and nothing is left."""
     from peft_shardmerge import merge_and_save
-    from peft_shardmerge.model.reader import ModelReader
+    from peft_shardmerge.model.reader import LiveMerger, ModelReader
 
     model = _loaded(make_base("llama_sharded"), make_adapter("llama_sharded", "default"))
-    real_produce, real_write = ModelReader.produce, ModelReader._write_parts
+    real_produce, real_write = LiveMerger.produce, ModelReader._write_parts
     calls = {"writes": 0, "merges": 0}
     failed = threading.Event()
 
@@ -302,7 +302,7 @@ def test_a_failed_write_comes_before_a_later_failure_to_merge(make_base, make_ad
             raise MergeCheckError(f"tensor {entry.name!r} has NaN or Inf")
         return real_produce(self, entry)
 
-    monkeypatch.setattr(ModelReader, "produce", produce)
+    monkeypatch.setattr(LiveMerger, "produce", produce)
     monkeypatch.setattr(ModelReader, "_write_parts", write_parts)
     out = tmp_path / "out"
     with pytest.raises(OSError, match="No space left on device"):

@@ -310,7 +310,7 @@ def test_a_wide_block_samples_fewer_rows_and_its_self_check_still_catches_a_wron
     changes = Changes(factors=[(a, b, 2.0)], keys=["q"])
     for _ in merger.merge_rows("w", lambda i, j: base[i:j], changes, (292, 14336), torch.bfloat16, w.device):
         pass
-    assert 0 < merger.swallowed["w"][0] <= 9 * 14336  # the precision report counted 9 rows of it, not 32
+    assert 0 < merger.counts.swallowed["w"][0] <= 9 * 14336  # the precision report counted 9 rows of it, not 32
     monkeypatch.setattr(maths, "add_lora_", doubled)
     wrong = maths.add_lora_checked_(w.clone(), [(a, b, 2.0)], 0, 292, transposed=False, probes=probes)
     assert wrong > PROBE_TOLERANCE
