@@ -105,7 +105,7 @@ def plan_checkpoint_merge(
         >>> base = build_base(os.path.join(tmp, "base"))
         >>> adapter = build_adapter(base, os.path.join(tmp, "adapter"), target_modules=["q_proj"])
         >>> plan = plan_checkpoint_merge(base, adapter, os.path.join(tmp, "merged"), dtype="bfloat16")
-        >>> [(t.name, t.op) for t in plan.tensors if t.loras]   # doctest: +NORMALIZE_WHITESPACE
+        >>> [(t.name, t.op) for t in plan.tensors if t.recipe.loras]   # doctest: +NORMALIZE_WHITESPACE
         [('model.layers.0.self_attn.q_proj.weight', <Op.MERGE: 'merge'>),
          ('model.layers.1.self_attn.q_proj.weight', <Op.MERGE: 'merge'>)]
         >>> os.path.exists(os.path.join(tmp, "merged"))   # a plan writes nothing

@@ -9,13 +9,59 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..engine.plan import PlannedTensor
+from ..engine.plan import Op, PlannedTensor
 from ..io.safetensors_io import FLOAT_DTYPES, TensorInfo
 from ..support.model_info import ModelInfo
 from ..support.ties import tie_enabled, tokens_on_both_sides, untied_names
 from .adapter import AdapterSpec, LoraModule
 from .base_folder import CheckpointSource
 from .peft_deltas import PartOp
+
+
+@dataclass
+class FromFiles:
+    """The :class:`~peft_shardmerge.engine.plan.Recipe` of a tensor of a merge from disk: the changes placed on it.
+
+    Attributes:
+        from_adapter: its source is an adapter tensor (``modules_to_save`` and similar).
+        loras: LoRA modules whose weight delta is added (:class:`~peft_shardmerge.checkpoint.adapter.LoraModule`).
+        bias_loras: LoRA modules whose ``lora_B.bias`` is added (the tensor is a bias).
+        transposed: the stored weight is ``[in, out]`` (Conv1D), or an embedding with LoRA (whose delta is built
+            transposed).
+        quantize: the base is replaced by dequant(quantize_4bit(base)) before the changes are added.
+        token_rows: trainable-token rows (:class:`~peft_shardmerge.checkpoint.adapter.TokenRows`) that replace base
+            rows before LoRA deltas are added (PEFT nests the token layer inside the LoRA layer).
+        peft_ops: LoHa/LoKr/VeRA deltas and IA3 scalings (:class:`~peft_shardmerge.checkpoint.peft_deltas.PeftOp`).
+
+    Example:
+        >>> from peft_shardmerge.engine.plan import PlannedTensor
+        >>> from peft_shardmerge.io.safetensors_io import TensorInfo
+        >>> PlannedTensor("w", "BF16", TensorInfo("w", "F32", (2, 2), "", 0, 16), FromFiles()).op
+        <Op.CAST: 'cast'>
+    """
+
+    from_adapter: bool = False
+    loras: list = field(default_factory=list)
+    bias_loras: list = field(default_factory=list)
+    transposed: bool = False
+    quantize: bool = False
+    token_rows: list = field(default_factory=list)
+    peft_ops: list = field(default_factory=list)
+
+    def op(self, t: PlannedTensor) -> Op:
+        """A merge where changes land on it (or its base is re-quantized), else a dequantization, copy or cast."""
+        if self.loras or self.bias_loras or self.quantize or self.token_rows or self.peft_ops:
+            return Op.MERGE
+        if t.source.decoder is not None:
+            return Op.DEQUANTIZE
+        return Op.COPY if t.out_dtype == t.source.dtype else Op.CAST
+
+    def stored(self, t: PlannedTensor) -> tuple[TensorInfo, ...]:
+        """A quantized base's packed codes and scales, else its source."""
+        return t.source.decoder.stored if t.source.decoder is not None else (t.source,)
+
+    def change_keys(self) -> list[list[str]]:
+        return [[m.key for m in self.loras], [r.key for r in self.token_rows], [o.key for o in self.peft_ops]]
 
 
 @dataclass
@@ -85,7 +131,7 @@ class PlanState:
         if name in self.virtual and src in self.planned and src not in self.adapter.saved_copies:
             info_t = self.planned[src].source
         out_dtype = self.out_st if info_t.dtype in FLOAT_DTYPES else info_t.dtype
-        self.planned[name] = PlannedTensor(name, out_dtype, info_t)
+        self.planned[name] = PlannedTensor(name, out_dtype, info_t, FromFiles())
         return self.planned[name]
 
 
@@ -158,7 +204,7 @@ def plan_replacements(st: PlanState) -> list[str]:
             if st.new_vocab not in (None, rep.shape[0]):
                 problems.append(f"the adapter resizes the vocabulary to both {st.new_vocab} and {rep.shape[0]} rows")
             st.new_vocab = rep.shape[0]
-        pt.source, pt.from_adapter = rep.info, True
+        pt.source, pt.recipe.from_adapter = rep.info, True
         st.touched.add(name)
     return problems
 
@@ -219,8 +265,8 @@ def plan_lora(st: PlanState) -> list[str]:
         if bad:
             problems += bad
             continue
-        pt.loras.append(mod)
-        pt.transposed = transposed
+        pt.recipe.loras.append(mod)
+        pt.recipe.transposed = transposed
         st.touched.add(wname)
         if mod.bias is not None:
             problems += plan_lora_bias(st, mod)
@@ -254,7 +300,7 @@ def plan_lora_bias(st: PlanState, mod: LoraModule) -> list[str]:
         return []  # refused by the allowlist (disk_layer_problems)
     if bt is None or bt.shape != (out_f,):
         return [f"LoRA module {mod.path!r} has lora_B.bias but the base has no bias {bname!r} of shape [{out_f}]"]
-    bt.bias_loras.append(mod)
+    bt.recipe.bias_loras.append(mod)
     st.touched.add(bname)
     return []
 
@@ -273,7 +319,7 @@ def plan_peft_ops(st: PlanState) -> list[str]:
     for memory_name, op in sorted((adapter.layers.ops if adapter.layers is not None else {}).items()):
         if memory_name in st.parts:  # stored in parts: each gets its slice of the delta, cut by transformers
             for name in st.parts[memory_name]:
-                st.planned_for(name).peft_ops.append(PartOp(op, memory_name, name, len(st.parts[memory_name])))
+                st.planned_for(name).recipe.peft_ops.append(PartOp(op, memory_name, name, len(st.parts[memory_name])))
                 st.touched.add(name)
             continue
         name = st.to_file(memory_name)
@@ -286,7 +332,7 @@ def plan_peft_ops(st: PlanState) -> list[str]:
                 "different model"
             )
             continue
-        pt.peft_ops.append(op)
+        pt.recipe.peft_ops.append(op)
         st.touched.add(name)
     return problems
 
@@ -305,14 +351,14 @@ def plan_tokens(st: PlanState) -> list[str]:
         if pt is None:
             problems.append(f"trainable tokens target {path!r} does not exist in the base (no tensor {wname!r})")
             continue
-        rows = pt.source.shape[0] if pt.from_adapter else pt.shape[0]
+        rows = pt.source.shape[0] if pt.recipe.from_adapter else pt.shape[0]
         if len(pt.shape) != 2 or tr.rows.shape[1] != pt.shape[1] or not all(0 <= i < rows for i in tr.indices):
             problems.append(
                 f"trainable tokens of {path!r} ({len(tr.indices)} rows of width {tr.rows.shape[1]}, "
                 f"ids up to {max(tr.indices, default=0)}) do not fit {wname!r} {list(pt.shape)}"
             )
             continue
-        pt.token_rows.append(tr)
+        pt.recipe.token_rows.append(tr)
         st.with_tokens.add(wname)
     return problems
 
@@ -321,10 +367,11 @@ def _same_rows(a: PlannedTensor, b: PlannedTensor) -> bool:
     """Whether two tensors get the same trainable-token rows (PEFT saves them for both sides of a tie)."""
     from ..io.safetensors_io import RowReader
 
-    if [r.indices for r in a.token_rows] != [r.indices for r in b.token_rows]:
+    rows_a, rows_b = a.recipe.token_rows, b.recipe.token_rows
+    if [r.indices for r in rows_a] != [r.indices for r in rows_b]:
         return False
     with RowReader() as reader:
-        return all(torch.equal(x.rows.load(reader), y.rows.load(reader)) for x, y in zip(a.token_rows, b.token_rows))
+        return all(torch.equal(x.rows.load(reader), y.rows.load(reader)) for x, y in zip(rows_a, rows_b))
 
 
 def plan_ties(st: PlanState) -> tuple[list[str], list[str]]:
@@ -347,7 +394,8 @@ def plan_ties(st: PlanState) -> tuple[list[str], list[str]]:
     untied = untied_names(st.info.tied, st.touched, present)
     for target, src in st.info.tied.items():
         if target in untied and src in st.with_tokens and target not in st.with_tokens:
-            st.planned[target].token_rows = list(st.planned[src].token_rows)  # the tied head had the same rows
+            # the tied head had the same rows
+            st.planned[target].recipe.token_rows = list(st.planned[src].recipe.token_rows)
     return problems, untied
 
 

@@ -109,16 +109,16 @@ class CheckpointInputs:
         ]
 
     def annotate(self, t: PlannedTensor) -> str:
-        extra = " +" + ",".join(f"lora(r={m.rank})" for m in t.loras) if t.loras else ""
-        if t.bias_loras:
+        extra = " +" + ",".join(f"lora(r={m.rank})" for m in t.recipe.loras) if t.recipe.loras else ""
+        if t.recipe.bias_loras:
             extra += " +lora_bias"
-        if t.token_rows:
-            extra += " +" + ",".join(f"tokens({len(r.indices)})" for r in t.token_rows)
-        for o in t.peft_ops:
+        if t.recipe.token_rows:
+            extra += " +" + ",".join(f"tokens({len(r.indices)})" for r in t.recipe.token_rows)
+        for o in t.recipe.peft_ops:
             extra += f" +{self.adapter.peft_type.lower()}({o.kind})"
-        if t.from_adapter:
+        if t.recipe.from_adapter:
             extra += " (from adapter)"
-        if t.quantize:
+        if t.recipe.quantize:
             extra += " (4-bit base)"
         return extra
 
@@ -144,8 +144,8 @@ class CheckpointInputs:
         if t.op is Op.COPY:
             return 8 << 20
         src_item, out_item = DTYPES[t.source.dtype][1], DTYPES[t.out_dtype][1]
-        factors = sum(4 * (m.a.shape[0] * m.a.shape[1] + m.b.shape[0] * m.b.shape[1]) for m in t.loras)
-        if t.quantize:
+        factors = sum(4 * (m.a.shape[0] * m.a.shape[1] + m.b.shape[0] * m.b.shape[1]) for m in t.recipe.loras)
+        if t.recipe.quantize:
             return t.source.numel * (src_item + 4 * 3 + out_item) + factors
         start, stop = row_blocks(t.shape, chunk_elems)[0]
         n = (stop - start) * (t.source.numel // max(1, t.shape[0] if t.shape else 1))
@@ -204,10 +204,10 @@ def build_plan(
             if (
                 name in info.linear_weights
                 and pt.source.dtype in FLOAT_DTYPES
-                and not pt.from_adapter
+                and not pt.recipe.from_adapter
                 and nf4.quantizes(name.removesuffix(".weight"))
             ):
-                pt.quantize = True
+                pt.recipe.quantize = True
         notes.append(f"merging into the 4-bit base the adapter was trained on ({nf4.describe()})")
     if adapter.tokenizer_files:
         notes.append("tokenizer files taken from the adapter folder (they replace the base's)")

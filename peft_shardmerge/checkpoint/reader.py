@@ -47,10 +47,10 @@ def planned_keys(t: PlannedTensor) -> list[ChangeKey]:
     Returns:
         One key per change.
     """
-    keys = [ChangeKey("lora", m.key) for m in t.loras]
-    keys += [ChangeKey("lora_bias", m.key) for m in t.bias_loras]
-    keys += [ChangeKey("tokens", r.key, t.name) for r in t.token_rows]
-    return keys + [ChangeKey("peft", o.key) for o in t.peft_ops]
+    keys = [ChangeKey("lora", m.key) for m in t.recipe.loras]
+    keys += [ChangeKey("lora_bias", m.key) for m in t.recipe.bias_loras]
+    keys += [ChangeKey("tokens", r.key, t.name) for r in t.recipe.token_rows]
+    return keys + [ChangeKey("peft", o.key) for o in t.recipe.peft_ops]
 
 
 class CheckpointReader:
@@ -95,7 +95,7 @@ class CheckpointReader:
         """Count the changes of tensors of a shard kept from an interrupted run (already merged and verified)."""
         with self.lock:
             for t in tensors:
-                self.counts.replaced += t.from_adapter
+                self.counts.replaced += t.recipe.from_adapter
                 self.counts.applied.update(str(k) for k in planned_keys(t))
 
     def resume_keys(self) -> tuple[str, InputDigests] | None:
@@ -185,7 +185,7 @@ class CheckpointReader:
 
     def _write_tensor(self, t: PlannedTensor, w: ShardWriter) -> None:
         src = t.source
-        if t.from_adapter:
+        if t.recipe.from_adapter:
             with self.lock:
                 self.counts.replaced += 1
         if t.op is Op.COPY:
@@ -206,13 +206,13 @@ class CheckpointReader:
     def _base(self, t: PlannedTensor):
         """``rows(start, stop)`` of the base as read, or of dequant(quantize(base)) for a 4-bit base."""
         src = t.source
-        if not t.quantize:
+        if not t.recipe.quantize:
             return lambda start, stop: self.reader.read_rows(src, start, stop)
         # bitsandbytes quantizes Conv1D weights as [out, in]: quantize the same layout
         weight = self.reader.read(src)
         with one_cpu_thread(torch.device("cpu")):  # bitsandbytes' reductions: the same sums whatever the workers
-            whole = quantize_roundtrip(weight.T if t.transposed else weight, self.plan.inputs.nf4)
-        whole = whole.T.contiguous() if t.transposed else whole
+            whole = quantize_roundtrip(weight.T if t.recipe.transposed else weight, self.plan.inputs.nf4)
+        whole = whole.T.contiguous() if t.recipe.transposed else whole
         return lambda start, stop: whole[start:stop]
 
     def changes(self, t: PlannedTensor) -> Changes:
@@ -228,20 +228,20 @@ class CheckpointReader:
             OSError: an adapter file cannot be read.
         """
         load = self.reader
-        factors = [(_flat(m.a.load(load)), _flat(m.b.load(load)), m.scaling) for m in t.loras]
+        factors = [(_flat(m.a.load(load)), _flat(m.b.load(load)), m.scaling) for m in t.recipe.loras]
         method = self.plan.inputs.adapter.vectors
         vectors = None
         if method is not None and factors:  # each adapter's factors apart, combined by the method
-            groups = [[f for f, m in zip(factors, t.loras) if m.index == i] for i in range(len(method.weights))]
+            groups = [[f for f, m in zip(factors, t.recipe.loras) if m.index == i] for i in range(len(method.weights))]
             factors, vectors = [], TaskVectors(method, groups, t.name)
         return Changes(
             factors=factors,
             vectors=vectors,
-            transposed=t.transposed,
-            bias_deltas=[lora_bias_delta(m.bias.load(load), m.scaling) for m in t.bias_loras if m.bias],
-            magnitudes=[m.magnitude.load(load).float().reshape(-1) for m in t.loras if m.magnitude is not None],
-            tokens=[TokenRows(torch.tensor(r.indices), r.rows.load(load).float()) for r in t.token_rows],
-            peft=[self._peft_change(o, t) for o in t.peft_ops],
+            transposed=t.recipe.transposed,
+            bias_deltas=[lora_bias_delta(m.bias.load(load), m.scaling) for m in t.recipe.bias_loras if m.bias],
+            magnitudes=[m.magnitude.load(load).float().reshape(-1) for m in t.recipe.loras if m.magnitude is not None],
+            tokens=[TokenRows(torch.tensor(r.indices), r.rows.load(load).float()) for r in t.recipe.token_rows],
+            peft=[self._peft_change(o, t) for o in t.recipe.peft_ops],
             keys=[str(k) for k in planned_keys(t)],
         )
 

@@ -151,7 +151,7 @@ class UnitGatherer:
         self.tensors = list(tensors)
         self.schedule = []
         for t in self.tensors:
-            e = t.entry
+            e = t.recipe.entry
             # a plain tensor needs its holder alone (not the holder's children); a LoRA layer its whole subtree
             mods = [e.holder] if e.module is None or e.kind == "plain" else list(e.module.modules()) + [e.holder]
             self.schedule.append(tuple(sorted({u for m in mods for u in _units(owner.get(id(m)))})))

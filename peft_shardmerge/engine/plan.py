@@ -39,47 +39,44 @@ class Change(Protocol):
     def key(self) -> str: ...  # pragma: no cover - a protocol
 
 
+class Recipe(Protocol):
+    """How one source makes a planned tensor: what only that source reads (a checkpoint's LoRA modules, token rows and
+    PEFT layers; a loaded model's module), beside the neutral :class:`PlannedTensor`. Two kinds:
+    :class:`~peft_shardmerge.checkpoint.place_changes.FromFiles` and
+    :class:`~peft_shardmerge.model.planner.FromModel`."""
+
+    def op(self, t: PlannedTensor) -> Op:
+        """What the executor does to make ``t``."""
+        ...  # pragma: no cover - a protocol
+
+    def stored(self, t: PlannedTensor) -> tuple[TensorInfo, ...]:
+        """The stored tensors read from disk to make ``t`` (none for weights in memory)."""
+        ...  # pragma: no cover - a protocol
+
+    def change_keys(self) -> list[list[str]]:
+        """The keys of the changes ``t`` receives, by kind (LoRA, token rows, PEFT layers), for the fingerprint."""
+        ...  # pragma: no cover - a protocol
+
+
 @dataclass
 class PlannedTensor:
-    """One output tensor and how to make it.
+    """One output tensor and how to make it: the neutral part every destination and the executor read, and the
+    recipe only its source reads.
 
     Attributes:
         name: its name in the output checkpoint.
         out_dtype: safetensors dtype written.
-        source: where its base data is read from (a base tensor, or an adapter tensor replacing it).
-        from_adapter: True when ``source`` is an adapter tensor (``modules_to_save`` and similar).
-        loras: LoRA modules whose weight delta is added
-            (:class:`~peft_shardmerge.checkpoint.adapter.LoraModule`).
-        bias_loras: LoRA modules whose ``lora_B.bias`` is added (this tensor is a bias).
-        transposed: the stored weight is ``[in, out]`` (Conv1D), or an embedding with LoRA (whose delta is
-            built transposed).
-        quantize: replace the base by dequant(quantize_4bit(base)) before adding deltas.
+        source: the stored tensor its bytes come from (a base tensor, or an adapter tensor replacing it; for a loaded
+            model, the output tensor itself: its stored dtype and output shape).
+        recipe: how its source makes it (:class:`Recipe`).
         shard: index of the output shard.
-        token_rows: trainable-token rows (:class:`~peft_shardmerge.checkpoint.adapter.TokenRows`) that replace base
-        rows
-            before LoRA deltas are added (PEFT nests the token layer inside the LoRA layer).
-        peft_ops: LoHa/LoKr/VeRA deltas and IA3 scalings (:class:`~peft_shardmerge.checkpoint.peft_deltas.PeftOp`).
-        entry: for a merge of a loaded model, the :class:`~peft_shardmerge.model.walk.LiveEntry` it is produced from,
-            a handle only its source reads (``source`` then describes the output tensor itself: its stored dtype and
-            output shape).
-        part: for a weight re-quantized to 4-bit, ``""`` for its packed codes, else the quant-state key it holds.
-        kind: the operation, when the planner names it (a loaded model's tensors); else :attr:`op` derives it.
     """
 
     name: str
     out_dtype: str
     source: TensorInfo
-    from_adapter: bool = False
-    loras: list[Change] = field(default_factory=list)
-    bias_loras: list[Change] = field(default_factory=list)
-    transposed: bool = False
-    quantize: bool = False
+    recipe: Recipe
     shard: int = 0
-    token_rows: list[Change] = field(default_factory=list)
-    peft_ops: list[Change] = field(default_factory=list)
-    entry: object = None
-    part: str = ""
-    kind: Op | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -91,22 +88,13 @@ class PlannedTensor:
 
     @property
     def stored(self) -> tuple[TensorInfo, ...]:
-        """The stored tensors read from disk to make it: a quantized base's packed codes and scales, else its source;
-        none for a loaded model's tensor (its weights are in memory)."""
-        if self.entry is not None:
-            return ()
-        return self.source.decoder.stored if self.source.decoder is not None else (self.source,)
+        """The stored tensors read from disk to make it (:meth:`Recipe.stored`)."""
+        return self.recipe.stored(self)
 
     @property
     def op(self) -> Op:
-        """The planned ``kind``, else what the tensor's changes and dtypes call for."""
-        if self.kind is not None:
-            return self.kind
-        if self.loras or self.bias_loras or self.quantize or self.token_rows or self.peft_ops:
-            return Op.MERGE
-        if self.source.decoder is not None:
-            return Op.DEQUANTIZE
-        return Op.COPY if self.out_dtype == self.source.dtype else Op.CAST
+        """What the executor does to make it (:meth:`Recipe.op`)."""
+        return self.recipe.op(self)
 
 
 class PlanInputs(Protocol):
@@ -229,24 +217,13 @@ class Plan:
             "base_precision": self.base_precision,
             "chunk_elems": self.chunk_elems,
             "shards": self.shard_names,
-            "tensors": [
-                [
-                    t.name,
-                    t.out_dtype,
-                    t.shard,
-                    t.op,
-                    [m.key for m in t.loras],
-                    [r.key for r in t.token_rows],
-                    [o.key for o in t.peft_ops],
-                ]
-                for t in self.tensors
-            ],
+            "tensors": [[t.name, t.out_dtype, t.shard, t.op, *t.recipe.change_keys()] for t in self.tensors],
         }
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
     def peak_bytes(self) -> int:
         """Estimated peak working memory of one tensor's merge, beyond the imported libraries."""
-        return max((self.inputs.working_set(t, self.chunk_elems) for t in self.tensors if not t.part), default=0)
+        return max((self.inputs.working_set(t, self.chunk_elems) for t in self.tensors), default=0)
 
     def describe(self) -> str:
         """A human-readable plan: every tensor with shard, dtype, shape, bytes and operation, then totals."""

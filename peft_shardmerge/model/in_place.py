@@ -51,8 +51,8 @@ class ModuleReplacer:
         self.dtype = dtype
         self.groups: dict[str, list[LiveEntry]] = {}  # the tensors of each PEFT or bitsandbytes module, by its path
         for t in plan.tensors:
-            if t.entry.owner:
-                self.groups.setdefault(t.entry.owner, []).append(t.entry)
+            if t.recipe.entry.owner:
+                self.groups.setdefault(t.recipe.entry.owner, []).append(t.recipe.entry)
         self.offloaded = bool(offloaded_modules(self.live.model))
         self.folders = _offload_folders(self.live.model, self.groups, dtype) if self.offloaded else {}
 

@@ -23,6 +23,33 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class FromModel:
+    """The :class:`~peft_shardmerge.engine.plan.Recipe` of a tensor of a loaded model's merge: the module entry it is
+    produced from, and what is done to it.
+
+    Attributes:
+        entry: the :class:`~peft_shardmerge.model.entries.LiveEntry` (a handle only the model's source reads).
+        kind: the operation.
+        part: for a weight re-quantized to 4-bit, ``""`` for its packed codes, else the quant-state key it holds.
+    """
+
+    entry: LiveEntry
+    kind: Op
+    part: str = ""
+
+    def op(self, t: PlannedTensor) -> Op:
+        return self.kind
+
+    def stored(self, t: PlannedTensor) -> tuple[TensorInfo, ...]:
+        """None: its weights are in memory."""
+        return ()
+
+    def change_keys(self) -> list[list[str]]:
+        """None listed: the walked model's identity stands for them."""
+        return [[], [], []]
+
+
+@dataclass
 class LiveInputs:
     """What produces the tensors of a loaded model's plan.
 
@@ -61,7 +88,8 @@ class LiveInputs:
         ] + ([f"re-quantized:    4-bit {self.quant4['bnb_4bit_quant_type']}"] if self.quant4 else [])
 
     def annotate(self, t: PlannedTensor) -> str:
-        return f" ({t.entry.kind})" if t.entry is not None and t.entry.kind not in ("plain", t.op) else ""
+        entry = t.recipe.entry
+        return f" ({entry.kind})" if entry is not None and entry.kind not in ("plain", t.op) else ""
 
     def parameters(self, plan: Plan) -> int:
         """Each entry's elements once (a 4-bit weight counts its elements, not its packed parts)."""
@@ -85,7 +113,9 @@ class LiveInputs:
         """An fp32 copy of the entry, its cast, and the 4-bit codes when re-quantized."""
         if t.op is Op.COPY:
             return 8 << 20
-        n = t.entry.numel
+        if t.recipe.part:  # a quant-state part: made with the packed codes before it
+            return 0
+        n = t.recipe.entry.numel
         return n * (4 + 4 + DTYPES[t.source.dtype][1]) + (n // 2 if t.op is Op.QUANTIZE4 else 0)
 
     @property
@@ -181,9 +211,7 @@ def _entry_tensors(
                 name=f"{e.name}.{suffix}" if suffix else e.name,
                 out_dtype=st,
                 source=TensorInfo(e.name, st, tuple(s), "", 0, 0),
-                entry=e,
-                part=suffix,
-                kind=Op.QUANTIZE4,
+                recipe=FromModel(e, Op.QUANTIZE4, suffix),
             )
             for suffix, st, s in packed_4bit_layout(shape, out_dtype, settings)
         ]
@@ -199,8 +227,7 @@ def _entry_tensors(
             name=e.name,
             out_dtype=st,
             source=TensorInfo(e.name, stored, tuple(e.shape), "", 0, e.numel * DTYPES[stored][1]),
-            entry=e,
-            kind=kind,
+            recipe=FromModel(e, kind),
         )
     ]
 

@@ -292,15 +292,15 @@ class ModelReader:
                 other than planned.
         """
         if t.op is Op.QUANTIZE4:
-            if not t.part:
+            if not t.recipe.part:
                 self.parts = self._quantize(t)
-            data = self.parts[t.part]
+            data = self.parts[t.recipe.part]
             if tuple(data.shape) != tuple(t.shape) or DTYPES[t.out_dtype][0] != data.dtype:
                 raise MergeCheckError(
                     f"{t.name}: quantized to {list(data.shape)} {data.dtype}, planned {list(t.shape)} {t.out_dtype}"
                 )
             return lambda w: w.write(data)
-        e = t.entry
+        e = t.recipe.entry
         data = self.merger.produce(e)
         if tuple(data.shape) != e.shape:
             raise MergeCheckError(f"{e.name}: produced shape {list(data.shape)}, expected {list(e.shape)}")
@@ -360,7 +360,7 @@ class ModelReader:
         """The merged weight quantized with bitsandbytes as transformers stores it, by key suffix (``""``: the
         codes), on the CPU; the quant-state JSON padded to its planned length."""
         F = require_bitsandbytes()
-        e, settings, dtype = t.entry, self.src.settings, self.plan.dtype
+        e, settings, dtype = t.recipe.entry, self.src.settings, self.plan.dtype
         w = self.merger.produce(e)
         if e.transpose_out or e.name in self.live.info.transposed:  # bitsandbytes holds Conv1D as [out, in]
             w = w.T

@@ -238,10 +238,10 @@ def unmergeable_targets(tensors: list) -> list[str]:
     """
     bad = []
     for t in tensors:
-        changed = t.loras or t.bias_loras or t.token_rows or t.peft_ops
+        changed = t.recipe.loras or t.recipe.bias_loras or t.recipe.token_rows or t.recipe.peft_ops
         if changed and t.source.dtype not in MERGEABLE_DTYPES:
             bad.append(f"{t.name} ({t.source.dtype})")
-        elif t.from_adapter and t.out_dtype not in MERGEABLE_DTYPES and t.out_dtype != t.source.dtype:
+        elif t.recipe.from_adapter and t.out_dtype not in MERGEABLE_DTYPES and t.out_dtype != t.source.dtype:
             bad.append(f"{t.name} ({t.out_dtype}, replaced by a {t.source.dtype} adapter tensor)")
     if not bad:
         return []

@@ -298,3 +298,30 @@ def test_planning_writes_nothing():
                     settles.append(f"{mod.name}: {name}")
     assert recovers == [] and settles == []
     assert "recover" not in inspect.signature(check_out_dir).parameters
+
+
+def test_a_planned_tensor_is_neutral_and_only_its_source_reads_its_recipe(package):
+    """PlannedTensor holds what every destination reads (name, dtype, its stored tensor, shard) and a recipe; a
+    field only one source uses lives in that source's recipe, which only that source's folder (and, for a loaded
+    model's sharded units, the ranks that gather them) reads beyond the Recipe protocol's methods."""
+    import dataclasses
+
+    from peft_shardmerge.engine.plan import PlannedTensor
+
+    assert [f.name for f in dataclasses.fields(PlannedTensor)] == ["name", "out_dtype", "source", "recipe", "shard"]
+    protocol = {"op", "stored", "change_keys"}
+    readers = {"checkpoint", "model", "distributed", "support", "api"}
+    read: dict[str, set[str]] = {}
+    for mod in package[0].values():
+        folder = mod.name.split(".")[1] if mod.name.count(".") >= 2 else "(top)"
+        for node in ast.walk(mod.tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "recipe"
+            ):
+                if node.attr not in protocol:
+                    read.setdefault(folder, set()).add(node.attr)
+    assert read and set(read) <= readers, read  # engine/, output/ and verify/ never look inside a recipe
+    assert not read.get("model", set()) & {"loras", "token_rows", "peft_ops", "quantize", "from_adapter"}
+    assert not read.get("checkpoint", set()) & {"entry", "part", "kind"}

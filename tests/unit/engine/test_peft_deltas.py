@@ -78,7 +78,7 @@ def test_per_expert_and_whole_delta_routes_are_float32(bf16_moe):
     transformers' reverse conversion) give PEFT's float32 delta of that expert."""
     root, base, ref = bf16_moe
     plan = plan_checkpoint_merge(str(root / "base"), str(root / "adapter"), str(root / "plan2"))
-    parts = [o for t in plan.tensors for o in t.peft_ops if o.kind == "part"]
+    parts = [o for t in plan.tensors for o in t.recipe.peft_ops if o.kind == "part"]
     assert len(parts) == 2 * 3 * 4  # layers x (gate, up, down) x experts
     layers = plan.inputs.adapter.layers
     for part in parts:

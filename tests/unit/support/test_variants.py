@@ -298,7 +298,7 @@ def test_lora_on_fused_moe_experts(arch, tmp_path):
     from peft_shardmerge import plan_checkpoint_merge
 
     plan = plan_checkpoint_merge(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "plan"))
-    parts = [o for t in plan.tensors for o in t.peft_ops if o.kind == "part"]
+    parts = [o for t in plan.tensors for o in t.recipe.peft_ops if o.kind == "part"]
     assert len(parts) == 2 * 3 * 4  # layers x (gate, up, down) x experts
     for part in parts[:6]:
         own = plan.inputs.adapter.layers.part_delta(part.op, part.memory_name, part.file_name)
