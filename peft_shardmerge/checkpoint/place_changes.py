@@ -18,7 +18,7 @@ from .base_folder import CheckpointSource
 from .peft_deltas import PartOp
 
 
-@dataclass
+@dataclass(slots=True)
 class FromFiles:
     """The :class:`~peft_shardmerge.engine.plan.Recipe` of a tensor of a merge from disk: the changes placed on it.
 
@@ -103,7 +103,7 @@ class PlanState:
                 if target not in self.base.by_name and src in self.base.by_name:
                     self.virtual[target] = self.base.by_name[src]
         for name in self.base.by_name:
-            self.planned_for(name).transposed = name in self.info.transposed
+            self.planned_for(name).recipe.transposed = name in self.info.transposed
 
     @property
     def embeddings(self) -> set[str]:

@@ -137,9 +137,9 @@ def run(
                 for i in kept:  # parts an interrupted run finished: their changes count as applied
                     source.skip(plan.shard_tensors(i))
                     bar.update(layout.sizes()[i])
-                theirs = coordinator.opened(out)
+                skipped = set(kept) | coordinator.opened(out)  # kept, or written by the other ranks
                 try:
-                    out.write([i for i in range(len(layout.parts)) if i not in out.done and i not in theirs], produce)
+                    out.write([i for i in range(len(layout.parts)) if i not in skipped], produce)
                 except BaseException as e:
                     coordinator.stopped(e)  # the other ranks stop first: nobody writes into the output as it goes
                     raise

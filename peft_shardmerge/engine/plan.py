@@ -58,7 +58,7 @@ class Recipe(Protocol):
         ...  # pragma: no cover - a protocol
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedTensor:
     """One output tensor and how to make it: the neutral part every destination and the executor read, and the
     recipe only its source reads.
@@ -180,7 +180,7 @@ class Plan:
 
     def shard_entries(self) -> list[tuple[str, list[tuple[str, str, tuple[int, ...], int]]]]:
         """``(file name, [(tensor name, safetensors dtype, shape, bytes), ...])`` per shard, in write order: the
-        headers a :class:`~peft_shardmerge.output.shard_sink.ShardSink` writes first."""
+        layout a :class:`~peft_shardmerge.engine.sink.Sink` is opened for."""
         return [
             (name, [(t.name, t.out_dtype, t.shape, t.nbytes) for t in self.shard_tensors(i)])
             for i, name in enumerate(self.shard_names)

@@ -67,15 +67,19 @@ class Opened(Protocol):
     committed when the :meth:`Sink.open` block ends and left as it was when the block raises.
 
     Attributes:
-        done: the parts an interrupted run finished and this one keeps (the executor counts them as written).
+        done: when opened, the parts an interrupted run finished and this one keeps (the executor counts them as
+            written and reads this once, before writing).
     """
 
     done: set[int]
 
     def write(self, parts: list[int], produce: Callable[[int, object], None]) -> None:
-        """Write ``parts``, in order: ``produce(i, writer)`` writes part ``i``'s tensors into ``writer``, either in
-        order (``write(tensor)`` in row blocks, ``copy_from(fd, offset, nbytes)`` for stored bytes) or each at its
-        place (``at(index)`` gives the tensor's own writer, with ``write``, ``copy_from`` and ``finish``)."""
+        """Write ``parts``, in order: ``produce(i, writer)`` writes part ``i``'s tensors into ``writer``. The writer
+        takes both ways the executor writes (which one depends on the source's workers, not on the sink): in order,
+        ``write(tensor)`` in row blocks and ``copy_from(fd, offset, nbytes)`` for stored bytes (a tensor's bytes
+        follow the one before it; a zero-size tensor's block is empty), and at their place, ``at(index)`` giving
+        tensor ``index``'s own writer (``write``, ``copy_from``, then ``finish``; its ``nbytes``, the bytes written
+        through it, feed the progress bar), called from worker threads."""
         ...  # pragma: no cover - a protocol
 
     def finish(self, finish: Finish) -> None:

@@ -22,7 +22,7 @@ from .walk import LiveEntry, LiveModel
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class FromModel:
     """The :class:`~peft_shardmerge.engine.plan.Recipe` of a tensor of a loaded model's merge: the module entry it is
     produced from, and what is done to it.

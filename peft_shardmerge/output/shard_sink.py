@@ -122,7 +122,8 @@ class FolderOutput:
 
     @property
     def done(self) -> set[int]:
-        """The shards an earlier run finished and this one keeps (others' adopted ones included)."""
+        """The shards finished in the staging folder: when opened, those an earlier run finished and this one keeps;
+        later, those written and adopted too."""
         return {i for i, name in enumerate(self.names) if self.staging.is_done(name)}
 
     def handle(self) -> dict:

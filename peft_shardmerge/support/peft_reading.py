@@ -226,8 +226,8 @@ def unmergeable_targets(tensors: list) -> list[str]:
     written in the base's dtype) while stored in a dtype that cannot hold it (integers, float8, bool).
 
     Args:
-        tensors: planned tensors with ``name``, ``source`` (its ``dtype``), ``out_dtype`` and the lists ``loras``,
-            ``bias_loras``, ``token_rows``, ``peft_ops``, and ``from_adapter``.
+        tensors: planned tensors of a merge from disk: ``name``, ``source`` (its ``dtype``), ``out_dtype``, and the
+            recipe's lists ``loras``, ``bias_loras``, ``token_rows``, ``peft_ops`` and its ``from_adapter``.
 
     Returns:
         One problem naming every such tensor, or none.

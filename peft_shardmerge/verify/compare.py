@@ -94,7 +94,7 @@ class CompareSink:
         """The comparison of ``layout``'s tensors; the stored files are closed when the block ends.
 
         Args:
-            layout: the tensors recomputed, by the stored checkpoint's shards.
+            layout: the tensors recomputed (the recomputation's plan, in parts of its own).
 
         Returns:
             A context manager yielding the opened comparison.
@@ -113,9 +113,9 @@ class CompareSink:
                 self.fds[path] = os.open(path, os.O_RDONLY)
             return self.fds[path]
 
-    def tensor(self, name: str, nbytes: int) -> "_TensorCompare":
-        """The comparison of the planned tensor ``name`` of ``nbytes`` bytes."""
-        return _TensorCompare(self, name, nbytes)
+    def tensor(self, name: str, planned: int) -> "_TensorCompare":
+        """The comparison of the planned tensor ``name`` of ``planned`` bytes."""
+        return _TensorCompare(self, name, planned)
 
     def ended(self, name: str, info: TensorInfo, outcome: str | None, repack: bool) -> None:
         """Record one tensor's outcome (None: equal byte for byte; ``""``: within the allowed rounding)."""
@@ -158,25 +158,33 @@ class _PartCompare:
         self.sink, self.entries = sink, entries
         self.next = 0
         self.current: _TensorCompare | None = None
+        self.placed = False  # the executor wrote each tensor at its place: each finished its own comparison
 
     def at(self, index: int) -> "_TensorCompare":
+        self.placed = True
         return self.sink.tensor(*self.entries[index])
 
     def _current(self) -> "_TensorCompare":
-        while self.current is None or self.current.full():
+        """The tensor the next bytes belong to: the first not yet full (bytes past the last tensor go to it, which
+        then says how many were recomputed)."""
+        while self.current is None or (self.current.full() and self.next < len(self.entries)):
             if self.current is not None:
                 self.current.finish()
             self.current, self.next = self.sink.tensor(*self.entries[self.next]), self.next + 1
         return self.current
 
     def write(self, tensor: torch.Tensor) -> None:
-        self._current().write(tensor)
+        if tensor.numel():  # a zero-size tensor's one empty block: nothing to compare, no boundary to cross
+            self._current().write(tensor)
 
     def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
-        self._current().copy_from(fd, offset, nbytes)
+        if nbytes:
+            self._current().copy_from(fd, offset, nbytes)
 
     def close(self) -> None:
-        """Finish the last tensor and those that received no bytes."""
+        """Written in order: finish the last tensor and those that received no bytes."""
+        if self.placed:
+            return
         if self.current is not None:
             self.current.finish()
         for entry in self.entries[self.next :]:
@@ -186,8 +194,8 @@ class _PartCompare:
 class _TensorCompare:
     """One recomputed tensor against its stored bytes, block by block."""
 
-    def __init__(self, sink: CompareSink, name: str, nbytes: int):
-        self.sink, self.name, self.nbytes = sink, name, nbytes
+    def __init__(self, sink: CompareSink, name: str, planned: int):
+        self.sink, self.name, self.planned = sink, name, planned
         self.info = info = sink.stored[name]
         self.fd = sink.fd(info.path)
         self.pos, self.equal, self.bad, self.worst, self.short = 0, True, 0, 0.0, False
@@ -195,8 +203,13 @@ class _TensorCompare:
         self.rounding = name in sink.rounding or self.loose
         self.repack = False
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes compared so far (what the executor's progress counts)."""
+        return self.pos
+
     def full(self) -> bool:
-        return self.pos >= self.nbytes
+        return self.pos >= self.planned
 
     def _stored(self, n: int) -> bytes:
         data = os.pread(self.fd, n, self.info.offset + self.pos)
@@ -241,10 +254,10 @@ class _TensorCompare:
 
     def finish(self) -> None:
         outcome = ""
-        if self.short:
-            outcome = "the stored tensor is shorter than its header says"
-        elif self.pos != self.info.nbytes:
+        if self.pos != self.info.nbytes:
             outcome = f"{self.pos} bytes recomputed, {self.info.nbytes} stored"
+        elif self.short:
+            outcome = "the stored tensor is shorter than its header says"
         elif self.equal:
             outcome = None
         elif self.bad:

@@ -34,16 +34,45 @@ class _Memory:
 
 
 class _Bytes:
-    """A part's bytes as the executor streams them: row blocks of merged tensors, ranges of stored files."""
+    """A part's bytes as the executor streams them: in order (row blocks of merged tensors, ranges of stored files),
+    or each tensor at its place from worker threads."""
 
-    def __init__(self):
-        self.data = bytearray()
+    def __init__(self, sizes):
+        self.data, self.pos = bytearray(sum(sizes)), 0
+        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
 
     def write(self, tensor):
-        self.data += tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        self.put(self.pos, tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def copy_from(self, fd, offset, nbytes):
-        self.data += os.pread(fd, nbytes, offset)
+        self.put(self.pos, os.pread(fd, nbytes, offset))
+
+    def put(self, at, raw):
+        self.data[at : at + len(raw)] = raw
+        self.pos = at + len(raw)
+
+    def at(self, index):
+        return _Place(self, self.starts[index])
+
+
+class _Place:
+    """One tensor's writer at its place in the part."""
+
+    def __init__(self, part, start):
+        self.part, self.pos, self.nbytes = part, start, 0
+
+    def write(self, tensor):
+        self.put(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    def copy_from(self, fd, offset, nbytes):
+        self.put(os.pread(fd, nbytes, offset))
+
+    def put(self, raw):
+        self.part.data[self.pos : self.pos + len(raw)] = raw
+        self.pos, self.nbytes = self.pos + len(raw), self.nbytes + len(raw)
+
+    def finish(self):
+        pass
 
 
 class _MemoryOutput:
@@ -54,12 +83,11 @@ class _MemoryOutput:
 
     def write(self, parts, produce):
         for i in parts:
-            writer = _Bytes()
+            entries = self.layout.parts[i][1]
+            writer = _Bytes([e[3] for e in entries])
             produce(i, writer)
-            pos = 0
-            for name, _, _, nbytes in self.layout.parts[i][1]:
-                self.sink.tensors[name], pos = bytes(writer.data[pos : pos + nbytes]), pos + nbytes
-            assert pos == len(writer.data)
+            for (name, _, _, nbytes), start in zip(entries, writer.starts):
+                self.sink.tensors[name] = bytes(writer.data[start : start + nbytes])
 
     def finish(self, finish):
         for check in finish.checks:
@@ -67,14 +95,17 @@ class _MemoryOutput:
         self.sink.finished = finish
 
 
-def test_a_destination_written_against_the_protocol_gets_the_bytes_a_folder_gets(make_base, make_adapter, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_destination_written_against_the_protocol_gets_the_bytes_a_folder_gets(
+    workers, make_base, make_adapter, tmp_path
+):
     base, adapter = make_base("llama_sharded"), make_adapter("llama_sharded", "default")
     folder = str(tmp_path / "folder")
     plan = plan_checkpoint_merge(base, adapter, folder, chunk_elems=4096, max_shard_size="200KB")
     assert len(plan.shard_names) > 1  # several parts, each streamed in row blocks
     memory = _Memory()
     assert isinstance(memory, Sink) and not isinstance(memory, SharedSink)
-    kept = run(plan, CheckpointReader(plan), memory, progress=False)
+    kept = run(plan, CheckpointReader(plan, workers=workers), memory, progress=False)
     written = run(plan, CheckpointReader(plan), FolderSink(folder, overwrite=False), progress=False)
     on_disk = folder_tensors(folder)
     assert memory.committed and memory.finished.config == plan.config
@@ -100,3 +131,50 @@ def test_the_folder_is_shared_by_ranks_the_comparison_is_not():
     assert isinstance(FolderSink("x", overwrite=False), SharedSink)
     compare = CompareSink("x", {}, rounding=set())
     assert isinstance(compare, Sink) and not isinstance(compare, SharedSink)
+
+
+def _compared(tmp_path, produce, *, placed: bool):
+    """A checkpoint of a 2x2 tensor and a zero-size one after it, compared with what ``produce`` streams."""
+    from safetensors.torch import save_file
+
+    from peft_shardmerge.engine.sink import Finish, Layout
+    from peft_shardmerge.io.safetensors_io import read_header
+
+    path = str(tmp_path / "model.safetensors")
+    save_file({"a": torch.ones(2, 2), "z": torch.empty(0, 3)}, path)
+    stored = {t.name: t for t in read_header(path)[0]}
+    sink = CompareSink(str(tmp_path), stored, rounding={"a"})
+    layout = Layout([("model.safetensors", [("a", "F32", (2, 2), 16), ("z", "F32", (0, 3), 0)])])
+    with sink.open(layout) as out:
+        out.write([0], lambda i, w: produce([w.at(0), w.at(1)] if placed else [w, w]))
+        out.finish(Finish(config={}))
+    return sink
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_the_comparison_takes_a_zero_size_tensor_last_and_names_a_byte_count_that_differs(tmp_path, placed):
+    def same(writers):
+        writers[0].write(torch.ones(2, 2))
+        writers[1].write(torch.empty(0, 3))  # the one empty block a reader sends for a zero-size tensor
+        for w in writers if placed else ():
+            w.finish()
+
+    sink = _compared(tmp_path, same, placed=placed)
+    assert (sink.compared, sink.bitwise, sink.differ) == (2, 2, [])
+
+    def short(writers):
+        writers[0].write(torch.ones(3))
+        writers[1].write(torch.empty(0, 3))
+        for w in writers if placed else ():
+            w.finish()
+
+    sink = _compared(tmp_path, short, placed=placed)
+    assert sink.differ == [("a", "12 bytes recomputed, 16 stored")] and sink.compared == 2
+
+    def long(writers):
+        writers[0].write(torch.ones(5))
+        for w in writers if placed else ():
+            w.finish()
+
+    sink = _compared(tmp_path, long, placed=placed)
+    assert sink.differ == [("a", "20 bytes recomputed, 16 stored")] and sink.compared == 2

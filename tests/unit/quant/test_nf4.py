@@ -79,6 +79,23 @@ def test_nf4_base_equals_bitsandbytes_dequantized(
     assert not any("embed" in k or "wte" in k or "lm_head" in k for k in ref)
 
 
+def test_conv1d_weights_the_adapter_leaves_alone_are_quantized_as_bitsandbytes_holds_them(
+    make_base, make_adapter, tmp_path
+):
+    """A QLoRA adapter on GPT-2's c_attn only (PEFT's default there): the Conv1D weights it does not target
+    (c_proj, c_fc) are 4-bit in training too, quantized as bitsandbytes holds them, [out, in]."""
+    base = make_base("gpt2")
+    adapter = make_adapter("gpt2", "c_attn", fan_in_fan_out=True, target_modules=["c_attn"])
+    out = str(tmp_path / "m")
+    merge_checkpoint(base, adapter, out, dtype="float32", base_precision="nf4", progress=False)
+    ref = _quantized_reference(base, adapter, "nf4", True)
+    untargeted = [n for n in ref if "c_attn" not in n]
+    assert untargeted and any("c_proj" in n for n in untargeted)
+    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as h:
+        for name, want in ref.items():
+            torch.testing.assert_close(h.get_tensor(name).T, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_original_and_nf4_differ_by_quantization_error(make_base, make_adapter, tmp_path):
     base = make_base("llama_bf16")
     adapter = make_adapter("llama_bf16", "default")
