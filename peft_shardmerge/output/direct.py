@@ -205,11 +205,8 @@ def free_memory() -> int:
         >>> free_memory() >= 0
         True
     """
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
-    group = cgroup_memory()
+    free = _pages("SC_AVPHYS_PAGES")
+    group = cgroup_memory() if free else None
     return free if group is None else max(0, min(free, group[0] - group[1]))
 
 
@@ -221,12 +218,17 @@ def physical_memory() -> int:
         >>> physical_memory() > 0
         True
     """
+    total = _pages("SC_PHYS_PAGES")
+    group = cgroup_memory() if total else None
+    return total if group is None else min(total, group[0])
+
+
+def _pages(name: str) -> int:
+    """``os.sysconf(name)`` pages in bytes; 0 where the system does not say."""
     try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf(name) * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 0
-    group = cgroup_memory()
-    return total if group is None else min(total, group[0])
 
 
 #: this process's control groups, one line per hierarchy: ``ID:CONTROLLERS:PATH`` (``0::PATH`` for cgroup v2)
