@@ -202,22 +202,8 @@ def _walk_lora(w: _Walk, name: str, module: nn.Module) -> None:
     )
     if adapters:
         w.lora_layers.append(change_key(w.entries[-1]))
-    if getattr(base, "bias", None) is not None:
-        with_bias = [a for a in adapters if getattr(module, "lora_bias", {}).get(a)]
-        w.entries.append(
-            LiveEntry(
-                f"{prefix}bias",
-                tuple(base.bias.shape),
-                True,
-                "lora_bias" if with_bias else "plain",
-                module,
-                "bias",
-                base,
-                with_bias,
-                numel=base.bias.numel(),
-                owner=name,
-            )
-        )
+    with_bias = [a for a in adapters if getattr(module, "lora_bias", {}).get(a)]
+    _bias_entry(w, name, module, base, "lora_bias" if with_bias else "plain", with_bias)
 
 
 def _without_weights(module: nn.Module, adapter: str) -> bool:
@@ -286,20 +272,7 @@ def _walk_tokens(w: _Walk, name: str, module: nn.Module) -> None:
     )
     if adapters and tokens.tied_adapter is None:  # a tied head shares the embedding's rows
         w.lora_layers.append(change_key(w.entries[-1]))
-    if getattr(base, "bias", None) is not None:
-        w.entries.append(
-            LiveEntry(
-                f"{prefix}bias",
-                tuple(base.bias.shape),
-                True,
-                "plain",
-                base,
-                "bias",
-                base,
-                numel=base.bias.numel(),
-                owner=name,
-            )
-        )
+    _bias_entry(w, name, base, base)
 
 
 def _walk_unsupported(w: _Walk, name: str, module: nn.Module) -> None:
@@ -326,18 +299,20 @@ def _walk_bnb(w: _Walk, name: str, module: nn.Module) -> None:
             owner=name,
         )
     )
-    if getattr(module, "bias", None) is not None:
+    _bias_entry(w, name, module, module)
+
+
+def _bias_entry(
+    w: _Walk, name: str, module: nn.Module, holder: nn.Module, kind: str = "plain", adapters: list[str] = ()
+) -> None:
+    """The entry of ``holder``'s bias, where it has one, in the module ``name`` (``module`` produces it)."""
+    bias = getattr(holder, "bias", None)
+    if bias is not None:
+        prefix = f"{name}." if name else ""
+        shape, numel = tuple(bias.shape), bias.numel()
         w.entries.append(
             LiveEntry(
-                f"{prefix}bias",
-                tuple(module.bias.shape),
-                True,
-                "plain",
-                module,
-                "bias",
-                module,
-                numel=module.bias.numel(),
-                owner=name,
+                f"{prefix}bias", shape, True, kind, module, "bias", holder, list(adapters), numel=numel, owner=name
             )
         )
 
