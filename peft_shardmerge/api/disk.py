@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
@@ -339,13 +340,10 @@ def merge_checkpoint(
         (14, 'bfloat16', ['model.safetensors'])
     """
     opts, problems = MergeOptions.from_call(locals())
-    with quiet_libraries(transformers=False):  # each step that may import it holds its messages back itself
-        if not distributed:
-            steps = JobSteps(World(), STEPS)
-            return CheckpointJob(base, adapter, out_dir, opts, problems, steps, dry_run, before_commit).run()
-        with joined_world(opts.device) as world:
-            steps = JobSteps(world, ("plan",) if dry_run else STEPS)
-            return CheckpointJob(base, adapter, out_dir, opts, problems, steps, dry_run, before_commit).run()
+    joined = joined_world(opts.device) if distributed else nullcontext(World())
+    with quiet_libraries(transformers=False), joined as world:  # each step that may import transformers: quiet itself
+        steps = JobSteps(world, ("plan",) if dry_run else STEPS)
+        return CheckpointJob(base, adapter, out_dir, opts, problems, steps, dry_run, before_commit).run()
 
 
 class CheckpointJob(MergeJob):
@@ -432,7 +430,7 @@ class CheckpointJob(MergeJob):
 def _described(plan: Plan, out_dir) -> MergeReport:
     """The report of a dry run: the plan, nothing written."""
     return MergeReport(
-        out_dir=os.path.abspath(out_dir),
+        out_dir=out_dir,
         base=plan.inputs.base.folder,
         adapter=", ".join(plan.inputs.adapter.folders),
         dtype=str(plan.dtype).removeprefix("torch."),

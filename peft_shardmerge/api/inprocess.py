@@ -444,9 +444,3 @@ class Requantized4bitJob(ModelJob):
         warnings.warn(message, UserWarning, stacklevel=5)  # once: a log record as well would show it twice
         walked = LiveInputs(walk(model, None), quant4=self.quant4, generation_config=valid_generation_config(inner))
         return plan_live(walked, out_dtype, limit)
-
-    def source(self, plan: Plan) -> Source:
-        return ModelReader(plan, self.budget, workers=default_workers())
-
-    def coordinator(self, plan: Plan) -> Coordinator | None:
-        return None

@@ -69,7 +69,8 @@ class MergeJob(ABC):
         try:
             if self.writes:
                 settle_out_dir(self.out_dir, inputs=self.inputs(), overwrite=self.opts.overwrite)
-            plan = self.plan()
+            plan = self.plan()  # checks out_dir too: from here on it is a path, resolved once
+            self.out_dir = os.path.abspath(os.fspath(self.out_dir))
             if self.steps is not None:
                 agree_on_plan(self.steps, plan, self.out_dir)
             try:
@@ -114,8 +115,7 @@ class MergeJob(ABC):
 
     def sink(self, plan: Plan) -> Sink:
         """Where the merge goes: the safetensors folder ``out_dir``."""
-        out = os.path.abspath(os.fspath(self.out_dir))
-        return FolderSink(out, overwrite=self.opts.overwrite, replace_check=self.replace_check)
+        return FolderSink(self.out_dir, overwrite=self.opts.overwrite, replace_check=self.replace_check)
 
     def before_commit(self) -> Callable[[str], None] | None:
         """Called with the folder being written, after its side files."""

@@ -84,13 +84,13 @@ class OtherRanks:
 
     Args:
         plan: the plan every rank agreed on.
-        merger: rank 0's source (the other ranks' counts are added to it, for the count check and the report).
+        source: rank 0's source (the other ranks' counts are added to its own, for the count check and the report).
         steps: the job's steps.
         bar: rank 0's progress bar (it shows the other ranks' bytes too).
     """
 
-    def __init__(self, plan: Plan, merger, steps: JobSteps, bar):
-        self.plan, self.merger, self.steps, self.bar = plan, merger, steps, bar
+    def __init__(self, plan: Plan, source, steps: JobSteps, bar):
+        self.plan, self.source, self.steps, self.bar = plan, source, steps, bar
         self.out = None
         self.theirs: list[tuple[int, int]] = []  # (part, planned bytes) of the parts the other ranks write
         self.seen, self.polled = 0, 0.0
@@ -109,7 +109,7 @@ class OtherRanks:
         self.steps.staging = handle["path"]
         self.out = out
         share = _share(self.plan, handle["done"], self.steps)
-        sizes = _sizes(self.plan)
+        sizes = self.plan.shard_sizes()
         self.theirs = [(i, sizes[i]) for other in share[1:] for i in other]
         return {i for i, _ in self.theirs}
 
@@ -148,19 +148,15 @@ class OtherRanks:
         """
         for got in self.steps.step("written", None)[1:]:
             out.adopt(got["written"])
-            self.merger.counts.add(got["counts"])
+            self.source.counts.add(got["counts"])
         self.bar.update(sum(planned for _, planned in self.theirs) - self.seen)  # their last bytes
 
 
-def _sizes(plan: Plan) -> list[int]:
-    return [sum(e[3] for e in entries) for _, entries in plan.shard_entries()]
-
-
 def _share(plan: Plan, done: list[int], steps: JobSteps) -> list[list[int]]:
-    return assign_shards(_sizes(plan), steps.world.size, skip=done)
+    return assign_shards(plan.shard_sizes(), steps.world.size, skip=done)
 
 
-def write_share(plan: Plan, steps: JobSteps, sink, layout, produce, merger):
+def write_share(plan: Plan, steps: JobSteps, sink, layout, produce, source):
     """A rank other than 0: write this rank's parts into the output rank 0 opened
     (:meth:`~peft_shardmerge.engine.sink.Sink.join`); return rank 0's report.
 
@@ -170,7 +166,7 @@ def write_share(plan: Plan, steps: JobSteps, sink, layout, produce, merger):
         sink: the sink rank 0 writes with too.
         layout: the plan's layout.
         produce: ``produce(i, writer)`` writes part ``i``'s tensors.
-        merger: the merger ``produce`` writes with (its counts go to rank 0).
+        source: the source ``produce`` writes from (its counts go to rank 0).
 
     Returns:
         The :class:`~peft_shardmerge.engine.report.MergeReport` rank 0 made.
@@ -185,7 +181,7 @@ def write_share(plan: Plan, steps: JobSteps, sink, layout, produce, merger):
     steps.staging = opened["path"]
     with sink.join(layout, opened, steps.world.rank) as out:
         out.write(_share(plan, opened["done"], steps)[steps.world.rank], produce)
-        steps.step("written", {"written": out.written(), "counts": merger.counts})
+        steps.step("written", {"written": out.written(), "counts": source.counts})
     return steps.step("committed", None)[0]
 
 

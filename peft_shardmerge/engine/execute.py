@@ -133,10 +133,10 @@ def run(
             if not coordinator.leads:
                 return coordinator.follow(sink, layout, produce)
             with sink.open(layout) as out:
-                kept = sorted(out.done)
+                kept, sizes = sorted(out.done), plan.shard_sizes()
                 for i in kept:  # parts an interrupted run finished: their changes count as applied
                     source.skip(plan.shard_tensors(i))
-                    bar.update(layout.sizes()[i])
+                    bar.update(sizes[i])
                 skipped = set(kept) | coordinator.opened(out)  # kept, or written by the other ranks
                 try:
                     out.write([i for i in range(len(layout.parts)) if i not in skipped], produce)

@@ -186,6 +186,13 @@ class Plan:
             for i, name in enumerate(self.shard_names)
         ]
 
+    def shard_sizes(self) -> list[int]:
+        """Per shard, in order, the bytes of its tensors."""
+        sizes = [0] * len(self.shard_names)
+        for t in self.tensors:
+            sizes[t.shard] += t.nbytes
+        return sizes
+
     def shard_io_bytes(self) -> list[int]:
         """Per shard, in order, the bytes a merge reads from disk (:attr:`PlannedTensor.stored`) and writes for it."""
         counts = [0] * len(self.shard_names)

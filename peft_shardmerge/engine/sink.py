@@ -23,20 +23,12 @@ class Layout:
         fingerprint: the identity of the merge, for keeping the parts of an interrupted run (None: never kept).
         inputs: digests of the inputs per part (:class:`~peft_shardmerge.output.resume.InputDigests`), for keeping
             them.
-
-    Example:
-        >>> Layout([("model.safetensors", [("w", "F32", (2,), 8)])]).sizes()
-        [8]
     """
 
     parts: list[tuple[str, list[Entry]]]
     io_bytes: list[int] | None = None
     fingerprint: str | None = None
     inputs: object = None
-
-    def sizes(self) -> list[int]:
-        """The bytes of each part's tensors, in order."""
-        return [sum(e[3] for e in entries) for _, entries in self.parts]
 
 
 @dataclass

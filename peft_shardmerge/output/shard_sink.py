@@ -116,7 +116,6 @@ class FolderOutput:
 
     def __init__(self, staging: Staging, layout: Layout, depth: int = 2):
         self.staging, self.layout, self.depth = staging, layout, depth
-        self.shards = layout.parts
         self.names = [name for name, _ in layout.parts]
         self.records: dict[str, dict] = {}
 
@@ -154,39 +153,12 @@ class FolderOutput:
         Returns:
             None.
         """
-        self._write_shards(self.staging, produce, parts)
-
-    def finish(self, finish: Finish) -> None:
-        """The index, config, side files, the caller's hook and the record; then the checks, and every shard's
-        header read back against the layout.
-
-        Args:
-            finish: what the folder holds besides its shards.
-
-        Raises:
-            MergeCheckError: a written header differs from the layout, or a check failed.
-        """
-        tmp = self.staging.path
-        if len(self.shards) > 1 and finish.index is not None:
-            write_json(os.path.join(tmp, "model.safetensors.index.json"), finish.index)
-        write_json(os.path.join(tmp, "config.json"), finish.config)
-        if finish.side_files is not None:
-            finish.side_files(tmp)
-        if finish.before_commit is not None:
-            finish.before_commit(tmp)
-        write_merge_record(tmp, self.records, finish.merge_info())
-        for check in finish.checks:
-            check()
-        check_written(tmp, [(name, [(n, d, s) for n, d, s, _ in entries]) for name, entries in self.shards])
-
-    def _write_shards(self, staging: Staging, produce: Callable[[int, ShardWriter], None], parts: list[int]) -> None:
-        """:meth:`write`: one thread reads the inputs' digests beside each shard, another closes each finished one."""
         # one thread reads the inputs' digests beside each shard; another closes a finished shard (its writes drained
         # and fsynced, then recorded in the manifest) while the next one is produced. When the merge stops, both
         # stop at their next step: the error (a Ctrl-C, say) is raised at once, not after an fsync or a long read.
         stopping = threading.Event()
         working_set = sum(
-            n for (name, _), n in zip(self.shards, self.layout.io_bytes or []) if not staging.is_done(name)
+            n for (name, _), n in zip(self.layout.parts, self.layout.io_bytes or []) if not self.staging.is_done(name)
         )  # every rank's, on one machine: the filesystems written past the page cache are local ones
         with (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="input-digest") as digests,
@@ -195,19 +167,19 @@ class FolderOutput:
             closing: list[tuple[Future, ShardWriter]] = []
             try:
                 for i in parts:
-                    name, entries = self.shards[i]
+                    name, entries = self.layout.parts[i]
                     inputs = None
-                    if staging.inputs is not None:
-                        inputs = digests.submit(staging.inputs.shard, name, stop=stopping)
+                    if self.staging.inputs is not None:
+                        inputs = digests.submit(self.staging.inputs.shard, name, stop=stopping)
                     w = ShardWriter(
-                        os.path.join(staging.path, name), entries, depth=self.depth, working_set=working_set
+                        os.path.join(self.staging.path, name), entries, depth=self.depth, working_set=working_set
                     )
                     try:
                         produce(i, w)
                     except BaseException:
                         w.abort()
                         raise
-                    closing.append((closer.submit(self._close, staging, name, w, inputs, stopping), w))
+                    closing.append((closer.submit(self._close, name, w, inputs, stopping), w))
                     if len(closing) > 1:
                         closing.pop(0)[0].result()  # the shard before: a failure to close it stops the merge here
                 while closing:
@@ -220,7 +192,30 @@ class FolderOutput:
                     if future.cancel():
                         w.abort()
 
-    def _close(self, staging, name: str, w: ShardWriter, inputs: Future | None, stopping: threading.Event) -> None:
+    def finish(self, finish: Finish) -> None:
+        """The index, config, side files, the caller's hook and the record; then the checks, and every shard's
+        header read back against the layout.
+
+        Args:
+            finish: what the folder holds besides its shards.
+
+        Raises:
+            MergeCheckError: a written header differs from the layout, or a check failed.
+        """
+        tmp = self.staging.path
+        if len(self.layout.parts) > 1 and finish.index is not None:
+            write_json(os.path.join(tmp, "model.safetensors.index.json"), finish.index)
+        write_json(os.path.join(tmp, "config.json"), finish.config)
+        if finish.side_files is not None:
+            finish.side_files(tmp)
+        if finish.before_commit is not None:
+            finish.before_commit(tmp)
+        write_merge_record(tmp, self.records, finish.merge_info())
+        for check in finish.checks:
+            check()
+        check_written(tmp, [(name, [(n, d, s) for n, d, s, _ in entries]) for name, entries in self.layout.parts])
+
+    def _close(self, name: str, w: ShardWriter, inputs: Future | None, stopping: threading.Event) -> None:
         """Drain and fsync a produced shard, then record it (in order: the one closing thread does it); a merge that
         is stopping leaves it unrecorded."""
         if stopping.is_set():
@@ -235,7 +230,7 @@ class FolderOutput:
         if stopping.is_set():
             return
         record = w.record()
-        staging.record(name, shard_digest(record), inputs=digest)
+        self.staging.record(name, shard_digest(record), inputs=digest)
         self.records[name] = record
         log.debug("%s written", name)
 

@@ -221,9 +221,18 @@ class _TensorCompare:
     def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
         for pos in range(0, nbytes, _PIECE):
             n = min(_PIECE, nbytes - pos)
-            if os.pread(fd, n, offset + pos) != self._stored(n):
-                self.equal = False
-                self.bad += 1
+            self._bytes(self._stored(n), os.pread(fd, n, offset + pos))
+
+    def _bytes(self, stored: bytes, want: bytes) -> None:
+        """Compare bytes that must be equal, counting those that differ (a short stored read: all of them)."""
+        if stored == want:
+            return
+        self.equal = False
+        if len(stored) != len(want):
+            self.short, self.bad = True, self.bad + len(want)
+            return
+        a, b = (torch.frombuffer(bytearray(x), dtype=torch.uint8) for x in (stored, want))
+        self.bad += int((a != b).sum())
 
     def write(self, tensor: torch.Tensor) -> None:
         want = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -231,12 +240,12 @@ class _TensorCompare:
         if self.short:
             self.equal = False
             return
+        if not (self.rounding and want.is_floating_point()):
+            self._bytes(raw, want.view(torch.uint8).numpy().tobytes())
+            return
         if raw == want.view(torch.uint8).numpy().tobytes():
             return
         self.equal = False
-        if not (self.rounding and want.is_floating_point()):
-            self.bad += int((torch.frombuffer(bytearray(raw), dtype=torch.uint8) != want.view(torch.uint8)).sum())
-            return
         got = torch.frombuffer(bytearray(raw), dtype=want.dtype)
         work = torch.float64 if want.dtype == torch.float64 else torch.float32
         g, w = got.to(work), want.to(work)

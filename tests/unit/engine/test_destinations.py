@@ -178,3 +178,25 @@ def test_the_comparison_takes_a_zero_size_tensor_last_and_names_a_byte_count_tha
 
     sink = _compared(tmp_path, long, placed=placed)
     assert sink.differ == [("a", "20 bytes recomputed, 16 stored")] and sink.compared == 2
+
+
+def test_the_comparison_counts_the_bytes_a_copied_tensor_differs_by(tmp_path):
+    """A tensor the merge copies (its stored bytes, ``copy_from``) is compared byte for byte; the count is of bytes."""
+    from safetensors.torch import save_file
+
+    from peft_shardmerge.engine.sink import Finish, Layout
+    from peft_shardmerge.io.safetensors_io import read_header
+
+    save_file({"a": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    save_file({"a": torch.tensor([1.0, 1.0, 1.0, 2.0])}, str(tmp_path / "base.safetensors"))  # 2.0: 2 bytes off 1.0
+    stored = {t.name: t for t in read_header(str(tmp_path / "model.safetensors"))[0]}
+    base = read_header(str(tmp_path / "base.safetensors"))[0][0]
+    sink = CompareSink(str(tmp_path), stored, rounding=set())
+    fd = os.open(base.path, os.O_RDONLY)
+    try:
+        with sink.open(Layout([("model.safetensors", [("a", "F32", (4,), 16)])])) as out:
+            out.write([0], lambda i, w: w.copy_from(fd, base.offset, base.nbytes))
+            out.finish(Finish(config={}))
+    finally:
+        os.close(fd)
+    assert sink.differ == [("a", "2 bytes differ from base + adapter")]
