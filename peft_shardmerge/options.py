@@ -187,6 +187,8 @@ class MergeOptions:
             if they differ; an error is raised with nothing committed); ``"auto"`` (the default): beside where this
             process has not imported PEFT yet and has two CPUs or more (a fresh command line), else first.
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory a loaded model's merge may occupy.
+        outtype: the GGUF type of an output ending in ``.gguf`` (:data:`~peft_shardmerge.output.gguf_types.OUTTYPES`,
+            Unsloth's names too); None is ``"auto"``, the base's 16-bit type.
 
     Example:
         >>> MergeOptions(dtype="bf16", chunk_elems=0).problems()
@@ -217,6 +219,7 @@ class MergeOptions:
     workers: int | None = None
     model_checks: str = "auto"
     maximum_memory_usage: float = 0.9
+    outtype: str | None = None
     # dtype and max_shard_size parsed once, in __post_init__: the value, or the problems of one that does not parse
     _out_dtype: torch.dtype | None = field(default=None, init=False, repr=False, compare=False)
     _shard_bytes: int = field(default=0, init=False, repr=False, compare=False)
@@ -325,6 +328,10 @@ class MergeOptions:
             problems.append(f"model_checks must be one of {', '.join(MODEL_CHECKS)}, got {self.model_checks!r}")
         for name in ("nf4_double_quant", "overwrite", "progress", "resume"):
             problems += _bool_problem(name, getattr(self, name))
+        if self.outtype is not None:
+            from .output.gguf_types import outtype_problems
+
+            problems += outtype_problems(self.outtype)
         defaults = {f.name: f.default for f in fields(self) if f.init}
         for name, (only, why) in _ONE_PATH.items():
             if only != path and not _same(getattr(self, name), defaults[name]):

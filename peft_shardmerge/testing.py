@@ -9,15 +9,16 @@ from .api.quiet import quiet_libraries
 from .verify.logits import IMAGE_TOKEN, model_class, model_inputs, token_ids
 
 #: architectures with a tiny config; hidden sizes are multiples of 64 so bitsandbytes' CPU kernels apply
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "bert", "t5", "llava", "qwen2_vl")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "t5", "llava", "qwen2_vl")
 
 
 def tiny_config(arch: str = "llama", **overrides):
     """A small transformers config of the given architecture.
 
     Args:
-        arch: ``"llama"``, ``"qwen2"`` (tied embeddings, attention biases) or ``"gpt2"`` (Conv1D layers), and
-            ``"bert"``, ``"t5"``, ``"llava"``, ``"qwen2_vl"`` (:data:`ARCHITECTURES`).
+        arch: ``"llama"``, ``"mistral"``, ``"qwen2"`` (tied embeddings, attention biases), ``"qwen3"`` (q/k norms)
+            or ``"gpt2"`` (Conv1D layers), and ``"bert"``, ``"t5"``, ``"llava"``, ``"qwen2_vl"``
+            (:data:`ARCHITECTURES`).
         **overrides: config fields to change (``hidden_size``, ``num_hidden_layers``, ...).
 
     Returns:
@@ -59,7 +60,9 @@ _VL_TEXT = dict(_DECODER, vocab_size=512, hidden_size=64, intermediate_size=128)
 #: the architectures of one flat config: the transformers class and its fields
 _FLAT = {
     "llama": ("LlamaConfig", dict(_COMMON, **_DECODER, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(_COMMON, **_DECODER, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(_COMMON, **_DECODER, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(_COMMON, **_DECODER, head_dim=32, tie_word_embeddings=False)),
     "gpt2": ("GPT2Config", dict(_COMMON, n_embd=128, n_layer=2, n_head=4, n_positions=256)),
     "bert": (
         "BertConfig",

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..checkpoint.planner import BeforeChecks, plan_from_folders
+from ..checkpoint.planner import BeforeChecks, base_dtype, plan_from_folders
 from ..checkpoint.reader import CheckpointReader
 from ..distributed.coordinators import SpreadShards
 from ..distributed.ranks import STEPS
@@ -248,6 +248,7 @@ def merge_checkpoint(
     nf4_quant_type: str = "nf4",
     nf4_blocksize: int = 64,
     nf4_double_quant: bool = True,
+    outtype: str | None = None,
     # how it runs
     device: str = "auto",
     overwrite: bool = False,
@@ -290,6 +291,10 @@ def merge_checkpoint(
         nf4_quant_type: ``"nf4"`` or ``"fp4"``.
         nf4_blocksize: 4-bit block size used in training.
         nf4_double_quant: whether training used double quantization.
+        outtype: the GGUF type where ``out_dir`` ends in ``.gguf`` (one GGUF file, as llama.cpp's converter and
+            quantizer write it, see ``docs/gguf.md``): ``"auto"`` (None; the base's 16-bit type), ``"f32"``,
+            ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q4_k_s"``,
+            ``"q4_k_m"``, ``"q5_k_s"``, ``"q5_k_m"``, ``"q6_k"``.
         device: where the maths runs: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         overwrite: allow replacing a non-empty ``out_dir`` (replaced only after the new one is complete).
         dry_run: plan and check only; nothing is read beyond headers and nothing is written.
@@ -425,6 +430,9 @@ class CheckpointJob(MergeJob):
 
     def before_commit(self) -> Callable[[str], None] | None:
         return self.confirm.then(self.hook) if self.confirm is not None else self.hook
+
+    def base_dtype(self, plan: Plan) -> str:
+        return str(base_dtype(plan.inputs.base))
 
 
 def _described(plan: Plan, out_dir) -> MergeReport:

@@ -256,6 +256,9 @@ class ModelJob(MergeJob):
     def before_commit(self) -> Callable[[str], None] | None:
         return _side_saver(self.tokenizer)
 
+    def base_dtype(self, plan: Plan) -> str:
+        return str(model_dtype(unwrap(self.model)))
+
 
 def _record_info(plan: Plan) -> dict:
     """The record's ``merge`` part, taken while the model is seen unsharded (an FSDP1 model holds no whole parameter

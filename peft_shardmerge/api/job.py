@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from abc import ABC, abstractmethod
 from typing import Callable
@@ -14,7 +15,9 @@ from ..engine.report import MergeReport
 from ..engine.sink import Sink
 from ..engine.source import Coordinator, Source
 from ..options import MergeOptions
-from ..output.out_dir import settle_out_dir
+from ..output.gguf_sink import GGUFSink
+from ..output.gguf_types import OutType
+from ..output.out_dir import is_gguf, settle_out_dir
 from ..output.shard_sink import FolderSink
 
 
@@ -58,6 +61,14 @@ class MergeJob(ABC):
     replace_check: Callable[[str], list[str]] | None = None
 
     def __init__(self, out_dir, opts: MergeOptions, problems: list[str], steps: JobSteps | None = None):
+        if is_gguf(out_dir):
+            problems += gguf_problems(opts)
+            opts = dataclasses.replace(opts, dtype="float32")  # one rounding: the GGUF type's, from the 32-bit merge
+        elif opts.outtype is not None:
+            problems.append(
+                f"outtype={opts.outtype!r} applies to a GGUF output: name an output file ending in .gguf "
+                f"(e.g. {os.path.join(os.fspath(out_dir or '.'), 'model.gguf')})"
+            )
         self.out_dir, self.opts, self.problems, self.steps = out_dir, opts, problems, steps
 
     def run(self) -> MergeReport:
@@ -85,10 +96,11 @@ class MergeJob(ABC):
 
     def carry_out(self, plan: Plan) -> MergeReport:
         """The one executor, from :meth:`source` into :meth:`sink`."""
+        source = self.source(plan)
         return run(
             plan,
-            self.source(plan),
-            self.sink(plan),
+            source,
+            self.sink(plan, source),
             progress=self.opts.progress,
             before_commit=self.before_commit(),
             coordinator=self.coordinator(plan),
@@ -113,10 +125,35 @@ class MergeJob(ABC):
         """The hooks of the job's ranks (None: this process alone)."""
         return None
 
-    def sink(self, plan: Plan) -> Sink:
-        """Where the merge goes: the safetensors folder ``out_dir``."""
+    def sink(self, plan: Plan, source: Source) -> Sink:
+        """Where the merge goes: the GGUF file ``out_dir`` (a path ending in ``.gguf``), else the safetensors folder
+        ``out_dir``."""
+        if is_gguf(self.out_dir):
+            outtype = OutType.parse(self.opts.outtype or "auto", self.base_dtype(plan))
+            return GGUFSink(
+                self.out_dir, outtype, plan.config, source.side_files, self.before_commit(), self.opts.overwrite
+            )
         return FolderSink(self.out_dir, overwrite=self.opts.overwrite, replace_check=self.replace_check)
+
+    def base_dtype(self, plan: Plan) -> str:
+        """The base's dtype, whose 16-bit type a GGUF output of type ``auto`` keeps."""
+        return "bfloat16"
 
     def before_commit(self) -> Callable[[str], None] | None:
         """Called with the folder being written, after its side files."""
         return None
+
+
+def gguf_problems(opts: MergeOptions) -> list[str]:
+    """What a GGUF output refuses among the options: the 16-bit dtype and the shard size of a folder's output."""
+    problems = []
+    if opts.dtype is not None:
+        problems.append(
+            f"dtype={opts.dtype!r} applies to a folder's output; a GGUF file is written from the 32-bit merge in its "
+            "outtype (f16, bf16, q8_0, q4_k_m, ...): pass outtype instead"
+        )
+    if opts.shard_bytes != MergeOptions().shard_bytes:
+        problems.append(
+            f"max_shard_size={opts.max_shard_size!r} applies to a folder's shards; a GGUF output is one file"
+        )
+    return problems

@@ -33,7 +33,8 @@ from .trained_base import base_name_notes, disk_base_choice
 BeforeChecks = Callable[[str, str | None], None]
 
 
-def _base_dtype(base: CheckpointSource) -> torch.dtype:
+def base_dtype(base: CheckpointSource) -> torch.dtype:
+    """The base's dtype: its config's, else that of most of its floating-point weights."""
     for key in ("dtype", "torch_dtype"):
         name = base.config.get(key)
         if isinstance(name, str) and name in OUTPUT_DTYPES:
@@ -244,10 +245,10 @@ def _plan_options(
     """The output dtype and the 4-bit settings of a plan, with every problem of the options it plans with."""
     problems: list[str] = []
     try:
-        out_torch = opts.out_dtype or _base_dtype(base)
+        out_torch = opts.out_dtype or base_dtype(base)
     except InputError as e:  # named with the plan's own problems: the plan is refused before it is made
         problems += e.problems
-        out_torch = _base_dtype(base)
+        out_torch = base_dtype(base)
     base_precision = opts.base_precision
     if base_precision not in BASE_PRECISIONS:
         problems.append(f"base_precision must be one of {', '.join(BASE_PRECISIONS)}, got {base_precision!r}")

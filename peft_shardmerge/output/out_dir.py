@@ -10,7 +10,6 @@ import stat
 from contextlib import suppress
 
 from .files import is_nonempty, name_problems, read_manifest, sidecar, sidecar_problems
-from .gguf import gguf_hint
 from .recovery import finish_killed_commit
 from .replace import not_empty_problems, replace_problems, replaced_entries
 
@@ -57,6 +56,8 @@ def check_out_dir(
     raw, out, problems, is_input = _path_problems(out_dir, inputs)
     if out is None:
         return problems
+    if is_gguf(raw):
+        return problems + _gguf_file_problems(raw, out, overwrite)
     if os.path.islink(out):
         if not problems:
             problems.append(
@@ -78,6 +79,36 @@ def check_out_dir(
     return problems + sidecar_problems(out)
 
 
+def is_gguf(out_dir) -> bool:
+    """Whether an output path names one GGUF file (it ends in ``.gguf``) rather than a folder.
+
+    Args:
+        out_dir: the output path.
+
+    Returns:
+        True for a GGUF file.
+
+    Example:
+        >>> is_gguf("out/model-Q4_K_M.GGUF"), is_gguf("merged")
+        (True, False)
+    """
+    return isinstance(out_dir, (str, os.PathLike)) and os.fspath(out_dir).rstrip(os.sep).lower().endswith(".gguf")
+
+
+def _gguf_file_problems(raw: str, out: str, overwrite: bool) -> list[str]:
+    """What forbids writing the GGUF file ``out``: a link, a folder, or an existing file without ``overwrite``."""
+    if os.path.islink(out):
+        return [
+            f"output {raw} is a symlink; the GGUF file is staged beside it and renamed into place, which would "
+            f"replace the link: pass the real path ({os.path.realpath(out)})"
+        ]
+    if os.path.isdir(out):
+        return [f"output {raw} is a folder; a path ending in .gguf names one GGUF file: remove it or choose another"]
+    if os.path.lexists(out) and not overwrite:
+        return [f"output {raw} exists; pass overwrite=True (--overwrite) to replace it once the new one is complete"]
+    return []
+
+
 def settle_out_dir(
     out_dir: str | os.PathLike, *, inputs: dict[str, str | os.PathLike | None], overwrite: bool
 ) -> None:
@@ -96,7 +127,7 @@ def settle_out_dir(
         >>> settle_out_dir("", inputs={}, overwrite=False)  # an empty path: refused by the checks, left alone
     """
     raw, out, problems, is_input = _path_problems(out_dir, inputs)
-    if out is None or problems:
+    if out is None or problems or is_gguf(raw):
         return
     finish_killed_commit(out)
     if overwrite and not is_input and os.path.isdir(out) and not os.path.islink(out) and is_nonempty(out):
@@ -124,8 +155,6 @@ def _path_problems(out_dir, inputs: dict) -> tuple[str | None, str | None, list[
     bad_name = _not_utf8_problem(raw)
     if bad_name:
         return raw, None, [bad_name], False
-    if raw.rstrip(os.sep).lower().endswith(".gguf"):
-        return raw, None, [f"output {raw} names a GGUF file: {gguf_hint()}"], False
     out = os.path.abspath(raw)
     real = os.path.realpath(out)
     as_the_system_reads = os.path.realpath(os.path.join(_here() or os.sep, raw))

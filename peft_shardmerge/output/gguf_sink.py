@@ -1,0 +1,324 @@
+"""A merge written as one GGUF file: the header laid out before the first tensor, each merged row block turned into
+its GGUF rows (q/k rows permuted within their head, quantized) and written at its place, staged and renamed."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..engine.sink import Finish, Layout
+from ..errors import InputError
+from .gguf_arch import GGUFTensor, add_model_metadata, architecture, convert_tensors, load_hparams
+from .gguf_types import OutType
+
+#: numpy's reading of the safetensors dtypes a merge streams
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+def staging_path(path: str) -> str:
+    """Where the GGUF file ``path`` is written before it is renamed into place (beside it, hidden)."""
+    head, tail = os.path.split(os.path.abspath(path))
+    return os.path.join(head, f".{tail}.peft-shardmerge-partial")
+
+
+class GGUFSink:
+    """A merge into one GGUF file (:class:`~peft_shardmerge.engine.sink.Sink`), byte for byte what llama.cpp's
+    converter writes from the 32-bit merge (:mod:`~peft_shardmerge.output.gguf_arch`).
+
+    The header (metadata, tokenizer, every tensor's type and offset) is laid out when the sink is opened, from the
+    model's config and the files the merge carries beside its weights (the tokenizer): a model the converter
+    cannot take is refused then, before the file is created. Tensors are written at their offsets as their row
+    blocks arrive, into a staging file beside ``path`` that is renamed into place once complete and checked.
+
+    Args:
+        path: the GGUF file to write.
+        outtype: the :class:`~peft_shardmerge.output.gguf_types.OutType`.
+        config: the merged model's ``config.json``.
+        side_files: writes the merge's other files (the tokenizer) into a folder.
+        before_commit: the caller's hook that writes into that folder too (a tokenizer passed in).
+        overwrite: whether an existing ``path`` may be replaced.
+    """
+
+    label = "writing GGUF"
+
+    def __init__(
+        self,
+        path: str,
+        outtype: OutType,
+        config: dict,
+        side_files: Callable[[str], None] | None = None,
+        before_commit: Callable[[str], None] | None = None,
+        overwrite: bool = False,
+    ):
+        self.location, self.outtype, self.config = os.path.abspath(path), outtype, config
+        self.side_files, self.before_commit, self.overwrite = side_files, before_commit, overwrite
+
+    @contextmanager
+    def open(self, layout: Layout) -> Iterator[GGUFOutput]:
+        """Lay out the header, stage the file, write the tensors in the block; rename it into place on a clean
+        exit, remove it otherwise."""
+        entries = [(name, tuple(shape), dtype) for _, part in layout.parts for name, dtype, shape, _ in part]
+        with tempfile.TemporaryDirectory(prefix="peft-shardmerge-gguf-") as scratch:
+            # the model's files in a folder named as the output: the converter names a model after its folder
+            folder = os.path.join(scratch, os.path.splitext(os.path.basename(self.location))[0])
+            os.mkdir(folder)
+            header = gguf_header(folder, self.config, entries, self.outtype, self.side_files, self.before_commit)
+        staging = staging_path(self.location)
+        if os.path.lexists(self.location) and not self.overwrite:
+            raise InputError(f"{self.location} appeared while merging; pass overwrite=True to replace it")
+        out = GGUFOutput(staging, header, layout)
+        try:
+            yield out
+            out.close()
+            os.replace(staging, self.location)
+            _fsync_dir(os.path.dirname(self.location))
+        finally:
+            out.close()
+            if os.path.lexists(staging):
+                os.unlink(staging)
+
+
+class GGUFHeader:
+    """A GGUF file laid out: its header bytes, its tensors and where each one's data starts."""
+
+    def __init__(self, raw: bytes, tensors: list[GGUFTensor], offsets: list[int], size: int):
+        self.raw, self.tensors, self.offsets, self.size = raw, tensors, offsets, size
+        self.by_source = {t.source: (t, off) for t, off in zip(tensors, offsets) if t.source is not None}
+
+
+def gguf_header(
+    folder: str,
+    config: dict,
+    entries: list[tuple[str, tuple[int, ...], str]],
+    outtype: OutType,
+    side_files: Callable[[str], None] | None = None,
+    before_commit: Callable[[str], None] | None = None,
+) -> GGUFHeader:
+    """Lay out the GGUF file of a merge: its metadata, tokenizer and tensor infos, as the converter writes them.
+
+    Args:
+        folder: an empty scratch folder, where the model's config and other files are written to be read.
+        config: the merged model's ``config.json``.
+        entries: ``(name, shape, safetensors dtype)`` of every merged tensor.
+        outtype: the :class:`~peft_shardmerge.output.gguf_types.OutType`.
+        side_files: writes the tokenizer and other files into ``folder``.
+        before_commit: the caller's hook writing into ``folder`` too.
+
+    Returns:
+        The :class:`GGUFHeader`.
+
+    Raises:
+        UnsupportedError: an architecture, tokenizer or tensor the converter's rules do not cover.
+        InputError: no tokenizer beside the model.
+    """
+    import gguf
+
+    from .gguf_vocab import add_tokenizer
+
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    for write in (side_files, before_commit):
+        if write is not None:
+            write(folder)
+    hparams = load_hparams(folder)
+    _, arch, _ = architecture(hparams)
+    tensors = outtype.retype(convert_tensors(hparams, [(n, s) for n, s, _ in entries], outtype.converter), hparams)
+    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
+    for t in tensors:
+        writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+    add_model_metadata(writer, hparams, outtype.file_type, folder)
+    add_tokenizer(writer, folder, hparams)
+    scratch = os.path.join(os.path.dirname(folder), "header.gguf")
+    writer.write_header_to_file(path=scratch)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with open(scratch, "rb") as f:
+        raw = f.read()
+    start, offsets = writer.ggml_pad(len(raw), writer.data_alignment), []
+    at = start
+    for t in tensors:
+        offsets.append(at)
+        at += writer.ggml_pad(t.nbytes, writer.data_alignment)
+    return GGUFHeader(raw, tensors, offsets, at)
+
+
+class GGUFOutput:
+    """An opened :class:`GGUFSink` (:class:`~peft_shardmerge.engine.sink.Opened`): the staging file, its header
+    written, every tensor written at its offset as it arrives."""
+
+    done: set[int] = set()
+
+    def __init__(self, staging: str, header: GGUFHeader, layout: Layout):
+        self.header, self.layout = header, layout
+        self.fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self.fd, header.size)
+        os.pwrite(self.fd, header.raw, 0)
+        for t, off in zip(header.tensors, header.offsets):
+            if t.values is not None:
+                os.pwrite(self.fd, _encode(t.values.reshape(t.shape), t.qtype), off)
+        self.missing = {t.source for t in header.tensors if t.source is not None}
+        self.lock = threading.Lock()
+
+    def write(self, parts: list[int], produce: Callable[[int, object], None]) -> None:
+        """Write the merged tensors of ``parts`` at their places in the file."""
+        for i in parts:
+            entries = self.layout.parts[i][1]
+            w = _PartWriter(self, entries)
+            produce(i, w)
+            w.close()
+
+    def tensor(self, entry) -> _TensorWriter:
+        """The writer of one merged tensor (a tensor the converter skips is read and dropped)."""
+        name, dtype, shape, nbytes = entry
+        placed = self.header.by_source.get(name)
+        return _TensorWriter(self, name, dtype, tuple(shape), nbytes, *(placed or (None, 0)))
+
+    def written(self, name: str) -> None:
+        """Note one merged tensor as wholly written."""
+        with self.lock:
+            self.missing.discard(name)
+
+    def finish(self, finish: Finish) -> None:
+        """Check that every GGUF tensor was written and every change applied, then make the file durable."""
+        if self.missing:
+            raise InputError(f"GGUF tensors never written: {sorted(self.missing)[:5]}")
+        for check in finish.checks:
+            check()
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        """Close the staging file (once)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class _PartWriter:
+    """The executor's writer of one part: in order (``write``/``copy_from``, tensor after tensor), or each tensor
+    at its place (``at``)."""
+
+    def __init__(self, out: GGUFOutput, entries):
+        self.out, self.entries, self.i, self.current = out, entries, 0, None
+
+    def at(self, index: int) -> _TensorWriter:
+        return self.out.tensor(self.entries[index])
+
+    def _next(self) -> _TensorWriter:
+        """The tensor the next bytes belong to (zero-size tensors passed over)."""
+        while self.current is None or self.current.full:
+            if self.current is not None:
+                self.current.finish()
+            self.current = self.out.tensor(self.entries[self.i])
+            self.i += 1
+        return self.current
+
+    def write(self, tensor) -> None:
+        raw = tensor.detach().contiguous().reshape(-1).view(__import__("torch").uint8).numpy()
+        self._feed(memoryview(raw).cast("B"))
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        while nbytes:
+            n = min(nbytes, 64 << 20)
+            self._feed(memoryview(os.pread(fd, n, offset)))
+            offset, nbytes = offset + n, nbytes - n
+
+    def _feed(self, raw: memoryview) -> None:
+        while len(raw):
+            w = self._next()
+            n = min(len(raw), w.nbytes - w.received)
+            w.take(raw[:n])
+            raw = raw[n:]
+
+    def close(self) -> None:
+        """Finish the last tensor and any zero-size ones after it."""
+        if self.current is not None:
+            self.current.finish()
+        for entry in self.entries[self.i :]:
+            self.out.tensor(entry).finish()
+
+
+class _TensorWriter:
+    """One merged tensor's bytes turned into its GGUF rows: whole units (a row, or a head's rows where q/k rows are
+    permuted) are transformed, encoded in the tensor's type and written at their offset; the rest waits."""
+
+    def __init__(self, out, name, dtype, shape, nbytes, target: GGUFTensor | None, offset: int):
+        self.out, self.name, self.dtype, self.target, self.offset = out, name, dtype, target, offset
+        self.nbytes, self.received, self.pending = nbytes, 0, bytearray()
+        self.cols = shape[-1] if len(shape) >= 2 else 1
+        rows = int(np.prod(shape)) // self.cols if self.cols else 0
+        heads = target.heads if target is not None else 0
+        self.unit = rows // heads if heads else 1  # rows moved together
+        self.item = np.dtype(_DTYPES[dtype]).itemsize
+        self.done_rows = 0
+
+    @property
+    def full(self) -> bool:
+        return self.received >= self.nbytes
+
+    def write(self, tensor) -> None:
+        import torch
+
+        self.take(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B"))
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        while nbytes:
+            n = min(nbytes, 64 << 20)
+            self.take(memoryview(os.pread(fd, n, offset)))
+            offset, nbytes = offset + n, nbytes - n
+
+    def take(self, raw: memoryview) -> None:
+        self.received += len(raw)
+        if self.target is None:
+            return
+        self.pending += raw
+        unit_bytes = self.unit * self.cols * self.item
+        whole = len(self.pending) // unit_bytes * unit_bytes if unit_bytes else 0
+        if whole:
+            self._emit(bytes(self.pending[:whole]))
+            del self.pending[:whole]
+
+    def _emit(self, raw: bytes) -> None:
+        """Write whole units of rows at their place in the file."""
+        values = np.frombuffer(raw, dtype=_DTYPES[self.dtype])
+        if self.dtype == "BF16":
+            values = (values.astype(np.uint32) << 16).view(np.float32)
+        rows = values.astype(np.float32, copy=False).reshape(-1, self.cols)
+        t = self.target
+        if t.heads:
+            half = self.unit // 2
+            rows = rows.reshape(-1, 2, half, self.cols).swapaxes(1, 2).reshape(-1, self.cols)
+        data = _encode(rows if len(t.shape) >= 2 else rows.reshape(-1), t.qtype)
+        row_bytes = len(data) // len(rows) if len(t.shape) >= 2 else 4
+        os.pwrite(self.out.fd, data, self.offset + self.done_rows * row_bytes)
+        self.done_rows += len(rows)
+
+    def finish(self) -> None:
+        if self.pending:
+            raise InputError(f"{self.name}: {len(self.pending)} bytes left over a whole row")
+        if self.target is not None and self.full:
+            self.out.written(self.name)
+
+
+def _encode(values: np.ndarray, qtype) -> bytes:
+    """Values in a GGUF type, as gguf-py (bit-exact to llama.cpp) or the K-quants' port encodes them."""
+    from .gguf_types import encode
+
+    return encode(values, qtype)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["GGUFSink", "gguf_header", "staging_path"]

