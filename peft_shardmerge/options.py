@@ -187,7 +187,7 @@ class MergeOptions:
             if they differ; an error is raised with nothing committed); ``"auto"`` (the default): beside where this
             process has not imported PEFT yet and has two CPUs or more (a fresh command line), else first.
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory a loaded model's merge may occupy.
-        outtype: the GGUF type of an output ending in ``.gguf`` (:data:`~peft_shardmerge.output.gguf_types.OUTTYPES`,
+        outtype: the GGUF type of an output ending in ``.gguf`` (:data:`~peft_shardmerge.support.outtypes.OUTTYPES`,
             Unsloth's names too); None is ``"auto"``, the base's 16-bit type.
 
     Example:
@@ -329,7 +329,7 @@ class MergeOptions:
         for name in ("nf4_double_quant", "overwrite", "progress", "resume"):
             problems += _bool_problem(name, getattr(self, name))
         if self.outtype is not None:
-            from .output.gguf_types import outtype_problems
+            from .support.outtypes import outtype_problems
 
             problems += outtype_problems(self.outtype)
         defaults = {f.name: f.default for f in fields(self) if f.init}

@@ -9,16 +9,32 @@ from .api.quiet import quiet_libraries
 from .verify.logits import IMAGE_TOKEN, model_class, model_inputs, token_ids
 
 #: architectures with a tiny config; hidden sizes are multiples of 64 so bitsandbytes' CPU kernels apply
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "t5", "llava", "qwen2_vl")
+ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "gpt2",
+    "bert",
+    "t5",
+    "llava",
+    "qwen2_vl",
+)
 
 
 def tiny_config(arch: str = "llama", **overrides):
     """A small transformers config of the given architecture.
 
     Args:
-        arch: ``"llama"``, ``"mistral"``, ``"qwen2"`` (tied embeddings, attention biases), ``"qwen3"`` (q/k norms)
-            or ``"gpt2"`` (Conv1D layers), and ``"bert"``, ``"t5"``, ``"llava"``, ``"qwen2_vl"``
-            (:data:`ARCHITECTURES`).
+        arch: ``"llama"``, ``"mistral"``, ``"qwen2"`` (tied embeddings, attention biases), ``"qwen3"`` (q/k norms),
+            the mixtures of experts ``"mixtral"`` and ``"qwen3_moe"``, ``"gemma2"``, ``"gemma3"`` (tied),
+            ``"phi3"`` (fused qkv and gate/up) or ``"gpt2"`` (Conv1D layers), and ``"bert"``, ``"t5"``, ``"llava"``,
+            ``"qwen2_vl"`` (:data:`ARCHITECTURES`).
         **overrides: config fields to change (``hidden_size``, ``num_hidden_layers``, ...).
 
     Returns:
@@ -63,6 +79,28 @@ _FLAT = {
     "mistral": ("MistralConfig", dict(_COMMON, **_DECODER, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(_COMMON, **_DECODER, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(_COMMON, **_DECODER, head_dim=32, tie_word_embeddings=False)),
+    "mixtral": (
+        "MixtralConfig",
+        dict(_COMMON, **_DECODER, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            _COMMON,
+            **_DECODER,
+            head_dim=32,
+            moe_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gemma2": ("Gemma2Config", dict(_COMMON, **_DECODER, head_dim=32, sliding_window=128)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(_COMMON, **_DECODER, head_dim=32, sliding_window=128, architectures=["Gemma3ForCausalLM"]),
+    ),
+    "phi3": ("Phi3Config", dict(_COMMON, **_DECODER, pad_token_id=0, tie_word_embeddings=False)),
     "gpt2": ("GPT2Config", dict(_COMMON, n_embd=128, n_layer=2, n_head=4, n_positions=256)),
     "bert": (
         "BertConfig",

@@ -11,6 +11,7 @@ import sys
 
 from ..errors import ShardMergeError
 from ..support.combinations import COMBINATIONS, MAJORITY_SIGNS
+from ..support.outtypes import OUTTYPES
 from ..version import __version__
 from .model_checks import ChecksBeside, checks_beside
 
@@ -124,7 +125,11 @@ def _merge_parser(sub) -> None:
     m.add_argument(
         "adapter", metavar="ADAPTER", nargs="?", help="PEFT LoRA adapter folder, or a Hub id in the local cache"
     )
-    m.add_argument("out", metavar="OUT", help="output folder (created; replaced only with --overwrite)")
+    m.add_argument(
+        "out",
+        metavar="OUT",
+        help="output folder (created; replaced only with --overwrite), or one GGUF file: a path ending in .gguf",
+    )
     _combination_arguments(m)
     m.add_argument(
         "--dtype",
@@ -134,6 +139,15 @@ def _merge_parser(sub) -> None:
         help="dtype written (bf16, fp16, fp32 too; default or 'auto': the base's)",
     )
     m.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB (default 5GB)")
+    m.add_argument(
+        "--outtype",
+        type=str.lower,
+        choices=OUTTYPES,
+        default=None,
+        metavar="{auto,f16,bf16,q8_0,q4_k_m,...}",
+        help=f"GGUF type of an OUT ending in .gguf: {', '.join(OUTTYPES)} (default auto: the base's 16-bit type; "
+        "docs/gguf.md)",
+    )
     m.add_argument(
         "--base-precision",
         choices=["auto", "original", "nf4"],
@@ -278,6 +292,7 @@ def _merge(args: argparse.Namespace) -> int:
             seed=args.seed,
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
+            outtype=args.outtype,
             base_precision=args.base_precision,
             nf4_quant_type=args.nf4_quant_type,
             nf4_blocksize=args.nf4_blocksize,

@@ -19,10 +19,11 @@ from ..engine.execute import resolve_device
 from ..engine.pipeline import default_workers
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
+from ..engine.sink import Layout
 from ..engine.source import Alone, Coordinator
 from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
-from ..output.out_dir import check_out_dir, path_argument
+from ..output.out_dir import check_out_dir, is_gguf, path_argument
 from ..output.staging import NOTHING_WRITTEN
 from .job import MergeJob
 from .model_checks import ChecksBeside, KnownChecks, checks_beside, outline
@@ -402,7 +403,11 @@ class CheckpointJob(MergeJob):
         for note in plan.notes if self.steps.world.rank == 0 else ():
             log.debug("%s", note)  # the report's summary (the CLI prints it) shows each note once
         if self.dry_run:
-            return _described(plan, self.out_dir)
+            report = _described(plan, self.out_dir)
+            if is_gguf(self.out_dir):
+                layout = Layout(plan.shard_entries())
+                report.plan_text += "\n" + self.sink(plan, CheckpointReader(plan)).describe(layout)
+            return report
         if self.checks is None:
             return super().carry_out(plan)
         self.confirm = _Confirmed(plan, self.checks)

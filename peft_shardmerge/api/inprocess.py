@@ -65,6 +65,7 @@ def merge_and_save(
     overwrite: bool = False,
     progress: bool = True,
     options: MergeOptions | None = None,
+    outtype: str | None = None,
 ) -> MergeReport:
     """Write base + LoRA of a loaded model (bitsandbytes 4-bit, 8-bit or unquantized base) as a 16-bit checkpoint.
 
@@ -123,6 +124,9 @@ def merge_and_save(
         options: the same knobs (and ``chunk_elems``) as one :class:`~peft_shardmerge.options.MergeOptions`, the
             object :func:`~peft_shardmerge.api.disk.merge_checkpoint` takes; a keyword left at its default defers to
             it, and a keyword and a field set to different values are refused.
+        outtype: the GGUF type where ``out_dir`` ends in ``.gguf`` (one GGUF file for llama.cpp, as its converter
+            and quantizer write it; the tokenizer is then required): ``"auto"`` (None; the base's 16-bit type),
+            ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_k_m"``, ... (see ``docs/gguf.md``).
 
     Returns:
         A :class:`~peft_shardmerge.engine.report.MergeReport`; ``base_precision`` says which base was used and

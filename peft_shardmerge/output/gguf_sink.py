@@ -14,7 +14,8 @@ import numpy as np
 
 from ..engine.sink import Finish, Layout
 from ..errors import InputError
-from .gguf_arch import GGUFTensor, add_model_metadata, architecture, convert_tensors, load_hparams
+from .gguf_arch import GGUFTensor, architecture, convert_tensors, load_hparams
+from .gguf_meta import add_model_metadata
 from .gguf_types import OutType
 
 #: numpy's reading of the safetensors dtypes a merge streams
@@ -59,16 +60,35 @@ class GGUFSink:
         self.location, self.outtype, self.config = os.path.abspath(path), outtype, config
         self.side_files, self.before_commit, self.overwrite = side_files, before_commit, overwrite
 
+    def header(self, layout: Layout) -> GGUFHeader:
+        """The file laid out for ``layout``, from the model's config and its other files in a scratch folder named
+        as the output (the converter names a model after its folder)."""
+        entries = [(name, tuple(shape), dtype) for _, part in layout.parts for name, dtype, shape, _ in part]
+        with tempfile.TemporaryDirectory(prefix="peft-shardmerge-gguf-") as scratch:
+            folder = os.path.join(scratch, os.path.splitext(os.path.basename(self.location))[0])
+            os.mkdir(folder)
+            return gguf_header(folder, self.config, entries, self.outtype, self.side_files, self.before_commit)
+
+    def describe(self, layout: Layout) -> str:
+        """What the file will hold, for a dry run: each GGUF tensor's name, type, shape and bytes.
+
+        Args:
+            layout: the plan's layout.
+
+        Returns:
+            Lines of text.
+        """
+        header = self.header(layout)
+        lines = [f"GGUF {self.location} ({self.outtype.name}): {len(header.tensors)} tensors, {header.size} bytes"]
+        for t in header.tensors:
+            lines.append(f"  {t.name:<32} {t.qtype.name:<5} {'x'.join(map(str, t.shape)):<16} {t.nbytes}")
+        return "\n".join(lines)
+
     @contextmanager
     def open(self, layout: Layout) -> Iterator[GGUFOutput]:
         """Lay out the header, stage the file, write the tensors in the block; rename it into place on a clean
         exit, remove it otherwise."""
-        entries = [(name, tuple(shape), dtype) for _, part in layout.parts for name, dtype, shape, _ in part]
-        with tempfile.TemporaryDirectory(prefix="peft-shardmerge-gguf-") as scratch:
-            # the model's files in a folder named as the output: the converter names a model after its folder
-            folder = os.path.join(scratch, os.path.splitext(os.path.basename(self.location))[0])
-            os.mkdir(folder)
-            header = gguf_header(folder, self.config, entries, self.outtype, self.side_files, self.before_commit)
+        header = self.header(layout)
         staging = staging_path(self.location)
         if os.path.lexists(self.location) and not self.overwrite:
             raise InputError(f"{self.location} appeared while merging; pass overwrite=True to replace it")
@@ -89,7 +109,10 @@ class GGUFHeader:
 
     def __init__(self, raw: bytes, tensors: list[GGUFTensor], offsets: list[int], size: int):
         self.raw, self.tensors, self.offsets, self.size = raw, tensors, offsets, size
-        self.by_source = {t.source: (t, off) for t, off in zip(tensors, offsets) if t.source is not None}
+        self.by_source = {}  # merged tensor -> (its GGUF tensor, where its bytes start)
+        for t, off in zip(tensors, offsets):
+            for i, name in enumerate(t.sources):
+                self.by_source[name] = (t, off + i * t.nbytes // len(t.sources))
 
 
 def gguf_header(
@@ -127,9 +150,17 @@ def gguf_header(
         if write is not None:
             write(folder)
     hparams = load_hparams(folder)
-    _, arch, _ = architecture(hparams)
-    tensors = outtype.retype(convert_tensors(hparams, [(n, s) for n, s, _ in entries], outtype.converter), hparams)
+    _, rules, arch = architecture(hparams)
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
+    rows = 0
+    if rules.vocab_rows:
+        from .gguf_vocab import vocab_rows
+
+        rows = vocab_rows(folder, hparams)
+    shapes = [(n, s) for n, s, _ in entries]
+    tensors = outtype.retype(
+        convert_tensors(hparams, shapes, outtype.converter, writer=writer, vocab_rows=rows), hparams
+    )
     for t in tensors:
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
     add_model_metadata(writer, hparams, outtype.file_type, folder)
@@ -163,7 +194,7 @@ class GGUFOutput:
         for t, off in zip(header.tensors, header.offsets):
             if t.values is not None:
                 os.pwrite(self.fd, _encode(t.values.reshape(t.shape), t.qtype), off)
-        self.missing = {t.source for t in header.tensors if t.source is not None}
+        self.missing = set(header.by_source)
         self.lock = threading.Lock()
 
     def write(self, parts: list[int], produce: Callable[[int, object], None]) -> None:
@@ -257,6 +288,7 @@ class _TensorWriter:
         self.unit = rows // heads if heads else 1  # rows moved together
         self.item = np.dtype(_DTYPES[dtype]).itemsize
         self.done_rows = 0
+        self.keep = target.rows if target is not None and target.rows is not None else rows
 
     @property
     def full(self) -> bool:
@@ -290,14 +322,18 @@ class _TensorWriter:
         if self.dtype == "BF16":
             values = (values.astype(np.uint32) << 16).view(np.float32)
         rows = values.astype(np.float32, copy=False).reshape(-1, self.cols)
-        t = self.target
+        first, t = self.done_rows, self.target
+        self.done_rows += len(rows)
+        rows = rows[: max(0, self.keep - first)]  # past the rows kept: read and dropped
+        if not len(rows):
+            return
         if t.heads:
             half = self.unit // 2
             rows = rows.reshape(-1, 2, half, self.cols).swapaxes(1, 2).reshape(-1, self.cols)
+        if t.shift:
+            rows = rows + np.float32(t.shift)
         data = _encode(rows if len(t.shape) >= 2 else rows.reshape(-1), t.qtype)
-        row_bytes = len(data) // len(rows) if len(t.shape) >= 2 else 4
-        os.pwrite(self.out.fd, data, self.offset + self.done_rows * row_bytes)
-        self.done_rows += len(rows)
+        os.pwrite(self.out.fd, data, self.offset + first * (len(data) // len(rows)))
 
     def finish(self) -> None:
         if self.pending:

@@ -1,21 +1,13 @@
-"""The GGUF types a merge can be written in (``--outtype``): what each one is made of, and the encoding of values."""
+"""A GGUF output type resolved (what each one is made of: the converter's type, the quantizer's on top), and values
+encoded in a GGUF type."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
 
 from ..errors import InputError
+from ..support.outtypes import CONVERTER_TYPES, UNSLOTH_NAMES, outtype_problems
 
-#: the types llama.cpp's converter writes itself (``--outtype``), and ``auto``: the base's 16-bit type
-CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
-#: the types llama.cpp's ``llama-quantize`` makes from the converter's file, written here in the same pass
-QUANTIZER_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
-OUTTYPES = ("auto",) + CONVERTER_TYPES + QUANTIZER_TYPES
-#: Unsloth's names for its usual choices, and the GGUF type each stands for
-UNSLOTH_NAMES = {"not_quantized": "f16", "fast_quantized": "q8_0", "quantized": "q4_k_m"}
 #: the file type (``general.file_type``) of each type
 _FILE_TYPES = {
     "f32": "ALL_F32",
@@ -32,42 +24,6 @@ _FILE_TYPES = {
     "q5_k_m": "MOSTLY_Q5_K_M",
     "q6_k": "MOSTLY_Q6_K",
 }
-
-
-def gguf_types(quantization_method: Any) -> list[str]:
-    """The GGUF types asked for, Unsloth's names turned into theirs (``"quantized"`` is ``q4_k_m``).
-
-    Args:
-        quantization_method: a type or a list of them.
-
-    Returns:
-        The types, lower case; ``["q8_0"]`` for an empty list.
-
-    Example:
-        >>> gguf_types(["quantized", "Q8_0"])
-        ['q4_k_m', 'q8_0']
-    """
-    asked = quantization_method if isinstance(quantization_method, (list, tuple)) else [quantization_method]
-    return [UNSLOTH_NAMES.get(str(t).lower(), str(t).lower()) for t in asked] or ["q8_0"]
-
-
-def outtype_problems(outtype: Any) -> list[str]:
-    """What is wrong with a GGUF type asked for.
-
-    Args:
-        outtype: the type (Unsloth's names too).
-
-    Returns:
-        The problem, naming the types written; empty when it is one.
-
-    Example:
-        >>> outtype_problems("Q4_K_M"), outtype_problems("q3_k")[0][:44]
-        ([], "outtype 'q3_k' is not a GGUF type written he")
-    """
-    name = UNSLOTH_NAMES.get(str(outtype).lower(), str(outtype).lower())
-    if isinstance(outtype, str) and name in OUTTYPES:
-        return []
-    return [f"outtype {outtype!r} is not a GGUF type written here; choose one of {', '.join(OUTTYPES)}"]
 
 
 @dataclass(frozen=True)
@@ -133,7 +89,7 @@ class OutType:
         return tensors
 
 
-def encode(values: np.ndarray, qtype) -> bytes:
+def encode(values, qtype) -> bytes:
     """Values (float32; rows on the last axis) in a GGUF type: gguf-py's encoders, bit-exact to llama.cpp's C, and
     for Q4_K, Q5_K and Q6_K, which gguf-py only decodes, :mod:`~peft_shardmerge.output.gguf_kquants`.
 
@@ -145,11 +101,12 @@ def encode(values: np.ndarray, qtype) -> bytes:
         The bytes.
 
     Example:
-        >>> import gguf
+        >>> import gguf, numpy as np
         >>> len(encode(np.ones((2, 32), np.float32), gguf.GGMLQuantizationType.Q8_0))
         68
     """
     import gguf
+    import numpy as np
 
     t = gguf.GGMLQuantizationType
     if qtype in (t.Q4_K, t.Q5_K, t.Q6_K):

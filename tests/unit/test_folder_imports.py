@@ -20,7 +20,7 @@ ALLOWED = {
     "distributed": {TOP, "engine", "output", "quant"},
     "engine": {TOP, "io"},
     "support": {TOP, "io"},
-    "output": {TOP, "engine", "io", "quant"},
+    "output": {TOP, "engine", "io", "quant", "support"},  # support: the GGUF types by name (support/outtypes.py)
     "quant": {TOP, "io"},
     "io": {TOP},
 }
