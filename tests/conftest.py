@@ -102,3 +102,28 @@ def pytest_collection_modifyitems(config, items):
             (keep if i == 0 else drop).append(item)
     items[:] = keep
     config.hook.pytest_deselected(items=drop)
+
+
+@pytest.fixture(scope="session")
+def gguf_case(tmp_path_factory):
+    """``(arch, **config) -> (base, adapter, tokenizer kind)``: a tiny base with a tokenizer and its adapter (built
+    once per session)."""
+    cache: dict = {}
+
+    def make(arch: str, **config) -> tuple[str, str, str]:
+        key = (arch, tuple(sorted(config.items())))
+        if key not in cache:
+            from tests.gguf_tokenizers import TOKENIZERS, write_tokenizer
+
+            kind = TOKENIZERS[arch]
+            model_arch = "llama" if arch == "llama3" else arch
+            root = tmp_path_factory.mktemp(f"gguf-{arch}")
+            os.makedirs(root / "tokenizer")
+            n = write_tokenizer(str(root / "tokenizer"), kind)
+            base = build_base(str(root / "base"), model_arch, vocab_size=n, **config)
+            write_tokenizer(base, kind)
+            adapter = build_adapter(base, str(root / "adapter"), arch=model_arch)
+            cache[key] = (base, adapter, kind)
+        return cache[key]
+
+    return make

@@ -14,13 +14,12 @@ from torch import nn
 from ..checkpoint.base_folder import TOKENIZER_FILES
 from ..engine.report import MergeReport
 from ..errors import InputError
-from ..model.walk import unwrap
 from ..options import MODEL, MergeOptions
-from ..output.gguf import gguf_hint
 from ..output.out_dir import check_out_dir, path_argument, settle_out_dir, source_folders
 from ..output.record import unlisted_files
 from ..verify.integrity import read_record
 from .gguf import push_to_hub_gguf, save_pretrained_gguf
+from .hub import publish_model
 from .inprocess import merge_and_save, save_merged_4bit, save_model
 from .unload import merge_and_unload as _merge_and_unload
 
@@ -36,7 +35,8 @@ SAVE_METHODS = {
 REFUSED_METHODS = {
     "mxfp4": "save_method='mxfp4' (gpt-oss's native format) is not written here; use save_method='merged_16bit' "
     "(a bf16 checkpoint that vLLM and transformers load as is)",
-    "gguf": f"save_method='gguf': {gguf_hint()}",
+    "gguf": "save_method='gguf' is not a save_method of save_pretrained_merged: call save_pretrained_gguf(model, "
+    "folder, tokenizer, quantization_method='q4_k_m'), or merge_and_save(model, 'model.gguf', outtype='q4_k_m')",
 }
 
 #: the files of an adapter-only save (``save_method="lora"``)
@@ -289,7 +289,7 @@ def save_pretrained_merged(
             replace_check=None if overwrite else lambda out: _not_an_earlier_save(out, method),
         )
     if push_to_hub:
-        _push(save_directory, repo_id, model, report, save_method, token=token, private=private, tags=tags)
+        publish_model(save_directory, repo_id, model, report, save_method, token=token, private=private, tags=tags)
     return report
 
 
@@ -388,7 +388,7 @@ def push_to_hub_merged(
                 progress=progress,
             )
             report.out_dir = f"hf://{repo_id}"  # the temporary folder is gone when the caller reads the report
-        return _push(
+        return publish_model(
             folder,
             repo_id,
             model,
@@ -401,40 +401,6 @@ def push_to_hub_merged(
             revision=revision,
             create_pr=create_pr,
         )
-
-
-def _push(
-    folder,
-    repo_id,
-    model,
-    report,
-    save_method,
-    *,
-    token,
-    private,
-    tags,
-    commit_message="Upload merged model",
-    revision=None,
-    create_pr=False,
-) -> str:
-    from .hub import publish
-
-    base = getattr(unwrap(model).config, "_name_or_path", None)
-    cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
-    return publish(
-        folder,
-        repo_id,
-        base_model=base,
-        peft_config=cfg,
-        report=report,
-        save_method=save_method,
-        token=token,
-        private=private,
-        tags=tags,
-        commit_message=commit_message,
-        revision=revision,
-        create_pr=create_pr,
-    )
 
 
 def merge_and_unload(

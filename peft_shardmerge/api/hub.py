@@ -6,6 +6,7 @@ import logging
 import os
 
 from ..errors import HubUploadError, InputError, MissingDependencyError
+from ..model.walk import unwrap
 from ..version import __version__
 
 log = logging.getLogger(__name__)
@@ -350,3 +351,36 @@ def upload_folder(
     except Exception as e:  # any failure is reported without the token
         where = f": the Hub at {api.endpoint} could not be reached (network)" if unreachable(e) else ""
         raise HubUploadError(f"upload to {repo_id} failed{where}: {_masked(e, token)}") from None
+
+
+def publish_model(
+    folder,
+    repo_id,
+    model,
+    report,
+    save_method,
+    *,
+    token,
+    private,
+    tags,
+    commit_message="Upload merged model",
+    revision=None,
+    create_pr=False,
+) -> str:
+    """Publish a merged folder: :func:`publish` with the base and adapter the model names."""
+    base = getattr(unwrap(model).config, "_name_or_path", None)
+    cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
+    return publish(
+        folder,
+        repo_id,
+        base_model=base,
+        peft_config=cfg,
+        report=report,
+        save_method=save_method,
+        token=token,
+        private=private,
+        tags=tags,
+        commit_message=commit_message,
+        revision=revision,
+        create_pr=create_pr,
+    )

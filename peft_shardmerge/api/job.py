@@ -15,6 +15,7 @@ from ..engine.report import MergeReport
 from ..engine.sink import Sink
 from ..engine.source import Coordinator, Source
 from ..options import MergeOptions
+from ..output import gguf_sink
 from ..output.gguf_sink import GGUFSink
 from ..output.gguf_types import OutType
 from ..output.out_dir import is_gguf, settle_out_dir
@@ -63,7 +64,8 @@ class MergeJob(ABC):
     def __init__(self, out_dir, opts: MergeOptions, problems: list[str], steps: JobSteps | None = None):
         if is_gguf(out_dir):
             problems += gguf_problems(opts)
-            opts = dataclasses.replace(opts, dtype="float32")  # one rounding: the GGUF type's, from the 32-bit merge
+            # one rounding, the GGUF type's, from the 32-bit merge; parts of PART_BYTES: what a killed merge keeps
+            opts = dataclasses.replace(opts, dtype="float32", max_shard_size=gguf_sink.PART_BYTES)
         elif opts.outtype is not None:
             problems.append(
                 f"outtype={opts.outtype!r} applies to a GGUF output: name an output file ending in .gguf "
@@ -135,7 +137,7 @@ class MergeJob(ABC):
         if is_gguf(self.out_dir):
             outtype = OutType.parse(self.opts.outtype or "auto", self.base_dtype(plan))
             return GGUFSink(
-                self.out_dir, outtype, plan.config, source.side_files, self.before_commit(), self.opts.overwrite
+                [(self.out_dir, outtype)], plan.config, source.side_files, self.before_commit(), self.opts.overwrite
             )
         return FolderSink(self.out_dir, overwrite=self.opts.overwrite, replace_check=self.replace_check)
 

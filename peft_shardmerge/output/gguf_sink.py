@@ -3,6 +3,7 @@ its GGUF rows (q/k rows permuted within their head, quantized) and written at it
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -18,6 +19,9 @@ from .gguf_arch import GGUFTensor, architecture, convert_tensors, load_hparams
 from .gguf_meta import add_model_metadata
 from .gguf_types import OutType
 
+#: the merged bytes (32-bit) of each part of a GGUF merge: what a merge killed midway keeps, each part fsynced and
+#: recorded as it is finished
+PART_BYTES = 2 * 10**9
 #: numpy's reading of the safetensors dtypes a merge streams
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
@@ -29,48 +33,55 @@ def staging_path(path: str) -> str:
 
 
 class GGUFSink:
-    """A merge into one GGUF file (:class:`~peft_shardmerge.engine.sink.Sink`), byte for byte what llama.cpp's
-    converter writes from the 32-bit merge (:mod:`~peft_shardmerge.output.gguf_arch`).
+    """A merge into GGUF files (:class:`~peft_shardmerge.engine.sink.Sink`), each byte for byte what llama.cpp's
+    converter (and quantizer) writes from the 32-bit merge (:mod:`~peft_shardmerge.output.gguf_arch`); several
+    types are written from one pass over the merge.
 
-    The header (metadata, tokenizer, every tensor's type and offset) is laid out when the sink is opened, from the
-    model's config and the files the merge carries beside its weights (the tokenizer): a model the converter
-    cannot take is refused then, before the file is created. Tensors are written at their offsets as their row
-    blocks arrive, into a staging file beside ``path`` that is renamed into place once complete and checked.
+    Each file's header (metadata, tokenizer, every tensor's type and offset) is laid out when the sink is opened,
+    from the model's config and the files the merge carries beside its weights (the tokenizer): a model the
+    converter cannot take is refused then, before any file is created. Tensors are written at their offsets as their
+    row blocks arrive, into staging files beside the outputs, renamed into place once complete and checked.
 
     Args:
-        path: the GGUF file to write.
-        outtype: the :class:`~peft_shardmerge.output.gguf_types.OutType`.
+        targets: ``(path, OutType)`` of each GGUF file (:class:`~peft_shardmerge.output.gguf_types.OutType`).
         config: the merged model's ``config.json``.
         side_files: writes the merge's other files (the tokenizer) into a folder.
         before_commit: the caller's hook that writes into that folder too (a tokenizer passed in).
-        overwrite: whether an existing ``path`` may be replaced.
+        overwrite: whether existing files may be replaced.
+        name: the model's name (``general.name``, as the converter takes it from its folder's name); None: each
+            file's name without ``.gguf``.
     """
 
     label = "writing GGUF"
 
     def __init__(
         self,
-        path: str,
-        outtype: OutType,
+        targets: list[tuple[str, OutType]],
         config: dict,
         side_files: Callable[[str], None] | None = None,
         before_commit: Callable[[str], None] | None = None,
         overwrite: bool = False,
+        name: str | None = None,
     ):
-        self.location, self.outtype, self.config = os.path.abspath(path), outtype, config
-        self.side_files, self.before_commit, self.overwrite = side_files, before_commit, overwrite
+        self.targets = [(os.path.abspath(path), outtype) for path, outtype in targets]
+        self.location = self.targets[0][0] if len(self.targets) == 1 else os.path.dirname(self.targets[0][0])
+        self.config, self.side_files, self.before_commit = config, side_files, before_commit
+        self.overwrite, self.name = overwrite, name
 
-    def header(self, layout: Layout) -> GGUFHeader:
-        """The file laid out for ``layout``, from the model's config and its other files in a scratch folder named
-        as the output (the converter names a model after its folder)."""
+    def headers(self, layout: Layout) -> list[GGUFHeader]:
+        """Each file laid out for ``layout``, from the model's config and its other files in a scratch folder
+        named as the model (the converter names a model after its folder)."""
         entries = [(name, tuple(shape), dtype) for _, part in layout.parts for name, dtype, shape, _ in part]
-        with tempfile.TemporaryDirectory(prefix="peft-shardmerge-gguf-") as scratch:
-            folder = os.path.join(scratch, os.path.splitext(os.path.basename(self.location))[0])
-            os.mkdir(folder)
-            return gguf_header(folder, self.config, entries, self.outtype, self.side_files, self.before_commit)
+        headers = []
+        for path, outtype in self.targets:
+            with tempfile.TemporaryDirectory(prefix="peft-shardmerge-gguf-") as scratch:
+                folder = os.path.join(scratch, self.name or os.path.splitext(os.path.basename(path))[0])
+                os.mkdir(folder)
+                headers.append(gguf_header(folder, self.config, entries, outtype, self.side_files, self.before_commit))
+        return headers
 
     def describe(self, layout: Layout) -> str:
-        """What the file will hold, for a dry run: each GGUF tensor's name, type, shape and bytes.
+        """What the files will hold, for a dry run: each GGUF tensor's name, type, shape and bytes.
 
         Args:
             layout: the plan's layout.
@@ -78,30 +89,106 @@ class GGUFSink:
         Returns:
             Lines of text.
         """
-        header = self.header(layout)
-        lines = [f"GGUF {self.location} ({self.outtype.name}): {len(header.tensors)} tensors, {header.size} bytes"]
-        for t in header.tensors:
-            lines.append(f"  {t.name:<32} {t.qtype.name:<5} {'x'.join(map(str, t.shape)):<16} {t.nbytes}")
+        lines = []
+        for (path, outtype), header in zip(self.targets, self.headers(layout)):
+            lines.append(f"GGUF {path} ({outtype.name}): {len(header.tensors)} tensors, {header.size} bytes")
+            for t in header.tensors:
+                lines.append(f"  {t.name:<32} {t.qtype.name:<5} {'x'.join(map(str, t.shape)):<16} {t.nbytes}")
         return "\n".join(lines)
 
     @contextmanager
-    def open(self, layout: Layout) -> Iterator[GGUFOutput]:
-        """Lay out the header, stage the file, write the tensors in the block; rename it into place on a clean
-        exit, remove it otherwise."""
-        header = self.header(layout)
-        staging = staging_path(self.location)
-        if os.path.lexists(self.location) and not self.overwrite:
-            raise InputError(f"{self.location} appeared while merging; pass overwrite=True to replace it")
-        out = GGUFOutput(staging, header, layout)
+    def open(self, layout: Layout) -> Iterator[GGUFOutputs]:
+        """Lay out the headers, stage the files, write the tensors in the block; rename them into place on a clean
+        exit, remove them otherwise."""
+        headers = self.headers(layout)
+        for path, _ in self.targets:
+            if os.path.lexists(path) and not self.overwrite:
+                raise InputError(f"{path} appeared while merging; pass overwrite=True to replace it")
+        outs: list[GGUFOutput] = []
+        done = False
         try:
-            yield out
-            out.close()
-            os.replace(staging, self.location)
-            _fsync_dir(os.path.dirname(self.location))
+            for (path, _), header in zip(self.targets, headers):
+                outs.append(GGUFOutput(staging_path(path), header, layout))
+            yield GGUFOutputs(outs, layout)
+            for out, (path, _) in zip(outs, self.targets):
+                out.close()
+                os.replace(out.staging, path)
+                _fsync_dir(os.path.dirname(path))
+            done = True
         finally:
-            out.close()
-            if os.path.lexists(staging):
-                os.unlink(staging)
+            # a merge stopped midway keeps its finished parts for the next run of the same merge, if there are any
+            keep = not done and layout.fingerprint is not None and all(out.done for out in outs) and len(outs) > 0
+            for out in outs:
+                out.close()
+                if not keep:
+                    for leftover in (out.staging, out.record):
+                        if os.path.lexists(leftover):
+                            os.unlink(leftover)
+
+
+class GGUFOutputs:
+    """An opened :class:`GGUFSink` (:class:`~peft_shardmerge.engine.sink.Opened`): every merged row block is
+    handed to each of its files."""
+
+    def __init__(self, outs: list[GGUFOutput], layout: Layout):
+        self.outs, self.layout = outs, layout
+        #: the parts an interrupted run of the same merge finished in every file
+        self.done = set.intersection(*(out.done for out in outs))
+
+    def write(self, parts: list[int], produce: Callable[[int, object], None]) -> None:
+        """Write the merged tensors of ``parts`` at their places in every file; each part, once written, is made
+        durable and recorded as done."""
+        for i in parts:
+            writers = [_PartWriter(out, self.layout.parts[i][1]) for out in self.outs]
+            produce(i, _Tee(writers))
+            for w, out in zip(writers, self.outs):
+                w.close()
+                out.part_done(i)
+
+    def finish(self, finish: Finish) -> None:
+        """Check that every GGUF tensor was written and every change applied, then make the files durable."""
+        for out in self.outs:
+            out.finish(finish)
+
+
+class _Tee:
+    """One part's writer handing what it is given to each file's writer (the executor's two ways: in order, and
+    each tensor at its place)."""
+
+    def __init__(self, writers: list):
+        self.writers = writers
+
+    def write(self, tensor) -> None:
+        for w in self.writers:
+            w.write(tensor)
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        for raw in _read(fd, offset, nbytes):
+            for w in self.writers:
+                w.feed(raw)
+
+    def at(self, index: int) -> _Tee:
+        return _Tee([w.at(index) for w in self.writers])
+
+    def feed(self, raw: memoryview) -> None:
+        for w in self.writers:
+            w.feed(raw)
+
+    def finish(self) -> None:
+        for w in self.writers:
+            w.finish()
+
+    @property
+    def nbytes(self) -> int:
+        return self.writers[0].nbytes
+
+
+def _read(fd: int, offset: int, nbytes: int) -> Iterator[memoryview]:
+    """Stored bytes, in pieces of 64 MiB."""
+    while nbytes:
+        n = min(nbytes, 64 << 20)
+        yield memoryview(os.pread(fd, n, offset))
+        offset, nbytes = offset + n, nbytes - n
 
 
 class GGUFHeader:
@@ -158,9 +245,8 @@ def gguf_header(
 
         rows = vocab_rows(folder, hparams)
     shapes = [(n, s) for n, s, _ in entries]
-    tensors = outtype.retype(
-        convert_tensors(hparams, shapes, outtype.converter, writer=writer, vocab_rows=rows), hparams
-    )
+    converted = convert_tensors(hparams, shapes, outtype.converter, writer=writer, vocab_rows=rows)
+    tensors = outtype.retype(converted, hparams, gguf.MODEL_ARCH_NAMES[arch])
     for t in tensors:
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
     add_model_metadata(writer, hparams, outtype.file_type, folder)
@@ -181,29 +267,50 @@ def gguf_header(
 
 
 class GGUFOutput:
-    """An opened :class:`GGUFSink` (:class:`~peft_shardmerge.engine.sink.Opened`): the staging file, its header
-    written, every tensor written at its offset as it arrives."""
-
-    done: set[int] = set()
+    """One GGUF file being written: the staging file, its header written, every tensor written at its offset as it
+    arrives."""
 
     def __init__(self, staging: str, header: GGUFHeader, layout: Layout):
-        self.header, self.layout = header, layout
-        self.fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self.fd, header.size)
-        os.pwrite(self.fd, header.raw, 0)
-        for t, off in zip(header.tensors, header.offsets):
-            if t.values is not None:
-                os.pwrite(self.fd, _encode(t.values.reshape(t.shape), t.qtype), off)
-        self.missing = set(header.by_source)
+        self.header, self.layout, self.staging = header, layout, staging
+        self.record, self.digest = staging + ".json", hashlib.sha256(header.raw).hexdigest()
+        self.done = self._kept()
+        self.fd = os.open(staging, os.O_RDWR | os.O_CREAT | (0 if self.done else os.O_TRUNC), 0o644)
+        if not self.done:
+            os.ftruncate(self.fd, header.size)
+            os.pwrite(self.fd, header.raw, 0)
+            for t, off in zip(header.tensors, header.offsets):
+                if t.values is not None:
+                    os.pwrite(self.fd, _encode(t.values.reshape(t.shape), t.qtype), off)
+        kept = {name for i in self.done for name, *_ in layout.parts[i][1]}
+        self.missing = set(header.by_source) - kept
         self.lock = threading.Lock()
 
-    def write(self, parts: list[int], produce: Callable[[int, object], None]) -> None:
-        """Write the merged tensors of ``parts`` at their places in the file."""
-        for i in parts:
-            entries = self.layout.parts[i][1]
-            w = _PartWriter(self, entries)
-            produce(i, w)
-            w.close()
+    def _kept(self) -> set[int]:
+        """The parts an interrupted run of this very merge (same inputs, options and file layout) finished here."""
+        if self.layout.fingerprint is None or not os.path.isfile(self.record) or not os.path.isfile(self.staging):
+            return set()
+        try:
+            with open(self.record, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return set()
+        same = record.get("fingerprint") == self.layout.fingerprint and record.get("header") == self.digest
+        if not same or os.path.getsize(self.staging) != self.header.size:
+            return set()
+        return {i for i in record.get("done", []) if isinstance(i, int) and 0 <= i < len(self.layout.parts)}
+
+    def part_done(self, i: int) -> None:
+        """Make part ``i`` durable, then record it as done (where the merge can be resumed)."""
+        if self.layout.fingerprint is None:
+            return
+        os.fsync(self.fd)
+        self.done.add(i)
+        record = {"fingerprint": self.layout.fingerprint, "header": self.digest, "done": sorted(self.done)}
+        with open(self.record + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self.record + ".tmp", self.record)
 
     def tensor(self, entry) -> _TensorWriter:
         """The writer of one merged tensor (a tensor the converter skips is read and dropped)."""
@@ -251,20 +358,13 @@ class _PartWriter:
         return self.current
 
     def write(self, tensor) -> None:
-        raw = tensor.detach().contiguous().reshape(-1).view(__import__("torch").uint8).numpy()
-        self._feed(memoryview(raw).cast("B"))
+        self.feed(_raw(tensor))
 
-    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
-        while nbytes:
-            n = min(nbytes, 64 << 20)
-            self._feed(memoryview(os.pread(fd, n, offset)))
-            offset, nbytes = offset + n, nbytes - n
-
-    def _feed(self, raw: memoryview) -> None:
+    def feed(self, raw: memoryview) -> None:
         while len(raw):
             w = self._next()
             n = min(len(raw), w.nbytes - w.received)
-            w.take(raw[:n])
+            w.feed(raw[:n])
             raw = raw[n:]
 
     def close(self) -> None:
@@ -295,17 +395,9 @@ class _TensorWriter:
         return self.received >= self.nbytes
 
     def write(self, tensor) -> None:
-        import torch
+        self.feed(_raw(tensor))
 
-        self.take(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B"))
-
-    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
-        while nbytes:
-            n = min(nbytes, 64 << 20)
-            self.take(memoryview(os.pread(fd, n, offset)))
-            offset, nbytes = offset + n, nbytes - n
-
-    def take(self, raw: memoryview) -> None:
+    def feed(self, raw: memoryview) -> None:
         self.received += len(raw)
         if self.target is None:
             return
@@ -340,6 +432,13 @@ class _TensorWriter:
             raise InputError(f"{self.name}: {len(self.pending)} bytes left over a whole row")
         if self.target is not None and self.full:
             self.out.written(self.name)
+
+
+def _raw(tensor) -> memoryview:
+    """A tensor's bytes."""
+    import torch
+
+    return memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _encode(values: np.ndarray, qtype) -> bytes:

@@ -71,21 +71,37 @@ class OutType:
 
         return gguf.LlamaFileType[_FILE_TYPES[self.name]]
 
-    def retype(self, tensors: list, hparams: dict) -> list:
+    def retype(self, tensors: list, hparams: dict, arch: str) -> list:
         """The tensors with the types ``llama-quantize`` gives them from the converter's F32 file (unchanged for a
-        converter type)."""
+        converter type).
+
+        Args:
+            tensors: the converter's :class:`~peft_shardmerge.output.gguf_arch.GGUFTensor` list.
+            hparams: the model's hyperparameters.
+            arch: ``general.architecture``.
+
+        Returns:
+            ``tensors``, retyped in place.
+        """
         if self.name in CONVERTER_TYPES:
             return tensors
         import gguf
 
+        from .gguf_arch import block_count, find
         from .gguf_kquants import kquant_tensor_types
 
-        blocks = hparams.get("num_hidden_layers")
-        experts = hparams.get("num_local_experts") or hparams.get("num_experts") or 0
-        types = kquant_tensor_types(self.name, [(t.name, t.shape) for t in tensors], blocks, experts)
+        types = kquant_tensor_types(
+            self.name,
+            [(t.name, tuple(reversed(t.shape))) for t in tensors],
+            block_count(hparams),
+            find(hparams, ("num_local_experts", "num_experts", "n_routed_experts")) or 0,
+            arch=arch,
+            n_head=find(hparams, ("num_attention_heads", "n_head")),
+            n_head_kv=find(hparams, ("num_key_value_heads", "n_kv_heads")),
+            source_types={t.name: t.qtype.name for t in tensors},
+        )
         for t in tensors:
-            if t.name in types:
-                t.qtype = gguf.GGMLQuantizationType[types[t.name].upper()]
+            t.qtype = gguf.GGMLQuantizationType[types[t.name]]
         return tensors
 
 

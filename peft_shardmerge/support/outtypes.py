@@ -30,11 +30,12 @@ def gguf_types(quantization_method: Any) -> list[str]:
     return [UNSLOTH_NAMES.get(str(t).lower(), str(t).lower()) for t in asked] or ["q8_0"]
 
 
-def outtype_problems(outtype: Any) -> list[str]:
+def outtype_problems(outtype: Any, what: str = "outtype") -> list[str]:
     """What is wrong with a GGUF type asked for.
 
     Args:
         outtype: the type (Unsloth's names too).
+        what: the option's name, for the message.
 
     Returns:
         The problem, naming the types written; empty when it is one.
@@ -46,4 +47,4 @@ def outtype_problems(outtype: Any) -> list[str]:
     name = UNSLOTH_NAMES.get(str(outtype).lower(), str(outtype).lower())
     if isinstance(outtype, str) and name in OUTTYPES:
         return []
-    return [f"outtype {outtype!r} is not a GGUF type written here; choose one of {', '.join(OUTTYPES)}"]
+    return [f"{what} {outtype!r} is not a GGUF type written here; choose one of {', '.join(OUTTYPES)}"]
