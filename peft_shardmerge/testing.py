@@ -222,6 +222,63 @@ def build_base(
         return folder
 
 
+def build_tokenizer(folder: str, vocab_size: int = 512) -> str:
+    """Train a tiny SentencePiece tokenizer (Llama's kind: ``tokenizer.model``, byte fallback, a chat template) on
+    made-up text and save it into ``folder``, beside a tiny base: what a GGUF output (and llama.cpp) needs.
+
+    Args:
+        folder: the model folder.
+        vocab_size: the tokenizer's size (at most the model's ``vocab_size``; the converter pads the rest).
+
+    Returns:
+        ``folder``.
+
+    Example:
+        >>> import os, tempfile
+        >>> sorted(os.listdir(build_tokenizer(tempfile.mkdtemp())))
+        ['special_tokens_map.json', 'tokenizer.model', 'tokenizer_config.json']
+    """
+    import io
+    import json
+    import os
+    import random
+
+    import sentencepiece as spm
+
+    rng = random.Random(0)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "be", "da", "str", "ing", "tion", "er", "th"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(400)]
+    text = [" ".join(rng.choice(words) for _ in range(12)) + f". {rng.randint(0, 999)}" for _ in range(2000)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        num_threads=1,
+        minloglevel=2,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+    )
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "tokenizer.model"), "wb") as f:
+        f.write(model.getvalue())
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    )
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "chat_template": template, **special}
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
+    return folder
+
+
 def default_targets(arch: str) -> list[str]:
     """The usual LoRA target modules of an architecture.
 
@@ -344,6 +401,7 @@ __all__ = [
     "tiny_config",
     "build_base",
     "build_adapter",
+    "build_tokenizer",
     "default_targets",
     "model_class",
     "model_inputs",

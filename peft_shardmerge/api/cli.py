@@ -207,7 +207,7 @@ def _verify_parser(sub) -> None:
         "every tensor recomputed from base + adapter and the logits. Exit 0 OK, 1 FAILED, 3 UNCHECKED "
         "(no merge record and no --base/--adapter), 2 OUT is not a checkpoint.",
     )
-    v.add_argument("out", metavar="OUT", help="the merged checkpoint folder")
+    v.add_argument("out", metavar="OUT", help="the merged checkpoint folder, or a GGUF file a merge wrote")
     v.add_argument("--base", help="the base checkpoint the merge came from")
     v.add_argument(
         "--adapter",
@@ -471,9 +471,14 @@ def _verify(args, parser) -> int:
         if args.prompts:
             with open(args.prompts, encoding="utf-8") as f:
                 prompts = [line.rstrip("\n") for line in f if line.strip()]
-        report = verify_checkpoint(
-            args.out, base=args.base, adapter=args.adapter, prompts=prompts, tolerance=args.tolerance
-        )
+        if args.out.lower().endswith(".gguf"):
+            from ..verify.gguf_check import verify_gguf
+
+            report = verify_gguf(args.out, base=args.base, adapter=args.adapter)
+        else:
+            report = verify_checkpoint(
+                args.out, base=args.base, adapter=args.adapter, prompts=prompts, tolerance=args.tolerance
+            )
     except (ShardMergeError, OSError) as e:
         print(f"peft-shardmerge: error: {command_line_text(str(e))}", file=sys.stderr)
         return EXIT_USER_ERROR

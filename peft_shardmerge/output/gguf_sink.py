@@ -15,9 +15,12 @@ import numpy as np
 
 from ..engine.sink import Finish, Layout
 from ..errors import InputError
+from ..version import __version__
 from .gguf_arch import GGUFTensor, architecture, convert_tensors, load_hparams
 from .gguf_meta import add_model_metadata
 from .gguf_types import OutType
+from .record import RECORD_FORMAT, RECORD_VERSION, file_sha256, record_digest
+from .writer import write_json
 
 #: the merged bytes (32-bit) of each part of a GGUF merge: what a merge killed midway keeps, each part fsynced and
 #: recorded as it is finished
@@ -30,6 +33,22 @@ def staging_path(path: str) -> str:
     """Where the GGUF file ``path`` is written before it is renamed into place (beside it, hidden)."""
     head, tail = os.path.split(os.path.abspath(path))
     return os.path.join(head, f".{tail}.peft-shardmerge-partial")
+
+
+def record_path(path: str) -> str:
+    """The merge record of the GGUF file ``path``, beside it: ``model.gguf`` -> ``model.merge_manifest.json``.
+
+    Args:
+        path: the GGUF file.
+
+    Returns:
+        The record's path.
+
+    Example:
+        >>> record_path("out/model-Q4_K_M.gguf")
+        'out/model-Q4_K_M.merge_manifest.json'
+    """
+    return os.path.splitext(os.fspath(path))[0] + ".merge_manifest.json"
 
 
 class GGUFSink:
@@ -107,23 +126,24 @@ class GGUFSink:
         outs: list[GGUFOutput] = []
         done = False
         try:
-            for (path, _), header in zip(self.targets, headers):
-                outs.append(GGUFOutput(staging_path(path), header, layout))
+            for (path, outtype), header in zip(self.targets, headers):
+                outs.append(GGUFOutput(path, header, layout, outtype.name))
             yield GGUFOutputs(outs, layout)
-            for out, (path, _) in zip(outs, self.targets):
+            for out in outs:  # the file, then its record (which names it)
                 out.close()
-                os.replace(out.staging, path)
-                _fsync_dir(os.path.dirname(path))
+                os.replace(out.staging, out.path)
+                os.replace(staging_path(record_path(out.path)), record_path(out.path))
+                _fsync_dir(os.path.dirname(out.path))
             done = True
         finally:
             # a merge stopped midway keeps its finished parts for the next run of the same merge, if there are any
             keep = not done and layout.fingerprint is not None and all(out.done for out in outs) and len(outs) > 0
             for out in outs:
                 out.close()
-                if not keep:
-                    for leftover in (out.staging, out.record):
-                        if os.path.lexists(leftover):
-                            os.unlink(leftover)
+                leftovers = [staging_path(record_path(out.path))] + ([] if keep else [out.staging, out.kept])
+                for leftover in leftovers:
+                    if os.path.lexists(leftover):
+                        os.unlink(leftover)
 
 
 class GGUFOutputs:
@@ -146,7 +166,10 @@ class GGUFOutputs:
                 out.part_done(i)
 
     def finish(self, finish: Finish) -> None:
-        """Check that every GGUF tensor was written and every change applied, then make the files durable."""
+        """Check that every change was applied once and every GGUF tensor written, then make the files durable
+        and stage their records."""
+        for check in finish.checks:
+            check()
         for out in self.outs:
             out.finish(finish)
 
@@ -268,29 +291,46 @@ def gguf_header(
 
 class GGUFOutput:
     """One GGUF file being written: the staging file, its header written, every tensor written at its offset as it
-    arrives."""
+    arrives.
 
-    def __init__(self, staging: str, header: GGUFHeader, layout: Layout):
-        self.header, self.layout, self.staging = header, layout, staging
-        self.record, self.digest = staging + ".json", hashlib.sha256(header.raw).hexdigest()
-        self.done = self._kept()
-        self.fd = os.open(staging, os.O_RDWR | os.O_CREAT | (0 if self.done else os.O_TRUNC), 0o644)
-        if not self.done:
-            os.ftruncate(self.fd, header.size)
-            os.pwrite(self.fd, header.raw, 0)
-            for t, off in zip(header.tensors, header.offsets):
-                if t.values is not None:
-                    os.pwrite(self.fd, _encode(t.values.reshape(t.shape), t.qtype), off)
+    Args:
+        path: the GGUF file (written beside it, at :func:`staging_path`).
+        header: its :class:`GGUFHeader`.
+        layout: the merge's parts.
+        outtype: its type's name, for the record.
+    """
+
+    def __init__(self, path: str, header: GGUFHeader, layout: Layout, outtype: str):
+        self.path, self.staging, self.outtype = path, staging_path(path), outtype
+        self.header, self.layout = header, layout
+        self.kept, self.digest = self.staging + ".json", hashlib.sha256(header.raw).hexdigest()
+        self.lock = threading.Lock()
+        self.done = self._open()
         kept = {name for i in self.done for name, *_ in layout.parts[i][1]}
         self.missing = set(header.by_source) - kept
-        self.lock = threading.Lock()
+
+    def _open(self) -> set[int]:
+        """Open the staging file, the parts an interrupted run finished kept, else laid out anew; those parts."""
+        done = self._kept()
+        self.fd = os.open(self.staging, os.O_RDWR | os.O_CREAT | (0 if done else os.O_TRUNC), 0o644)
+        if not done:
+            os.ftruncate(self.fd, self.header.size)
+            os.pwrite(self.fd, self.header.raw, 0)
+            for t, off in zip(self.header.tensors, self.header.offsets):
+                if t.values is not None:
+                    self.put(_encode(t.values.reshape(t.shape), t.qtype), off, t.name)
+        return done
+
+    def put(self, data: bytes, offset: int, name: str) -> None:
+        """Write a GGUF tensor's bytes (some of its rows) at ``offset``."""
+        os.pwrite(self.fd, data, offset)
 
     def _kept(self) -> set[int]:
         """The parts an interrupted run of this very merge (same inputs, options and file layout) finished here."""
-        if self.layout.fingerprint is None or not os.path.isfile(self.record) or not os.path.isfile(self.staging):
+        if self.layout.fingerprint is None or not os.path.isfile(self.kept) or not os.path.isfile(self.staging):
             return set()
         try:
-            with open(self.record, encoding="utf-8") as f:
+            with open(self.kept, encoding="utf-8") as f:
                 record = json.load(f)
         except (OSError, ValueError):
             return set()
@@ -306,11 +346,11 @@ class GGUFOutput:
         os.fsync(self.fd)
         self.done.add(i)
         record = {"fingerprint": self.layout.fingerprint, "header": self.digest, "done": sorted(self.done)}
-        with open(self.record + ".tmp", "w", encoding="utf-8") as f:
+        with open(self.kept + ".tmp", "w", encoding="utf-8") as f:
             json.dump(record, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(self.record + ".tmp", self.record)
+        os.replace(self.kept + ".tmp", self.kept)
 
     def tensor(self, entry) -> _TensorWriter:
         """The writer of one merged tensor (a tensor the converter skips is read and dropped)."""
@@ -324,12 +364,13 @@ class GGUFOutput:
             self.missing.discard(name)
 
     def finish(self, finish: Finish) -> None:
-        """Check that every GGUF tensor was written and every change applied, then make the file durable."""
+        """Check that every GGUF tensor was written, make the file durable, then stage its record: the file's
+        SHA-256 and size, and what the merge used (verify reads it)."""
         if self.missing:
             raise InputError(f"GGUF tensors never written: {sorted(self.missing)[:5]}")
-        for check in finish.checks:
-            check()
         os.fsync(self.fd)
+        merge = {**finish.merge_info(), "gguf": {"outtype": self.outtype}}
+        write_gguf_record(self.staging, os.path.basename(self.path), merge, staging_path(record_path(self.path)))
 
     def close(self) -> None:
         """Close the staging file (once)."""
@@ -425,7 +466,7 @@ class _TensorWriter:
         if t.shift:
             rows = rows + np.float32(t.shift)
         data = _encode(rows if len(t.shape) >= 2 else rows.reshape(-1), t.qtype)
-        os.pwrite(self.out.fd, data, self.offset + first * (len(data) // len(rows)))
+        self.out.put(data, self.offset + first * (len(data) // len(rows)), t.name)
 
     def finish(self) -> None:
         if self.pending:
@@ -446,6 +487,21 @@ def _encode(values: np.ndarray, qtype) -> bytes:
     from .gguf_types import encode
 
     return encode(values, qtype)
+
+
+def write_gguf_record(path: str, name: str, merge: dict, to: str) -> None:
+    """Write the merge record of a finished GGUF file: its size and SHA-256 under ``name``, what the merge used, the
+    tool's version, and the record's own digest (as a folder's ``merge_manifest.json``)."""
+    record = {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "tool": {"name": "peft-shardmerge", "version": __version__},
+        "algorithm": "sha256",
+        "merge": merge,
+        "files": {name: {"size": os.path.getsize(path), "sha256": file_sha256(path)}},
+    }
+    record["record_sha256"] = record_digest(record)
+    write_json(to, record)
 
 
 def _fsync_dir(folder: str) -> None:

@@ -26,6 +26,26 @@ _FILE_TYPES = {
 }
 
 
+def file_type_name(file_type) -> str:
+    """The ``outtype`` of a ``general.file_type``.
+
+    Args:
+        file_type: a ``gguf.LlamaFileType``.
+
+    Returns:
+        The type's name, as ``outtype`` takes it.
+
+    Example:
+        >>> import gguf
+        >>> file_type_name(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+        'q4_k_m'
+    """
+    names = {v: k for k, v in _FILE_TYPES.items()}
+    if file_type.name not in names:
+        raise InputError(f"GGUF file type {file_type.name} is not one written here")
+    return names[file_type.name]
+
+
 @dataclass(frozen=True)
 class OutType:
     """A GGUF output type, resolved: the converter's type its first stage is, and the quantizer's on top.

@@ -106,6 +106,9 @@ def _gguf_file_problems(raw: str, out: str, overwrite: bool) -> list[str]:
         return [f"output {raw} is a folder; a path ending in .gguf names one GGUF file: remove it or choose another"]
     if os.path.lexists(out) and not overwrite:
         return [f"output {raw} exists; pass overwrite=True (--overwrite) to replace it once the new one is complete"]
+    record = os.path.splitext(out)[0] + ".merge_manifest.json"  # the record written beside the file
+    if os.path.lexists(record) and not overwrite:
+        return [f"{record} exists beside output {raw}; pass overwrite=True (--overwrite) to replace both"]
     return []
 
 

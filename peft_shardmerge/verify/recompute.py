@@ -167,7 +167,7 @@ def _reproducible(held: str | None, plan) -> str:
     return ""
 
 
-def _plan(base: str, adapters: list[str], options: dict):
+def plan_recomputation(base: str, adapters: list[str], options: dict):
     """``(model info, plan)``: the disk engine's plan for ``options``, built the way ``plan_checkpoint_merge``
     builds it (without an output folder)."""
     from ..checkpoint.adapter import load_adapter
@@ -367,7 +367,7 @@ def recompute_and_compare(
         return result
     result.notes += _identity_notes(record, base, adapters)
     try:
-        info, plan = _plan(base, adapters, options)
+        info, plan = plan_recomputation(base, adapters, options)
     except ShardMergeError as e:
         lines = getattr(e, "problems", None) or [str(e)]
         result.problems += [f"base + adapter cannot be planned: {p}" for p in lines]

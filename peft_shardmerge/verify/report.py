@@ -132,20 +132,20 @@ def verify_checkpoint(
         raise NotFoundError(f"{folder} has no config.json; is it a checkpoint folder?")
     adapters = [adapter] if isinstance(adapter, str) else list(adapter or [])
     with _quiet():
-        _stage(report, "the merge record", _check_record, folder, report)
-        config = _stage(report, "config.json", _read_config, folder, report)
-        tensors = _stage(report, "the shards", _check_files, folder, report)
+        stage(report, "the merge record", _check_record, folder, report)
+        config = stage(report, "config.json", _read_config, folder, report)
+        tensors = stage(report, "the shards", _check_files, folder, report)
         if tensors and not report.integrity:  # with the record intact, its read found NaN/Inf already
-            _stage(report, "the values", _check_values, tensors, report)
+            stage(report, "the values", _check_values, tensors, report)
         if tensors and config is not None:
-            _stage(report, "names and config", _check_names_and_config, folder, config, tensors, report)
+            stage(report, "names and config", _check_names_and_config, folder, config, tensors, report)
         if base is not None and adapters and tensors:
             record = _record_merge(folder)
-            done = _stage(
+            done = stage(
                 report, "the recomputation", _check_recompute, tensors, base, adapters, record, device, report
             )
             if done:
-                _stage(
+                stage(
                     report,
                     "the logits",
                     check_logits,
@@ -198,7 +198,7 @@ def _quiet():
             enable_progress_bars()
 
 
-def _stage(report: VerifyReport, what: str, fn, *args):
+def stage(report: VerifyReport, what: str, fn, *args):
     """Run one check; an error it did not foresee becomes a problem naming the check, never a traceback."""
     try:
         return fn(*args)

@@ -31,6 +31,7 @@ RUN = [
     "docs/quantized-bases.md",
     "docs/distributed.md",
     "docs/choosing-the-base.md",
+    "docs/gguf.md",
 ]
 #: pages whose commands run from the root of the clone, as they say
 FROM_THE_ROOT = {"docs/choosing-the-base.md"}

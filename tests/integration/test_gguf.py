@@ -101,7 +101,7 @@ def test_bad_input_is_refused_before_anything_is_written(gguf_case, make_base, m
         merge_checkpoint(base, adapter, str(out), progress=False)
     assert out.read_bytes() == b"mine" and sorted(os.listdir(tmp_path)) == ["x.gguf"]
     merge_checkpoint(base, adapter, str(out), progress=False, overwrite=True)
-    assert out.read_bytes()[:4] == b"GGUF" and sorted(os.listdir(tmp_path)) == ["x.gguf"]
+    assert out.read_bytes()[:4] == b"GGUF" and sorted(os.listdir(tmp_path)) == ["x.gguf", "x.merge_manifest.json"]
 
 
 def test_a_failed_write_leaves_nothing(gguf_case, tmp_path, monkeypatch):
@@ -236,10 +236,38 @@ def test_a_killed_merge_resumes_from_its_finished_parts(gguf_case, tmp_path, mon
     report = merge_checkpoint(base, adapter, out, outtype="q8_0", progress=False)
     assert any(n.startswith("resumed: 2 shard(s) kept") for n in report.notes), report.notes
     assert open(out, "rb").read() == open(clean, "rb").read()
-    assert sorted(os.listdir(tmp_path)) == ["clean", "m.gguf"]  # no staging file, no record
+    assert sorted(os.listdir(tmp_path)) == ["clean", "m.gguf", "m.merge_manifest.json"]  # no staging, no record
     # without resume, a stopped merge leaves nothing
     calls.clear()
     monkeypatch.setattr(gguf_sink.GGUFOutput, "part_done", stop_after_the_second)
     with pytest.raises(KeyboardInterrupt):
         merge_checkpoint(base, adapter, str(tmp_path / "n.gguf"), outtype="q8_0", progress=False, resume=False)
-    assert sorted(os.listdir(tmp_path)) == ["clean", "m.gguf"]
+    assert sorted(os.listdir(tmp_path)) == ["clean", "m.gguf", "m.merge_manifest.json"]
+
+
+def test_verify_checks_the_record_and_recomputes_in_the_files_type(gguf_case, tmp_path):
+    from peft_shardmerge.api.cli import main
+    from peft_shardmerge.output.gguf_sink import record_path
+    from peft_shardmerge.verify.gguf_check import verify_gguf
+
+    base, adapter, _ = gguf_case("llama")
+    out = str(tmp_path / "m.gguf")
+    merge_checkpoint(base, adapter, out, outtype="q4_k_m", progress=False)
+    report = verify_gguf(out)
+    assert report.status == "OK" and report.integrity, report.summary()
+    report = verify_gguf(out, base=base, adapter=adapter)
+    assert report.status == "OK" and report.recomputed, report.summary()
+    assert main(["verify", out, "--base", base, "--adapter", adapter]) == 0
+    # one byte changed in a tensor: the record and the recomputation both find it
+    reader = gguf.GGUFReader(out)
+    tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    with open(out, "r+b") as f:
+        f.seek(int(tensor.data_offset) + 7)
+        byte = f.read(1)
+        f.seek(int(tensor.data_offset) + 7)
+        f.write(bytes([byte[0] ^ 1]))
+    assert verify_gguf(out).status == "FAILED"
+    os.unlink(record_path(out))
+    assert verify_gguf(out).status == "UNCHECKED"
+    report = verify_gguf(out, base=base, adapter=adapter)
+    assert report.status == "FAILED" and "blk.1.ffn_down.weight (1 bytes)" in report.summary(), report.summary()

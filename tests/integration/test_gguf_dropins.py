@@ -61,7 +61,8 @@ def test_save_pretrained_gguf_writes_each_type_from_one_pass(gguf_case, tmp_path
     monkeypatch.setattr(job, "run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
     folder = tmp_path / "m"
     report = model.save_pretrained_gguf(str(folder), quantization_method=["q8_0", "not_quantized", "q8_0"])
-    assert sorted(os.listdir(folder)) == ["Modelfile", "m.F16.gguf", "m.Q8_0.gguf"] and len(runs) == 1
+    written = ["Modelfile", "m.F16.gguf", "m.F16.merge_manifest.json", "m.Q8_0.gguf", "m.Q8_0.merge_manifest.json"]
+    assert sorted(os.listdir(folder)) == written and len(runs) == 1
     assert report.shards == ["m.Q8_0.gguf", "m.F16.gguf"]
     assert (folder / "Modelfile").read_text() == "FROM ./m.Q8_0.gguf\n"
     for outtype, name in (("q8_0", "m.Q8_0.gguf"), ("f16", "m.F16.gguf")):
