@@ -187,6 +187,8 @@ class MergeOptions:
             if they differ; an error is raised with nothing committed); ``"auto"`` (the default): beside where this
             process has not imported PEFT yet and has two CPUs or more (a fresh command line), else first.
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory a loaded model's merge may occupy.
+        split_max_size: a GGUF output split into files of at most this many bytes of tensors, as llama.cpp's
+            converter splits them (``"2G"``: powers of 1000, as its ``--split-max-size``); 0 writes one file.
         outtype: the GGUF type of an output ending in ``.gguf`` (:data:`~peft_shardmerge.support.outtypes.OUTTYPES`,
             Unsloth's names too); None is ``"auto"``, the base's 16-bit type.
 
@@ -220,6 +222,7 @@ class MergeOptions:
     model_checks: str = "auto"
     maximum_memory_usage: float = 0.9
     outtype: str | None = None
+    split_max_size: int | str = 0
     # dtype and max_shard_size parsed once, in __post_init__: the value, or the problems of one that does not parse
     _out_dtype: torch.dtype | None = field(default=None, init=False, repr=False, compare=False)
     _shard_bytes: int = field(default=0, init=False, repr=False, compare=False)
@@ -332,6 +335,12 @@ class MergeOptions:
             from .support.outtypes import outtype_problems
 
             problems += outtype_problems(self.outtype)
+        try:
+            from .support.outtypes import split_bytes
+
+            split_bytes(self.split_max_size)
+        except ValueError as e:
+            problems.append(str(e))
         defaults = {f.name: f.default for f in fields(self) if f.init}
         for name, (only, why) in _ONE_PATH.items():
             if only != path and not _same(getattr(self, name), defaults[name]):

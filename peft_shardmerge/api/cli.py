@@ -149,6 +149,12 @@ def _merge_parser(sub) -> None:
         "docs/gguf.md)",
     )
     m.add_argument(
+        "--split-max-size",
+        default="0",
+        help="split a GGUF OUT into files of at most this many bytes of tensors, e.g. 2G (K, M, G: powers of "
+        "1000), named OUT-00001-of-0000N.gguf as llama.cpp splits them (default 0: one file)",
+    )
+    m.add_argument(
         "--base-precision",
         choices=["auto", "original", "nf4"],
         default="auto",
@@ -293,6 +299,7 @@ def _merge(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             outtype=args.outtype,
+            split_max_size=args.split_max_size,
             base_precision=args.base_precision,
             nf4_quant_type=args.nf4_quant_type,
             nf4_blocksize=args.nf4_blocksize,

@@ -250,6 +250,7 @@ def merge_checkpoint(
     nf4_blocksize: int = 64,
     nf4_double_quant: bool = True,
     outtype: str | None = None,
+    split_max_size: int | str = 0,
     # how it runs
     device: str = "auto",
     overwrite: bool = False,
@@ -296,6 +297,8 @@ def merge_checkpoint(
             quantizer write it, see ``docs/gguf.md``): ``"auto"`` (None; the base's 16-bit type), ``"f32"``,
             ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q4_k_s"``,
             ``"q4_k_m"``, ``"q5_k_s"``, ``"q5_k_m"``, ``"q6_k"``.
+        split_max_size: a GGUF output split into files of at most this many bytes of tensors, named and laid out
+            as llama.cpp's converter splits them (``"2G"``; K, M, G are powers of 1000); 0 writes one file.
         device: where the maths runs: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         overwrite: allow replacing a non-empty ``out_dir`` (replaced only after the new one is complete).
         dry_run: plan and check only; nothing is read beyond headers and nothing is written.

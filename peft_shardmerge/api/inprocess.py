@@ -66,6 +66,7 @@ def merge_and_save(
     progress: bool = True,
     options: MergeOptions | None = None,
     outtype: str | None = None,
+    split_max_size: int | str = 0,
 ) -> MergeReport:
     """Write base + LoRA of a loaded model (bitsandbytes 4-bit, 8-bit or unquantized base) as a 16-bit checkpoint.
 
@@ -127,6 +128,8 @@ def merge_and_save(
         outtype: the GGUF type where ``out_dir`` ends in ``.gguf`` (one GGUF file for llama.cpp, as its converter
             and quantizer write it; the tokenizer is then required): ``"auto"`` (None; the base's 16-bit type),
             ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_k_m"``, ... (see ``docs/gguf.md``).
+        split_max_size: a GGUF output split into files of at most this many bytes of tensors, as llama.cpp's
+            converter splits them (``"2G"``); 0 writes one file.
 
     Returns:
         A :class:`~peft_shardmerge.engine.report.MergeReport`; ``base_precision`` says which base was used and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from abc import ABC, abstractmethod
 from typing import Callable
@@ -16,10 +17,11 @@ from ..engine.sink import Sink
 from ..engine.source import Coordinator, Source
 from ..options import MergeOptions
 from ..output import gguf_sink
-from ..output.gguf_sink import GGUFSink
+from ..output.gguf_sink import GGUFSink, record_path
 from ..output.gguf_types import OutType
 from ..output.out_dir import is_gguf, settle_out_dir
 from ..output.shard_sink import FolderSink
+from ..support.outtypes import split_bytes
 
 
 class MergeJob(ABC):
@@ -66,11 +68,13 @@ class MergeJob(ABC):
             problems += gguf_problems(opts)
             # one rounding, the GGUF type's, from the 32-bit merge; parts of PART_BYTES: what a killed merge keeps
             opts = dataclasses.replace(opts, dtype="float32", max_shard_size=gguf_sink.PART_BYTES)
-        elif opts.outtype is not None:
-            problems.append(
-                f"outtype={opts.outtype!r} applies to a GGUF output: name an output file ending in .gguf "
-                f"(e.g. {os.path.join(os.fspath(out_dir or '.'), 'model.gguf')})"
-            )
+        else:
+            for name in ("outtype", "split_max_size"):
+                if getattr(opts, name) not in (None, 0, "0"):
+                    problems.append(
+                        f"{name}={getattr(opts, name)!r} applies to a GGUF output: name an output file ending in "
+                        f".gguf (e.g. {os.path.join(os.fspath(out_dir or '.'), 'model.gguf')})"
+                    )
         self.out_dir, self.opts, self.problems, self.steps = out_dir, opts, problems, steps
 
     def run(self) -> MergeReport:
@@ -107,8 +111,10 @@ class MergeJob(ABC):
             before_commit=self.before_commit(),
             coordinator=self.coordinator(plan),
         )
-        if is_gguf(self.out_dir):  # one file, in its GGUF type
-            report.shards, report.bytes_written = [os.path.basename(self.out_dir)], os.path.getsize(self.out_dir)
+        if is_gguf(self.out_dir):  # the GGUF file (or the files of a split one), in its GGUF type
+            with open(record_path(self.out_dir), encoding="utf-8") as f:
+                files = json.load(f)["files"]
+            report.shards, report.bytes_written = list(files), sum(f["size"] for f in files.values())
             report.dtype = self.opts.outtype or "auto"
         return report
 
@@ -137,7 +143,12 @@ class MergeJob(ABC):
         if is_gguf(self.out_dir):
             outtype = OutType.parse(self.opts.outtype or "auto", self.base_dtype(plan))
             return GGUFSink(
-                [(self.out_dir, outtype)], plan.config, source.side_files, self.before_commit(), self.opts.overwrite
+                [(self.out_dir, outtype)],
+                plan.config,
+                source.side_files,
+                self.before_commit(),
+                self.opts.overwrite,
+                split_max_size=split_bytes(self.opts.split_max_size),
             )
         return FolderSink(self.out_dir, overwrite=self.opts.overwrite, replace_check=self.replace_check)
 

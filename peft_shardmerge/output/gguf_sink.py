@@ -9,6 +9,7 @@ import os
 import tempfile
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -69,6 +70,8 @@ class GGUFSink:
         overwrite: whether existing files may be replaced.
         name: the model's name (``general.name``, as the converter takes it from its folder's name); None: each
             file's name without ``.gguf``.
+        split_max_size: the most bytes of tensors in one file (0: one file per target), as the converter's
+            ``--split-max-size``.
     """
 
     label = "writing GGUF"
@@ -81,23 +84,34 @@ class GGUFSink:
         before_commit: Callable[[str], None] | None = None,
         overwrite: bool = False,
         name: str | None = None,
+        split_max_size: int = 0,
     ):
         self.targets = [(os.path.abspath(path), outtype) for path, outtype in targets]
+        self.split_max_size = split_max_size
         self.location = self.targets[0][0] if len(self.targets) == 1 else os.path.dirname(self.targets[0][0])
         self.config, self.side_files, self.before_commit = config, side_files, before_commit
         self.overwrite, self.name = overwrite, name
 
-    def headers(self, layout: Layout) -> list[GGUFHeader]:
-        """Each file laid out for ``layout``, from the model's config and its other files in a scratch folder
-        named as the model (the converter names a model after its folder)."""
+    def files(self, layout: Layout) -> list[tuple[str, str, GGUFHeader]]:
+        """``(file, target, header)`` of every file to write, laid out for ``layout`` from the model's config and
+        its other files in a scratch folder named as the model (the converter names a model after its folder); a
+        split target's files are named as llama.cpp names them (``NAME-00001-of-00003.gguf``)."""
+        import gguf
+
         entries = [(name, tuple(shape), dtype) for _, part in layout.parts for name, dtype, shape, _ in part]
-        headers = []
+        files = []
         for path, outtype in self.targets:
             with tempfile.TemporaryDirectory(prefix="peft-shardmerge-gguf-") as scratch:
                 folder = os.path.join(scratch, self.name or os.path.splitext(os.path.basename(path))[0])
                 os.mkdir(folder)
-                headers.append(gguf_header(folder, self.config, entries, outtype, self.side_files, self.before_commit))
-        return headers
+                headers = gguf_header(
+                    folder, self.config, entries, outtype, self.side_files, self.before_commit, self.split_max_size
+                )
+            stem = os.path.splitext(path)[0]
+            for i, header in enumerate(headers):
+                name = path if len(headers) == 1 else gguf.SHARD_NAME_FORMAT.format(stem, i + 1, len(headers))
+                files.append((name, path, header))
+        return files
 
     def describe(self, layout: Layout) -> str:
         """What the files will hold, for a dry run: each GGUF tensor's name, type, shape and bytes.
@@ -109,38 +123,42 @@ class GGUFSink:
             Lines of text.
         """
         lines = []
-        for (path, outtype), header in zip(self.targets, self.headers(layout)):
-            lines.append(f"GGUF {path} ({outtype.name}): {len(header.tensors)} tensors, {header.size} bytes")
+        types = dict(self.targets)
+        for path, target, header in self.files(layout):
+            lines.append(f"GGUF {path} ({types[target].name}): {len(header.tensors)} tensors, {header.size} bytes")
             for t in header.tensors:
                 lines.append(f"  {t.name:<32} {t.qtype.name:<5} {'x'.join(map(str, t.shape)):<16} {t.nbytes}")
         return "\n".join(lines)
 
     @contextmanager
     def open(self, layout: Layout) -> Iterator[GGUFOutputs]:
-        """Lay out the headers, stage the files, write the tensors in the block; rename them into place on a clean
-        exit, remove them otherwise."""
-        headers = self.headers(layout)
-        for path, _ in self.targets:
+        """Lay out the files, stage them, write the tensors in the block; rename them into place (each target's
+        files, then its record) on a clean exit, remove them otherwise (but the finished parts of a merge that can
+        be resumed)."""
+        files = self.files(layout)
+        for path, _, _ in files:
             if os.path.lexists(path) and not self.overwrite:
-                raise InputError(f"{path} appeared while merging; pass overwrite=True to replace it")
+                raise InputError(f"{path} exists; pass overwrite=True to replace it")
+        types = dict(self.targets)
         outs: list[GGUFOutput] = []
         done = False
         try:
-            for (path, outtype), header in zip(self.targets, headers):
-                outs.append(GGUFOutput(path, header, layout, outtype.name))
+            for path, target, header in files:
+                outs.append(GGUFOutput(path, header, layout, types[target].name, target))
             yield GGUFOutputs(outs, layout)
-            for out in outs:  # the file, then its record (which names it)
+            for out in outs:
                 out.close()
                 os.replace(out.staging, out.path)
-                os.replace(staging_path(record_path(out.path)), record_path(out.path))
-                _fsync_dir(os.path.dirname(out.path))
+            for target, _ in self.targets:  # each target's record, which names its files, once they are in place
+                os.replace(staging_path(record_path(target)), record_path(target))
+                _fsync_dir(os.path.dirname(target))
             done = True
         finally:
             # a merge stopped midway keeps its finished parts for the next run of the same merge, if there are any
             keep = not done and layout.fingerprint is not None and all(out.done for out in outs) and len(outs) > 0
             for out in outs:
                 out.close()
-                leftovers = [staging_path(record_path(out.path))] + ([] if keep else [out.staging, out.kept])
+                leftovers = [staging_path(record_path(out.target))] + ([] if keep else [out.staging, out.kept])
                 for leftover in leftovers:
                     if os.path.lexists(leftover):
                         os.unlink(leftover)
@@ -150,8 +168,8 @@ class GGUFOutputs:
     """An opened :class:`GGUFSink` (:class:`~peft_shardmerge.engine.sink.Opened`): every merged row block is
     handed to each of its files."""
 
-    def __init__(self, outs: list[GGUFOutput], layout: Layout):
-        self.outs, self.layout = outs, layout
+    def __init__(self, outs: list[GGUFOutput], layout: Layout, records: bool = True):
+        self.outs, self.layout, self.records = outs, layout, records
         #: the parts an interrupted run of the same merge finished in every file
         self.done = set.intersection(*(out.done for out in outs))
 
@@ -172,6 +190,12 @@ class GGUFOutputs:
             check()
         for out in self.outs:
             out.finish(finish)
+        for target in dict.fromkeys(out.target for out in self.outs if self.records):
+            files = [out for out in self.outs if out.target == target]
+            merge = {**finish.merge_info(), "gguf": {"outtype": files[0].outtype, "files": len(files)}}
+            write_gguf_record(
+                {os.path.basename(out.path): out.staging for out in files}, merge, staging_path(record_path(target))
+            )
 
 
 class _Tee:
@@ -232,8 +256,10 @@ def gguf_header(
     outtype: OutType,
     side_files: Callable[[str], None] | None = None,
     before_commit: Callable[[str], None] | None = None,
-) -> GGUFHeader:
-    """Lay out the GGUF file of a merge: its metadata, tokenizer and tensor infos, as the converter writes them.
+    split_max_size: int = 0,
+) -> list[GGUFHeader]:
+    """Lay out the GGUF file of a merge: its metadata, tokenizer and tensor infos, as the converter writes them;
+    split into files of at most ``split_max_size`` bytes of tensors as the converter splits them.
 
     Args:
         folder: an empty scratch folder, where the model's config and other files are written to be read.
@@ -242,9 +268,10 @@ def gguf_header(
         outtype: the :class:`~peft_shardmerge.output.gguf_types.OutType`.
         side_files: writes the tokenizer and other files into ``folder``.
         before_commit: the caller's hook writing into ``folder`` too.
+        split_max_size: the most bytes of tensors in one file (0: one file), as the converter's ``--split-max-size``.
 
     Returns:
-        The :class:`GGUFHeader`.
+        The :class:`GGUFHeader` of each file (one, unless split).
 
     Raises:
         UnsupportedError: an architecture, tokenizer or tensor the converter's rules do not cover.
@@ -261,7 +288,7 @@ def gguf_header(
             write(folder)
     hparams = load_hparams(folder)
     _, rules, arch = architecture(hparams)
-    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch], split_max_size=split_max_size)
     rows = 0
     if rules.vocab_rows:
         from .gguf_vocab import vocab_rows
@@ -274,19 +301,21 @@ def gguf_header(
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
     add_model_metadata(writer, hparams, outtype.file_type, folder)
     add_tokenizer(writer, folder, hparams)
-    scratch = os.path.join(os.path.dirname(folder), "header.gguf")
+    scratch = Path(os.path.dirname(folder), "header.gguf")
     writer.write_header_to_file(path=scratch)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     writer.close()
-    with open(scratch, "rb") as f:
-        raw = f.read()
-    start, offsets = writer.ggml_pad(len(raw), writer.data_alignment), []
-    at = start
-    for t in tensors:
-        offsets.append(at)
-        at += writer.ggml_pad(t.nbytes, writer.data_alignment)
-    return GGUFHeader(raw, tensors, offsets, at)
+    headers = []
+    for name, infos in zip(writer.format_shard_names(scratch), writer.tensors):
+        raw = name.read_bytes()
+        mine = [t for t in tensors if t.name in infos]
+        at, offsets = writer.ggml_pad(len(raw), writer.data_alignment), []
+        for t in mine:
+            offsets.append(at)
+            at += writer.ggml_pad(t.nbytes, writer.data_alignment)
+        headers.append(GGUFHeader(raw, mine, offsets, at))
+    return headers
 
 
 class GGUFOutput:
@@ -298,10 +327,11 @@ class GGUFOutput:
         header: its :class:`GGUFHeader`.
         layout: the merge's parts.
         outtype: its type's name, for the record.
+        target: the output it is a file of (itself, or the name of the files a split output is made of).
     """
 
-    def __init__(self, path: str, header: GGUFHeader, layout: Layout, outtype: str):
-        self.path, self.staging, self.outtype = path, staging_path(path), outtype
+    def __init__(self, path: str, header: GGUFHeader, layout: Layout, outtype: str, target: str | None = None):
+        self.path, self.staging, self.outtype, self.target = path, staging_path(path), outtype, target or path
         self.header, self.layout = header, layout
         self.kept, self.digest = self.staging + ".json", hashlib.sha256(header.raw).hexdigest()
         self.lock = threading.Lock()
@@ -364,13 +394,10 @@ class GGUFOutput:
             self.missing.discard(name)
 
     def finish(self, finish: Finish) -> None:
-        """Check that every GGUF tensor was written, make the file durable, then stage its record: the file's
-        SHA-256 and size, and what the merge used (verify reads it)."""
+        """Check that every GGUF tensor was written, then make the file durable."""
         if self.missing:
             raise InputError(f"GGUF tensors never written: {sorted(self.missing)[:5]}")
         os.fsync(self.fd)
-        merge = {**finish.merge_info(), "gguf": {"outtype": self.outtype}}
-        write_gguf_record(self.staging, os.path.basename(self.path), merge, staging_path(record_path(self.path)))
 
     def close(self) -> None:
         """Close the staging file (once)."""
@@ -489,16 +516,16 @@ def _encode(values: np.ndarray, qtype) -> bytes:
     return encode(values, qtype)
 
 
-def write_gguf_record(path: str, name: str, merge: dict, to: str) -> None:
-    """Write the merge record of a finished GGUF file: its size and SHA-256 under ``name``, what the merge used, the
-    tool's version, and the record's own digest (as a folder's ``merge_manifest.json``)."""
+def write_gguf_record(files: dict[str, str], merge: dict, to: str) -> None:
+    """Write the merge record of finished GGUF files (``{name: where it is now}``): each one's size and SHA-256,
+    what the merge used, the tool's version, and the record's own digest (as a folder's ``merge_manifest.json``)."""
     record = {
         "format": RECORD_FORMAT,
         "version": RECORD_VERSION,
         "tool": {"name": "peft-shardmerge", "version": __version__},
         "algorithm": "sha256",
         "merge": merge,
-        "files": {name: {"size": os.path.getsize(path), "sha256": file_sha256(path)}},
+        "files": {name: {"size": os.path.getsize(path), "sha256": file_sha256(path)} for name, path in files.items()},
     }
     record["record_sha256"] = record_digest(record)
     write_json(to, record)

@@ -48,3 +48,34 @@ def outtype_problems(outtype: Any, what: str = "outtype") -> list[str]:
     if isinstance(outtype, str) and name in OUTTYPES:
         return []
     return [f"{what} {outtype!r} is not a GGUF type written here; choose one of {', '.join(OUTTYPES)}"]
+
+
+def split_bytes(value: Any) -> int:
+    """A GGUF split size as llama.cpp's converter reads ``--split-max-size``: bytes, or a number with ``K``, ``M``
+    or ``G`` (powers of 1000); 0 does not split.
+
+    Args:
+        value: an int or a string such as ``"2G"``.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        ValueError: a value that is not one.
+
+    Example:
+        >>> split_bytes("500M"), split_bytes(0)
+        (500000000, 0)
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"split_max_size must be bytes or a size such as '2G', got {value!r}")
+    if isinstance(value, int) and value >= 0:
+        return value
+    text = str(value).strip()
+    scale = {"K": 1000, "M": 1000**2, "G": 1000**3}.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale > 1 else text
+    if not number.isdecimal():
+        raise ValueError(
+            f"split_max_size must be bytes or a size such as '2G' (K, M, G: powers of 1000), got {value!r}"
+        )
+    return int(number) * scale

@@ -171,10 +171,12 @@ class GGUFCheck(GGUFSink):
 
     @contextmanager
     def open(self, layout: Layout) -> Iterator[GGUFOutputs]:
-        (header,) = self.headers(layout)
-        out = _Compared(self.targets[0][0], header, layout, self)
+        (path, _, header), *more = self.files(layout)
+        if more:
+            raise ShardMergeError("a split GGUF output is verified file by file against its record only")
+        out = _Compared(path, header, layout, self)
         try:
-            yield GGUFOutputs([out], layout)
+            yield GGUFOutputs([out], layout, records=False)
         finally:
             out.close()
 

@@ -192,6 +192,50 @@ def test_kquant_tensors_are_llama_cpps_quantizer_on_the_converters_f32(arch, out
     assert {"Q4_K", "Q6_K"} <= kinds if outtype == "q4_k_m" else True
 
 
+def test_a_split_output_is_llama_cpps_split_files(gguf_case, tmp_path):
+    import json
+
+    from peft_shardmerge.output.gguf_sink import record_path
+
+    base, adapter, _ = gguf_case("llama")
+    out = str(tmp_path / "m.gguf")
+    report = merge_checkpoint(base, adapter, out, outtype="f16", split_max_size="200K", progress=False)
+    names = sorted(n for n in os.listdir(tmp_path) if n.endswith(".gguf"))
+    assert len(names) > 1 and names[0] == f"m-00001-of-{len(names):05d}.gguf" and report.shards == names
+    with open(record_path(out)) as f:
+        assert sorted(json.load(f)["files"]) == names
+    tensors, first = {}, None
+    for i, name in enumerate(names):
+        reader = gguf.GGUFReader(str(tmp_path / name))
+        assert reader.fields["split.no"].contents() == i and reader.fields["split.count"].contents() == len(names)
+        first = first or reader
+        tensors.update({t.name: np.asarray(t.data).copy() for t in reader.tensors})
+    whole = str(tmp_path / "whole" / "m.gguf")
+    os.makedirs(os.path.dirname(whole))
+    merge_checkpoint(base, adapter, whole, outtype="f16", progress=False)
+    alone = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(whole).tensors}
+    assert list(tensors) == list(alone) and all(np.array_equal(tensors[n], alone[n]) for n in alone)
+    assert "tokenizer.ggml.tokens" in first.fields
+    with pytest.raises(InputError, match="split_max_size='2G' applies to a GGUF output"):
+        merge_checkpoint(base, adapter, str(tmp_path / "folder"), split_max_size="2G", progress=False)
+
+
+@pytest.mark.slow
+def test_a_split_output_is_the_converters(gguf_case, tmp_path):
+    from tests.gguf_refs import run_converter
+
+    base, adapter, kind = gguf_case("qwen2")
+    reference = peft_merge(base, adapter, kind, str(tmp_path / "merged"))
+    os.makedirs(tmp_path / "converter")
+    os.makedirs(tmp_path / "ours")
+    run_converter(reference, str(tmp_path / "converter" / "merged.gguf"), "q8_0", "--split-max-size", "5M")
+    merge_checkpoint(base, adapter, str(tmp_path / "ours" / "merged.gguf"), outtype="q8_0", split_max_size="5M")
+    names = sorted(os.listdir(tmp_path / "converter"))
+    assert len(names) > 1 and sorted(n for n in os.listdir(tmp_path / "ours") if n.endswith(".gguf")) == names
+    for name in names:
+        assert (tmp_path / "converter" / name).read_bytes() == (tmp_path / "ours" / name).read_bytes(), name
+
+
 @pytest.mark.slow
 def test_the_command_line_writes_and_lists_a_gguf(gguf_case, tmp_path):
     import subprocess
