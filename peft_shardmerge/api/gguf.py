@@ -166,7 +166,15 @@ class _GGUFFiles(ModelJob):
     def sink(self, plan: Plan, source: Source) -> Sink:
         dtype = self.base_dtype(plan)
         files = [(path, OutType.parse(t, dtype)) for path, t in self.targets]
-        return GGUFSink(files, plan.config, source.side_files, self.before_commit(), self.opts.overwrite, self.name)
+        return GGUFSink(
+            files,
+            plan.config,
+            source.side_files,
+            self.before_commit(),
+            self.opts.overwrite,
+            self.name,
+            quiet=quiet_libraries,
+        )
 
     def carry_out(self, plan: Plan) -> MergeReport:
         report = super().carry_out(plan)

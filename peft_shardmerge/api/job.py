@@ -22,6 +22,7 @@ from ..output.gguf_types import OutType
 from ..output.out_dir import is_gguf, settle_out_dir
 from ..output.shard_sink import FolderSink
 from ..support.outtypes import split_bytes
+from .quiet import quiet_libraries
 
 
 class MergeJob(ABC):
@@ -149,6 +150,7 @@ class MergeJob(ABC):
                 self.before_commit(),
                 self.opts.overwrite,
                 split_max_size=split_bytes(self.opts.split_max_size),
+                quiet=quiet_libraries,
             )
         return FolderSink(self.out_dir, overwrite=self.opts.overwrite, replace_check=self.replace_check)
 

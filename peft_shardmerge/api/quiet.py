@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 
 #: the libraries whose messages a merge holds back (their loggers, and the modules their warnings come from)
-LIBRARIES = ("transformers", "peft", "bitsandbytes", "kernels", "accelerate", "huggingface_hub", "deepspeed")
+LIBRARIES = ("transformers", "peft", "bitsandbytes", "kernels", "accelerate", "huggingface_hub", "deepspeed", "gguf")
 #: DeepSpeed's logger, which sets its own level when DeepSpeed is imported (a filter holds it back instead)
 DEEPSPEED_LOGGER = "DeepSpeed"
 

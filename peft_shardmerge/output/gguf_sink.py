@@ -8,9 +8,9 @@ import json
 import os
 import tempfile
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 
@@ -72,6 +72,7 @@ class GGUFSink:
             file's name without ``.gguf``.
         split_max_size: the most bytes of tensors in one file (0: one file per target), as the converter's
             ``--split-max-size``.
+        quiet: holds back the libraries' messages while the headers are laid out (transformers reads the tokenizer).
     """
 
     label = "writing GGUF"
@@ -85,9 +86,10 @@ class GGUFSink:
         overwrite: bool = False,
         name: str | None = None,
         split_max_size: int = 0,
+        quiet: Callable[[], ContextManager] = nullcontext,
     ):
         self.targets = [(os.path.abspath(path), outtype) for path, outtype in targets]
-        self.split_max_size = split_max_size
+        self.split_max_size, self.quiet = split_max_size, quiet
         self.location = self.targets[0][0] if len(self.targets) == 1 else os.path.dirname(self.targets[0][0])
         self.config, self.side_files, self.before_commit = config, side_files, before_commit
         self.overwrite, self.name = overwrite, name
@@ -101,7 +103,7 @@ class GGUFSink:
         entries = [(name, tuple(shape), dtype) for _, part in layout.parts for name, dtype, shape, _ in part]
         files = []
         for path, outtype in self.targets:
-            with tempfile.TemporaryDirectory(prefix="peft-shardmerge-gguf-") as scratch:
+            with tempfile.TemporaryDirectory(prefix="peft-shardmerge-gguf-") as scratch, self.quiet():
                 folder = os.path.join(scratch, self.name or os.path.splitext(os.path.basename(path))[0])
                 os.mkdir(folder)
                 headers = gguf_header(
