@@ -477,8 +477,8 @@ def merge_and_unload(
 
 def patch_peft() -> None:
     """Opt in to ``model.save_pretrained_merged(...)``, ``model.push_to_hub_merged(...)`` and
-    ``model.merge_and_save(...)`` on every ``PeftModel``, as in Unsloth (and ``save_pretrained_gguf`` /
-    ``push_to_hub_gguf``, which say how to get a GGUF).
+    ``model.merge_and_save(...)`` on every ``PeftModel``, as in Unsloth, and its GGUF saves
+    ``model.save_pretrained_gguf(...)`` / ``model.push_to_hub_gguf(...)``.
 
     PEFT's own ``merge_and_unload`` is left alone; call :func:`merge_and_unload` for the lossless one.
 
@@ -496,6 +496,6 @@ def patch_peft() -> None:
 
     PeftModel.save_pretrained_merged = save_pretrained_merged
     PeftModel.push_to_hub_merged = push_to_hub_merged
-    PeftModel.save_pretrained_gguf = save_pretrained_gguf  # refused, saying how to get a GGUF
+    PeftModel.save_pretrained_gguf = save_pretrained_gguf
     PeftModel.push_to_hub_gguf = push_to_hub_gguf
     PeftModel.merge_and_save = merge_and_save
