@@ -382,6 +382,11 @@ class CheckpointJob(MergeJob):
         dry_run: bool = False,
         before_commit: Callable[[str], None] | None = None,
     ):
+        if is_gguf(out_dir) and steps.world.distributed:
+            problems.append(
+                "a GGUF output is one file that one process writes: run the command without torchrun (its one "
+                "pass is as fast as the merge on one machine), or merge to a folder over the ranks"
+            )
         super().__init__(out_dir, opts, problems, steps)
         self.base, self.adapter, self.dry_run, self.hook = base, adapter, dry_run, before_commit
         self.writes = not dry_run

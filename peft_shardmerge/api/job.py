@@ -112,7 +112,7 @@ class MergeJob(ABC):
             before_commit=self.before_commit(),
             coordinator=self.coordinator(plan),
         )
-        if is_gguf(self.out_dir):  # the GGUF file (or the files of a split one), in its GGUF type
+        if is_gguf(self.out_dir) and os.path.isfile(record_path(self.out_dir)):  # the files, in their GGUF type
             with open(record_path(self.out_dir), encoding="utf-8") as f:
                 files = json.load(f)["files"]
             report.shards, report.bytes_written = list(files), sum(f["size"] for f in files.values())

@@ -315,3 +315,15 @@ def test_verify_checks_the_record_and_recomputes_in_the_files_type(gguf_case, tm
     assert verify_gguf(out).status == "UNCHECKED"
     report = verify_gguf(out, base=base, adapter=adapter)
     assert report.status == "FAILED" and "blk.1.ffn_down.weight (1 bytes)" in report.summary(), report.summary()
+
+
+def test_a_gguf_is_not_spread_over_ranks(gguf_case, tmp_path):
+    from peft_shardmerge.api.disk import CheckpointJob
+    from peft_shardmerge.distributed.ranks import STEPS
+    from peft_shardmerge.distributed.world import JobSteps, World
+    from peft_shardmerge.options import MergeOptions
+
+    base, adapter, _ = gguf_case("llama")
+    steps = JobSteps(World(rank=0, size=2), STEPS)  # what merge_checkpoint(distributed=True) has under torchrun
+    job = CheckpointJob(base, adapter, str(tmp_path / "m.gguf"), MergeOptions(progress=False), [], steps)
+    assert any("one file that one process writes" in p for p in job.problems)
