@@ -469,16 +469,22 @@ class _TensorWriter:
 
     def feed(self, raw: memoryview) -> None:
         self.received += len(raw)
-        if self.target is None:
-            return
-        self.pending += raw
         unit_bytes = self.unit * self.cols * self.item
-        whole = len(self.pending) // unit_bytes * unit_bytes if unit_bytes else 0
-        if whole:
-            self._emit(bytes(self.pending[:whole]))
-            del self.pending[:whole]
+        if self.target is None or not unit_bytes:
+            return
+        if self.pending:  # the rest of a unit an earlier block began
+            take = min(len(raw), -len(self.pending) % unit_bytes)
+            self.pending += raw[:take]
+            raw = raw[take:]
+            if len(self.pending) % unit_bytes == 0:
+                self._emit(bytes(self.pending))
+                self.pending.clear()
+        whole = len(raw) // unit_bytes * unit_bytes
+        if whole:  # whole units straight from the block, not copied
+            self._emit(raw[:whole])
+        self.pending += raw[whole:]
 
-    def _emit(self, raw: bytes) -> None:
+    def _emit(self, raw) -> None:
         """Write whole units of rows at their place in the file."""
         values = np.frombuffer(raw, dtype=_DTYPES[self.dtype])
         if self.dtype == "BF16":
