@@ -21,6 +21,7 @@ import tarfile
 import venv
 from pathlib import Path
 
+import numpy as np
 import pytest
 from filelock import FileLock
 
@@ -96,3 +97,90 @@ def llama_cpp_source() -> Path:
             (home / ".ready").touch()
     (root,) = home.glob("llama_cpp_python-*/vendor/llama.cpp")
     return root
+
+
+#: how llama-cpp-python's wheel is built here: no ``-march=native`` (native builds crash in the AMX kernels on some
+#: CPUs), the library only (no tests, examples, tools, server, llava, common)
+LLAMA_CPP_CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
+    "-DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_COMMON=OFF"
+)
+
+
+def llama_cpp_wheel() -> Path:
+    """The pinned llama-cpp-python built from its sdist into a wheel in ``cache_dir()/wheels`` (on first use: about
+    8 minutes of CPU on 2 cores; skips where it cannot be built)."""
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(exist_ok=True)
+    version = LLAMA_CPP_SDIST.split("==")[1]
+    with FileLock(str(wheels / "llama-cpp-python.lock")):
+        found = sorted(wheels.glob(f"llama_cpp_python-{version}-*.whl"))
+        if not found:
+            build = wheels / "build"
+            shutil.rmtree(build, ignore_errors=True)
+            cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-binary", "llama-cpp-python"]
+            cmd += ["-w", str(build), LLAMA_CPP_SDIST]
+            env = {**os.environ, "CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS}
+            env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(min(os.cpu_count() or 2, 8)))
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=3 * 3600, env=env)
+            except subprocess.TimeoutExpired:
+                shutil.rmtree(build, ignore_errors=True)
+                pytest.skip("llama-cpp-python's build took over 3 hours")
+            if done.returncode:
+                shutil.rmtree(build, ignore_errors=True)
+                pytest.skip(f"llama-cpp-python could not be built ({' '.join(cmd[:4])} ...): {done.stderr[-400:]}")
+            (built,) = build.glob("llama_cpp_python-*.whl")
+            os.replace(built, wheels / built.name)  # a wheel found is a whole one
+            shutil.rmtree(build, ignore_errors=True)
+            found = [wheels / built.name]
+    return found[-1]
+
+
+def llama_cpp_python() -> Path:
+    """The python of a virtual environment of its own where ``llama_cpp`` (the pinned llama-cpp-python, its wheel
+    built on first use) imports: llama.cpp's runtime and quantizer. It sees this environment's packages (numpy,
+    jinja2, typing-extensions) after its own; diskcache is installed there."""
+    home = cache_dir() / (LLAMA_CPP_SDIST.replace("==", "-") + "-venv")
+    python = home / "bin" / "python"
+    with FileLock(str(home) + ".lock"):
+        if not (home / ".ready").exists():
+            wheel = llama_cpp_wheel()
+            shutil.rmtree(home, ignore_errors=True)
+            venv.create(home, with_pip=True)
+            _run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], "llama-cpp-python")
+            _run([str(python), "-m", "pip", "install", "-q", "diskcache>=5.6.1"], "llama-cpp-python's diskcache")
+            site = subprocess.run(
+                [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            Path(site, "zz_peft_shardmerge_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+            _run([str(python), "-c", "import llama_cpp; llama_cpp.llama_backend_init()"], "llama_cpp's import")
+            (home / ".ready").touch()
+    return python
+
+
+def run_llama_cpp(*args: str, timeout: int = 600) -> str:
+    """``tests/gguf_runtime.py *args`` run in llama-cpp-python's environment; its standard output."""
+    cmd = [str(llama_cpp_python()), str(Path(__file__).with_name("gguf_runtime.py")), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise AssertionError(f"llama.cpp failed ({' '.join(args[:2])}):\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def llama_quantize(infile: str, outfile: str, outtype: str) -> str:
+    """``infile`` quantized to ``outtype`` (``q4_k_m``, ...) by llama.cpp's ``llama_model_quantize`` with its default
+    parameters (what ``llama-quantize IN OUT TYPE`` does); return ``outfile``."""
+    run_llama_cpp("quantize", infile, outfile, outtype)
+    return outfile
+
+
+def llama_cpp_logits(model: str, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits ``[len(ids), n_vocab]`` (float32) of ``model`` at every position of ``ids`` (evaluated as
+    given: no BOS added)."""
+    import json
+
+    return np.asarray(json.loads(run_llama_cpp("logits", model, json.dumps(list(map(int, ids))))), dtype=np.float32)

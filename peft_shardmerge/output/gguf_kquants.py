@@ -1,4 +1,4 @@
-"""llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) in numpy, byte for byte, and the type llama-quantize gives each tensor."""
+"""llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) byte for byte (numba or numpy), the type llama-quantize gives a tensor."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import re
 from collections.abc import Iterable, Mapping
 
 import numpy as np
+
+try:  # numba is optional (pip install 'peft-shardmerge[gguf]' brings it): without it the numpy port below runs
+    from . import gguf_kquants_numba as _numba_kernels
+except ImportError:
+    _numba_kernels = None
 
 __all__ = ["BLOCK_BYTES", "FTYPES", "kquant_tensor_types", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k"]
 
@@ -192,12 +197,16 @@ def _make_qx_quants_rmse1(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndar
     return np.where(zero, _F32(0), scale), L
 
 
-def _quantize(rows: np.ndarray, kind: str, quantize_blocks) -> np.ndarray:
-    """Rows ``(n, k)`` -> ``(n, k // 256 * block bytes)``, the super-blocks quantized a chunk at a time."""
+def _quantize(rows: np.ndarray, kind: str, quantize_blocks, numba: bool = True) -> np.ndarray:
+    """Rows ``(n, k)`` -> ``(n, k // 256 * block bytes)``: by the numba kernels where numba imports and ``numba``,
+    else by the numpy port ``quantize_blocks``, the super-blocks quantized a chunk at a time."""
     rows = np.asarray(rows)
     if rows.ndim != 2 or rows.shape[1] % QK_K:
         raise ValueError(f"rows must be a 2-D array whose rows are a multiple of {QK_K} long, not {rows.shape}")
     blocks = np.ascontiguousarray(rows, dtype=_F32).reshape(-1, QK_K)
+    if numba and _numba_kernels is not None:
+        out = _numba_kernels.quantize_blocks(blocks, kind)
+        return out.reshape(rows.shape[0], rows.shape[1] // QK_K * BLOCK_BYTES[kind])
     out = np.empty((blocks.shape[0], BLOCK_BYTES[kind]), dtype=np.uint8)
     with np.errstate(all="ignore"):  # the C divides by zero and overflows too; the lanes it would skip are masked
         for start in range(0, blocks.shape[0], _CHUNK):
@@ -319,7 +328,8 @@ def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
 
 def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
     """Quantize rows to GGUF Q4_K exactly as llama.cpp's ``quantize_row_q4_K_ref`` (ggml-quants.c) does: what
-    llama-quantize writes for a Q4_K tensor when no importance matrix is given.
+    llama-quantize writes for a Q4_K tensor when no importance matrix is given. Runs the numba kernels
+    (:mod:`~peft_shardmerge.output.gguf_kquants_numba`, every numba thread) where numba is installed, else numpy.
 
     Args:
         rows: ``(n, k)`` values (made float32, as llama.cpp dequantizes F16/BF16 to float32 before quantizing),

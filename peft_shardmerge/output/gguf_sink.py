@@ -299,10 +299,15 @@ def gguf_header(
     shapes = [(n, s) for n, s, _ in entries]
     converted = convert_tensors(hparams, shapes, outtype.converter, writer=writer, vocab_rows=rows)
     tensors = outtype.retype(converted, hparams, gguf.MODEL_ARCH_NAMES[arch])
+    if outtype.quantizer:  # llama-quantize writes its file's tensors in its loader's order
+        tensors.sort(key=_llama_quantize_order)
     for t in tensors:
         writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
     add_model_metadata(writer, hparams, outtype.file_type, folder)
     add_tokenizer(writer, folder, hparams)
+    if outtype.quantizer:  # and sets these two keys anew, which puts them last (gguf_set_val_u32)
+        for key in (gguf.Keys.General.QUANTIZATION_VERSION, gguf.Keys.General.FILE_TYPE):
+            writer.kv_data[0][key] = writer.kv_data[0].pop(key)
     scratch = Path(os.path.dirname(folder), "header.gguf")
     writer.write_header_to_file(path=scratch)
     writer.write_kv_data_to_file()
@@ -522,6 +527,12 @@ def _encode(values: np.ndarray, qtype) -> bytes:
     from .gguf_types import encode
 
     return encode(values, qtype)
+
+
+def _llama_quantize_order(t: GGUFTensor) -> tuple[int, str]:
+    """llama.cpp's loader's ``weight_name_comparer``: by layer (``blk.N.``; the others first), then by name."""
+    layer = t.name.split(".")[1] if t.name.startswith("blk.") else ""
+    return (int(layer) if layer.isdecimal() else -1, t.name)
 
 
 def write_gguf_record(files: dict[str, str], merge: dict, to: str) -> None:

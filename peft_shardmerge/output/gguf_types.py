@@ -85,6 +85,11 @@ class OutType:
         return cls(name, name if name in CONVERTER_TYPES else "f32")
 
     @property
+    def quantizer(self) -> bool:
+        """Whether llama.cpp makes this type with its quantizer (from the converter's f32 file), not its converter."""
+        return self.name not in CONVERTER_TYPES
+
+    @property
     def file_type(self):
         """``general.file_type``: the ``gguf.LlamaFileType``."""
         import gguf
