@@ -86,6 +86,16 @@ def peft_reference():
     return ref
 
 
+def pytest_sessionstart(session):
+    """Where the run includes the slow tests (make test-all, CI), start building llama.cpp's references this
+    machine lacks now, while the other tests run (tests/gguf_refs.py)."""
+    markers = session.config.option.markexpr or ""
+    if "PYTEST_XDIST_WORKER" not in os.environ and "not slow" not in markers:
+        from tests.gguf_refs import build_in_background
+
+        build_in_background()
+
+
 def pytest_collection_modifyitems(config, items):
     """For the conformance matrix (tests/conformance): ``CONFORMANCE_SHARD=i/n`` keeps the checks of every n-th
     conformance case from the i-th (to spread the matrix over processes); other tests are kept by shard 0 only."""

@@ -184,3 +184,25 @@ def llama_cpp_logits(model: str, ids: list[int]) -> np.ndarray:
     import json
 
     return np.asarray(json.loads(run_llama_cpp("logits", model, json.dumps(list(map(int, ids))))), dtype=np.float32)
+
+
+def build_in_background() -> None:
+    """Start building every reference this machine lacks (the converter's environment, llama.cpp's sources,
+    llama-cpp-python, about 8 minutes of CPU) in a process of its own at low priority, so that the suite's other
+    tests run meanwhile; the tests that need them wait on the same file locks."""
+    ready = [
+        cache_dir() / CONVERTER.replace("==", "-") / ".ready",
+        cache_dir() / LLAMA_CPP_SDIST.replace("==", "-") / ".ready",
+        cache_dir() / (LLAMA_CPP_SDIST.replace("==", "-") + "-venv") / ".ready",
+    ]
+    if all(p.exists() for p in ready):
+        return
+    code = "import tests.gguf_refs as r; r.converter_python(); r.llama_cpp_source(); r.llama_cpp_python()"
+    log = open(cache_dir() / "background-build.log", "ab")
+    subprocess.Popen(
+        ["nice", "-n", "10", sys.executable, "-c", code],
+        cwd=Path(__file__).parent.parent,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
