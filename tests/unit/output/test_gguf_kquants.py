@@ -4,6 +4,7 @@ gives each tensor (``src/llama-quant.cpp``: read by hand, and llama.cpp's own re
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -16,6 +17,25 @@ from peft_shardmerge.output.gguf_kquants import kquant_tensor_types, quantize_q4
 from tests import gguf_cquants
 
 PORTS = {"q4_K": quantize_q4_k, "q5_K": quantize_q5_k, "q6_K": quantize_q6_k}
+_NUMPY_BLOCKS = {
+    "q4_K": gguf_kquants._q4_k_blocks,
+    "q5_K": gguf_kquants._q5_k_blocks,
+    "q6_K": gguf_kquants._q6_k_blocks,
+}
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def impl(request) -> dict:
+    """Both implementations, each on the same inputs: the numba kernels (what ``quantize_q*_k`` run where numba
+    imports) and the numpy port (what they run without it)."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+        assert gguf_kquants._numba_kernels is not None  # the public functions run the kernels
+        return PORTS
+    return {
+        kind: functools.partial(gguf_kquants._quantize, kind=kind.upper(), quantize_blocks=blocks, numba=False)
+        for kind, blocks in _NUMPY_BLOCKS.items()
+    }
 
 
 def _cases(seed: int, n: int = 160) -> dict[str, np.ndarray]:
@@ -57,12 +77,12 @@ def _cases(seed: int, n: int = 160) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("kind", sorted(PORTS))
-def test_bytes_equal_llama_cpp(kind, seed):
+def test_bytes_equal_llama_cpp(kind, seed, impl):
     with np.errstate(all="ignore"):
         cases = _cases(seed)
     for name, rows in cases.items():
         want = gguf_cquants.quantize(kind, rows)
-        got = PORTS[kind](rows)
+        got = impl[kind](rows)
         assert got.dtype == np.uint8 and got.shape == want.shape, name
         bad = np.flatnonzero((got != want).any(axis=1))
         assert bad.size == 0, (
@@ -70,24 +90,55 @@ def test_bytes_equal_llama_cpp(kind, seed):
         )
 
 
+def _nan_payloads(n: int = 64) -> np.ndarray:
+    """Rows holding NaNs of either sign with payloads (quiet and signalling) among normal values: nearest_int reads a
+    NaN's payload bits, so they reach the levels."""
+    rng = np.random.default_rng(5)
+    bits = rng.standard_normal((n, 512)).astype(np.float32).view(np.uint32)
+    nans = np.array([0x7FC00001, 0xFFC12345, 0x7F800001, 0xFFA00000, 0x7FFFFFFF], np.uint32)
+    return np.where(rng.random(bits.shape) < 0.01, rng.choice(nans, bits.shape), bits).view(np.float32)
+
+
 @pytest.mark.parametrize("kind", sorted(PORTS))
-def test_bytes_equal_llama_cpp_long_rows_and_chunks(kind, monkeypatch):
-    """Long rows, a single row, non-float32 input, and super-blocks split over several chunks."""
+def test_bytes_equal_llama_cpp_long_rows_and_chunks(kind, impl, monkeypatch):
+    """Long rows, a single row, non-float32 input, super-blocks split over several chunks (the numpy port's
+    ``_CHUNK``; the kernels' 16 a prange iteration, a partial one last), NaN payloads, and numba's thread count."""
     rng = np.random.default_rng(3)
     rows = (rng.standard_normal((24, 4096)) * 0.02).astype(np.float32)
-    assert np.array_equal(PORTS[kind](rows), gguf_cquants.quantize(kind, rows))
-    assert np.array_equal(PORTS[kind](rows[:1].astype(np.float64)), gguf_cquants.quantize(kind, rows[:1]))
+    assert np.array_equal(impl[kind](rows), gguf_cquants.quantize(kind, rows))
+    assert np.array_equal(impl[kind](rows[:1].astype(np.float64)), gguf_cquants.quantize(kind, rows[:1]))
+    odd = rows.reshape(-1, 256)[:37]  # 37 super-blocks: 2 whole chunks of 16 and a partial one
+    assert np.array_equal(impl[kind](odd), gguf_cquants.quantize(kind, odd))
+    assert np.array_equal(impl[kind](_nan_payloads()), gguf_cquants.quantize(kind, _nan_payloads()))
     monkeypatch.setattr(gguf_kquants, "_CHUNK", 7)
-    assert np.array_equal(PORTS[kind](rows[:5]), gguf_cquants.quantize(kind, rows[:5]))
-    assert PORTS[kind](np.zeros((0, 256), np.float32)).shape == (0, gguf_kquants.BLOCK_BYTES[kind.upper()])
+    assert np.array_equal(impl[kind](rows[:5]), gguf_cquants.quantize(kind, rows[:5]))
+    assert impl[kind](np.zeros((0, 256), np.float32)).shape == (0, gguf_kquants.BLOCK_BYTES[kind.upper()])
+    if impl is PORTS:
+        import numba
+
+        threads = numba.get_num_threads()
+        try:
+            numba.set_num_threads(1)
+            assert np.array_equal(impl[kind](rows[:5]), gguf_cquants.quantize(kind, rows[:5]))
+        finally:
+            numba.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kind", sorted(PORTS))
-def test_rows_must_be_whole_super_blocks(kind):
+def test_rows_must_be_whole_super_blocks(kind, impl):
     with pytest.raises(ValueError, match="multiple of 256"):
-        PORTS[kind](np.zeros((2, 300), np.float32))
+        impl[kind](np.zeros((2, 300), np.float32))
     with pytest.raises(ValueError, match="multiple of 256"):
-        PORTS[kind](np.zeros(512, np.float32))
+        impl[kind](np.zeros(512, np.float32))
+
+
+def test_numba_kernels_take_float32_super_blocks():
+    gguf_kquants_numba = pytest.importorskip("peft_shardmerge.output.gguf_kquants_numba")
+    for bad in (np.zeros((2, 512), np.float32), np.zeros((2, 256), np.float64), np.zeros(256, np.float32)):
+        with pytest.raises(ValueError, match="float32"):
+            gguf_kquants_numba.quantize_blocks(bad, "Q4_K")
+    strided = np.random.default_rng(6).standard_normal((8, 512)).astype(np.float32)[:, :256]
+    assert np.array_equal(gguf_kquants_numba.quantize_blocks(strided, "Q5_K"), gguf_cquants.quantize("q5_K", strided))
 
 
 @pytest.mark.parametrize(("kind", "levels"), [("q4_K", 15), ("q5_K", 31), ("q6_K", 63)])
