@@ -56,7 +56,7 @@ def gguf_file_names(save_directory: str, quantization_method: Any) -> list[tuple
         >>> gguf_file_names("out/model", ["q4_k_m", "fast_quantized"])
         [('out/model/model.Q4_K_M.gguf', 'q4_k_m'), ('out/model/model.Q8_0.gguf', 'q8_0')]
     """
-    name = os.path.basename(os.path.normpath(os.fspath(save_directory))) or "model"
+    name = os.path.basename(os.path.abspath(os.fspath(save_directory))) or "model"
     types = list(dict.fromkeys(gguf_types(quantization_method)))
     return [(os.path.join(os.fspath(save_directory), f"{name}.{t.upper()}.gguf"), t) for t in types]
 
@@ -115,8 +115,18 @@ def save_pretrained_gguf(
     if problems:
         raise InputError(problems)
     if push:
+        hub = {k: v for k, v in unsloth.items() if k in ("commit_message", "revision", "create_pr")}
         return push_to_hub_gguf(
-            model, raw, tokenizer, quantization_method, token=token, private=private, progress=progress
+            model,
+            raw,
+            tokenizer,
+            quantization_method,
+            token=token,
+            private=private,
+            maximum_memory_usage=maximum_memory_usage,
+            base_precision=base_precision,
+            progress=progress,
+            **hub,
         )
     return _write(
         model, raw, tokenizer, quantization_method, maximum_memory_usage, base_precision, overwrite, progress
@@ -145,12 +155,11 @@ def _write(model, folder, tokenizer, methods, maximum_memory_usage, base_precisi
     )
     if problems + more:
         raise InputError(problems + more)
-    os.makedirs(folder, exist_ok=True)
-    name = os.path.basename(os.path.normpath(folder))
+    name = os.path.basename(os.path.abspath(folder))
     with quiet_libraries():
-        report = _GGUFFiles(model, targets, opts, tokenizer, name).run()
+        report = _GGUFFiles(model, targets, opts, tokenizer, name).run()  # the folder made once the merge is planned
     modelfile = os.path.join(folder, "Modelfile")
-    if not os.path.exists(modelfile):  # ollama create NAME -f Modelfile (the chat template is in the file's keys)
+    if overwrite or not os.path.exists(modelfile):  # ollama create NAME -f Modelfile (the template is in the file)
         with open(modelfile, "w", encoding="utf-8") as f:
             f.write(f"FROM ./{os.path.basename(targets[0][0])}\n")
     return report

@@ -77,6 +77,7 @@ class MergeJob(ABC):
                         f".gguf (e.g. {os.path.join(os.fspath(out_dir or '.'), 'model.gguf')})"
                     )
         self.out_dir, self.opts, self.problems, self.steps = out_dir, opts, problems, steps
+        self.outtype: OutType | None = None  # a GGUF output's type, resolved when its sink is made
 
     def run(self) -> MergeReport:
         """Settle the output, plan, agree on the plan, carry it out; release the plan's resources.
@@ -116,7 +117,7 @@ class MergeJob(ABC):
             with open(record_path(self.out_dir), encoding="utf-8") as f:
                 files = json.load(f)["files"]
             report.shards, report.bytes_written = list(files), sum(f["size"] for f in files.values())
-            report.dtype = self.opts.outtype or "auto"
+            report.dtype = self.outtype.name if self.outtype is not None else report.dtype
         return report
 
     @abstractmethod
@@ -142,7 +143,7 @@ class MergeJob(ABC):
         """Where the merge goes: the GGUF file ``out_dir`` (a path ending in ``.gguf``), else the safetensors folder
         ``out_dir``."""
         if is_gguf(self.out_dir):
-            outtype = OutType.parse(self.opts.outtype or "auto", self.base_dtype(plan))
+            outtype = self.outtype = OutType.parse(self.opts.outtype or "auto", self.base_dtype(plan))
             return GGUFSink(
                 [(self.out_dir, outtype)],
                 plan.config,

@@ -14,7 +14,7 @@ from ..errors import InputError
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TORCH_TO_ST, row_blocks
 from ..options import BASE_PRECISIONS, OUTPUT_DTYPES, MergeOptions
 from ..output.config import output_config
-from ..output.out_dir import check_out_dir, check_space
+from ..output.out_dir import check_out_dir, check_space, is_gguf
 from ..quant.nf4 import Nf4Settings
 from ..support.claims import DISK, check_layers, config_variants, raise_if_any
 from ..support.combinations import warn_about_combination
@@ -355,7 +355,7 @@ def plan_from_folders(
     plan.notes[:0] = base_name_notes(trained, base, src.folder)
     space = (
         []
-        if out_dir is None
+        if out_dir is None or is_gguf(out_dir)  # a GGUF's size is its type's: its sink checks the space
         else check_space(
             out_dir, plan.total_size + sum(os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files)
         )

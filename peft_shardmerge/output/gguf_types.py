@@ -64,7 +64,8 @@ class OutType:
 
         Args:
             outtype: one of :data:`OUTTYPES` (Unsloth's names too), any case.
-            base_dtype: the base's weights' dtype, for ``auto`` (``float16`` gives f16, anything else bf16).
+            base_dtype: the base's weights' dtype, for ``auto`` (``bfloat16`` gives bf16, anything else f16, as the
+                converter's ``auto`` does).
 
         Returns:
             The :class:`OutType`.
@@ -73,15 +74,15 @@ class OutType:
             InputError: a type not written here, naming those that are.
 
         Example:
-            >>> OutType.parse("Q4_K_M"), OutType.parse("auto", "float16").name
+            >>> OutType.parse("Q4_K_M"), OutType.parse("auto", "float32").name
             (OutType(name='q4_k_m', converter='f32'), 'f16')
         """
         problems = outtype_problems(outtype)
         if problems:
             raise InputError(problems)
         name = UNSLOTH_NAMES.get(outtype.lower(), outtype.lower())
-        if name == "auto":
-            name = "f16" if "float16" == str(base_dtype).removeprefix("torch.") else "bf16"
+        if name == "auto":  # the converter's: bf16 for a bf16 base, else f16
+            name = "bf16" if "bfloat16" == str(base_dtype).removeprefix("torch.") else "f16"
         return cls(name, name if name in CONVERTER_TYPES else "f32")
 
     @property

@@ -104,12 +104,28 @@ def _gguf_file_problems(raw: str, out: str, overwrite: bool) -> list[str]:
         ]
     if os.path.isdir(out):
         return [f"output {raw} is a folder; a path ending in .gguf names one GGUF file: remove it or choose another"]
+    record = os.path.splitext(out)[0] + ".merge_manifest.json"  # the record written beside the file
     if os.path.lexists(out) and not overwrite:
         return [f"output {raw} exists; pass overwrite=True (--overwrite) to replace it once the new one is complete"]
-    record = os.path.splitext(out)[0] + ".merge_manifest.json"  # the record written beside the file
     if os.path.lexists(record) and not overwrite:
         return [f"{record} exists beside output {raw}; pass overwrite=True (--overwrite) to replace both"]
+    if os.path.lexists(out) and not _our_gguf(out, record):
+        return [
+            f"output {raw} was not written by peft-shardmerge (no merge record beside it names it), so it is not "
+            "replaced: remove it yourself, or choose another name"
+        ]
     return []
+
+
+def _our_gguf(out: str, record: str) -> bool:
+    """Whether the record beside a GGUF file names it (an earlier output of ours, which ``overwrite`` replaces)."""
+    import json
+
+    try:
+        with open(record, encoding="utf-8") as f:
+            return os.path.basename(out) in (json.load(f).get("files") or {})
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def settle_out_dir(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -20,13 +21,14 @@ from .report import VerifyReport, stage
 
 
 def verify_gguf(path: str, *, base: str | None = None, adapter: str | list[str] | None = None) -> VerifyReport:
-    """Check a GGUF file a merge wrote.
+    """Check a GGUF output a merge wrote: one file, or the files of a split one (give any of them, or the name the
+    merge was given).
 
-    Without inputs: its size and SHA-256 against the merge record beside it (``NAME.merge_manifest.json``), and
-    the file read by gguf-py (every tensor's extent inside the file, 32- and 16-bit values finite). With ``base``
-    and ``adapter``: the merge is run again from them with the recorded options (on the CPU), each GGUF tensor
-    encoded in the file's own type and compared byte for byte with the file, and the header (metadata, tokenizer,
-    tensor layout) with the file's.
+    Without inputs: each file's size and SHA-256 against the merge record beside it (``NAME.merge_manifest.json``),
+    and each file read by gguf-py (every tensor's extent inside the file, 32- and 16-bit values finite). With
+    ``base`` and ``adapter``: the merge is run again from them with the recorded options (on the CPU), each GGUF
+    tensor encoded in the file's own type and compared byte for byte with the file, and the header (metadata,
+    tokenizer, tensor layout) with the file's.
 
     Args:
         path: the GGUF file.
@@ -38,16 +40,20 @@ def verify_gguf(path: str, *, base: str | None = None, adapter: str | list[str] 
         ``UNCHECKED`` (no record and no inputs).
 
     Raises:
-        NotFoundError: ``path`` is not a file.
+        NotFoundError: neither the file nor the record of an output of that name.
     """
-    if not os.path.isfile(path):
+    target = _target(path)
+    if not os.path.isfile(path) and not os.path.isfile(record_path(target)):
         raise NotFoundError(f"{path} is not a file; give the GGUF file a merge wrote")
     report = VerifyReport(os.path.abspath(path))
     adapters = [adapter] if isinstance(adapter, str) else list(adapter or [])
-    record = stage(report, "the merge record", _check_record, path, report)
-    stage(report, "the file", _check_file, path, report)
+    record = stage(report, "the merge record", _check_record, target, report)
+    files = sorted((record or {}).get("files") or {}) or [os.path.basename(path)]
+    folder = os.path.dirname(os.path.abspath(target))
+    for name in files:
+        stage(report, "the file", _check_file, os.path.join(folder, name), report)
     if base is not None and adapters and not report.problems:
-        stage(report, "the recomputation", _recompute, path, base, adapters, record, report)
+        stage(report, "the recomputation", _recompute, target, path, base, adapters, record, report)
     if report.problems:
         report.status = "FAILED"
     elif report.integrity or report.recomputed:
@@ -55,39 +61,49 @@ def verify_gguf(path: str, *, base: str | None = None, adapter: str | list[str] 
     else:
         report.status = "UNCHECKED"
         report.notes.append(
-            f"the bytes were not checked: there is no {os.path.basename(record_path(path))} beside the file; give "
+            f"the bytes were not checked: there is no {os.path.basename(record_path(target))} beside the file; give "
             "--base and --adapter to recompute them"
         )
     report.ok = report.status == "OK"
     return report
 
 
-def _check_record(path: str, report: VerifyReport) -> dict | None:
-    """The record beside the file, checked against the file; None where there is none."""
-    where = record_path(path)
+def _target(path: str) -> str:
+    """The output a GGUF file belongs to: itself, or the name a split output's files were made from."""
+    split = re.fullmatch(r"(.*)-\d{5}-of-\d{5}\.gguf", os.fspath(path))
+    return split.group(1) + ".gguf" if split else os.fspath(path)
+
+
+def _check_record(target: str, report: VerifyReport) -> dict | None:
+    """The record beside the output, checked against each file it lists; None where there is none."""
+    where = record_path(target)
     if not os.path.isfile(where):
         return None
     with open(where, encoding="utf-8") as f:
         record = json.load(f)
+    name = os.path.basename(where)
     if record.get("record_sha256") != record_digest(record):
-        report.problems.append(f"{os.path.basename(where)} was changed after the merge (its own digest differs)")
+        report.problems.append(f"{name} was changed after the merge (its own digest differs)")
         report.integrity = False
         return record
-    name = os.path.basename(path)
-    entry = (record.get("files") or {}).get(name)
-    if entry is None:
-        report.problems.append(f"{os.path.basename(where)} does not list {name}")
-        report.integrity = False
-        return record
-    size = os.path.getsize(path)
-    if size != entry.get("size") or file_sha256(path) != entry.get("sha256"):
-        report.problems.append(
-            f"{name} differs from what the merge wrote ({size} bytes, {entry.get('size')} recorded)"
-        )
-        report.integrity = False
-    else:
-        report.integrity = True
-        report.checks.append(f"{name}: {size} bytes, SHA-256 as recorded")
+    files = record.get("files") or {}
+    if not files:
+        report.problems.append(f"{name} lists no file")
+    report.integrity = bool(files)
+    for listed, entry in sorted(files.items()):
+        path = os.path.join(os.path.dirname(os.path.abspath(target)), listed)
+        if not os.path.isfile(path):
+            report.problems.append(f"{listed}, which {name} lists, is missing")
+            report.integrity = False
+            continue
+        size = os.path.getsize(path)
+        if size != entry.get("size") or file_sha256(path) != entry.get("sha256"):
+            report.problems.append(
+                f"{listed} differs from what the merge wrote ({size} bytes, {entry.get('size')} recorded)"
+            )
+            report.integrity = False
+        else:
+            report.checks.append(f"{listed}: {size} bytes, SHA-256 as recorded")
     return record
 
 
@@ -96,16 +112,18 @@ def _check_file(path: str, report: VerifyReport) -> None:
     import gguf
 
     reader = gguf.GGUFReader(path)
-    report.tensors = len(reader.tensors)
+    report.tensors += len(reader.tensors)
     floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
     bad = [t.name for t in reader.tensors if t.tensor_type in floats and not np.isfinite(t.data).all()]
     if bad:
-        report.problems.append(f"tensors with NaN or Inf: {', '.join(bad[:5])}")
-    report.checks.append(f"{report.tensors} tensors read by gguf-py, {len(reader.fields)} metadata keys")
+        report.problems.append(f"{os.path.basename(path)}: tensors with NaN or Inf: {', '.join(bad[:5])}")
+    report.checks.append(
+        f"{os.path.basename(path)}: {len(reader.tensors)} tensors read by gguf-py, {len(reader.fields)} metadata keys"
+    )
 
 
-def _recompute(path: str, base: str, adapters: list[str], record: dict | None, report: VerifyReport) -> None:
-    """The merge run again from base + adapter into a comparison with the file."""
+def _recompute(target: str, path: str, base: str, adapters: list[str], record, report: VerifyReport) -> None:
+    """The merge run again from base + adapter into a comparison with the output's files."""
     from ..checkpoint.reader import CheckpointReader
     from ..engine.execute import run
     from .recompute import merge_settings, plan_recomputation, settle_stored_base
@@ -119,9 +137,12 @@ def _recompute(path: str, base: str, adapters: list[str], record: dict | None, r
         report.unchecked += settled
         return
     _, plan = plan_recomputation(base, adapters, {**options, "dtype": "float32"})
-    outtype = ((merge or {}).get("gguf") or {}).get("outtype") or _file_type(path)
+    info = (merge or {}).get("gguf") or {}
+    outtype = info.get("outtype") or _file_type(path)
     source = CheckpointReader(plan)
-    check = GGUFCheck(path, OutType.parse(outtype), plan.config, source.side_files)
+    check = GGUFCheck(
+        target, OutType.parse(outtype), plan.config, source.side_files, info.get("name"), info.get("split_max_size", 0)
+    )
     run(plan, source, check, progress=False)
     if check.header_differs:
         report.problems.append("the metadata differs from what base + adapter give (tokenizer, config or names)")
@@ -148,37 +169,37 @@ def _file_type(path: str) -> str:
 
 
 class GGUFCheck(GGUFSink):
-    """The GGUF sink comparing instead of writing: the file laid out for the merge again, each tensor's bytes
+    """The GGUF sink comparing instead of writing: the output laid out for the merge again, each tensor's bytes
     compared with the file's at their offset (:class:`~peft_shardmerge.engine.sink.Sink`).
 
     Args:
-        path: the GGUF file.
+        path: the GGUF output (the name a split output's files were made from).
         outtype: its :class:`~peft_shardmerge.output.gguf_types.OutType`.
         config: the merged model's ``config.json``.
         side_files: writes the base's other files (its tokenizer) into a folder.
+        name: the model's name the merge used (None: the file's).
+        split_max_size: the split the merge used (0: one file).
 
     Attributes:
         differing: per GGUF tensor, the bytes that differ.
-        header_differs: whether the header (metadata, tokenizer, layout) differs from the file's.
+        header_differs: whether a header (metadata, tokenizer, layout) differs from its file's.
     """
 
     label = "verifying GGUF"
 
-    def __init__(self, path: str, outtype: OutType, config: dict, side_files=None):
-        super().__init__([(path, outtype)], config, side_files)
+    def __init__(self, path, outtype: OutType, config: dict, side_files=None, name=None, split_max_size: int = 0):
+        super().__init__([(path, outtype)], config, side_files, name=name, split_max_size=split_max_size)
         self.differing: dict[str, int] = {}
         self.header_differs = False
 
     @contextmanager
     def open(self, layout: Layout) -> Iterator[GGUFOutputs]:
-        (path, _, header), *more = self.files(layout)
-        if more:
-            raise ShardMergeError("a split GGUF output is verified file by file against its record only")
-        out = _Compared(path, header, layout, self)
+        outs = [_Compared(path, header, layout, self) for path, _, header in self.files(layout)]
         try:
-            yield GGUFOutputs([out], layout, records=False)
+            yield GGUFOutputs(outs, layout, records=False)
         finally:
-            out.close()
+            for out in outs:
+                out.close()
 
 
 class _Compared(GGUFOutput):
@@ -190,7 +211,7 @@ class _Compared(GGUFOutput):
 
     def _open(self) -> set[int]:
         self.fd = os.open(self.path, os.O_RDONLY)
-        self.check.header_differs = os.pread(self.fd, len(self.header.raw), 0) != self.header.raw
+        self.check.header_differs |= os.pread(self.fd, len(self.header.raw), 0) != self.header.raw
         for t, off in zip(self.header.tensors, self.header.offsets):
             if t.values is not None:
                 from ..output.gguf_types import encode
@@ -204,7 +225,7 @@ class _Compared(GGUFOutput):
         with self.lock:
             self.check.differing[name] = self.check.differing.get(name, 0) + n
 
-    def part_done(self, i: int) -> None:
+    def part_done(self, i: int, digest: str) -> None:
         pass
 
     def finish(self, finish: Finish) -> None:

@@ -99,9 +99,18 @@ def test_bad_input_is_refused_before_anything_is_written(gguf_case, make_base, m
     out.write_bytes(b"mine")
     with pytest.raises(InputError, match="exists; pass overwrite=True"):
         merge_checkpoint(base, adapter, str(out), progress=False)
+    with pytest.raises(InputError, match="was not written by peft-shardmerge"):  # never a file we did not write
+        merge_checkpoint(base, adapter, str(out), progress=False, overwrite=True)
     assert out.read_bytes() == b"mine" and sorted(os.listdir(tmp_path)) == ["x.gguf"]
-    merge_checkpoint(base, adapter, str(out), progress=False, overwrite=True)
-    assert out.read_bytes()[:4] == b"GGUF" and sorted(os.listdir(tmp_path)) == ["x.gguf", "x.merge_manifest.json"]
+    out.unlink()
+    merge_checkpoint(base, adapter, str(out), progress=False)
+    first = out.read_bytes()
+    report = merge_checkpoint(base, adapter, str(out), progress=False, overwrite=True, outtype="q8_0")
+    assert out.read_bytes() != first and report.dtype == "q8_0"  # an earlier output of ours is replaced
+    assert sorted(os.listdir(tmp_path)) == ["x.gguf", "x.merge_manifest.json"]
+    nested = tmp_path / "new" / "sub" / "m.gguf"  # folders made as for a folder output
+    merge_checkpoint(base, adapter, str(nested), progress=False)
+    assert nested.read_bytes()[:4] == b"GGUF"
 
 
 def test_a_failed_write_leaves_nothing(gguf_case, tmp_path, monkeypatch):
@@ -216,6 +225,11 @@ def test_a_split_output_is_llama_cpps_split_files(gguf_case, tmp_path):
     alone = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(whole).tensors}
     assert list(tensors) == list(alone) and all(np.array_equal(tensors[n], alone[n]) for n in alone)
     assert "tokenizer.ggml.tokens" in first.fields
+    from peft_shardmerge.verify.gguf_check import verify_gguf
+
+    assert verify_gguf(out).status == "OK"  # the name given: every file the record lists
+    report = verify_gguf(str(tmp_path / names[1]), base=base, adapter=adapter)
+    assert report.status == "OK" and report.recomputed, report.summary()
     with pytest.raises(InputError, match="split_max_size='2G' applies to a GGUF output"):
         merge_checkpoint(base, adapter, str(tmp_path / "folder"), split_max_size="2G", progress=False)
 
@@ -253,40 +267,75 @@ def test_the_command_line_writes_and_lists_a_gguf(gguf_case, tmp_path):
     shutil.rmtree(tmp_path)
 
 
-def test_a_killed_merge_resumes_from_its_finished_parts(gguf_case, tmp_path, monkeypatch):
+@pytest.mark.slow  # a merge killed outright in a subprocess
+@pytest.mark.parametrize("inputs_changed", [False, True], ids=["same-inputs", "base-rewritten"])
+def test_a_killed_merge_resumes_from_its_finished_parts(inputs_changed, gguf_case, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
     from peft_shardmerge.output import gguf_sink
 
     base, adapter, _ = gguf_case("llama")
+    base = shutil.copytree(base, str(tmp_path / "base"))
     clean = str(tmp_path / "clean" / "m.gguf")
-    os.makedirs(os.path.dirname(clean))
     merge_checkpoint(base, adapter, clean, outtype="q8_0", progress=False)
-    monkeypatch.setattr(gguf_sink, "PART_BYTES", 300_000)  # several parts
+    out = str(tmp_path / "m.gguf")
+    child = f"""
+import os, signal
+from peft_shardmerge import merge_checkpoint
+from peft_shardmerge.output import gguf_sink
+gguf_sink.PART_BYTES = 300_000  # several parts
+real = gguf_sink.GGUFOutput.part_done
+def part_done(self, i, digest):
+    real(self, i, digest)
+    if len(self.done) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed outright: nothing runs after
+gguf_sink.GGUFOutput.part_done = part_done
+merge_checkpoint({base!r}, {adapter!r}, {out!r}, outtype="q8_0", progress=False)
+"""
+    killed = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr
+    staging = gguf_sink.staging_path(out)
+    assert not os.path.exists(out) and os.path.exists(staging) and os.path.exists(staging + ".json")
+    if inputs_changed:  # other weights, same size and modification time: content decides
+        weights = os.path.join(base, "model.safetensors")
+        stat, data = os.stat(weights), bytearray(open(weights, "rb").read())
+        start = 8 + int.from_bytes(data[:8], "little")  # every tensor's data: one value in 64 set to 0
+        data[start::256] = bytes(len(data[start::256]))
+        open(weights, "wb").write(data)
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        os.unlink(clean)
+        os.unlink(gguf_sink.record_path(clean))
+        merge_checkpoint(base, adapter, clean, outtype="q8_0", progress=False)
+    old, gguf_sink.PART_BYTES = gguf_sink.PART_BYTES, 300_000
+    try:
+        report = merge_checkpoint(base, adapter, out, outtype="q8_0", progress=False)
+    finally:
+        gguf_sink.PART_BYTES = old
+    resumed = [n for n in report.notes if n.startswith("resumed:")]
+    assert resumed == ([] if inputs_changed else ["resumed: 2 shard(s) kept from an interrupted run"]), resumed
+    assert open(out, "rb").read() == open(clean, "rb").read()
+    assert sorted(os.listdir(tmp_path)) == ["base", "clean", "m.gguf", "m.merge_manifest.json"]
+
+
+def test_a_failed_merge_leaves_nothing_to_resume(gguf_case, tmp_path, monkeypatch):
+    """Any error (a full disk, a failed check, Ctrl-C) removes the staging file: only a kill leaves one."""
+    from peft_shardmerge.output import gguf_sink
+
+    base, adapter, _ = gguf_case("llama")
+    monkeypatch.setattr(gguf_sink, "PART_BYTES", 300_000)
     real = gguf_sink.GGUFOutput.part_done
 
-    calls = []
-
-    def stop_after_the_second(self, i):
-        calls.append(i)
-        if len(calls) == 3:
+    def stop_after_the_second(self, i, digest):
+        real(self, i, digest)
+        if len(self.done) == 2:
             raise KeyboardInterrupt
-        real(self, i)
 
     monkeypatch.setattr(gguf_sink.GGUFOutput, "part_done", stop_after_the_second)
-    out = str(tmp_path / "m.gguf")
     with pytest.raises(KeyboardInterrupt):
-        merge_checkpoint(base, adapter, out, outtype="q8_0", progress=False)
-    assert not os.path.exists(out) and os.path.exists(gguf_sink.staging_path(out))
-    monkeypatch.setattr(gguf_sink.GGUFOutput, "part_done", real)
-    report = merge_checkpoint(base, adapter, out, outtype="q8_0", progress=False)
-    assert any(n.startswith("resumed: 2 shard(s) kept") for n in report.notes), report.notes
-    assert open(out, "rb").read() == open(clean, "rb").read()
-    assert sorted(os.listdir(tmp_path)) == ["clean", "m.gguf", "m.merge_manifest.json"]  # no staging, no record
-    # without resume, a stopped merge leaves nothing
-    calls.clear()
-    monkeypatch.setattr(gguf_sink.GGUFOutput, "part_done", stop_after_the_second)
-    with pytest.raises(KeyboardInterrupt):
-        merge_checkpoint(base, adapter, str(tmp_path / "n.gguf"), outtype="q8_0", progress=False, resume=False)
-    assert sorted(os.listdir(tmp_path)) == ["clean", "m.gguf", "m.merge_manifest.json"]
+        merge_checkpoint(base, adapter, str(tmp_path / "m.gguf"), outtype="q8_0", progress=False)
+    assert os.listdir(tmp_path) == []
 
 
 def test_verify_checks_the_record_and_recomputes_in_the_files_type(gguf_case, tmp_path):
@@ -327,3 +376,16 @@ def test_a_gguf_is_not_spread_over_ranks(gguf_case, tmp_path):
     steps = JobSteps(World(rank=0, size=2), STEPS)  # what merge_checkpoint(distributed=True) has under torchrun
     job = CheckpointJob(base, adapter, str(tmp_path / "m.gguf"), MergeOptions(progress=False), [], steps)
     assert any("one file that one process writes" in p for p in job.problems)
+
+
+def test_a_qwen3_reranker_is_found_by_its_card_not_by_the_output_name(tmp_path):
+    from peft_shardmerge.testing import build_adapter, build_base, build_tokenizer
+
+    base = build_tokenizer(build_base(str(tmp_path / "base"), "qwen3"))
+    adapter = build_adapter(base, str(tmp_path / "adapter"), arch="qwen3")
+    merge_checkpoint(base, adapter, str(tmp_path / "reranker-ablation.gguf"), outtype="q8_0", progress=False)
+    with open(os.path.join(base, "README.md"), "w") as f:
+        f.write("# Qwen3-Reranker-0.6B\n")
+    with pytest.raises(UnsupportedError, match="Qwen3 reranker is not written"):
+        merge_checkpoint(base, adapter, str(tmp_path / "m.gguf"), outtype="q8_0", progress=False)
+    assert not os.path.exists(tmp_path / "m.gguf")

@@ -65,6 +65,10 @@ def test_save_pretrained_gguf_writes_each_type_from_one_pass(gguf_case, tmp_path
     assert sorted(os.listdir(folder)) == written and len(runs) == 1
     assert report.shards == ["m.Q8_0.gguf", "m.F16.gguf"]
     assert (folder / "Modelfile").read_text() == "FROM ./m.Q8_0.gguf\n"
+    from peft_shardmerge.verify.gguf_check import verify_gguf
+
+    report = verify_gguf(str(folder / "m.F16.gguf"), base=base, adapter=adapter)  # named as the folder, recorded
+    assert report.status == "OK" and report.recomputed, report.summary()
     for outtype, name in (("q8_0", "m.Q8_0.gguf"), ("f16", "m.F16.gguf")):
         alone = tmp_path / outtype / "m.gguf"
         os.makedirs(alone.parent)
