@@ -9,9 +9,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 try:  # numba is optional (pip install 'peft-shardmerge[gguf]' brings it): without it the numpy port below runs
-    from . import gguf_kquants_numba as _numba_kernels
+    from . import gguf_kquants_numba as numba_kernels
 except ImportError:
-    _numba_kernels = None
+    numba_kernels = None
 
 __all__ = ["BLOCK_BYTES", "FTYPES", "kquant_tensor_types", "quantize_q4_k", "quantize_q5_k", "quantize_q6_k"]
 
@@ -204,8 +204,8 @@ def _quantize(rows: np.ndarray, kind: str, quantize_blocks, numba: bool = True) 
     if rows.ndim != 2 or rows.shape[1] % QK_K:
         raise ValueError(f"rows must be a 2-D array whose rows are a multiple of {QK_K} long, not {rows.shape}")
     blocks = np.ascontiguousarray(rows, dtype=_F32).reshape(-1, QK_K)
-    if numba and _numba_kernels is not None:
-        out = _numba_kernels.quantize_blocks(blocks, kind)
+    if numba and numba_kernels is not None:
+        out = numba_kernels.quantize_blocks(blocks, kind)
         return out.reshape(rows.shape[0], rows.shape[1] // QK_K * BLOCK_BYTES[kind])
     out = np.empty((blocks.shape[0], BLOCK_BYTES[kind]), dtype=np.uint8)
     with np.errstate(all="ignore"):  # the C divides by zero and overflows too; the lanes it would skip are masked

@@ -1,4 +1,5 @@
-"""llama.cpp's K-quant quantizers (``quantize_row_q4/5/6_K_ref`` of ``ggml-quants.c``) as numba kernels, bit-exact."""
+"""llama.cpp's quantizers as numba kernels, bit-exact: the K-quants (``quantize_row_q4/5/6_K_ref`` of
+``ggml-quants.c``) and Q8_0 (as gguf-py's numpy Q8_0, which the converter runs)."""
 
 # ruff: noqa: E741 (the C's names are kept: ``l`` a level, ``L`` the levels)
 
@@ -474,19 +475,56 @@ def _q6_k_kernel(blocks, out):
             _q6_k_block(blocks[i], out[i], L, scales)
 
 
-_KERNELS = {"Q4_K": (_q4_k_kernel, 144), "Q5_K": (_q5_k_kernel, 176), "Q6_K": (_q6_k_kernel, 210)}
+@_jit_parallel
+def _q8_0_kernel(blocks, out):
+    """gguf-py's ``Q8_0.quantize_blocks``: ``d = max|x| / 127``, ``id = 1 / d`` (0 where ``d`` is), each value
+    ``x * id`` rounded half away from zero (its ``np_roundf``), ``d`` stored as IEEE half (round to nearest even,
+    as numpy's ``astype(float16)``, the C's ``GGML_FP32_TO_FP16``)."""
+    nb = blocks.shape[0]
+    for c in numba.prange((nb + _CHUNK * 16 - 1) // (_CHUNK * 16)):
+        for i in range(c * _CHUNK * 16, min(nb, (c + 1) * _CHUNK * 16)):
+            x = blocks[i]
+            amax = _F32(0)
+            for j in range(32):
+                v = abs(x[j])
+                if v > amax:
+                    amax = v
+            d = amax / _F32(127)
+            inv = _F32(0) if d == _F32(0) else _F32(1) / d
+            h = _fp32_to_fp16(d)
+            out[i, 0] = h & 0xFF
+            out[i, 1] = h >> 8
+            for j in range(32):
+                n = x[j] * inv
+                a = abs(n)
+                floored = np.floor(a)
+                b = floored + np.floor(_F32(2) * (a - floored))
+                q = int(b)
+                out[i, 2 + j] = (-q if n < _F32(0) else q) & 0xFF
+
+
+_KERNELS = {
+    "Q4_K": (_q4_k_kernel, 144),
+    "Q5_K": (_q5_k_kernel, 176),
+    "Q6_K": (_q6_k_kernel, 210),
+    "Q8_0": (_q8_0_kernel, 34),
+}
+#: values a block of each kind holds
+BLOCK_VALUES = {"Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K, "Q8_0": 32}
 
 
 def quantize_blocks(blocks: np.ndarray, kind: str) -> np.ndarray:
-    """Quantize 256-value super-blocks as llama.cpp's ``quantize_row_<kind>_ref`` does, in parallel over the
-    blocks (``numba.get_num_threads()`` threads; the first call of each type compiles, or loads the on-disk cache).
+    """Quantize blocks as llama.cpp's ``quantize_row_<kind>_ref`` does (Q8_0: as gguf-py's numpy does, the same
+    bytes), in parallel over the blocks (``numba.get_num_threads()`` threads; the first call of each type
+    compiles, or loads the on-disk cache).
 
     Args:
-        blocks: ``(n, 256)`` float32, C-contiguous: one super-block a row.
-        kind: ``"Q4_K"``, ``"Q5_K"`` or ``"Q6_K"``.
+        blocks: ``(n, 256)`` float32, C-contiguous: one super-block a row (``(n, 32)`` for Q8_0).
+        kind: ``"Q4_K"``, ``"Q5_K"``, ``"Q6_K"`` or ``"Q8_0"``.
 
     Returns:
-        ``(n, 144 | 176 | 210)`` uint8: one ``block_q4_K`` / ``block_q5_K`` / ``block_q6_K`` a row.
+        ``(n, 144 | 176 | 210 | 34)`` uint8: one ``block_q4_K`` / ``block_q5_K`` / ``block_q6_K`` / ``block_q8_0``
+        a row.
 
     Example:
         >>> import numpy as np
@@ -495,8 +533,9 @@ def quantize_blocks(blocks: np.ndarray, kind: str) -> np.ndarray:
         ((2, 210), 'uint8')
     """
     kernel, nbytes = _KERNELS[kind]
-    if blocks.ndim != 2 or blocks.shape[1] != QK_K or blocks.dtype != np.float32:
-        raise ValueError(f"blocks must be (n, {QK_K}) float32, not {blocks.shape} {blocks.dtype}")
+    size = BLOCK_VALUES[kind]
+    if blocks.ndim != 2 or blocks.shape[1] != size or blocks.dtype != np.float32:
+        raise ValueError(f"blocks must be (n, {size}) float32, not {blocks.shape} {blocks.dtype}")
     blocks = np.ascontiguousarray(blocks)
     out = np.empty((blocks.shape[0], nbytes), dtype=np.uint8)
     if blocks.shape[0]:

@@ -151,6 +151,12 @@ def encode(values, qtype) -> bytes:
     import numpy as np
 
     t = gguf.GGMLQuantizationType
+    if qtype == t.Q8_0 and values.shape[-1] % 32 == 0:
+        from .gguf_kquants import numba_kernels
+
+        if numba_kernels is not None:  # the same bytes as gguf-py's, on every numba thread
+            blocks = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, 32)
+            return numba_kernels.quantize_blocks(blocks, "Q8_0").tobytes()
     if qtype in (t.Q4_K, t.Q5_K, t.Q6_K):
         from . import gguf_kquants
 

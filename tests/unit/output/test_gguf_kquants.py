@@ -464,3 +464,23 @@ def test_types_match_llama_cpp_snapshots(snapshot, arch, dims):
         want = {name: overrides.get(name, default) for name in quantized}
         assert {name: got[name] for name in quantized} == want, ftype
         assert {got[name] for name, shape in tensors if len(shape) == 1} == {"F32"}
+
+
+@pytest.mark.skipif(gguf_kquants.numba_kernels is None, reason="numba is not installed")
+def test_q8_0_kernel_is_gguf_pys_q8_0():
+    """Q8_0 through the numba kernel: the bytes of gguf-py's numpy Q8_0 (the converter's), on values of every
+    scale, exact halves of a step, zero blocks and tiny values."""
+    from peft_shardmerge.output.gguf_types import encode
+
+    rng = np.random.default_rng(3)
+    cases = [
+        rng.standard_normal((300, 256)).astype(np.float32) * 0.02,
+        np.zeros((3, 64), np.float32),
+        (rng.standard_normal((40, 64)) * 1e-30).astype(np.float32),
+        (rng.standard_normal((40, 64)) * 1e30).astype(np.float32),
+        (np.round(rng.standard_normal((64, 64)) * 254) / 2).astype(np.float32),  # x * 127 / max on a .5
+        rng.integers(-300, 300, (64, 96)).astype(np.float32),
+    ]
+    for x in cases:
+        want = np.ascontiguousarray(gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)).tobytes()
+        assert encode(x, gguf.GGMLQuantizationType.Q8_0) == want
