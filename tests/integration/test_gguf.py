@@ -135,14 +135,11 @@ def test_dry_run_lists_the_gguf_tensors(gguf_case, tmp_path):
 
 
 # llama.cpp's converter: a subprocess in a virtual environment of its own
-CONVERTER_CASES = [(a, "q8_0") for a in TOKENIZERS] + [
-    ("llama", "f16"),
-    ("llama", "bf16"),
-    ("llama", "f32"),
-    ("qwen2", "f16"),
-    ("gemma2", "bf16"),
-    ("phi3", "f16"),
-]
+CONVERTER_CASES = (
+    [(a, "q8_0") for a in TOKENIZERS]
+    + [(a, t) for a in ("llama", "mistral", "qwen2", "gemma2", "phi3") for t in ("f16", "bf16")]
+    + [("llama", "f32")]
+)
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ def impl(request) -> dict:
     imports) and the numpy port (what they run without it)."""
     if request.param == "numba":
         pytest.importorskip("numba")
-        assert gguf_kquants._numba_kernels is not None  # the public functions run the kernels
+        assert gguf_kquants.numba_kernels is not None  # the public functions run the kernels
         return PORTS
     return {
         kind: functools.partial(gguf_kquants._quantize, kind=kind.upper(), quantize_blocks=blocks, numba=False)
@@ -132,7 +132,7 @@ def test_rows_must_be_whole_super_blocks(kind, impl):
         impl[kind](np.zeros(512, np.float32))
 
 
-def test_numba_kernels_take_float32_super_blocks():
+def testnumba_kernels_take_float32_super_blocks():
     gguf_kquants_numba = pytest.importorskip("peft_shardmerge.output.gguf_kquants_numba")
     for bad in (np.zeros((2, 512), np.float32), np.zeros((2, 256), np.float64), np.zeros(256, np.float32)):
         with pytest.raises(ValueError, match="float32"):
