@@ -53,16 +53,20 @@ def converter_python() -> Path:
             shutil.rmtree(home, ignore_errors=True)
             venv.create(home, with_pip=True)
             _run([str(python), "-m", "pip", "install", "-q", "--no-deps", CONVERTER], "llama.cpp's converter")
-            # this environment's packages (torch, transformers, numpy, sentencepiece), after the converter's own
-            site = subprocess.run(
-                [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.strip()
-            Path(site, "zz_peft_shardmerge_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+            _see_this_environment(python)  # torch, transformers, numpy, sentencepiece: after the converter's own
             (home / ".ready").touch()
     return python
+
+
+def _see_this_environment(python: Path) -> None:
+    """Let a reference's own environment import this one's packages, after its own (a ``.pth`` file)."""
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    Path(site, "zz_peft_shardmerge_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
 
 def run_converter(model_dir: str, outfile: str, outtype: str, *extra: str) -> str:
@@ -150,13 +154,7 @@ def llama_cpp_python() -> Path:
             venv.create(home, with_pip=True)
             _run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], "llama-cpp-python")
             _run([str(python), "-m", "pip", "install", "-q", "diskcache>=5.6.1"], "llama-cpp-python's diskcache")
-            site = subprocess.run(
-                [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.strip()
-            Path(site, "zz_peft_shardmerge_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+            _see_this_environment(python)
             _run([str(python), "-c", "import llama_cpp; llama_cpp.llama_backend_init()"], "llama_cpp's import")
             (home / ".ready").touch()
     return python

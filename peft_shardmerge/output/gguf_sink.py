@@ -16,14 +16,13 @@ import numpy as np
 
 from ..engine.sink import Finish, Layout
 from ..errors import InputError
-from ..version import __version__
 from .files import held_signals
 from .gguf_arch import GGUFTensor, architecture, convert_tensors, load_hparams, refuse_reranker
 from .gguf_meta import add_model_metadata
 from .gguf_types import OutType
 from .lock import output_lock
 from .out_dir import check_space
-from .record import RECORD_FORMAT, RECORD_VERSION, file_sha256, record_digest
+from .record import file_sha256, sealed_record
 from .writer import write_json
 
 #: the merged bytes (32-bit) of each part of a GGUF merge: what a merge killed midway keeps, each part fsynced and
@@ -615,15 +614,8 @@ def _llama_quantize_order(t: GGUFTensor) -> tuple[int, str]:
 def write_gguf_record(files: dict[str, str], merge: dict, to: str) -> None:
     """Write the merge record of finished GGUF files (``{name: where it is now}``): each one's size and SHA-256,
     what the merge used, the tool's version, and the record's own digest (as a folder's ``merge_manifest.json``)."""
-    record = {
-        "format": RECORD_FORMAT,
-        "version": RECORD_VERSION,
-        "tool": {"name": "peft-shardmerge", "version": __version__},
-        "algorithm": "sha256",
-        "merge": merge,
-        "files": {name: {"size": os.path.getsize(path), "sha256": file_sha256(path)} for name, path in files.items()},
-    }
-    record["record_sha256"] = record_digest(record)
+    files = {name: {"size": os.path.getsize(path), "sha256": file_sha256(path)} for name, path in files.items()}
+    record = sealed_record(merge, files)
     write_json(to, record)
 
 

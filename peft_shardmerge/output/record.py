@@ -353,17 +353,37 @@ def write_merge_record(folder: str, shards: dict[str, dict], merge: dict) -> Non
             shard_records[rel] = shards.get(rel) or shard_record(path)
         else:
             files[rel] = {"size": os.path.getsize(path), "sha256": file_sha256(path)}
+    write_json(os.path.join(folder, RECORD_FILE), sealed_record(merge, files, shards=shard_records))
+
+
+def sealed_record(merge: dict, files: dict[str, dict], shards: dict[str, dict] | None = None) -> dict:
+    """A merge record: its format, the tool's version, what the merge used, the outputs' digests, and the record's
+    own digest (``record_sha256``).
+
+    Args:
+        merge: what the merge used.
+        files: ``{name: {"size", "sha256"}}`` of the files listed whole.
+        shards: the shards' records, for a folder's output (None: no ``shards`` entry).
+
+    Returns:
+        The record.
+
+    Example:
+        >>> r = sealed_record({}, {})
+        >>> r["record_sha256"] == record_digest(r)
+        True
+    """
     record = {
         "format": RECORD_FORMAT,
         "version": RECORD_VERSION,
         "tool": {"name": "peft-shardmerge", "version": __version__},
         "algorithm": "sha256",
         "merge": merge,
-        "shards": shard_records,
+        **({"shards": shards} if shards is not None else {}),
         "files": files,
     }
     record["record_sha256"] = record_digest(record)
-    write_json(os.path.join(folder, RECORD_FILE), record)
+    return record
 
 
 def unlisted_files(folder: str, record: dict) -> list[str]:

@@ -17,7 +17,7 @@ from ..errors import NotFoundError, ShardMergeError
 from ..output.gguf_sink import GGUFOutput, GGUFOutputs, GGUFSink, record_path
 from ..output.gguf_types import OutType
 from ..output.record import file_sha256, record_digest
-from .report import VerifyReport, stage
+from .report import VerifyReport, settle, stage
 
 
 def verify_gguf(path: str, *, base: str | None = None, adapter: str | list[str] | None = None) -> VerifyReport:
@@ -54,18 +54,11 @@ def verify_gguf(path: str, *, base: str | None = None, adapter: str | list[str] 
         stage(report, "the file", _check_file, os.path.join(folder, name), report)
     if base is not None and adapters and not report.problems:
         stage(report, "the recomputation", _recompute, target, path, base, adapters, record, report)
-    if report.problems:
-        report.status = "FAILED"
-    elif report.integrity or report.recomputed:
-        report.status = "OK"
-    else:
-        report.status = "UNCHECKED"
-        report.notes.append(
-            f"the bytes were not checked: there is no {os.path.basename(record_path(target))} beside the file; give "
-            "--base and --adapter to recompute them"
-        )
-    report.ok = report.status == "OK"
-    return report
+    return settle(
+        report,
+        f"the bytes were not checked: there is no {os.path.basename(record_path(target))} beside the file; give "
+        "--base and --adapter to recompute them",
+    )
 
 
 def _target(path: str) -> str:

@@ -158,6 +158,28 @@ def verify_checkpoint(
                     record,
                     report,
                 )
+    return settle(
+        report,
+        f"the bytes were not checked: there is no {RECORD_FILE} (the folder was not written "
+        "by this version of peft-shardmerge); give --base and --adapter to recompute them",
+    )
+
+
+def settle(report: VerifyReport, unchecked: str) -> VerifyReport:
+    """The verdict of the checks made: FAILED on any problem, OK where the bytes were checked against the record or
+    recomputed, else UNCHECKED with ``unchecked`` as its note.
+
+    Args:
+        report: the report, its checks made.
+        unchecked: why the bytes were not checked, for a report with neither record nor recomputation.
+
+    Returns:
+        ``report``, its ``status`` and ``ok`` set.
+
+    Example:
+        >>> settle(VerifyReport("x"), "no record").status
+        'UNCHECKED'
+    """
     if report.problems:
         report.status = "FAILED"
     elif report.unchecked_files or report.unchecked:
@@ -166,10 +188,7 @@ def verify_checkpoint(
         report.status = "OK"
     else:
         report.status = "UNCHECKED"
-        report.notes.append(
-            f"the bytes were not checked: there is no {RECORD_FILE} (the folder was not written "
-            "by this version of peft-shardmerge); give --base and --adapter to recompute them"
-        )
+        report.notes.append(unchecked)
     report.ok = report.status == "OK"
     return report
 
