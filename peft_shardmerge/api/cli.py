@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"peft-shardmerge {__version__}")
     sub = p.add_subparsers(dest="command")
     _merge_parser(sub)
+    _push_parser(sub)
     _verify_parser(sub)
     return p
 
@@ -130,6 +131,47 @@ def _merge_parser(sub) -> None:
         metavar="OUT",
         help="output folder (created; replaced only with --overwrite), or one GGUF file: a path ending in .gguf",
     )
+    _merge_options(m)
+    m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    _verbosity(m)
+
+
+def _push_parser(sub) -> None:
+    """The ``push`` command: ``merge``'s options, the merge pushed to a Hub repository as it is made."""
+    m = sub.add_parser(
+        "push",
+        usage="peft-shardmerge push [-h] [options] [BASE] ADAPTER REPO_ID",
+        help="merge a base checkpoint and a LoRA adapter and push the result to a Hub repository, in one commit",
+        description="Merge BASE + ADAPTER and push it to REPO_ID on the Hub: each shard is uploaded by content as "
+        "soon as it is written and deleted here (at most two shards on the local disk), then one commit adds every "
+        "file. The token comes from HF_TOKEN or `hf auth login`. Killed, a rerun neither merges nor uploads the "
+        "shards already uploaded (docs/hub.md). With --outtype, one GGUF file is pushed.",
+    )
+    m.add_argument("base", metavar="BASE", help="base checkpoint folder (left out: the base the adapter names)")
+    m.add_argument("adapter", metavar="ADAPTER", nargs="?", help="PEFT LoRA adapter folder")
+    m.add_argument("out", metavar="REPO_ID", help="the Hub repository: user/name, or name in the token owner's")
+    _merge_options(m)
+    g = m.add_argument_group("the Hub")
+    g.add_argument(
+        "--staging",
+        metavar="DIR",
+        default=None,
+        help="where shards wait for their upload (default: the system's temporary folder)",
+    )
+    g.add_argument("--private", action="store_true", default=None, help="create the repository private")
+    g.add_argument("--revision", metavar="R", default=None, help="the branch to push to (made if missing)")
+    g.add_argument("--commit-message", metavar="M", default=None, help="the commit's title")
+    _verbosity(m)
+
+
+def _verbosity(m: argparse.ArgumentParser) -> None:
+    verbosity = m.add_mutually_exclusive_group()
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="errors and warnings only, no progress bar")
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _merge_options(m: argparse.ArgumentParser) -> None:
+    """The options ``merge`` and ``push`` share: what is merged, how, and what is written."""
     _combination_arguments(m)
     m.add_argument(
         "--dtype",
@@ -196,10 +238,6 @@ def _merge_parser(sub) -> None:
         "(compared before the commit); auto: beside on two CPUs or more, outside torchrun (same bytes)",
     )
     m.add_argument("--dry-run", action="store_true", help="print the plan and exit; read no tensor data")
-    m.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
-    verbosity = m.add_mutually_exclusive_group()
-    verbosity.add_argument("-q", "--quiet", action="store_true", help="errors and warnings only, no progress bar")
-    verbosity.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def _verify_parser(sub) -> None:
@@ -307,19 +345,29 @@ def _merge(args: argparse.Namespace) -> int:
             device=args.device,
             workers=args.workers,
             model_checks=args.model_checks,
-            overwrite=args.overwrite,
+            overwrite=getattr(args, "overwrite", False),
             progress=not args.quiet and not rank,
         )
-        if rank is None and checks_beside(
-            args.model_checks, distributed=False, dry_run=args.dry_run, out_dir=args.out
-        ):
+        out, hub = args.out, {}
+        if args.command == "push":
+            out, hub = (
+                None,
+                dict(
+                    push_to_hub=args.out,
+                    private=args.private,
+                    revision=args.revision,
+                    commit_message=args.commit_message,
+                    staging=args.staging,
+                ),
+            )
+        if rank is None and checks_beside(args.model_checks, distributed=False, dry_run=args.dry_run, out_dir=out):
             ChecksBeside.start_early((args.base, adapters), options)  # while this process imports torch
 
         with held_signals():  # Ctrl-C while torch loads would break the import; it is delivered once loaded
             from .disk import merge_checkpoint
 
         adapter = adapters[0] if len(adapters) == 1 else adapters
-        report = merge_checkpoint(args.base, adapter, args.out, dry_run=args.dry_run, distributed=True, **options)
+        report = merge_checkpoint(args.base, adapter, out, dry_run=args.dry_run, distributed=True, **options, **hub)
     except ShardMergeError as e:
         if not getattr(e, "said_by_rank_0", False):  # in a job, rank 0 says what every rank found, once
             print(f"{_who(rank)}: error: {command_line_text(str(e))}", file=sys.stderr)

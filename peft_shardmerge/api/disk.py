@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import os
 from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Callable, Sequence
 
 import torch
@@ -23,8 +26,11 @@ from ..engine.sink import Layout
 from ..engine.source import Alone, Coordinator
 from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
+from ..output.hub_push import HubTarget
+from ..output.hub_sink import own_folder, staging_folder
 from ..output.out_dir import check_out_dir, is_gguf, path_argument
 from ..output.staging import NOTHING_WRITTEN
+from .hub import Push, prepare_repo, push_gguf_folder
 from .job import MergeJob
 from .model_checks import ChecksBeside, KnownChecks, checks_beside, outline
 from .quiet import quiet_libraries
@@ -233,7 +239,7 @@ def _adapter_locations(adapter) -> tuple[list, list[str]]:
 def merge_checkpoint(
     base: str | os.PathLike,
     adapter: str | os.PathLike | Sequence[str | os.PathLike],
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | None = None,
     *,
     # the adapters and how they combine
     weights: Sequence[float] | None = None,
@@ -263,6 +269,13 @@ def merge_checkpoint(
     model_checks: str = "auto",
     options: MergeOptions | None = None,
     distributed: bool = False,
+    # pushed to the Hub instead of written to out_dir
+    push_to_hub: str | None = None,
+    token: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    staging: str | os.PathLike | None = None,
 ) -> MergeReport:
     """Merge a LoRA adapter into a base checkpoint on disk, streaming one row block at a time.
 
@@ -275,10 +288,14 @@ def merge_checkpoint(
     which write them into one staging folder (on a filesystem every node shares); rank 0 writes the rest and commits.
     The result is the same bytes as one process writes. See ``docs/distributed.md``.
 
+    With ``push_to_hub``, the merge goes to a Hub repository instead of ``out_dir``: each shard is uploaded by
+    content as soon as it is written and deleted here, and one commit adds every file at the end (``docs/hub.md``);
+    the local disk holds at most two shards and the files beside them. With ``outtype``, one GGUF file is pushed so.
+
     Args:
         base: base checkpoint folder, or a Hub id already in the local Hugging Face cache.
         adapter: PEFT LoRA adapter folder, or a cached Hub id; or a list of them (a weighted combination).
-        out_dir: the output folder.
+        out_dir: the output folder (None with ``push_to_hub``).
         weights: one weight per adapter (default 1.0 each).
         combination: ``"cat"``, ``"linear"``, ``"ties"``, ``"dare_ties"``, ``"dare_linear"`` or
             ``"magnitude_prune"`` (see :func:`plan_checkpoint_merge`).
@@ -320,6 +337,14 @@ def merge_checkpoint(
         distributed: split the merge over the ranks of the job this process belongs to; every rank must call this
             (the command line does under ``torchrun``). False (the default) merges in this process alone, inside a
             job too (``if rank == 0: merge_checkpoint(...)``).
+        push_to_hub: a Hub repository (``"user/name"``, or ``"name"`` in the token owner's namespace) to push the
+            merge to, in one commit; the access is checked before anything is merged.
+        token: the Hub token (None: ``HF_TOKEN`` or the login cache); never printed.
+        private: create the repository private.
+        revision: the branch to push to (made at the commit where it does not exist).
+        commit_message: the commit's title.
+        staging: where shards wait for their upload (None: the system's temporary folder); a rerun after a kill
+            finds there the journal of the shards already uploaded, and neither merges nor sends them again.
 
     Returns:
         A :class:`~peft_shardmerge.engine.report.MergeReport` (``report.summary()`` for a one-screen summary).
@@ -349,10 +374,69 @@ def merge_checkpoint(
         (14, 'bfloat16', ['model.safetensors'])
     """
     opts, problems = MergeOptions.from_call(locals())
+    if push_to_hub is not None or out_dir is None:
+        hub = {"token": token, "private": private, "revision": revision, "commit_message": commit_message}
+        return _merge_and_push(base, adapter, out_dir, opts, problems, push_to_hub, hub, staging, dry_run, distributed)
     joined = joined_world(opts.device) if distributed else nullcontext(World())
     with quiet_libraries(transformers=False), joined as world:  # each step that may import transformers: quiet itself
         steps = JobSteps(world, ("plan",) if dry_run else STEPS)
         return CheckpointJob(base, adapter, out_dir, opts, problems, steps, dry_run, before_commit).run()
+
+
+def _merge_and_push(
+    base, adapter, out_dir, opts: MergeOptions, problems: list[str], repo_id, hub: dict, staging, dry_run, distributed
+) -> MergeReport:
+    """:func:`merge_checkpoint` with ``push_to_hub``: the Hub's access checked first, then the merge streamed to it
+    (a GGUF file, with ``outtype``, staged whole and pushed)."""
+    if repo_id is None:
+        raise InputError(["out_dir is missing: name the output folder, or a Hub repository with push_to_hub"])
+    if out_dir is not None:
+        problems.append(
+            f"out_dir={os.fspath(out_dir)!r} and push_to_hub={repo_id!r}: a merge is written to a folder or pushed "
+            "to the Hub, not both; merge to the folder first and push it with `hf upload` to keep a local copy"
+        )
+    if opts.overwrite:
+        problems.append("overwrite applies to a local output; a push adds its files to the repository in one commit")
+    if distributed and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        problems.append(
+            "a push to the Hub is made by one process: run it without torchrun, or merge to a folder over the ranks "
+            "and push that folder"
+        )
+    if problems:
+        raise InputError(problems)
+    steps = JobSteps(World(), ("plan",) if dry_run else STEPS)
+    with quiet_libraries(transformers=False):
+        if dry_run:
+            return CheckpointJob(base, adapter, None, opts, problems, steps, dry_run=True).run()
+        repo = prepare_repo(repo_id, token=hub["token"], private=hub["private"], revision=hub["revision"])
+        target = HubTarget(
+            repo,
+            token=hub["token"],
+            revision=hub["revision"],
+            private=hub["private"],
+            commit_message=hub["commit_message"] or "Upload merged model",
+        )
+        push = Push(target, None if staging is None else os.fspath(staging), tags=[])
+        if opts.outtype is None:
+            report = CheckpointJob(base, adapter, None, opts, problems, steps, push=push).run()
+        else:
+            report = _push_gguf(base, adapter, opts, problems, steps, push)
+    report.out_dir = target.url
+    return report
+
+
+def _push_gguf(base, adapter, opts: MergeOptions, problems: list[str], steps: JobSteps, push: Push) -> MergeReport:
+    """One GGUF file merged into the push's staging folder, then pushed with its record and model card."""
+    name = push.target.repo_id.split("/")[-1]
+    folder = own_folder(staging_folder(push.staging_dir(), push.target.repo_id))
+    path = os.path.join(folder, f"{name}.{opts.outtype.upper()}.gguf" if opts.outtype != "auto" else f"{name}.gguf")
+    job = CheckpointJob(base, adapter, path, dataclasses.replace(opts, overwrite=True), problems, steps)
+    job.gguf_name = name
+    report = job.run()
+    push.save_method, push.tags = "gguf", ["gguf", "llama.cpp"]
+    push.url = push_gguf_folder(folder, push, report, *job.card_base(None))
+    report.notes = [*report.notes, f"pushed: {push.url}"]
+    return report
 
 
 class CheckpointJob(MergeJob):
@@ -369,6 +453,7 @@ class CheckpointJob(MergeJob):
         steps: the job's steps (one process: a world of one).
         dry_run: plan and describe only: nothing is settled or written.
         before_commit: the caller's hook, called with the folder being written after its side files.
+        push: where the merge is pushed on the Hub instead (``out_dir`` None).
     """
 
     def __init__(
@@ -381,13 +466,14 @@ class CheckpointJob(MergeJob):
         steps: JobSteps,
         dry_run: bool = False,
         before_commit: Callable[[str], None] | None = None,
+        push: Push | None = None,
     ):
-        if is_gguf(out_dir) and steps.world.distributed:
+        if out_dir is not None and is_gguf(out_dir) and steps.world.distributed:
             problems.append(
                 "a GGUF output is one file that one process writes: run the command without torchrun (its one "
                 "pass is as fast as the merge on one machine), or merge to a folder over the ranks"
             )
-        super().__init__(out_dir, opts, problems, steps)
+        super().__init__(out_dir, opts, problems, steps, push)
         self.base, self.adapter, self.dry_run, self.hook = base, adapter, dry_run, before_commit
         self.writes = not dry_run
         self.beside = checks_beside(
@@ -396,12 +482,23 @@ class CheckpointJob(MergeJob):
         self.checks: ChecksBeside | None = None
         self.confirm: _Confirmed | None = None
 
+    @property
+    def checks_out(self) -> bool:
+        """Whether the plan checks ``out_dir`` (a push has none)."""
+        return self.out_dir is not None
+
     def inputs(self) -> dict:
         return _inputs(self.base, self.adapter)
 
     def plan(self) -> Plan:
         plan, self.checks = _planned(
-            self.base, self.adapter, self.out_dir, self.opts, self.problems, beside=self.beside
+            self.base,
+            self.adapter,
+            self.out_dir,
+            self.opts,
+            self.problems,
+            beside=self.beside,
+            check_out=self.checks_out,
         )
         return plan
 
@@ -426,7 +523,7 @@ class CheckpointJob(MergeJob):
         finally:
             self.confirm.checks.stop()
         self.confirm = None
-        plan, _ = _planned(self.base, self.adapter, self.out_dir, self.opts, self.problems)
+        plan, _ = _planned(self.base, self.adapter, self.out_dir, self.opts, self.problems, check_out=self.checks_out)
         return super().carry_out(plan)
 
     def source(self, plan: Plan) -> CheckpointReader:
@@ -446,6 +543,26 @@ class CheckpointJob(MergeJob):
 
     def base_dtype(self, plan: Plan) -> str:
         return str(base_dtype(plan.inputs.base))
+
+    def card_base(self, plan: Plan | None) -> tuple[str | None, object]:
+        """The base the adapter names (``base_model_name_or_path``) and its config, read from its folder."""
+        folders = plan.inputs.adapter.folders if plan is not None else [self.adapter]
+        folder = folders[0] if isinstance(folders, (list, tuple)) else folders
+        if isinstance(folder, (list, tuple)):
+            folder = folder[0]
+        try:
+            with open(os.path.join(os.fspath(folder), "adapter_config.json"), encoding="utf-8") as f:
+                cfg = json.load(f)
+        except (OSError, ValueError, TypeError):
+            return None, None
+        peft_type = SimpleNamespace(value=str(cfg.get("peft_type") or "LORA"))
+        config = SimpleNamespace(
+            r=cfg.get("r", ""),
+            lora_alpha=cfg.get("lora_alpha", ""),
+            target_modules=cfg.get("target_modules"),
+            peft_type=peft_type,
+        )
+        return cfg.get("base_model_name_or_path"), config
 
 
 def _described(plan: Plan, out_dir) -> MergeReport:

@@ -15,12 +15,15 @@ from ..checkpoint.base_folder import TOKENIZER_FILES
 from ..engine.report import MergeReport
 from ..errors import InputError
 from ..options import MODEL, MergeOptions
+from ..output.hub_push import HubTarget
+from ..output.hub_sink import own_folder, staging_folder
 from ..output.out_dir import check_out_dir, path_argument, settle_out_dir, source_folders
 from ..output.record import unlisted_files
 from ..verify.integrity import read_record
 from .gguf import push_to_hub_gguf, save_pretrained_gguf
-from .hub import publish_model
-from .inprocess import merge_and_save, save_merged_4bit, save_model
+from .hub import Push, publish_model
+from .inprocess import ModelJob, merge_and_save, save_merged_4bit, save_model
+from .quiet import quiet_libraries
 from .unload import merge_and_unload as _merge_and_unload
 
 #: every ``save_method`` Unsloth documents, mapped to what is done here (None: refused, with the alternative)
@@ -271,6 +274,7 @@ def save_pretrained_merged(
         from .hub import prepare_repo
 
         repo_id = prepare_repo(repo_id, token=token, private=private)
+        target = HubTarget(repo_id, token=token, private=private)
     report = None
     if method == "lora":
         _save_lora(model, save_directory, tokenizer)
@@ -288,8 +292,8 @@ def save_pretrained_merged(
             progress=progress,
             replace_check=None if overwrite else lambda out: _not_an_earlier_save(out, method),
         )
-    if push_to_hub:
-        publish_model(save_directory, repo_id, model, report, save_method, token=token, private=private, tags=tags)
+    if push_to_hub:  # the folder kept, as Unsloth keeps it, and pushed in one commit
+        publish_model(save_directory, target, model, report, save_method, tags=tags)
     return report
 
 
@@ -315,17 +319,19 @@ def push_to_hub_merged(
     base_precision: str = "auto",
     progress: bool = True,
 ) -> str:
-    """Unsloth's ``push_to_hub_merged``: check Hub access, merge into a temporary folder, add a model card, upload.
+    """Unsloth's ``push_to_hub_merged``: check Hub access, then stream the merge to the Hub in one commit.
 
     The repository is created (or found writable) before any merge work, so a wrong token, a name taken by
-    someone else or offline mode fails in seconds.
+    someone else or offline mode fails in seconds. A 16-bit merge is pushed as it is made: each shard is uploaded by
+    content as soon as it is written and deleted here, so the local disk holds at most two shards and the files
+    beside them (``docs/hub.md``); one commit at the end adds every file, the model card and the merge record.
 
     Args:
         model: the trained ``PeftModel``.
         repo_id: ``"user/name"``, or a bare ``"name"`` in the token owner's namespace (as huggingface_hub).
         tokenizer: uploaded with the model when given.
         save_method: as in :func:`save_pretrained_merged`.
-        use_temp_dir: ignored (always a temporary folder).
+        use_temp_dir: ignored (shards wait for their upload in ``temporary_location``).
         commit_message: the commit title.
         private: create the repository private.
         token: Hub token (never logged).
@@ -333,9 +339,9 @@ def push_to_hub_merged(
         create_pr: open a pull request.
         safe_serialization: must be True.
         revision: branch to push to.
-        commit_description: ignored.
+        commit_description: the commit's description.
         tags: extra model card tags.
-        temporary_location: ignored.
+        temporary_location: where shards wait for their upload (None: the system's temporary folder).
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
         dtype: output dtype; None or ``"auto"`` writes the checkpoint's own 16-bit dtype.
         base_precision: ``"auto"``, ``"original"`` or ``"dequantized"``.
@@ -367,17 +373,43 @@ def push_to_hub_merged(
     problems = _check_compat(save_method, None, safe_serialization, None)
     if problems:
         raise InputError(problems)
-    repo_id = prepare_repo(repo_id, token=token, private=private)
     method = SAVE_METHODS[save_method.lower().replace(" ", "_")]
-    with tempfile.TemporaryDirectory(prefix="peft-shardmerge-push-") as tmp:
-        folder = os.path.join(tmp, repo_id.split("/")[-1])
+    opts, problems = MergeOptions.merged(
+        None,
+        path=MODEL,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        maximum_memory_usage=maximum_memory_usage,
+        base_precision=base_precision,
+        progress=progress,
+    )
+    if problems:
+        raise InputError(problems)
+    repo_id = prepare_repo(repo_id, token=token, private=private, revision=revision)
+    target = HubTarget(
+        repo_id,
+        token=token,
+        revision=revision,
+        private=private,
+        commit_message=commit_message or "Upload merged model",
+        commit_description=commit_description,
+        create_pr=create_pr,
+    )
+    push = Push(target, temporary_location, save_method=save_method, tags=list(tags or []))
+    if method == "merged_16bit":  # streamed: each shard uploaded as it is written, one commit
+        with quiet_libraries():
+            ModelJob(model, None, opts, [], tokenizer=tokenizer, push=push).run()
+        return push.url
+    folder = own_folder(staging_folder(push.staging_dir(), repo_id))  # the others: saved whole, then pushed
+    out = os.path.join(folder, repo_id.split("/")[-1])
+    try:
         report = None
         if method == "lora":
-            _save_lora(model, folder, tokenizer)
+            _save_lora(model, out, tokenizer)
         else:
             report = _save_merged(
                 model,
-                folder,
+                out,
                 tokenizer,
                 method,
                 dtype=dtype,
@@ -387,20 +419,9 @@ def push_to_hub_merged(
                 overwrite=False,
                 progress=progress,
             )
-            report.out_dir = f"hf://{repo_id}"  # the temporary folder is gone when the caller reads the report
-        return publish_model(
-            folder,
-            repo_id,
-            model,
-            report,
-            save_method,
-            token=token,
-            private=private,
-            tags=tags,
-            commit_message=commit_message or "Upload merged model",
-            revision=revision,
-            create_pr=create_pr,
-        )
+        return publish_model(out, target, model, report, save_method, tags=tags)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def merge_and_unload(

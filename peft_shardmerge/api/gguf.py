@@ -4,7 +4,7 @@ merge, into a folder or up to the Hub."""
 from __future__ import annotations
 
 import os
-import tempfile
+import shutil
 from typing import Any
 
 from torch import nn
@@ -207,7 +207,9 @@ def push_to_hub_gguf(
     **unsloth,
 ) -> str:
     """Unsloth's ``push_to_hub_gguf``: the Hub access checked first, the GGUF files written (one pass, as
-    :func:`save_pretrained_gguf`) into a temporary folder with a model card and a Modelfile, then uploaded.
+    :func:`save_pretrained_gguf`) into a staging folder (Unsloth's ``temporary_location``, else the system's temporary
+    folder) with a model card and a Modelfile, then pushed in one commit, each file uploaded by its SHA-256 taken
+    while it was written.
 
     Args:
         model: the trained ``PeftModel``.
@@ -235,29 +237,43 @@ def push_to_hub_gguf(
         peft_shardmerge.errors.InputError: 1 problem found before writing anything:
           - quantization_method 'q2_k' is not a GGUF type written here; choose one of auto, f32, ...
     """
-    from .hub import prepare_repo, publish_model
+    from ..output.hub_push import HubTarget
+    from ..output.hub_sink import own_folder, staging_folder
+    from .hub import Push, prepare_repo, push_gguf_folder
 
     problems = _method_problems(quantization_method)
     problems += [f"{k}={v!r} is not an option of push_to_hub_gguf" for k, v in unsloth.items() if k not in IGNORED]
     if problems:
         raise InputError(problems)
-    repo_id = prepare_repo(repo_id, token=token, private=private)
-    with tempfile.TemporaryDirectory(prefix="peft-shardmerge-push-") as tmp:
-        folder = os.path.join(tmp, repo_id.split("/")[-1])
-        report = _write(
-            model, folder, tokenizer, quantization_method, maximum_memory_usage, base_precision, False, progress
-        )
-        report.out_dir = f"hf://{repo_id}"
-        return publish_model(
-            folder,
-            repo_id,
-            model,
-            report,
-            "gguf",
-            token=token,
-            private=private,
-            tags=["gguf", "llama.cpp"],
-            commit_message=unsloth.get("commit_message") or "Upload GGUF",
-            revision=unsloth.get("revision"),
-            create_pr=bool(unsloth.get("create_pr", False)),
-        )
+    revision = unsloth.get("revision")
+    repo_id = prepare_repo(repo_id, token=token, private=private, revision=revision)
+    target = HubTarget(
+        repo_id,
+        token=token,
+        revision=revision,
+        private=private,
+        commit_message=unsloth.get("commit_message") or "Upload GGUF",
+        commit_description=unsloth.get("commit_description"),
+        create_pr=bool(unsloth.get("create_pr", False)),
+    )
+    push = Push(target, unsloth.get("temporary_location"), save_method="gguf", tags=["gguf", "llama.cpp"])
+    folder = own_folder(staging_folder(push.staging_dir(), repo_id))
+    name = repo_id.split("/")[-1]
+    report = _write(
+        model,
+        os.path.join(folder, name),
+        tokenizer,
+        quantization_method,
+        maximum_memory_usage,
+        base_precision,
+        True,
+        progress,
+    )
+    report.out_dir = target.url
+    base = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(
+        getattr(getattr(model, "base_model", None), "config", None), "_name_or_path", None
+    )
+    cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
+    url = push_gguf_folder(os.path.join(folder, name), push, report, base, cfg)
+    shutil.rmtree(folder, ignore_errors=True)
+    return url

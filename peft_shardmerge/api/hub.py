@@ -4,83 +4,98 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
 
-from ..errors import HubUploadError, InputError, MissingDependencyError
+from ..errors import HubUploadError, InputError
 from ..model.walk import unwrap
+from ..output.hub_push import HubTarget, hf_api, masked, push_folder, unreachable
 from ..version import __version__
 
 log = logging.getLogger(__name__)
 
-#: above this many bytes the folder is sent with huggingface_hub's resumable large-folder upload
-LARGE_FOLDER_BYTES = 20 * 10**9
 
+@dataclass
+class Push:
+    """A merge pushed to the Hub: the repository and commit (:class:`~peft_shardmerge.output.hub_push.HubTarget`),
+    where its shards wait for their upload, and what its model card says.
 
-def _hf_api(token: str | None):
-    try:
-        from huggingface_hub import HfApi
-    except ImportError as e:  # pragma: no cover - a dependency of transformers
-        raise MissingDependencyError("pushing needs huggingface_hub: pip install huggingface_hub") from e
-    return HfApi(token=token)
-
-
-def _masked(e: BaseException, token: str | None) -> str:
-    text = f"{type(e).__name__}: {e}"
-    return text.replace(token, "***") if token else text
-
-
-#: exception class names of the HTTP libraries huggingface_hub uses (httpx, requests, urllib3) that mean the server
-#: was not reached at all
-_NETWORK_ERRORS = {
-    "ConnectError",
-    "ConnectTimeout",
-    "ConnectionError",
-    "NewConnectionError",
-    "MaxRetryError",
-    "NameResolutionError",
-    "ProxyError",
-    "ReadTimeout",
-    "Timeout",
-    "TimeoutException",
-}
-
-
-def unreachable(error: BaseException) -> bool:
-    """Whether an error of a Hub call means the server could not be reached (refused, unresolved, timed out).
-
-    Args:
-        error: the exception a ``huggingface_hub`` call raised; its causes are searched too.
-
-    Returns:
-        True for a network failure, False for an answer of the server (a refused token, a bad name).
+    Attributes:
+        target: the repository, the token, the branch and the commit's message.
+        staging: the folder shards wait in (None: the system's temporary folder, ``tempfile.gettempdir()``).
+        in_flight: the most shards on the local disk at once.
+        save_method: what the model card says was saved.
+        tags: extra model card tags.
+        url: the commit's URL, once pushed.
 
     Example:
-        >>> unreachable(ConnectionRefusedError(111, "Connection refused")), unreachable(ValueError("401"))
-        (True, False)
+        >>> Push(HubTarget("me/tiny")).staging_dir() == tempfile.gettempdir()
+        True
     """
-    seen, todo = set(), [error]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, (ConnectionError, TimeoutError)) or any(
-            c.__name__ in _NETWORK_ERRORS for c in type(e).__mro__
-        ):
-            return True
-        todo += [e.__cause__, e.__context__]
-    return False
+
+    target: HubTarget
+    staging: str | None = None
+    in_flight: int = 2
+    save_method: str = "merged_16bit"
+    tags: list[str] = field(default_factory=list)
+    url: str | None = None
+
+    def staging_dir(self) -> str:
+        """The staging folder."""
+        return os.path.abspath(os.fspath(self.staging)) if self.staging else tempfile.gettempdir()
+
+    def card_hook(
+        self, hook: Callable[[str], None] | None, plan, source, card_base: tuple[str | None, object]
+    ) -> Callable[[str], None]:
+        """``hook``, then the model card (``README.md``) written into the folder the push commits.
+
+        Args:
+            hook: the caller's hook (a tokenizer saved), or None.
+            plan: the merge's plan.
+            source: what produced its tensors (its report's fields, every tensor written by then, go in the card).
+            card_base: the base model's name and the adapter's PEFT config (:meth:`MergeJob.card_base`).
+
+        Returns:
+            The hook the executor calls before the merge record is written.
+        """
+
+        def write(folder: str) -> None:
+            if hook is not None:
+                hook(folder)
+            base, peft_config = card_base
+            fields = source.report_fields()
+            settings = merge_settings(
+                self.save_method,
+                dtype=str(plan.dtype).removeprefix("torch."),
+                base_precision=fields.get("base_precision", plan.base_precision),
+                merged=(fields.get("lora_modules_merged", plan.layer_count), plan.layer_count),
+                combination=fields.get("combination") or None,
+                shards=len(plan.shard_names),
+                nbytes=plan.total_size,
+                peft_config=peft_config,
+            )
+            write_card(folder, self.target.repo_id, base, peft_config, settings, self.tags)
+
+        return write
 
 
-def prepare_repo(repo_id: str, *, token: str | None = None, private: bool | None = None) -> str:
-    """Check that the Hub can be reached and the repository created or written, before any merge work.
+def prepare_repo(
+    repo_id: str, *, token: str | None = None, private: bool | None = None, revision: str | None = None
+) -> str:
+    """Check that the Hub can be reached and the repository created and written, before any merge work.
 
-    Creates the repository when it does not exist (``exist_ok``), which proves the token may write to the
-    namespace. A bare name (``"my-model"``) goes to the token owner's namespace, as in huggingface_hub.
+    Creates the repository when it does not exist (``exist_ok``), then asks the Hub how it would take a file (its
+    ``preupload`` call, which writes nothing and needs the right to write): a read-only token, a repository of
+    someone else's or a missing one is refused here, not after the merge. A bare name (``"my-model"``) goes to the
+    token owner's namespace, as in huggingface_hub. The token comes from ``token``, else ``HF_TOKEN`` or the login
+    cache (``hf auth login``), as huggingface_hub finds it; it is never printed.
 
     Args:
         repo_id: ``"user/name"`` or a bare ``"name"``.
         token: a Hub token; None uses the locally saved one.
         private: create the repository private (an existing repository keeps its visibility).
+        revision: the branch the push goes to (made at the commit where it does not exist yet).
 
     Returns:
         The full repository id, ``"user/name"``.
@@ -108,22 +123,40 @@ def prepare_repo(repo_id: str, *, token: str | None = None, private: bool | None
         )
     if problems:
         raise InputError(problems)
-    api = _hf_api(token)
+    api = hf_api(token)
     try:
         url = api.create_repo(repo_id.strip("/"), private=private, exist_ok=True, repo_type="model")
     except Exception as e:  # any failure is reported, without the token, before merging
         if unreachable(e):
             raise HubUploadError(
-                f"the Hub at {api.endpoint} could not be reached ({_masked(e, token)}): a network "
+                f"the Hub at {api.endpoint} could not be reached ({masked(e, token)}): a network "
                 "problem, not the token; nothing was merged. Check the connection, a proxy, or "
                 "HF_ENDPOINT, then push again"
             ) from None
         raise HubUploadError(
             f"cannot create or write the Hub repository {repo_id!r} at {api.endpoint} "
-            f"({_masked(e, token)}); nothing was merged. Check the token (`hf auth login`) and "
+            f"({masked(e, token)}); nothing was merged. Check the token (`hf auth login`) and "
             "the repository name"
         ) from None
-    return getattr(url, "repo_id", None) or repo_id.strip("/")
+    full = getattr(url, "repo_id", None) or repo_id.strip("/")
+    _check_write(HubTarget(full, token=token, revision=revision))
+    return full
+
+
+def _check_write(target: HubTarget) -> None:
+    """Ask the Hub how it would take a small file (nothing is written): refused without the right to write."""
+    from huggingface_hub import CommitOperationAdd
+
+    from ..output.hub_push import HubSession
+
+    session = HubSession(target)
+    try:
+        session.upload_all([CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=b"---\n---\n")])
+    except HubUploadError as e:
+        raise HubUploadError(
+            f"the Hub refuses to take files into {target.repo_id} with this token; nothing was merged. Use a token "
+            f"with write access to it (`hf auth login`, HF_TOKEN) ({e})"
+        ) from None
 
 
 def _summarise_targets(targets) -> str:
@@ -224,58 +257,63 @@ def project_link() -> str:
     return f"[{text}]({url})" if url else text
 
 
-def publish(
-    folder: str,
-    repo_id: str,
+def merge_settings(
+    save_method: str,
     *,
-    base_model: str | None,
+    dtype: str | None = None,
+    base_precision: str | None = None,
+    merged: tuple[int, int] | None = None,
+    combination: str | None = None,
+    shards: int | None = None,
+    nbytes: int | None = None,
     peft_config=None,
-    report=None,
-    save_method: str = "merged_16bit",
-    token: str | None = None,
-    private: bool | None = None,
-    tags=None,
-    commit_message: str = "Upload merged model",
-    revision: str | None = None,
-    create_pr: bool = False,
-) -> str:
-    """Write the model card of a merged folder and upload the folder.
+) -> dict:
+    """The merge settings a model card lists.
 
     Args:
-        folder: the finished folder.
-        repo_id: ``"user/name"``.
-        base_model: the base's ``_name_or_path`` (written only when it is a Hub id).
-        peft_config: the adapter's PEFT config (rank, alpha, target modules), or None.
-        report: the merge's :class:`~peft_shardmerge.engine.report.MergeReport`, or None for an adapter-only save.
-        save_method: how the folder was saved.
-        token: Hub token (never logged).
-        private: create the repository private.
-        tags: extra tags.
-        commit_message: the commit title.
-        revision: a branch to push to.
-        create_pr: open a pull request.
+        save_method: how the model was saved.
+        dtype: the dtype (or GGUF types) written.
+        base_precision: the base the adapter was merged into.
+        merged: LoRA layers merged, of how many.
+        combination: how several adapters were combined, if they were.
+        shards: files of weights.
+        nbytes: their bytes.
+        peft_config: the adapter's PEFT config (its rank and alpha are listed), or None.
 
     Returns:
-        The URL of the commit.
+        ``{setting: value}``, in the card's order.
 
-    Raises:
-        HubUploadError: the upload failed (the token is masked).
+    Example:
+        >>> merge_settings("merged_16bit", dtype="bfloat16", merged=(4, 4))["LoRA layers merged"]
+        '4/4'
     """
     settings = {"save method": save_method, "peft-shardmerge": __version__}
-    if report is not None:
-        settings.update(
-            {
-                "dtype": report.dtype,
-                "base precision": report.base_precision,
-                "LoRA layers merged": f"{report.lora_modules_merged}/{report.lora_modules_total}",
-                **({"adapters combined": report.combination} if report.combination else {}),
-                "shards": len(report.shards),
-                "bytes": report.bytes_written,
-            }
-        )
+    rows = {
+        "dtype": dtype,
+        "base precision": base_precision,
+        "LoRA layers merged": f"{merged[0]}/{merged[1]}" if merged else None,
+        "adapters combined": combination,
+        "shards": shards,
+        "bytes": nbytes,
+    }
+    settings.update({k: v for k, v in rows.items() if v is not None})
     if peft_config is not None:
         settings.update({"r": getattr(peft_config, "r", ""), "lora_alpha": getattr(peft_config, "lora_alpha", "")})
-    peft_type = str(getattr(getattr(peft_config, "peft_type", None), "value", "LoRA")).replace("LORA", "LoRA")
+    return settings
+
+
+def write_card(folder: str, repo_id: str, base_model: str | None, peft_config, settings: dict, tags=None) -> None:
+    """Write the model card (``README.md``) of a merged model into the folder that is pushed (see :func:`model_card`).
+
+    Args:
+        folder: the folder.
+        repo_id: the repository.
+        base_model: the base's name (written only when it is a Hub id).
+        peft_config: the adapter's PEFT config, or None.
+        settings: :func:`merge_settings`.
+        tags: extra tags.
+    """
+    peft_type = str(getattr(getattr(peft_config, "peft_type", None), "value", None) or "LoRA").replace("LORA", "LoRA")
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
         f.write(
             model_card(
@@ -287,100 +325,104 @@ def publish(
                 target_modules=getattr(peft_config, "target_modules", None),
             )
         )
-    return upload_folder(
-        folder,
-        repo_id,
-        token=token,
-        private=private,
-        commit_message=commit_message,
-        revision=revision,
-        create_pr=create_pr,
-    )
 
 
-def upload_folder(
+def publish(
     folder: str,
-    repo_id: str,
+    target: HubTarget,
     *,
-    token: str | None = None,
-    private: bool | None = None,
-    commit_message: str = "Upload merged model",
-    revision: str | None = None,
-    create_pr: bool = False,
+    base_model: str | None,
+    peft_config=None,
+    report=None,
+    save_method: str = "merged_16bit",
+    tags=None,
+    known: dict[str, str] | None = None,
 ) -> str:
-    """Create the repository if needed and upload ``folder`` to it (large folders resumably).
-
-    The Hub address comes from ``HF_ENDPOINT`` as in huggingface_hub. The token is passed to
-    huggingface_hub only; it never appears in logs or error messages.
+    """Write the model card of a finished folder and push the folder in one commit (each file uploaded by content
+    first: :func:`~peft_shardmerge.output.hub_push.push_folder`).
 
     Args:
-        folder: a finished merged folder.
-        repo_id: ``"user/name"``.
-        token: a Hub token; None uses the locally saved one.
-        private: create the repository private (an existing repository keeps its visibility).
-        commit_message: the commit title.
-        revision: a branch to push to.
-        create_pr: open a pull request instead of pushing to the branch.
+        folder: the finished folder.
+        target: the repository and commit.
+        base_model: the base's ``_name_or_path`` (written only when it is a Hub id).
+        peft_config: the adapter's PEFT config (rank, alpha, target modules), or None.
+        report: the merge's :class:`~peft_shardmerge.engine.report.MergeReport`, or None for an adapter-only save.
+        save_method: how the folder was saved.
+        tags: extra tags.
+        known: SHA-256 of files already hashed, by relative path (not read again to hash them).
 
     Returns:
-        The URL of the commit (or of the repository for a large-folder upload).
+        The URL of the commit.
 
     Raises:
-        MissingDependencyError: huggingface_hub is not installed.
-        HubUploadError: the Hub refused or the connection failed.
+        HubUploadError: an upload or the commit failed (the token is masked); nothing was committed.
     """
-    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
-    api = _hf_api(token)
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        if size > LARGE_FOLDER_BYTES and not create_pr:
-            log.info("uploading %.1f GB with the resumable large-folder upload", size / 1e9)
-            api.upload_large_folder(
-                repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision, private=private
-            )
-            return f"{api.endpoint}/{repo_id}"
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            commit_message=commit_message,
-            revision=revision,
-            create_pr=create_pr,
-            repo_type="model",
+    settings = merge_settings(save_method, peft_config=peft_config)
+    if report is not None:
+        settings = merge_settings(
+            save_method,
+            dtype=report.dtype,
+            base_precision=report.base_precision,
+            merged=(report.lora_modules_merged, report.lora_modules_total),
+            combination=report.combination or None,
+            shards=len(report.shards),
+            nbytes=report.bytes_written,
+            peft_config=peft_config,
         )
-        return str(getattr(info, "commit_url", info))
-    except Exception as e:  # any failure is reported without the token
-        where = f": the Hub at {api.endpoint} could not be reached (network)" if unreachable(e) else ""
-        raise HubUploadError(f"upload to {repo_id} failed{where}: {_masked(e, token)}") from None
+    write_card(folder, target.repo_id, base_model, peft_config, settings, tags)
+    return push_folder(folder, target, known)
 
 
-def publish_model(
-    folder,
-    repo_id,
-    model,
-    report,
-    save_method,
-    *,
-    token,
-    private,
-    tags,
-    commit_message="Upload merged model",
-    revision=None,
-    create_pr=False,
-) -> str:
+def publish_model(folder, target: HubTarget, model, report, save_method, *, tags, known=None) -> str:
     """Publish a merged folder: :func:`publish` with the base and adapter the model names."""
     base = getattr(unwrap(model).config, "_name_or_path", None)
     cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
     return publish(
         folder,
-        repo_id,
+        target,
         base_model=base,
         peft_config=cfg,
         report=report,
         save_method=save_method,
-        token=token,
-        private=private,
         tags=tags,
-        commit_message=commit_message,
-        revision=revision,
-        create_pr=create_pr,
+        known=known,
     )
+
+
+def push_gguf_folder(folder: str, push: Push, report, base_model: str | None, peft_config) -> str:
+    """Push the GGUF files a merge wrote into a push's staging folder, with their records, a model card and a
+    Modelfile, in one commit; the folder is removed once they are committed.
+
+    Args:
+        folder: the staging folder (:func:`~peft_shardmerge.output.hub_sink.own_folder`).
+        push: where to.
+        report: the merge's report.
+        base_model: the base's name (written in the card when it is a Hub id).
+        peft_config: the adapter's PEFT config, or None.
+
+    Returns:
+        The commit's URL.
+    """
+    import json
+    import shutil
+
+    known, ggufs = {}, sorted(f for f in os.listdir(folder) if f.lower().endswith(".gguf"))
+    for name in os.listdir(folder):
+        if name.endswith(".merge_manifest.json"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                known.update({k: v["sha256"] for k, v in json.load(f).get("files", {}).items()})
+    if ggufs and not os.path.exists(os.path.join(folder, "Modelfile")):  # ollama create NAME -f Modelfile
+        with open(os.path.join(folder, "Modelfile"), "w", encoding="utf-8") as f:
+            f.write(f"FROM ./{ggufs[0]}\n")
+    url = publish(
+        folder,
+        push.target,
+        base_model=base_model,
+        peft_config=peft_config,
+        report=report,
+        save_method=push.save_method,
+        tags=push.tags,
+        known=known,
+    )
+    shutil.rmtree(folder, ignore_errors=True)
+    return url

@@ -29,6 +29,7 @@ from ..options import MODEL, MergeOptions, parse_dtype, parse_size
 from ..output.out_dir import check_out_dir, foreign_model_problems, source_folders
 from ..output.record import live_merge_info
 from ..support.model import require_supported
+from .hub import Push
 from .job import MergeJob
 from .model_plan import (  # noqa: F401 - public
     BASE_PRECISIONS,
@@ -188,6 +189,7 @@ class ModelJob(MergeJob):
         adapter_names: the adapters merged (None: the active ones).
         tokenizer: saved with the model (an object, a folder or a Hub id).
         replace_check: with ``overwrite``, what forbids replacing a non-empty ``out_dir``.
+        push: where the merge is pushed on the Hub instead (``out_dir`` None).
 
     Raises:
         InputError: a wrapper that does not shard the model, or a sharding that cannot be gathered (before anything
@@ -203,6 +205,7 @@ class ModelJob(MergeJob):
         adapter_names: list[str] | None = None,
         tokenizer: Any = None,
         replace_check: Callable[[str], list[str]] | None = None,
+        push: Push | None = None,
     ):
         self.budget = None
         try:
@@ -221,7 +224,8 @@ class ModelJob(MergeJob):
             )
         if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
             raise InputError(sharding_problems(model, opts.base_precision) + problems)
-        super().__init__(out_dir, opts, problems, JobSteps(current_world(), STEPS) if sharding is not None else None)
+        steps = JobSteps(current_world(), STEPS) if sharding is not None else None
+        super().__init__(out_dir, opts, problems, steps, push)
         self.model, self.sharding, self.adapter_names, self.tokenizer = model, sharding, adapter_names, tokenizer
         self.replace_check = replace_check
         self.planned: ModelPlan | None = None
@@ -265,6 +269,11 @@ class ModelJob(MergeJob):
 
     def base_dtype(self, plan: Plan) -> str:
         return str(model_dtype(unwrap(self.model)))
+
+    def card_base(self, plan: Plan | None) -> tuple[str | None, object]:
+        """The base the model was loaded from (``_name_or_path``) and its first adapter's config."""
+        base = getattr(unwrap(self.model).config, "_name_or_path", None)
+        return base, next(iter((getattr(self.model, "peft_config", None) or {}).values()), None)
 
 
 def _record_info(plan: Plan) -> dict:

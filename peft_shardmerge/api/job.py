@@ -19,10 +19,15 @@ from ..options import MergeOptions
 from ..output import gguf_sink
 from ..output.gguf_sink import GGUFSink, record_path
 from ..output.gguf_types import OutType
+from ..output.hub_sink import HubSink
 from ..output.out_dir import is_gguf, settle_out_dir
 from ..output.shard_sink import FolderSink
 from ..support.outtypes import split_bytes
+from .hub import Push
 from .quiet import quiet_libraries
+
+#: room in a push's staging bound for a tokenizer saved beside the model (the largest in use are near 35 MB)
+TOKENIZER_ROOM = 64 * 10**6
 
 
 class MergeJob(ABC):
@@ -38,10 +43,12 @@ class MergeJob(ABC):
     4. the plan's resources released; in a distributed job, a failure said once, with what became of ``out_dir``.
 
     Args:
-        out_dir: the output folder, as given (the output checks name a wrong one).
+        out_dir: the output folder, as given (the output checks name a wrong one); None for a push of a folder's
+            files to the Hub (``push``), which writes no output folder.
         opts: the merge's options.
         problems: problems found in the options, reported with the plan's.
         steps: the steps of a distributed job's ranks (None: this process alone).
+        push: where the merge is pushed on the Hub (:class:`~peft_shardmerge.api.hub.Push`), or None.
 
     Example:
         >>> import os, tempfile
@@ -64,8 +71,16 @@ class MergeJob(ABC):
     #: with ``overwrite``, what forbids replacing a non-empty ``out_dir`` (None: anything but an earlier output)
     replace_check: Callable[[str], list[str]] | None = None
 
-    def __init__(self, out_dir, opts: MergeOptions, problems: list[str], steps: JobSteps | None = None):
-        if is_gguf(out_dir):
+    def __init__(
+        self, out_dir, opts: MergeOptions, problems: list[str], steps: JobSteps | None = None, push: Push | None = None
+    ):
+        self.push = push
+        if push is not None and steps is not None and steps.world.distributed:
+            problems.append(
+                "a push to the Hub is made by one process: run it without torchrun, or merge to a folder over the "
+                "ranks and push that folder"
+            )
+        if out_dir is not None and is_gguf(out_dir):
             problems += gguf_problems(opts)
             # one rounding, the GGUF type's, from the 32-bit merge; parts of PART_BYTES: what a killed merge keeps
             opts = dataclasses.replace(opts, dtype="float32", max_shard_size=gguf_sink.PART_BYTES)
@@ -78,6 +93,7 @@ class MergeJob(ABC):
                     )
         self.out_dir, self.opts, self.problems, self.steps = out_dir, opts, problems, steps
         self.outtype: OutType | None = None  # a GGUF output's type, resolved when its sink is made
+        self.gguf_name: str | None = None  # a GGUF output's general.name (None: its file's name)
 
     def run(self) -> MergeReport:
         """Settle the output, plan, agree on the plan, carry it out; release the plan's resources.
@@ -86,10 +102,11 @@ class MergeJob(ABC):
             The :class:`~peft_shardmerge.engine.report.MergeReport`.
         """
         try:
-            if self.writes:
+            if self.writes and self.out_dir is not None:
                 settle_out_dir(self.out_dir, inputs=self.inputs(), overwrite=self.opts.overwrite)
             plan = self.plan()  # checks out_dir too: from here on it is a path, resolved once
-            self.out_dir = os.path.abspath(os.fspath(self.out_dir))
+            if self.out_dir is not None:
+                self.out_dir = os.path.abspath(os.fspath(self.out_dir))
             if self.steps is not None:
                 agree_on_plan(self.steps, plan, self.out_dir)
             try:
@@ -105,14 +122,22 @@ class MergeJob(ABC):
     def carry_out(self, plan: Plan) -> MergeReport:
         """The one executor, from :meth:`source` into :meth:`sink`."""
         source = self.source(plan)
+        sink = self.sink(plan, source)
+        hook = self.before_commit()
+        if isinstance(sink, HubSink):  # the model card, written with the other files before the record
+            hook = self.push.card_hook(hook, plan, source, self.card_base(plan))
         report = run(
             plan,
             source,
-            self.sink(plan, source),
+            sink,
             progress=self.opts.progress,
-            before_commit=self.before_commit(),
+            before_commit=hook,
             coordinator=self.coordinator(plan),
         )
+        if isinstance(sink, HubSink):
+            report.notes = [*report.notes, f"pushed: {sink.commit_url}"]
+            self.push.url = sink.commit_url
+            return report
         if is_gguf(self.out_dir) and os.path.isfile(record_path(self.out_dir)):  # the files, in their GGUF type
             with open(record_path(self.out_dir), encoding="utf-8") as f:
                 files = json.load(f)["files"]
@@ -140,8 +165,15 @@ class MergeJob(ABC):
         return None
 
     def sink(self, plan: Plan, source: Source) -> Sink:
-        """Where the merge goes: the GGUF file ``out_dir`` (a path ending in ``.gguf``), else the safetensors folder
-        ``out_dir``."""
+        """Where the merge goes: the Hub (a folder's files pushed as they are written), the GGUF file ``out_dir`` (a
+        path ending in ``.gguf``), else the safetensors folder ``out_dir``."""
+        if self.out_dir is None and self.push is not None:
+            return HubSink(
+                self.push.target,
+                self.push.staging_dir(),
+                in_flight=self.push.in_flight,
+                side_bytes=self.side_bytes(plan),
+            )
         if is_gguf(self.out_dir):
             outtype = self.outtype = OutType.parse(self.opts.outtype or "auto", self.base_dtype(plan))
             return GGUFSink(
@@ -150,6 +182,7 @@ class MergeJob(ABC):
                 source.side_files,
                 self.before_commit(),
                 self.opts.overwrite,
+                self.gguf_name,
                 split_max_size=split_bytes(self.opts.split_max_size),
                 quiet=quiet_libraries,
             )
@@ -158,6 +191,18 @@ class MergeJob(ABC):
     def base_dtype(self, plan: Plan) -> str:
         """The base's dtype, whose 16-bit type a GGUF output of type ``auto`` keeps."""
         return "bfloat16"
+
+    def side_bytes(self, plan: Plan) -> int:
+        """The most the files beside the shards take (a push's staging bound): the base's files the merge carries,
+        and room for a tokenizer saved beside them."""
+        base = getattr(plan.inputs, "base", None)
+        folder, extra = getattr(base, "folder", None), getattr(base, "extra_files", None) or []
+        carried = sum(os.path.getsize(os.path.join(folder, f)) for f in extra if folder) if folder else 0
+        return carried + TOKENIZER_ROOM
+
+    def card_base(self, plan: Plan) -> tuple[str | None, object]:
+        """The base model's name and the adapter's PEFT config, for a pushed model's card."""
+        return None, None
 
     def before_commit(self) -> Callable[[str], None] | None:
         """Called with the folder being written, after its side files."""

@@ -175,7 +175,7 @@ def _report(
         + ranks_notes
     )
     report = MergeReport(
-        out_dir=os.path.abspath(out_dir),
+        out_dir=out_dir if "://" in out_dir else os.path.abspath(out_dir),  # hf://user/name: a repository
         dtype=str(plan.dtype).removeprefix("torch."),
         tensors_written=len(plan.tensors),
         lora_modules_total=plan.layer_count,

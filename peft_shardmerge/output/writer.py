@@ -143,6 +143,69 @@ class TensorDigests:
         return dict(self._done)
 
 
+class FileDigest:
+    """The SHA-256 of a whole shard, from the bytes as they are written: in order (:meth:`update`), or tensor by
+    tensor at their places (:meth:`placed`), where the finished prefix of the file is hashed as it grows, read back
+    from the page cache it was just written to. It names the file on the Hub (an LFS object's id).
+
+    Args:
+        header: the shard's header bytes (its first bytes).
+        sizes: each tensor's bytes, in file order.
+        path: the shard, read back for the tensors written at their places.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "f")
+        >>> _ = open(path, "wb").write(b"hdab")
+        >>> d = FileDigest(b"hd", [1, 1], path); d.placed(1); d.placed(0)
+        >>> d.hexdigest() == hashlib.sha256(b"hdab").hexdigest()
+        True
+    """
+
+    def __init__(self, header: bytes, sizes: list[int], path: str):
+        self._sha = hashlib.sha256(header)
+        self._sizes, self._path = list(sizes), path
+        self._next, self._pos = 0, len(header)
+        self._ready: set[int] = set()
+        self._lock = threading.Lock()
+        self._busy = False
+
+    def update(self, data) -> None:
+        """Add the next bytes of a shard written in order."""
+        self._sha.update(data)
+
+    def placed(self, index: int) -> None:
+        """Tensor ``index`` is written: hash the prefix of the file it completes (one thread at a time does it; the
+        others only mark theirs)."""
+        with self._lock:
+            self._ready.add(index)
+            if self._busy:
+                return
+            self._busy = True
+        while True:
+            with self._lock:
+                if self._next not in self._ready:
+                    self._busy = False
+                    return
+                i = self._next
+                self._next += 1
+            with open(self._path, "rb", buffering=0) as f:
+                left, pos = self._sizes[i], self._pos
+                while left:
+                    piece = os.pread(f.fileno(), min(WRITE_PIECE, left), pos)
+                    if not piece:
+                        raise MergeCheckError(f"{self._path}: shorter than its header says")
+                    self._sha.update(piece)
+                    left, pos = left - len(piece), pos + len(piece)
+            self._pos += self._sizes[i]
+
+    def hexdigest(self) -> str:
+        """The file's SHA-256 (complete once every tensor is in)."""
+        if self._next < len(self._sizes) and self._ready:
+            raise MergeCheckError(f"{self._path}: its SHA-256 asked for before every tensor was written")
+        return self._sha.hexdigest()
+
+
 class ShardWriter:
     """Writes one safetensors file whose header is known before any data.
 
@@ -159,6 +222,8 @@ class ShardWriter:
         depth: blocks queued to the writer thread.
         working_set: the bytes the whole merge reads from disk and writes, for the choice of writes past the page
             cache (:func:`~peft_shardmerge.output.direct.wanted`; 0: not known).
+        file_digest: also take the whole file's SHA-256 (:meth:`sha256`) as it is written; its writes then go
+            through the page cache (the file is read again at once, by its upload).
 
     Raises:
         FileExistsError: ``path`` exists.
@@ -181,6 +246,7 @@ class ShardWriter:
         *,
         depth: int = 2,
         working_set: int = 0,
+        file_digest: bool = False,
     ):
         self.path = path
         self.working_set = working_set
@@ -192,12 +258,14 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._entries = [(e[0], e[3]) for e in entries]
         self._tensors = TensorDigests(self._entries)
+        self._file = FileDigest(header, [n for _, n in self._entries], path) if file_digest else None
         self._placed: dict[int, str] = {}  # entries written in place (at), by index
         self._lock = threading.Lock()
         self._unflushed = 0  # bytes written since the last flush request
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._head = header  # for the writes in place past the page cache: the block it shares with the first tensor
-        self._direct: direct.DirectWrites | None | bool = None  # made at the first write in place; False: not used
+        # made at the first write in place; False: not used
+        self._direct: direct.DirectWrites | None | bool = None if self._file is None else False
         self._flusher = Flusher(self._fd)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
@@ -229,6 +297,8 @@ class ShardWriter:
     def _write_all(self, view: memoryview, data: bool = True) -> None:
         if data:
             self._tensors.update(view)
+            if self._file is not None:
+                self._file.update(view)
         while view:
             n = os.write(self._fd, view[:WRITE_PIECE])
             view = view[n:]
@@ -304,6 +374,8 @@ class ShardWriter:
                 raise MergeCheckError(f"{self.path}: {self._entries[index][0]} written twice or with the wrong size")
             self._placed[index] = sha256
             self.written += nbytes
+        if self._file is not None:
+            self._file.placed(index)
 
     def _copy(self, fd: int, offset: int, nbytes: int) -> None:
         done = 0
@@ -330,6 +402,8 @@ class ShardWriter:
                 for pos in range(0, n, WRITE_PIECE):
                     piece = os.pread(fd, min(WRITE_PIECE, n - pos), offset + done + pos)
                     self._tensors.update(piece)
+                    if self._file is not None:
+                        self._file.update(piece)
             done += n
 
     def record(self) -> dict:
@@ -355,6 +429,16 @@ class ShardWriter:
             begin += nbytes
         size, sha = self._header
         return {"size": size + begin, "header": {"size": size, "sha256": sha}, "tensors": tensors}
+
+    def sha256(self) -> str:
+        """The whole file's SHA-256, taken as it was written (with ``file_digest``; after :meth:`close`).
+
+        Raises:
+            MergeCheckError: the writer takes no file digest, or a tensor is not written yet.
+        """
+        if self._file is None:
+            raise MergeCheckError(f"{self.path}: written without its file digest")
+        return self._file.hexdigest()
 
     def _stop(self) -> None:
         if self._thread.is_alive():

@@ -252,7 +252,8 @@ def test_the_model_card_names_the_method(tmp_path, two, monkeypatch):
     import huggingface_hub.constants as hc
     from hub_server import FakeHub
 
-    from peft_shardmerge.api.hub import publish
+    from peft_shardmerge.api.hub import prepare_repo, publish
+    from peft_shardmerge.output.hub_push import HubTarget
 
     base, adapters = two
     report = merge_checkpoint(
@@ -261,7 +262,8 @@ def test_the_model_card_names_the_method(tmp_path, two, monkeypatch):
     with FakeHub() as hub:
         monkeypatch.setattr(hc, "ENDPOINT", hub.url)
         monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
-        publish(report.out_dir, "me/tiny-ties", base_model=None, report=report, token="hf_x")
+        repo = prepare_repo("me/tiny-ties", token="hf_x")
+        publish(report.out_dir, HubTarget(repo, token="hf_x"), base_model=None, report=report)
         card = hub.files["me/tiny-ties"]["README.md"].decode()
     assert "| adapters combined | ties (weights 0.7, 0.3; density 0.5; majority sign total; normalized) |" in card
 

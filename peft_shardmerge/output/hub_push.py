@@ -1,0 +1,330 @@
+"""The Hub as a destination: each file uploaded by its content (its SHA-256) first, then one commit that names them
+all; the errors of the Hub said without the token."""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..errors import HubUploadError, MissingDependencyError
+
+log = logging.getLogger(__name__)
+
+#: the file that marks a staging folder as one a push of ours made (the only kind it empties or removes; never pushed)
+MARK = ".peft-shardmerge-push"
+
+#: exception class names of the HTTP libraries huggingface_hub uses (httpx, requests, urllib3) that mean the server
+#: was not reached at all
+_NETWORK_ERRORS = {
+    "ConnectError",
+    "ConnectTimeout",
+    "ConnectionError",
+    "NewConnectionError",
+    "MaxRetryError",
+    "NameResolutionError",
+    "ProxyError",
+    "ReadTimeout",
+    "Timeout",
+    "TimeoutException",
+    "WriteTimeout",
+}
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether an error of a Hub call means the server could not be reached (refused, unresolved, timed out).
+
+    Args:
+        error: the exception a ``huggingface_hub`` call raised; its causes are searched too.
+
+    Returns:
+        True for a network failure, False for an answer of the server (a refused token, a bad name).
+
+    Example:
+        >>> unreachable(ConnectionRefusedError(111, "Connection refused")), unreachable(ValueError("401"))
+        (True, False)
+    """
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (ConnectionError, TimeoutError)) or any(
+            c.__name__ in _NETWORK_ERRORS for c in type(e).__mro__
+        ):
+            return True
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+def masked(error: BaseException, token: str | None) -> str:
+    """An error's text with the token replaced by ``***`` (and the causes huggingface_hub chains, once each).
+
+    Args:
+        error: the exception.
+        token: the token that must not appear.
+
+    Returns:
+        ``"Type: message"``.
+
+    Example:
+        >>> masked(ValueError("bad token hf_abc"), "hf_abc")
+        'ValueError: bad token ***'
+    """
+    text = f"{type(error).__name__}: {error}"
+    cause = error.__cause__ or error.__context__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += f" ({type(cause).__name__}: {cause})"
+    return text.replace(token, "***") if token else text
+
+
+def hf_api(token: str | None):
+    """huggingface_hub's ``HfApi`` for ``token`` (None: ``HF_TOKEN`` or the login cache, as huggingface_hub finds it).
+
+    Raises:
+        MissingDependencyError: huggingface_hub is not installed.
+    """
+    try:
+        from huggingface_hub import HfApi
+    except ImportError as e:  # pragma: no cover - a dependency of transformers
+        raise MissingDependencyError("pushing needs huggingface_hub: pip install huggingface_hub") from e
+    return HfApi(token=token)
+
+
+def xet_uploads() -> bool:
+    """Whether huggingface_hub sends the large files through Xet storage (``hf_xet`` installed and
+    ``HF_HUB_DISABLE_XET`` not set) rather than the LFS batch API.
+
+    Example:
+        >>> isinstance(xet_uploads(), bool)
+        True
+    """
+    from huggingface_hub.utils._runtime import is_xet_available
+
+    return bool(is_xet_available())
+
+
+@dataclass
+class HubTarget:
+    """Where a push goes and how it is committed.
+
+    Attributes:
+        repo_id: ``"user/name"`` (resolved: :func:`~peft_shardmerge.api.hub.prepare_repo`).
+        token: the token (None: ``HF_TOKEN`` or the login cache); never logged.
+        revision: the branch (None: ``main``); created at the commit where it does not exist yet.
+        private: create the repository private.
+        commit_message: the commit's title.
+        commit_description: the commit's description.
+        create_pr: open a pull request with the commit instead of pushing to the branch.
+    """
+
+    repo_id: str
+    token: str | None = None
+    revision: str | None = None
+    private: bool | None = None
+    commit_message: str = "Upload merged model"
+    commit_description: str | None = None
+    create_pr: bool = False
+
+    @property
+    def url(self) -> str:
+        """``hf://user/name`` (with ``@revision``)."""
+        return f"hf://{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+
+
+class HubSession:
+    """The calls of one push: files uploaded by content as they are ready (:meth:`upload`), objects an earlier run
+    uploaded named again (:meth:`uploaded`, :meth:`stored`), one commit at the end (:meth:`commit`). Every failure
+    becomes a :class:`~peft_shardmerge.errors.HubUploadError` that names the repository and never the token; nothing
+    is committed before :meth:`commit`, so a failure leaves the repository as it was.
+
+    Args:
+        target: the :class:`HubTarget`.
+    """
+
+    def __init__(self, target: HubTarget):
+        self.target = target
+        self.api = hf_api(target.token)
+        self._branch_exists: bool | None = None
+
+    @contextmanager
+    def said(self, what: str) -> Iterator[None]:
+        """Turn a failure of the calls in the block into a HubUploadError saying ``what`` failed."""
+        try:
+            yield
+        except HubUploadError:
+            raise
+        except Exception as e:  # any failure of the Hub's client, said without the token
+            where = f"the Hub at {self.api.endpoint} could not be reached (network)" if unreachable(e) else "refused"
+            raise HubUploadError(
+                f"{what} for {self.target.repo_id} failed: {where}: {masked(e, self.target.token)}. Nothing was "
+                "committed: the repository is as it was"
+            ) from None
+
+    def branch_exists(self) -> bool:
+        """Whether the target's branch exists (``main``, or no branch named: True)."""
+        if self._branch_exists is None:
+            if not self.target.revision or self.target.revision == "main":
+                self._branch_exists = True
+            else:
+                from huggingface_hub.errors import RevisionNotFoundError
+
+                with self.said("reading the branch"):
+                    try:
+                        self.api.repo_info(self.target.repo_id, revision=self.target.revision)
+                        self._branch_exists = True
+                    except RevisionNotFoundError:
+                        self._branch_exists = False
+        return self._branch_exists
+
+    def _upload_revision(self) -> str | None:
+        """The revision files are uploaded against: the branch, or ``main`` while the branch is to be made."""
+        return self.target.revision if self.branch_exists() else None
+
+    def upload(self, path: str, path_in_repo: str, sha256: str | None = None):
+        """Upload one file's content by its SHA-256 (``preupload_lfs_files``): after it, the Hub holds the bytes and
+        only a commit naming them makes them appear. A small text file the Hub keeps in git is sent with the commit.
+
+        Args:
+            path: the local file.
+            path_in_repo: its name in the repository.
+            sha256: its SHA-256 where already known (taken while it was written): the file is not read to hash it.
+
+        Returns:
+            The ``CommitOperationAdd`` for :meth:`commit`.
+
+        Raises:
+            HubUploadError: the upload failed (after huggingface_hub's retries).
+        """
+        from huggingface_hub import CommitOperationAdd
+
+        op = CommitOperationAdd(path_in_repo=path_in_repo, path_or_fileobj=path)  # reads 512 bytes
+        if sha256:
+            op.upload_info.sha256 = bytes.fromhex(sha256)
+        self.upload_all([op])
+        return op
+
+    def upload_all(self, operations: list) -> None:
+        """Upload the content of the ``CommitOperationAdd`` s (see :meth:`upload`), several at once.
+
+        Raises:
+            HubUploadError: an upload failed (after huggingface_hub's retries).
+        """
+        what = f"uploading {operations[0].path_in_repo}" if len(operations) == 1 else "uploading the files"
+        with self.said(what):
+            self.api.preupload_lfs_files(
+                self.target.repo_id,
+                additions=operations,
+                revision=self._upload_revision(),
+                create_pr=self.target.create_pr,
+                free_memory=False,
+            )
+
+    @staticmethod
+    def uploaded(path_in_repo: str, size: int, sha256: str):
+        """The commit entry of a file an earlier run uploaded (the bytes are on the Hub, not here).
+
+        Args:
+            path_in_repo: its name in the repository.
+            size: its size.
+            sha256: its SHA-256.
+
+        Returns:
+            A ``CommitOperationAdd`` naming the uploaded object.
+        """
+        from huggingface_hub import CommitOperationAdd
+        from huggingface_hub.lfs import UploadInfo
+
+        op = CommitOperationAdd(path_in_repo=path_in_repo, path_or_fileobj=b"")
+        op.upload_info = UploadInfo(size=size, sample=b"", sha256=bytes.fromhex(sha256))
+        # huggingface_hub has no public way to name an object another process uploaded: these two fields are what its
+        # own preupload_lfs_files sets once an upload is done, and create_commit then names the object by its SHA-256
+        op._upload_mode, op._is_uploaded = "lfs", True
+        return op
+
+    def stored(self, objects: dict[str, int]) -> set[str]:
+        """Which of the objects ``{sha256: size}`` the Hub holds, from the LFS batch API (those it asks no upload
+        of). Under Xet storage the batch API is not what uploads went through: every object is taken as held, and a
+        commit naming a missing one is refused by the Hub (nothing committed).
+
+        Returns:
+            The SHA-256s held.
+        """
+        if not objects or xet_uploads():
+            return set(objects)
+        from huggingface_hub.lfs import UploadInfo, post_lfs_batch_info
+
+        infos = [UploadInfo(size=size, sample=b"", sha256=bytes.fromhex(sha)) for sha, size in objects.items()]
+        with self.said("asking which files the Hub holds"):
+            actions, _, _ = post_lfs_batch_info(
+                upload_infos=infos,
+                token=self.target.token,
+                repo_type="model",
+                repo_id=self.target.repo_id,
+                revision=self._upload_revision(),
+                endpoint=self.api.endpoint,
+            )
+        return {a["oid"] for a in actions if a.get("actions") is None and objects.get(a["oid"]) == a.get("size")}
+
+    def commit(self, operations: list) -> str:
+        """One commit naming every file (creating the branch first where it does not exist yet).
+
+        Args:
+            operations: the ``CommitOperationAdd`` of each file, uploaded or to be sent with the commit.
+
+        Returns:
+            The URL of the commit (of the pull request with ``create_pr``).
+        """
+        t = self.target
+        with self.said("the commit"):
+            if not self.branch_exists() and not t.create_pr:
+                self.api.create_branch(t.repo_id, branch=t.revision, exist_ok=True)
+                self._branch_exists = True
+            info = self.api.create_commit(
+                t.repo_id,
+                operations=operations,
+                commit_message=t.commit_message,
+                commit_description=t.commit_description,
+                revision=t.revision if self.branch_exists() else None,
+                create_pr=t.create_pr,
+                repo_type="model",
+            )
+        return str(info.pr_url or info.commit_url)
+
+
+def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = None) -> str:
+    """Upload every file of a finished folder by content, then commit them all at once: the repository shows them
+    together or not at all (whatever their number and size, on the LFS path and on Xet storage alike).
+
+    Args:
+        folder: the folder (its sub-folders' files go under the same relative paths).
+        target: where to.
+        known: the SHA-256 of files already hashed, by relative path (a GGUF's, from its merge record): not read
+            again to hash them.
+
+    Returns:
+        The URL of the commit.
+
+    Raises:
+        HubUploadError: an upload or the commit failed; nothing was committed.
+    """
+    from huggingface_hub import CommitOperationAdd
+
+    session, ops = HubSession(target), []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            if name == MARK and root == folder:
+                continue
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder).replace(os.sep, "/")
+            op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=path)
+            if (known or {}).get(rel):
+                op.upload_info.sha256 = bytes.fromhex(known[rel])
+            ops.append(op)
+    log.info("pushing %d files to %s", len(ops), target.url)
+    session.upload_all(ops)
+    return session.commit(ops)

@@ -1,0 +1,400 @@
+"""A merge pushed to the Hub as it is made: each shard uploaded by content once written and deleted here, a journal
+of the uploaded ones for a rerun, then one commit of every file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from ..engine.sink import Finish, Layout
+from ..errors import InputError
+from ..io.safetensors_io import build_header
+from .files import held_signals
+from .hub_push import MARK, HubSession, HubTarget
+from .lock import output_lock
+from .record import RECORD_FILE, file_sha256, output_files, sealed_record
+from .shard_sink import check_written
+from .writer import ShardWriter, write_json
+
+log = logging.getLogger(__name__)
+
+JOURNAL_FORMAT = "peft-shardmerge-push-journal"
+
+
+def staging_folder(staging: str, repo_id: str) -> str:
+    """Where a push to ``repo_id`` keeps its shards until they are uploaded: a folder of its own in ``staging``.
+
+    Example:
+        >>> staging_folder("/tmp", "me/tiny")
+        '/tmp/peft-shardmerge-push-me--tiny'
+    """
+    return os.path.join(os.path.abspath(staging), "peft-shardmerge-push-" + repo_id.replace("/", "--"))
+
+
+def journal_path(folder: str) -> str:
+    """The journal of the push staged in ``folder``, beside it (``<folder>.journal.json``)."""
+    return folder + ".journal.json"
+
+
+class PushJournal:
+    """What a push has uploaded so far: the merge's fingerprint and inputs' digest, and for each shard the server
+    confirmed, its size, SHA-256, record and the digest of the inputs it was computed from. A rerun of the same merge
+    to the same place keeps the shards whose inputs are unchanged and which the server still holds.
+
+    Args:
+        path: the journal file.
+        key: what must match for an earlier journal to be kept (repository, revision, fingerprint, inputs' digest).
+    """
+
+    def __init__(self, path: str, key: dict):
+        self.path, self.key = path, key
+        self.shards: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def load(self) -> dict[str, dict]:
+        """The shards an earlier run of this push uploaded (none where the journal is missing, unreadable, or
+        for another merge or place)."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict) or data.get("format") != JOURNAL_FORMAT or data.get("key") != self.key:
+            return {}
+        shards = data.get("shards")
+        return shards if isinstance(shards, dict) else {}
+
+    def add(self, name: str, entry: dict) -> None:
+        """Record a shard the server confirmed (the journal rewritten, then renamed over the old one)."""
+        with self._lock:
+            self.shards[name] = entry
+            tmp = self.path + ".tmp"
+            write_json(tmp, {"format": JOURNAL_FORMAT, "key": self.key, "shards": self.shards})
+            os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        """Delete the journal (the push is committed)."""
+        for path in (self.path, self.path + ".tmp"):
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.remove(path)
+
+
+class HubSink:
+    """A merge pushed to a Hub repository (:class:`~peft_shardmerge.engine.sink.Sink`) with a bounded local disk.
+
+    Each shard is written into a staging folder, its SHA-256 taken as it is written; once complete and its header
+    checked, it is uploaded by content (huggingface_hub's ``preupload_lfs_files``) while the next one is merged, and
+    deleted here when the server has it. At most ``in_flight`` shards are on disk at once: the next one waits for
+    room. When every shard is up, the index, config, tokenizer and other files, the model card and the merge record
+    are written beside them and one commit names every file. Until that commit the repository shows nothing new; a
+    failure leaves it as it was (the uploaded objects are invisible). A journal beside the staging folder lists the
+    shards the server confirmed: a rerun of the same merge neither merges nor uploads them again.
+
+    Args:
+        target: the repository and how to commit (:class:`~peft_shardmerge.output.hub_push.HubTarget`).
+        staging: the folder shards wait in for their upload (a folder of the push's own is made in it).
+        in_flight: the most shards on disk at once (one being merged, the others being uploaded).
+        side_bytes: the most the files besides the shards may take (the bound's second term).
+    """
+
+    label = "merging and pushing"
+
+    def __init__(self, target: HubTarget, staging: str, *, in_flight: int = 2, side_bytes: int = 0):
+        if in_flight < 1:
+            raise InputError(f"in_flight must be 1 or more, got {in_flight}")
+        self.target, self.staging, self.in_flight, self.side_bytes = target, staging, in_flight, side_bytes
+        self.location = target.url
+        self.folder = staging_folder(staging, target.repo_id)
+        self.commit_url: str | None = None
+
+    def bound(self, layout: Layout) -> int:
+        """The most bytes the push holds in the staging folder: ``in_flight`` of its largest shards (header
+        included) and the files besides them."""
+        largest = max(
+            len(build_header(entries, {"format": "pt"})) + sum(e[3] for e in entries) for _, entries in layout.parts
+        )
+        return min(self.in_flight, len(layout.parts)) * largest + self.side_bytes
+
+    def problems(self, layout: Layout) -> list[str]:
+        """What stands in the way before anything is merged: a staging folder that cannot hold the bound."""
+        where = self.staging
+        if not os.path.isdir(where):
+            return [f"the staging folder {where} does not exist; create it or pass another (--staging DIR)"]
+        if not os.access(where, os.W_OK):
+            return [f"cannot write in the staging folder {where}; pass another (--staging DIR)"]
+        held = _bytes_under(self.folder) if os.path.isfile(os.path.join(self.folder, MARK)) else 0
+        free = shutil.disk_usage(where).free + held
+        need = self.bound(layout) + (1 << 20)
+        if free < need:
+            return [
+                f"the staging folder {where} has {free / 1e9:.3f} GB free; pushing this merge holds at most "
+                f"{need / 1e9:.3f} GB there ({min(self.in_flight, len(layout.parts))} shard(s) of at most "
+                f"{(need - self.side_bytes) / 1e9 / max(1, min(self.in_flight, len(layout.parts))):.3f} GB and the "
+                "files beside them): free some space, pass a smaller max_shard_size (--max-shard-size), or another "
+                "staging folder (--staging DIR)"
+            ]
+        return []
+
+    @contextmanager
+    def open(self, layout: Layout) -> Iterator["HubOutput"]:
+        """The staging folder, locked and emptied of what an earlier run of ours left; the commit when the block
+        ends; on a failure, no commit, the staging folder emptied and the journal kept for a rerun.
+
+        Args:
+            layout: the shards.
+
+        Returns:
+            A context manager yielding the :class:`HubOutput`.
+
+        Raises:
+            InputError: the staging folder cannot hold the bound, or its name is taken by something not ours.
+            HubUploadError: an upload or the commit failed (nothing committed).
+        """
+        problems = self.problems(layout)
+        if problems:
+            raise InputError(problems)
+        with output_lock(self.folder):
+            _fresh_folder(self.folder)
+            key = {"repo": self.target.repo_id, "revision": self.target.revision, "fingerprint": layout.fingerprint}
+            if layout.inputs is not None:
+                key["inputs"] = layout.inputs.common()
+            journal = PushJournal(journal_path(self.folder), key)
+            session = HubSession(self.target)
+            out = HubOutput(self, layout, session, journal)
+            try:
+                yield out
+                self.commit_url = out.commit()
+            finally:
+                with held_signals():
+                    shutil.rmtree(self.folder, ignore_errors=True)
+            journal.remove()
+
+
+class HubOutput:
+    """An opened :class:`HubSink` (:class:`~peft_shardmerge.engine.sink.Opened`): shards written, uploaded and
+    deleted, at most ``in_flight`` on disk; then the other files and the commit.
+
+    Args:
+        sink: the sink.
+        layout: the shards.
+        session: the Hub calls.
+        journal: the uploaded shards, kept for a rerun.
+    """
+
+    def __init__(self, sink: HubSink, layout: Layout, session: HubSession, journal: PushJournal):
+        self.sink, self.layout, self.session, self.journal = sink, layout, session, journal
+        self.folder = sink.folder
+        self.names = [name for name, _ in layout.parts]
+        self.ops: dict[str, object] = {}
+        self.records: dict[str, dict] = {}
+        self.sha: dict[str, str] = {}
+        self.done = self._kept() if layout.fingerprint is not None else set()
+
+    def _kept(self) -> set[int]:
+        """The shards an earlier run uploaded that this one keeps: computed from the same input bytes, and held by
+        the server."""
+        earlier = self.journal.load()
+        same = {}
+        for name, entry in earlier.items():
+            if name not in self.names:
+                continue
+            if self.layout.inputs is not None and entry.get("inputs") != self.layout.inputs.shard(name):
+                continue
+            same[name] = entry
+        held = self.session.stored({e["sha256"]: e["size"] for e in same.values()})
+        kept = set()
+        for name, entry in same.items():
+            if entry["sha256"] in held:
+                self.ops[name] = self.session.uploaded(name, entry["size"], entry["sha256"])
+                self.records[name] = entry["record"]
+                self.journal.shards[name] = entry
+                kept.add(self.names.index(name))
+        if kept:
+            log.info("%d shard(s) already uploaded by an earlier run: neither merged nor sent again", len(kept))
+        return kept
+
+    def write(self, parts: list[int], produce: Callable[[int, ShardWriter], None]) -> None:
+        """Write the shards ``parts`` in order, each uploaded (on one thread) while the next is merged, and deleted
+        once the server has it; a shard waits for room while ``in_flight`` are on disk.
+
+        Args:
+            parts: the shard indexes, in order.
+            produce: ``produce(i, writer)`` writes shard ``i``'s tensors.
+
+        Raises:
+            HubUploadError: an upload failed.
+        """
+        room = threading.Semaphore(self.sink.in_flight)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-upload") as uploads:
+            pending: list[Future] = []
+            try:
+                for i in parts:
+                    while not room.acquire(timeout=0.2):  # an upload that failed meanwhile stops the merge here
+                        _raise_failed(pending)
+                    _raise_failed(pending)
+                    path = self._written(i, produce, room)
+                    name = self.names[i]
+                    pending.append(uploads.submit(self._upload, i, path, room))
+                    log.debug("%s written; uploading", name)
+                while pending:
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        pending.remove(future)
+                        future.result()
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                raise
+
+    def _written(self, i: int, produce: Callable[[int, ShardWriter], None], room: threading.Semaphore) -> str:
+        """Shard ``i`` written into the staging folder, closed and its header checked; its record kept."""
+        name, entries = self.layout.parts[i]
+        path = os.path.join(self.folder, name)
+        try:
+            w = ShardWriter(path, entries, file_digest=True)
+        except BaseException:
+            room.release()
+            raise
+        try:
+            produce(i, w)
+            w.close()
+            check_written(self.folder, [(name, [(n, d, s) for n, d, s, _ in entries])])
+        except BaseException:
+            w.abort()
+            _remove(path)
+            room.release()
+            raise
+        self.records[name] = w.record()
+        self.sha[name] = w.sha256()
+        return path
+
+    def _upload(self, i: int, path: str, room: threading.Semaphore) -> None:
+        """Upload shard ``i`` by content, journal it, delete it here."""
+        name = self.names[i]
+        try:
+            op = self.session.upload(path, name, self.sha[name])
+            self.ops[name] = op
+            if op._upload_mode != "lfs":  # a small shard the repository keeps in git: it goes with the commit
+                with open(path, "rb") as f:
+                    op.path_or_fileobj = f.read()
+                return
+            entry = {"sha256": op.upload_info.sha256.hex(), "size": op.upload_info.size, "record": self.records[name]}
+            if self.layout.inputs is not None:
+                entry["inputs"] = self.layout.inputs.shard(name)
+            if self.layout.fingerprint is not None:
+                self.journal.add(name, entry)
+        finally:
+            _remove(path)
+            room.release()
+
+    def finish(self, finish: Finish) -> None:
+        """The index, config, side files, the caller's hook (the model card) and the merge record, written into the
+        staging folder once every shard is up; then the checks.
+
+        Args:
+            finish: what the output holds besides its shards.
+        """
+        tmp = self.folder
+        if len(self.layout.parts) > 1 and finish.index is not None:
+            write_json(os.path.join(tmp, "model.safetensors.index.json"), finish.index)
+        write_json(os.path.join(tmp, "config.json"), finish.config)
+        if finish.side_files is not None:
+            finish.side_files(tmp)
+        if finish.before_commit is not None:
+            finish.before_commit(tmp)
+        files = {
+            rel: {"size": os.path.getsize(os.path.join(tmp, rel)), "sha256": file_sha256(os.path.join(tmp, rel))}
+            for rel in output_files(tmp)
+            if rel != MARK and rel not in self.records
+        }
+        shards = {name: self.records[name] for name in self.names}
+        write_json(os.path.join(tmp, RECORD_FILE), sealed_record(finish.merge_info(), files, shards=shards))
+        for check in finish.checks:
+            check()
+
+    def commit(self) -> str:
+        """One commit: every shard (uploaded) and every other file of the staging folder.
+
+        Returns:
+            The commit's URL.
+        """
+        from huggingface_hub import CommitOperationAdd
+
+        ops = [self.ops[name] for name in self.names]
+        for rel in [*output_files(self.folder), RECORD_FILE]:
+            if rel != MARK and rel not in self.ops:
+                ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(self.folder, rel)))
+        url = self.session.commit(ops)
+        log.info("pushed %d files to %s in one commit", len(ops), self.sink.target.url)
+        return url
+
+
+def _raise_failed(pending: list[Future]) -> None:
+    """Raise the failure of the first finished upload that failed, if any."""
+    for future in pending:
+        if future.done() and not future.cancelled() and future.exception() is not None:
+            raise future.exception()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _bytes_under(folder: str) -> int:
+    """The bytes the files under ``folder`` take (0 where it cannot be read)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _fresh_folder(folder: str) -> None:
+    """Make the push's staging folder, or empty the one an earlier run of ours left."""
+    own_folder(folder)
+    shutil.rmtree(folder)
+    own_folder(folder)
+
+
+def own_folder(folder: str) -> str:
+    """A push's staging folder: made (and marked as ours), or the one an earlier run of ours left, as it is; any other
+    thing at that name is refused.
+
+    Args:
+        folder: the path (:func:`staging_folder`).
+
+    Returns:
+        ``folder``.
+
+    Raises:
+        InputError: something not made by a push of ours is at that name.
+
+    Example:
+        >>> import tempfile
+        >>> folder = own_folder(staging_folder(tempfile.mkdtemp(), "me/tiny"))
+        >>> os.listdir(folder)
+        ['.peft-shardmerge-push']
+    """
+    if os.path.lexists(folder):
+        if os.path.islink(folder) or not os.path.isfile(os.path.join(folder, MARK)):
+            raise InputError(
+                f"{folder} exists and is not a staging folder of peft-shardmerge; the push never writes into "
+                "what it did not make: remove it or pass another staging folder (--staging DIR)"
+            )
+        return folder
+    os.makedirs(folder)
+    with open(os.path.join(folder, MARK), "w", encoding="utf-8") as f:
+        f.write("a staging folder of peft-shardmerge's push; removed when the push ends\n")
+    return folder
