@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_XET", "1")  # pushes to the test hub take the LFS path
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the model-class checks run in every test (a kept verdict would skip them); tests of the cache turn it on themselves

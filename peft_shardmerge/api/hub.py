@@ -153,10 +153,14 @@ def _check_write(target: HubTarget) -> None:
     try:
         session.upload_all([CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=b"---\n---\n")])
     except HubUploadError as e:
-        raise HubUploadError(
-            f"the Hub refuses to take files into {target.repo_id} with this token; nothing was merged. Use a token "
-            f"with write access to it (`hf auth login`, HF_TOKEN) ({e})"
-        ) from None
+        status = getattr(getattr(e.__context__, "response", None), "status_code", None)
+        why = (
+            "no valid token was sent: log in with `hf auth login`, set HF_TOKEN, or pass token="
+            if status == 401
+            else f"the Hub refuses to take files into {target.repo_id} with this token: use a token with write "
+            "access to it (`hf auth login`, HF_TOKEN)"
+        )
+        raise HubUploadError(f"{why}; nothing was merged ({e})") from None
 
 
 def _summarise_targets(targets) -> str:

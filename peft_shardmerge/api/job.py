@@ -28,6 +28,8 @@ from .quiet import quiet_libraries
 
 #: room in a push's staging bound for a tokenizer saved beside the model (the largest in use are near 35 MB)
 TOKENIZER_ROOM = 64 * 10**6
+#: room in a push's staging bound for the files the merge makes beside the shards (config, index, card, record)
+MADE_ROOM = 10**6
 
 
 class MergeJob(ABC):
@@ -194,11 +196,16 @@ class MergeJob(ABC):
 
     def side_bytes(self, plan: Plan) -> int:
         """The most the files beside the shards take (a push's staging bound): the base's files the merge carries,
-        and room for a tokenizer saved beside them."""
+        the files it makes (config, index, model card, record), and room for what a hook saves beside them (a
+        tokenizer)."""
         base = getattr(plan.inputs, "base", None)
         folder, extra = getattr(base, "folder", None), getattr(base, "extra_files", None) or []
-        carried = sum(os.path.getsize(os.path.join(folder, f)) for f in extra if folder) if folder else 0
-        return carried + TOKENIZER_ROOM
+        carried = sum(os.path.getsize(os.path.join(folder, f)) for f in extra) if folder else 0
+        adapter = getattr(plan.inputs, "adapter", None)
+        for f in getattr(adapter, "tokenizer_files", None) or []:  # they replace the base's: counted besides
+            path = os.path.join(getattr(adapter, "folder", "") or "", f)
+            carried += os.path.getsize(path) if os.path.isfile(path) else 0
+        return carried + MADE_ROOM + (TOKENIZER_ROOM if self.before_commit() is not None else 0)
 
     def card_base(self, plan: Plan) -> tuple[str | None, object]:
         """The base model's name and the adapter's PEFT config, for a pushed model's card."""

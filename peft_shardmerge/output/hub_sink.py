@@ -130,7 +130,7 @@ class HubSink:
             return [f"cannot write in the staging folder {where}; pass another (--staging DIR)"]
         held = _bytes_under(self.folder) if os.path.isfile(os.path.join(self.folder, MARK)) else 0
         free = shutil.disk_usage(where).free + held
-        need = self.bound(layout) + (1 << 20)
+        need = self.bound(layout)
         if free < need:
             return [
                 f"the staging folder {where} has {free / 1e9:.3f} GB free; pushing this merge holds at most "
