@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import ExitStack
 
 import pytest
 
@@ -32,7 +33,10 @@ RUN = [
     "docs/distributed.md",
     "docs/choosing-the-base.md",
     "docs/gguf.md",
+    "docs/hub.md",
 ]
+#: pages whose pushes go to a local Hub (tests/hub_server.py), as the environment names it
+AGAINST_A_LOCAL_HUB = {"docs/hub.md"}
 #: pages whose commands run from the root of the clone, as they say
 FROM_THE_ROOT = {"docs/choosing-the-base.md"}
 
@@ -54,6 +58,32 @@ def test_doc_examples_run(doc, tmp_path, monkeypatch):
     namespace: dict = {}
     bindir = os.path.dirname(sys.executable)
     env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1"}
+    with ExitStack() as stack:
+        hub = _local_hub(stack, monkeypatch, env) if doc in AGAINST_A_LOCAL_HUB else None
+        _run_blocks(doc, blocks, namespace, env)
+        if hub is not None:  # every push of the page reached the Hub, one commit each
+            calls = ("push_to_hub_merged(", "peft-shardmerge push ", 'push_to_hub="')
+            assert len(hub.commits) == sum(code.count(call) for _, code in blocks for call in calls) > 0
+            assert hub.unknown == [] and hub.errors == []
+
+
+def _local_hub(stack: ExitStack, monkeypatch, env: dict):
+    """A local Hub for the page's pushes: huggingface_hub pointed at it, in this process and in the commands."""
+    import huggingface_hub.constants as hc
+    from hub_server import FakeHub
+
+    hub = stack.enter_context(FakeHub())
+    local = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_docs", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1"}
+    for name, value in local.items():
+        monkeypatch.setenv(name, value)
+    env.update(local)
+    monkeypatch.setattr(hc, "ENDPOINT", hub.url)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hc, "HF_HUB_DISABLE_XET", True)
+    return hub
+
+
+def _run_blocks(doc: str, blocks, namespace: dict, env: dict) -> None:
     for lang, code in blocks:
         if lang == "python":
             exec(compile(code, doc, "exec"), namespace)  # our own documentation

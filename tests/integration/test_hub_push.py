@@ -291,3 +291,26 @@ def test_a_gguf_is_pushed_with_its_record_and_card(gguf_case, hub, tmp_path):
     assert str(bytes(a.fields["general.name"].parts[-1]), "utf-8") == "Tiny Gguf"  # the converter's, from the repo
     assert "gguf" in files["README.md"].decode() and report.out_dir == "hf://me/tiny-gguf"
     assert os.listdir(tmp_path / "s") == []
+
+
+def test_push_to_hub_merged_streams_a_loaded_4bit_model(hub, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from peft_shardmerge import merge_and_save, push_to_hub_merged
+    from tests.integration.test_inprocess import qlora
+
+    base = build_base(str(tmp_path / "base"), num_hidden_layers=8)
+    model = qlora(base, "llama", "nf4")
+    local = str(tmp_path / "local")
+    merge_and_save(model, local, dtype="bfloat16", max_shard_size="150KB", progress=False)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    with Sampler(str(staging)) as sampler:
+        url = push_to_hub_merged(
+            model, "me/qlora", dtype="bfloat16", max_shard_size="150KB", temporary_location=str(staging),
+            token="hf_x", progress=False,
+        )  # fmt: skip
+    assert len(hub.commits) == 1 and "/me/qlora/commit/" in url
+    _same_as_local(hub.files["me/qlora"], local)
+    assert len(hub.puts) == len(set(hub.puts)) == len(_shards(local))
+    assert sampler.samples > 10 and 0 < sampler.peak <= _bound(local)
+    assert os.listdir(staging) == []
