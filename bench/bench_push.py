@@ -8,6 +8,9 @@ server's own storage is not counted). The methods run in turn, ``--repeats`` tim
 the ratios. The bases are bench_merge.py's random bf16 models.
 
     python bench/bench_push.py --sizes 1B --max-shard-size 500MB --write docs/benchmarks.md
+
+The two side by side, paired, as whole processes: ``farm-bench --vs 'python bench/bench_push.py --one upload' --
+python bench/bench_push.py --one push``.
 """
 
 from __future__ import annotations
@@ -116,7 +119,13 @@ def main() -> int:
     ap.add_argument("--max-shard-size", default="500MB")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--write", help="put the section into this Markdown file (replacing an earlier one)")
+    ap.add_argument("--one", choices=["push", "upload"], help="one run of one method (for farm-bench), then exit")
     args = ap.parse_args()
+    if args.one:
+        method = "push while merging" if args.one == "push" else "merge, then upload_folder"
+        wall, peak, files = run(method, *build(args.sizes.split(",")[0]), args.max_shard_size)
+        print(f"{method}: {wall:.1f} s, peak local disk {peak / 1e9:.2f} GB, {files} files")
+        return 0
     rows = []
     for size in args.sizes.split(","):
         base, adapter = build(size)

@@ -415,6 +415,7 @@ def _merge_and_push(
             revision=hub["revision"],
             private=hub["private"],
             commit_message=hub["commit_message"] or "Upload merged model",
+            progress=opts.progress,
         )
         push = Push(target, None if staging is None else os.fspath(staging), tags=[])
         if opts.outtype is None:

@@ -274,7 +274,7 @@ def save_pretrained_merged(
         from .hub import prepare_repo
 
         repo_id = prepare_repo(repo_id, token=token, private=private)
-        target = HubTarget(repo_id, token=token, private=private)
+        target = HubTarget(repo_id, token=token, private=private, progress=progress)
     report = None
     if method == "lora":
         _save_lora(model, save_directory, tokenizer)
@@ -394,6 +394,7 @@ def push_to_hub_merged(
         commit_message=commit_message or "Upload merged model",
         commit_description=commit_description,
         create_pr=create_pr,
+        progress=progress,
     )
     push = Push(target, temporary_location, save_method=save_method, tags=list(tags or []))
     if method == "merged_16bit":  # streamed: each shard uploaded as it is written, one commit

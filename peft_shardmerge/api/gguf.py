@@ -255,6 +255,7 @@ def push_to_hub_gguf(
         commit_message=unsloth.get("commit_message") or "Upload GGUF",
         commit_description=unsloth.get("commit_description"),
         create_pr=bool(unsloth.get("create_pr", False)),
+        progress=progress,
     )
     push = Push(target, unsloth.get("temporary_location"), save_method="gguf", tags=["gguf", "llama.cpp"])
     folder = own_folder(staging_folder(push.staging_dir(), repo_id))

@@ -107,6 +107,21 @@ def xet_uploads() -> bool:
     return bool(is_xet_available())
 
 
+@contextmanager
+def hub_bars(show: bool) -> Iterator[None]:
+    """huggingface_hub's progress bars held back for the block unless ``show`` (put back after it)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    if show or are_progress_bars_disabled():
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
+
+
 @dataclass
 class HubTarget:
     """Where a push goes and how it is committed.
@@ -119,6 +134,7 @@ class HubTarget:
         commit_message: the commit's title.
         commit_description: the commit's description.
         create_pr: open a pull request with the commit instead of pushing to the branch.
+        progress: show huggingface_hub's upload progress bars.
     """
 
     repo_id: str
@@ -128,6 +144,7 @@ class HubTarget:
     commit_message: str = "Upload merged model"
     commit_description: str | None = None
     create_pr: bool = False
+    progress: bool = True
 
     @property
     def url(self) -> str:
@@ -326,5 +343,6 @@ def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = N
                 op.upload_info.sha256 = bytes.fromhex(known[rel])
             ops.append(op)
     log.info("pushing %d files to %s", len(ops), target.url)
-    session.upload_all(ops)
-    return session.commit(ops)
+    with hub_bars(target.progress):
+        session.upload_all(ops)
+        return session.commit(ops)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import shutil
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -16,7 +17,7 @@ from ..engine.sink import Finish, Layout
 from ..errors import InputError
 from ..io.safetensors_io import build_header
 from .files import held_signals
-from .hub_push import MARK, HubSession, HubTarget
+from .hub_push import MARK, HubSession, HubTarget, hub_bars
 from .lock import output_lock
 from .record import RECORD_FILE, file_sha256, output_files, sealed_record
 from .shard_sink import check_written
@@ -159,7 +160,7 @@ class HubSink:
         problems = self.problems(layout)
         if problems:
             raise InputError(problems)
-        with output_lock(self.folder):
+        with output_lock(self.folder), hub_bars(self.target.progress):
             _fresh_folder(self.folder)
             key = {"repo": self.target.repo_id, "revision": self.target.revision, "fingerprint": layout.fingerprint}
             if layout.inputs is not None:
@@ -231,26 +232,22 @@ class HubOutput:
             HubUploadError: an upload failed.
         """
         room = threading.Semaphore(self.sink.in_flight)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-upload") as uploads:
-            pending: list[Future] = []
-            try:
-                for i in parts:
-                    while not room.acquire(timeout=0.2):  # an upload that failed meanwhile stops the merge here
-                        _raise_failed(pending)
+        uploads = Uploader(self._upload)
+        pending: list[Future] = []
+        try:
+            for i in parts:
+                while not room.acquire(timeout=0.2):  # an upload that failed meanwhile stops the merge here
                     _raise_failed(pending)
-                    path = self._written(i, produce, room)
-                    name = self.names[i]
-                    pending.append(uploads.submit(self._upload, i, path, room))
-                    log.debug("%s written; uploading", name)
-                while pending:
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        pending.remove(future)
-                        future.result()
-            except BaseException:
-                for future in pending:
-                    future.cancel()
-                raise
+                _raise_failed(pending)
+                path = self._written(i, produce, room)
+                pending.append(uploads.submit(i, path, room))
+                log.debug("%s written; uploading", self.names[i])
+            for future in pending:
+                future.result()
+        finally:
+            for future in pending:
+                future.cancel()
+            uploads.close()
 
     def _written(self, i: int, produce: Callable[[int, ShardWriter], None], room: threading.Semaphore) -> str:
         """Shard ``i`` written into the staging folder, closed and its header checked; its record kept."""
@@ -333,6 +330,45 @@ class HubOutput:
         url = self.session.commit(ops)
         log.info("pushed %d files to %s in one commit", len(ops), self.sink.target.url)
         return url
+
+
+class Uploader:
+    """One thread that runs the uploads in turn, each a ``Future``. It is a daemon thread, not joined: a merge
+    stopped by an error or Ctrl-C does not wait for the upload under way (it ends with the process; nothing is
+    committed without the commit).
+
+    Args:
+        upload: called with each :meth:`submit`'s arguments.
+    """
+
+    def __init__(self, upload: Callable[..., None]):
+        self.upload = upload
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="hub-upload", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self.upload(*args))
+            except BaseException as e:  # handed to the merging thread through the future
+                future.set_exception(e)
+
+    def submit(self, *args) -> Future:
+        """Queue an upload."""
+        future: Future = Future()
+        self._queue.put((future, args))
+        return future
+
+    def close(self) -> None:
+        """No more uploads: the thread ends once the queued ones are done or cancelled."""
+        self._queue.put(None)
 
 
 def _raise_failed(pending: list[Future]) -> None:
