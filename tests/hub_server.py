@@ -115,6 +115,7 @@ class FakeHub:
         errors: tracebacks of requests the server failed on itself (answered 500).
         read_only_tokens: bearer tokens that may read but not write.
         max_object_bytes: LFS objects above this size are refused by the batch endpoint (None: no limit).
+        echo_auth: injected failures (:meth:`fail`) say the Authorization header in their message.
     """
 
     def __init__(self, storage: str | os.PathLike | None = None) -> None:
@@ -133,6 +134,7 @@ class FakeHub:
         self.errors: list[str] = []
         self.read_only_tokens: set[str] = {"hf_read"}
         self.max_object_bytes: int | None = None
+        self.echo_auth = False  # injected failures say the Authorization header they were sent
         objects = os.path.join(self.storage, "objects")
         self._objects: dict[str, int] = {  # oid -> size of the objects kept (a given storage keeps its own)
             oid: os.path.getsize(os.path.join(objects, oid)) for oid in os.listdir(objects) if _OID.match(oid)
@@ -171,6 +173,13 @@ class FakeHub:
                 self.files[repo] = RepoFiles(self)
                 self.branches[repo] = {"main": self._new_commit_oid()}
             return self.files[repo]
+
+    def drop_object(self, oid: str) -> None:
+        """Forget an uploaded object (as the Hub drops uploads no commit named, after a while)."""
+        with self._lock:
+            self._objects.pop(oid, None)
+            if os.path.exists(self.object_path(oid)):
+                os.remove(self.object_path(oid))
 
     def has_object(self, oid: str, size: int | None = None) -> bool:
         with self._lock:
@@ -322,7 +331,8 @@ def _make_handler(hub: FakeHub):
             try:
                 if status is not None:
                     self._drain()
-                    return self._error(status, f"failure injected by the test hub ({status})")
+                    said = self.headers.get("Authorization", "") if hub.echo_auth else ""  # as a careless proxy would
+                    return self._error(status, f"failure injected by the test hub ({status}) {said}".strip())
                 routes = _ROUTES.get(self.command, ())
                 for pattern, name in routes:
                     m = pattern.match(self._path)
@@ -394,6 +404,16 @@ def _make_handler(hub: FakeHub):
                 if branch in hub.branches[repo]:
                     raise _Refusal(409, f"Reference already exists: refs/heads/{branch}")
                 hub.branches[repo][branch] = start
+            return self._json(200, {})
+
+        def delete_branch(self, repo: str, branch: str) -> None:
+            self._drain()
+            self._token(write=True)
+            self._branch(repo, branch)
+            if branch == "main":
+                raise _Refusal(403, "the default branch cannot be deleted")
+            with hub._lock:
+                del hub.branches[repo][branch]
             return self._json(200, {})
 
         # -- uploads ---------------------------------------------------------------------------------------------
@@ -599,6 +619,7 @@ _ROUTES = {
         (re.compile(rf"^/{_REPO}\.git/info/lfs/objects/verify$"), "lfs_verify"),
     ],
     "PUT": [(re.compile(r"^/lfs-upload/(?P<oid>[^/]+)$"), "lfs_put")],
+    "DELETE": [(re.compile(rf"^/api/models/{_REPO}/branch/(?P<branch>[^/]+)$"), "delete_branch")],
     "GET": [
         (re.compile(rf"^/api/models/{_REPO}/refs$"), "list_refs"),
         (re.compile(rf"^/api/models/{_REPO}(?:/revision/(?P<revision>[^/]+))?$"), "repo_info"),

@@ -279,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     global _out
     parser = build_parser()
     args = parser.parse_args(argv)
-    _out = getattr(args, "out", None) if args.command == "merge" else None
+    _out = getattr(args, "out", None) if args.command in ("merge", "push") else None
+    if args.command == "push":
+        _out = PUSH_PREFIX + args.out
     if args.command is None:  # bare `peft-shardmerge`: say what it does rather than fail on a missing argument
         parser.print_help()
         return 0
@@ -379,7 +381,7 @@ def _merge(args: argparse.Namespace) -> int:
     except OSError as e:
         if not getattr(e, "said_by_rank_0", False):
             print(
-                f"{_who(rank)}: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(args.out)}",
+                f"{_who(rank)}: error: {e.strerror or e} ({e.filename or 'output'}); {_out_state(_out or args.out)}",
                 file=sys.stderr,
             )
         return EXIT_USER_ERROR
@@ -494,8 +496,18 @@ def _print(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
 
 
+#: how :data:`_out` names a push's repository
+PUSH_PREFIX = "hf://"
+
+
 def _out_state(out: str) -> str:
-    """What became of OUT (``staging.outcome``); nothing was written when the staging module was never loaded."""
+    """What became of OUT (``staging.outcome``); nothing was written when the staging module was never loaded; for a
+    push, what became of the repository."""
+    if out.startswith(PUSH_PREFIX):
+        return (
+            f"nothing was committed to {out[len(PUSH_PREFIX) :]}; the same command run again neither merges nor "
+            "uploads the shards the Hub already has"
+        )
     staging = sys.modules.get("peft_shardmerge.output.staging")
     return staging.outcome(out) if staging is not None else "nothing was written and OUT is unchanged"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -27,7 +26,7 @@ from ..engine.source import Alone, Coordinator
 from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
 from ..output.hub_push import HubTarget
-from ..output.hub_sink import own_folder, staging_folder
+from ..output.hub_sink import staged_push
 from ..output.out_dir import check_out_dir, is_gguf, path_argument
 from ..output.staging import NOTHING_WRITTEN
 from .hub import Push, prepare_repo, push_gguf_folder
@@ -408,19 +407,23 @@ def _merge_and_push(
     with quiet_libraries(transformers=False):
         if dry_run:
             return CheckpointJob(base, adapter, None, opts, problems, steps, dry_run=True).run()
-        repo = prepare_repo(repo_id, token=hub["token"], private=hub["private"], revision=hub["revision"])
+
+        def prepare() -> str:
+            return prepare_repo(repo_id, token=hub["token"], private=hub["private"], revision=hub["revision"])
+
         target = HubTarget(
-            repo,
+            repo_id.strip("/"),
             token=hub["token"],
             revision=hub["revision"],
             private=hub["private"],
             commit_message=hub["commit_message"] or "Upload merged model",
             progress=opts.progress,
         )
-        push = Push(target, None if staging is None else os.fspath(staging), tags=[])
-        if opts.outtype is None:
+        push = Push(target, None if staging is None else os.fspath(staging), prepare=prepare)
+        if opts.outtype is None:  # the repository made once the plan and the staging folder are found right
             report = CheckpointJob(base, adapter, None, opts, problems, steps, push=push).run()
-        else:
+        else:  # a GGUF is merged whole before its push: the repository first
+            target.repo_id = prepare()
             report = _push_gguf(base, adapter, opts, problems, steps, push)
     report.out_dir = target.url
     return report
@@ -429,13 +432,13 @@ def _merge_and_push(
 def _push_gguf(base, adapter, opts: MergeOptions, problems: list[str], steps: JobSteps, push: Push) -> MergeReport:
     """One GGUF file merged into the push's staging folder, then pushed with its record and model card."""
     name = push.target.repo_id.split("/")[-1]
-    folder = own_folder(staging_folder(push.staging_dir(), push.target.repo_id))
-    path = os.path.join(folder, f"{name}.{opts.outtype.upper()}.gguf" if opts.outtype != "auto" else f"{name}.gguf")
-    job = CheckpointJob(base, adapter, path, dataclasses.replace(opts, overwrite=True), problems, steps)
-    job.gguf_name = name
-    report = job.run()
-    push.save_method, push.tags = "gguf", ["gguf", "llama.cpp"]
-    push.url = push_gguf_folder(folder, push, report, *job.card_base(None))
+    with staged_push(push.staging_dir(), push.target.repo_id) as folder:
+        file = f"{name}.{opts.outtype.upper()}.gguf" if opts.outtype != "auto" else f"{name}.gguf"
+        job = CheckpointJob(base, adapter, os.path.join(folder, file), opts, problems, steps)
+        job.gguf_name = name
+        report = job.run()
+        push.save_method, push.tags = "gguf", ["gguf", "llama.cpp"]
+        push.url = push_gguf_folder(folder, push, report, *job.card_base(None))
     report.notes = [*report.notes, f"pushed: {push.url}"]
     return report
 

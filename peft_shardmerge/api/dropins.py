@@ -16,7 +16,7 @@ from ..engine.report import MergeReport
 from ..errors import InputError
 from ..options import MODEL, MergeOptions
 from ..output.hub_push import HubTarget
-from ..output.hub_sink import own_folder, staging_folder
+from ..output.hub_sink import staged_push
 from ..output.out_dir import check_out_dir, path_argument, settle_out_dir, source_folders
 from ..output.record import unlisted_files
 from ..verify.integrity import read_record
@@ -385,7 +385,10 @@ def push_to_hub_merged(
     )
     if problems:
         raise InputError(problems)
-    repo_id = prepare_repo(repo_id, token=token, private=private, revision=revision)
+
+    def prepare() -> str:
+        return prepare_repo(repo_id, token=token, private=private, revision=revision, create_pr=create_pr)
+
     target = HubTarget(
         repo_id,
         token=token,
@@ -396,14 +399,14 @@ def push_to_hub_merged(
         create_pr=create_pr,
         progress=progress,
     )
-    push = Push(target, temporary_location, save_method=save_method, tags=list(tags or []))
+    push = Push(target, temporary_location, prepare=prepare, save_method=save_method, tags=list(tags or []))
     if method == "merged_16bit":  # streamed: each shard uploaded as it is written, one commit
         with quiet_libraries():
             ModelJob(model, None, opts, [], tokenizer=tokenizer, push=push).run()
         return push.url
-    folder = own_folder(staging_folder(push.staging_dir(), repo_id))  # the others: saved whole, then pushed
-    out = os.path.join(folder, repo_id.split("/")[-1])
-    try:
+    repo_id = target.repo_id = prepare()
+    with staged_push(push.staging_dir(), repo_id) as folder:  # the others: saved whole, then pushed
+        out = os.path.join(folder, repo_id.split("/")[-1])
         report = None
         if method == "lora":
             _save_lora(model, out, tokenizer)
@@ -421,8 +424,6 @@ def push_to_hub_merged(
                 progress=progress,
             )
         return publish_model(out, target, model, report, save_method, tags=tags)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def merge_and_unload(

@@ -4,7 +4,6 @@ merge, into a folder or up to the Hub."""
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 from torch import nn
@@ -238,15 +237,16 @@ def push_to_hub_gguf(
           - quantization_method 'q2_k' is not a GGUF type written here; choose one of auto, f32, ...
     """
     from ..output.hub_push import HubTarget
-    from ..output.hub_sink import own_folder, staging_folder
-    from .hub import Push, prepare_repo, push_gguf_folder
+    from ..output.hub_sink import staged_push
+    from .hub import Push, prepare_repo
 
     problems = _method_problems(quantization_method)
     problems += [f"{k}={v!r} is not an option of push_to_hub_gguf" for k, v in unsloth.items() if k not in IGNORED]
     if problems:
         raise InputError(problems)
     revision = unsloth.get("revision")
-    repo_id = prepare_repo(repo_id, token=token, private=private, revision=revision)
+    create_pr = bool(unsloth.get("create_pr", False))
+    repo_id = prepare_repo(repo_id, token=token, private=private, revision=revision, create_pr=create_pr)
     target = HubTarget(
         repo_id,
         token=token,
@@ -254,17 +254,27 @@ def push_to_hub_gguf(
         private=private,
         commit_message=unsloth.get("commit_message") or "Upload GGUF",
         commit_description=unsloth.get("commit_description"),
-        create_pr=bool(unsloth.get("create_pr", False)),
+        create_pr=create_pr,
         progress=progress,
     )
     push = Push(target, unsloth.get("temporary_location"), save_method="gguf", tags=["gguf", "llama.cpp"])
-    folder = own_folder(staging_folder(push.staging_dir(), repo_id))
     name = repo_id.split("/")[-1]
+    with staged_push(push.staging_dir(), repo_id) as folder:
+        return _push_files(
+            model, folder, name, tokenizer, quantization_method, maximum_memory_usage, base_precision, progress, push
+        )
+
+
+def _push_files(model, folder, name, tokenizer, methods, maximum_memory_usage, base_precision, progress, push) -> str:
+    """The GGUF files of ``methods`` written into the staging ``folder`` and pushed in one commit."""
+    from .hub import push_gguf_folder
+
+    target = push.target
     report = _write(
         model,
         os.path.join(folder, name),
         tokenizer,
-        quantization_method,
+        methods,
         maximum_memory_usage,
         base_precision,
         True,
@@ -275,6 +285,4 @@ def push_to_hub_gguf(
         getattr(getattr(model, "base_model", None), "config", None), "_name_or_path", None
     )
     cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
-    url = push_gguf_folder(os.path.join(folder, name), push, report, base, cfg)
-    shutil.rmtree(folder, ignore_errors=True)
-    return url
+    return push_gguf_folder(os.path.join(folder, name), push, report, base, cfg)

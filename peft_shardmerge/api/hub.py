@@ -25,6 +25,8 @@ class Push:
         target: the repository, the token, the branch and the commit's message.
         staging: the folder shards wait in (None: the system's temporary folder, ``tempfile.gettempdir()``).
         in_flight: the most shards on the local disk at once.
+        prepare: makes the repository and checks its access, returning its full id: called once the staging folder
+            is found big enough, before anything is merged (None: done already).
         save_method: what the model card says was saved.
         tags: extra model card tags.
         url: the commit's URL, once pushed.
@@ -37,6 +39,7 @@ class Push:
     target: HubTarget
     staging: str | None = None
     in_flight: int = 2
+    prepare: Callable[[], str] | None = None
     save_method: str = "merged_16bit"
     tags: list[str] = field(default_factory=list)
     url: str | None = None
@@ -81,7 +84,12 @@ class Push:
 
 
 def prepare_repo(
-    repo_id: str, *, token: str | None = None, private: bool | None = None, revision: str | None = None
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
 ) -> str:
     """Check that the Hub can be reached and the repository created and written, before any merge work.
 
@@ -96,6 +104,7 @@ def prepare_repo(
         token: a Hub token; None uses the locally saved one.
         private: create the repository private (an existing repository keeps its visibility).
         revision: the branch the push goes to (made at the commit where it does not exist yet).
+        create_pr: the push opens a pull request (a token that may only open one is enough).
 
     Returns:
         The full repository id, ``"user/name"``.
@@ -139,7 +148,7 @@ def prepare_repo(
             "the repository name"
         ) from None
     full = getattr(url, "repo_id", None) or repo_id.strip("/")
-    _check_write(HubTarget(full, token=token, revision=revision))
+    _check_write(HubTarget(full, token=token, revision=revision, create_pr=create_pr))
     return full
 
 
@@ -154,12 +163,15 @@ def _check_write(target: HubTarget) -> None:
         session.upload_all([CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=b"---\n---\n")])
     except HubUploadError as e:
         status = getattr(getattr(e.__context__, "response", None), "status_code", None)
-        why = (
-            "no valid token was sent: log in with `hf auth login`, set HF_TOKEN, or pass token="
-            if status == 401
-            else f"the Hub refuses to take files into {target.repo_id} with this token: use a token with write "
-            "access to it (`hf auth login`, HF_TOKEN)"
-        )
+        if not getattr(e, "refused", True):
+            why = "the Hub could not be reached (a network problem, not the token)"
+        elif status == 401:
+            why = "no valid token was sent: log in with `hf auth login`, set HF_TOKEN, or pass token="
+        else:
+            why = (
+                f"the Hub refuses to take files into {target.repo_id} with this token: use a token with write "
+                "access to it (`hf auth login`, HF_TOKEN)"
+            )
         raise HubUploadError(f"{why}; nothing was merged ({e})") from None
 
 
@@ -395,10 +407,10 @@ def publish_model(folder, target: HubTarget, model, report, save_method, *, tags
 
 def push_gguf_folder(folder: str, push: Push, report, base_model: str | None, peft_config) -> str:
     """Push the GGUF files a merge wrote into a push's staging folder, with their records, a model card and a
-    Modelfile, in one commit; the folder is removed once they are committed.
+    Modelfile, in one commit.
 
     Args:
-        folder: the staging folder (:func:`~peft_shardmerge.output.hub_sink.own_folder`).
+        folder: the folder of the files this run wrote (in :func:`~peft_shardmerge.output.hub_sink.staged_push`).
         push: where to.
         report: the merge's report.
         base_model: the base's name (written in the card when it is a Hub id).
@@ -408,7 +420,6 @@ def push_gguf_folder(folder: str, push: Push, report, base_model: str | None, pe
         The commit's URL.
     """
     import json
-    import shutil
 
     known, ggufs = {}, sorted(f for f in os.listdir(folder) if f.lower().endswith(".gguf"))
     for name in os.listdir(folder):
@@ -428,5 +439,4 @@ def push_gguf_folder(folder: str, push: Push, report, base_model: str | None, pe
         tags=push.tags,
         known=known,
     )
-    shutil.rmtree(folder, ignore_errors=True)
     return url

@@ -175,6 +175,7 @@ class MergeJob(ABC):
                 self.push.staging_dir(),
                 in_flight=self.push.in_flight,
                 side_bytes=self.side_bytes(plan),
+                prepare=self.push.prepare,
             )
         if is_gguf(self.out_dir):
             outtype = self.outtype = OutType.parse(self.opts.outtype or "auto", self.base_dtype(plan))

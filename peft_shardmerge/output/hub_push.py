@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..errors import HubUploadError, MissingDependencyError
@@ -138,7 +138,7 @@ class HubTarget:
     """
 
     repo_id: str
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     revision: str | None = None
     private: bool | None = None
     commit_message: str = "Upload merged model"
@@ -166,20 +166,30 @@ class HubSession:
         self.target = target
         self.api = hf_api(target.token)
         self._branch_exists: bool | None = None
+        self._made_branch = False
+
+    def _token(self) -> str | None:
+        """The token the calls send (given, or found by huggingface_hub), for masking."""
+        if self.target.token:
+            return self.target.token
+        from huggingface_hub import get_token
+
+        return get_token()
 
     @contextmanager
-    def said(self, what: str) -> Iterator[None]:
-        """Turn a failure of the calls in the block into a HubUploadError saying ``what`` failed."""
+    def said(self, what: str, outcome: str = "Nothing was committed: the repository is as it was") -> Iterator[None]:
+        """Turn a failure of the calls in the block into a HubUploadError saying ``what`` failed, and ``outcome``."""
         try:
             yield
         except HubUploadError:
             raise
         except Exception as e:  # any failure of the Hub's client, said without the token
             where = f"the Hub at {self.api.endpoint} could not be reached (network)" if unreachable(e) else "refused"
-            raise HubUploadError(
-                f"{what} for {self.target.repo_id} failed: {where}: {masked(e, self.target.token)}. Nothing was "
-                "committed: the repository is as it was"
-            ) from None
+            error = HubUploadError(
+                f"{what} for {self.target.repo_id} failed: {where}: {masked(e, self._token())}. {outcome}"
+            )
+            error.refused = not unreachable(e)
+            raise error from None
 
     def branch_exists(self) -> bool:
         """Whether the target's branch exists (``main``, or no branch named: True)."""
@@ -296,20 +306,39 @@ class HubSession:
             The URL of the commit (of the pull request with ``create_pr``).
         """
         t = self.target
-        with self.said("the commit"):
-            if not self.branch_exists() and not t.create_pr:
+        if not self.branch_exists() and not t.create_pr:
+            with self.said(f"making the branch {t.revision}"):
                 self.api.create_branch(t.repo_id, branch=t.revision, exist_ok=True)
-                self._branch_exists = True
-            info = self.api.create_commit(
-                t.repo_id,
-                operations=operations,
-                commit_message=t.commit_message,
-                commit_description=t.commit_description,
-                revision=t.revision if self.branch_exists() else None,
-                create_pr=t.create_pr,
-                repo_type="model",
-            )
+            self._branch_exists = self._made_branch = True
+        unknown = (
+            "If it was the network, the commit may have been made or not: look at the repository's history before "
+            "pushing again"
+        )
+        try:
+            with self.said("the commit", f"Nothing was committed, unless: {unknown}"):
+                info = self.api.create_commit(
+                    t.repo_id,
+                    operations=operations,
+                    commit_message=t.commit_message,
+                    commit_description=t.commit_description,
+                    revision=t.revision if self.branch_exists() else None,
+                    create_pr=t.create_pr,
+                    repo_type="model",
+                )
+        except HubUploadError:
+            if self._made_branch:  # the branch this push made goes with its commit
+                try:
+                    self.api.delete_branch(t.repo_id, branch=t.revision)
+                    self._branch_exists = self._made_branch = False
+                except Exception:  # the commit's error is the one to say
+                    log.debug("the branch %s could not be removed again", t.revision)
+            raise
         return str(info.pr_url or info.commit_url)
+
+    @staticmethod
+    def ignored(operations: list) -> list[str]:
+        """The files the repository's ``.gitignore`` keeps out (known once uploaded or their mode asked)."""
+        return [op.path_in_repo for op in operations if getattr(op, "_should_ignore", False)]
 
 
 def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = None) -> str:
@@ -345,4 +374,18 @@ def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = N
     log.info("pushing %d files to %s", len(ops), target.url)
     with hub_bars(target.progress):
         session.upload_all(ops)
+        refuse_ignored(session.ignored(ops), target)
         return session.commit(ops)
+
+
+def refuse_ignored(paths: list[str], target: HubTarget) -> None:
+    """Refuse a push some of whose files the repository's ``.gitignore`` would leave out of the commit.
+
+    Raises:
+        HubUploadError: naming them.
+    """
+    if paths:
+        raise HubUploadError(
+            f"the .gitignore of {target.repo_id} leaves out {', '.join(paths)}: the commit would miss them. Nothing "
+            "was committed; remove those patterns from the repository's .gitignore, then push again"
+        )

@@ -9,15 +9,15 @@ import os
 import queue
 import shutil
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from ..engine.sink import Finish, Layout
-from ..errors import InputError
+from ..errors import HubUploadError, InputError
 from ..io.safetensors_io import build_header
 from .files import held_signals
-from .hub_push import MARK, HubSession, HubTarget, hub_bars
+from .hub_push import MARK, HubSession, HubTarget, hub_bars, refuse_ignored
 from .lock import output_lock
 from .record import RECORD_FILE, file_sha256, output_files, sealed_record
 from .shard_sink import check_written
@@ -75,6 +75,11 @@ class PushJournal:
         """Record a shard the server confirmed (the journal rewritten, then renamed over the old one)."""
         with self._lock:
             self.shards[name] = entry
+        self.rewrite()
+
+    def rewrite(self) -> None:
+        """Write the journal as it stands (a new file renamed over the old one)."""
+        with self._lock:
             tmp = self.path + ".tmp"
             write_json(tmp, {"format": JOURNAL_FORMAT, "key": self.key, "shards": self.shards})
             os.replace(tmp, self.path)
@@ -102,14 +107,25 @@ class HubSink:
         staging: the folder shards wait in for their upload (a folder of the push's own is made in it).
         in_flight: the most shards on disk at once (one being merged, the others being uploaded).
         side_bytes: the most the files besides the shards may take (the bound's second term).
+        prepare: called once the staging folder is found big enough, before anything is merged: the repository
+            made and its access checked (it returns the full repository id); None: done already.
     """
 
     label = "merging and pushing"
 
-    def __init__(self, target: HubTarget, staging: str, *, in_flight: int = 2, side_bytes: int = 0):
+    def __init__(
+        self,
+        target: HubTarget,
+        staging: str,
+        *,
+        in_flight: int = 2,
+        side_bytes: int = 0,
+        prepare: Callable[[], str] | None = None,
+    ):
         if in_flight < 1:
             raise InputError(f"in_flight must be 1 or more, got {in_flight}")
         self.target, self.staging, self.in_flight, self.side_bytes = target, staging, in_flight, side_bytes
+        self.prepare = prepare
         self.location = target.url
         self.folder = staging_folder(staging, target.repo_id)
         self.commit_url: str | None = None
@@ -160,6 +176,9 @@ class HubSink:
         problems = self.problems(layout)
         if problems:
             raise InputError(problems)
+        if self.prepare is not None:
+            self.target.repo_id = self.prepare()
+            self.location = self.target.url
         with output_lock(self.folder), hub_bars(self.target.progress):
             _fresh_folder(self.folder)
             key = {"repo": self.target.repo_id, "revision": self.target.revision, "fingerprint": layout.fingerprint}
@@ -195,6 +214,8 @@ class HubOutput:
         self.ops: dict[str, object] = {}
         self.records: dict[str, dict] = {}
         self.sha: dict[str, str] = {}
+        self.failure: BaseException | None = None  # an upload's, seen by the merging thread before its future
+        self.kept: set[str] = set()
         self.done = self._kept() if layout.fingerprint is not None else set()
 
     def _kept(self) -> set[int]:
@@ -215,6 +236,7 @@ class HubOutput:
                 self.ops[name] = self.session.uploaded(name, entry["size"], entry["sha256"])
                 self.records[name] = entry["record"]
                 self.journal.shards[name] = entry
+                self.kept.add(name)
                 kept.add(self.names.index(name))
         if kept:
             log.info("%d shard(s) already uploaded by an earlier run: neither merged nor sent again", len(kept))
@@ -232,22 +254,55 @@ class HubOutput:
             HubUploadError: an upload failed.
         """
         room = threading.Semaphore(self.sink.in_flight)
+        stopping = threading.Event()
         uploads = Uploader(self._upload)
         pending: list[Future] = []
-        try:
-            for i in parts:
-                while not room.acquire(timeout=0.2):  # an upload that failed meanwhile stops the merge here
-                    _raise_failed(pending)
-                _raise_failed(pending)
-                path = self._written(i, produce, room)
-                pending.append(uploads.submit(i, path, room))
-                log.debug("%s written; uploading", self.names[i])
-            for future in pending:
-                future.result()
-        finally:
-            for future in pending:
-                future.cancel()
-            uploads.close()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="input-digest") as digests:
+            try:
+                for i in parts:
+                    while not room.acquire(timeout=0.2):  # an upload that failed meanwhile stops the merge here
+                        self._raise_failed(pending)
+                    try:
+                        self._raise_failed(pending)
+                    except BaseException:
+                        room.release()
+                        raise
+                    inputs = None
+                    if self.layout.inputs is not None and self.layout.fingerprint is not None:
+                        inputs = digests.submit(self.layout.inputs.shard, self.names[i], stop=stopping)
+                    path = self._written(i, produce, room)
+                    pending.append(uploads.submit(i, path, room, inputs))
+                    log.debug("%s written; uploading", self.names[i])
+                for future in pending:
+                    future.result()
+            except HubUploadError as e:
+                stopping.set()  # the digests stop at their next read, before the pool is left
+                raise self._resumable(e) from None
+            except BaseException:
+                stopping.set()
+                raise
+            finally:
+                for future in pending:
+                    future.cancel()
+                uploads.close()
+
+    def _raise_failed(self, pending: list[Future]) -> None:
+        """Raise the failure of an upload, if one failed."""
+        if self.failure is not None:
+            raise self.failure
+        for future in pending:
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                raise future.exception()
+
+    def _resumable(self, error: HubUploadError) -> HubUploadError:
+        """An upload's error, with what a rerun keeps."""
+        kept = len(self.journal.shards)
+        if self.layout.fingerprint is None or not kept:
+            return error
+        return HubUploadError(
+            f"{error} The {kept} shard(s) uploaded so far are kept: the same call run again neither merges nor sends "
+            f"them (the journal {self.journal.path})"
+        )
 
     def _written(self, i: int, produce: Callable[[int, ShardWriter], None], room: threading.Semaphore) -> str:
         """Shard ``i`` written into the staging folder, closed and its header checked; its record kept."""
@@ -271,24 +326,28 @@ class HubOutput:
         self.sha[name] = w.sha256()
         return path
 
-    def _upload(self, i: int, path: str, room: threading.Semaphore) -> None:
-        """Upload shard ``i`` by content, journal it, delete it here."""
+    def _upload(self, i: int, path: str, room: threading.Semaphore, inputs: Future | None) -> None:
+        """Upload shard ``i`` by content and delete it here (its room freed at once); then journal it."""
         name = self.names[i]
         try:
             op = self.session.upload(path, name, self.sha[name])
-            self.ops[name] = op
+            refuse_ignored(self.session.ignored([op]), self.sink.target)
             if op._upload_mode != "lfs":  # a small shard the repository keeps in git: it goes with the commit
                 with open(path, "rb") as f:
                     op.path_or_fileobj = f.read()
-                return
-            entry = {"sha256": op.upload_info.sha256.hex(), "size": op.upload_info.size, "record": self.records[name]}
-            if self.layout.inputs is not None:
-                entry["inputs"] = self.layout.inputs.shard(name)
-            if self.layout.fingerprint is not None:
-                self.journal.add(name, entry)
+        except BaseException as e:
+            self.failure = e
+            raise
         finally:
             _remove(path)
             room.release()
+        self.ops[name] = op
+        if op._upload_mode == "lfs" and self.layout.fingerprint is not None:
+            entry = {"sha256": op.upload_info.sha256.hex(), "size": op.upload_info.size, "record": self.records[name]}
+            if inputs is not None:
+                entry["inputs"] = inputs.result()
+            if entry.get("inputs") != "stopped":
+                self.journal.add(name, entry)
 
     def finish(self, finish: Finish) -> None:
         """The index, config, side files, the caller's hook (the model card) and the merge record, written into the
@@ -324,11 +383,27 @@ class HubOutput:
         from huggingface_hub import CommitOperationAdd
 
         ops = [self.ops[name] for name in self.names]
-        for rel in [*output_files(self.folder), RECORD_FILE]:
-            if rel != MARK and rel not in self.ops:
-                ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(self.folder, rel)))
-        url = self.session.commit(ops)
-        log.info("pushed %d files to %s in one commit", len(ops), self.sink.target.url)
+        others = [
+            CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(self.folder, rel))
+            for rel in [*output_files(self.folder), RECORD_FILE]
+            if rel != MARK and rel not in self.ops
+        ]
+        self.session.upload_all(others)
+        refuse_ignored(self.session.ignored(others), self.sink.target)
+        try:
+            with held_signals():  # the commit is one request: made, or not
+                url = self.session.commit(ops + others)
+        except HubUploadError as e:
+            if not getattr(e, "refused", False) or not self.kept:
+                raise
+            for name in self.kept:  # an earlier run's upload the Hub no longer holds: merged and sent again next time
+                self.journal.shards.pop(name, None)
+            self.journal.rewrite()
+            raise HubUploadError(
+                f"{e} The commit named {len(self.kept)} shard(s) an earlier run uploaded; they are dropped from the "
+                f"journal ({self.journal.path}): the same call run again merges and sends them"
+            ) from None
+        log.info("pushed %d files to %s in one commit", len(ops) + len(others), self.sink.target.url)
         return url
 
 
@@ -371,13 +446,6 @@ class Uploader:
         self._queue.put(None)
 
 
-def _raise_failed(pending: list[Future]) -> None:
-    """Raise the failure of the first finished upload that failed, if any."""
-    for future in pending:
-        if future.done() and not future.cancelled() and future.exception() is not None:
-            raise future.exception()
-
-
 def _remove(path: str) -> None:
     try:
         os.remove(path)
@@ -404,6 +472,37 @@ def _fresh_folder(folder: str) -> None:
     own_folder(folder)
 
 
+@contextmanager
+def staged_push(staging: str, repo_id: str) -> Iterator[str]:
+    """A push's staging folder for files written whole before they are pushed (a GGUF, an adapter): locked, emptied
+    of what an earlier run of ours left, and removed when the block ends, whatever happens.
+
+    Args:
+        staging: the folder it is made in.
+        repo_id: the repository (it names the folder: :func:`staging_folder`).
+
+    Returns:
+        A context manager yielding the folder.
+
+    Example:
+        >>> import tempfile
+        >>> staging = tempfile.mkdtemp()
+        >>> with staged_push(staging, "me/tiny") as folder:
+        ...     os.listdir(folder)
+        ['.peft-shardmerge-push']
+        >>> os.listdir(staging)
+        []
+    """
+    folder = staging_folder(staging, repo_id)
+    with output_lock(folder):
+        _fresh_folder(folder)
+        try:
+            yield folder
+        finally:
+            with held_signals():
+                shutil.rmtree(folder, ignore_errors=True)
+
+
 def own_folder(folder: str) -> str:
     """A push's staging folder: made (and marked as ours), or the one an earlier run of ours left, as it is; any other
     thing at that name is refused.
@@ -424,13 +523,16 @@ def own_folder(folder: str) -> str:
         ['.peft-shardmerge-push']
     """
     if os.path.lexists(folder):
-        if os.path.islink(folder) or not os.path.isfile(os.path.join(folder, MARK)):
+        st = os.lstat(folder)
+        mine = not os.path.islink(folder) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+        if not mine or not os.path.isfile(os.path.join(folder, MARK)):
             raise InputError(
-                f"{folder} exists and is not a staging folder of peft-shardmerge; the push never writes into "
-                "what it did not make: remove it or pass another staging folder (--staging DIR)"
+                f"{folder} exists and is not a staging folder of peft-shardmerge's made by this user; the push never "
+                "writes into what it did not make: remove it or pass another staging folder (--staging DIR)"
             )
         return folder
-    os.makedirs(folder)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    os.mkdir(folder, 0o700)  # the shards wait here, hashed, for their upload: nobody else writes in it
     with open(os.path.join(folder, MARK), "w", encoding="utf-8") as f:
         f.write("a staging folder of peft-shardmerge's push; removed when the push ends\n")
     return folder

@@ -109,14 +109,16 @@ def _same_as_local(files, local: str) -> None:
     assert {k: v for k, v in pushed["files"].items() if k != "README.md"} == here["files"]
 
 
-def test_a_push_equals_a_local_merge_in_one_commit_within_its_staging_bound(case, hub, tmp_path):
+@pytest.mark.parametrize("workers", [1, 3])  # tensors written in order, and at their places from three threads
+def test_a_push_equals_a_local_merge_in_one_commit_within_its_staging_bound(case, hub, tmp_path, workers):
     base, adapter, local = case
     staging = tmp_path / "staging"
     staging.mkdir()
     with Sampler(str(staging)) as sampler:
         report = merge_checkpoint(
-            base, adapter, push_to_hub=REPO, token="hf_x", staging=str(staging), max_shard_size=SHARD, progress=False
-        )
+            base, adapter, push_to_hub=REPO, token="hf_x", staging=str(staging), max_shard_size=SHARD, progress=False,
+            workers=workers,
+        )  # fmt: skip
     files = hub.files[REPO]
     _same_as_local(files, local)
     assert len(hub.commits) == 1 and sorted(hub.commits[0]["lfs"]) == _shards(local)
@@ -177,7 +179,7 @@ def test_the_push_command_into_a_tmpfs_a_third_of_the_output(case, hub, tmp_path
 
     small = run(bound // 2, "me/too-small")
     assert small.returncode == 2 and "pushing this merge holds at most" in small.stderr, small.stderr
-    assert hub.puts == [] and hub.commits == []
+    assert hub.puts == [] and hub.commits == [] and "me/too-small" not in hub.repos  # no repository made either
     done = run(bound, "me/tmpfs")
     assert done.returncode == 0, done.stderr
     assert len(hub.commits) == 1
@@ -205,7 +207,10 @@ def test_killed_after_some_uploads_a_rerun_sends_nothing_twice(case, hub, tmp_pa
     first.wait()
     sent = list(hub.puts)
     assert len(sent) >= 3 and hub.commits == []  # nothing is visible in the repository
-    kept = json.loads(journal.read_text())["shards"]
+    journaled = json.loads(journal.read_text())["shards"]
+    dropped = sorted(journaled)[0]  # the Hub forgot one upload meanwhile: that shard is merged and sent again
+    hub.drop_object(journaled[dropped]["sha256"])
+    kept = {name: entry for name, entry in journaled.items() if name != dropped}
 
     hub.stall("PUT", r"/lfs-upload/", 0.0, times=None)
     hub._stalls.clear()
@@ -216,24 +221,27 @@ def test_killed_after_some_uploads_a_rerun_sends_nothing_twice(case, hub, tmp_pa
     _same_as_local(hub.files["me/killed"], local)
     again = hub.puts[len(sent) :]
     assert not set(again) & {e["sha256"] for e in kept.values()}  # the journal's shards were not sent again...
-    assert len(hub.puts) == len(set(hub.puts))  # ...and nothing was sent twice
+    assert journaled[dropped]["sha256"] in again  # ...but the one the Hub dropped was
+    assert len(again) == len(set(again)) and len(set(hub.puts)) == len(_shards(local))
     assert f"resumed: {len(kept)} shard(s) kept from an interrupted run" in rerun.stdout  # neither merged again
     assert len(again) == len(_shards(local)) - len(kept)
     assert os.listdir(staging) == []
 
 
-def test_a_refused_upload_commits_nothing_and_a_rerun_completes(case, hub, tmp_path):
+def test_a_refused_upload_commits_nothing_and_a_rerun_completes(case, hub, tmp_path, monkeypatch):
     base, adapter, local = case
     files = hub.add_repo("me/kept")
     files["notes.txt"] = b"the owner's file"
-    hub.fail("PUT", r"/lfs-upload/", [413])  # not retried
+    hub.fail("POST", r"/objects/batch$", [400])  # not retried
+    hub.echo_auth = True  # the server's message carries the token: ours must not
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_0")  # the token as huggingface_hub finds it
     with pytest.raises(HubUploadError, match=r"(?s)me/kept.*Nothing was committed") as e:
         merge_checkpoint(
-            base, adapter, push_to_hub="me/kept", token="hf_secret_0", staging=str(tmp_path), max_shard_size=SHARD,
-            progress=False,
-        )  # fmt: skip
-    assert "hf_secret_0" not in str(e.value)
+            base, adapter, push_to_hub="me/kept", staging=str(tmp_path), max_shard_size=SHARD, progress=False
+        )
+    assert "hf_secret_0" not in str(e.value) and "Bearer ***" in str(e.value)
     assert hub.commits == [] and dict(files.items()) == {"notes.txt": b"the owner's file"}
+    hub.echo_auth = False
     hub.fail("PUT", r"/lfs-upload/", [500])  # retried by huggingface_hub
     merge_checkpoint(
         base, adapter, push_to_hub="me/kept", token="hf_secret_0", staging=str(tmp_path), max_shard_size=SHARD,
@@ -268,6 +276,13 @@ def test_a_push_to_a_new_branch_makes_it_at_the_commit(case, hub, tmp_path):
     (commit,) = hub.commits
     assert commit["revision"] == "dev" and commit["header"]["summary"] == "merged at last"
     assert "dev" in hub.branches["me/branched"]
+    hub.fail("POST", r"/commit/", [422])  # a refused commit: the branch the push made goes with it
+    with pytest.raises(HubUploadError, match="the commit for me/branched failed"):
+        merge_checkpoint(
+            base, adapter, push_to_hub="me/branched", token="hf_x", revision="next", staging=str(tmp_path),
+            max_shard_size="500KB", progress=False,  # other shards: a commit to make
+        )  # fmt: skip
+    assert set(hub.branches["me/branched"]) == {"main", "dev"} and len(hub.commits) == 1
 
 
 def test_a_gguf_is_pushed_with_its_record_and_card(gguf_case, hub, tmp_path):
