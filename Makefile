@@ -59,6 +59,8 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test,bench]'
 	# GGUF first (bench_merge removes the models it built when it ends): one pass against merge, convert, quantize
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_gguf.py --sizes 0.5B,1B --types q8_0,q4_k_m --write docs/benchmarks.md
+	# the push while merging against merge then upload_folder, on the tests' local Hub (1B, shards of 500 MB)
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_push.py --sizes 1B --max-shard-size 500MB --write docs/benchmarks.md
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_merge.py --sizes 0.5B,1B --write docs/benchmarks.md
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_dist.py --write docs/benchmarks.md
 
