@@ -126,9 +126,9 @@ def prepare_repo(
         problems.append(f"repo_id must be 'name' or 'user/name', got {repo_id!r}")
     if hc.HF_HUB_OFFLINE:
         problems.append(
-            "the Hub cannot be reached in offline mode (HF_HUB_OFFLINE=1); unset HF_HUB_OFFLINE to push, "
-            "or save locally with save_pretrained_merged(model, 'folder') and upload later with "
-            "`hf upload`"
+            "the Hub cannot be reached in offline mode (HF_HUB_OFFLINE=1); unset HF_HUB_OFFLINE to push, or merge "
+            "to a local folder (save_pretrained_merged(model, 'folder'), `peft-shardmerge merge`) and upload it "
+            "later with `hf upload`"
         )
     if problems:
         raise InputError(problems)
