@@ -26,7 +26,7 @@ from ..engine.source import Alone, Coordinator
 from ..errors import FileSystemError, InputError, PlanChanged, ShardMergeError
 from ..options import DEFAULT_CHUNK_ELEMS, MergeOptions
 from ..output.hub_push import HubTarget
-from ..output.hub_sink import staged_push
+from ..output.hub_staging import staged_push
 from ..output.out_dir import check_out_dir, is_gguf, path_argument
 from ..output.staging import NOTHING_WRITTEN
 from .hub import Push, prepare_repo, push_gguf_folder

@@ -16,7 +16,7 @@ from ..engine.report import MergeReport
 from ..errors import InputError
 from ..options import MODEL, MergeOptions
 from ..output.hub_push import HubTarget
-from ..output.hub_sink import staged_push
+from ..output.hub_staging import staged_push
 from ..output.out_dir import check_out_dir, path_argument, settle_out_dir, source_folders
 from ..output.record import unlisted_files
 from ..verify.integrity import read_record

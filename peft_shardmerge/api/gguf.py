@@ -237,7 +237,7 @@ def push_to_hub_gguf(
           - quantization_method 'q2_k' is not a GGUF type written here; choose one of auto, f32, ...
     """
     from ..output.hub_push import HubTarget
-    from ..output.hub_sink import staged_push
+    from ..output.hub_staging import staged_push
     from .hub import Push, prepare_repo
 
     problems = _method_problems(quantization_method)

@@ -410,7 +410,7 @@ def push_gguf_folder(folder: str, push: Push, report, base_model: str | None, pe
     Modelfile, in one commit.
 
     Args:
-        folder: the folder of the files this run wrote (in :func:`~peft_shardmerge.output.hub_sink.staged_push`).
+        folder: the folder of the files this run wrote (in :func:`~peft_shardmerge.output.hub_staging.staged_push`).
         push: where to.
         report: the merge's report.
         base_model: the base's name (written in the card when it is a Hub id).

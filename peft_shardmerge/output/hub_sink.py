@@ -3,7 +3,6 @@ of the uploaded ones for a rerun, then one commit of every file."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -18,77 +17,13 @@ from ..errors import HubUploadError, InputError
 from ..io.safetensors_io import build_header
 from .files import held_signals
 from .hub_push import MARK, HubSession, HubTarget, hub_bars, refuse_ignored
+from .hub_staging import PushJournal, bytes_under, fresh_folder, journal_path, staging_folder
 from .lock import output_lock
 from .record import RECORD_FILE, file_sha256, output_files, sealed_record
 from .shard_sink import check_written
 from .writer import ShardWriter, write_json
 
 log = logging.getLogger(__name__)
-
-JOURNAL_FORMAT = "peft-shardmerge-push-journal"
-
-
-def staging_folder(staging: str, repo_id: str) -> str:
-    """Where a push to ``repo_id`` keeps its shards until they are uploaded: a folder of its own in ``staging``.
-
-    Example:
-        >>> staging_folder("/tmp", "me/tiny")
-        '/tmp/peft-shardmerge-push-me--tiny'
-    """
-    return os.path.join(os.path.abspath(staging), "peft-shardmerge-push-" + repo_id.replace("/", "--"))
-
-
-def journal_path(folder: str) -> str:
-    """The journal of the push staged in ``folder``, beside it (``<folder>.journal.json``)."""
-    return folder + ".journal.json"
-
-
-class PushJournal:
-    """What a push has uploaded so far: the merge's fingerprint and inputs' digest, and for each shard the server
-    confirmed, its size, SHA-256, record and the digest of the inputs it was computed from. A rerun of the same merge
-    to the same place keeps the shards whose inputs are unchanged and which the server still holds.
-
-    Args:
-        path: the journal file.
-        key: what must match for an earlier journal to be kept (repository, revision, fingerprint, inputs' digest).
-    """
-
-    def __init__(self, path: str, key: dict):
-        self.path, self.key = path, key
-        self.shards: dict[str, dict] = {}
-        self._lock = threading.Lock()
-
-    def load(self) -> dict[str, dict]:
-        """The shards an earlier run of this push uploaded (none where the journal is missing, unreadable, or
-        for another merge or place)."""
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(data, dict) or data.get("format") != JOURNAL_FORMAT or data.get("key") != self.key:
-            return {}
-        shards = data.get("shards")
-        return shards if isinstance(shards, dict) else {}
-
-    def add(self, name: str, entry: dict) -> None:
-        """Record a shard the server confirmed (the journal rewritten, then renamed over the old one)."""
-        with self._lock:
-            self.shards[name] = entry
-        self.rewrite()
-
-    def rewrite(self) -> None:
-        """Write the journal as it stands (a new file renamed over the old one)."""
-        with self._lock:
-            tmp = self.path + ".tmp"
-            write_json(tmp, {"format": JOURNAL_FORMAT, "key": self.key, "shards": self.shards})
-            os.replace(tmp, self.path)
-
-    def remove(self) -> None:
-        """Delete the journal (the push is committed)."""
-        for path in (self.path, self.path + ".tmp"):
-            if os.path.isfile(path) and not os.path.islink(path):
-                os.remove(path)
 
 
 class HubSink:
@@ -145,7 +80,7 @@ class HubSink:
             return [f"the staging folder {where} does not exist; create it or pass another (--staging DIR)"]
         if not os.access(where, os.W_OK):
             return [f"cannot write in the staging folder {where}; pass another (--staging DIR)"]
-        held = _bytes_under(self.folder) if os.path.isfile(os.path.join(self.folder, MARK)) else 0
+        held = bytes_under(self.folder) if os.path.isfile(os.path.join(self.folder, MARK)) else 0
         free = shutil.disk_usage(where).free + held
         need = self.bound(layout)
         if free < need:
@@ -180,7 +115,7 @@ class HubSink:
             self.target.repo_id = self.prepare()
             self.location = self.target.url
         with output_lock(self.folder), hub_bars(self.target.progress):
-            _fresh_folder(self.folder)
+            fresh_folder(self.folder)
             key = {"repo": self.target.repo_id, "revision": self.target.revision, "fingerprint": layout.fingerprint}
             if layout.inputs is not None:
                 key["inputs"] = layout.inputs.common()
@@ -451,88 +386,3 @@ def _remove(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
-
-
-def _bytes_under(folder: str) -> int:
-    """The bytes the files under ``folder`` take (0 where it cannot be read)."""
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-def _fresh_folder(folder: str) -> None:
-    """Make the push's staging folder, or empty the one an earlier run of ours left."""
-    own_folder(folder)
-    shutil.rmtree(folder)
-    own_folder(folder)
-
-
-@contextmanager
-def staged_push(staging: str, repo_id: str) -> Iterator[str]:
-    """A push's staging folder for files written whole before they are pushed (a GGUF, an adapter): locked, emptied
-    of what an earlier run of ours left, and removed when the block ends, whatever happens.
-
-    Args:
-        staging: the folder it is made in.
-        repo_id: the repository (it names the folder: :func:`staging_folder`).
-
-    Returns:
-        A context manager yielding the folder.
-
-    Example:
-        >>> import tempfile
-        >>> staging = tempfile.mkdtemp()
-        >>> with staged_push(staging, "me/tiny") as folder:
-        ...     os.listdir(folder)
-        ['.peft-shardmerge-push']
-        >>> os.listdir(staging)
-        []
-    """
-    folder = staging_folder(staging, repo_id)
-    with output_lock(folder):
-        _fresh_folder(folder)
-        try:
-            yield folder
-        finally:
-            with held_signals():
-                shutil.rmtree(folder, ignore_errors=True)
-
-
-def own_folder(folder: str) -> str:
-    """A push's staging folder: made (and marked as ours), or the one an earlier run of ours left, as it is; any other
-    thing at that name is refused.
-
-    Args:
-        folder: the path (:func:`staging_folder`).
-
-    Returns:
-        ``folder``.
-
-    Raises:
-        InputError: something not made by a push of ours is at that name.
-
-    Example:
-        >>> import tempfile
-        >>> folder = own_folder(staging_folder(tempfile.mkdtemp(), "me/tiny"))
-        >>> os.listdir(folder)
-        ['.peft-shardmerge-push']
-    """
-    if os.path.lexists(folder):
-        st = os.lstat(folder)
-        mine = not os.path.islink(folder) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-        if not mine or not os.path.isfile(os.path.join(folder, MARK)):
-            raise InputError(
-                f"{folder} exists and is not a staging folder of peft-shardmerge's made by this user; the push never "
-                "writes into what it did not make: remove it or pass another staging folder (--staging DIR)"
-            )
-        return folder
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    os.mkdir(folder, 0o700)  # the shards wait here, hashed, for their upload: nobody else writes in it
-    with open(os.path.join(folder, MARK), "w", encoding="utf-8") as f:
-        f.write("a staging folder of peft-shardmerge's push; removed when the push ends\n")
-    return folder
