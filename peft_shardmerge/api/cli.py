@@ -16,7 +16,19 @@ from ..version import __version__
 from .model_checks import ChecksBeside, checks_beside
 
 #: the libraries whose log records under ERROR the command line leaves out (``-v`` shows them)
-NOISY = ("transformers", "huggingface_hub", "bitsandbytes", "kernels", "torch", "accelerate", "DeepSpeed")
+NOISY = (
+    "transformers",
+    "huggingface_hub",
+    "bitsandbytes",
+    "kernels",
+    "torch",
+    "accelerate",
+    "DeepSpeed",
+    "httpx",
+    "httpx2",
+    "httpcore",
+    "httpcore2",
+)
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -161,6 +173,12 @@ def _push_parser(sub) -> None:
     g.add_argument("--private", action="store_true", default=None, help="create the repository private")
     g.add_argument("--revision", metavar="R", default=None, help="the branch to push to (made if missing)")
     g.add_argument("--commit-message", metavar="M", default=None, help="the commit's title")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete, in the same commit, the repository's weight files this push does not write (an earlier "
+        "push's other shards); without it such a repository is refused before anything is merged",
+    )
     _verbosity(m)
 
 

@@ -316,7 +316,8 @@ def merge_checkpoint(
         split_max_size: a GGUF output split into files of at most this many bytes of tensors, named and laid out
             as llama.cpp's converter splits them (``"2G"``; K, M, G are powers of 1000); 0 writes one file.
         device: where the maths runs: ``"auto"``, ``"cpu"`` or ``"cuda"``.
-        overwrite: allow replacing a non-empty ``out_dir`` (replaced only after the new one is complete).
+        overwrite: allow replacing a non-empty ``out_dir`` (replaced only after the new one is complete); with
+            ``push_to_hub``, delete in the push's commit the repository's weight files it does not write.
         dry_run: plan and check only; nothing is read beyond headers and nothing is written.
         progress: show a progress bar.
         chunk_elems: elements per row block.
@@ -373,7 +374,7 @@ def merge_checkpoint(
         (14, 'bfloat16', ['model.safetensors'])
     """
     opts, problems = MergeOptions.from_call(locals())
-    if push_to_hub is not None or out_dir is None:
+    if push_to_hub is not None:
         hub = {"token": token, "private": private, "revision": revision, "commit_message": commit_message}
         return _merge_and_push(base, adapter, out_dir, opts, problems, push_to_hub, hub, staging, dry_run, distributed)
     joined = joined_world(opts.device) if distributed else nullcontext(World())
@@ -387,15 +388,11 @@ def _merge_and_push(
 ) -> MergeReport:
     """:func:`merge_checkpoint` with ``push_to_hub``: the Hub's access checked first, then the merge streamed to it
     (a GGUF file, with ``outtype``, staged whole and pushed)."""
-    if repo_id is None:
-        raise InputError(["out_dir is missing: name the output folder, or a Hub repository with push_to_hub"])
     if out_dir is not None:
         problems.append(
             f"out_dir={os.fspath(out_dir)!r} and push_to_hub={repo_id!r}: a merge is written to a folder or pushed "
             "to the Hub, not both; merge to the folder first and push it with `hf upload` to keep a local copy"
         )
-    if opts.overwrite:
-        problems.append("overwrite applies to a local output; a push adds its files to the repository in one commit")
     if distributed and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         problems.append(
             "a push to the Hub is made by one process: run it without torchrun, or merge to a folder over the ranks "
@@ -419,7 +416,8 @@ def _merge_and_push(
             commit_message=hub["commit_message"] or "Upload merged model",
             progress=opts.progress,
         )
-        push = Push(target, None if staging is None else os.fspath(staging), prepare=prepare)
+        staging = None if staging is None else os.fspath(staging)
+        push = Push(target, staging, prepare=prepare, replace=opts.overwrite)
         if opts.outtype is None:  # the repository made once the plan and the staging folder are found right
             report = CheckpointJob(base, adapter, None, opts, problems, steps, push=push).run()
         else:  # a GGUF is merged whole before its push: the repository first
@@ -488,8 +486,8 @@ class CheckpointJob(MergeJob):
 
     @property
     def checks_out(self) -> bool:
-        """Whether the plan checks ``out_dir`` (a push has none)."""
-        return self.out_dir is not None
+        """Whether the plan checks ``out_dir`` (a push of a folder's files has none)."""
+        return self.push is None or self.out_dir is not None
 
     def inputs(self) -> dict:
         return _inputs(self.base, self.adapter)
@@ -547,6 +545,9 @@ class CheckpointJob(MergeJob):
 
     def base_dtype(self, plan: Plan) -> str:
         return str(base_dtype(plan.inputs.base))
+
+    def saves_beside(self) -> bool:
+        return self.hook is not None
 
     def card_base(self, plan: Plan | None) -> tuple[str | None, object]:
         """The base the adapter names (``base_model_name_or_path``) and its config, read from its folder."""

@@ -318,6 +318,7 @@ def push_to_hub_merged(
     dtype: str | torch.dtype | None = None,
     base_precision: str = "auto",
     progress: bool = True,
+    overwrite: bool = False,
 ) -> str:
     """Unsloth's ``push_to_hub_merged``: check Hub access, then stream the merge to the Hub in one commit.
 
@@ -346,6 +347,8 @@ def push_to_hub_merged(
         dtype: output dtype; None or ``"auto"`` writes the checkpoint's own 16-bit dtype.
         base_precision: ``"auto"``, ``"original"`` or ``"dequantized"``.
         progress: show progress bars.
+        overwrite: delete, in the same commit, the repository's weight files this push does not write (an earlier
+            push's other shards); without it, such a repository is refused before anything is merged.
 
     Returns:
         The URL of the commit.
@@ -399,7 +402,9 @@ def push_to_hub_merged(
         create_pr=create_pr,
         progress=progress,
     )
-    push = Push(target, temporary_location, prepare=prepare, save_method=save_method, tags=list(tags or []))
+    push = Push(
+        target, temporary_location, prepare=prepare, replace=overwrite, save_method=save_method, tags=list(tags or [])
+    )
     if method == "merged_16bit":  # streamed: each shard uploaded as it is written, one commit
         with quiet_libraries():
             ModelJob(model, None, opts, [], tokenizer=tokenizer, push=push).run()
@@ -423,7 +428,7 @@ def push_to_hub_merged(
                 overwrite=False,
                 progress=progress,
             )
-        return publish_model(out, target, model, report, save_method, tags=tags)
+        return publish_model(out, target, model, report, save_method, tags=tags, replace=overwrite)
 
 
 def merge_and_unload(

@@ -10,7 +10,7 @@ from typing import Callable
 
 from ..errors import HubUploadError, InputError
 from ..model.walk import unwrap
-from ..output.hub_push import HubTarget, hf_api, masked, push_folder, unreachable
+from ..output.hub_push import HubSession, HubTarget, hf_api, masked, push_folder, resolved_token, unreachable
 from ..version import __version__
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ class Push:
         in_flight: the most shards on the local disk at once.
         prepare: makes the repository and checks its access, returning its full id: called once the staging folder
             is found big enough, before anything is merged (None: done already).
+        replace: delete, in the push's commit, the repository's weight files it does not write (``overwrite``).
         save_method: what the model card says was saved.
         tags: extra model card tags.
         url: the commit's URL, once pushed.
@@ -40,6 +41,7 @@ class Push:
     staging: str | None = None
     in_flight: int = 2
     prepare: Callable[[], str] | None = None
+    replace: bool = False
     save_method: str = "merged_16bit"
     tags: list[str] = field(default_factory=list)
     url: str | None = None
@@ -133,30 +135,35 @@ def prepare_repo(
     if problems:
         raise InputError(problems)
     api = hf_api(token)
+    said = resolved_token(token)  # what the calls send, masked in every message
     try:
         url = api.create_repo(repo_id.strip("/"), private=private, exist_ok=True, repo_type="model")
     except Exception as e:  # any failure is reported, without the token, before merging
         if unreachable(e):
             raise HubUploadError(
-                f"the Hub at {api.endpoint} could not be reached ({masked(e, token)}): a network "
+                f"the Hub at {api.endpoint} could not be reached ({masked(e, said)}): a network "
                 "problem, not the token; nothing was merged. Check the connection, a proxy, or "
                 "HF_ENDPOINT, then push again"
             ) from None
         raise HubUploadError(
             f"cannot create or write the Hub repository {repo_id!r} at {api.endpoint} "
-            f"({masked(e, token)}); nothing was merged. Check the token (`hf auth login`) and "
+            f"({masked(e, said)}); nothing was merged. Check the token (`hf auth login`) and "
             "the repository name"
         ) from None
     full = getattr(url, "repo_id", None) or repo_id.strip("/")
-    _check_write(HubTarget(full, token=token, revision=revision, create_pr=create_pr))
+    target = HubTarget(full, token=token, revision=revision, create_pr=create_pr)
+    _check_write(target)
+    if create_pr and revision and not HubSession(target).branch_exists():
+        raise InputError(
+            [f"create_pr with revision={revision!r}: a pull request is opened against a branch that exists; create "
+             "it first, or leave revision out to open it against main"]
+        )  # fmt: skip
     return full
 
 
 def _check_write(target: HubTarget) -> None:
     """Ask the Hub how it would take a small file (nothing is written): refused without the right to write."""
     from huggingface_hub import CommitOperationAdd
-
-    from ..output.hub_push import HubSession
 
     session = HubSession(target)
     try:
@@ -165,6 +172,8 @@ def _check_write(target: HubTarget) -> None:
         status = getattr(getattr(e.__context__, "response", None), "status_code", None)
         if not getattr(e, "refused", True):
             why = "the Hub could not be reached (a network problem, not the token)"
+        elif status is not None and status >= 500:
+            why = f"the Hub answered with a server error ({status}), not about the token: try again later"
         elif status == 401:
             why = "no valid token was sent: log in with `hf auth login`, set HF_TOKEN, or pass token="
         else:
@@ -353,6 +362,7 @@ def publish(
     save_method: str = "merged_16bit",
     tags=None,
     known: dict[str, str] | None = None,
+    replace: bool = False,
 ) -> str:
     """Write the model card of a finished folder and push the folder in one commit (each file uploaded by content
     first: :func:`~peft_shardmerge.output.hub_push.push_folder`).
@@ -366,6 +376,7 @@ def publish(
         save_method: how the folder was saved.
         tags: extra tags.
         known: SHA-256 of files already hashed, by relative path (not read again to hash them).
+        replace: delete, in the same commit, the repository's weight files the folder does not hold.
 
     Returns:
         The URL of the commit.
@@ -386,10 +397,10 @@ def publish(
             peft_config=peft_config,
         )
     write_card(folder, target.repo_id, base_model, peft_config, settings, tags)
-    return push_folder(folder, target, known)
+    return push_folder(folder, target, known, replace)
 
 
-def publish_model(folder, target: HubTarget, model, report, save_method, *, tags, known=None) -> str:
+def publish_model(folder, target: HubTarget, model, report, save_method, *, tags, known=None, replace=False) -> str:
     """Publish a merged folder: :func:`publish` with the base and adapter the model names."""
     base = getattr(unwrap(model).config, "_name_or_path", None)
     cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
@@ -402,6 +413,7 @@ def publish_model(folder, target: HubTarget, model, report, save_method, *, tags
         save_method=save_method,
         tags=tags,
         known=known,
+        replace=replace,
     )
 
 
@@ -438,5 +450,6 @@ def push_gguf_folder(folder: str, push: Push, report, base_model: str | None, pe
         save_method=push.save_method,
         tags=push.tags,
         known=known,
+        replace=push.replace,
     )
     return url

@@ -26,7 +26,7 @@ from ..model.planner import LiveInputs, plan_live, valid_generation_config
 from ..model.reader import ModelReader
 from ..model.walk import unwrap, walk
 from ..options import MODEL, MergeOptions, parse_dtype, parse_size
-from ..output.out_dir import check_out_dir, foreign_model_problems, source_folders
+from ..output.out_dir import check_out_dir, foreign_model_problems, path_argument, source_folders
 from ..output.record import live_merge_info
 from ..support.model import require_supported
 from .hub import Push
@@ -225,6 +225,8 @@ class ModelJob(MergeJob):
         if sharding == "dtensor":  # refused by each rank alone: nothing of it is ever gathered
             raise InputError(sharding_problems(model, opts.base_precision) + problems)
         steps = JobSteps(current_world(), STEPS) if sharding is not None else None
+        if out_dir is None and push is None:  # the plan checks an output path; None is none
+            problems += path_argument(None, "output folder")[1]
         super().__init__(out_dir, opts, problems, steps, push)
         self.model, self.sharding, self.adapter_names, self.tokenizer = model, sharding, adapter_names, tokenizer
         self.replace_check = replace_check
@@ -269,6 +271,9 @@ class ModelJob(MergeJob):
 
     def base_dtype(self, plan: Plan) -> str:
         return str(model_dtype(unwrap(self.model)))
+
+    def saves_beside(self) -> bool:
+        return self.tokenizer is not None
 
     def card_base(self, plan: Plan | None) -> tuple[str | None, object]:
         """The base the model was loaded from (``_name_or_path``) and its first adapter's config."""

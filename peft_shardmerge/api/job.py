@@ -104,7 +104,7 @@ class MergeJob(ABC):
             The :class:`~peft_shardmerge.engine.report.MergeReport`.
         """
         try:
-            if self.writes and self.out_dir is not None:
+            if self.writes and self.push is None:  # a push writes no output folder
                 settle_out_dir(self.out_dir, inputs=self.inputs(), overwrite=self.opts.overwrite)
             plan = self.plan()  # checks out_dir too: from here on it is a path, resolved once
             if self.out_dir is not None:
@@ -176,6 +176,7 @@ class MergeJob(ABC):
                 in_flight=self.push.in_flight,
                 side_bytes=self.side_bytes(plan),
                 prepare=self.push.prepare,
+                replace=self.push.replace,
             )
         if is_gguf(self.out_dir):
             outtype = self.outtype = OutType.parse(self.opts.outtype or "auto", self.base_dtype(plan))
@@ -206,7 +207,11 @@ class MergeJob(ABC):
         for f in getattr(adapter, "tokenizer_files", None) or []:  # they replace the base's: counted besides
             path = os.path.join(getattr(adapter, "folder", "") or "", f)
             carried += os.path.getsize(path) if os.path.isfile(path) else 0
-        return carried + MADE_ROOM + (TOKENIZER_ROOM if self.before_commit() is not None else 0)
+        return carried + MADE_ROOM + (TOKENIZER_ROOM if self.saves_beside() else 0)
+
+    def saves_beside(self) -> bool:
+        """Whether the caller's hook saves files beside the model (a tokenizer)."""
+        return False
 
     def card_base(self, plan: Plan) -> tuple[str | None, object]:
         """The base model's name and the adapter's PEFT config, for a pushed model's card."""

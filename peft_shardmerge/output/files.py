@@ -437,13 +437,17 @@ def is_old_name(out: str, name: str) -> bool:
 
 
 @contextmanager
-def held_signals() -> Iterator[None]:
+def held_signals(deliver: bool = True) -> Iterator[list[int]]:
     """Hold back SIGINT and SIGTERM for the block; a signal that arrives meanwhile is delivered at its end.
 
     Only the main thread receives Python signal handlers, so elsewhere the block runs as is.
 
+    Args:
+        deliver: deliver a held signal at the end; False: only note it (the block's work, once done, is the end of
+            what the signal would stop).
+
     Returns:
-        A context manager.
+        A context manager yielding the signals held so far (a list that grows as they arrive).
 
     Raises:
         Whatever the held signal's handler raises (KeyboardInterrupt, ...), at the end of the block.
@@ -452,10 +456,10 @@ def held_signals() -> Iterator[None]:
         >>> with held_signals():
         ...     pass
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     pending: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pending
+        return
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -463,10 +467,10 @@ def held_signals() -> Iterator[None]:
         except (ValueError, OSError):
             pass
     try:
-        yield
+        yield pending
     finally:
         for sig, handler in previous.items():
             # None: a handler installed from C, which Python cannot reinstall; the default is the nearest
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        if pending:
+        if pending and deliver:
             signal.raise_signal(pending[0])

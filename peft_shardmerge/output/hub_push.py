@@ -13,6 +13,40 @@ from ..errors import HubUploadError, MissingDependencyError
 
 log = logging.getLogger(__name__)
 
+#: the weight files transformers reads from a model repository's top level (an index first, else the weights)
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def weight_file(name: str) -> bool:
+    """Whether a file of a repository is one transformers may load the model's weights from (top level).
+
+    Example:
+        >>> [weight_file(n) for n in ("model.safetensors", "pytorch_model-00001-of-00002.bin", "1_Pooling/w.bin")]
+        [True, True, False]
+    """
+    if "/" in name:
+        return False
+    return (
+        name.endswith(".safetensors")
+        or name in WEIGHT_INDEXES
+        or (name.startswith("pytorch_model") and name.endswith(".bin"))
+    )
+
+
+def resolved_token(token: str | None) -> str | None:
+    """The token the Hub's calls send: ``token``, else the one huggingface_hub finds (``HF_TOKEN``, the login cache).
+
+    Example:
+        >>> resolved_token("hf_given")
+        'hf_given'
+    """
+    if token:
+        return token
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
 #: the file that marks a staging folder as one a push of ours made (the only kind it empties or removes; never pushed)
 MARK = ".peft-shardmerge-push"
 
@@ -170,11 +204,17 @@ class HubSession:
 
     def _token(self) -> str | None:
         """The token the calls send (given, or found by huggingface_hub), for masking."""
-        if self.target.token:
-            return self.target.token
-        from huggingface_hub import get_token
+        return resolved_token(self.target.token)
 
-        return get_token()
+    def stale_weights(self, written: set[str]) -> list[str]:
+        """The weight files of the repository (at the branch, or ``main`` for a branch to be made) this push does
+        not write: left there, transformers could load them instead of the pushed ones (a single
+        ``model.safetensors`` wins over an index)."""
+        with self.said("listing the repository's files"):
+            info = self.api.repo_info(self.target.repo_id, revision=self._upload_revision(), files_metadata=False)
+        return sorted(
+            s.rfilename for s in info.siblings or [] if weight_file(s.rfilename) and s.rfilename not in written
+        )
 
     @contextmanager
     def said(self, what: str, outcome: str = "Nothing was committed: the repository is as it was") -> Iterator[None]:
@@ -341,7 +381,16 @@ class HubSession:
         return [op.path_in_repo for op in operations if getattr(op, "_should_ignore", False)]
 
 
-def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = None) -> str:
+def stale_problem(stale: list[str], target: HubTarget) -> str:
+    """The refusal of a push into a repository whose weight files it would not all replace."""
+    return (
+        f"{target.repo_id} holds {', '.join(stale)}, which this push does not write: transformers could load them "
+        "instead of the pushed weights. Pass overwrite=True to delete them in the same commit, or push to another "
+        "repository or branch (revision)"
+    )
+
+
+def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = None, replace: bool = False) -> str:
     """Upload every file of a finished folder by content, then commit them all at once: the repository shows them
     together or not at all (whatever their number and size, on the LFS path and on Xet storage alike).
 
@@ -350,6 +399,8 @@ def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = N
         target: where to.
         known: the SHA-256 of files already hashed, by relative path (a GGUF's, from its merge record): not read
             again to hash them.
+        replace: delete, in the same commit, the repository's weight files the folder does not hold (else such
+            files are refused: :func:`stale_problem`).
 
     Returns:
         The URL of the commit.
@@ -357,7 +408,7 @@ def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = N
     Raises:
         HubUploadError: an upload or the commit failed; nothing was committed.
     """
-    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     session, ops = HubSession(target), []
     for root, dirs, files in os.walk(folder):
@@ -371,11 +422,15 @@ def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = N
             if (known or {}).get(rel):
                 op.upload_info.sha256 = bytes.fromhex(known[rel])
             ops.append(op)
+    written = {op.path_in_repo for op in ops}
+    stale = session.stale_weights(written) if any(weight_file(n) for n in written) else []  # a GGUF beside weights
+    if stale and not replace:
+        raise HubUploadError(stale_problem(stale, target) + "; nothing was committed")
     log.info("pushing %d files to %s", len(ops), target.url)
     with hub_bars(target.progress):
         session.upload_all(ops)
         refuse_ignored(session.ignored(ops), target)
-        return session.commit(ops)
+        return session.commit(ops + [CommitOperationDelete(path_in_repo=name) for name in stale])
 
 
 def refuse_ignored(paths: list[str], target: HubTarget) -> None:

@@ -16,8 +16,8 @@ from ..engine.sink import Finish, Layout
 from ..errors import HubUploadError, InputError
 from ..io.safetensors_io import build_header
 from .files import held_signals
-from .hub_push import MARK, HubSession, HubTarget, hub_bars, refuse_ignored
-from .hub_staging import PushJournal, bytes_under, fresh_folder, journal_path, staging_folder
+from .hub_push import MARK, HubSession, HubTarget, hub_bars, refuse_ignored, stale_problem
+from .hub_staging import PushJournal, bytes_under, folder_problems, fresh_folder, journal_path, staging_folder
 from .lock import output_lock
 from .record import RECORD_FILE, file_sha256, output_files, sealed_record
 from .shard_sink import check_written
@@ -44,6 +44,8 @@ class HubSink:
         side_bytes: the most the files besides the shards may take (the bound's second term).
         prepare: called once the staging folder is found big enough, before anything is merged: the repository
             made and its access checked (it returns the full repository id); None: done already.
+        replace: delete, in the same commit, the repository's weight files this push does not write (an earlier
+            push's other shards); else a repository holding such files is refused before anything is merged.
     """
 
     label = "merging and pushing"
@@ -56,11 +58,12 @@ class HubSink:
         in_flight: int = 2,
         side_bytes: int = 0,
         prepare: Callable[[], str] | None = None,
+        replace: bool = False,
     ):
         if in_flight < 1:
             raise InputError(f"in_flight must be 1 or more, got {in_flight}")
         self.target, self.staging, self.in_flight, self.side_bytes = target, staging, in_flight, side_bytes
-        self.prepare = prepare
+        self.prepare, self.replace = prepare, replace
         self.location = target.url
         self.folder = staging_folder(staging, target.repo_id)
         self.commit_url: str | None = None
@@ -74,22 +77,24 @@ class HubSink:
         return min(self.in_flight, len(layout.parts)) * largest + self.side_bytes
 
     def problems(self, layout: Layout) -> list[str]:
-        """What stands in the way before anything is merged: a staging folder that cannot hold the bound."""
+        """What stands in the way before anything is merged: a staging folder that cannot hold the bound, or a thing
+        at the push's folder name that a push of ours did not make."""
         where = self.staging
-        if not os.path.isdir(where):
-            return [f"the staging folder {where} does not exist; create it or pass another (--staging DIR)"]
+        problems = folder_problems(self.folder)
+        if problems:
+            return problems
         if not os.access(where, os.W_OK):
             return [f"cannot write in the staging folder {where}; pass another (--staging DIR)"]
         held = bytes_under(self.folder) if os.path.isfile(os.path.join(self.folder, MARK)) else 0
         free = shutil.disk_usage(where).free + held
         need = self.bound(layout)
         if free < need:
+            shards = min(self.in_flight, len(layout.parts))
             return [
-                f"the staging folder {where} has {free / 1e9:.3f} GB free; pushing this merge holds at most "
-                f"{need / 1e9:.3f} GB there ({min(self.in_flight, len(layout.parts))} shard(s) of at most "
-                f"{(need - self.side_bytes) / 1e9 / max(1, min(self.in_flight, len(layout.parts))):.3f} GB and the "
-                "files beside them): free some space, pass a smaller max_shard_size (--max-shard-size), or another "
-                "staging folder (--staging DIR)"
+                f"the staging folder {where} has {_size(free)} free; pushing this merge holds at most {_size(need)} "
+                f"there ({shards} shard(s) of at most {_size((need - self.side_bytes) // shards)} and "
+                f"{_size(self.side_bytes)} for the files beside them): free some space, pass a smaller max_shard_size "
+                "(--max-shard-size), or another staging folder (--staging DIR)"
             ]
         return []
 
@@ -115,6 +120,10 @@ class HubSink:
             self.target.repo_id = self.prepare()
             self.location = self.target.url
         with output_lock(self.folder), hub_bars(self.target.progress):
+            written = {name for name, _ in layout.parts} | ({INDEX} if len(layout.parts) > 1 else set())
+            stale = HubSession(self.target).stale_weights(written)
+            if stale and not self.replace:
+                raise InputError([stale_problem(stale, self.target)])
             fresh_folder(self.folder)
             key = {"repo": self.target.repo_id, "revision": self.target.revision, "fingerprint": layout.fingerprint}
             if layout.inputs is not None:
@@ -122,6 +131,7 @@ class HubSink:
             journal = PushJournal(journal_path(self.folder), key)
             session = HubSession(self.target)
             out = HubOutput(self, layout, session, journal)
+            out.deleted = stale
             try:
                 yield out
                 self.commit_url = out.commit()
@@ -150,6 +160,7 @@ class HubOutput:
         self.records: dict[str, dict] = {}
         self.sha: dict[str, str] = {}
         self.failure: BaseException | None = None  # an upload's, seen by the merging thread before its future
+        self.deleted: list[str] = []  # the repository's weight files the commit deletes (replace)
         self.kept: set[str] = set()
         self.done = self._kept() if layout.fingerprint is not None else set()
 
@@ -235,7 +246,7 @@ class HubOutput:
         if self.layout.fingerprint is None or not kept:
             return error
         return HubUploadError(
-            f"{error} The {kept} shard(s) uploaded so far are kept: the same call run again neither merges nor sends "
+            f"{error}. The {kept} shard(s) uploaded so far are kept: the same call run again neither merges nor sends "
             f"them (the journal {self.journal.path})"
         )
 
@@ -315,7 +326,7 @@ class HubOutput:
         Returns:
             The commit's URL.
         """
-        from huggingface_hub import CommitOperationAdd
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         ops = [self.ops[name] for name in self.names]
         others = [
@@ -325,9 +336,12 @@ class HubOutput:
         ]
         self.session.upload_all(others)
         refuse_ignored(self.session.ignored(others), self.sink.target)
+        deletes = [CommitOperationDelete(path_in_repo=name) for name in self.deleted]
         try:
-            with held_signals():  # the commit is one request: made, or not
-                url = self.session.commit(ops + others)
+            with held_signals(deliver=False) as interrupted:  # one request: once sent, the push ends with it
+                url = self.session.commit(ops + others + deletes)
+            if interrupted:
+                log.warning("interrupted while the commit was made: the push is complete (%s)", url)
         except HubUploadError as e:
             if not getattr(e, "refused", False) or not self.kept:
                 raise
@@ -379,6 +393,20 @@ class Uploader:
     def close(self) -> None:
         """No more uploads: the thread ends once the queued ones are done or cancelled."""
         self._queue.put(None)
+
+
+#: the index a sharded output writes
+INDEX = "model.safetensors.index.json"
+
+
+def _size(nbytes: int) -> str:
+    """Bytes as a person reads them (MB below a GB).
+
+    Example:
+        >>> _size(1_500_000), _size(2_500_000_000)
+        ('1.5 MB', '2.50 GB')
+    """
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 10**9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _remove(path: str) -> None:

@@ -14,7 +14,6 @@ from ..errors import InputError
 from .files import held_signals
 from .hub_push import MARK
 from .lock import output_lock
-from .writer import write_json
 
 JOURNAL_FORMAT = "peft-shardmerge-push-journal"
 
@@ -50,10 +49,13 @@ class PushJournal:
         self._lock = threading.Lock()
 
     def load(self) -> dict[str, dict]:
-        """The shards an earlier run of this push uploaded (none where the journal is missing, unreadable, or
-        for another merge or place)."""
+        """The shards an earlier run of this push uploaded (none where the journal is missing, unreadable, not this
+        user's own file, or for another merge or place)."""
         try:
-            with open(self.path, encoding="utf-8") as f:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, encoding="utf-8") as f:
+                if os.fstat(f.fileno()).st_uid != os.geteuid():
+                    return {}
                 data = json.load(f)
         except (OSError, ValueError):
             return {}
@@ -72,7 +74,13 @@ class PushJournal:
         """Write the journal as it stands (a new file renamed over the old one)."""
         with self._lock:
             tmp = self.path + ".tmp"
-            write_json(tmp, {"format": JOURNAL_FORMAT, "key": self.key, "shards": self.shards})
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)  # never through a link
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"format": JOURNAL_FORMAT, "key": self.key, "shards": self.shards}, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, self.path)
 
     def remove(self) -> None:
@@ -132,6 +140,29 @@ def staged_push(staging: str, repo_id: str) -> Iterator[str]:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+def folder_problems(folder: str) -> list[str]:
+    """What stands in the way of a push's staging folder at ``folder``, without touching anything: its parent missing,
+    or something there that a push of this user's did not make.
+
+    Example:
+        >>> folder_problems("/no/such/place/peft-shardmerge-push-me--tiny")[0][:32]
+        'the staging folder /no/such/plac'
+    """
+    parent = os.path.dirname(folder)
+    if not os.path.isdir(parent):
+        return [f"the staging folder {parent} does not exist; create it or pass another (--staging DIR)"]
+    if not os.path.lexists(folder):
+        return []
+    st = os.lstat(folder)
+    mine = not os.path.islink(folder) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    if mine and os.path.isfile(os.path.join(folder, MARK)):
+        return []
+    return [
+        f"{folder} exists and is not a staging folder of peft-shardmerge's made by this user; the push never writes "
+        "into what it did not make: remove it or pass another staging folder (--staging DIR)"
+    ]
+
+
 def own_folder(folder: str) -> str:
     """A push's staging folder: made (and marked as ours), or the one an earlier run of ours left, as it is; any other
     thing at that name is refused.
@@ -151,16 +182,11 @@ def own_folder(folder: str) -> str:
         >>> os.listdir(folder)
         ['.peft-shardmerge-push']
     """
+    problems = folder_problems(folder)
+    if problems:
+        raise InputError(problems)
     if os.path.lexists(folder):
-        st = os.lstat(folder)
-        mine = not os.path.islink(folder) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-        if not mine or not os.path.isfile(os.path.join(folder, MARK)):
-            raise InputError(
-                f"{folder} exists and is not a staging folder of peft-shardmerge's made by this user; the push never "
-                "writes into what it did not make: remove it or pass another staging folder (--staging DIR)"
-            )
         return folder
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
     os.mkdir(folder, 0o700)  # the shards wait here, hashed, for their upload: nobody else writes in it
     with open(os.path.join(folder, MARK), "w", encoding="utf-8") as f:
         f.write("a staging folder of peft-shardmerge's push; removed when the push ends\n")

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from peft_shardmerge import HubUploadError, merge_checkpoint
+from peft_shardmerge import HubUploadError, InputError, merge_checkpoint
 from peft_shardmerge.testing import build_adapter, build_base
 
 SHARD = "300KB"
@@ -280,7 +280,7 @@ def test_a_push_to_a_new_branch_makes_it_at_the_commit(case, hub, tmp_path):
     with pytest.raises(HubUploadError, match="the commit for me/branched failed"):
         merge_checkpoint(
             base, adapter, push_to_hub="me/branched", token="hf_x", revision="next", staging=str(tmp_path),
-            max_shard_size="500KB", progress=False,  # other shards: a commit to make
+            max_shard_size="500KB", overwrite=True, progress=False,  # other shards (main's deleted): a commit to make
         )  # fmt: skip
     assert set(hub.branches["me/branched"]) == {"main", "dev"} and len(hub.commits) == 1
 
@@ -329,3 +329,46 @@ def test_push_to_hub_merged_streams_a_loaded_4bit_model(hub, tmp_path):
     assert len(hub.puts) == len(set(hub.puts)) == len(_shards(local))
     assert sampler.samples > 10 and 0 < sampler.peak <= _bound(local)
     assert os.listdir(staging) == []
+
+
+def test_a_push_of_other_shards_refuses_or_deletes_the_repository_s_old_ones(case, hub, tmp_path):
+    """The weight files an earlier push left that this one does not write would be loaded instead of the new ones
+    (one model.safetensors wins over an index): refused before merging, or deleted in the same commit."""
+    base, adapter, local = case
+    merge_checkpoint(base, adapter, push_to_hub="me/again", token="hf_x", staging=str(tmp_path), progress=False)
+    assert set(hub.files["me/again"]) >= {"model.safetensors"}
+    other = build_adapter(base, str(tmp_path / "other"), seed=7)
+    with pytest.raises(InputError, match=r"me/again holds model\.safetensors, which this push does not write"):
+        merge_checkpoint(
+            base, other, push_to_hub="me/again", token="hf_x", staging=str(tmp_path), max_shard_size=SHARD,
+            progress=False,
+        )  # fmt: skip
+    assert len(hub.commits) == 1 and len(hub.puts) == 1  # refused before anything was merged or sent
+    merge_checkpoint(
+        base, other, push_to_hub="me/again", token="hf_x", staging=str(tmp_path), max_shard_size=SHARD,
+        overwrite=True, progress=False,
+    )  # fmt: skip
+    assert hub.commits[-1]["deleted"] == ["model.safetensors"]
+    mine = tmp_path / "mine"
+    merge_checkpoint(base, other, str(mine), max_shard_size=SHARD, progress=False)
+    _same_as_local(hub.files["me/again"], str(mine))
+
+
+def test_ctrl_c_while_the_commit_is_made_ends_the_push_complete(case, hub, tmp_path):
+    """Once the commit's one request is sent the push ends with it: an interrupt then is said, not obeyed half-way."""
+    base, adapter, local = case
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    hub.stall("POST", r"/commit/", 3.0)
+    command = _push_command(base, adapter, "me/late", str(staging), "-q")
+    push = subprocess.Popen(command, env=_cli_env(hub, HF_TOKEN="hf_x"), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(hub.puts) < len(_shards(local)) and time.monotonic() < deadline:  # every shard up: the commit is next
+        time.sleep(0.02)
+    time.sleep(1.0)
+    push.send_signal(signal.SIGINT)
+    _, err = push.communicate(timeout=120)
+    assert push.returncode == 0, err
+    assert "interrupted while the commit was made: the push is complete" in err
+    assert len(hub.commits) == 1 and os.listdir(staging) == []  # committed, and the journal gone with the folder
+    _same_as_local(hub.files["me/late"], local)
