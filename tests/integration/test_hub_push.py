@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -372,3 +373,30 @@ def test_ctrl_c_while_the_commit_is_made_ends_the_push_complete(case, hub, tmp_p
     assert "interrupted while the commit was made: the push is complete" in err
     assert len(hub.commits) == 1 and os.listdir(staging) == []  # committed, and the journal gone with the folder
     _same_as_local(hub.files["me/late"], local)
+
+
+def test_refusals_before_merging_say_what_is_wrong(case, hub, tmp_path, monkeypatch):
+    """Each refused before any repository is made or any byte merged, with the cause named and the token masked."""
+    from peft_shardmerge.api.hub import prepare_repo
+
+    base, adapter, _ = case
+    monkeypatch.setenv("HF_TOKEN", "hf_from_env_0")
+    hub.echo_auth = True
+
+    def push(repo, **kw):
+        return merge_checkpoint(base, adapter, push_to_hub=repo, staging=str(tmp_path), progress=False, **kw)
+
+    hub.fail("POST", r"/api/repos/create", [403])  # the server's answer carries the token it was sent
+    with pytest.raises(HubUploadError, match="cannot create or write") as e:
+        push("me/r1")
+    assert "hf_from_env_0" not in str(e.value) and "Bearer ***" in str(e.value)
+    hub.fail("POST", r"/preupload/", [503] * 6)  # retried by huggingface_hub, then said as the server's
+    monkeypatch.setattr("huggingface_hub.utils._http.time", types.SimpleNamespace(sleep=lambda s: None))
+    with pytest.raises(HubUploadError, match=r"server error \(503\), not about the token"):
+        push("me/r2")
+    with pytest.raises(InputError, match="a pull request is opened against a branch that exists"):
+        prepare_repo("me/r3", create_pr=True, revision="nobranch")  # what push_to_hub_merged(create_pr=True) asks
+    os.symlink(str(tmp_path / "elsewhere"), str(tmp_path / "peft-shardmerge-push-me--r4"))
+    with pytest.raises(InputError, match="is not a staging folder of peft-shardmerge's made by this user"):
+        push("me/r4")
+    assert "me/r4" not in hub.repos and hub.puts == [] and hub.commits == []
