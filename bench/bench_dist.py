@@ -27,6 +27,10 @@ import textwrap
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from bench_merge import write_section  # noqa: E402
+
 WORK = os.path.join(HERE, "_work")
 SECTION = "## Many processes (1 -> 2 ranks)"
 
@@ -237,22 +241,6 @@ def section(
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: str, text: str) -> None:
-    """Replace the section in ``path`` (up to the next ``## `` heading), or append it."""
-    old = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            old = f.read()
-    if SECTION in old:
-        start = old.index(SECTION)
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + (old[nxt:] if nxt >= 0 else "")
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    with open(path, "w") as f:
-        f.write(new)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each; the median is reported")
@@ -281,7 +269,7 @@ def main() -> int:
     text = section(base, walls, dry, same, args.repeats, load)
     print(text)
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, SECTION, text)
     for o in out.values():
         shutil.rmtree(o, ignore_errors=True)
     if not args.keep:

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from bench_merge import WORK, build  # noqa: E402
+from bench_merge import WORK, build, write_section  # noqa: E402
 
 SECTION = "## GGUF: one pass against merge, convert, quantize"
 
@@ -115,13 +115,7 @@ def main() -> int:
     table = format_table(rows, args)
     print(table)
     if args.write:
-        text = open(args.write).read() if os.path.exists(args.write) else ""
-        if SECTION in text:
-            start = text.index(SECTION)
-            end = text.find("\n## ", start + len(SECTION))
-            text = text[:start] + text[end + 1 :] if end >= 0 else text[:start]
-        with open(args.write, "w") as f:
-            f.write(text.rstrip("\n") + "\n\n" + table)
+        write_section(args.write, SECTION, table)
     return 0
 
 

@@ -55,6 +55,26 @@ SIZES["8B"] = dict(SIZES["1B"], hidden_size=4096, intermediate_size=14336, num_h
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def write_section(path: str, heading: str, text: str) -> None:
+    """Put ``text`` in ``path`` in place of the section that starts with ``heading`` (up to the next ``## ``
+    heading: the sections around it, hand-written ones included, are kept where they are), or append it.
+
+    Args:
+        path: the Markdown file.
+        heading: the section's first line.
+        text: the new section, its heading first.
+    """
+    old = open(path).read() if os.path.exists(path) else ""
+    if heading in old:
+        start = old.index(heading)
+        end = old.find("\n## ", start + len(heading))
+        new = old[:start] + text.rstrip("\n") + "\n" + (old[end:] if end >= 0 else "")
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    with open(path, "w") as f:
+        f.write(new)
+
+
 def build(size: str) -> tuple[str, str]:
     """Write a random bf16 base, a rank-16 adapter and a second, rank-8 one (for the combinations) for ``size``,
     streaming one tensor at a time."""

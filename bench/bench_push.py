@@ -22,7 +22,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,7 +30,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from bench_merge import WORK, build  # noqa: E402
+from bench_merge import WORK, build, write_section  # noqa: E402
+from disk_use import DiskSampler  # noqa: E402
 from hub_server import FakeHub  # noqa: E402
 
 SECTION = "## Push to the Hub: while merging against merge then upload"
@@ -40,35 +40,6 @@ UPLOAD = (
     "api.create_repo(sys.argv[2], exist_ok=True); "
     "api.upload_folder(repo_id=sys.argv[2], folder_path=sys.argv[1], commit_message='Upload merged model')"
 )
-
-
-class DiskSampler:
-    """The largest number of bytes under a folder while a run goes on, sampled on a thread."""
-
-    def __init__(self, folder: str):
-        self.folder, self.peak = folder, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            total = 0
-            for root, _, files in os.walk(self.folder):
-                for name in files:
-                    try:
-                        total += os.lstat(os.path.join(root, name)).st_blocks * 512
-                    except FileNotFoundError:
-                        pass
-            self.peak = max(self.peak, total)
-            time.sleep(0.02)
-
-    def __enter__(self) -> "DiskSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def run(method: str, base: str, adapter: str, shard: str) -> tuple[float, int, int]:
@@ -98,7 +69,7 @@ def run(method: str, base: str, adapter: str, shard: str) -> tuple[float, int, i
             ]
         os.sync()
         t0 = time.perf_counter()
-        with DiskSampler(local) as disk:
+        with DiskSampler(local, interval=0.02) as disk:
             for cmd in steps:
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 if done.returncode:
@@ -139,13 +110,7 @@ def main() -> int:
     table = format_table(rows, args)
     print(table)
     if args.write:
-        text = open(args.write).read() if os.path.exists(args.write) else ""
-        if SECTION in text:
-            start = text.index(SECTION)
-            end = text.find("\n## ", start + len(SECTION))
-            text = text[:start] + text[end + 1 :] if end >= 0 else text[:start]
-        with open(args.write, "w") as f:
-            f.write(text.rstrip("\n") + "\n\n" + table)
+        write_section(args.write, SECTION, table)
     return 0
 
 

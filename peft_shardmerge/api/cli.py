@@ -16,19 +16,8 @@ from ..version import __version__
 from .model_checks import ChecksBeside, checks_beside
 
 #: the libraries whose log records under ERROR the command line leaves out (``-v`` shows them)
-NOISY = (
-    "transformers",
-    "huggingface_hub",
-    "bitsandbytes",
-    "kernels",
-    "torch",
-    "accelerate",
-    "DeepSpeed",
-    "httpx",
-    "httpx2",
-    "httpcore",
-    "httpcore2",
-)
+NOISY = ("transformers", "huggingface_hub", "bitsandbytes", "kernels", "torch", "accelerate", "DeepSpeed")
+NOISY += ("httpx", "httpx2", "httpcore", "httpcore2")  # the Hub client's requests
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -129,15 +118,7 @@ def _merge_parser(sub) -> None:
         "--nproc_per_node N -m peft_shardmerge merge ...) the output shards are split over the ranks; "
         "rank 0 commits, and the bytes are those one process writes.",
     )
-    m.add_argument(
-        "base",
-        metavar="BASE",
-        help="base checkpoint folder, or a Hub id in the local cache; left out (merge ADAPTER OUT), the base the "
-        "adapter names (base_model_name_or_path in its adapter_config.json)",
-    )
-    m.add_argument(
-        "adapter", metavar="ADAPTER", nargs="?", help="PEFT LoRA adapter folder, or a Hub id in the local cache"
-    )
+    _inputs(m)
     m.add_argument(
         "out",
         metavar="OUT",
@@ -159,8 +140,7 @@ def _push_parser(sub) -> None:
         "file. The token comes from HF_TOKEN or `hf auth login`. Killed, a rerun neither merges nor uploads the "
         "shards already uploaded (docs/hub.md). With --outtype, one GGUF file is pushed.",
     )
-    m.add_argument("base", metavar="BASE", help="base checkpoint folder (left out: the base the adapter names)")
-    m.add_argument("adapter", metavar="ADAPTER", nargs="?", help="PEFT LoRA adapter folder")
+    _inputs(m)
     m.add_argument("out", metavar="REPO_ID", help="the Hub repository: user/name, or name in the token owner's")
     _merge_options(m)
     g = m.add_argument_group("the Hub")
@@ -180,6 +160,19 @@ def _push_parser(sub) -> None:
         "push's other shards); without it such a repository is refused before anything is merged",
     )
     _verbosity(m)
+
+
+def _inputs(m: argparse.ArgumentParser) -> None:
+    """BASE and ADAPTER, as ``merge`` and ``push`` take them."""
+    m.add_argument(
+        "base",
+        metavar="BASE",
+        help="base checkpoint folder, or a Hub id in the local cache; left out (ADAPTER alone), the base the "
+        "adapter names (base_model_name_or_path in its adapter_config.json)",
+    )
+    m.add_argument(
+        "adapter", metavar="ADAPTER", nargs="?", help="PEFT LoRA adapter folder, or a Hub id in the local cache"
+    )
 
 
 def _verbosity(m: argparse.ArgumentParser) -> None:

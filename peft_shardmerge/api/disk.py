@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from contextlib import nullcontext
@@ -30,7 +29,7 @@ from ..output.hub_staging import staged_push
 from ..output.out_dir import check_out_dir, is_gguf, path_argument
 from ..output.staging import NOTHING_WRITTEN
 from .hub import Push, prepare_repo, push_gguf_folder
-from .job import MergeJob
+from .job import ONE_PROCESS, MergeJob
 from .model_checks import ChecksBeside, KnownChecks, checks_beside, outline
 from .quiet import quiet_libraries
 
@@ -394,10 +393,7 @@ def _merge_and_push(
             "to the Hub, not both; merge to the folder first and push it with `hf upload` to keep a local copy"
         )
     if distributed and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        problems.append(
-            "a push to the Hub is made by one process: run it without torchrun, or merge to a folder over the ranks "
-            "and push that folder"
-        )
+        problems.append(ONE_PROCESS)
     if problems:
         raise InputError(problems)
     steps = JobSteps(World(), ("plan",) if dry_run else STEPS)
@@ -430,13 +426,13 @@ def _merge_and_push(
 def _push_gguf(base, adapter, opts: MergeOptions, problems: list[str], steps: JobSteps, push: Push) -> MergeReport:
     """One GGUF file merged into the push's staging folder, then pushed with its record and model card."""
     name = push.target.repo_id.split("/")[-1]
-    with staged_push(push.staging_dir(), push.target.repo_id) as folder:
+    with staged_push(push.folder()) as folder:
         file = f"{name}.{opts.outtype.upper()}.gguf" if opts.outtype != "auto" else f"{name}.gguf"
         job = CheckpointJob(base, adapter, os.path.join(folder, file), opts, problems, steps)
         job.gguf_name = name
         report = job.run()
         push.save_method, push.tags = "gguf", ["gguf", "llama.cpp"]
-        push.url = push_gguf_folder(folder, push, report, *job.card_base(None))
+        push.url = push_gguf_folder(folder, push, report, *job.card_base(job.carried))
     report.notes = [*report.notes, f"pushed: {push.url}"]
     return report
 
@@ -549,23 +545,15 @@ class CheckpointJob(MergeJob):
     def saves_beside(self) -> bool:
         return self.hook is not None
 
-    def card_base(self, plan: Plan | None) -> tuple[str | None, object]:
-        """The base the adapter names (``base_model_name_or_path``) and its config, read from its folder."""
-        folders = plan.inputs.adapter.folders if plan is not None else [self.adapter]
-        folder = folders[0] if isinstance(folders, (list, tuple)) else folders
-        if isinstance(folder, (list, tuple)):
-            folder = folder[0]
-        try:
-            with open(os.path.join(os.fspath(folder), "adapter_config.json"), encoding="utf-8") as f:
-                cfg = json.load(f)
-        except (OSError, ValueError, TypeError):
-            return None, None
-        peft_type = SimpleNamespace(value=str(cfg.get("peft_type") or "LORA"))
+    def card_base(self, plan: Plan) -> tuple[str | None, object]:
+        """The base the adapter names (``base_model_name_or_path``) and its config, as the plan read them."""
+        spec = plan.inputs.adapter
+        cfg = spec.config
         config = SimpleNamespace(
             r=cfg.get("r", ""),
             lora_alpha=cfg.get("lora_alpha", ""),
             target_modules=cfg.get("target_modules"),
-            peft_type=peft_type,
+            peft_type=SimpleNamespace(value=spec.peft_type),
         )
         return cfg.get("base_model_name_or_path"), config
 

@@ -410,7 +410,7 @@ def push_to_hub_merged(
             ModelJob(model, None, opts, [], tokenizer=tokenizer, push=push).run()
         return push.url
     repo_id = target.repo_id = prepare()
-    with staged_push(push.staging_dir(), repo_id) as folder:  # the others: saved whole, then pushed
+    with staged_push(push.folder()) as folder:  # the others: saved whole, then pushed
         out = os.path.join(folder, repo_id.split("/")[-1])
         report = None
         if method == "lora":

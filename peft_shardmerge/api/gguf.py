@@ -238,7 +238,7 @@ def push_to_hub_gguf(
     """
     from ..output.hub_push import HubTarget
     from ..output.hub_staging import staged_push
-    from .hub import Push, prepare_repo
+    from .hub import Push, model_names, prepare_repo, push_gguf_folder
 
     problems = _method_problems(quantization_method)
     problems += [f"{k}={v!r} is not an option of push_to_hub_gguf" for k, v in unsloth.items() if k not in IGNORED]
@@ -259,30 +259,10 @@ def push_to_hub_gguf(
     )
     push = Push(target, unsloth.get("temporary_location"), save_method="gguf", tags=["gguf", "llama.cpp"])
     name = repo_id.split("/")[-1]
-    with staged_push(push.staging_dir(), repo_id) as folder:
-        return _push_files(
-            model, folder, name, tokenizer, quantization_method, maximum_memory_usage, base_precision, progress, push
+    with staged_push(push.folder()) as folder:
+        out = os.path.join(folder, name)
+        report = _write(
+            model, out, tokenizer, quantization_method, maximum_memory_usage, base_precision, True, progress
         )
-
-
-def _push_files(model, folder, name, tokenizer, methods, maximum_memory_usage, base_precision, progress, push) -> str:
-    """The GGUF files of ``methods`` written into the staging ``folder`` and pushed in one commit."""
-    from .hub import push_gguf_folder
-
-    target = push.target
-    report = _write(
-        model,
-        os.path.join(folder, name),
-        tokenizer,
-        methods,
-        maximum_memory_usage,
-        base_precision,
-        True,
-        progress,
-    )
-    report.out_dir = target.url
-    base = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(
-        getattr(getattr(model, "base_model", None), "config", None), "_name_or_path", None
-    )
-    cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
-    return push_gguf_folder(os.path.join(folder, name), push, report, base, cfg)
+        report.out_dir = target.url
+        return push_gguf_folder(out, push, report, *model_names(model))

@@ -11,6 +11,7 @@ from typing import Callable
 from ..errors import HubUploadError, InputError
 from ..model.walk import unwrap
 from ..output.hub_push import HubSession, HubTarget, hf_api, masked, push_folder, resolved_token, unreachable
+from ..output.hub_staging import staging_folder
 from ..version import __version__
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class Push:
     def staging_dir(self) -> str:
         """The staging folder."""
         return os.path.abspath(os.fspath(self.staging)) if self.staging else tempfile.gettempdir()
+
+    def folder(self) -> str:
+        """The push's own folder in the staging folder (:func:`~peft_shardmerge.output.hub_staging.staging_folder`)."""
+        return staging_folder(self.staging_dir(), self.target.repo_id)
 
     def card_hook(
         self, hook: Callable[[str], None] | None, plan, source, card_base: tuple[str | None, object]
@@ -400,10 +405,16 @@ def publish(
     return push_folder(folder, target, known, replace)
 
 
+def model_names(model) -> tuple[str | None, object]:
+    """The base a loaded PeftModel was loaded from (``_name_or_path``) and its first adapter's PEFT config, for a
+    model card."""
+    base = getattr(unwrap(model).config, "_name_or_path", None)
+    return base, next(iter((getattr(model, "peft_config", None) or {}).values()), None)
+
+
 def publish_model(folder, target: HubTarget, model, report, save_method, *, tags, known=None, replace=False) -> str:
     """Publish a merged folder: :func:`publish` with the base and adapter the model names."""
-    base = getattr(unwrap(model).config, "_name_or_path", None)
-    cfg = next(iter((getattr(model, "peft_config", None) or {}).values()), None)
+    base, cfg = model_names(model)
     return publish(
         folder,
         target,

@@ -29,7 +29,7 @@ from ..options import MODEL, MergeOptions, parse_dtype, parse_size
 from ..output.out_dir import check_out_dir, foreign_model_problems, path_argument, source_folders
 from ..output.record import live_merge_info
 from ..support.model import require_supported
-from .hub import Push
+from .hub import Push, model_names
 from .job import MergeJob
 from .model_plan import (  # noqa: F401 - public
     BASE_PRECISIONS,
@@ -277,8 +277,7 @@ class ModelJob(MergeJob):
 
     def card_base(self, plan: Plan | None) -> tuple[str | None, object]:
         """The base the model was loaded from (``_name_or_path``) and its first adapter's config."""
-        base = getattr(unwrap(self.model).config, "_name_or_path", None)
-        return base, next(iter((getattr(self.model, "peft_config", None) or {}).values()), None)
+        return model_names(self.model)
 
 
 def _record_info(plan: Plan) -> dict:

@@ -30,6 +30,11 @@ from .quiet import quiet_libraries
 TOKENIZER_ROOM = 64 * 10**6
 #: room in a push's staging bound for the files the merge makes beside the shards (config, index, card, record)
 MADE_ROOM = 10**6
+#: a push under a launcher of several processes
+ONE_PROCESS = (
+    "a push to the Hub is made by one process: run it without torchrun, or merge to a folder over the ranks and push "
+    "that folder"
+)
 
 
 class MergeJob(ABC):
@@ -78,10 +83,7 @@ class MergeJob(ABC):
     ):
         self.push = push
         if push is not None and steps is not None and steps.world.distributed:
-            problems.append(
-                "a push to the Hub is made by one process: run it without torchrun, or merge to a folder over the "
-                "ranks and push that folder"
-            )
+            problems.append(ONE_PROCESS)
         if out_dir is not None and is_gguf(out_dir):
             problems += gguf_problems(opts)
             # one rounding, the GGUF type's, from the 32-bit merge; parts of PART_BYTES: what a killed merge keeps
@@ -96,6 +98,7 @@ class MergeJob(ABC):
         self.out_dir, self.opts, self.problems, self.steps = out_dir, opts, problems, steps
         self.outtype: OutType | None = None  # a GGUF output's type, resolved when its sink is made
         self.gguf_name: str | None = None  # a GGUF output's general.name (None: its file's name)
+        self.carried: Plan | None = None  # the plan carried out (a re-planned merge's last)
 
     def run(self) -> MergeReport:
         """Settle the output, plan, agree on the plan, carry it out; release the plan's resources.
@@ -123,6 +126,7 @@ class MergeJob(ABC):
 
     def carry_out(self, plan: Plan) -> MergeReport:
         """The one executor, from :meth:`source` into :meth:`sink`."""
+        self.carried = plan
         source = self.source(plan)
         sink = self.sink(plan, source)
         hook = self.before_commit()
@@ -200,9 +204,8 @@ class MergeJob(ABC):
         """The most the files beside the shards take (a push's staging bound): the base's files the merge carries,
         the files it makes (config, index, model card, record), and room for what a hook saves beside them (a
         tokenizer)."""
-        base = getattr(plan.inputs, "base", None)
-        folder, extra = getattr(base, "folder", None), getattr(base, "extra_files", None) or []
-        carried = sum(os.path.getsize(os.path.join(folder, f)) for f in extra) if folder else 0
+        base = getattr(plan.inputs, "base", None)  # a loaded model's plan has none: nothing carried
+        carried = base.extra_bytes if base is not None else 0
         adapter = getattr(plan.inputs, "adapter", None)
         for f in getattr(adapter, "tokenizer_files", None) or []:  # they replace the base's: counted besides
             path = os.path.join(getattr(adapter, "folder", "") or "", f)

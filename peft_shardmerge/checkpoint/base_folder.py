@@ -197,6 +197,11 @@ class CheckpointSource:
         self.stored = self.stored or list(self.tensors)
 
     @property
+    def extra_bytes(self) -> int:
+        """The bytes of :attr:`extra_files`, which the merge carries into its output."""
+        return sum(os.path.getsize(os.path.join(self.folder, f)) for f in self.extra_files)
+
+    @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 

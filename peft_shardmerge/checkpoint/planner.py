@@ -356,9 +356,7 @@ def plan_from_folders(
     space = (
         []
         if out_dir is None or is_gguf(out_dir)  # a GGUF's size is its type's: its sink checks the space
-        else check_space(
-            out_dir, plan.total_size + sum(os.path.getsize(os.path.join(src.folder, f)) for f in src.extra_files)
-        )
+        else check_space(out_dir, plan.total_size + src.extra_bytes)
     )
     if space:
         raise InputError(space)

@@ -16,6 +16,8 @@ from typing import Iterator
 
 MADE_BY = "peft-shardmerge"
 MANIFEST = "manifest.json"
+#: the file that marks a push's staging folder as one a push of ours made (the only kind it empties or removes)
+PUSH_MARK = ".peft-shardmerge-push"
 #: the longest name put beside OUT: ``.<name>.old-`` and 8 hex digits
 _LONGEST_SUFFIX = len("..old-") + 8
 

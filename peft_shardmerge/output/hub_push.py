@@ -9,7 +9,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..errors import HubUploadError, MissingDependencyError
+from ..errors import HubUploadError, InputError, MissingDependencyError
+from .files import held_signals
+from .record import RECORD_FILE, output_files
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +48,6 @@ def resolved_token(token: str | None) -> str | None:
 
     return get_token()
 
-
-#: the file that marks a staging folder as one a push of ours made (the only kind it empties or removes; never pushed)
-MARK = ".peft-shardmerge-push"
 
 #: exception class names of the HTTP libraries huggingface_hub uses (httpx, requests, urllib3) that mean the server
 #: was not reached at all
@@ -206,15 +205,37 @@ class HubSession:
         """The token the calls send (given, or found by huggingface_hub), for masking."""
         return resolved_token(self.target.token)
 
-    def stale_weights(self, written: set[str]) -> list[str]:
-        """The weight files of the repository (at the branch, or ``main`` for a branch to be made) this push does
-        not write: left there, transformers could load them instead of the pushed ones (a single
-        ``model.safetensors`` wins over an index)."""
+    def stale_weights(self, written: set[str], replace: bool) -> list[str]:
+        """The weight files of the repository (at the branch, or ``main`` for a branch to be made) a push that writes
+        weights does not write: left there, transformers could load them instead of the pushed ones (a single
+        ``model.safetensors`` wins over an index). A GGUF beside them is no such push.
+
+        Args:
+            written: the files the push writes.
+            replace: they are to be deleted in the push's commit; else a repository holding any is refused.
+
+        Returns:
+            Their names, for the commit to delete.
+
+        Raises:
+            InputError: there are some and ``replace`` is False.
+        """
+        if not any(weight_file(n) for n in written):
+            return []
         with self.said("listing the repository's files"):
             info = self.api.repo_info(self.target.repo_id, revision=self._upload_revision(), files_metadata=False)
-        return sorted(
+        stale = sorted(
             s.rfilename for s in info.siblings or [] if weight_file(s.rfilename) and s.rfilename not in written
         )
+        if stale and not replace:
+            raise InputError(
+                [
+                    f"{self.target.repo_id} holds {', '.join(stale)}, which this push does not write: transformers "
+                    "could load them instead of the pushed weights. Pass overwrite=True to delete them in the same "
+                    "commit, or push to another repository or branch (revision)"
+                ]
+            )
+        return stale
 
     @contextmanager
     def said(self, what: str, outcome: str = "Nothing was committed: the repository is as it was") -> Iterator[None]:
@@ -336,15 +357,30 @@ class HubSession:
             )
         return {a["oid"] for a in actions if a.get("actions") is None and objects.get(a["oid"]) == a.get("size")}
 
-    def commit(self, operations: list) -> str:
-        """One commit naming every file (creating the branch first where it does not exist yet).
+    def commit(self, operations: list, deleted: list[str] = ()) -> str:
+        """One commit naming every file (creating the branch first where it does not exist yet): the files not
+        uploaded yet are uploaded first, and a push some of whose files the repository's ``.gitignore`` would leave
+        out is refused. The commit's request is sent under held signals: once sent, the push ends with it (an
+        interrupt meanwhile is said, not obeyed).
 
         Args:
             operations: the ``CommitOperationAdd`` of each file, uploaded or to be sent with the commit.
+            deleted: the repository's files the commit deletes.
 
         Returns:
             The URL of the commit (of the pull request with ``create_pr``).
         """
+        from huggingface_hub import CommitOperationDelete
+
+        if any(not op._is_uploaded for op in operations):
+            self.upload_all([op for op in operations if not op._is_uploaded])
+        ignored = [op.path_in_repo for op in operations if getattr(op, "_should_ignore", False)]
+        if ignored:
+            raise HubUploadError(
+                f"the .gitignore of {self.target.repo_id} leaves out {', '.join(ignored)}: the commit would miss "
+                "them. Nothing was committed; remove those patterns from the repository's .gitignore, then push again"
+            )
+        operations = [*operations, *(CommitOperationDelete(path_in_repo=name) for name in deleted)]
         t = self.target
         if not self.branch_exists() and not t.create_pr:
             with self.said(f"making the branch {t.revision}"):
@@ -355,7 +391,7 @@ class HubSession:
             "pushing again"
         )
         try:
-            with self.said("the commit", f"Nothing was committed, unless: {unknown}"):
+            with self.said("the commit", f"Nothing was committed, unless: {unknown}"), held_signals(False) as stopped:
                 info = self.api.create_commit(
                     t.repo_id,
                     operations=operations,
@@ -373,21 +409,36 @@ class HubSession:
                 except Exception:  # the commit's error is the one to say
                     log.debug("the branch %s could not be removed again", t.revision)
             raise
-        return str(info.pr_url or info.commit_url)
-
-    @staticmethod
-    def ignored(operations: list) -> list[str]:
-        """The files the repository's ``.gitignore`` keeps out (known once uploaded or their mode asked)."""
-        return [op.path_in_repo for op in operations if getattr(op, "_should_ignore", False)]
+        url = str(info.pr_url or info.commit_url)
+        if stopped:
+            log.warning("interrupted while the commit was made: the push is complete (%s)", url)
+        return url
 
 
-def stale_problem(stale: list[str], target: HubTarget) -> str:
-    """The refusal of a push into a repository whose weight files it would not all replace."""
-    return (
-        f"{target.repo_id} holds {', '.join(stale)}, which this push does not write: transformers could load them "
-        "instead of the pushed weights. Pass overwrite=True to delete them in the same commit, or push to another "
-        "repository or branch (revision)"
-    )
+def folder_operations(folder: str, known: dict[str, str] | None = None, skip=()) -> list:
+    """A ``CommitOperationAdd`` for every file of a folder a push commits (its merge record included), each reading
+    512 bytes of its file; a SHA-256 already known is set, not computed again.
+
+    Args:
+        folder: the folder.
+        known: SHA-256 of files already hashed, by relative path.
+        skip: relative paths left out (files already in the commit).
+
+    Returns:
+        The operations, in :func:`~peft_shardmerge.output.record.output_files`'s order, the record last.
+    """
+    from huggingface_hub import CommitOperationAdd
+
+    names = output_files(folder) + ([RECORD_FILE] if os.path.isfile(os.path.join(folder, RECORD_FILE)) else [])
+    ops = []
+    for rel in names:
+        if rel in skip:
+            continue
+        op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(folder, rel))
+        if (known or {}).get(rel):
+            op.upload_info.sha256 = bytes.fromhex(known[rel])
+        ops.append(op)
+    return ops
 
 
 def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = None, replace: bool = False) -> str:
@@ -400,47 +451,17 @@ def push_folder(folder: str, target: HubTarget, known: dict[str, str] | None = N
         known: the SHA-256 of files already hashed, by relative path (a GGUF's, from its merge record): not read
             again to hash them.
         replace: delete, in the same commit, the repository's weight files the folder does not hold (else such
-            files are refused: :func:`stale_problem`).
+            files are refused: :meth:`HubSession.stale_weights`).
 
     Returns:
         The URL of the commit.
 
     Raises:
+        InputError: the repository holds weight files the folder does not replace, and ``replace`` is False.
         HubUploadError: an upload or the commit failed; nothing was committed.
     """
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
-    session, ops = HubSession(target), []
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        for name in sorted(files):
-            if name == MARK and root == folder:
-                continue
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, folder).replace(os.sep, "/")
-            op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=path)
-            if (known or {}).get(rel):
-                op.upload_info.sha256 = bytes.fromhex(known[rel])
-            ops.append(op)
-    written = {op.path_in_repo for op in ops}
-    stale = session.stale_weights(written) if any(weight_file(n) for n in written) else []  # a GGUF beside weights
-    if stale and not replace:
-        raise HubUploadError(stale_problem(stale, target) + "; nothing was committed")
+    session, ops = HubSession(target), folder_operations(folder, known)
+    stale = session.stale_weights({op.path_in_repo for op in ops}, replace)
     log.info("pushing %d files to %s", len(ops), target.url)
     with hub_bars(target.progress):
-        session.upload_all(ops)
-        refuse_ignored(session.ignored(ops), target)
-        return session.commit(ops + [CommitOperationDelete(path_in_repo=name) for name in stale])
-
-
-def refuse_ignored(paths: list[str], target: HubTarget) -> None:
-    """Refuse a push some of whose files the repository's ``.gitignore`` would leave out of the commit.
-
-    Raises:
-        HubUploadError: naming them.
-    """
-    if paths:
-        raise HubUploadError(
-            f"the .gitignore of {target.repo_id} leaves out {', '.join(paths)}: the commit would miss them. Nothing "
-            "was committed; remove those patterns from the repository's .gitignore, then push again"
-        )
+        return session.commit(ops, stale)

@@ -15,13 +15,11 @@ from typing import Callable, Iterator
 from ..engine.sink import Finish, Layout
 from ..errors import HubUploadError, InputError
 from ..io.safetensors_io import build_header
-from .files import held_signals
-from .hub_push import MARK, HubSession, HubTarget, hub_bars, refuse_ignored, stale_problem
-from .hub_staging import PushJournal, bytes_under, folder_problems, fresh_folder, journal_path, staging_folder
-from .lock import output_lock
-from .record import RECORD_FILE, file_sha256, output_files, sealed_record
-from .shard_sink import check_written
-from .writer import ShardWriter, write_json
+from .files import PUSH_MARK
+from .hub_push import HubSession, HubTarget, folder_operations, hub_bars
+from .hub_staging import PushJournal, bytes_under, folder_problems, journal_path, staged_push, staging_folder
+from .shard_sink import check_written, write_beside
+from .writer import ShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +83,7 @@ class HubSink:
             return problems
         if not os.access(where, os.W_OK):
             return [f"cannot write in the staging folder {where}; pass another (--staging DIR)"]
-        held = bytes_under(self.folder) if os.path.isfile(os.path.join(self.folder, MARK)) else 0
+        held = bytes_under(self.folder) if os.path.isfile(os.path.join(self.folder, PUSH_MARK)) else 0
         free = shutil.disk_usage(where).free + held
         need = self.bound(layout)
         if free < need:
@@ -119,26 +117,18 @@ class HubSink:
         if self.prepare is not None:
             self.target.repo_id = self.prepare()
             self.location = self.target.url
-        with output_lock(self.folder), hub_bars(self.target.progress):
+        with staged_push(self.folder), hub_bars(self.target.progress):
+            session = HubSession(self.target)
             written = {name for name, _ in layout.parts} | ({INDEX} if len(layout.parts) > 1 else set())
-            stale = HubSession(self.target).stale_weights(written)
-            if stale and not self.replace:
-                raise InputError([stale_problem(stale, self.target)])
-            fresh_folder(self.folder)
+            deleted = session.stale_weights(written, self.replace)
             key = {"repo": self.target.repo_id, "revision": self.target.revision, "fingerprint": layout.fingerprint}
             if layout.inputs is not None:
                 key["inputs"] = layout.inputs.common()
             journal = PushJournal(journal_path(self.folder), key)
-            session = HubSession(self.target)
             out = HubOutput(self, layout, session, journal)
-            out.deleted = stale
-            try:
-                yield out
-                self.commit_url = out.commit()
-            finally:
-                with held_signals():
-                    shutil.rmtree(self.folder, ignore_errors=True)
-            journal.remove()
+            yield out
+            self.commit_url = out.commit(deleted)
+        journal.remove()
 
 
 class HubOutput:
@@ -160,7 +150,6 @@ class HubOutput:
         self.records: dict[str, dict] = {}
         self.sha: dict[str, str] = {}
         self.failure: BaseException | None = None  # an upload's, seen by the merging thread before its future
-        self.deleted: list[str] = []  # the repository's weight files the commit deletes (replace)
         self.kept: set[str] = set()
         self.done = self._kept() if layout.fingerprint is not None else set()
 
@@ -277,7 +266,11 @@ class HubOutput:
         name = self.names[i]
         try:
             op = self.session.upload(path, name, self.sha[name])
-            refuse_ignored(self.session.ignored([op]), self.sink.target)
+            if op._should_ignore:
+                raise HubUploadError(
+                    f"the .gitignore of {self.sink.target.repo_id} leaves out {name}: the commit would miss it. "
+                    "Nothing was committed; remove that pattern from the repository's .gitignore, then push again"
+                )
             if op._upload_mode != "lfs":  # a small shard the repository keeps in git: it goes with the commit
                 with open(path, "rb") as f:
                     op.path_or_fileobj = f.read()
@@ -302,46 +295,22 @@ class HubOutput:
         Args:
             finish: what the output holds besides its shards.
         """
-        tmp = self.folder
-        if len(self.layout.parts) > 1 and finish.index is not None:
-            write_json(os.path.join(tmp, "model.safetensors.index.json"), finish.index)
-        write_json(os.path.join(tmp, "config.json"), finish.config)
-        if finish.side_files is not None:
-            finish.side_files(tmp)
-        if finish.before_commit is not None:
-            finish.before_commit(tmp)
-        files = {
-            rel: {"size": os.path.getsize(os.path.join(tmp, rel)), "sha256": file_sha256(os.path.join(tmp, rel))}
-            for rel in output_files(tmp)
-            if rel != MARK and rel not in self.records
-        }
-        shards = {name: self.records[name] for name in self.names}
-        write_json(os.path.join(tmp, RECORD_FILE), sealed_record(finish.merge_info(), files, shards=shards))
-        for check in finish.checks:
-            check()
+        write_beside(self.folder, finish, len(self.layout.parts), {name: self.records[name] for name in self.names})
 
-    def commit(self) -> str:
-        """One commit: every shard (uploaded) and every other file of the staging folder.
+    def commit(self, deleted: list[str]) -> str:
+        """One commit: every shard (uploaded) and every other file of the staging folder, and the repository's
+        weight files this push replaces deleted.
+
+        Args:
+            deleted: those files.
 
         Returns:
             The commit's URL.
         """
-        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
         ops = [self.ops[name] for name in self.names]
-        others = [
-            CommitOperationAdd(path_in_repo=rel, path_or_fileobj=os.path.join(self.folder, rel))
-            for rel in [*output_files(self.folder), RECORD_FILE]
-            if rel != MARK and rel not in self.ops
-        ]
-        self.session.upload_all(others)
-        refuse_ignored(self.session.ignored(others), self.sink.target)
-        deletes = [CommitOperationDelete(path_in_repo=name) for name in self.deleted]
+        ops += folder_operations(self.folder, skip=set(self.ops))
         try:
-            with held_signals(deliver=False) as interrupted:  # one request: once sent, the push ends with it
-                url = self.session.commit(ops + others + deletes)
-            if interrupted:
-                log.warning("interrupted while the commit was made: the push is complete (%s)", url)
+            url = self.session.commit(ops, deleted)
         except HubUploadError as e:
             if not getattr(e, "refused", False) or not self.kept:
                 raise
@@ -352,7 +321,7 @@ class HubOutput:
                 f"{e} The commit named {len(self.kept)} shard(s) an earlier run uploaded; they are dropped from the "
                 f"journal ({self.journal.path}): the same call run again merges and sends them"
             ) from None
-        log.info("pushed %d files to %s in one commit", len(ops) + len(others), self.sink.target.url)
+        log.info("pushed %d files to %s in one commit", len(ops), self.sink.target.url)
         return url
 
 

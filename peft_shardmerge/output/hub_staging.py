@@ -11,8 +11,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from ..errors import InputError
-from .files import held_signals
-from .hub_push import MARK
+from .files import PUSH_MARK, held_signals
 from .lock import output_lock
 
 JOURNAL_FORMAT = "peft-shardmerge-push-journal"
@@ -102,37 +101,39 @@ def bytes_under(folder: str) -> int:
     return total
 
 
-def fresh_folder(folder: str) -> None:
-    """Make the push's staging folder, or empty the one an earlier run of ours left."""
-    own_folder(folder)
-    shutil.rmtree(folder)
-    own_folder(folder)
-
-
 @contextmanager
-def staged_push(staging: str, repo_id: str) -> Iterator[str]:
-    """A push's staging folder for files written whole before they are pushed (a GGUF, an adapter): locked, emptied
-    of what an earlier run of ours left, and removed when the block ends, whatever happens.
+def staged_push(folder: str) -> Iterator[str]:
+    """A push's staging folder (:func:`staging_folder`): locked, made as this user's and marked as ours (emptied of
+    what an earlier run of ours left there), and removed when the block ends, whatever happens. Anything else at that
+    name is refused.
 
     Args:
-        staging: the folder it is made in.
-        repo_id: the repository (it names the folder: :func:`staging_folder`).
+        folder: its path.
 
     Returns:
-        A context manager yielding the folder.
+        A context manager yielding ``folder``.
+
+    Raises:
+        InputError: something a push of this user's did not make is at that name (:func:`folder_problems`).
 
     Example:
         >>> import tempfile
         >>> staging = tempfile.mkdtemp()
-        >>> with staged_push(staging, "me/tiny") as folder:
+        >>> with staged_push(staging_folder(staging, "me/tiny")) as folder:
         ...     os.listdir(folder)
         ['.peft-shardmerge-push']
         >>> os.listdir(staging)
         []
     """
-    folder = staging_folder(staging, repo_id)
     with output_lock(folder):
-        fresh_folder(folder)
+        problems = folder_problems(folder)
+        if problems:
+            raise InputError(problems)
+        if os.path.lexists(folder):
+            shutil.rmtree(folder)
+        os.mkdir(folder, 0o700)  # the shards wait here, hashed, for their upload: nobody else writes in it
+        with open(os.path.join(folder, PUSH_MARK), "w", encoding="utf-8") as f:
+            f.write("a staging folder of peft-shardmerge's push; removed when the push ends\n")
         try:
             yield folder
         finally:
@@ -155,39 +156,9 @@ def folder_problems(folder: str) -> list[str]:
         return []
     st = os.lstat(folder)
     mine = not os.path.islink(folder) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-    if mine and os.path.isfile(os.path.join(folder, MARK)):
+    if mine and os.path.isfile(os.path.join(folder, PUSH_MARK)):
         return []
     return [
         f"{folder} exists and is not a staging folder of peft-shardmerge's made by this user; the push never writes "
         "into what it did not make: remove it or pass another staging folder (--staging DIR)"
     ]
-
-
-def own_folder(folder: str) -> str:
-    """A push's staging folder: made (and marked as ours), or the one an earlier run of ours left, as it is; any other
-    thing at that name is refused.
-
-    Args:
-        folder: the path (:func:`staging_folder`).
-
-    Returns:
-        ``folder``.
-
-    Raises:
-        InputError: something not made by a push of ours is at that name.
-
-    Example:
-        >>> import tempfile
-        >>> folder = own_folder(staging_folder(tempfile.mkdtemp(), "me/tiny"))
-        >>> os.listdir(folder)
-        ['.peft-shardmerge-push']
-    """
-    problems = folder_problems(folder)
-    if problems:
-        raise InputError(problems)
-    if os.path.lexists(folder):
-        return folder
-    os.mkdir(folder, 0o700)  # the shards wait here, hashed, for their upload: nobody else writes in it
-    with open(os.path.join(folder, MARK), "w", encoding="utf-8") as f:
-        f.write("a staging folder of peft-shardmerge's push; removed when the push ends\n")
-    return folder

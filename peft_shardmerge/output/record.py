@@ -13,7 +13,7 @@ import torch
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, read_header
 from ..quant.bnb_layers import bnb_layer_kind, quant_state_of
 from ..version import __version__
-from .files import MANIFEST
+from .files import MANIFEST, PUSH_MARK
 from .writer import write_json
 
 RECORD_FILE = "merge_manifest.json"
@@ -304,8 +304,8 @@ def record_digest(record: dict) -> str:
 
 
 def output_files(folder: str) -> list[str]:
-    """Every regular file under ``folder``, as relative paths (``/``-separated), except the record itself and the
-    staging folder's resume manifest (removed when the output is committed).
+    """Every regular file under ``folder``, as relative paths (``/``-separated), except the record itself, the
+    staging folder's resume manifest (removed when the output is committed) and a push's mark.
 
     Args:
         folder: the output folder.
@@ -327,7 +327,7 @@ def output_files(folder: str) -> list[str]:
         dirs.sort()
         for name in sorted(files):
             rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
-            if rel not in (RECORD_FILE, MANIFEST, MANIFEST + ".tmp"):
+            if rel not in (RECORD_FILE, MANIFEST, MANIFEST + ".tmp", PUSH_MARK):
                 out.append(rel)
     return out
 
@@ -339,14 +339,15 @@ def write_merge_record(folder: str, shards: dict[str, dict], merge: dict) -> Non
 
     Args:
         folder: the output (staging) folder.
-        shards: records of shards written by this run, by file name (from ``ShardWriter.record()``).
+        shards: records of shards written by this run, by file name (from ``ShardWriter.record()``), those no longer
+            in ``folder`` too (a push's, uploaded and deleted).
         merge: what the merge used (:func:`disk_merge_info` or :func:`live_merge_info`).
 
     Raises:
         OSError: a file cannot be read or the record cannot be written.
         CorruptFileError: a shard without a record is not valid safetensors.
     """
-    shard_records, files = {}, {}
+    shard_records, files = dict(shards), {}
     for rel in output_files(folder):
         path = os.path.join(folder, rel)
         if rel.endswith(".safetensors") and "/" not in rel:

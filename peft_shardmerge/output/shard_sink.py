@@ -203,16 +203,7 @@ class FolderOutput:
             MergeCheckError: a written header differs from the layout, or a check failed.
         """
         tmp = self.staging.path
-        if len(self.layout.parts) > 1 and finish.index is not None:
-            write_json(os.path.join(tmp, "model.safetensors.index.json"), finish.index)
-        write_json(os.path.join(tmp, "config.json"), finish.config)
-        if finish.side_files is not None:
-            finish.side_files(tmp)
-        if finish.before_commit is not None:
-            finish.before_commit(tmp)
-        write_merge_record(tmp, self.records, finish.merge_info())
-        for check in finish.checks:
-            check()
+        write_beside(tmp, finish, len(self.layout.parts), self.records)
         check_written(tmp, [(name, [(n, d, s) for n, d, s, _ in entries]) for name, entries in self.layout.parts])
 
     def _close(self, name: str, w: ShardWriter, inputs: Future | None, stopping: threading.Event) -> None:
@@ -233,6 +224,31 @@ class FolderOutput:
         self.staging.record(name, shard_digest(record), inputs=digest)
         self.records[name] = record
         log.debug("%s written", name)
+
+
+def write_beside(folder: str, finish: Finish, parts: int, records: dict[str, dict]) -> None:
+    """What an output holds besides its shards, written into ``folder``: the index (of several shards), the config,
+    the side files and the caller's hook, then the merge record (last: it lists them); then the checks.
+
+    Args:
+        folder: the folder being written.
+        finish: what to write and check.
+        parts: how many shards the output has.
+        records: the shards' records by name (:func:`~peft_shardmerge.output.record.write_merge_record`).
+
+    Raises:
+        MergeCheckError: a check failed.
+    """
+    if parts > 1 and finish.index is not None:
+        write_json(os.path.join(folder, "model.safetensors.index.json"), finish.index)
+    write_json(os.path.join(folder, "config.json"), finish.config)
+    if finish.side_files is not None:
+        finish.side_files(folder)
+    if finish.before_commit is not None:
+        finish.before_commit(folder)
+    write_merge_record(folder, records, finish.merge_info())
+    for check in finish.checks:
+        check()
 
 
 def check_written(folder: str, shards: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]]) -> None:
