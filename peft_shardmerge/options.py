@@ -191,6 +191,9 @@ class MergeOptions:
             converter splits them (``"2G"``: powers of 1000, as its ``--split-max-size``); 0 writes one file.
         outtype: the GGUF type of an output ending in ``.gguf`` (:data:`~peft_shardmerge.support.outtypes.OUTTYPES`,
             Unsloth's names too); None is ``"auto"``, the base's 16-bit type.
+        quantize: the served format the merged weights are written in
+            (:data:`~peft_shardmerge.quant.encode.NAMES`: ``"fp8-block"``, ``"ct-fp8-block"``, ``"ct-w4a16"``,
+            ``"nf4"``, ``"fp4"``, ``"int8"``, or ``"base"``, the base checkpoint's own); None: the merge's dtype.
 
     Example:
         >>> MergeOptions(dtype="bf16", chunk_elems=0).problems()
@@ -223,6 +226,7 @@ class MergeOptions:
     maximum_memory_usage: float = 0.9
     outtype: str | None = None
     split_max_size: int | str = 0
+    quantize: str | None = None
     # dtype and max_shard_size parsed once, in __post_init__: the value, or the problems of one that does not parse
     _out_dtype: torch.dtype | None = field(default=None, init=False, repr=False, compare=False)
     _shard_bytes: int = field(default=0, init=False, repr=False, compare=False)
@@ -331,6 +335,10 @@ class MergeOptions:
             problems.append(f"model_checks must be one of {', '.join(MODEL_CHECKS)}, got {self.model_checks!r}")
         for name in ("nf4_double_quant", "overwrite", "progress", "resume"):
             problems += _bool_problem(name, getattr(self, name))
+        if self.quantize is not None:
+            from .quant.encode import name_problems
+
+            problems += name_problems(self.quantize)
         if self.outtype is not None:
             from .support.outtypes import outtype_problems
 

@@ -11,6 +11,7 @@ import sys
 
 from ..errors import ShardMergeError
 from ..support.combinations import COMBINATIONS, MAJORITY_SIGNS
+from ..quant.encode import NAMES
 from ..support.outtypes import OUTTYPES
 from ..version import __version__
 from .model_checks import ChecksBeside, checks_beside
@@ -202,6 +203,16 @@ def _merge_options(m: argparse.ArgumentParser) -> None:
         "docs/gguf.md)",
     )
     m.add_argument(
+        "--quantize",
+        type=str.lower,
+        choices=NAMES,
+        default=None,
+        help="write the merged weights in a served format, each quantized once from its float32 merge as the "
+        "format's own tool does: fp8-block (transformers fine-grained FP8), ct-fp8-block and ct-w4a16 "
+        "(compressed-tensors, for vLLM), nf4, fp4, int8 (bitsandbytes), base (the base's own quantized format); "
+        "docs/quantized.md. GPTQ and AWQ need calibration: merge, then quantize with llm-compressor",
+    )
+    m.add_argument(
         "--split-max-size",
         default="0",
         help="split a GGUF OUT into files of at most this many bytes of tensors, e.g. 2G (K, M, G: powers of "
@@ -351,6 +362,7 @@ def _merge(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             outtype=args.outtype,
             split_max_size=args.split_max_size,
+            quantize=args.quantize,
             base_precision=args.base_precision,
             nf4_quant_type=args.nf4_quant_type,
             nf4_blocksize=args.nf4_blocksize,

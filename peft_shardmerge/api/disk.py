@@ -255,6 +255,7 @@ def merge_checkpoint(
     nf4_double_quant: bool = True,
     outtype: str | None = None,
     split_max_size: int | str = 0,
+    quantize: str | None = None,
     # how it runs
     device: str = "auto",
     overwrite: bool = False,
@@ -314,6 +315,11 @@ def merge_checkpoint(
             ``"q4_k_m"``, ``"q5_k_s"``, ``"q5_k_m"``, ``"q6_k"``.
         split_max_size: a GGUF output split into files of at most this many bytes of tensors, named and laid out
             as llama.cpp's converter splits them (``"2G"``; K, M, G are powers of 1000); 0 writes one file.
+        quantize: write the merged weights in a served format, each quantized once from its float32 merge as the
+            format's own tool quantizes it (``docs/quantized.md``): ``"fp8-block"`` (transformers' fine-grained
+            FP8), ``"ct-fp8-block"`` / ``"ct-w4a16"`` (compressed-tensors, for vLLM), ``"nf4"`` / ``"fp4"`` /
+            ``"int8"`` (bitsandbytes), or ``"base"`` (the base checkpoint's own quantized format); None writes
+            ``dtype``.
         device: where the maths runs: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         overwrite: allow replacing a non-empty ``out_dir`` (replaced only after the new one is complete); with
             ``push_to_hub``, delete in the push's commit the repository's weight files it does not write.

@@ -68,6 +68,7 @@ def merge_and_save(
     options: MergeOptions | None = None,
     outtype: str | None = None,
     split_max_size: int | str = 0,
+    quantize: str | None = None,
 ) -> MergeReport:
     """Write base + LoRA of a loaded model (bitsandbytes 4-bit, 8-bit or unquantized base) as a 16-bit checkpoint.
 
@@ -131,6 +132,10 @@ def merge_and_save(
             ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_k_m"``, ... (see ``docs/gguf.md``).
         split_max_size: a GGUF output split into files of at most this many bytes of tensors, as llama.cpp's
             converter splits them (``"2G"``); 0 writes one file.
+        quantize: write the merged weights in a served format, each quantized once from its float32 merge as the
+            format's own tool does (``"fp8-block"``, ``"ct-fp8-block"``, ``"ct-w4a16"``, ``"nf4"``, ``"fp4"``,
+            ``"int8"``; ``"base"``: the loaded model's bitsandbytes format; see ``docs/quantized.md``); None writes
+            ``dtype``.
 
     Returns:
         A :class:`~peft_shardmerge.engine.report.MergeReport`; ``base_precision`` says which base was used and

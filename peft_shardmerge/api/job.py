@@ -13,15 +13,17 @@ from ..distributed.world import JobSteps
 from ..engine.execute import run
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
-from ..engine.sink import Sink
+from ..engine.sink import Layout, Sink
 from ..engine.source import Coordinator, Source
 from ..options import MergeOptions
 from ..output import gguf_sink
 from ..output.gguf_sink import GGUFSink, record_path
 from ..output.gguf_types import OutType
 from ..output.hub_sink import HubSink
+from ..output.quant_sink import Encoding, QuantSink, base_quantization, plan_encoding
 from ..output.out_dir import is_gguf, settle_out_dir
 from ..output.shard_sink import FolderSink
+from ..quant.encode import encoder_for
 from ..support.outtypes import split_bytes
 from .hub import Push
 from .quiet import quiet_libraries
@@ -88,6 +90,11 @@ class MergeJob(ABC):
             problems += gguf_problems(opts)
             # one rounding, the GGUF type's, from the 32-bit merge; parts of PART_BYTES: what a killed merge keeps
             opts = dataclasses.replace(opts, dtype="float32", max_shard_size=gguf_sink.PART_BYTES)
+            if opts.quantize is not None:
+                problems.append(
+                    f"quantize={opts.quantize!r} applies to a safetensors output; a GGUF file's quantization is its "
+                    "outtype (q8_0, q4_k_m, ...)"
+                )
         else:
             for name in ("outtype", "split_max_size"):
                 if getattr(opts, name) not in (None, 0, "0"):
@@ -99,6 +106,7 @@ class MergeJob(ABC):
         self.outtype: OutType | None = None  # a GGUF output's type, resolved when its sink is made
         self.gguf_name: str | None = None  # a GGUF output's general.name (None: its file's name)
         self.carried: Plan | None = None  # the plan carried out (a re-planned merge's last)
+        self.encoding: Encoding | None = None  # the served format the merged weights are written in, if any
 
     def run(self) -> MergeReport:
         """Settle the output, plan, agree on the plan, carry it out; release the plan's resources.
@@ -127,8 +135,11 @@ class MergeJob(ABC):
     def carry_out(self, plan: Plan) -> MergeReport:
         """The one executor, from :meth:`source` into :meth:`sink`."""
         self.carried = plan
+        self.encoding = self.encode(plan)
         source = self.source(plan)
         sink = self.sink(plan, source)
+        if self.encoding is not None:
+            sink = QuantSink(sink, self.encoding)
         hook = self.before_commit()
         if isinstance(sink, HubSink):  # the model card, written with the other files before the record
             hook = self.push.card_hook(hook, plan, source, self.card_base(plan))
@@ -140,7 +151,11 @@ class MergeJob(ABC):
             before_commit=hook,
             coordinator=self.coordinator(plan),
         )
-        if isinstance(sink, HubSink):
+        if self.encoding is not None:
+            report.bytes_written = sum(e[3] for _, part in self.encoding.layout(Layout(plan.shard_entries())).parts
+                                       for e in part)
+            report.notes = [*report.notes, self.encoding.describe()]
+        if isinstance(sink, HubSink) or isinstance(getattr(sink, "inner", None), HubSink):
             report.notes = [*report.notes, f"pushed: {sink.commit_url}"]
             self.push.url = sink.commit_url
             return report
@@ -195,6 +210,30 @@ class MergeJob(ABC):
                 quiet=quiet_libraries,
             )
         return FolderSink(self.out_dir, overwrite=self.opts.overwrite, replace_check=self.replace_check)
+
+    def encode(self, plan: Plan) -> Encoding | None:
+        """The served format the plan's weights are written in (``quantize``), None for the merge's own dtype. The
+        weights it encodes are merged to float32 and quantized once from it.
+
+        Raises:
+            InputError: the format cannot take a weight's shape, or the base's format cannot be written back.
+        """
+        if self.opts.quantize is None:
+            return None
+        qc = base_quantization(plan)
+        encoder = encoder_for(self.opts.quantize, qc)
+        encoder.requires()
+        if str(self.opts.quantize).strip().lower() == "base":
+            candidates = {t.name for t in plan.tensors if t.source.decoder is not None} or set(plan.quantizable)
+        else:
+            candidates = set(plan.quantizable)
+        encoding = plan_encoding(encoder, plan.tensors, candidates, plan.dtype)
+        if str(self.opts.quantize).strip().lower() == "base":
+            encoding.config = dict(qc)
+        for t in plan.tensors:
+            if t.name in encoding.names:
+                t.out_dtype = "F32"  # quantized once, from the float32 merge
+        return encoding
 
     def base_dtype(self, plan: Plan) -> str:
         """The base's dtype, whose 16-bit type a GGUF output of type ``auto`` keeps."""

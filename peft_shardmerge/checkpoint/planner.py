@@ -226,7 +226,7 @@ def build_plan(
             if isinstance(sub, dict) and "vocab_size" in sub:
                 sub["vocab_size"] = st.new_vocab
         notes.append(f"the adapter resized the vocabulary: {base.config.get('vocab_size')} -> {st.new_vocab} rows")
-    return Plan(
+    plan = Plan(
         CheckpointInputs(base, adapter, nf4),
         tensors,
         names,
@@ -237,6 +237,8 @@ def build_plan(
         untied,
         notes,
     )
+    plan.quantizable = set(info.linear_weights)
+    return plan
 
 
 def _plan_options(

@@ -146,6 +146,8 @@ class Plan:
             record names them, not the copies' files).
         resources: what the plan's inputs live in, kept as long as the plan (a temporary folder).
         reproduces: which model the output reproduces (the trained model, or the original base + adapter).
+        quantizable: the weights a served format's quantizer takes (``nn.Linear`` weights but the output embedding
+            and tied ones, as transformers' quantizers choose them), in output names.
     """
 
     inputs: PlanInputs
@@ -161,6 +163,7 @@ class Plan:
     in_memory_adapters: list[str] = field(default_factory=list)
     resources: list = field(default_factory=list)
     reproduces: str = ""
+    quantizable: set[str] = field(default_factory=set)
 
     @property
     def total_size(self) -> int:

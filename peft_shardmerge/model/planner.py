@@ -179,6 +179,7 @@ def plan_live(
         notes=list(live.notes),
         adapter_text=in_memory_text(source.adapter_names, source.weights)
         + (f" ({source.vectors.describe()})" if source.vectors else ""),
+        quantizable=set(live.info.linear_weights),
     )
 
 

@@ -1,0 +1,304 @@
+"""A merge written in a served quantized format: each merged weight encoded as it leaves the merge, on its way into
+the sink that stores the files (a folder, the Hub, verify's comparison)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from ..engine.sink import Entry, Finish, Layout
+from ..errors import InputError, MergeCheckError
+from ..io.safetensors_io import DTYPES, TORCH_TO_ST
+from ..quant.encode import Encoder, stored_name
+
+
+@dataclass
+class Encoding:
+    """Which merged weights are encoded, and how the output's config says it.
+
+    Attributes:
+        encoder: the format (:class:`~peft_shardmerge.quant.encode.Encoder`).
+        names: the merged weights it encodes.
+        kept: modules whose weights the format's tool would take and that stay as merged (their sides are not whole
+            blocks), named in the config so that the loader does not look for their scales.
+        dtype: the model's dtype (its other tensors', the 4-bit compute dtype).
+        config: the ``quantization_config`` to write as it is (a base's own, written back); None: the encoder's.
+    """
+
+    encoder: Encoder
+    names: set[str] = field(default_factory=set)
+    kept: list[str] = field(default_factory=list)
+    dtype: torch.dtype = torch.bfloat16
+    config: dict | None = None
+
+    def quantization_config(self) -> dict:
+        """``config.json``'s ``quantization_config``."""
+        return dict(self.config) if self.config is not None else self.encoder.config(self.kept, self.dtype)
+
+    def describe(self) -> str:
+        """The report's note."""
+        kept = f"; {len(self.kept)} kept as merged (sides not whole blocks)" if self.kept else ""
+        return f"quantized: {len(self.names)} weights as {self.encoder.name} ({self.encoder.tool}){kept}"
+
+    def entries(self, entry: Entry) -> list[Entry]:
+        """The stored tensors one merged tensor becomes (itself, unless encoded)."""
+        name, _, shape, _ = entry
+        if name not in self.names:
+            return [entry]
+        return [
+            (stored_name(name, s), d, tuple(sh), math.prod(sh) * DTYPES[d][1])
+            for s, d, sh in self.encoder.parts(tuple(shape), TORCH_TO_ST[self.dtype])
+        ]
+
+    def layout(self, layout: Layout) -> Layout:
+        """The layout the files are written in, with a fingerprint of its own (an interrupted 16-bit run's shards,
+        or another format's, are never kept for this one)."""
+        parts = [(part, [e for entry in entries for e in self.entries(entry)]) for part, entries in layout.parts]
+        fingerprint = None
+        if layout.fingerprint is not None:
+            ident = f"{layout.fingerprint}\n{self.encoder!r}\n{sorted(self.names)}\n{self.dtype}"
+            fingerprint = hashlib.sha256(ident.encode()).hexdigest()
+        io_bytes = layout.io_bytes
+        return Layout(parts, io_bytes, fingerprint, layout.inputs)
+
+    def index(self, layout: Layout, index: dict | None) -> dict | None:
+        """The index of the encoded files (its ``total_size`` theirs, its ``weight_map`` every stored tensor)."""
+        if index is None:
+            return None
+        weight_map = {e[0]: part for part, entries in layout.parts for e in entries}
+        total = sum(e[3] for _, entries in layout.parts for e in entries)
+        return {**index, "metadata": {**index.get("metadata", {}), "total_size": total}, "weight_map": weight_map}
+
+
+def base_quantization(plan) -> dict | None:
+    """The ``quantization_config`` the plan's base was stored (or loaded) with, None for a 16-bit base.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> base_quantization(SimpleNamespace(inputs=SimpleNamespace(base=SimpleNamespace(config={}))))
+    """
+    base = getattr(plan.inputs, "base", None)
+    if base is not None:
+        return base.config.get("quantization_config") or None
+    model = getattr(getattr(plan.inputs, "live", None), "model", None)
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    return (qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)) if qc else None
+
+
+def plan_encoding(encoder: Encoder, tensors, candidates: set[str], dtype: torch.dtype) -> Encoding:
+    """The encoding of a plan's tensors: each candidate the format takes is encoded, one it keeps stays as merged.
+
+    Args:
+        encoder: the format.
+        tensors: the plan's tensors (``name``, ``shape``).
+        candidates: the names the format's tool quantizes (its module kinds, minus what it never quantizes).
+        dtype: the merged dtype.
+
+    Returns:
+        The :class:`Encoding`.
+
+    Raises:
+        InputError: a candidate's shape the format cannot take, each named.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from peft_shardmerge.quant.encode import Fp8Block
+        >>> ts = [SimpleNamespace(name=n, shape=s) for n, s in (("a.weight", (256, 128)), ("b.weight", (64, 64)))]
+        >>> e = plan_encoding(Fp8Block(), ts, {"a.weight", "b.weight"}, torch.bfloat16)
+        >>> sorted(e.names), e.kept
+        (['a.weight'], ['b'])
+    """
+    encoding = Encoding(encoder, dtype=dtype)
+    problems = []
+    for t in tensors:
+        if t.name not in candidates:
+            continue
+        shape = tuple(t.shape)
+        why = encoder.refuses(t.name, shape)
+        if why is not None:
+            problems.append(why)
+        elif encoder.keeps(shape):
+            encoding.kept.append(t.name.rsplit(".", 1)[0])
+        else:
+            encoding.names.add(t.name)
+    if problems:
+        raise InputError(problems)
+    return encoding
+
+
+class QuantSink:
+    """A :class:`~peft_shardmerge.engine.sink.Sink` that encodes the merged weights of an :class:`Encoding` and hands
+    the stored tensors to ``inner``, which writes them: the same folder, Hub push or comparison as a 16-bit merge,
+    laid out for the encoded tensors. Each encoded weight is held whole once merged (its format's scales span it),
+    then encoded and written; every other tensor goes through as it comes.
+
+    Args:
+        inner: the sink that stores the files.
+        encoding: what is encoded.
+
+    Example:
+        >>> import os, tempfile
+        >>> from safetensors.torch import load_file
+        >>> from peft_shardmerge.output.shard_sink import FolderSink
+        >>> from peft_shardmerge.quant.encode import Int8
+        >>> out = os.path.join(tempfile.mkdtemp(), "merged")
+        >>> sink = QuantSink(FolderSink(out, overwrite=False), Encoding(Int8(), {"w.weight"}))
+        >>> layout = Layout([("model.safetensors", [("w.weight", "BF16", (2, 2), 8)])])
+        >>> with sink.open(layout) as o:
+        ...     o.write([0], lambda i, w: w.write(torch.tensor([[1.0, -1.0], [0.5, 0.0]], dtype=torch.bfloat16)))
+        ...     o.finish(Finish(config={}))
+        >>> sorted(load_file(os.path.join(out, "model.safetensors")))
+        ['w.SCB', 'w.weight', 'w.weight_format']
+    """
+
+    def __init__(self, inner, encoding: Encoding):
+        self.inner, self.encoding = inner, encoding
+        self.location, self.label = inner.location, inner.label
+
+    @contextmanager
+    def open(self, layout: Layout) -> Iterator["QuantOutput"]:
+        """The inner sink opened for the encoded layout."""
+        with self.inner.open(self.encoding.layout(layout)) as out:
+            yield QuantOutput(out, layout, self.encoding)
+
+    @contextmanager
+    def join(self, layout: Layout, handle: dict, rank: int) -> Iterator["QuantOutput"]:
+        """Another rank's view of the output the leader opened (the inner sink's join)."""
+        with self.inner.join(self.encoding.layout(layout), handle, rank) as out:
+            yield QuantOutput(out, layout, self.encoding)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # what a destination adds (a push's commit URL, a check's outcome)
+
+
+class QuantOutput:
+    """An opened :class:`QuantSink`: the inner output, and what each merged tensor of a part becomes in it."""
+
+    def __init__(self, out, layout: Layout, encoding: Encoding):
+        self.out, self.layout, self.encoding = out, layout, encoding
+        self.done = out.done
+
+    def write(self, parts: list[int], produce: Callable[[int, object], None]) -> None:
+        """Each part's merged tensors, encoded on their way into the inner output's writer."""
+
+        def encoded(i: int, w) -> None:
+            produce(i, _Encoder(w, self.layout.parts[i][1], self.encoding))
+
+        self.out.write(parts, encoded)
+
+    def finish(self, finish: Finish) -> None:
+        """The inner output's files, with the encoded index and the config's ``quantization_config``."""
+        config = {**finish.config, "quantization_config": self.encoding.quantization_config()}
+        index = self.encoding.index(self.encoding.layout(self.layout), finish.index)
+        self.out.finish(
+            Finish(config, index, finish.side_files, finish.before_commit, finish.merge_info, finish.checks)
+        )
+
+    def __getattr__(self, name: str):
+        return getattr(self.out, name)  # a shared output's handle, written, adopt and progress
+
+
+class _Encoder:
+    """One part's writer: merged tensors in (in order, or each at its place), stored tensors out."""
+
+    def __init__(self, w, entries: list[Entry], encoding: Encoding):
+        self.w, self.entries, self.encoding = w, entries, encoding
+        self.first = []  # where each merged tensor's stored tensors start among the part's
+        n = 0
+        for entry in entries:
+            self.first.append(n)
+            n += len(encoding.entries(entry))
+        self.k, self.held = 0, None  # the merged tensor being written in order, and its bytes held when encoded
+        self._written = 0  # the bytes of merged tensor k passed through
+
+    def at(self, index: int):
+        """Merged tensor ``index``'s writer: the inner writer's own where it is not encoded."""
+        if self.entries[index][0] not in self.encoding.names:
+            return self.w.at(self.first[index])
+        return _Held(self.entries[index], lambda data: self._place(index, data))
+
+    def _place(self, index: int, data: torch.Tensor) -> None:
+        for j, stored in enumerate(self.encoding.encoder.encode(data, self.encoding.dtype)):
+            w = self.w.at(self.first[index] + j)
+            w.write(stored)
+            w.finish()
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """The next rows in order."""
+        self._next()
+        if self.held is None:
+            self._through(tensor.numel() * tensor.element_size())
+            self.w.write(tensor)
+            return
+        self.held.write(tensor)
+        self._settle()
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        """Stored bytes in order, cut at the merged tensors' ends."""
+        while nbytes:
+            self._next()
+            n = min(nbytes, self.entries[self.k][3] - self._written)
+            if self.held is None:
+                self._through(n)
+                self.w.copy_from(fd, offset, n)
+            else:
+                self.held.copy_from(fd, offset, n)
+                self._settle()
+            offset, nbytes = offset + n, nbytes - n
+
+    def _next(self) -> None:
+        """Move on past finished (and empty) merged tensors; start holding the next one if it is encoded."""
+        if self.held is not None:
+            return
+        while self.k < len(self.entries) and self._written >= self.entries[self.k][3]:
+            self.k, self._written = self.k + 1, 0
+        if self.k < len(self.entries) and self.entries[self.k][0] in self.encoding.names:
+            self.held = _Held(self.entries[self.k], self._encoded)
+
+    def _through(self, n: int) -> None:
+        self._written += n
+
+    def _settle(self) -> None:
+        if self.held.nbytes == self.entries[self.k][3]:
+            self.held.finish()
+
+    def _encoded(self, data: torch.Tensor) -> None:
+        for stored in self.encoding.encoder.encode(data, self.encoding.dtype):
+            self.w.write(stored)
+        self.held, self.k, self._written = None, self.k + 1, 0
+
+
+class _Held:
+    """One encoded tensor's merged bytes, gathered whole (in order or at its place), then handed on."""
+
+    def __init__(self, entry: Entry, ready: Callable[[torch.Tensor], None]):
+        name, dtype, shape, nbytes = entry
+        self.name, self.dtype, self.shape, self.ready = name, DTYPES[dtype][0], tuple(shape), ready
+        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.nbytes = 0
+
+    def write(self, tensor: torch.Tensor) -> None:
+        raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self.buf[self.nbytes : self.nbytes + raw.numel()] = raw
+        self.nbytes += raw.numel()
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        import os
+
+        view = memoryview(self.buf.numpy())[self.nbytes : self.nbytes + nbytes]
+        while view:
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise OSError(f"{self.name}: source file ended early")
+            view, offset, self.nbytes = view[n:], offset + n, self.nbytes + n
+
+    def finish(self) -> None:
+        if self.nbytes != self.buf.numel():
+            raise MergeCheckError(f"{self.name}: {self.nbytes} bytes merged, {self.buf.numel()} planned")
+        data, self.buf = self.buf.view(self.dtype).reshape(self.shape), None
+        self.ready(data)

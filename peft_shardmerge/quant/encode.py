@@ -1,0 +1,536 @@
+"""The served formats a merged weight is written in: each one's stored tensors, quantized as its own tool does."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..errors import InputError
+from ..io.safetensors_io import DTYPES, TORCH_TO_ST
+from .nf4 import Nf4Settings, packed_4bit_layout, pad_quant_state, require_bitsandbytes
+
+__all__ = [
+    "CALIBRATED",
+    "NAMES",
+    "Bnb4bit",
+    "CtFp8Block",
+    "CtW4A16",
+    "Encoder",
+    "Fp8Block",
+    "Int8",
+    "encoder_for",
+]
+
+#: the names ``--quantize`` takes, in the order the help lists them
+NAMES = ("fp8-block", "ct-fp8-block", "ct-w4a16", "nf4", "fp4", "int8", "base")
+#: formats that need calibration data, refused by name with the hand-off
+CALIBRATED = {
+    "gptq": "GPTQ",
+    "awq": "AWQ",
+    "ct-w4a16-gptq": "GPTQ",
+}
+#: float8_e4m3fn's largest value
+FP8_MAX = 448.0
+
+#: one stored tensor of an encoded weight: ``(key suffix, safetensors dtype, shape)``; the suffix replaces the
+#: weight's last name part (``weight``), "" keeping the weight's own name
+Part = tuple[str, str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """One served format: which stored tensors a weight becomes and how they are computed from it. Each encoder
+    quantizes the weight as the format's own tool quantizes a 16-bit checkpoint (the merged weight in the output
+    dtype), and says what ``config.json``'s ``quantization_config`` is.
+
+    Attributes:
+        name: the name ``--quantize`` takes.
+        tool: the quantizer whose bytes the encoder reproduces, named for the record.
+    """
+
+    name: ClassVar[str] = ""
+    tool: ClassVar[str] = ""
+
+    def refuses(self, name: str, shape: tuple[int, ...]) -> str | None:
+        """Why a weight of this shape cannot be written in the format (None: it can)."""
+        return None if len(shape) == 2 else f"{name}: {self.name} quantizes 2-D weights, this one is {list(shape)}"
+
+    def keeps(self, shape: tuple[int, ...]) -> bool:
+        """Whether the format's tool leaves a weight of this shape unquantized (True: written as merged)."""
+        return False
+
+    def parts(self, shape: tuple[int, ...], dtype: str) -> list[Part]:
+        """The stored tensors of one weight of ``shape`` in a model of ``dtype`` (a safetensors dtype), in the order
+        they are written."""
+        raise NotImplementedError  # pragma: no cover - each format says
+
+    def encode(self, weight: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The stored tensors of ``weight`` (the float32 merge), in :meth:`parts`' order; ``dtype`` is the model's
+        (the dtype its other tensors are written in)."""
+        raise NotImplementedError  # pragma: no cover - each format says
+
+    def config(self, kept: list[str], dtype: torch.dtype) -> dict:
+        """``quantization_config`` of the output; ``kept``: the modules whose weights stay unquantized although the
+        format's tool would take their kind."""
+        raise NotImplementedError  # pragma: no cover - each format says
+
+    def requires(self) -> None:
+        """Raise :class:`~peft_shardmerge.errors.MissingDependencyError` when what the format needs is missing."""
+
+
+def stored_name(weight: str, suffix: str) -> str:
+    """The key of one stored tensor of ``weight``: ``"" -> weight``, else the module's name and the suffix.
+
+    Example:
+        >>> stored_name("m.q_proj.weight", ""), stored_name("m.q_proj.weight", "SCB")
+        ('m.q_proj.weight', 'm.q_proj.SCB')
+    """
+    return weight.rsplit(".", 1)[0] + "." + suffix if suffix else weight
+
+
+def _tiles(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``weight [rows, cols]`` as ``[row tiles, block rows, col tiles, block cols]`` (whole blocks)."""
+    rows, cols = weight.shape
+    return weight.reshape(rows // block[0], block[0], cols // block[1], block[1])
+
+
+@dataclass(frozen=True)
+class Fp8Block(Encoder):
+    """transformers' fine-grained FP8 (``quant_method: fp8``): float8_e4m3fn weights, one float32
+    ``weight_scale_inv`` per 128x128 block, as ``Fp8Quantize`` (``transformers.integrations.finegrained_fp8``) makes
+    them: ``scale = 448 / amax`` of the block (1 for a block of zeros), ``weight_scale_inv = 1 / scale``, codes
+    ``clamp(w * scale, -448, 448)``. A weight whose sides are not whole blocks stays as merged, as it leaves it
+    (named in ``modules_to_not_convert``: its loader would look for a scale).
+
+    Attributes:
+        block: ``weight_block_size``.
+        scale_fmt: ``"float"``, or ``"ue8m0"`` (scales rounded up to a power of two, stored as float8_e8m0fnu).
+        keep_exact: a block whose merged values are exactly FP8 codes times a scale near the quantizer's (a block
+            of an FP8 base the merge left as stored) keeps those codes and that scale: an FP8 base written back
+            gives its own bytes where the adapter changed nothing.
+
+    Example:
+        >>> enc = Fp8Block()
+        >>> codes, inv = enc.encode(torch.full((128, 128), 2.0, dtype=torch.bfloat16))
+        >>> codes.dtype, float(codes[0, 0].float()), inv.tolist()
+        (torch.float8_e4m3fn, 448.0, [[0.004464285913854837]])
+    """
+
+    name: ClassVar[str] = "fp8-block"
+    tool: ClassVar[str] = "transformers.integrations.finegrained_fp8.Fp8Quantize"
+    block: tuple[int, int] = (128, 128)
+    scale_fmt: str = "float"
+    keep_exact: bool = False
+
+    def keeps(self, shape):
+        return shape[-2] % self.block[0] != 0 or shape[-1] % self.block[1] != 0
+
+    def parts(self, shape, dtype):
+        rows, cols = shape[-2] // self.block[0], shape[-1] // self.block[1]
+        return [("", "F8_E4M3", tuple(shape)), ("weight_scale_inv", self._scale_dtype, (*shape[:-2], rows, cols))]
+
+    @property
+    def _scale_dtype(self) -> str:
+        return "F8_E8M0" if self.scale_fmt == "ue8m0" else "F32"
+
+    def encode(self, weight, dtype=torch.bfloat16):
+        tiles = _tiles(weight.to(torch.float32), self.block)
+        amax = tiles.abs().amax(dim=(-3, -1))
+        scales = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), 1.0)
+        inv = (1.0 / scales).to(torch.float32)
+        if self.scale_fmt == "ue8m0":
+            inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=torch.finfo(torch.float32).tiny))))
+            inv = inv.to(torch.float8_e8m0fnu)
+            scales = 1.0 / inv.to(torch.float32)
+        codes = torch.clamp(tiles * scales.unsqueeze(-1).unsqueeze(-3), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        if self.keep_exact and self.scale_fmt != "ue8m0":
+            codes, inv = _exact_tiles(tiles, codes, inv)
+        return [codes.reshape(weight.shape), inv]
+
+    def config(self, kept, dtype):
+        from transformers import FineGrainedFP8Config
+
+        qc = FineGrainedFP8Config(
+            weight_block_size=tuple(self.block), modules_to_not_convert=kept or None, scale_fmt=self.scale_fmt
+        )
+        return qc.to_dict()
+
+
+@dataclass(frozen=True)
+class _Ct(Encoder):
+    """compressed-tensors, as llm-compressor writes it: the scale from the weight's min and max in its own dtype
+    (llm-compressor's memoryless min-max observer, then ``compressed_tensors``' ``calculate_qparams``), the codes
+    ``weight / scale`` in that dtype, rounded (the compressor's ``quantize``)."""
+
+    tool: ClassVar[str] = "compressed_tensors (llm-compressor's min-max observer)"
+    fmt: ClassVar[str] = ""
+
+    @staticmethod
+    def _scale(amax_pos: torch.Tensor, half_range: float) -> torch.Tensor:
+        """``calculate_qparams`` of a symmetric scheme: ``max(|min|, |max|) / (range / 2)`` in the weight's dtype,
+        a zero scale replaced by that dtype's epsilon."""
+        scales = amax_pos / torch.tensor(half_range, dtype=amax_pos.dtype)
+        eps = torch.finfo(scales.dtype).eps
+        return torch.where(scales == 0, torch.tensor(eps, dtype=scales.dtype), scales)
+
+    def config(self, kept, dtype):
+        return {
+            "config_groups": {"group_0": {"targets": ["Linear"], **self.scheme(), "format": None}},
+            "quant_method": "compressed-tensors",
+            "kv_cache_scheme": None,
+            "format": self.fmt,
+            "quantization_status": "compressed",
+            "global_compression_ratio": None,
+            "ignore": ["lm_head", *kept],
+            "moe_sparsity_config": None,
+        }
+
+    def scheme(self) -> dict:
+        """The scheme's ``weights``/``input_activations``/``output_activations``, as llm-compressor's preset."""
+        raise NotImplementedError  # pragma: no cover - each format says
+
+
+@dataclass(frozen=True)
+class CtFp8Block(_Ct):
+    """compressed-tensors ``FP8_BLOCK``: float8_e4m3fn ``weight`` and a ``weight_scale`` per 128x128 block in the
+    weight's dtype (``amax / 448``); a side that is not whole blocks is padded with zeros for its scales, as the
+    compressor pads it.
+
+    Example:
+        >>> codes, scale = CtFp8Block().encode(torch.full((130, 128), 2.0, dtype=torch.bfloat16))
+        >>> codes.shape, scale.shape, scale.dtype
+        (torch.Size([130, 128]), torch.Size([2, 1]), torch.bfloat16)
+    """
+
+    name: ClassVar[str] = "ct-fp8-block"
+    fmt: ClassVar[str] = "float-quantized"
+    block: tuple[int, int] = (128, 128)
+
+    def parts(self, shape, dtype):
+        rows, cols = -(-shape[0] // self.block[0]), -(-shape[1] // self.block[1])
+        return [("", "F8_E4M3", tuple(shape)), ("weight_scale", dtype, (rows, cols))]
+
+    def encode(self, weight, dtype=torch.bfloat16):
+        weight = weight.to(dtype)  # llm-compressor's observer and division run in the model's dtype
+        rows, cols = weight.shape
+        pad = (-rows % self.block[0], -cols % self.block[1])
+        padded = torch.nn.functional.pad(weight, (0, pad[1], 0, pad[0])) if any(pad) else weight
+        tiles = _tiles(padded, self.block)
+        lo = torch.minimum(tiles.amin(dim=(-3, -1)), torch.zeros((), dtype=weight.dtype))
+        hi = torch.maximum(tiles.amax(dim=(-3, -1)), torch.zeros((), dtype=weight.dtype))
+        scale = self._scale(torch.maximum(lo.abs(), hi.abs()), FP8_MAX)
+        scaled = tiles / scale.unsqueeze(-1).unsqueeze(-3)
+        scaled = scaled + torch.zeros((), dtype=weight.dtype)  # the symmetric zero point: -0.0 becomes 0.0
+        codes = torch.clamp(scaled, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return [codes.reshape(padded.shape)[:rows, :cols].contiguous(), scale]
+
+    def scheme(self):
+        return {
+            "weights": {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "group_size": None,
+                "strategy": "block",
+                "block_structure": list(self.block),
+                "dynamic": False,
+            },
+            "input_activations": {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "group_size": 128,
+                "strategy": "group",
+                "dynamic": True,
+            },
+            "output_activations": None,
+        }
+
+
+@dataclass(frozen=True)
+class CtW4A16(_Ct):
+    """compressed-tensors ``W4A16``: int4 codes in groups of 128 along the input side, symmetric, ``scale = amax /
+    7.5`` in the weight's dtype; stored as ``weight_packed`` (int32, eight codes + 8 a word, the first in the low
+    bits), ``weight_scale`` and ``weight_shape``. The input side must be whole groups.
+
+    Example:
+        >>> packed, scale, shape = CtW4A16().encode(torch.ones(2, 128, dtype=torch.bfloat16))
+        >>> packed.shape, scale.shape, shape.tolist(), hex(packed[0, 0].item() & 0xFFFFFFFF)
+        (torch.Size([2, 16]), torch.Size([2, 1]), [2, 128], '0xffffffff')
+    """
+
+    name: ClassVar[str] = "ct-w4a16"
+    fmt: ClassVar[str] = "pack-quantized"
+    group: int = 128
+
+    def refuses(self, name, shape):
+        if len(shape) != 2:
+            return super().refuses(name, shape)
+        if shape[1] % self.group:
+            return (
+                f"{name}: ct-w4a16 quantizes groups of {self.group} inputs, and this weight has {shape[1]} "
+                f"(not a multiple of {self.group}); choose another --quantize (ct-fp8-block, nf4, int8)"
+            )
+        return None
+
+    def parts(self, shape, dtype):
+        return [
+            ("weight_packed", "I32", (shape[0], shape[1] // 8)),
+            ("weight_scale", dtype, (shape[0], shape[1] // self.group)),
+            ("weight_shape", "I64", (2,)),
+        ]
+
+    def encode(self, weight, dtype=torch.bfloat16):
+        weight = weight.to(dtype)  # llm-compressor's observer and division run in the model's dtype
+        rows, cols = weight.shape
+        groups = weight.reshape(rows, cols // self.group, self.group)
+        lo = torch.minimum(groups.amin(dim=-1), torch.zeros((), dtype=weight.dtype))
+        hi = torch.maximum(groups.amax(dim=-1), torch.zeros((), dtype=weight.dtype))
+        scale = self._scale(torch.maximum(lo.abs(), hi.abs()), 7.5)
+        scaled = groups / scale.unsqueeze(-1) + torch.zeros((), dtype=weight.dtype)
+        codes = torch.round(torch.clamp(scaled, -8, 7)).to(torch.int8).reshape(rows, cols)
+        nibbles = (codes.to(torch.int32) + 8).reshape(rows, cols // 8, 8)
+        packed = torch.zeros(rows, cols // 8, dtype=torch.int32)
+        for i in range(8):
+            packed |= nibbles[..., i] << (4 * i)
+        return [packed, scale, torch.tensor([rows, cols], dtype=torch.int64)]
+
+    def scheme(self):
+        return {
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "group_size": self.group,
+                "strategy": "group",
+                "dynamic": False,
+            },
+            "input_activations": None,
+            "output_activations": None,
+        }
+
+
+@dataclass(frozen=True)
+class Bnb4bit(Encoder):
+    """bitsandbytes 4-bit (nf4/fp4) as ``Params4bit`` stores it: ``bitsandbytes.functional.quantize_4bit`` (flat
+    blocks of 64, two codes a byte, double quantization of the block scales) on the weight in its merged dtype.
+    On a CPU, that routine divides the last block of a weight that is not whole blocks by its scale where its GPU
+    kernel (and every other block) multiplies by the inverse: that block's codes are made the GPU's way here. The
+    quant-state JSON is padded with spaces to a length fixed before the merge (room for any ``nested_offset``; the
+    file's header is written before its data).
+
+    Attributes:
+        quant_type: ``"nf4"`` or ``"fp4"``.
+        double_quant: ``bnb_4bit_use_double_quant``.
+    """
+
+    tool: ClassVar[str] = "bitsandbytes.functional.quantize_4bit"
+    quant_type: str = "nf4"
+    double_quant: bool = True
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.quant_type
+
+    @property
+    def settings(self) -> Nf4Settings:
+        return Nf4Settings(quant_type=self.quant_type, blocksize=64, double_quant=self.double_quant)
+
+    def requires(self):
+        require_bitsandbytes()
+
+    def parts(self, shape, dtype):
+        torch_dtype = DTYPES[dtype][0]
+        return [
+            ("weight." + s if s else "", d, sh) for s, d, sh in packed_4bit_layout(shape, torch_dtype, self.settings)
+        ]
+
+    def encode(self, weight, dtype=torch.bfloat16):
+        import bitsandbytes.functional as F
+
+        flat = weight.reshape(-1)
+        packed, state = F.quantize_4bit(
+            weight, blocksize=64, compress_statistics=self.double_quant, quant_type=self.quant_type
+        )
+        state.dtype = dtype  # what dequantization returns: the model's dtype, as Params4bit records it
+        rem = flat.numel() % 64
+        if rem:  # the last block as the GPU quantizes it: times the inverse of its scale
+            packed = packed.clone()
+            tail = flat[-rem:].float()
+            am = tail.abs().max().clamp(min=1e-38)
+            codes = _codes_4bit(torch.clamp(tail * (1.0 / am), -1, 1), self.quant_type)
+            start = flat.numel() - rem
+            if start % 2:  # the block starts in the low nibble of a byte shared with the block before
+                raise AssertionError("blocks of 64 start on a byte")  # pragma: no cover - 64 is even
+            if rem % 2:
+                codes = torch.cat([codes, torch.zeros(1, dtype=torch.uint8)])
+            packed.view(-1)[start // 2 :] = (codes[::2] << 4) | codes[1::2]
+        qs = state.as_dict(packed=True)
+        key = f"quant_state.bitsandbytes__{self.quant_type}"
+        layout = self.parts(tuple(weight.shape), TORCH_TO_ST[dtype])
+        out = [packed.view(torch.uint8).reshape(layout[0][2])]
+        for suffix, _, shape in layout[1:]:
+            name = suffix.removeprefix("weight.")
+            out.append(pad_quant_state(qs[key], shape[0]) if name == key else qs[name].reshape(shape))
+        return out
+
+    def config(self, kept, dtype):
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=self.quant_type,
+            bnb_4bit_use_double_quant=self.double_quant,
+            bnb_4bit_compute_dtype=dtype,
+            llm_int8_skip_modules=kept or None,
+        ).to_dict()
+
+
+def _exact_tiles(tiles: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, the quantizer's codes and inverse scale, unless they do not give the block's values back exactly
+    and FP8 codes times one of the four floats nearest that scale do: then those codes and that scale."""
+    out_codes, out_inv = codes.view(torch.uint8).clone(), inv.clone()
+    fitted = (codes.to(torch.float32) * inv.unsqueeze(-1).unsqueeze(-3) == tiles).all(dim=-1).all(dim=-2)
+    up, down = inv, inv
+    candidates = []
+    for _ in range(2):
+        up, down = torch.nextafter(up, torch.full_like(up, math.inf)), torch.nextafter(down, torch.zeros_like(down))
+        candidates += [down, up]
+    for s in candidates:
+        if bool(fitted.all()):
+            break
+        s_b = s.unsqueeze(-1).unsqueeze(-3)
+        c = torch.clamp(tiles / s_b, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        fits = (c.to(torch.float32) * s_b == tiles).all(dim=-1).all(dim=-2) & ~fitted
+        out_codes = torch.where(fits.unsqueeze(-1).unsqueeze(-3).expand_as(tiles), c.view(torch.uint8), out_codes)
+        out_inv = torch.where(fits, s, out_inv)
+        fitted |= fits
+    return out_codes.view(torch.float8_e4m3fn), out_inv
+
+
+def _codes_4bit(scaled: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """The 4-bit codes of values scaled to [-1, 1], as bitsandbytes' kernels pick them (the nearest level; a value
+    halfway between two levels takes the lower one)."""
+    from bitsandbytes.backends.default.ops import _get_4bit_quantize_bounds
+
+    bounds, order = _get_4bit_quantize_bounds(quant_type, scaled.device)
+    q = torch.bucketize(scaled, bounds, out_int32=True)
+    if quant_type != "nf4":
+        q = order[q]
+    return q.to(torch.uint8)
+
+
+@dataclass(frozen=True)
+class Int8(Encoder):
+    """bitsandbytes LLM.int8 as ``Int8Params`` stores it: the weight cast to float16, one float32 scale per row
+    (``SCB``, the row's absolute maximum) and int8 codes ``round(w * 127 / SCB)``
+    (``bitsandbytes.functional.int8_vectorwise_quant``), with the ``weight_format`` byte (0: row-major).
+
+    Example:
+        >>> codes, scb, fmt = Int8().encode(torch.tensor([[1.0, -0.5], [0.0, 0.25]], dtype=torch.bfloat16))
+        >>> codes.tolist(), scb.tolist(), fmt.item()
+        ([[127, -64], [0, 127]], [1.0, 0.25], 0)
+    """
+
+    name: ClassVar[str] = "int8"
+    tool: ClassVar[str] = "bitsandbytes.functional.int8_vectorwise_quant"
+
+    def requires(self):
+        require_bitsandbytes()
+
+    def parts(self, shape, dtype):
+        return [("", "I8", tuple(shape)), ("SCB", "F32", (shape[0],)), ("weight_format", "U8", ())]
+
+    def encode(self, weight, dtype=torch.bfloat16):
+        import bitsandbytes.functional as F
+
+        codes, scb, _ = F.int8_vectorwise_quant(weight.to(torch.float16).contiguous())
+        return [codes, scb, torch.tensor(0, dtype=torch.uint8)]
+
+    def config(self, kept, dtype):
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=kept or None).to_dict()
+
+
+def name_problems(name) -> list[str]:
+    """What is wrong with a ``quantize`` name, before any base is read (empty: a name this version writes).
+
+    Example:
+        >>> name_problems("nf4"), name_problems("gptq")[0][:40]
+        ([], "quantize='gptq': GPTQ needs calibration ")
+    """
+    if not isinstance(name, str):
+        return [f"quantize must be a format name ({', '.join(NAMES)}), got {name!r}"]
+    try:
+        encoder_for(name, {"quant_method": "fp8"})
+    except InputError as e:
+        return list(e.problems)
+    return []
+
+
+def encoder_for(name: str, base_qc: dict | None = None) -> Encoder:
+    """The encoder ``--quantize NAME`` asks for; ``base`` the one of the base checkpoint's own format.
+
+    Args:
+        name: one of :data:`NAMES`.
+        base_qc: the base's ``quantization_config`` (for ``base``).
+
+    Returns:
+        The :class:`Encoder`.
+
+    Raises:
+        InputError: an unknown name, a format that needs calibration data, or ``base`` for a base stored in 16-bit
+            or in a format this version cannot write back.
+
+    Example:
+        >>> encoder_for("fp8-block").name, encoder_for("base", {"quant_method": "fp8"}).block
+        ('fp8-block', (128, 128))
+    """
+    key = str(name).strip().lower()
+    if key in CALIBRATED:
+        raise InputError(
+            f"quantize={name!r}: {CALIBRATED[key]} needs calibration data, which a merge does not have; merge to "
+            "16-bit, then quantize the merged folder with llm-compressor (oneshot with a GPTQ/AWQ recipe) or "
+            "GPTQModel (see docs/quantized.md)"
+        )
+    simple = {
+        "fp8-block": Fp8Block,
+        "ct-fp8-block": CtFp8Block,
+        "ct-w4a16": CtW4A16,
+        "int8": Int8,
+        "nf4": lambda: Bnb4bit("nf4"),
+        "fp4": lambda: Bnb4bit("fp4"),
+    }
+    if key in simple:
+        return simple[key]()
+    if key != "base":
+        raise InputError(f"quantize={name!r} is not a format this version writes; choose one of {', '.join(NAMES)}")
+    if not base_qc:
+        raise InputError(
+            "quantize='base' writes the base checkpoint's own quantized format, and this base is not stored "
+            f"quantized; name a format instead ({', '.join(NAMES[:-1])})"
+        )
+    method = str(base_qc.get("quant_method", "bitsandbytes" if base_qc.get("load_in_4bit") else "unknown"))
+    if method == "fp8":
+        block = tuple(base_qc.get("weight_block_size") or (128, 128))
+        return Fp8Block(block=block, scale_fmt=str(base_qc.get("scale_fmt") or "float"), keep_exact=True)
+    if method == "bitsandbytes" and base_qc.get("load_in_4bit"):
+        return Bnb4bit(
+            str(base_qc.get("bnb_4bit_quant_type", "nf4")), bool(base_qc.get("bnb_4bit_use_double_quant", False))
+        )
+    if method == "bitsandbytes" and base_qc.get("load_in_8bit"):
+        return Int8()
+    raise InputError(
+        f"quantize='base': the base is stored as quant_method={method!r}, which this version reads but does not "
+        f"write back; name a format instead ({', '.join(NAMES[:-1])})"
+    )
+
+
+def ratio(parts: list[Part], numel: int, dtype: str) -> float:
+    """The stored bytes of an encoded weight over its merged bytes (for the plan's size note)."""
+    stored = sum(math.prod(shape) * DTYPES[d][1] for _, d, shape in parts)
+    return stored / max(1, numel * DTYPES[dtype][1])
