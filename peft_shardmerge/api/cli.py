@@ -10,8 +10,8 @@ import signal
 import sys
 
 from ..errors import ShardMergeError
-from ..support.combinations import COMBINATIONS, MAJORITY_SIGNS
 from ..quant.encode import NAMES
+from ..support.combinations import COMBINATIONS, MAJORITY_SIGNS
 from ..support.outtypes import OUTTYPES
 from ..version import __version__
 from .model_checks import ChecksBeside, checks_beside

@@ -20,8 +20,8 @@ from ..output import gguf_sink
 from ..output.gguf_sink import GGUFSink, record_path
 from ..output.gguf_types import OutType
 from ..output.hub_sink import HubSink
-from ..output.quant_sink import Encoding, QuantSink, base_quantization, plan_encoding
 from ..output.out_dir import is_gguf, settle_out_dir
+from ..output.quant_sink import Encoding, QuantSink, base_quantization, plan_encoding
 from ..output.shard_sink import FolderSink
 from ..quant.encode import encoder_for
 from ..support.outtypes import split_bytes
@@ -152,8 +152,9 @@ class MergeJob(ABC):
             coordinator=self.coordinator(plan),
         )
         if self.encoding is not None:
-            report.bytes_written = sum(e[3] for _, part in self.encoding.layout(Layout(plan.shard_entries())).parts
-                                       for e in part)
+            report.bytes_written = sum(
+                e[3] for _, part in self.encoding.layout(Layout(plan.shard_entries())).parts for e in part
+            )
             report.notes = [*report.notes, self.encoding.describe()]
         if isinstance(sink, HubSink) or isinstance(getattr(sink, "inner", None), HubSink):
             report.notes = [*report.notes, f"pushed: {sink.commit_url}"]
