@@ -21,7 +21,7 @@ from ..output.gguf_sink import GGUFSink, record_path
 from ..output.gguf_types import OutType
 from ..output.hub_sink import HubSink
 from ..output.out_dir import is_gguf, settle_out_dir
-from ..output.quant_sink import Encoding, QuantSink, base_quantization, plan_encoding
+from ..output.quant_sink import Encoding, QuantSink, base_quantization, encode_plan
 from ..output.shard_sink import FolderSink
 from ..quant.encode import encoder_for
 from ..support.outtypes import split_bytes
@@ -224,17 +224,7 @@ class MergeJob(ABC):
         qc = base_quantization(plan)
         encoder = encoder_for(self.opts.quantize, qc)
         encoder.requires()
-        if str(self.opts.quantize).strip().lower() == "base":
-            candidates = {t.name for t in plan.tensors if t.source.decoder is not None} or set(plan.quantizable)
-        else:
-            candidates = set(plan.quantizable)
-        encoding = plan_encoding(encoder, plan.tensors, candidates, plan.dtype)
-        if str(self.opts.quantize).strip().lower() == "base":
-            encoding.config = dict(qc)
-        for t in plan.tensors:
-            if t.name in encoding.names:
-                t.out_dtype = "F32"  # quantized once, from the float32 merge
-        return encoding
+        return encode_plan(plan, encoder, qc if str(self.opts.quantize).strip().lower() == "base" else None)
 
     def base_dtype(self, plan: Plan) -> str:
         """The base's dtype, whose 16-bit type a GGUF output of type ``auto`` keeps."""

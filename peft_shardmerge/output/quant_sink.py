@@ -14,7 +14,7 @@ import torch
 from ..engine.sink import Entry, Finish, Layout
 from ..errors import InputError, MergeCheckError
 from ..io.safetensors_io import DTYPES, TORCH_TO_ST
-from ..quant.encode import Encoder, stored_name
+from ..quant.encode import Encoder, encoder_record, stored_name
 
 
 @dataclass
@@ -39,6 +39,16 @@ class Encoding:
     def quantization_config(self) -> dict:
         """``config.json``'s ``quantization_config``."""
         return dict(self.config) if self.config is not None else self.encoder.config(self.kept, self.dtype)
+
+    def record(self) -> dict:
+        """The merge record's ``quantize``: the encoder, whether the base's own format was written back, how many
+        weights were encoded and which modules were kept as merged."""
+        return {
+            **encoder_record(self.encoder),
+            "base": self.config is not None,
+            "weights": len(self.names),
+            "kept": list(self.kept),
+        }
 
     def describe(self) -> str:
         """The report's note."""
@@ -88,6 +98,33 @@ def base_quantization(plan) -> dict | None:
     model = getattr(getattr(plan.inputs, "live", None), "model", None)
     qc = getattr(getattr(model, "config", None), "quantization_config", None)
     return (qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)) if qc else None
+
+
+def encode_plan(plan, encoder: Encoder, base_config: dict | None = None) -> Encoding:
+    """The encoding of a plan, its encoded tensors set to be merged in float32 (quantized once, from that merge).
+
+    Args:
+        plan: the :class:`~peft_shardmerge.engine.plan.Plan`.
+        encoder: the format.
+        base_config: the base's ``quantization_config`` where its own format is written back (its quantized weights
+            are the ones encoded, and the config is written as it is); None: a format named, for the weights its
+            tool quantizes (:attr:`~peft_shardmerge.engine.plan.Plan.quantizable`).
+
+    Returns:
+        The :class:`Encoding`.
+
+    Raises:
+        InputError: the format cannot take a weight's shape.
+    """
+    candidates = set(plan.quantizable)
+    if base_config is not None:
+        candidates = {t.name for t in plan.tensors if t.source.decoder is not None} or candidates
+    encoding = plan_encoding(encoder, plan.tensors, candidates, plan.dtype)
+    encoding.config = dict(base_config) if base_config is not None else None
+    for t in plan.tensors:
+        if t.name in encoding.names:
+            t.out_dtype = "F32"
+    return encoding
 
 
 def plan_encoding(encoder: Encoder, tensors, candidates: set[str], dtype: torch.dtype) -> Encoding:
@@ -195,9 +232,11 @@ class QuantOutput:
         """The inner output's files, with the encoded index and the config's ``quantization_config``."""
         config = {**finish.config, "quantization_config": self.encoding.quantization_config()}
         index = self.encoding.index(self.encoding.layout(self.layout), finish.index)
-        self.out.finish(
-            Finish(config, index, finish.side_files, finish.before_commit, finish.merge_info, finish.checks)
-        )
+
+        def merge_info() -> dict:
+            return {**finish.merge_info(), "quantize": self.encoding.record()}
+
+        self.out.finish(Finish(config, index, finish.side_files, finish.before_commit, merge_info, finish.checks))
 
     def __getattr__(self, name: str):
         return getattr(self.out, name)  # a shared output's handle, written, adopt and progress

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -528,6 +529,38 @@ def encoder_for(name: str, base_qc: dict | None = None) -> Encoder:
         f"quantize='base': the base is stored as quant_method={method!r}, which this version reads but does not "
         f"write back; name a format instead ({', '.join(NAMES[:-1])})"
     )
+
+
+def encoder_record(encoder: Encoder) -> dict:
+    """What the merge record keeps of an encoder, for verify to make the same one (:func:`encoder_from_record`).
+
+    Example:
+        >>> encoder_record(Fp8Block())
+        {'format': 'fp8-block', 'block': [128, 128], 'scale_fmt': 'float', 'keep_exact': False}
+    """
+    from dataclasses import asdict
+
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(encoder).items()}
+    return {"format": encoder.name, **fields}
+
+
+def encoder_from_record(record: dict) -> Encoder:
+    """The encoder a merge record names (:func:`encoder_record`).
+
+    Raises:
+        InputError: the record names a format this version does not write.
+
+    Example:
+        >>> encoder_from_record({"format": "nf4", "quant_type": "nf4", "double_quant": False})
+        Bnb4bit(quant_type='nf4', double_quant=False)
+    """
+    kinds = {"fp8-block": Fp8Block, "ct-fp8-block": CtFp8Block, "ct-w4a16": CtW4A16, "int8": Int8}
+    kinds.update({"nf4": Bnb4bit, "fp4": Bnb4bit})
+    if record.get("format") not in kinds:
+        raise InputError(f"the merge record names quantized format {record.get('format')!r}, unknown to this version")
+    kind = kinds[record["format"]]
+    names = {f.name for f in dataclasses.fields(kind)}
+    return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k in names})
 
 
 def ratio(parts: list[Part], numel: int, dtype: str) -> float:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from ..engine.plan import Op
 from ..errors import ShardMergeError
 from ..io.safetensors_io import DTYPES, FLOAT_DTYPES, TensorInfo
+from ..output.quant_sink import QuantSink, base_quantization, encode_plan
+from ..quant.encode import encoder_from_record
 from .compare import CompareSink
 
 
@@ -252,6 +255,37 @@ def _identity_notes(record: dict | None, base: str, adapters: list[str]) -> list
     return notes
 
 
+def _encoding(record: dict | None, plan, result: RecomputeResult):
+    """The served format the record says the merge was written in, applied to the recomputation's plan (None: the
+    merge's dtype; False: it cannot be, said in ``result``)."""
+    quantize = (record or {}).get("quantize")
+    if not quantize:
+        return None
+    try:
+        encoder = encoder_from_record(quantize)
+        encoder.requires()
+        return encode_plan(plan, encoder, base_quantization(plan) if quantize.get("base") else None)
+    except ShardMergeError as e:
+        result.problems.append(f"the quantized format cannot be recomputed: {str(e).splitlines()[0]}")
+        result.fits = False
+        return False
+
+
+def _planned_stored(plan, encoding) -> tuple[dict, dict[str, list[str]]]:
+    """The tensors the recomputation plans, as stored (an encoded weight's stored tensors each, with their dtype and
+    shape), and the stored names of each planned tensor."""
+    planned, parts = {}, {}
+    for t in plan.tensors:
+        if encoding is None or t.name not in encoding.names:
+            planned[t.name], parts[t.name] = t, [t.name]
+            continue
+        entries = encoding.entries((t.name, t.out_dtype, tuple(t.shape), t.nbytes))
+        parts[t.name] = [e[0] for e in entries]
+        for name, dtype, shape, _ in entries:
+            planned[name] = SimpleNamespace(out_dtype=dtype, shape=shape)
+    return planned, parts
+
+
 def _check_layout(result: RecomputeResult, planned: dict, stored: dict[str, TensorInfo], info) -> tuple[dict, list]:
     """Match the planned tensors with the stored ones and add every missing, extra or reshaped tensor to
     ``result`` (``fits`` says whether all match); returns ``(planned name -> stored name, planned names of another
@@ -377,15 +411,20 @@ def recompute_and_compare(
     if why:
         result.notes.append(why)
         return result
-    planned = {t.name: t for t in plan.tensors}
+    encoding = _encoding(record, plan, result)
+    if encoding is False:
+        return result
+    planned, parts = _planned_stored(plan, encoding)
     target, shapes = _check_layout(result, planned, stored, info)
-    todo = [t for t in plan.tensors if t.name in target and t.name not in shapes]
+    todo = [t for t in plan.tensors if all(n in target and n not in shapes for n in parts[t.name])]
     sink = CompareSink(
         os.path.dirname(next(iter(stored.values())).path) if stored else ".",
         {n: stored[m] for n, m in target.items()},
-        rounding={t.name for t in todo if t.op is Op.MERGE},
+        rounding={t.name for t in todo if t.op is Op.MERGE and (encoding is None or t.name not in encoding.names)},
         repacked=set((record or {}).get("cpu_repacked") or ()),
     )
+    if encoding is not None:  # compared in the stored format: the recomputed merge encoded as the merge encoded it
+        sink = QuantSink(sink, encoding)
     part = dataclasses.replace(plan, tensors=todo)  # those whose name, dtype and shape the checkpoint has
     try:
         run(part, CheckpointReader(part, resolve_device(device)), sink, progress=False)

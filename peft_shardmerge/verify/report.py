@@ -377,6 +377,15 @@ def _check_values(tensors, report):
     report.checks.append("no NaN/Inf in any floating-point tensor")
 
 
+def _module_of(name: str, modules) -> str | None:
+    """The longest module name among ``modules`` that ``name`` lies under, or None."""
+    parts = name.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:k]) in modules:
+            return ".".join(parts[:k])
+    return None
+
+
 def _check_names_and_config(folder, config, tensors, report):
     info = inspect_model(folder)
     dtypes = {t.dtype for t in tensors.values() if t.dtype in FLOAT_DTYPES}
@@ -384,8 +393,6 @@ def _check_names_and_config(folder, config, tensors, report):
     declared = config.get("dtype") or config.get("torch_dtype")
     if written and declared and declared != written:
         report.problems.append(f"config.json says dtype {declared} but the tensors are {written}")
-    if "quantization_config" in config and not any(n.endswith(".absmax") for n in tensors):
-        report.problems.append("config.json has a quantization_config but the weights are not quantized")
     if not info.available:
         report.checks.append("names not checked: the model class could not be built from config.json")
         return
@@ -396,8 +403,15 @@ def _check_names_and_config(folder, config, tensors, report):
     memory = info.memory_names(list(tensors))
     present = {m: n for n, (m, converted) in memory.items() if not converted}
     built = {m for m, converted in memory.values() if converted}  # e.g. fused experts built from per-expert keys
-    quantized = {m for m in present if any(m.startswith(w + ".") for w in info.linear_weights)}
-    missing = set(expected - set(present) - built)
+    # a quantized weight's stored parts (bitsandbytes' X.weight.absmax, X.SCB; FP8's X.weight_scale_inv;
+    # compressed-tensors' X.weight_packed, X.weight_scale): tensors of a linear module that the class does not hold
+    modules = {w.rsplit(".", 1)[0]: w for w in info.linear_weights}
+    owner = {m: _module_of(m, modules) for m in present if m not in info.state_names}
+    quantized = {m for m, module in owner.items() if module is not None}
+    if "quantization_config" in config and not quantized:
+        report.problems.append("config.json has a quantization_config but the weights are not quantized")
+    packed = {modules[owner[m]] for m in quantized}  # weights stored in another form
+    missing = set(expected - set(present) - built - packed)
     missing = sorted(missing - info.load_ignores(sorted(missing), missing=True))
     # what from_pretrained drops without a word (old position_ids, ...) is no problem; nor is a buffer the class
     # computes itself, which it reports and ignores
