@@ -238,6 +238,7 @@ def build_plan(
         notes,
     )
     plan.quantizable = set(info.linear_weights)
+    plan.fused = bool(parts)
     return plan
 
 

@@ -148,6 +148,8 @@ class Plan:
         reproduces: which model the output reproduces (the trained model, or the original base + adapter).
         quantizable: the weights a served format's quantizer takes (``nn.Linear`` weights but the output embedding
             and tied ones, as transformers' quantizers choose them), in output names.
+        fused: the checkpoint stores tensors that transformers fuses into one when it loads them (a mixture of
+            experts' per-expert weights).
     """
 
     inputs: PlanInputs
@@ -164,6 +166,7 @@ class Plan:
     resources: list = field(default_factory=list)
     reproduces: str = ""
     quantizable: set[str] = field(default_factory=set)
+    fused: bool = False
 
     @property
     def total_size(self) -> int:

@@ -116,6 +116,12 @@ def encode_plan(plan, encoder: Encoder, base_config: dict | None = None) -> Enco
     Raises:
         InputError: the format cannot take a weight's shape.
     """
+    if plan.fused and not encoder.loads_fused:
+        raise InputError(
+            f"quantize={encoder.name!r}: this model's checkpoint stores its experts one by one and transformers fuses "
+            f"them when it loads it, which it does not do for a {encoder.name} checkpoint (from_pretrained fails); "
+            "choose ct-fp8-block, fp8-block, nf4, fp4 or int8 for it"
+        )
     candidates = set(plan.quantizable)
     if base_config is not None:
         candidates = {t.name for t in plan.tensors if t.source.decoder is not None} or candidates

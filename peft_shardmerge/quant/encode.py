@@ -54,6 +54,8 @@ class Encoder:
 
     name: ClassVar[str] = ""
     tool: ClassVar[str] = ""
+    #: whether transformers loads the format in a model whose experts it fuses on load (Mixtral's per-expert weights)
+    loads_fused: ClassVar[bool] = True
 
     def refuses(self, name: str, shape: tuple[int, ...]) -> str | None:
         """Why a weight of this shape cannot be written in the format (None: it can)."""
@@ -265,6 +267,7 @@ class CtW4A16(_Ct):
 
     name: ClassVar[str] = "ct-w4a16"
     fmt: ClassVar[str] = "pack-quantized"
+    loads_fused: ClassVar[bool] = False  # transformers 5.23 does not fuse a packed checkpoint's per-expert weights
     group: int = 128
 
     def refuses(self, name, shape):

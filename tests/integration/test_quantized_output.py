@@ -1,0 +1,302 @@
+"""Merges written in a served quantized format (``quantize=``, ``--quantize``): every stored tensor against the
+format's own quantizer (transformers' Fp8Quantize, bitsandbytes, compressed-tensors) applied to PEFT's float32 merge,
+the output loaded by transformers on the CPU, verify's verdict, an FP8 base written back, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from helpers import folder_tensors, tensor_bytes
+from peft import PeftModel
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from peft_shardmerge import InputError, merge_checkpoint
+from peft_shardmerge.testing import build_adapter, build_base, token_ids
+from peft_shardmerge.verify.report import verify_checkpoint
+
+bnbf = pytest.importorskip("bitsandbytes.functional")
+ct = pytest.importorskip("compressed_tensors")
+
+FORMATS = ["fp8-block", "ct-fp8-block", "ct-w4a16", "nf4", "fp4", "int8"]
+ARCHS = ["llama", "qwen2", "mixtral"]  # qwen2 ties its embeddings; mixtral's experts are not nn.Linear
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """Per architecture: a bf16 base, an adapter, PEFT's float32 merge of the two (state dict and model)."""
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            tmp = tmp_path_factory.mktemp(arch)
+            base = build_base(str(tmp / "base"), arch, dtype=torch.bfloat16)
+            adapter = build_adapter(base, str(tmp / "adapter"))
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            merged = PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+            built[arch] = (str(tmp), base, adapter, merged)
+        return built[arch]
+
+    return get
+
+
+def linear_weights(model) -> dict[str, torch.Tensor]:
+    """The float32 weights of the model's exact nn.Linear modules but the output embedding: what transformers'
+    quantizers replace (by module name)."""
+    out_emb = model.get_output_embeddings()
+    return {
+        name: m.weight.detach()
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and m is not out_emb and name != "lm_head"
+    }
+
+
+def reference(fmt: str, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The format's own quantizer on the float32 merged weight ``w``: the stored tensors by suffix (None: the tool
+    leaves the weight unquantized)."""
+    if fmt == "fp8-block":
+        from transformers import FineGrainedFP8Config
+        from transformers.integrations.finegrained_fp8 import Fp8Quantize
+        from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+        out = Fp8Quantize(FineGrainedFP8HfQuantizer(FineGrainedFP8Config()))._quantize_one("m.weight", w)
+        return None if len(out) == 1 else {"weight": out["m.weight"], "weight_scale_inv": out["m.weight_scale_inv"]}
+    if fmt in ("nf4", "fp4"):
+        packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type=fmt)
+        state.dtype = torch.bfloat16  # the model's dtype, which dequantization returns
+        return {"weight": packed, **{"weight." + k: v for k, v in state.as_dict(packed=True).items()}}
+    if fmt == "int8":
+        codes, scb, _ = bnbf.int8_vectorwise_quant(w.to(torch.float16))
+        return {"weight": codes, "SCB": scb, "weight_format": torch.tensor(0, dtype=torch.uint8)}
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, maybe_pad_tensor_for_block_quant
+
+    w = w.to(torch.bfloat16)  # llm-compressor quantizes the model as loaded, in its dtype
+    if fmt == "ct-fp8-block":
+        scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+        p = maybe_pad_tensor_for_block_quant(w, (128, 128))
+        groups = p.reshape(p.shape[0] // 128, 128, p.shape[1] // 128, 128).transpose(1, 2).flatten(-2)
+        compressor = FloatQuantizationCompressor
+    else:
+        scheme = preset_name_to_scheme("W4A16", ["Linear"])
+        groups = w.reshape(w.shape[0], w.shape[1] // 128, 128)
+        compressor = PackedQuantizationCompressor
+    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    return compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+
+
+def stored_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Byte for byte, dtype and shape included."""
+    return (
+        got.dtype == want.dtype
+        and tuple(got.shape) == tuple(want.shape)
+        and bytes(got.contiguous().view(torch.uint8).numpy()) == bytes(want.contiguous().view(torch.uint8).numpy())
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_tensor_is_the_format_quantizer_on_peft_fp32_merge(cases, arch, fmt):
+    tmp, base, adapter, merged = cases(arch)
+    out = os.path.join(tmp, f"q-{fmt}")
+    if fmt == "ct-w4a16" and arch == "mixtral":
+        with pytest.raises(InputError, match="experts one by one"):
+            merge_checkpoint(base, adapter, out, quantize=fmt, progress=False)
+        assert not os.path.exists(out)
+        return
+    report = merge_checkpoint(base, adapter, out, quantize=fmt, progress=False)
+    stored = folder_tensors(out)
+    config = json.load(open(os.path.join(out, "config.json")))
+    qc = config["quantization_config"]
+    encoded, kept = 0, []
+    for module, w in linear_weights(merged).items():
+        want = reference(fmt, w)
+        if want is None:  # left as the tool leaves it: the merge in the model's dtype, named so in the config
+            kept.append(module)
+            assert stored_equal(stored[f"{module}.weight"], w.to(torch.bfloat16)), module
+            continue
+        encoded += 1
+        for suffix, tensor in want.items():
+            got = stored[f"{module}.{suffix}"]
+            if suffix.startswith("weight.quant_state."):  # bitsandbytes' JSON, padded with spaces to its room
+                assert bytes(got.numpy()).rstrip(b" ") == bytes(tensor.numpy()), module
+            else:
+                assert stored_equal(got, tensor), f"{module}.{suffix}"
+    assert encoded > 0 and f"quantized: {encoded} weights as {fmt}" in report.notes[-1]
+    # everything else is the 16-bit merge: embeddings, norms, lm_head, the experts
+    quantized_modules = set(linear_weights(merged)) - set(kept)
+    for name, value in merged.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if module in quantized_modules or name not in stored:
+            continue
+        assert stored_equal(stored[name], value.to(torch.bfloat16)), name
+    if fmt == "fp8-block":
+        assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+        assert qc["activation_scheme"] == "dynamic"  # vLLM requires it
+        assert sorted(qc["modules_to_not_convert"] or []) == sorted(kept)
+    elif fmt.startswith("ct-"):
+        from compressed_tensors.quantization import QuantizationConfig
+
+        assert QuantizationConfig.model_validate(qc).quant_method == "compressed-tensors"
+    else:
+        assert qc["quant_method"] == "bitsandbytes"
+    index = os.path.join(out, "model.safetensors.index.json")
+    if os.path.exists(index):
+        assert set(json.load(open(index))["weight_map"]) == set(stored)
+    # transformers loads it on the CPU; its logits stay near the 16-bit merge's
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    ids = token_ids(model.config.vocab_size, seed=0)
+    with torch.no_grad():
+        got = model.eval()(input_ids=ids).logits.float()
+        want = merged(input_ids=ids).logits
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err < LOGITS_BOUND[fmt], err
+
+
+#: the largest relative logits error of the quantized tiny models against PEFT's float32 merge (random weights of
+#: two layers; docs/quantized.md gives the measured figures)
+LOGITS_BOUND = {"fp8-block": 0.2, "ct-fp8-block": 0.2, "int8": 0.2, "nf4": 0.5, "fp4": 0.6, "ct-w4a16": 0.6}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_verify_ok_then_failed_after_one_flipped_byte(cases, fmt, tmp_path):
+    _, base, adapter, _ = cases("llama")
+    out = str(tmp_path / "q")
+    merge_checkpoint(base, adapter, out, quantize=fmt, progress=False)
+    report = verify_checkpoint(out, base=base, adapter=adapter)
+    assert report.status == "OK", report.summary()
+    assert any("equal byte for byte" in c for c in report.checks)
+    # one byte of an encoded weight's codes flipped: the record's digests and the recomputation both see it
+    name = "model.layers.1.mlp.down_proj." + ("weight_packed" if fmt == "ct-w4a16" else "weight")
+    _flip_byte(out, name)
+    report = verify_checkpoint(out, base=base, adapter=adapter)
+    assert report.status == "FAILED", report.summary()
+    named = [p for p in report.problems if name in p]
+    assert any("differ from what the merge wrote" in p for p in named), report.problems  # the record's digests
+    assert any("1 bytes differ from base + adapter" in p for p in named), report.problems  # the recomputation
+
+
+def _flip_byte(folder: str, name: str) -> None:
+    """Flip the first data byte of tensor ``name``."""
+    from peft_shardmerge.io.safetensors_io import read_header
+
+    path = os.path.join(folder, "model.safetensors")
+    infos, _ = read_header(path)
+    info = next(t for t in infos if t.name == name)
+    with open(path, "r+b") as f:
+        f.seek(info.offset)
+        b = f.read(1)
+        f.seek(info.offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_fp8_base_written_back(tmp_path):
+    """An FP8 base (transformers' quantizer on a bf16 model): with an adapter whose delta is zero, quantize='base'
+    gives back the base's bytes; with a trained one, the base's layout with the changed weights re-quantized."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    b16 = build_base(str(tmp_path / "b16"), dtype=torch.bfloat16)
+    fp8 = str(tmp_path / "fp8")
+    shutil.copytree(b16, fp8)
+    quantizer = Fp8Quantize(FineGrainedFP8HfQuantizer(FineGrainedFP8Config()))
+    tensors = {}
+    for name, w in folder_tensors(b16).items():
+        tensors.update(quantizer._quantize_one(name, w) if name.endswith("_proj.weight") else {name: w})
+    from safetensors.torch import save_file
+
+    save_file(tensors, os.path.join(fp8, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(fp8, "config.json")))
+    kept = sorted(
+        n.removesuffix(".weight")
+        for n, t in tensors.items()
+        if n.endswith("_proj.weight") and t.dtype != torch.float8_e4m3fn
+    )
+    config["quantization_config"] = json.loads(
+        json.dumps(FineGrainedFP8Config(modules_to_not_convert=kept or None).to_dict())
+    )
+    json.dump(config, open(os.path.join(fp8, "config.json"), "w"))
+
+    zero = build_adapter(fp8, str(tmp_path / "zero"), noise=0.0)  # lora_B stays zero: the delta is exactly 0
+    out = str(tmp_path / "back")
+    merge_checkpoint(fp8, zero, out, quantize="base", progress=False)
+    got = folder_tensors(out)
+    assert set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert stored_equal(got[name], t), name
+    assert json.load(open(os.path.join(out, "config.json")))["quantization_config"] == config["quantization_config"]
+    assert tensor_bytes(out) == tensor_bytes(fp8)  # the base's size: only the header's layout differs
+
+    trained = build_adapter(fp8, str(tmp_path / "trained"))
+    out = str(tmp_path / "trained-out")
+    merge_checkpoint(fp8, trained, out, quantize="base", progress=False)
+    got = folder_tensors(out)
+    assert {n: (t.dtype, t.shape) for n, t in got.items()} == {n: (t.dtype, t.shape) for n, t in tensors.items()}
+    model = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32)  # dequantized on the CPU, in float32
+    merged = PeftModel.from_pretrained(model, trained).merge_and_unload()
+    changed = 0
+    for module, w in linear_weights(merged).items():
+        want = quantizer._quantize_one(f"{module}.weight", w)
+        if len(want) == 2:
+            changed += 1
+            for name, tensor in want.items():
+                assert stored_equal(got[name], tensor), name
+    assert changed > 0
+    assert verify_checkpoint(out, base=fp8, adapter=trained).status == "OK"
+
+
+def test_refusals_before_anything_is_written(cases, tmp_path):
+    _, base, adapter, _ = cases("llama")
+    out = str(tmp_path / "out")
+    cases_ = [
+        (dict(quantize="gptq"), "GPTQ needs calibration data"),
+        (dict(quantize="awq"), "llm-compressor"),
+        (dict(quantize="int3"), "not a format this version writes"),
+        (dict(quantize="base"), "not stored quantized"),
+    ]
+    for kwargs, match in cases_:
+        with pytest.raises(InputError, match=match):
+            merge_checkpoint(base, adapter, out, progress=False, **kwargs)
+        assert not os.path.exists(out)
+    with pytest.raises(InputError, match="GGUF file's quantization is its outtype"):
+        merge_checkpoint(base, adapter, str(tmp_path / "m.gguf"), quantize="nf4", progress=False)
+    odd = build_base(str(tmp_path / "odd"), dtype=torch.bfloat16, intermediate_size=200)
+    odd_adapter = build_adapter(odd, str(tmp_path / "odd-adapter"))
+    with pytest.raises(InputError, match=r"down_proj.weight: ct-w4a16 quantizes groups of 128 inputs.*200"):
+        merge_checkpoint(odd, odd_adapter, out, quantize="ct-w4a16", progress=False)
+    assert not os.path.exists(out)
+
+
+def test_mxfp4_base_cannot_be_written_back_is_said():
+    from peft_shardmerge.quant.encode import encoder_for
+
+    with pytest.raises(InputError, match="'mxfp4', which this version reads but does not write back"):
+        encoder_for("base", {"quant_method": "mxfp4"})
+
+
+def test_command_line_and_a_loaded_model(cases, tmp_path):
+    from peft_shardmerge import merge_and_save
+    from peft_shardmerge.api.cli import main
+
+    tmp, base, adapter, _ = cases("llama")
+    out = str(tmp_path / "cli")
+    assert main(["merge", base, adapter, out, "--quantize", "nf4", "--quiet"]) == 0
+    disk = folder_tensors(out)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), adapter)
+    live = str(tmp_path / "live")
+    merge_and_save(model, live, quantize="nf4", progress=False)
+    got = folder_tensors(live)
+    assert set(got) == set(disk)
+    for name in disk:  # the same merge, from disk and from memory, quantized the same
+        if ".quant_state." in name:
+            assert bytes(got[name].numpy()).rstrip() == bytes(disk[name].numpy()).rstrip(), name
+        else:
+            assert stored_equal(got[name], disk[name]), name
