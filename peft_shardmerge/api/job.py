@@ -138,10 +138,14 @@ class MergeJob(ABC):
         self.encoding = self.encode(plan)
         source = self.source(plan)
         sink = self.sink(plan, source)
+        pushed = isinstance(sink, HubSink)
         if self.encoding is not None:
             sink = QuantSink(sink, self.encoding)
         hook = self.before_commit()
-        if isinstance(sink, HubSink):  # the model card, written with the other files before the record
+        if pushed:  # the model card, written with the other files before the record
+            if self.encoding is not None:
+                self.push.save_method = f"merged, quantized as {self.encoding.encoder.name}"
+                self.push.tags = [*self.push.tags, self.encoding.encoder.name, "quantized"]
             hook = self.push.card_hook(hook, plan, source, self.card_base(plan))
         report = run(
             plan,
@@ -156,7 +160,7 @@ class MergeJob(ABC):
                 e[3] for _, part in self.encoding.layout(Layout(plan.shard_entries())).parts for e in part
             )
             report.notes = [*report.notes, self.encoding.describe()]
-        if isinstance(sink, HubSink) or isinstance(getattr(sink, "inner", None), HubSink):
+        if pushed:
             report.notes = [*report.notes, f"pushed: {sink.commit_url}"]
             self.push.url = sink.commit_url
             return report

@@ -300,3 +300,31 @@ def test_command_line_and_a_loaded_model(cases, tmp_path):
             assert bytes(got[name].numpy()).rstrip() == bytes(disk[name].numpy()).rstrip(), name
         else:
             assert stored_equal(got[name], disk[name]), name
+
+
+def test_pushed_quantized_equals_the_local_one(cases, tmp_path, monkeypatch):
+    """``push --quantize`` streams the same files to the Hub in one commit, its card naming the format."""
+    import huggingface_hub.constants as hc
+    from hub_server import FakeHub
+
+    from peft_shardmerge.api.cli import main
+
+    _, base, adapter, _ = cases("qwen2")
+    local = str(tmp_path / "local")
+    merge_checkpoint(base, adapter, local, quantize="fp8-block", max_shard_size="200KB", progress=False)
+    with FakeHub() as server:
+        monkeypatch.setattr(hc, "ENDPOINT", server.url)
+        monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(hc, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.setenv("HF_TOKEN", "hf_x")
+        args = ["push", base, adapter, "me/q", "--quantize", "fp8-block", "--max-shard-size", "200KB"]
+        (tmp_path / "staging").mkdir()
+        assert main([*args, "--staging", str(tmp_path / "staging"), "--quiet"]) == 0
+        files = {name: server.files["me/q"][name] for name in server.files["me/q"]}
+        assert len(server.commits) == 1
+    shards = [f for f in os.listdir(local) if f.endswith(".safetensors")]
+    assert len(shards) > 1
+    for name in [*shards, "model.safetensors.index.json", "config.json"]:
+        assert files[name] == open(os.path.join(local, name), "rb").read(), name
+    card = files["README.md"].decode()
+    assert "fp8-block" in card and "quantized" in card
