@@ -22,6 +22,7 @@ __all__ = [
     "Encoder",
     "Fp8Block",
     "Int8",
+    "Mxfp4",
     "encoder_for",
 ]
 
@@ -85,12 +86,15 @@ class Encoder:
 
 
 def stored_name(weight: str, suffix: str) -> str:
-    """The key of one stored tensor of ``weight``: ``"" -> weight``, else the module's name and the suffix.
+    """The key of one stored tensor of ``weight``: ``"" -> weight``, ``"*_blocks"`` its name and ``_blocks``, else
+    the module's name and the suffix.
 
     Example:
         >>> stored_name("m.q_proj.weight", ""), stored_name("m.q_proj.weight", "SCB")
         ('m.q_proj.weight', 'm.q_proj.SCB')
     """
+    if suffix.startswith("*"):  # a parameter's own parts: gate_up_proj -> gate_up_proj_blocks
+        return weight + suffix[1:]
     return weight.rsplit(".", 1)[0] + "." + suffix if suffix else weight
 
 
@@ -393,6 +397,71 @@ class Bnb4bit(Encoder):
         ).to_dict()
 
 
+@dataclass(frozen=True)
+class Mxfp4(Encoder):
+    """MXFP4 as gpt-oss stores its experts (``quant_method: mxfp4``): each fused expert weight, ``[experts, in, out]``
+    as transformers holds it, stored per expert as ``[out, in]`` in groups of 32 inputs, an E8M0 exponent
+    (``*_scales``, ``[experts, out, groups]``) and 32 FP4 E2M1 codes, two a byte, the first in the low bits
+    (``*_blocks``, ``[experts, out, groups, 16]``). Quantized as triton_kernels' ``downcast_to_mxfp_torch`` (the
+    reference OpenAI's own kernels ship; the quantizer gpt-oss was made with is not published): the group's scale is
+    ``amax / 6`` rounded up to a power of two, each value divided by it rounds to the nearest E2M1 value, a tie away
+    from zero, clamped to 6.
+
+    Example:
+        >>> blocks, scales = Mxfp4().encode(torch.full((1, 32, 1), 3.0), torch.bfloat16)
+        >>> blocks.shape, scales.tolist(), hex(blocks[0, 0, 0, 0].item())
+        (torch.Size([1, 1, 1, 16]), [[[126]]], '0x77')
+    """
+
+    name: ClassVar[str] = "mxfp4"
+    tool: ClassVar[str] = "triton_kernels.numerics_details.mxfp.downcast_to_mxfp_torch"
+
+    def refuses(self, name, shape):
+        if len(shape) != 3 or shape[1] % 32:
+            return (
+                f"{name}: MXFP4 stores [experts, in, out] weights with in a multiple of 32, this one is {list(shape)}"
+            )
+        return None
+
+    def parts(self, shape, dtype):
+        experts, fan_in, fan_out = shape
+        return [
+            ("*_blocks", "U8", (experts, fan_out, fan_in // 32, 16)),
+            ("*_scales", "U8", (experts, fan_out, fan_in // 32)),
+        ]
+
+    def encode(self, weight, dtype=torch.bfloat16):
+        experts, fan_in, fan_out = weight.shape
+        x = weight.to(torch.float32).transpose(1, 2).reshape(experts, fan_out, fan_in // 32, 32)
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        bits = (amax / 6.0).view(torch.int32)
+        rounded = (bits + 0x007FFFFF) & 0x7F800000  # up to a power of two
+        scale = rounded.view(torch.float32)
+        q = x * torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+        codes = _e2m1(q)
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return [packed.contiguous(), (rounded >> 23).to(torch.uint8).squeeze(-1)]
+
+    def config(self, kept, dtype):
+        from transformers import Mxfp4Config
+
+        return Mxfp4Config().to_dict()
+
+
+def _e2m1(q: torch.Tensor) -> torch.Tensor:
+    """The FP4 E2M1 codes (sign in bit 3) of float32 values: the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6, a tie away
+    from zero, beyond 6 clamped (the bit arithmetic of the reference)."""
+    bits = q.contiguous().view(torch.int32)
+    sign = (bits >> 28) & 0x8
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    sub = ((0x400000 | (mantissa >> 1)) >> (126 - exponent).clamp(min=0, max=31)) & 0x7FFFFF
+    mantissa = torch.where(exponent < 127, sub, mantissa)
+    exponent = exponent.clamp(min=126) - 126
+    code = ((((exponent << 2) | (mantissa >> 21)) + 1) >> 1).clamp(max=7)
+    return (sign | code).to(torch.uint8)
+
+
 def _exact_tiles(tiles: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block, the quantizer's codes and inverse scale, unless they do not give the block's values back exactly
     and FP8 codes times one of the four floats nearest that scale do: then those codes and that scale."""
@@ -469,8 +538,10 @@ def name_problems(name) -> list[str]:
     """
     if not isinstance(name, str):
         return [f"quantize must be a format name ({', '.join(NAMES)}), got {name!r}"]
+    if name.strip().lower() == "base":  # its format is the base's: known once the base is read
+        return []
     try:
-        encoder_for(name, {"quant_method": "fp8"})
+        encoder_for(name)
     except InputError as e:
         return list(e.problems)
     return []
@@ -491,7 +562,7 @@ def encoder_for(name: str, base_qc: dict | None = None) -> Encoder:
             or in a format this version cannot write back.
 
     Example:
-        >>> encoder_for("fp8-block").name, encoder_for("base", {"quant_method": "fp8"}).block
+        >>> encoder_for("fp8-block").name, encoder_for("base", {"quant_method": "fp8", "weight_block_size": [128, 128]}).block
         ('fp8-block', (128, 128))
     """
     key = str(name).strip().lower()
@@ -520,7 +591,14 @@ def encoder_for(name: str, base_qc: dict | None = None) -> Encoder:
         )
     method = str(base_qc.get("quant_method", "bitsandbytes" if base_qc.get("load_in_4bit") else "unknown"))
     if method == "fp8":
-        block = tuple(base_qc.get("weight_block_size") or (128, 128))
+        if not base_qc.get("weight_block_size") or base_qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise InputError(
+                "quantize='base': the base is FP8 with "
+                + ("one scale per tensor" if not base_qc.get("weight_block_size") else "static activation scales")
+                + ", which this version reads but does not write back (only block scales with dynamic activations); "
+                "name a format instead (fp8-block writes 128x128 blocks)"
+            )
+        block = tuple(base_qc["weight_block_size"])
         return Fp8Block(block=block, scale_fmt=str(base_qc.get("scale_fmt") or "float"), keep_exact=True)
     if method == "bitsandbytes" and base_qc.get("load_in_4bit"):
         return Bnb4bit(
@@ -528,6 +606,8 @@ def encoder_for(name: str, base_qc: dict | None = None) -> Encoder:
         )
     if method == "bitsandbytes" and base_qc.get("load_in_8bit"):
         return Int8()
+    if method == "mxfp4":
+        return Mxfp4()
     raise InputError(
         f"quantize='base': the base is stored as quant_method={method!r}, which this version reads but does not "
         f"write back; name a format instead ({', '.join(NAMES[:-1])})"
@@ -557,7 +637,7 @@ def encoder_from_record(record: dict) -> Encoder:
         >>> encoder_from_record({"format": "nf4", "quant_type": "nf4", "double_quant": False})
         Bnb4bit(quant_type='nf4', double_quant=False)
     """
-    kinds = {"fp8-block": Fp8Block, "ct-fp8-block": CtFp8Block, "ct-w4a16": CtW4A16, "int8": Int8}
+    kinds = {"fp8-block": Fp8Block, "ct-fp8-block": CtFp8Block, "ct-w4a16": CtW4A16, "int8": Int8, "mxfp4": Mxfp4}
     kinds.update({"nf4": Bnb4bit, "fp4": Bnb4bit})
     if record.get("format") not in kinds:
         raise InputError(f"the merge record names quantized format {record.get('format')!r}, unknown to this version")

@@ -275,11 +275,19 @@ def test_refusals_before_anything_is_written(cases, tmp_path):
     assert not os.path.exists(out)
 
 
-def test_mxfp4_base_cannot_be_written_back_is_said():
+@pytest.mark.parametrize(
+    "qc, said",
+    [
+        ({"quant_method": "fp8", "weight_block_size": None}, "one scale per tensor"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "static activation"),
+        ({"quant_method": "gptq"}, "'gptq', which this version reads but does not write back"),
+    ],
+)
+def test_base_formats_not_written_back_are_named(qc, said):
     from peft_shardmerge.quant.encode import encoder_for
 
-    with pytest.raises(InputError, match="'mxfp4', which this version reads but does not write back"):
-        encoder_for("base", {"quant_method": "mxfp4"})
+    with pytest.raises(InputError, match=said):
+        encoder_for("base", qc)
 
 
 def test_command_line_and_a_loaded_model(cases, tmp_path):
@@ -328,3 +336,71 @@ def test_pushed_quantized_equals_the_local_one(cases, tmp_path, monkeypatch):
         assert files[name] == open(os.path.join(local, name), "rb").read(), name
     card = files["README.md"].decode()
     assert "fp8-block" in card and "quantized" in card
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def mxfp4_by_definition(x: torch.Tensor) -> torch.Tensor:
+    """MXFP4 of ``x [experts, in, out]`` by its definition, in float64 and plain Python rounding: per expert, output
+    and group of 32 inputs, the scale 2**ceil(log2(amax / 6)), each value the nearest E2M1 value times it (a tie
+    away from zero, beyond 6 clamped)."""
+    out = torch.empty_like(x, dtype=torch.float64)
+    levels = torch.tensor(E2M1, dtype=torch.float64)
+    mids = (levels[1:] + levels[:-1]) / 2
+    for e in range(x.shape[0]):
+        for o in range(x.shape[2]):
+            for g in range(0, x.shape[1], 32):
+                v = x[e, g : g + 32, o].double()
+                amax = float(v.abs().max())
+                scale = 2.0 ** torch.ceil(torch.log2(torch.tensor(amax / 6.0))).item() if amax > 0 else 0.0
+                r = (v.abs() / scale).clamp(max=6.0) if scale else v.abs() * 0
+                idx = (r.unsqueeze(-1) >= mids).sum(-1)  # a value on a midpoint takes the larger level
+                out[e, g : g + 32, o] = torch.sign(v) * levels[idx] * scale
+    return out
+
+
+def test_mxfp4_encoding_decodes_to_its_definition():
+    """Our MXFP4 codes and scales, decoded by transformers' own dequantizer, are the format's definition of the
+    values (random experts, exact ties and zero groups included)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from peft_shardmerge.quant.encode import Mxfp4
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 8) * 0.01
+    x[0, :32, 0] = 0.0  # a group of zeros
+    x[1, :32, 1] = torch.tensor([6.0, 2.5, -5.0, 0.75, 0.25, -1.25] + [0.0] * 26)  # ties between levels
+    blocks, scales = Mxfp4().encode(x, torch.bfloat16)
+    got = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert torch.equal(got.double(), mxfp4_by_definition(x))
+
+
+def test_mxfp4_base_written_back(tmp_path):
+    """A gpt-oss MXFP4 base whose groups each hold a code of magnitude 4 or 6 (the scale the rule gives back): an
+    adapter on attention leaves the experts as stored, bytes and all; transformers loads the output."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit", "quant"))
+    from test_quantized_mxfp4 import QC, gpt_oss_config, stored_tensors, write_checkpoint
+
+    config = gpt_oss_config()
+    tensors = stored_tensors(config, seed=0)
+    for name in [n for n in tensors if n.endswith("_blocks")]:
+        blocks = tensors[name]
+        blocks[..., 0] = (blocks[..., 0] & 0xF0) | 0x07  # the group's first code: 6 (E2M1 0b0111)
+    base = write_checkpoint(str(tmp_path / "base"), config, tensors)
+    adapter = build_adapter(base, str(tmp_path / "adapter"), noise=0.0, target_modules=["q_proj", "v_proj"])
+    out = str(tmp_path / "out")
+    merge_checkpoint(base, adapter, out, quantize="base", progress=False)
+    got = folder_tensors(out)
+    assert set(got) == set(tensors)
+    for name in tensors:
+        assert stored_equal(got[name], tensors[name]), name
+    assert json.load(open(os.path.join(out, "config.json")))["quantization_config"] == QC
+    import transformers
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.Mxfp4Config(dequantize=True), output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
