@@ -562,7 +562,8 @@ def encoder_for(name: str, base_qc: dict | None = None) -> Encoder:
             or in a format this version cannot write back.
 
     Example:
-        >>> encoder_for("fp8-block").name, encoder_for("base", {"quant_method": "fp8", "weight_block_size": [64, 64]}).block
+        >>> base = {"quant_method": "fp8", "weight_block_size": [64, 64]}
+        >>> encoder_for("fp8-block").name, encoder_for("base", base).block
         ('fp8-block', (64, 64))
     """
     key = str(name).strip().lower()
