@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -404,3 +405,42 @@ def test_mxfp4_base_written_back(tmp_path):
         out, quantization_config=transformers.Mxfp4Config(dequantize=True), output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.parametrize("kind", ["nf4-double", "int8"])
+def test_bitsandbytes_base_written_back(cases, tmp_path, kind):
+    """A base saved by transformers + bitsandbytes, merged with quantize='base': the base's layout and settings,
+    each changed weight bitsandbytes' own quantization of PEFT's float32 merge over the dequantized base."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit", "quant"))
+    from test_quantized_bnb import save_quantized
+
+    _, b16, _, _ = cases("llama")
+    base = save_quantized(b16, str(tmp_path / "base"), kind)
+    adapter = build_adapter(b16, str(tmp_path / "adapter"))
+    out = str(tmp_path / "out")
+    merge_checkpoint(base, adapter, out, quantize="base", progress=False)
+    stored, got = folder_tensors(base), folder_tensors(out)
+    assert {n: (t.dtype, t.shape) for n, t in got.items() if ".quant_state." not in n} == {
+        n: (t.dtype, t.shape) for n, t in stored.items() if ".quant_state." not in n
+    }
+    base_qc = json.load(open(os.path.join(base, "config.json")))["quantization_config"]
+    assert json.load(open(os.path.join(out, "config.json")))["quantization_config"] == base_qc
+    from test_quantized_bnb import dequantized
+
+    model = dequantized(base).float()
+    if kind == "int8":  # the format's definition, codes * SCB / 127 (float64, exact, then float32), not bf16
+        with torch.no_grad():
+            for module, w in linear_weights(model).items():
+                codes, scb = stored[f"{module}.weight"].double(), stored[f"{module}.SCB"].double()
+                w.copy_((codes * scb[:, None] / 127).float())
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    encoder = "int8" if kind == "int8" else "nf4"
+    for module, w in linear_weights(merged).items():
+        for suffix, tensor in reference(encoder, w).items():
+            name = f"{module}.{suffix}"
+            if ".quant_state." in suffix:
+                assert json.loads(bytes(got[name].numpy())) == json.loads(bytes(tensor.numpy())), name
+            else:
+                assert stored_equal(got[name], tensor), name
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
