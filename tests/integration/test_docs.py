@@ -34,6 +34,7 @@ RUN = [
     "docs/choosing-the-base.md",
     "docs/gguf.md",
     "docs/hub.md",
+    "docs/quantized.md",
 ]
 #: pages whose pushes go to a local Hub (tests/hub_server.py), as the environment names it
 AGAINST_A_LOCAL_HUB = {"docs/hub.md"}
