@@ -61,6 +61,7 @@ bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_gguf.py --sizes 0.5B,1B --types q8_0,q4_k_m --write docs/benchmarks.md
 	# the push while merging against merge then upload_folder, on the tests' local Hub (1B, shards of 500 MB)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_push.py --sizes 1B --max-shard-size 500MB --write docs/benchmarks.md
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_quantize.py --repeats 3 --pairs 3 --write docs/benchmarks.md
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_merge.py --sizes 0.5B,1B --write docs/benchmarks.md
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_dist.py --write docs/benchmarks.md
 

@@ -480,7 +480,8 @@ class CheckpointJob(MergeJob):
         super().__init__(out_dir, opts, problems, steps, push)
         self.base, self.adapter, self.dry_run, self.hook = base, adapter, dry_run, before_commit
         self.writes = not dry_run
-        self.beside = checks_beside(
+        # a quantized output's weights are chosen by the model class: its checks come first
+        self.beside = opts.quantize is None and checks_beside(
             opts.model_checks, distributed=steps.world.distributed, dry_run=dry_run, out_dir=out_dir
         )
         self.checks: ChecksBeside | None = None

@@ -165,8 +165,9 @@ class Plan:
     in_memory_adapters: list[str] = field(default_factory=list)
     resources: list = field(default_factory=list)
     reproduces: str = ""
-    quantizable: set[str] = field(default_factory=set)
-    fused: bool = False
+    # what the model class says (a plan from the files alone has neither): it decides no byte of a 16-bit merge
+    quantizable: set[str] = field(default_factory=set, compare=False)
+    fused: bool = field(default=False, compare=False)
 
     @property
     def total_size(self) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import InputError
 from ..io.safetensors_io import DTYPES, TORCH_TO_ST
+from ..support.quantize_names import CALIBRATED, NAMES
 from .nf4 import Nf4Settings, packed_4bit_layout, pad_quant_state, require_bitsandbytes
 
 __all__ = [
@@ -26,14 +27,6 @@ __all__ = [
     "encoder_for",
 ]
 
-#: the names ``--quantize`` takes, in the order the help lists them
-NAMES = ("fp8-block", "ct-fp8-block", "ct-w4a16", "nf4", "fp4", "int8", "base")
-#: formats that need calibration data, refused by name with the hand-off
-CALIBRATED = {
-    "gptq": "GPTQ",
-    "awq": "AWQ",
-    "ct-w4a16-gptq": "GPTQ",
-}
 #: float8_e4m3fn's largest value
 FP8_MAX = 448.0
 
