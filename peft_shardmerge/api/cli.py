@@ -10,9 +10,9 @@ import signal
 import sys
 
 from ..errors import ShardMergeError
+from ..quant.names import NAMES
 from ..support.combinations import COMBINATIONS, MAJORITY_SIGNS
 from ..support.outtypes import OUTTYPES
-from ..support.quantize_names import NAMES
 from ..version import __version__
 from .model_checks import ChecksBeside, checks_beside
 

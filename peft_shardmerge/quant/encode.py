@@ -11,7 +11,7 @@ import torch
 
 from ..errors import InputError
 from ..io.safetensors_io import DTYPES, TORCH_TO_ST
-from ..support.quantize_names import CALIBRATED, NAMES
+from .names import CALIBRATED, NAMES
 from .nf4 import Nf4Settings, packed_4bit_layout, pad_quant_state, require_bitsandbytes
 
 __all__ = [
