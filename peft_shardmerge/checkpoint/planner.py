@@ -239,6 +239,7 @@ def build_plan(
     )
     plan.quantizable = set(info.linear_weights)
     plan.fused = bool(parts)
+    plan.transposed = set(info.transposed)
     return plan
 
 

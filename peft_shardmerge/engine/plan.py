@@ -150,6 +150,7 @@ class Plan:
             and tied ones, as transformers' quantizers choose them), in output names.
         fused: the checkpoint stores tensors that transformers fuses into one when it loads them (a mixture of
             experts' per-expert weights).
+        transposed: the weights stored ``[in, out]`` (GPT-2's ``Conv1D``), in output names.
     """
 
     inputs: PlanInputs
@@ -168,6 +169,7 @@ class Plan:
     # what the model class says (a plan from the files alone has neither): it decides no byte of a 16-bit merge
     quantizable: set[str] = field(default_factory=set, compare=False)
     fused: bool = field(default=False, compare=False)
+    transposed: set[str] = field(default_factory=set, compare=False)
 
     @property
     def total_size(self) -> int:

@@ -180,6 +180,7 @@ def plan_live(
         adapter_text=in_memory_text(source.adapter_names, source.weights)
         + (f" ({source.vectors.describe()})" if source.vectors else ""),
         quantizable=set(live.info.linear_weights),
+        transposed=set(live.info.transposed) | {e.name for e in live.entries if e.transpose_out},
     )
 
 

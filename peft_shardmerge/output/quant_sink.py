@@ -28,6 +28,8 @@ class Encoding:
             blocks), named in the config so that the loader does not look for their scales.
         dtype: the model's dtype (its other tensors', the 4-bit compute dtype).
         config: the ``quantization_config`` to write as it is (a base's own, written back); None: the encoder's.
+        transposed: encoded weights stored ``[in, out]`` (``Conv1D``), encoded as ``[out, in]`` as bitsandbytes
+            holds them.
     """
 
     encoder: Encoder
@@ -35,6 +37,11 @@ class Encoding:
     kept: list[str] = field(default_factory=list)
     dtype: torch.dtype = torch.bfloat16
     config: dict | None = None
+    transposed: set[str] = field(default_factory=set)
+
+    def encode(self, name: str, data: torch.Tensor) -> list[torch.Tensor]:
+        """The stored tensors of the merged weight ``name``."""
+        return self.encoder.encode(data.T.contiguous() if name in self.transposed else data, self.dtype)
 
     def quantization_config(self) -> dict:
         """``config.json``'s ``quantization_config``."""
@@ -60,6 +67,7 @@ class Encoding:
         name, _, shape, _ = entry
         if name not in self.names:
             return [entry]
+        shape = tuple(shape)[::-1] if name in self.transposed else shape
         return [
             (stored_name(name, s), d, tuple(sh), math.prod(sh) * DTYPES[d][1])
             for s, d, sh in self.encoder.parts(tuple(shape), TORCH_TO_ST[self.dtype])
@@ -125,7 +133,10 @@ def encode_plan(plan, encoder: Encoder, base_config: dict | None = None) -> Enco
     candidates = set(plan.quantizable)
     if base_config is not None:
         candidates = {t.name for t in plan.tensors if t.source.decoder is not None} or candidates
+    if not encoder.takes_conv1d:
+        candidates -= plan.transposed
     encoding = plan_encoding(encoder, plan.tensors, candidates, plan.dtype)
+    encoding.transposed = encoding.names & plan.transposed
     encoding.config = dict(base_config) if base_config is not None else None
     for t in plan.tensors:
         if t.name in encoding.names:
@@ -169,6 +180,12 @@ def plan_encoding(encoder: Encoder, tensors, candidates: set[str], dtype: torch.
             encoding.kept.append(t.name.rsplit(".", 1)[0])
         else:
             encoding.names.add(t.name)
+    if not problems and not encoding.names:
+        problems.append(
+            f"quantize={encoder.name!r}: none of this model's weights is one {encoder.name}'s tool quantizes "
+            f"(its nn.Linear weights but the output layer{', whole 128x128 blocks' if encoding.kept else ''}); "
+            "write it in 16-bit, or choose another format (nf4 and int8 take GPT-2's Conv1D weights too)"
+        )
     if problems:
         raise InputError(problems)
     return encoding
@@ -268,7 +285,7 @@ class _Encoder:
         return _Held(self.entries[index], lambda data: self._place(index, data))
 
     def _place(self, index: int, data: torch.Tensor) -> None:
-        for j, stored in enumerate(self.encoding.encoder.encode(data, self.encoding.dtype)):
+        for j, stored in enumerate(self.encoding.encode(self.entries[index][0], data)):
             w = self.w.at(self.first[index] + j)
             w.write(stored)
             w.finish()
@@ -313,7 +330,7 @@ class _Encoder:
             self.held.finish()
 
     def _encoded(self, data: torch.Tensor) -> None:
-        for stored in self.encoding.encoder.encode(data, self.encoding.dtype):
+        for stored in self.encoding.encode(self.entries[self.k][0], data):
             self.w.write(stored)
         self.held, self.k, self._written = None, self.k + 1, 0
 

@@ -50,6 +50,9 @@ class Encoder:
     tool: ClassVar[str] = ""
     #: whether transformers loads the format in a model whose experts it fuses on load (Mixtral's per-expert weights)
     loads_fused: ClassVar[bool] = True
+    #: whether the format's tool takes GPT-2's ``Conv1D`` weights (stored ``[in, out]``): bitsandbytes does, as
+    #: ``[out, in]``; the others replace ``nn.Linear`` only
+    takes_conv1d: ClassVar[bool] = False
 
     def refuses(self, name: str, shape: tuple[int, ...]) -> str | None:
         """Why a weight of this shape cannot be written in the format (None: it can)."""
@@ -329,6 +332,7 @@ class Bnb4bit(Encoder):
     """
 
     tool: ClassVar[str] = "bitsandbytes.functional.quantize_4bit"
+    takes_conv1d: ClassVar[bool] = True
     quant_type: str = "nf4"
     double_quant: bool = True
 
@@ -503,6 +507,7 @@ class Int8(Encoder):
 
     name: ClassVar[str] = "int8"
     tool: ClassVar[str] = "bitsandbytes.functional.int8_vectorwise_quant"
+    takes_conv1d: ClassVar[bool] = True
 
     def requires(self):
         require_bitsandbytes()

@@ -444,3 +444,36 @@ def test_bitsandbytes_base_written_back(cases, tmp_path, kind):
                 assert stored_equal(got[name], tensor), name
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8", "fp8-block"])
+def test_gpt2_conv1d_weights(tmp_path, fmt):
+    """GPT-2 stores its projections [in, out] (Conv1D): bitsandbytes quantizes them as [out, in], the FP8 and
+    compressed-tensors tools only nn.Linear, of which GPT-2 has none but its output layer."""
+    from transformers.pytorch_utils import Conv1D
+
+    base = build_base(str(tmp_path / "base"), "gpt2", dtype=torch.bfloat16)
+    adapter = build_adapter(base, str(tmp_path / "adapter"))
+    out = str(tmp_path / "out")
+    if fmt == "fp8-block":
+        with pytest.raises(InputError, match="none of this model's weights"):
+            merge_checkpoint(base, adapter, out, quantize=fmt, progress=False)
+        assert not os.path.exists(out)
+        return
+    merge_checkpoint(base, adapter, out, quantize=fmt, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    stored = folder_tensors(out)
+    n = 0
+    for name, m in merged.named_modules():
+        if isinstance(m, Conv1D):
+            n += 1
+            for suffix, tensor in reference(fmt, m.weight.detach().T.contiguous()).items():
+                got = stored[f"{name}.{suffix}"]
+                if ".quant_state." in suffix:
+                    assert bytes(got.numpy()).rstrip(b" ") == bytes(tensor.numpy()), name
+                else:
+                    assert stored_equal(got, tensor), f"{name}.{suffix}"
+    assert n > 0
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
