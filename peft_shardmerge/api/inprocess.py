@@ -22,13 +22,14 @@ from ..engine.plan import Plan
 from ..engine.report import MergeReport
 from ..engine.source import Coordinator, Source
 from ..errors import InputError
-from ..model.planner import LiveInputs, plan_live, valid_generation_config
+from ..model.planner import LiveInputs
 from ..model.reader import ModelReader
-from ..model.walk import unwrap, walk
-from ..options import MODEL, MergeOptions, parse_dtype, parse_size
-from ..output.out_dir import check_out_dir, foreign_model_problems, path_argument, source_folders
+from ..model.walk import unwrap
+from ..options import MODEL, MergeOptions, parse_dtype
+from ..output.out_dir import path_argument, source_folders
+from ..output.quant_sink import Encoding, encode_plan
 from ..output.record import live_merge_info
-from ..support.model import require_supported
+from ..quant.encode import Bnb4bit
 from .hub import Push, model_names
 from .job import MergeJob
 from .model_plan import (  # noqa: F401 - public
@@ -289,9 +290,7 @@ def _record_info(plan: Plan) -> dict:
     """The record's ``merge`` part, taken while the model is seen unsharded (an FSDP1 model holds no whole parameter
     outside its planning view)."""
     src = plan.inputs
-    return live_merge_info(
-        src.live.model, plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination, src.vectors
-    )
+    return live_merge_info(src.live.model, plan.dtype, src.adapter_names, src.weights, src.combination, src.vectors)
 
 
 def _side_saver(tokenizer: Any) -> Callable[[str], None] | None:
@@ -365,7 +364,9 @@ def save_merged_4bit(
     progress: bool = True,
     replace_check: Callable[[str], list[str]] | None = None,
 ) -> MergeReport:
-    """Merge in fp32 as :func:`merge_and_save` does, then store every weight bitsandbytes quantizes in 4-bit again.
+    """Merge in fp32 as :func:`merge_and_save` does, and store every weight bitsandbytes quantizes in 4-bit again:
+    ``quantize="nf4"`` with the 4-bit settings the model was loaded with (nf4 with double quantization for a model
+    loaded unquantized), each weight quantized once from its float32 merge.
 
     Warns once (``UserWarning``): the result is not the trained model, each weight moves by its 4-bit error.
 
@@ -373,7 +374,8 @@ def save_merged_4bit(
         model: the trained ``PeftModel``.
         out_dir: the output folder.
         tokenizer: saved with the model when given.
-        dtype: the compute dtype recorded for the 4-bit layers (a 16-bit dtype; fp32 becomes bf16).
+        dtype: the compute dtype recorded for the 4-bit layers and the dtype of the other tensors (a 16-bit dtype;
+            fp32 becomes bf16).
         max_shard_size: largest shard.
         maximum_memory_usage: fraction (0, 0.95] of accelerator memory the merge may occupy.
         overwrite: replace a non-empty ``out_dir``.
@@ -384,91 +386,79 @@ def save_merged_4bit(
         The :class:`MergeReport`; its first note names the 4-bit settings.
 
     Raises:
-        InputError: bad options or output folder.
+        InputError: bad options or output folder, or a sharded model.
+
+    Example:
+        >>> import os, tempfile, warnings
+        >>> from peft import LoraConfig, get_peft_model
+        >>> from transformers import LlamaForCausalLM
+        >>> from peft_shardmerge.testing import tiny_config
+        >>> model = get_peft_model(LlamaForCausalLM(tiny_config()), LoraConfig(target_modules=["q_proj"]))
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     report = save_merged_4bit(model, os.path.join(tempfile.mkdtemp(), "m4"), progress=False)
+        >>> report.notes[0]
+        'weights re-quantized to 4-bit (nf4, double quant)'
     """
-    budget = MemoryBudget(maximum_memory_usage)
-    opts = MergeOptions(overwrite=overwrite, progress=progress)
-    job = Requantized4bitJob(model, out_dir, opts, tokenizer, dtype, max_shard_size, budget, replace_check)
-    report = job.run()
-    quant4 = job.quant4
-    report.notes.insert(
-        0,
-        f"weights re-quantized to 4-bit ({quant4['bnb_4bit_quant_type']}, "
-        f"{'double quant' if quant4['bnb_4bit_use_double_quant'] else 'no double quant'})",
+    import warnings
+
+    inner = unwrap(model)
+    problems = []
+    if sharding_of(model) is not None:
+        problems.append(
+            f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
+            "gather it; merge_and_save (called on every rank) writes the 16-bit merge"
+        )
+    out_dtype = parse_dtype(dtype) or model_dtype(inner)
+    if out_dtype == torch.float32:
+        out_dtype = torch.bfloat16
+    qc = getattr(inner.config, "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
+    loaded4 = bool(qc.get("load_in_4bit"))
+    encoder = Bnb4bit(
+        qc.get("bnb_4bit_quant_type", "nf4") if loaded4 else "nf4",
+        bool(qc.get("bnb_4bit_use_double_quant", True)) if loaded4 else True,
     )
+    opts = MergeOptions(
+        overwrite=overwrite,
+        progress=progress,
+        dtype=str(out_dtype).removeprefix("torch."),
+        max_shard_size=max_shard_size,
+        maximum_memory_usage=maximum_memory_usage,
+        quantize=encoder.name,
+    )
+    problems += opts.problems(MODEL)
+    if problems:
+        raise InputError(problems)
+    message = (
+        "save_method='merged_4bit' re-quantizes the merged weights to 4-bit: the result is not the model "
+        "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy"
+    )
+    warnings.warn(message, UserWarning, stacklevel=3)
+    with quiet_libraries():
+        report = Requantized4bitJob(model, out_dir, opts, encoder, tokenizer, replace_check).run()
+    kind = "double quant" if encoder.double_quant else "no double quant"
+    report.notes.insert(0, f"weights re-quantized to 4-bit ({encoder.quant_type}, {kind})")
     return report
 
 
 class Requantized4bitJob(ModelJob):
-    """``save_method="merged_4bit"`` as one :class:`~peft_shardmerge.api.job.MergeJob`: the model merged in fp32,
-    each weight bitsandbytes quantizes stored in 4-bit again (a model that is not sharded).
+    """``save_method="merged_4bit"``: a loaded model's merge (:class:`ModelJob`) whose weights bitsandbytes
+    quantizes are written in its 4-bit format with the settings given.
 
     Args:
         model: the trained ``PeftModel``.
         out_dir: the output folder.
-        opts: ``overwrite`` and ``progress``.
+        opts: the options (``quantize`` names the 4-bit type).
+        encoder: the 4-bit settings (:class:`~peft_shardmerge.quant.encode.Bnb4bit`).
         tokenizer: saved with the model when given.
-        dtype: the compute dtype recorded for the 4-bit layers, as given (None: the model's; fp32 becomes bf16).
-        max_shard_size: the largest shard, as given.
-        budget: the :class:`~peft_shardmerge.engine.budget.MemoryBudget`.
         replace_check: with ``overwrite``, what forbids replacing a non-empty ``out_dir``.
-
-    Attributes:
-        quant4: the 4-bit settings written (once planned).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        out_dir,
-        opts: MergeOptions,
-        tokenizer: Any,
-        dtype: str | torch.dtype | None,
-        max_shard_size: int | str,
-        budget: MemoryBudget,
-        replace_check: Callable[[str], list[str]] | None,
-    ):
-        MergeJob.__init__(self, out_dir, opts, [])  # not sharded: none of ModelJob's checks of a sharding apply
-        self.model, self.tokenizer, self.replace_check = model, tokenizer, replace_check
-        self.dtype, self.max_shard_size, self.budget = dtype, max_shard_size, budget
-        self.quant4: dict = {}
+    def __init__(self, model, out_dir, opts: MergeOptions, encoder: Bnb4bit, tokenizer: Any, replace_check):
+        super().__init__(model, out_dir, opts, [], tokenizer=tokenizer, replace_check=replace_check)
+        self.encoder = encoder
 
-    def plan(self) -> Plan:
-        """Every check, then the live plan with the 4-bit settings (warning once that the result is not the model
-        trained)."""
-        import warnings
-
-        from transformers import BitsAndBytesConfig
-
-        model, out_dir, opts = self.model, self.out_dir, self.opts
-        inner = unwrap(model)
-        out_problems = check_out_dir(out_dir, inputs=source_folders(model), overwrite=opts.overwrite)
-        problems = require_supported(model, None, out_problems + foreign_model_problems(out_dir))
-        if sharding_of(model) is not None:
-            problems.append(
-                f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
-                "gather it; merge_and_save (called on every rank) writes the 16-bit merge"
-            )
-        out_dtype = parse_dtype(self.dtype) or model_dtype(inner)
-        if out_dtype == torch.float32:
-            out_dtype = torch.bfloat16
-        limit = parse_size(self.max_shard_size)
-        if problems:
-            raise InputError(problems)
-        qc = getattr(inner.config, "quantization_config", None)
-        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
-        self.quant4 = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type=qc.get("bnb_4bit_quant_type", "nf4") if qc.get("load_in_4bit") else "nf4",
-            bnb_4bit_use_double_quant=bool(qc.get("bnb_4bit_use_double_quant", True))
-            if qc.get("load_in_4bit")
-            else True,
-            bnb_4bit_compute_dtype=out_dtype,
-        ).to_dict()
-        message = (
-            "save_method='merged_4bit' re-quantizes the merged weights to 4-bit: the result is not the model "
-            "you trained (each weight moves by its 4-bit quantization error); keep a 'merged_16bit' copy"
-        )
-        warnings.warn(message, UserWarning, stacklevel=5)  # once: a log record as well would show it twice
-        walked = LiveInputs(walk(model, None), quant4=self.quant4, generation_config=valid_generation_config(inner))
-        return plan_live(walked, out_dtype, limit)
+    def encode(self, plan: Plan) -> Encoding:
+        """The model's own 4-bit settings, not the named type's defaults."""
+        return encode_plan(plan, self.encoder)

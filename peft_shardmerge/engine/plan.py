@@ -24,7 +24,6 @@ class Op(str, Enum):
     CAST = "cast"  #: a dtype change only
     DEQUANTIZE = "dequantize"  #: a quantized base weight, dequantized and cast
     MERGE = "merge"  #: the base with its changes added in fp32, then cast
-    QUANTIZE4 = "quantize4"  #: one stored part of a merged weight quantized to 4-bit again
 
     def __str__(self) -> str:
         return self.value

@@ -15,7 +15,6 @@ from ..engine.task_vectors import TaskVectorMethod
 from ..io.safetensors_io import DTYPES, TORCH_TO_ST, TensorInfo
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..output.config import base_config, output_config
-from ..quant.nf4 import Nf4Settings, packed_4bit_layout
 from ..support.combinations import warn_about_combination
 from .walk import LiveEntry, LiveModel
 
@@ -30,12 +29,10 @@ class FromModel:
     Attributes:
         entry: the :class:`~peft_shardmerge.model.entries.LiveEntry` (a handle only the model's source reads).
         kind: the operation.
-        part: for a weight re-quantized to 4-bit, ``""`` for its packed codes, else the quant-state key it holds.
     """
 
     entry: LiveEntry
     kind: Op
-    part: str = ""
 
     def op(self, t: PlannedTensor) -> Op:
         return self.kind
@@ -59,7 +56,6 @@ class LiveInputs:
         weights: weight per adapter (empty: 1.0 each).
         combination: ``"cat"``, ``"linear"`` or a task-vector method's name.
         vectors: the task-vector method (TIES, DARE, magnitude pruning) of such a combination, else None.
-        quant4: the ``BitsAndBytesConfig`` dict when weights are re-quantized to 4-bit, else None.
         generation_config: the model's generation config when transformers can save it, else None.
     """
 
@@ -68,7 +64,6 @@ class LiveInputs:
     weights: dict[str, float] = field(default_factory=dict)
     combination: str = "cat"
     vectors: TaskVectorMethod | None = None
-    quant4: dict | None = None
     generation_config: object = None
 
     @property
@@ -85,49 +80,35 @@ class LiveInputs:
             f"base precision:  {plan.base_precision}",
             *([f"reproduces:      {plan.reproduces}"] if plan.reproduces else []),
             f"changed layers:  {self.changed_layers()}",
-        ] + ([f"re-quantized:    4-bit {self.quant4['bnb_4bit_quant_type']}"] if self.quant4 else [])
+        ]
 
     def annotate(self, t: PlannedTensor) -> str:
         entry = t.recipe.entry
         return f" ({entry.kind})" if entry is not None and entry.kind not in ("plain", t.op) else ""
 
     def parameters(self, plan: Plan) -> int:
-        """Each entry's elements once (a 4-bit weight counts its elements, not its packed parts)."""
+        """Each entry's elements once."""
         return sum(e.numel for e in self.live.entries)
 
     def changed_layers(self) -> int:
         return sum(not k.startswith("tokens:") for k in self.live.lora_layers)
 
     def identity(self) -> dict:
-        """The model's name, every entry's name, kind and shape, the adapters and the 4-bit settings."""
+        """The model's name, every entry's name, kind and shape, and the adapters."""
         return {
             "origin": self.origin,
             "entries": [[e.name, e.kind, list(e.shape)] for e in self.live.entries],
             "adapters": in_memory_text(self.adapter_names, self.weights),
             "combination": self.combination,
             "task_vectors": self.vectors.record() if self.vectors else None,
-            "quant4": self.quant4,
         }
 
     def working_set(self, t: PlannedTensor, chunk_elems: int) -> int:
-        """An fp32 copy of the entry, its cast, and the 4-bit codes when re-quantized."""
+        """An fp32 copy of the entry and its cast."""
         if t.op is Op.COPY:
             return 8 << 20
-        if t.recipe.part:  # a quant-state part: made with the packed codes before it
-            return 0
         n = t.recipe.entry.numel
-        return n * (4 + 4 + DTYPES[t.source.dtype][1]) + (n // 2 if t.op is Op.QUANTIZE4 else 0)
-
-    @property
-    def settings(self) -> Nf4Settings | None:
-        """The 4-bit settings of the re-quantized weights, or None."""
-        if self.quant4 is None:
-            return None
-        return Nf4Settings(
-            quant_type=self.quant4["bnb_4bit_quant_type"],
-            blocksize=64,
-            double_quant=bool(self.quant4["bnb_4bit_use_double_quant"]),
-        )
+        return n * (4 + 4 + DTYPES[t.source.dtype][1])
 
 
 def plan_live(
@@ -153,8 +134,7 @@ def plan_live(
     """
     live = source.live
     warn_about_combination(source.vectors)
-    q4 = live.info.linear_weights if source.quant4 is not None else set()
-    groups = [_entry_tensors(live, e, out_dtype, source.settings if e.name in q4 else None) for e in live.entries]
+    groups = [[_entry_tensor(e, out_dtype)] for e in live.entries]
     place = {name: i for i, name in enumerate(order)}
     if place and all(len(g) == 1 and g[0].name in place for g in groups):
         groups.sort(key=lambda g: place[g[0].name])
@@ -165,8 +145,6 @@ def plan_live(
             t.shard = shard
             tensors.append(t)
     config = output_config(base_config(live.model), out_dtype, untie=bool(live.untied))
-    if source.quant4 is not None:
-        config["quantization_config"] = source.quant4
     return Plan(
         source,
         tensors=tensors,
@@ -202,21 +180,8 @@ def in_memory_text(names: list[str] | None, weights: dict[str, float]) -> str:
     return f"(in memory: {text or 'active adapter'})"
 
 
-def _entry_tensors(
-    live: LiveModel, e: LiveEntry, out_dtype: torch.dtype, settings: Nf4Settings | None
-) -> list[PlannedTensor]:
-    """The planned tensors an entry becomes: one, or a weight's packed 4-bit codes and its quant state."""
-    if settings is not None:
-        shape = e.shape[::-1] if e.transpose_out or e.name in live.info.transposed else e.shape  # bnb: [out, in]
-        return [
-            PlannedTensor(
-                name=f"{e.name}.{suffix}" if suffix else e.name,
-                out_dtype=st,
-                source=TensorInfo(e.name, st, tuple(s), "", 0, 0),
-                recipe=FromModel(e, Op.QUANTIZE4, suffix),
-            )
-            for suffix, st, s in packed_4bit_layout(shape, out_dtype, settings)
-        ]
+def _entry_tensor(e: LiveEntry, out_dtype: torch.dtype) -> PlannedTensor:
+    """The planned tensor an entry becomes."""
     held = _stored_dtype(e)
     st = TORCH_TO_ST[out_dtype] if e.floating else TORCH_TO_ST[held]
     stored = TORCH_TO_ST.get(held, st)
@@ -224,14 +189,12 @@ def _entry_tensors(
         kind = Op.COPY if stored == st else Op.CAST
     else:
         kind = Op.DEQUANTIZE if e.kind == "quantized" else Op.MERGE
-    return [
-        PlannedTensor(
-            name=e.name,
-            out_dtype=st,
-            source=TensorInfo(e.name, stored, tuple(e.shape), "", 0, e.numel * DTYPES[stored][1]),
-            recipe=FromModel(e, kind),
-        )
-    ]
+    return PlannedTensor(
+        name=e.name,
+        out_dtype=st,
+        source=TensorInfo(e.name, stored, tuple(e.shape), "", 0, e.numel * DTYPES[stored][1]),
+        recipe=FromModel(e, kind),
+    )
 
 
 def _stored_dtype(e: LiveEntry) -> torch.dtype:

@@ -10,7 +10,7 @@ import torch
 from ..engine.budget import MemoryBudget
 from ..engine.changes import Changes, Scale, TokenRows, WholeDelta, peft_delta
 from ..engine.maths import ia3_multiplier, linear_factors, lora_bias_delta
-from ..engine.plan import Op, Plan, PlannedTensor
+from ..engine.plan import Plan, PlannedTensor
 from ..engine.row_merge import RowMerger, check_applied, choose_device
 from ..engine.task_vectors import TaskVectorMethod, TaskVectors
 from ..errors import MergeCheckError
@@ -18,7 +18,6 @@ from ..io.safetensors_io import DTYPES, row_blocks
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..output.record import live_merge_info
 from ..output.side_files import copy_base_side_files
-from ..quant.nf4 import pad_quant_state, quant_state_length, require_bitsandbytes
 from .host_slabs import HostSlabs
 from .walk import (
     LiveEntry,
@@ -291,15 +290,6 @@ class ModelReader:
             MergeCheckError: the self-check failed, a NaN or Inf, a value beyond float16's range, or a shape or dtype
                 other than planned.
         """
-        if t.op is Op.QUANTIZE4:
-            if not t.recipe.part:
-                self.parts = self._quantize(t)
-            data = self.parts[t.recipe.part]
-            if tuple(data.shape) != tuple(t.shape) or DTYPES[t.out_dtype][0] != data.dtype:
-                raise MergeCheckError(
-                    f"{t.name}: quantized to {list(data.shape)} {data.dtype}, planned {list(t.shape)} {t.out_dtype}"
-                )
-            return lambda w: w.write(data)
         e = t.recipe.entry
         data = self.merger.produce(e)
         if tuple(data.shape) != e.shape:
@@ -356,28 +346,6 @@ class ModelReader:
         for start, stop in blocks:
             w.write(_rows(data, start, stop).detach().to(device="cpu", dtype=target, copy=copy))
 
-    def _quantize(self, t: PlannedTensor) -> dict[str, torch.Tensor]:
-        """The merged weight quantized with bitsandbytes as transformers stores it, by key suffix (``""``: the
-        codes), on the CPU; the quant-state JSON padded to its planned length."""
-        F = require_bitsandbytes()
-        e, settings, dtype = t.recipe.entry, self.src.settings, self.plan.dtype
-        w = self.merger.produce(e)
-        if e.transpose_out or e.name in self.live.info.transposed:  # bitsandbytes holds Conv1D as [out, in]
-            w = w.T
-        q, state = F.quantize_4bit(
-            w.to(device="cpu", dtype=dtype).contiguous(),
-            blocksize=settings.blocksize,
-            compress_statistics=settings.double_quant,
-            quant_type=settings.quant_type,
-            quant_storage=torch.uint8,
-        )
-        parts = {"": q.cpu()}
-        for key, value in state.as_dict(packed=True).items():
-            parts[key] = value.cpu()
-        key = f"quant_state.bitsandbytes__{settings.quant_type}"
-        parts[key] = pad_quant_state(parts[key], quant_state_length(tuple(w.shape), dtype, settings))
-        return parts
-
     def skip(self, tensors: list[PlannedTensor]) -> None:
         """Never called: a loaded model's merge keeps no shard of an earlier run."""
 
@@ -396,7 +364,7 @@ class ModelReader:
         then knows which tensors cannot equal a recomputation from the original base byte for byte)."""
         src = self.src
         info = self.info or live_merge_info(
-            self.live.model, self.plan.dtype, src.adapter_names, src.quant4, src.weights, src.combination, src.vectors
+            self.live.model, self.plan.dtype, src.adapter_names, src.weights, src.combination, src.vectors
         )
         return {**info, "cpu_repacked": sorted(self.merger.repacked)} if self.merger.repacked else info
 

@@ -219,7 +219,6 @@ def live_merge_info(
     model,
     out_dtype: torch.dtype,
     adapter_names: list[str] | None,
-    quant4: dict | None = None,
     weights: dict[str, float] | None = None,
     combination: str = "cat",
     vectors=None,
@@ -232,7 +231,6 @@ def live_merge_info(
         model: the transformers model (inside the PeftModel).
         out_dtype: the dtype written.
         adapter_names: the adapters merged (None: the active ones).
-        quant4: the 4-bit settings the output was re-quantized with (``save_method="merged_4bit"``), if any.
         weights: the weight of each adapter of a weighted combination, by name.
         combination: how several adapters were combined (``"cat"``, ``"linear"`` or a task-vector method).
         vectors: the task-vector method (its parameters are recorded), or None.
@@ -274,7 +272,6 @@ def live_merge_info(
         "quantization": quantization,
         "held_dtype": str(held).removeprefix("torch.") if held is not None else None,
         "dtype": str(out_dtype).removeprefix("torch."),
-        "output_quantization": quant4,
         "base": base,
         "adapters": [{"name": n} for n in (adapter_names or [])] or None,
         "combination": combination if weights else None,

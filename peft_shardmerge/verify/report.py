@@ -260,7 +260,8 @@ def _check_record(folder: str, report: VerifyReport) -> None:
         report.checks.append(
             f"written by {tool.get('name')} {tool.get('version')}: {merge.get('path')} merge, base "
             f"precision {merge.get('base_precision')}, dtype {merge.get('dtype')}"
-            + (", re-quantized to 4-bit" if merge.get("output_quantization") else "")
+            + (", re-quantized to 4-bit" if merge.get("output_quantization") else "")  # an earlier version's
+            + (f", quantized as {merge['quantize'].get('format')}" if merge.get("quantize") else "")
         )
     elif result.problems:
         report.integrity = False

@@ -165,8 +165,8 @@ def test_merged_4bit_without_double_quant_reloads_as_bitsandbytes_quantizes_it(m
     import bitsandbytes.functional as F
 
     model = qlora(make_base("llama"), "llama", "fp4", torch.bfloat16, double_quant=False)
-    ref16, out = str(tmp_path / "m16"), str(tmp_path / "m4")
-    merge_and_save(model, ref16, dtype="bfloat16", base_precision="dequantized", progress=False)
+    ref32, out = str(tmp_path / "m32"), str(tmp_path / "m4")
+    merge_and_save(model, ref32, dtype="float32", base_precision="dequantized", progress=False)
     with pytest.warns(UserWarning, match="re-quantizes"):
         report = save_merged_4bit(model, out, max_shard_size="100KB", progress=False)
     assert len(report.shards) > 1
@@ -176,13 +176,15 @@ def test_merged_4bit_without_double_quant_reloads_as_bitsandbytes_quantizes_it(m
     reloaded, info = AutoModelForCausalLM.from_pretrained(out, device_map="cpu", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     no_cpu_repack(reloaded)
-    merged16, n = read_all(ref16), 0
+    merged32, n = read_all(ref32), 0
     for name, m in reloaded.named_modules():
         if isinstance(m, bnb.nn.Linear4bit):
             assert m.weight.quant_state.quant_type == "fp4" and m.weight.quant_state.state2 is None
+            # quantized once, from the float32 merge; dequantized to the model's dtype
             q, st = F.quantize_4bit(
-                merged16[f"{name}.weight"].contiguous(), blocksize=64, compress_statistics=False, quant_type="fp4"
+                merged32[f"{name}.weight"].contiguous(), blocksize=64, compress_statistics=False, quant_type="fp4"
             )
+            st.dtype = torch.bfloat16
             torch.testing.assert_close(
                 F.dequantize_4bit(m.weight.data, m.weight.quant_state).float(),
                 F.dequantize_4bit(q, st).float(),
