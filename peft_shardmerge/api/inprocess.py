@@ -412,7 +412,7 @@ def save_merged_4bit(
     out_dtype = parse_dtype(dtype) or model_dtype(inner)
     if out_dtype == torch.float32:
         out_dtype = torch.bfloat16
-    qc = getattr(inner.config, "quantization_config", None)
+    qc = getattr(getattr(inner, "config", None), "quantization_config", None)  # a plain module: the job refuses it
     qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
     loaded4 = bool(qc.get("load_in_4bit"))
     encoder = Bnb4bit(
