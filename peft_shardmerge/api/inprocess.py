@@ -30,6 +30,7 @@ from ..output.out_dir import path_argument, source_folders
 from ..output.quant_sink import Encoding, encode_plan
 from ..output.record import live_merge_info
 from ..quant.encode import Bnb4bit
+from ..support.model import require_supported
 from .hub import Push, model_names
 from .job import MergeJob
 from .model_plan import (  # noqa: F401 - public
@@ -403,7 +404,7 @@ def save_merged_4bit(
     import warnings
 
     inner = unwrap(model)
-    problems = []
+    problems = require_supported(model)  # every in-process API's first step: a model it cannot take is refused
     if sharding_of(model) is not None:
         problems.append(
             f"the model is sharded by {SHARDINGS[sharding_of(model)]}: save_method='merged_4bit' does not "
@@ -412,7 +413,7 @@ def save_merged_4bit(
     out_dtype = parse_dtype(dtype) or model_dtype(inner)
     if out_dtype == torch.float32:
         out_dtype = torch.bfloat16
-    qc = getattr(getattr(inner, "config", None), "quantization_config", None)  # a plain module: the job refuses it
+    qc = getattr(inner.config, "quantization_config", None)
     qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
     loaded4 = bool(qc.get("load_in_4bit"))
     encoder = Bnb4bit(
