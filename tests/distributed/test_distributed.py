@@ -107,6 +107,19 @@ def test_a_dare_ties_combination_on_two_ranks_is_the_bytes_of_one_process(inputs
     assert "dare_ties (weights 0.6, 0.4; density 0.3; majority sign total; seed 7; not normalized)" in run.stdout
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "fp8-block"])
+def test_a_quantized_merge_on_two_ranks_is_the_bytes_of_one_process(inputs, tmp_path, fmt):
+    ref = str(tmp_path / "ref")
+    merge_checkpoint(inputs["sharded"], inputs["sharded_ad"], ref, max_shard_size="60KB", quantize=fmt, progress=False)
+    out = str(tmp_path / "out")
+    run = torchrun(
+        2, "cli", "merge", inputs["sharded"], inputs["sharded_ad"], out, "--max-shard-size", "60KB", "--quantize", fmt
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert same_folder(ref, out) == []
+    assert f"weights as {fmt}" in run.stdout  # the summary of rank 0 names the format
+
+
 def _our_lines(stderr: str) -> list[str]:
     """What the ranks of peft-shardmerge printed (not torchrun), and any trace of a Python exception."""
     ours = ("peft-shardmerge", "peft_shardmerge", "Exception ignored", "Traceback (most recent call last)")
