@@ -359,6 +359,7 @@ def format_section(runs, formats, sizes, paired, measured, args) -> str:
             "MiB | |",
         ]
     worst = max(verdicts, key=lambda v: v[2])
+    most = max(add for _, add, _ in verdicts)
     if worst[2] <= 0:
         memory = (
             f"The memory target holds: every quantized merge peaks within the 16-bit merge's {base_over:.0f} MiB "
@@ -369,11 +370,14 @@ def format_section(runs, formats, sizes, paired, measured, args) -> str:
             f"The memory target does not hold. The 16-bit merge peaks {base_over:.0f} MiB over its imports, the "
             "quantized merges "
             + ", ".join(f"{add:.0f} MiB more ({f})" for f, add, _ in verdicts)
-            + f", where one tensor is {one_tensor:.0f} MiB: up to {worst[2]:.0f} MiB over the target ({worst[0]}). "
-            "The sink holds each quantized weight whole in float32 until its last row is merged (the format's "
-            "scales span it), the format's quantizer makes temporaries of about twice that weight while it runs, "
-            f"and with one worker per core ({min(8, os.cpu_count() or 1)} here) as many weights are merged, held "
-            "and quantized at once."
+            + f": up to {worst[2]:.0f} MiB over the 16-bit merge plus the largest weight the sink holds "
+            f"({one_tensor:.0f} MiB in float32, {worst[0]}); within it only if the tensor is the largest of the "
+            f"model, `{big}` in float32 ({big_bytes / 2**20:.0f} MiB"
+            + (f", {big_bytes / 2**20 - most:.0f} MiB to spare)." if most <= big_bytes / 2**20 else ", over it too).")
+            + " What holds the rest: each quantized weight is merged in float32 and held whole by the sink until "
+            "its last row block is merged (the formats' scales span it), the format's quantizer makes temporaries "
+            "of about twice that weight while it runs, and each of the merge's workers (one per core, "
+            f"{min(8, os.cpu_count() or 1)} here) holds and quantizes one such weight at a time."
         )
     ratios = ", ".join(
         f"{f} {med(runs[f'merge-{f}'], 'wall_s') / med(runs[f'chain-{f}'], 'wall_s'):.2f}" for f in formats

@@ -205,8 +205,8 @@ def _merge_options(m: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--quantize",
         type=str.lower,
-        choices=NAMES,
         default=None,
+        metavar="{" + ",".join(NAMES) + "}",
         help="write the merged weights in a served format, each quantized once from its float32 merge as the "
         "format's own tool does: fp8-block (transformers fine-grained FP8), ct-fp8-block and ct-w4a16 "
         "(compressed-tensors, for vLLM), nf4, fp4, int8 (bitsandbytes), base (the base's own quantized format); "

@@ -513,10 +513,10 @@ class CheckpointJob(MergeJob):
         for note in plan.notes if self.steps.world.rank == 0 else ():
             log.debug("%s", note)  # the report's summary (the CLI prints it) shows each note once
         if self.dry_run:
+            report = _described(plan, self.out_dir)  # as merged; then what the format makes of it
             encoding = self.encode(plan)  # a format the plan's shapes cannot take: said by the dry run too
-            report = _described(plan, self.out_dir)
             if encoding is not None:
-                report.plan_text += "\n" + encoding.describe()
+                report.plan_text += "\n" + encoding.summary(plan)
             if is_gguf(self.out_dir):
                 layout = Layout(plan.shard_entries())
                 report.plan_text += "\n" + self.sink(plan, CheckpointReader(plan)).describe(layout)

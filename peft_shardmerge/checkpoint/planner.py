@@ -240,6 +240,7 @@ def build_plan(
     plan.quantizable = set(info.linear_weights)
     plan.fused = bool(parts)
     plan.transposed = set(info.transposed)
+    plan.unconverted = info.unconverted
     return plan
 
 

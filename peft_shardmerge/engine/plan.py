@@ -150,6 +150,8 @@ class Plan:
         fused: the checkpoint stores tensors that transformers fuses into one when it loads them (a mixture of
             experts' per-expert weights).
         transposed: the weights stored ``[in, out]`` (GPT-2's ``Conv1D``), in output names.
+        unconverted: ``(output layers, fused experts)``: the modules a served format's config names as left
+            unquantized, by their names in memory (:attr:`~peft_shardmerge.support.model_info.ModelInfo.unconverted`).
     """
 
     inputs: PlanInputs
@@ -169,6 +171,7 @@ class Plan:
     quantizable: set[str] = field(default_factory=set, compare=False)
     fused: bool = field(default=False, compare=False)
     transposed: set[str] = field(default_factory=set, compare=False)
+    unconverted: tuple[set[str], set[str]] = field(default_factory=lambda: (set(), set()), compare=False)
 
     @property
     def total_size(self) -> int:

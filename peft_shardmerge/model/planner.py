@@ -159,6 +159,7 @@ def plan_live(
         + (f" ({source.vectors.describe()})" if source.vectors else ""),
         quantizable=set(live.info.linear_weights),
         transposed=set(live.info.transposed) | {e.name for e in live.entries if e.transpose_out},
+        unconverted=live.info.unconverted,
     )
 
 

@@ -30,6 +30,8 @@ class Encoding:
         config: the ``quantization_config`` to write as it is (a base's own, written back); None: the encoder's.
         transposed: encoded weights stored ``[in, out]`` (``Conv1D``), encoded as ``[out, in]`` as bitsandbytes
             holds them.
+        unconverted: the model's output layers and fused experts, which the config names as unquantized
+            (:attr:`~peft_shardmerge.engine.plan.Plan.unconverted`).
     """
 
     encoder: Encoder
@@ -38,6 +40,7 @@ class Encoding:
     dtype: torch.dtype = torch.bfloat16
     config: dict | None = None
     transposed: set[str] = field(default_factory=set)
+    unconverted: tuple[set[str], set[str]] = (set(), set())
 
     def encode(self, name: str, data: torch.Tensor) -> list[torch.Tensor]:
         """The stored tensors of the merged weight ``name``."""
@@ -45,7 +48,19 @@ class Encoding:
 
     def quantization_config(self) -> dict:
         """``config.json``'s ``quantization_config``."""
-        return dict(self.config) if self.config is not None else self.encoder.config(self.kept, self.dtype)
+        if self.config is not None:
+            return dict(self.config)
+        return self.encoder.config(self.kept, self.dtype, self.unconverted)
+
+    def summary(self, plan) -> str:
+        """What a dry run says of the encoding: the weights encoded, the bytes written, and the largest weight held
+        whole in float32 while it is quantized."""
+        size = sum(e[3] for _, part in self.layout(Layout(plan.shard_entries())).parts for e in part)
+        held = max((math.prod(t.shape) * 4 for t in plan.tensors if t.name in self.names), default=0)
+        return (
+            f"{self.describe()}\nwritten: {size} bytes ({size / 1e9:.3f} GB); each encoded weight is held whole in "
+            f"float32 while it is quantized (the largest {held / 2**20:.1f} MiB, one per worker)"
+        )
 
     def record(self) -> dict:
         """The merge record's ``quantize``: the encoder, whether the base's own format was written back, how many
@@ -137,6 +152,7 @@ def encode_plan(plan, encoder: Encoder, base_config: dict | None = None) -> Enco
         candidates -= plan.transposed
     encoding = plan_encoding(encoder, plan.tensors, candidates, plan.dtype)
     encoding.transposed = encoding.names & plan.transposed
+    encoding.unconverted = plan.unconverted
     encoding.config = dict(base_config) if base_config is not None else None
     for t in plan.tensors:
         if t.name in encoding.names:

@@ -72,9 +72,10 @@ class Encoder:
         (the dtype its other tensors are written in)."""
         raise NotImplementedError  # pragma: no cover - each format says
 
-    def config(self, kept: list[str], dtype: torch.dtype) -> dict:
+    def config(self, kept: list[str], dtype: torch.dtype, unconverted=(set(), set())) -> dict:
         """``quantization_config`` of the output; ``kept``: the modules whose weights stay unquantized although the
-        format's tool would take their kind."""
+        format's tool would take their kind; ``unconverted``: ``(output layers, fused experts)`` the model has, by
+        their names in memory (:attr:`~peft_shardmerge.engine.plan.Plan.unconverted`)."""
         raise NotImplementedError  # pragma: no cover - each format says
 
     def requires(self) -> None:
@@ -92,6 +93,13 @@ def stored_name(weight: str, suffix: str) -> str:
     if suffix.startswith("*"):  # a parameter's own parts: gate_up_proj -> gate_up_proj_blocks
         return weight + suffix[1:]
     return weight.rsplit(".", 1)[0] + "." + suffix if suffix else weight
+
+
+def _row_chunks(rows: int, unit: int, cols: int, elems: int = 1 << 22) -> list[tuple[int, int]]:
+    """``(start, stop)`` of row chunks of about ``elems`` elements, each a whole number of ``unit`` rows (the last
+    what is left): the encoders' temporaries are a chunk's, not the weight's."""
+    step = unit * max(1, elems // max(1, unit * cols))
+    return [(a, min(rows, a + step)) for a in range(0, rows, step)]
 
 
 def _tiles(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -140,6 +148,14 @@ class Fp8Block(Encoder):
         return "F8_E8M0" if self.scale_fmt == "ue8m0" else "F32"
 
     def encode(self, weight, dtype=torch.bfloat16):
+        codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+        inv = torch.empty(self.parts(tuple(weight.shape), "F32")[1][2], dtype=DTYPES[self._scale_dtype][0])
+        for a, b in _row_chunks(weight.shape[0], self.block[0], weight.shape[1]):
+            codes[a:b], inv[a // self.block[0] : -(-b // self.block[0])] = self._rows(weight[a:b])
+        return [codes, inv]
+
+    def _rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and inverse scales of whole rows of blocks."""
         tiles = _tiles(weight.to(torch.float32), self.block)
         amax = tiles.abs().amax(dim=(-3, -1))
         scales = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)), 1.0)
@@ -151,13 +167,16 @@ class Fp8Block(Encoder):
         codes = torch.clamp(tiles * scales.unsqueeze(-1).unsqueeze(-3), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         if self.keep_exact and self.scale_fmt != "ue8m0":
             codes, inv = _exact_tiles(tiles, codes, inv)
-        return [codes.reshape(weight.shape), inv]
+        return codes.reshape(weight.shape), inv
 
-    def config(self, kept, dtype):
+    def config(self, kept, dtype, unconverted=(set(), set())):
         from transformers import FineGrainedFP8Config
 
+        outputs, experts = unconverted
+        # transformers adds its own skips (the output layer) only where the list is None: a list names them too
+        skip = [*sorted(outputs), *sorted(experts), *kept] if kept or experts else None
         qc = FineGrainedFP8Config(
-            weight_block_size=tuple(self.block), modules_to_not_convert=kept or None, scale_fmt=self.scale_fmt
+            weight_block_size=tuple(self.block), modules_to_not_convert=skip, scale_fmt=self.scale_fmt
         )
         return qc.to_dict()
 
@@ -179,7 +198,7 @@ class _Ct(Encoder):
         eps = torch.finfo(scales.dtype).eps
         return torch.where(scales == 0, torch.tensor(eps, dtype=scales.dtype), scales)
 
-    def config(self, kept, dtype):
+    def config(self, kept, dtype, unconverted=(set(), set())):
         return {
             "config_groups": {"group_0": {"targets": ["Linear"], **self.scheme(), "format": None}},
             "quant_method": "compressed-tensors",
@@ -187,7 +206,7 @@ class _Ct(Encoder):
             "format": self.fmt,
             "quantization_status": "compressed",
             "global_compression_ratio": None,
-            "ignore": ["lm_head", *kept],
+            "ignore": [*(sorted(unconverted[0]) or ["lm_head"]), *kept],
             "moe_sparsity_config": None,
         }
 
@@ -212,11 +231,30 @@ class CtFp8Block(_Ct):
     fmt: ClassVar[str] = "float-quantized"
     block: tuple[int, int] = (128, 128)
 
+    def refuses(self, name, shape):
+        if len(shape) != 2:
+            return super().refuses(name, shape)
+        if shape[1] % 128:  # the scheme's dynamic activation scales come in groups of 128 inputs
+            return (
+                f"{name}: ct-fp8-block quantizes the activations in groups of 128 inputs, and this weight has "
+                f"{shape[1]} (not a multiple of 128: the model would not run); choose fp8-block (which keeps such a "
+                "weight in 16-bit), nf4 or int8"
+            )
+        return None
+
     def parts(self, shape, dtype):
         rows, cols = -(-shape[0] // self.block[0]), -(-shape[1] // self.block[1])
         return [("", "F8_E4M3", tuple(shape)), ("weight_scale", dtype, (rows, cols))]
 
     def encode(self, weight, dtype=torch.bfloat16):
+        codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(self.parts(tuple(weight.shape), "F32")[1][2], dtype=dtype)
+        for a, b in _row_chunks(weight.shape[0], self.block[0], weight.shape[1]):
+            codes[a:b], scales[a // self.block[0] : -(-b // self.block[0])] = self._rows(weight[a:b], dtype)
+        return [codes, scales]
+
+    def _rows(self, weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scales of whole rows of blocks (the last padded)."""
         weight = weight.to(dtype)  # llm-compressor's observer and division run in the model's dtype
         rows, cols = weight.shape
         pad = (-rows % self.block[0], -cols % self.block[1])
@@ -228,7 +266,7 @@ class CtFp8Block(_Ct):
         scaled = tiles / scale.unsqueeze(-1).unsqueeze(-3)
         scaled = scaled + torch.zeros((), dtype=weight.dtype)  # the symmetric zero point: -0.0 becomes 0.0
         codes = torch.clamp(scaled, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return [codes.reshape(padded.shape)[:rows, :cols].contiguous(), scale]
+        return codes.reshape(padded.shape)[:rows, :cols], scale
 
     def scheme(self):
         return {
@@ -276,7 +314,8 @@ class CtW4A16(_Ct):
         if shape[1] % self.group:
             return (
                 f"{name}: ct-w4a16 quantizes groups of {self.group} inputs, and this weight has {shape[1]} "
-                f"(not a multiple of {self.group}); choose another --quantize (ct-fp8-block, nf4, int8)"
+                f"(not a multiple of {self.group}); choose fp8-block (which keeps such a weight in 16-bit), nf4 "
+                "or int8"
             )
         return None
 
@@ -288,6 +327,15 @@ class CtW4A16(_Ct):
         ]
 
     def encode(self, weight, dtype=torch.bfloat16):
+        rows, cols = weight.shape
+        packed = torch.empty(rows, cols // 8, dtype=torch.int32)
+        scales = torch.empty(rows, cols // self.group, dtype=dtype)
+        for a, b in _row_chunks(rows, 1, cols):
+            packed[a:b], scales[a:b] = self._rows(weight[a:b], dtype)
+        return [packed, scales, torch.tensor([rows, cols], dtype=torch.int64)]
+
+    def _rows(self, weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed codes and scales of some rows."""
         weight = weight.to(dtype)  # llm-compressor's observer and division run in the model's dtype
         rows, cols = weight.shape
         groups = weight.reshape(rows, cols // self.group, self.group)
@@ -300,7 +348,7 @@ class CtW4A16(_Ct):
         packed = torch.zeros(rows, cols // 8, dtype=torch.int32)
         for i in range(8):
             packed |= nibbles[..., i] << (4 * i)
-        return [packed, scale, torch.tensor([rows, cols], dtype=torch.int64)]
+        return packed, scale
 
     def scheme(self):
         return {
@@ -370,8 +418,8 @@ class Bnb4bit(Encoder):
             start = flat.numel() - rem
             if start % 2:  # the block starts in the low nibble of a byte shared with the block before
                 raise AssertionError("blocks of 64 start on a byte")  # pragma: no cover - 64 is even
-            if rem % 2:
-                codes = torch.cat([codes, torch.zeros(1, dtype=torch.uint8)])
+            if rem % 2:  # the byte's second code: bitsandbytes pads with 0.0, and writes 0.0's code
+                codes = torch.cat([codes, _codes_4bit(torch.zeros(1), self.quant_type)])
             packed.view(-1)[start // 2 :] = (codes[::2] << 4) | codes[1::2]
         qs = state.as_dict(packed=True)
         key = f"quant_state.bitsandbytes__{self.quant_type}"
@@ -382,7 +430,7 @@ class Bnb4bit(Encoder):
             out.append(pad_quant_state(qs[key], shape[0]) if name == key else qs[name].reshape(shape))
         return out
 
-    def config(self, kept, dtype):
+    def config(self, kept, dtype, unconverted=(set(), set())):
         from transformers import BitsAndBytesConfig
 
         return BitsAndBytesConfig(
@@ -439,7 +487,7 @@ class Mxfp4(Encoder):
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return [packed.contiguous(), (rounded >> 23).to(torch.uint8).squeeze(-1)]
 
-    def config(self, kept, dtype):
+    def config(self, kept, dtype, unconverted=(set(), set())):
         from transformers import Mxfp4Config
 
         return Mxfp4Config().to_dict()
@@ -521,7 +569,7 @@ class Int8(Encoder):
         codes, scb, _ = F.int8_vectorwise_quant(weight.to(torch.float16).contiguous())
         return [codes, scb, torch.tensor(0, dtype=torch.uint8)]
 
-    def config(self, kept, dtype):
+    def config(self, kept, dtype, unconverted=(set(), set())):
         from transformers import BitsAndBytesConfig
 
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=kept or None).to_dict()

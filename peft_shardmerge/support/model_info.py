@@ -22,6 +22,9 @@ class ModelInfo:
         architecture: the class name, e.g. ``"LlamaForCausalLM"``.
         transposed: weight names stored as ``[in, out]`` (GPT-2 style ``Conv1D``).
         linear_weights: weight names of ``nn.Linear``/``Conv1D`` modules bitsandbytes would quantize.
+        unconverted: the modules transformers' quantizers leave unquantized by default (the output layer, as
+            ``get_keys_to_not_convert`` finds it), and those holding a mixture's fused experts (``*.experts``, which
+            its FP8 quantizer converts as a whole), by their names in memory.
         tied: tied weight pairs, ``{target: source}`` (e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``).
         input_embedding: the input embedding's weight name.
         output_embedding: the output embedding's weight name.
@@ -37,6 +40,7 @@ class ModelInfo:
     architecture: str = ""
     transposed: set[str] = field(default_factory=set)
     linear_weights: set[str] = field(default_factory=set)
+    unconverted: tuple[set[str], set[str]] = field(default_factory=lambda: (set(), set()))
     tied: dict[str, str] = field(default_factory=dict)
     input_embedding: str | None = None
     output_embedding: str | None = None
@@ -221,6 +225,7 @@ def inspect_model(folder: "str | object", model_class: type | None = None) -> Mo
     info.shapes = {k: tuple(v.shape) for k, v in state.items()}
     info.tie_enabled = tie_enabled(config)  # the one tie policy (ties.py), also the plan's
     skip = set(get_keys_to_not_convert(model))
+    info.unconverted = (skip, {n for n, _ in model.named_modules() if n.endswith(".experts")})
     for name, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is not None:
             info.layers[name] = layer_kind(module)

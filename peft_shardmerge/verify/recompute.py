@@ -271,6 +271,27 @@ def _encoding(record: dict | None, plan, result: RecomputeResult):
         return False
 
 
+def _config_problems(stored: dict[str, TensorInfo], encoding) -> list[str]:
+    """What differs between the checkpoint's ``quantization_config`` and the one the merge writes for its format (a
+    loader reads the tensors by it)."""
+    import json
+
+    folder = os.path.dirname(next(iter(stored.values())).path) if stored else "."
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            got = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return []  # the structural checks say what is wrong with config.json
+    want = json.loads(json.dumps(encoding.quantization_config()))
+    if got == want:
+        return []
+    keys = sorted(k for k in set(got or {}) | set(want) if (got or {}).get(k) != want.get(k))
+    return [
+        f"config.json's quantization_config differs from the one the merge writes for {encoding.encoder.name} in "
+        f"{', '.join(keys[:5])}: a loader would read the stored tensors otherwise"
+    ]
+
+
 def _planned_stored(plan, encoding) -> tuple[dict, dict[str, list[str]]]:
     """The tensors the recomputation plans, as stored (an encoded weight's stored tensors each, with their dtype and
     shape), and the stored names of each planned tensor."""
@@ -425,6 +446,7 @@ def recompute_and_compare(
     )
     if encoding is not None:  # compared in the stored format: the recomputed merge encoded as the merge encoded it
         sink = QuantSink(sink, encoding)
+        result.problems += _config_problems(stored, encoding)
     part = dataclasses.replace(plan, tensors=todo)  # those whose name, dtype and shape the checkpoint has
     try:
         run(part, CheckpointReader(part, resolve_device(device)), sink, progress=False)

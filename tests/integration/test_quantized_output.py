@@ -15,6 +15,7 @@ from helpers import folder_tensors, tensor_bytes
 from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM
+from transformers.quantizers.base import get_keys_to_not_convert
 
 from peft_shardmerge import InputError, merge_checkpoint
 from peft_shardmerge.testing import build_adapter, build_base, token_ids
@@ -140,7 +141,10 @@ def test_every_tensor_is_the_format_quantizer_on_peft_fp32_merge(cases, arch, fm
     if fmt == "fp8-block":
         assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
         assert qc["activation_scheme"] == "dynamic"  # vLLM requires it
-        assert sorted(qc["modules_to_not_convert"] or []) == sorted(kept)
+        skip = qc["modules_to_not_convert"]  # transformers adds the output layer itself only to a list of None
+        experts = sorted(n for n, _ in merged.named_modules() if n.endswith(".experts"))
+        outputs = sorted(get_keys_to_not_convert(merged))  # transformers' default: the output layer (and its tie)
+        assert skip == ([*outputs, *experts, *sorted(kept)] if kept or experts else None)
     elif fmt.startswith("ct-"):
         from compressed_tensors.quantization import QuantizationConfig
 
@@ -477,3 +481,58 @@ def test_gpt2_conv1d_weights(tmp_path, fmt):
     assert n > 0
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_fp8_block_loads_as_on_an_fp8_gpu(cases, tmp_path, monkeypatch, arch):
+    """transformers' FP8 loading without its no-GPU fallback (which dequantizes everything and would hide a wrong
+    config): every quantized module is FP8Linear with its stored scales, and the output layer, the weights kept in
+    16-bit and a mixture's experts stay as written, nothing missing or converted without its scale."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    _, base, adapter, _ = cases(arch)
+    out = str(tmp_path / "fp8")
+    merge_checkpoint(base, adapter, out, quantize="fp8-block", progress=False)
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None)
+    model, info = AutoModelForCausalLM.from_pretrained(out, device_map="cpu", output_loading_info=True)
+    assert not any(info.values()), info
+    stored = folder_tensors(out)
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert fp8 == {n.removesuffix(".weight_scale_inv") for n in stored if n.endswith(".weight_scale_inv")}
+    for name in fp8:
+        m = model.get_submodule(name)
+        assert torch.equal(m.weight_scale_inv, stored[f"{name}.weight_scale_inv"]), name
+    assert type(model.get_output_embeddings()) is nn.Linear
+    for name, m in model.named_modules():
+        if name.endswith(".experts"):
+            assert all(p.dtype == torch.bfloat16 for p in m.parameters()), name
+
+
+def test_verify_fails_a_quantization_config_that_misreads_the_tensors(cases, tmp_path):
+    """A config whose block size differs from the stored scales' (the record sealed again for it, so that only the
+    comparison with what the merge writes can see it) is FAILED, by name."""
+    import hashlib
+
+    from peft_shardmerge.output.record import record_digest
+
+    _, base, adapter, _ = cases("llama")
+    out = str(tmp_path / "q")
+    merge_checkpoint(base, adapter, out, quantize="fp8-block", progress=False)
+    path = os.path.join(out, "config.json")
+    config = json.load(open(path))
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    with open(path, "w") as f:
+        json.dump(config, f)
+    manifest = os.path.join(out, "merge_manifest.json")
+    record = json.load(open(manifest))
+    raw = open(path, "rb").read()
+    record["files"]["config.json"] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    record["record_sha256"] = record_digest(record)
+    with open(manifest, "w") as f:
+        json.dump(record, f)
+    report = verify_checkpoint(out, base=base, adapter=adapter)
+    assert report.status == "FAILED", report.summary()
+    assert any("quantization_config differs" in p and "weight_block_size" in p for p in report.problems), (
+        report.problems
+    )
