@@ -179,7 +179,18 @@ def check_logits(
                 want = model_outputs(ref(**inputs))
             except Exception as e:  # the reference cannot run: unchecked, not failed
                 return _no_reference(report, e)
-            got = model_outputs(merged(**inputs))
+            try:
+                got = model_outputs(merged(**inputs))
+            except Exception as e:
+                if not quantized:
+                    raise
+                # the format's kernel on this machine (bitsandbytes' CPU 4-bit matmul wants whole groups of 32):
+                # a quantized model's logits are measured, never judged, so this is a note
+                report.notes.append(
+                    f"logits not compared: the {quantized['format']} model does not run here ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:160]}); its stored bytes are what the recomputation compares"
+                )
+                return
             errors += [float((got[k] - w).abs().max() / w.abs().max().clamp_min(1e-12)) for k, w in want.items()]
     worst = max(errors) if all(e == e for e in errors) else float("nan")  # max() would drop a NaN
     compared = "logits" if list(want) == ["logits"] else f"hidden states ({', '.join(want)})"
