@@ -279,7 +279,8 @@ def merge_checkpoint(
     """Merge a LoRA adapter into a base checkpoint on disk, streaming one row block at a time.
 
     The output is a transformers checkpoint (``model.safetensors`` or shards with an index, ``config.json``
-    without ``quantization_config``, generation and tokenizer files) that ``from_pretrained`` loads as is.
+    without ``quantization_config`` unless ``quantize`` names a format, generation and tokenizer files) that
+    ``from_pretrained`` loads as is.
     Peak memory is one row block, whatever the model or shard size. The folder appears only when complete.
 
     With ``distributed=True``, in a job a launcher started (``torchrun``: ``WORLD_SIZE`` above 1, or a process group

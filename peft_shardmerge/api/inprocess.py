@@ -72,7 +72,8 @@ def merge_and_save(
     split_max_size: int | str = 0,
     quantize: str | None = None,
 ) -> MergeReport:
-    """Write base + LoRA of a loaded model (bitsandbytes 4-bit, 8-bit or unquantized base) as a 16-bit checkpoint.
+    """Write base + LoRA of a loaded model (bitsandbytes 4-bit, 8-bit or unquantized base) as a 16-bit checkpoint
+    (or, with ``quantize``, in a served quantized format).
 
     Walks the model one module at a time: each bitsandbytes weight is dequantized, the active adapter's
     delta is added in fp32, the result is cast once and streamed into sharded safetensors. The full 16-bit

@@ -237,7 +237,7 @@ class ModelReader:
     order on the executor's thread, on the device the budget allows (retried on the CPU on out-of-memory); then
     written in row blocks, by worker threads when there are several (the module copied out first, block by block in
     the output dtype into reused host buffers, so that the workers only hash and write it while the next module is
-    merged); a weight re-quantized to 4-bit is written as the parts bitsandbytes stores.
+    merged).
 
     Args:
         plan: a loaded model's plan (from :func:`~peft_shardmerge.model.planner.plan_live`).
@@ -270,14 +270,13 @@ class ModelReader:
         self.plan, self.src, self.info, self.copy = plan, src, merge_info, copy
         self.workers, self.ahead = workers, workers + 1
         self.held_limit = max((t.nbytes for t in plan.tensors), default=0) if workers > 1 else None
-        self.parts: dict[str, torch.Tensor] = {}
         # host buffers for blocks copied out, by whether they are page-locked (for a GPU's blocks)
         block_bytes = self.chunk_elems * self.plan.dtype.itemsize
         self._slabs = {pinned: HostSlabs(block_bytes, pinned) for pinned in (False, True)}
         self._narrow_on_device = True
 
     def prepare(self, t: PlannedTensor) -> Callable[[object], None]:
-        """Produce one planned tensor (a part of a re-quantized weight, or an entry merged whole), in plan order: the
+        """Produce one planned tensor (an entry merged whole), in plan order: the
         walk, the memory budget and a job's gathers follow it.
 
         Args:

@@ -38,8 +38,9 @@ Part = tuple[str, str, tuple[int, ...]]
 @dataclass(frozen=True)
 class Encoder:
     """One served format: which stored tensors a weight becomes and how they are computed from it. Each encoder
-    quantizes the weight as the format's own tool quantizes a 16-bit checkpoint (the merged weight in the output
-    dtype), and says what ``config.json``'s ``quantization_config`` is.
+    quantizes the float32 merge of a weight as the format's own tool quantizes a weight it is given (once: no 16-bit
+    rounding first, but where the tool itself computes in the model's dtype), and says what ``config.json``'s
+    ``quantization_config`` is.
 
     Attributes:
         name: the name ``--quantize`` takes.
@@ -368,7 +369,8 @@ class CtW4A16(_Ct):
 @dataclass(frozen=True)
 class Bnb4bit(Encoder):
     """bitsandbytes 4-bit (nf4/fp4) as ``Params4bit`` stores it: ``bitsandbytes.functional.quantize_4bit`` (flat
-    blocks of 64, two codes a byte, double quantization of the block scales) on the weight in its merged dtype.
+    blocks of 64, two codes a byte, double quantization of the block scales) on the float32 merge, the quant
+    state recording the model's dtype (what dequantization returns).
     On a CPU, that routine divides the last block of a weight that is not whole blocks by its scale where its GPU
     kernel (and every other block) multiplies by the inverse: that block's codes are made the GPU's way here. The
     quant-state JSON is padded with spaces to a length fixed before the merge (room for any ``nested_offset``; the
@@ -691,9 +693,3 @@ def encoder_from_record(record: dict) -> Encoder:
     kind = kinds[record["format"]]
     names = {f.name for f in dataclasses.fields(kind)}
     return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k in names})
-
-
-def ratio(parts: list[Part], numel: int, dtype: str) -> float:
-    """The stored bytes of an encoded weight over its merged bytes (for the plan's size note)."""
-    stored = sum(math.prod(shape) * DTYPES[d][1] for _, d, shape in parts)
-    return stored / max(1, numel * DTYPES[dtype][1])
