@@ -4,6 +4,7 @@ the sink that stores the files (a folder, the Hub, verify's comparison)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -120,7 +121,10 @@ def base_quantization(plan) -> dict | None:
         return base.config.get("quantization_config") or None
     model = getattr(getattr(plan.inputs, "live", None), "model", None)
     qc = getattr(getattr(model, "config", None), "quantization_config", None)
-    return (qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)) if qc else None
+    if not qc:
+        return None
+    # as config.json holds it: a str enum (quant_method) its value, a dtype its name
+    return json.loads(json.dumps(qc.to_dict() if hasattr(qc, "to_dict") else dict(qc), default=str))
 
 
 def encode_plan(plan, encoder: Encoder, base_config: dict | None = None) -> Encoding:

@@ -549,3 +549,33 @@ def test_verify_of_a_model_this_machine_cannot_run_is_ok_with_a_note(tmp_path):
     assert report.status == "OK", report.summary()
     said = [*report.notes, *report.checks]  # where the kernel runs (a GPU, another bitsandbytes), the measured error
     assert any("logits not compared: the nf4 model does not run here" in n or "logits of the nf4" in n for n in said)
+
+
+def test_a_qlora_model_written_back_in_its_own_4bit_format(cases, tmp_path):
+    """merge_and_save(model_4bit, quantize="base") writes the model's own bitsandbytes settings; its tensors are the
+    ones save_pretrained_merged(save_method="merged_4bit") writes, both quantized once from the float32 merge."""
+    import warnings
+
+    from helpers import load_quantized, no_cpu_repack
+
+    from peft_shardmerge import merge_and_save, save_pretrained_merged
+
+    _, base, adapter, _ = cases("llama")
+    model = PeftModel.from_pretrained(load_quantized(base, "nf4", compute_dtype=torch.bfloat16), adapter)
+    no_cpu_repack(model)
+    out, forced = str(tmp_path / "base"), str(tmp_path / "forced")
+    merge_and_save(model, out, quantize="base", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # merged_4bit's warning that the result is not the model trained
+        save_pretrained_merged(model, forced, save_method="merged_4bit_forced", progress=False)
+    got, want = folder_tensors(out), folder_tensors(forced)
+    assert set(got) == set(want) and any(n.endswith(".absmax") for n in got)
+    for name in got:
+        if ".quant_state." in name:
+            assert json.loads(bytes(got[name].numpy())) == json.loads(bytes(want[name].numpy())), name
+        else:
+            assert stored_equal(got[name], want[name]), name
+    qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+    assert qc["load_in_4bit"] and qc["bnb_4bit_quant_type"] == "nf4"
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
