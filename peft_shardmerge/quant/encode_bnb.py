@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from ..io.safetensors_io import DTYPES, TORCH_TO_ST
-from .encoder import Encoder
+from .encoder import Encoder, row_chunks
 from .nf4 import Nf4Settings, packed_4bit_layout, pad_quant_state, require_bitsandbytes
 
 
@@ -54,13 +54,26 @@ class Bnb4bit(Encoder):
         import bitsandbytes.functional as F
 
         flat = weight.reshape(-1)
-        packed, state = F.quantize_4bit(
-            weight, blocksize=64, compress_statistics=self.double_quant, quant_type=self.quant_type
-        )
-        state.dtype = dtype  # what dequantization returns: the model's dtype, as Params4bit records it
+        # quantize_4bit's own steps (its kernel, then the double quantization of the block scales), the kernel in
+        # chunks of whole blocks: its temporaries are a chunk's; the scales, quantized again, are the whole weight's
+        packed = torch.empty((flat.numel() + 1) // 2, 1, dtype=torch.uint8)
+        absmax = torch.empty(-(-flat.numel() // 64), dtype=torch.float32)
+        step = 64 << 16
+        for a in range(0, flat.numel(), step):
+            b = flat.numel() if a + step >= flat.numel() else a + step  # the last chunk takes a partial block
+            codes, scales = torch.ops.bitsandbytes.quantize_4bit.default(flat[a:b], 64, self.quant_type, torch.uint8)
+            packed[a // 2 : a // 2 + codes.shape[0]], absmax[a // 64 : a // 64 + scales.numel()] = codes, scales
+        code = F.get_4bit_type(self.quant_type, device=weight.device)
+        state_kw = dict(shape=weight.shape, dtype=dtype, blocksize=64, code=code, quant_type=self.quant_type)
+        if self.double_quant:
+            offset = absmax.mean()
+            qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
+            state = F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **state_kw)
+        else:
+            state = F.QuantState(absmax=absmax, **state_kw)
+        # dtype: what dequantization returns, the model's, as Params4bit records it
         rem = flat.numel() % 64
         if rem:  # the last block as the GPU quantizes it: times the inverse of its scale
-            packed = packed.clone()
             tail = flat[-rem:].float()
             am = tail.abs().max().clamp(min=1e-38)
             codes = _codes_4bit(torch.clamp(tail * (1.0 / am), -1, 1), self.quant_type)
@@ -128,7 +141,10 @@ class Int8(Encoder):
     def encode(self, weight, dtype=torch.bfloat16):
         import bitsandbytes.functional as F
 
-        codes, scb, _ = F.int8_vectorwise_quant(weight.to(torch.float16).contiguous())
+        codes = torch.empty(weight.shape, dtype=torch.int8)
+        scb = torch.empty(weight.shape[0], dtype=torch.float32)
+        for a, b in row_chunks(weight.shape[0], 1, weight.shape[1]):  # each row's scale is its own
+            codes[a:b], scb[a:b], _ = F.int8_vectorwise_quant(weight[a:b].to(torch.float16).contiguous())
         return [codes, scb, torch.tensor(0, dtype=torch.uint8)]
 
     def config(self, kept, dtype, unconverted=(set(), set())):
