@@ -295,26 +295,28 @@ class _Encoder:
         for entry in entries:
             self.first.append(n)
             n += len(encoding.entries(entry))
-        self.k, self.held = 0, None  # the merged tensor being written in order, and its bytes held when encoded
+        self.k, self.held = 0, None  # the merged tensor being written in order, and its encoder when encoded
         self._written = 0  # the bytes of merged tensor k passed through
+
+    def _encoder(self, index: int, out) -> "_Streamed | _Held":
+        """What encodes merged tensor ``index`` into ``out``: as its rows arrive, or (a Conv1D weight, encoded
+        transposed) once whole."""
+        entry = self.entries[index]
+        if entry[0] in self.encoding.transposed:
+            return _Held(entry, lambda data: out.done(self.encoding.encode(entry[0], data)))
+        return _Streamed(entry, self.encoding, out)
 
     def at(self, index: int):
         """Merged tensor ``index``'s writer: the inner writer's own where it is not encoded."""
         if self.entries[index][0] not in self.encoding.names:
             return self.w.at(self.first[index])
-        return _Held(self.entries[index], lambda data: self._place(index, data))
-
-    def _place(self, index: int, data: torch.Tensor) -> None:
-        for j, stored in enumerate(self.encoding.encode(self.entries[index][0], data)):
-            w = self.w.at(self.first[index] + j)
-            w.write(stored)
-            w.finish()
+        return self._encoder(index, _PlacedOut(self.w, self.first[index]))
 
     def write(self, tensor: torch.Tensor) -> None:
         """The next rows in order."""
         self._next()
         if self.held is None:
-            self._through(tensor.numel() * tensor.element_size())
+            self._written += tensor.numel() * tensor.element_size()
             self.w.write(tensor)
             return
         self.held.write(tensor)
@@ -326,7 +328,7 @@ class _Encoder:
             self._next()
             n = min(nbytes, self.entries[self.k][3] - self._written)
             if self.held is None:
-                self._through(n)
+                self._written += n
                 self.w.copy_from(fd, offset, n)
             else:
                 self.held.copy_from(fd, offset, n)
@@ -334,29 +336,118 @@ class _Encoder:
             offset, nbytes = offset + n, nbytes - n
 
     def _next(self) -> None:
-        """Move on past finished (and empty) merged tensors; start holding the next one if it is encoded."""
+        """Move on past finished (and empty) merged tensors; start encoding the next one if it is encoded."""
         if self.held is not None:
             return
         while self.k < len(self.entries) and self._written >= self.entries[self.k][3]:
             self.k, self._written = self.k + 1, 0
         if self.k < len(self.entries) and self.entries[self.k][0] in self.encoding.names:
-            self.held = _Held(self.entries[self.k], self._encoded)
-
-    def _through(self, n: int) -> None:
-        self._written += n
+            self.held = self._encoder(self.k, _InOrderOut(self.w))
 
     def _settle(self) -> None:
+        """The merged tensor written in order is complete: finish its encoding, move on."""
         if self.held.nbytes == self.entries[self.k][3]:
             self.held.finish()
+            self.held, self.k, self._written = None, self.k + 1, 0
 
-    def _encoded(self, data: torch.Tensor) -> None:
-        for stored in self.encoding.encode(self.entries[self.k][0], data):
-            self.w.write(stored)
-        self.held, self.k, self._written = None, self.k + 1, 0
+
+class _InOrderOut:
+    """Where an encoded weight's stored tensors go when a part is written in order: each after the one before."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def codes(self, rows: torch.Tensor) -> None:
+        self.w.write(rows)
+
+    def done(self, stored: list[torch.Tensor]) -> None:
+        """The first stored tensor's rows written already (by :meth:`codes`) where there are none in ``stored``."""
+        for t in stored:
+            self.w.write(t)
+
+
+class _PlacedOut:
+    """Where an encoded weight's stored tensors go when each is written at its place: the codes as they come, the
+    others at the end."""
+
+    def __init__(self, w, first: int):
+        self.w, self.first, self._codes = w, first, None
+
+    def codes(self, rows: torch.Tensor) -> None:
+        if self._codes is None:
+            self._codes = self.w.at(self.first)
+        self._codes.write(rows)
+
+    def done(self, stored: list[torch.Tensor]) -> None:
+        if self._codes is None:  # a weight encoded whole: its codes come first in ``stored``
+            self.codes(stored[0])
+            stored = stored[1:]
+        self._codes.finish()
+        for j, t in enumerate(stored):
+            w = self.w.at(self.first + 1 + j)
+            w.write(t)
+            w.finish()
+
+
+class _Streamed:
+    """One encoded weight's merged rows, encoded a run of whole units at a time as they arrive (in order or at its
+    place): its codes written at once, its other stored tensors once its last row is in. What it holds: less than
+    one unit of rows (a block's) beside the rows just received, and each run's scales."""
+
+    def __init__(self, entry: Entry, encoding: Encoding, out):
+        name, dtype, shape, nbytes = entry
+        self.name, self.dtype, self.shape, self.total = name, DTYPES[dtype][0], tuple(shape), nbytes
+        self.encoding, self.out = encoding, out
+        self.row_bytes = nbytes // shape[0] if shape[0] else 0
+        self.unit = encoding.encoder.unit(self.shape)
+        self.pending: list[torch.Tensor] = []  # raw bytes received and not encoded yet
+        self.held = self.nbytes = 0
+        self.sides: list = []
+
+    def write(self, tensor: torch.Tensor) -> None:
+        raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._take(raw.clone() if raw.numel() < self.unit * self.row_bytes else raw)
+
+    def copy_from(self, fd: int, offset: int, nbytes: int) -> None:
+        import os
+
+        while nbytes:
+            piece = os.pread(fd, min(nbytes, 64 << 20), offset)
+            if not piece:
+                raise OSError(f"{self.name}: source file ended early")
+            self._take(torch.frombuffer(bytearray(piece), dtype=torch.uint8))
+            offset, nbytes = offset + len(piece), nbytes - len(piece)
+
+    def _take(self, raw: torch.Tensor) -> None:
+        self.pending.append(raw)
+        self.held += raw.numel()
+        self.nbytes += raw.numel()
+        runs = self.held // (self.unit * self.row_bytes) if self.row_bytes else 0
+        if runs:
+            self._encode(runs * self.unit)
+
+    def _encode(self, rows: int) -> None:
+        """Encode the first ``rows`` rows pending."""
+        data = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        n = rows * self.row_bytes
+        block = data[:n].view(self.dtype).reshape(rows, *self.shape[1:])
+        codes, side = self.encoding.encoder.first(block, self.encoding.dtype)
+        self.out.codes(codes)
+        self.sides.append(side)
+        rest = data[n:]
+        self.pending, self.held = ([rest.clone()] if rest.numel() else []), rest.numel()
+
+    def finish(self) -> None:
+        if self.nbytes != self.total:
+            raise MergeCheckError(f"{self.name}: {self.nbytes} bytes merged, {self.total} planned")
+        if self.held:  # the weight's last rows, fewer than a unit
+            self._encode(self.held // self.row_bytes)
+        self.out.done(self.encoding.encoder.rest(self.sides, self.shape, self.encoding.dtype))
 
 
 class _Held:
-    """One encoded tensor's merged bytes, gathered whole (in order or at its place), then handed on."""
+    """One encoded weight's merged bytes, gathered whole (in order or at its place), then handed on: a weight
+    encoded transposed (GPT-2's Conv1D, as bitsandbytes holds it), whose runs of rows are not the stored ones."""
 
     def __init__(self, entry: Entry, ready: Callable[[torch.Tensor], None]):
         name, dtype, shape, nbytes = entry

@@ -3,13 +3,14 @@ LLM.int8."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..io.safetensors_io import DTYPES, TORCH_TO_ST
-from .encoder import Encoder, row_chunks
+from .encoder import Encoder
 from .nf4 import Nf4Settings, packed_4bit_layout, pad_quant_state, require_bitsandbytes
 
 
@@ -50,46 +51,44 @@ class Bnb4bit(Encoder):
             ("weight." + s if s else "", d, sh) for s, d, sh in packed_4bit_layout(shape, torch_dtype, self.settings)
         ]
 
-    def encode(self, weight, dtype=torch.bfloat16):
+    def unit(self, shape):
+        return 64 // math.gcd(64, math.prod(shape[1:]))  # rows of whole blocks of 64
+
+    def first(self, rows, dtype=torch.bfloat16):
+        """quantize_4bit's kernel on whole blocks (the weight's last block may be partial): packed codes, scales."""
+        flat = rows.reshape(-1)
+        codes, scales = torch.ops.bitsandbytes.quantize_4bit.default(flat, 64, self.quant_type, torch.uint8)
+        rem = flat.numel() % 64
+        if rem:  # the last block as the GPU quantizes it: times the inverse of its scale
+            tail = flat[-rem:].float()
+            am = tail.abs().max().clamp(min=1e-38)
+            last = _codes_4bit(torch.clamp(tail * (1.0 / am), -1, 1), self.quant_type)
+            if rem % 2:  # the byte's second code: bitsandbytes pads with 0.0, and writes 0.0's code
+                last = torch.cat([last, _codes_4bit(torch.zeros(1), self.quant_type)])
+            codes = codes.clone()
+            codes.view(-1)[(flat.numel() - rem) // 2 :] = (last[::2] << 4) | last[1::2]  # blocks start on a byte
+        return codes.view(torch.uint8), scales
+
+    def rest(self, sides, shape, dtype=torch.bfloat16):
+        """quantize_4bit's second step on the whole weight's block scales (double quantization), then the quant
+        state as ``Params4bit`` serializes it, its dtype the model's (what dequantization returns)."""
         import bitsandbytes.functional as F
 
-        flat = weight.reshape(-1)
-        # quantize_4bit's own steps (its kernel, then the double quantization of the block scales), the kernel in
-        # chunks of whole blocks: its temporaries are a chunk's; the scales, quantized again, are the whole weight's
-        packed = torch.empty((flat.numel() + 1) // 2, 1, dtype=torch.uint8)
-        absmax = torch.empty(-(-flat.numel() // 64), dtype=torch.float32)
-        step = 64 << 16
-        for a in range(0, flat.numel(), step):
-            b = flat.numel() if a + step >= flat.numel() else a + step  # the last chunk takes a partial block
-            codes, scales = torch.ops.bitsandbytes.quantize_4bit.default(flat[a:b], 64, self.quant_type, torch.uint8)
-            packed[a // 2 : a // 2 + codes.shape[0]], absmax[a // 64 : a // 64 + scales.numel()] = codes, scales
-        code = F.get_4bit_type(self.quant_type, device=weight.device)
-        state_kw = dict(shape=weight.shape, dtype=dtype, blocksize=64, code=code, quant_type=self.quant_type)
+        absmax = torch.cat(sides)
+        code = F.get_4bit_type(self.quant_type, device=absmax.device)
+        state_kw = dict(shape=torch.Size(shape), dtype=dtype, blocksize=64, code=code, quant_type=self.quant_type)
         if self.double_quant:
             offset = absmax.mean()
             qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
             state = F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **state_kw)
         else:
             state = F.QuantState(absmax=absmax, **state_kw)
-        # dtype: what dequantization returns, the model's, as Params4bit records it
-        rem = flat.numel() % 64
-        if rem:  # the last block as the GPU quantizes it: times the inverse of its scale
-            tail = flat[-rem:].float()
-            am = tail.abs().max().clamp(min=1e-38)
-            codes = _codes_4bit(torch.clamp(tail * (1.0 / am), -1, 1), self.quant_type)
-            start = flat.numel() - rem
-            if start % 2:  # the block starts in the low nibble of a byte shared with the block before
-                raise AssertionError("blocks of 64 start on a byte")  # pragma: no cover - 64 is even
-            if rem % 2:  # the byte's second code: bitsandbytes pads with 0.0, and writes 0.0's code
-                codes = torch.cat([codes, _codes_4bit(torch.zeros(1), self.quant_type)])
-            packed.view(-1)[start // 2 :] = (codes[::2] << 4) | codes[1::2]
         qs = state.as_dict(packed=True)
         key = f"quant_state.bitsandbytes__{self.quant_type}"
-        layout = self.parts(tuple(weight.shape), TORCH_TO_ST[dtype])
-        out = [packed.view(torch.uint8).reshape(layout[0][2])]
-        for suffix, _, shape in layout[1:]:
+        out = []
+        for suffix, _, part in self.parts(tuple(shape), TORCH_TO_ST[dtype])[1:]:
             name = suffix.removeprefix("weight.")
-            out.append(pad_quant_state(qs[key], shape[0]) if name == key else qs[name].reshape(shape))
+            out.append(pad_quant_state(qs[key], part[0]) if name == key else qs[name].reshape(part))
         return out
 
     def config(self, kept, dtype, unconverted=(set(), set())):
@@ -138,14 +137,17 @@ class Int8(Encoder):
     def parts(self, shape, dtype):
         return [("", "I8", tuple(shape)), ("SCB", "F32", (shape[0],)), ("weight_format", "U8", ())]
 
-    def encode(self, weight, dtype=torch.bfloat16):
+    def unit(self, shape):
+        return 1  # each row's scale is its own
+
+    def first(self, rows, dtype=torch.bfloat16):
         import bitsandbytes.functional as F
 
-        codes = torch.empty(weight.shape, dtype=torch.int8)
-        scb = torch.empty(weight.shape[0], dtype=torch.float32)
-        for a, b in row_chunks(weight.shape[0], 1, weight.shape[1]):  # each row's scale is its own
-            codes[a:b], scb[a:b], _ = F.int8_vectorwise_quant(weight[a:b].to(torch.float16).contiguous())
-        return [codes, scb, torch.tensor(0, dtype=torch.uint8)]
+        codes, scb, _ = F.int8_vectorwise_quant(rows.to(torch.float16).contiguous())
+        return codes, scb
+
+    def rest(self, sides, shape, dtype=torch.bfloat16):
+        return [torch.cat(sides), torch.tensor(0, dtype=torch.uint8)]
 
     def config(self, kept, dtype, unconverted=(set(), set())):
         from transformers import BitsAndBytesConfig

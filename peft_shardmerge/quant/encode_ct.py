@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from .encoder import FP8_MAX, Encoder, block_tiles, row_chunks
+from .encoder import FP8_MAX, Encoder, block_tiles
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,14 @@ class CtFp8Block(_Ct):
         rows, cols = -(-shape[0] // self.block[0]), -(-shape[1] // self.block[1])
         return [("", "F8_E4M3", tuple(shape)), ("weight_scale", dtype, (rows, cols))]
 
-    def encode(self, weight, dtype=torch.bfloat16):
-        codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
-        scales = torch.empty(self.parts(tuple(weight.shape), "F32")[1][2], dtype=dtype)
-        for a, b in row_chunks(weight.shape[0], self.block[0], weight.shape[1]):
-            codes[a:b], scales[a // self.block[0] : -(-b // self.block[0])] = self._rows(weight[a:b], dtype)
-        return [codes, scales]
+    def unit(self, shape):
+        return self.block[0]
+
+    def first(self, rows, dtype=torch.bfloat16):
+        return self._rows(rows, dtype)
+
+    def rest(self, sides, shape, dtype=torch.bfloat16):
+        return [torch.cat(sides)]
 
     def _rows(self, weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and scales of whole rows of blocks (the last padded)."""
@@ -156,13 +158,14 @@ class CtW4A16(_Ct):
             ("weight_shape", "I64", (2,)),
         ]
 
-    def encode(self, weight, dtype=torch.bfloat16):
-        rows, cols = weight.shape
-        packed = torch.empty(rows, cols // 8, dtype=torch.int32)
-        scales = torch.empty(rows, cols // self.group, dtype=dtype)
-        for a, b in row_chunks(rows, 1, cols):
-            packed[a:b], scales[a:b] = self._rows(weight[a:b], dtype)
-        return [packed, scales, torch.tensor([rows, cols], dtype=torch.int64)]
+    def unit(self, shape):
+        return 1
+
+    def first(self, rows, dtype=torch.bfloat16):
+        return self._rows(rows, dtype)
+
+    def rest(self, sides, shape, dtype=torch.bfloat16):
+        return [torch.cat(sides), torch.tensor(list(shape), dtype=torch.int64)]
 
     def _rows(self, weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed codes and scales of some rows."""

@@ -9,8 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from ..io.safetensors_io import DTYPES
-from .encoder import FP8_MAX, Encoder, block_tiles, row_chunks
+from .encoder import FP8_MAX, Encoder, block_tiles
 
 
 @dataclass(frozen=True)
@@ -52,12 +51,14 @@ class Fp8Block(Encoder):
     def _scale_dtype(self) -> str:
         return "F8_E8M0" if self.scale_fmt == "ue8m0" else "F32"
 
-    def encode(self, weight, dtype=torch.bfloat16):
-        codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
-        inv = torch.empty(self.parts(tuple(weight.shape), "F32")[1][2], dtype=DTYPES[self._scale_dtype][0])
-        for a, b in row_chunks(weight.shape[0], self.block[0], weight.shape[1]):
-            codes[a:b], inv[a // self.block[0] : -(-b // self.block[0])] = self._rows(weight[a:b])
-        return [codes, inv]
+    def unit(self, shape):
+        return self.block[0]
+
+    def first(self, rows, dtype=torch.bfloat16):
+        return self._rows(rows)
+
+    def rest(self, sides, shape, dtype=torch.bfloat16):
+        return [torch.cat(sides)]
 
     def _rows(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and inverse scales of whole rows of blocks."""
@@ -119,7 +120,13 @@ class Mxfp4(Encoder):
             ("*_scales", "U8", (experts, fan_out, fan_in // 32)),
         ]
 
-    def encode(self, weight, dtype=torch.bfloat16):
+    def unit(self, shape):
+        return 1  # an expert
+
+    def rest(self, sides, shape, dtype=torch.bfloat16):
+        return [torch.cat(sides)]
+
+    def first(self, weight, dtype=torch.bfloat16):
         experts, fan_in, fan_out = weight.shape
         x = weight.to(torch.float32).transpose(1, 2).reshape(experts, fan_out, fan_in // 32, 32)
         amax = x.abs().amax(dim=-1, keepdim=True)
@@ -129,7 +136,7 @@ class Mxfp4(Encoder):
         q = x * torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
         codes = _e2m1(q)
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        return [packed.contiguous(), (rounded >> 23).to(torch.uint8).squeeze(-1)]
+        return packed.contiguous(), (rounded >> 23).to(torch.uint8).squeeze(-1)
 
     def config(self, kept, dtype, unconverted=(set(), set())):
         from transformers import Mxfp4Config

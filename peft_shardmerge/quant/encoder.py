@@ -3,6 +3,7 @@ chunks every format shares."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -49,10 +50,30 @@ class Encoder:
         they are written."""
         raise NotImplementedError  # pragma: no cover - each format says
 
-    def encode(self, weight: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The stored tensors of ``weight`` (the float32 merge), in :meth:`parts`' order; ``dtype`` is the model's
-        (the dtype its other tensors are written in)."""
+    def unit(self, shape: tuple[int, ...]) -> int:
+        """Rows of a weight the format quantizes apart from the others (a block's rows, one row, one expert): a weight
+        is encoded as its rows arrive, a whole number of units at a time."""
         raise NotImplementedError  # pragma: no cover - each format says
+
+    def first(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, object]:
+        """Rows of the float32 merge (whole units, but at the weight's end) encoded: the rows of the first stored
+        tensor (the codes, written at once), and what the other stored tensors need of them (their scales)."""
+        raise NotImplementedError  # pragma: no cover - each format says
+
+    def rest(self, sides: list, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        """The other stored tensors of a weight of ``shape``, from what :meth:`first` kept of each run of rows."""
+        raise NotImplementedError  # pragma: no cover - each format says
+
+    def encode(self, weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+        """The stored tensors of ``weight`` (the float32 merge), in :meth:`parts`' order; ``dtype`` is the model's
+        (the dtype its other tensors are written in): :meth:`first` over runs of whole units, then :meth:`rest`."""
+        shape = tuple(weight.shape)
+        codes, sides = [], []
+        for a, b in row_chunks(shape[0], self.unit(shape), math.prod(shape[1:])):
+            c, side = self.first(weight[a:b], dtype)
+            codes.append(c)
+            sides.append(side)
+        return [torch.cat(codes), *self.rest(sides, shape, dtype)]
 
     def config(self, kept: list[str], dtype: torch.dtype, unconverted=(set(), set())) -> dict:
         """``quantization_config`` of the output; ``kept``: the modules whose weights stay unquantized although the

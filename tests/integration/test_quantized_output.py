@@ -579,3 +579,27 @@ def test_a_qlora_model_written_back_in_its_own_4bit_format(cases, tmp_path):
     assert qc["load_in_4bit"] and qc["bnb_4bit_quant_type"] == "nf4"
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8-block", "nf4", "int8"])
+def test_the_same_bytes_in_order_or_at_their_places_in_any_row_blocks(cases, tmp_path, fmt):
+    """Each weight is encoded as its rows arrive: written in order (one worker) or at their places (three), in row
+    blocks of any size (a few rows, or whole tensors), the files are the same bytes."""
+    _, base, adapter, _ = cases("llama")
+    outs = []
+    for i, (workers, chunk) in enumerate([(1, 1000), (3, 3000), (2, 1 << 22)]):
+        out = str(tmp_path / f"o{i}")
+        merge_checkpoint(
+            base,
+            adapter,
+            out,
+            quantize=fmt,
+            workers=workers,
+            chunk_elems=chunk,
+            max_shard_size="300KB",
+            progress=False,
+        )
+        outs.append(
+            {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out) if f.endswith(".safetensors")}
+        )
+    assert len(outs[0]) > 1 and outs[0] == outs[1] == outs[2]
