@@ -16,6 +16,7 @@ from ..engine.sink import Entry, Finish, Layout
 from ..errors import InputError, MergeCheckError
 from ..io.safetensors_io import DTYPES, TORCH_TO_ST
 from ..quant.encode import Encoder, encoder_record, stored_name
+from ..quant.encoder import row_chunks
 
 
 @dataclass
@@ -431,9 +432,10 @@ class _Streamed:
         data = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
         n = rows * self.row_bytes
         block = data[:n].view(self.dtype).reshape(rows, *self.shape[1:])
-        codes, side = self.encoding.encoder.first(block, self.encoding.dtype)
-        self.out.codes(codes)
-        self.sides.append(side)
+        for a, b in row_chunks(rows, self.unit, self.row_bytes // block.element_size()):  # the format's temporaries
+            codes, side = self.encoding.encoder.first(block[a:b], self.encoding.dtype)
+            self.out.codes(codes)
+            self.sides.append(side)
         rest = data[n:]
         self.pending, self.held = ([rest.clone()] if rest.numel() else []), rest.numel()
 
