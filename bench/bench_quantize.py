@@ -1,19 +1,14 @@
-"""Benchmark: a merge written quantized (``quantize=``) against a 16-bit merge, then the format's own tool.
+"""Benchmark: a merge written quantized (``quantize=``) against a 16-bit merge, then the format's own tool."""
 
-At 1B (bench_merge.py's random bf16 Llama-shaped base and rank-16 adapter) each job runs in a fresh subprocess: the
-16-bit merge (``merge_checkpoint(..., quantize=None)``); the quantized merges (``quantize="nf4"``, ``"fp8-block"``,
-``"int8"``); and the reference tools over the 16-bit merge's output: for nf4 and int8 transformers'
-``from_pretrained(..., quantization_config=BitsAndBytesConfig(...), device_map="cpu")`` then ``save_pretrained``
-(bitsandbytes quantizes on the CPU), for fp8-block the whole state dict loaded and transformers' ``Fp8Quantize`` of
-``FineGrainedFP8HfQuantizer(FineGrainedFP8Config())`` applied to every ``*_proj.weight``, then ``save_file``
-(``from_pretrained`` with ``FineGrainedFP8Config`` refuses to run without a GPU). Wall time is the job's, after the
-imports; peak RSS is the job's over the process's resident memory after its imports (bench_merge.py's measure:
-``ru_maxrss`` when the job sets a new peak, else 5 ms samples of ``/proc/self/statm``). The jobs run interleaved,
-``--repeats`` times each; the table gives medians. ``--pairs N`` then times the whole processes of ``--one nf4`` and
-``--one nf4-reference`` in turn, N pairs, the ratio taken pair by pair.
-
-    python bench/bench_quantize.py --repeats 3 --pairs 3 --write docs/benchmarks.md
-"""
+# At 1B (bench_merge.py's random bf16 base and rank-16 adapter) each job runs in a fresh process: the 16-bit merge, the
+# quantized merges, and each format's tool over the 16-bit merge's output (bitsandbytes through from_pretrained on the
+# CPU for nf4 and int8; transformers' Fp8Quantize over the whole state dict for fp8-block, whose from_pretrained needs
+# a GPU). Wall time and peak RSS are the job's, after its imports (bench_merge.py's measure), and for a merge its
+# report's own peak; the jobs run interleaved, --repeats times, medians reported. Once more each, the 16-bit and the
+# first format's merge with MALLOC_MMAP_THRESHOLD_=65536 (what is live, not what the allocator keeps). --pairs N times
+# the whole processes of --one nf4 and --one nf4-reference in turn. make bench runs:
+#
+#     python bench/bench_quantize.py --repeats 3 --pairs 3 --write docs/benchmarks.md
 
 from __future__ import annotations
 
@@ -68,9 +63,12 @@ def sample():
         sampled[0] = max(sampled[0], current_rss_bytes())
 threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()
+extra = {}
 if job.startswith("merge-"):
     fmt = job.removeprefix("merge-")
-    peft_shardmerge.merge_checkpoint(base, adapter, out, quantize=None if fmt == "16bit" else fmt, progress=False)
+    report = peft_shardmerge.merge_checkpoint(base, adapter, out, quantize=None if fmt == "16bit" else fmt,
+                                              progress=False)
+    extra["merge_own"] = report.peak_rss_bytes - report.baseline_rss_bytes  # from its start: the plan made
 elif job in ("tool-nf4", "tool-int8"):
     model = AutoModelForCausalLM.from_pretrained(merged, quantization_config=qc, device_map="cpu")
     model.save_pretrained(out)
@@ -95,16 +93,21 @@ done.set()
 maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 peak = maxrss if maxrss > maxrss_before else max(sampled[0], current_rss_bytes())
 size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
-print(json.dumps({"wall_s": wall, "peak_rss": peak, "baseline_rss": baseline, "maxrss": maxrss, "bytes": size}))
+print(json.dumps({"wall_s": wall, "peak_rss": peak, "baseline_rss": baseline, "maxrss": maxrss, "bytes": size,
+                  **extra}))
 """
 
 
 def job(name: str, base: str, adapter: str, keep: bool = False) -> dict:
-    """One job in a fresh process: its wall seconds, peak RSS (and over the post-import baseline), bytes written."""
+    """One job in a fresh process: its wall seconds, peak RSS (and over the post-import baseline), bytes written, and
+    for a merge its own peak (its report's). ``NAME+mmap``: the C allocator returns every block over 64 KiB at once
+    (``MALLOC_MMAP_THRESHOLD_``), so that the peak counts what is live, not what its free lists keep."""
+    name, _, variant = name.partition("+")
     merged = os.path.join(WORK, "quant-merged16")
-    out = merged if name == "merge-16bit" else os.path.join(WORK, f"quant-{name}")
+    out = merged if name == "merge-16bit" and not variant else os.path.join(WORK, f"quant-{name}")
     env = {
         **os.environ,
+        **({"MALLOC_MMAP_THRESHOLD_": "65536"} if variant == "mmap" else {}),
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
@@ -202,6 +205,12 @@ def main() -> int:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of every job; the median is reported")
     ap.add_argument("--pairs", type=int, default=0, help="whole-process pairs of --one nf4 and --one nf4-reference")
+    ap.add_argument(
+        "--no-allocator-check",
+        dest="allocator_check",
+        action="store_false",
+        help="skip the 16-bit merge and the first format's merge run once more with MALLOC_MMAP_THRESHOLD_=65536",
+    )
     ap.add_argument("--write", help="put the section into this Markdown file (replacing an earlier one)")
     ap.add_argument(
         "--one",
@@ -217,16 +226,19 @@ def main() -> int:
     formats = args.formats.split(",")
     t_start = time.perf_counter()
     runs: dict[str, list[dict]] = {}
-    for _ in range(args.repeats):  # interleaved, so that load on the machine hits every job alike
+    for i in range(args.repeats):  # interleaved, so that load on the machine hits every job alike
         jobs = ["merge-16bit", *(f"merge-{f}" for f in formats), *(f"tool-{f}" for f in formats)]
+        if i == 0 and args.allocator_check:
+            jobs += ["merge-16bit+mmap", f"merge-{formats[0]}+mmap"]
         try:
             for name in jobs:
                 r = job(name, base, adapter, keep=name == "merge-16bit")
                 runs.setdefault(name, []).append(r)
                 print(
                     f"{name}: {r['wall_s']:.1f} s, peak RSS {r['maxrss'] / 2**20:.0f} MiB "
-                    f"(+{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB over its imports), "
-                    f"{r['bytes'] / 1e9:.2f} GB written",
+                    f"(+{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB over its imports"
+                    + (f", the merge's own +{r['merge_own'] / 2**20:.0f} MiB" if "merge_own" in r else "")
+                    + f"), {r['bytes'] / 1e9:.2f} GB written",
                     flush=True,
                 )
         finally:
@@ -298,8 +310,9 @@ def format_section(runs, formats, sizes, paired, measured, args) -> str:
             "process's resident memory after its imports (bench_merge.py's measure); the highest of the runs."
         ),
         "",
-        "| job | wall (s) | peak RSS of the process (MiB) | peak RSS over its imports (MiB) | written (GB) |",
-        "|---|---:|---:|---:|---:|",
+        "| job | wall (s) | peak RSS of the process (MiB) | over its imports (MiB) | the merge's own (MiB) "
+        "| written (GB) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     names = {"merge-16bit": "16-bit merge (`quantize=None`)"}
     for f in formats:
@@ -311,31 +324,50 @@ def format_section(runs, formats, sizes, paired, measured, args) -> str:
         walls = sorted(r["wall_s"] for r in rs)
         lines.append(
             f"| {label} | {med(rs, 'wall_s'):.1f} [{walls[0]:.1f}–{walls[-1]:.1f}] | "
-            f"{max(r['maxrss'] for r in rs) / 2**20:.0f} | {over(rs):.0f} | {med(rs, 'bytes') / 1e9:.2f} |"
+            f"{max(r['maxrss'] for r in rs) / 2**20:.0f} | {over(rs):.0f} | {own(rs)} | "
+            f"{med(rs, 'bytes') / 1e9:.2f} |"
         )
     lines += [
         "",
         para(
-            "Against the chain, and against the memory target: a quantized merge's peak within the 16-bit merge's "
-            f"plus one tensor, the largest weight the formats quantize (`{proj}`, {one_tensor:.0f} MiB in float32; "
-            f"the largest tensor of all, `{big}`, is {big_bytes / 2**20:.0f} MiB in float32 and is not quantized). "
-            "Peak RSS over the imports:"
+            "The merge's own peak is its report's (`MergeReport.peak_rss_bytes` less `baseline_rss_bytes`: sampled "
+            "every 50 ms from the merge's start, the plan made). In time, against the chain users run today (the "
+            "16-bit merge, then the tool over the whole model):"
         ),
         "",
-        "| format | quantized merge (s) | 16-bit merge + tool (s) | quantized / chain | quantized merge (MiB) "
-        "| 16-bit merge + one tensor (MiB) | over the target (MiB) | the tool step (MiB) |",
+        "| format | quantized merge (s) | 16-bit merge + tool (s) | quantized / chain |",
+        "|---|---:|---:|---:|",
+    ]
+    for f in formats:
+        q, chain, tool = runs[f"merge-{f}"], runs[f"chain-{f}"], runs[f"tool-{f}"]
+        lines.append(
+            f"| {f} | {med(q, 'wall_s'):.1f} | {med(chain, 'wall_s'):.1f} "
+            f"({med(merge16, 'wall_s'):.1f} + {med(tool, 'wall_s'):.1f}) | "
+            f"{med(q, 'wall_s') / med(chain, 'wall_s'):.2f} |"
+        )
+    own16 = max(r["merge_own"] for r in merge16) / 2**20
+    lines += [
+        "",
+        para(
+            "In memory, against the target (a quantized merge's peak within the 16-bit merge's plus one tensor: the "
+            f"largest weight the formats quantize, `{proj}`, {one_tensor:.0f} MiB in float32; the largest tensor of "
+            f"all, `{big}`, is {big_bytes / 2**20:.0f} MiB in float32 and is not quantized), in MiB, the highest of "
+            "the runs:"
+        ),
+        "",
+        "| format | over the imports: quantized merge | 16-bit merge + one tensor | over the target "
+        "| the merge's own: quantized merge | 16-bit merge + one tensor | over the target | the tool step, over its "
+        "imports |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     verdicts = []
     for f in formats:
-        q, chain, tool = runs[f"merge-{f}"], runs[f"chain-{f}"], runs[f"tool-{f}"]
-        excess = over(q) - (base_over + one_tensor)
-        verdicts.append((f, over(q) - base_over, excess))
+        q = runs[f"merge-{f}"]
+        qown = max(r["merge_own"] for r in q) / 2**20
+        verdicts.append((f, over(q) - base_over, over(q) - base_over - one_tensor, qown - own16 - one_tensor))
         lines.append(
-            f"| {f} | {med(q, 'wall_s'):.1f} | {med(chain, 'wall_s'):.1f} "
-            f"({med(merge16, 'wall_s'):.1f} + {med(tool, 'wall_s'):.1f}) | "
-            f"{med(q, 'wall_s') / med(chain, 'wall_s'):.2f} | {over(q):.0f} | {base_over + one_tensor:.0f} | "
-            f"{max(0.0, excess):.0f} | {over(tool):.0f} |"
+            f"| {f} | {over(q):.0f} | {base_over + one_tensor:.0f} | {max(0.0, verdicts[-1][2]):.0f} | {qown:.0f} | "
+            f"{own16 + one_tensor:.0f} | {max(0.0, verdicts[-1][3]):.0f} | {over(runs[f'tool-{f}']):.0f} |"
         )
     if paired:
         a, b = [p[0] for p in paired], [p[1] for p in paired]
@@ -358,42 +390,85 @@ def format_section(runs, formats, sizes, paired, measured, args) -> str:
             f"| peak RSS | {max(x['maxrss'] for x in a) / 2**20:.0f} MiB | {max(x['maxrss'] for x in b) / 2**20:.0f} "
             "MiB | |",
         ]
-    worst = max(verdicts, key=lambda v: v[2])
-    most = max(add for _, add, _ in verdicts)
-    if worst[2] <= 0:
-        memory = (
-            f"The memory target holds: every quantized merge peaks within the 16-bit merge's {base_over:.0f} MiB "
-            f"plus one {one_tensor:.0f} MiB tensor."
-        )
-    else:
-        memory = (
-            f"The memory target does not hold. The 16-bit merge peaks {base_over:.0f} MiB over its imports, the "
-            "quantized merges "
-            + ", ".join(f"{add:.0f} MiB more ({f})" for f, add, _ in verdicts)
-            + f": up to {worst[2]:.0f} MiB over the 16-bit merge plus the largest weight the sink holds "
-            f"({one_tensor:.0f} MiB in float32, {worst[0]}); within it only if the tensor is the largest of the "
-            f"model, `{big}` in float32 ({big_bytes / 2**20:.0f} MiB"
-            + (f", {big_bytes / 2**20 - most:.0f} MiB to spare)." if most <= big_bytes / 2**20 else ", over it too).")
-            + " What holds the rest: each quantized weight is merged in float32 and held whole by the sink until "
-            "its last row block is merged (the formats' scales span it), the format's quantizer makes temporaries "
-            "of about twice that weight while it runs, and each of the merge's workers (one per core, "
-            f"{min(8, os.cpu_count() or 1)} here) holds and quantizes one such weight at a time."
-        )
+    lines += ["", para("What the figures say. " + memory_text(runs, formats, verdicts, sizes, base_over, own16))]
     ratios = ", ".join(
         f"{f} {med(runs[f'merge-{f}'], 'wall_s') / med(runs[f'chain-{f}'], 'wall_s'):.2f}" for f in formats
     )
     lines += [
         "",
         para(
-            f"What the figures say. {memory} Every quantized merge stays far below the tool step, which holds the "
-            f"whole model ({min(over(runs[f'tool-{f}']) for f in formats) / 2**10:.1f} GiB and more). In time, "
-            f"quantized merge / (16-bit merge + tool): {ratios}; the quantized merge writes fewer bytes than the "
-            "16-bit merge and never writes or reads a 16-bit copy. "
-            f"The whole benchmark took {measured / 60:.0f} min ({args.repeats} repeats of {2 * len(formats) + 1} jobs"
+            f"In time, quantized merge / (16-bit merge + tool): {ratios}; the quantized merge writes fewer bytes "
+            "than the 16-bit merge and never writes or reads a 16-bit copy. Times vary from run to run on 2 cores "
+            "(the ranges above); the paired whole-process runs give the ratio with start-up included. The whole "
+            f"benchmark took {measured / 60:.0f} min ({args.repeats} repeats of {2 * len(formats) + 1} jobs"
+            + (", 2 allocator runs" if "merge-16bit+mmap" in runs else "")
             + (f", then {len(paired)} pairs)." if paired else ").")
         ),
     ]
     return "\n".join(lines) + "\n"
+
+
+def own(rs: list[dict]) -> str:
+    """The highest of the merge's own peaks (its report's) of the runs, in MiB; a dash for a tool."""
+    return f"{max(r['merge_own'] for r in rs) / 2**20:.0f}" if "merge_own" in rs[0] else "–"
+
+
+def memory_text(runs, formats, verdicts, sizes, base_over, own16) -> str:
+    """The paragraph on the memory target: whether it holds, by how much it does not, and what holds the rest."""
+    (_, proj_bytes), (big, big_bytes) = sizes
+    one_tensor = proj_bytes / 2**20
+    worst = max(verdicts, key=lambda v: v[2])
+    if worst[2] <= 0:
+        return (
+            f"The memory target holds: every quantized merge peaks within the 16-bit merge's {base_over:.0f} MiB "
+            f"over its imports plus one {one_tensor:.0f} MiB tensor."
+        )
+    most = max(v[1] for v in verdicts)
+    text = (
+        f"The memory target does not hold. Over its imports the 16-bit merge peaks at {base_over:.0f} MiB, the "
+        "quantized merges "
+        + ", ".join(f"{add:.0f} MiB higher ({f})" for f, add, _, _ in verdicts)
+        + f": up to {worst[2]:.0f} MiB over the 16-bit merge plus the largest weight they quantize "
+        f"({one_tensor:.0f} MiB in float32, {worst[0]}). Taken as the largest tensor of the model, `{big}` in float32 "
+        f"({big_bytes / 2**20:.0f} MiB), the target would hold"
+        + (f" with {big_bytes / 2**20 - most:.0f} MiB to spare." if most <= big_bytes / 2**20 else " for none.")
+    )
+    pre16 = base_over - own16
+    f, add, _, own_excess = worst
+    pre = over(runs[f"merge-{f}"]) - max(r["merge_own"] for r in runs[f"merge-{f}"]) / 2**20
+    text += (
+        f" Of the {add:.0f} MiB ({f}), {pre - pre16:.0f} are taken before the merge starts (the job's peak over its "
+        f"imports less the merge's own: {pre:.0f} MiB against the 16-bit merge's {pre16:.0f}): the quantized merge "
+        "runs the model class's checks in its own process first, which loads transformers' modeling code and "
+        "bitsandbytes. The merge's own peak is "
+        + (
+            f"{own_excess:.0f} MiB over the 16-bit merge's plus one tensor"
+            if own_excess > 0
+            else f"within the 16-bit merge's plus one tensor ({-own_excess:.0f} MiB below)"
+        )
+        + ": each worker (one per core here) merges its weight's rows in float32, twice the bytes of a 16-bit row "
+        "block, and the format's quantizer makes its temporaries from them."
+    )
+    mm16, mmq = runs.get("merge-16bit+mmap"), runs.get(f"merge-{formats[0]}+mmap")
+    if mm16 and mmq:
+        diff = (mmq[0]["merge_own"] - mm16[0]["merge_own"]) / 2**20
+        text += (
+            " With the C allocator returning every block over 64 KiB at once (`MALLOC_MMAP_THRESHOLD_=65536`, one "
+            f"run each), the merge's own peak is {mm16[0]['merge_own'] / 2**20:.0f} MiB for the 16-bit "
+            f"merge and {mmq[0]['merge_own'] / 2**20:.0f} MiB for {formats[0]}: {diff:.0f} MiB apart, "
+            + ("within one tensor" if diff <= one_tensor else f"{diff - one_tensor:.0f} MiB over one tensor")
+            + "."
+        )
+        default = (max(r["merge_own"] for r in runs[f"merge-{formats[0]}"]) / 2**20) - own16
+        if default > diff:
+            text += (
+                f" The other {default - diff:.0f} MiB of the {default:.0f} MiB between the two by default is memory "
+                "freed and kept by the allocator for reuse, not held."
+            )
+    return text + (
+        " Every quantized merge stays far below the tool step, which holds the whole model "
+        f"({min(over(runs[f'tool-{f}']) for f in formats) / 2**10:.1f} GiB and more over its imports)."
+    )
 
 
 if __name__ == "__main__":
