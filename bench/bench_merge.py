@@ -159,7 +159,23 @@ def write_adapter(shapes: dict, folder: str, g, rank: int = 16) -> str:
     return folder
 
 
-CHILD = r"""
+#: a child's start of measurement, after its imports and set-up: its RSS then (``baseline``), its lifetime peak then
+#: (``maxrss_before``), the highest RSS sampled every 5 ms from then on (``sampled[0]``, until ``done`` is set) and
+#: the time (``t0``); bench_quantize.py's children start so too
+START_SAMPLING = r"""
+baseline = current_rss_bytes()
+maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+sampled = [baseline]
+done = threading.Event()
+def sample():
+    while not done.wait(0.005):
+        sampled[0] = max(sampled[0], current_rss_bytes())
+threading.Thread(target=sample, daemon=True).start()
+t0 = time.perf_counter()
+"""
+
+CHILD = (
+    r"""
 import json, os, resource, shutil, sys, threading, time
 import torch, transformers, peft, peft_shardmerge
 from peft_shardmerge.engine.rss import current_rss_bytes
@@ -189,16 +205,9 @@ if method == "merge_and_save_4bit":
             t.detach().sum()
     extra["largest_module_fp32"] = max(m.weight.quant_state.shape.numel() * 4 for m in model.modules()
                                        if isinstance(m, bnb.nn.Linear4bit))
-baseline = current_rss_bytes()
-maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-sampled = [baseline]
-done = threading.Event()
-def sample():
-    while not done.wait(0.005):
-        sampled[0] = max(sampled[0], current_rss_bytes())
-threading.Thread(target=sample, daemon=True).start()
-t0 = time.perf_counter()
-ru0 = resource.getrusage(resource.RUSAGE_SELF)
+"""
+    + START_SAMPLING
+    + r"""ru0 = resource.getrusage(resource.RUSAGE_SELF)
 if method in ("copy", "copy_fsync"):
     os.makedirs(out)
     for f in sorted(os.listdir(base)):
@@ -246,6 +255,7 @@ maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 peak = maxrss if maxrss > maxrss_before else max(sampled[0], current_rss_bytes())
 print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_rss": peak, "baseline_rss": baseline, **extra}))
 """
+)
 
 
 #: the command line, timed from outside: its start-up (interpreter, imports, checks, plan) included

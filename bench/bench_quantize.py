@@ -28,13 +28,14 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from bench_merge import WORK, build, write_section  # noqa: E402
+from bench_merge import START_SAMPLING, WORK, build, write_section  # noqa: E402
 
 SECTION = "## Quantized output: one pass against a 16-bit merge, then the format's tool"
 FORMATS = ("nf4", "fp8-block", "int8")
 SIZE = "1B"
 
-CHILD = r"""
+CHILD = (
+    r"""
 import json, os, resource, shutil, sys, threading, time
 job, base, adapter, merged, out = sys.argv[1:6]
 import torch, transformers, peft_shardmerge
@@ -54,16 +55,9 @@ if job == "tool-fp8-block":
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 shutil.rmtree(out, ignore_errors=True)
-baseline = current_rss_bytes()
-maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-sampled = [baseline]
-done = threading.Event()
-def sample():
-    while not done.wait(0.005):
-        sampled[0] = max(sampled[0], current_rss_bytes())
-threading.Thread(target=sample, daemon=True).start()
-t0 = time.perf_counter()
-extra = {}
+"""
+    + START_SAMPLING
+    + r"""extra = {}
 if job.startswith("merge-"):
     fmt = job.removeprefix("merge-")
     report = peft_shardmerge.merge_checkpoint(base, adapter, out, quantize=None if fmt == "16bit" else fmt,
@@ -96,6 +90,7 @@ size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.e
 print(json.dumps({"wall_s": wall, "peak_rss": peak, "baseline_rss": baseline, "maxrss": maxrss, "bytes": size,
                   **extra}))
 """
+)
 
 
 def job(name: str, base: str, adapter: str, keep: bool = False) -> dict:

@@ -207,10 +207,8 @@ def _merge_options(m: argparse.ArgumentParser) -> None:
         type=str.lower,
         default=None,
         metavar="{" + ",".join(NAMES) + "}",
-        help="write the merged weights in a served format, each quantized once from its float32 merge as the "
-        "format's own tool does: fp8-block (transformers fine-grained FP8), ct-fp8-block and ct-w4a16 "
-        "(compressed-tensors, for vLLM), nf4, fp4, int8 (bitsandbytes), base (the base's own quantized format); "
-        "docs/quantized.md. GPTQ and AWQ need calibration: merge, then quantize with llm-compressor",
+        help="write the weights in a served format, quantized once from the float32 merge as its own tool does: "
+        "fp8-block, ct-fp8-block, ct-w4a16 (vLLM), nf4, fp4, int8, base (the base's own); docs/quantized.md",
     )
     m.add_argument(
         "--split-max-size",

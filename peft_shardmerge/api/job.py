@@ -13,7 +13,7 @@ from ..distributed.world import JobSteps
 from ..engine.execute import run
 from ..engine.plan import Plan
 from ..engine.report import MergeReport
-from ..engine.sink import Layout, Sink
+from ..engine.sink import Sink
 from ..engine.source import Coordinator, Source
 from ..options import MergeOptions
 from ..output import gguf_sink
@@ -156,9 +156,7 @@ class MergeJob(ABC):
             coordinator=self.coordinator(plan),
         )
         if self.encoding is not None:
-            report.bytes_written = sum(
-                e[3] for _, part in self.encoding.layout(Layout(plan.shard_entries())).parts for e in part
-            )
+            report.bytes_written = self.encoding.size(plan)
             report.notes = [*report.notes, self.encoding.describe()]
         if pushed:
             report.notes = [*report.notes, f"pushed: {sink.commit_url}"]
@@ -227,7 +225,6 @@ class MergeJob(ABC):
             return None
         qc = base_quantization(plan)
         encoder = encoder_for(self.opts.quantize, qc)
-        encoder.requires()
         return encode_plan(plan, encoder, qc if str(self.opts.quantize).strip().lower() == "base" else None)
 
     def base_dtype(self, plan: Plan) -> str:

@@ -54,15 +54,14 @@ class Encoding:
             return dict(self.config)
         return self.encoder.config(self.kept, self.dtype, self.unconverted)
 
+    def size(self, plan) -> int:
+        """The bytes of the encoded files' tensors."""
+        return sum(e[3] for t in plan.tensors for e in self.entries((t.name, t.out_dtype, t.shape, t.nbytes)))
+
     def summary(self, plan) -> str:
-        """What a dry run says of the encoding: the weights encoded, the bytes written, and the largest weight held
-        whole in float32 while it is quantized."""
-        size = sum(e[3] for _, part in self.layout(Layout(plan.shard_entries())).parts for e in part)
-        held = max((math.prod(t.shape) * 4 for t in plan.tensors if t.name in self.names), default=0)
-        return (
-            f"{self.describe()}\nwritten: {size} bytes ({size / 1e9:.3f} GB); each encoded weight is held whole in "
-            f"float32 while it is quantized (the largest {held / 2**20:.1f} MiB, one per worker)"
-        )
+        """What a dry run says of the encoding: the weights encoded and the bytes written."""
+        size = self.size(plan)
+        return f"{self.describe()}\nwritten: {size} bytes ({size / 1e9:.3f} GB)"
 
     def record(self) -> dict:
         """The merge record's ``quantize``: the encoder, whether the base's own format was written back, how many
@@ -143,7 +142,9 @@ def encode_plan(plan, encoder: Encoder, base_config: dict | None = None) -> Enco
 
     Raises:
         InputError: the format cannot take a weight's shape.
+        MissingDependencyError: what the format needs (bitsandbytes) is not installed.
     """
+    encoder.requires()
     if plan.fused and not encoder.loads_fused:
         raise InputError(
             f"quantize={encoder.name!r}: this model's checkpoint stores its experts one by one and transformers fuses "
@@ -244,24 +245,27 @@ class QuantSink:
     @contextmanager
     def open(self, layout: Layout) -> Iterator["QuantOutput"]:
         """The inner sink opened for the encoded layout."""
-        with self.inner.open(self.encoding.layout(layout)) as out:
-            yield QuantOutput(out, layout, self.encoding)
+        encoded = self.encoding.layout(layout)
+        with self.inner.open(encoded) as out:
+            yield QuantOutput(out, layout, encoded, self.encoding)
 
     @contextmanager
     def join(self, layout: Layout, handle: dict, rank: int) -> Iterator["QuantOutput"]:
         """Another rank's view of the output the leader opened (the inner sink's join)."""
-        with self.inner.join(self.encoding.layout(layout), handle, rank) as out:
-            yield QuantOutput(out, layout, self.encoding)
+        encoded = self.encoding.layout(layout)
+        with self.inner.join(encoded, handle, rank) as out:
+            yield QuantOutput(out, layout, encoded, self.encoding)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # what a destination adds (a push's commit URL, a check's outcome)
 
 
 class QuantOutput:
-    """An opened :class:`QuantSink`: the inner output, and what each merged tensor of a part becomes in it."""
+    """An opened :class:`QuantSink`: the inner output (opened for ``encoded``, the layout of the stored tensors), and
+    what each merged tensor of a part (``layout``) becomes in it."""
 
-    def __init__(self, out, layout: Layout, encoding: Encoding):
-        self.out, self.layout, self.encoding = out, layout, encoding
+    def __init__(self, out, layout: Layout, encoded: Layout, encoding: Encoding):
+        self.out, self.layout, self.encoded, self.encoding = out, layout, encoded, encoding
         self.done = out.done
 
     def write(self, parts: list[int], produce: Callable[[int, object], None]) -> None:
@@ -275,7 +279,7 @@ class QuantOutput:
     def finish(self, finish: Finish) -> None:
         """The inner output's files, with the encoded index and the config's ``quantization_config``."""
         config = {**finish.config, "quantization_config": self.encoding.quantization_config()}
-        index = self.encoding.index(self.encoding.layout(self.layout), finish.index)
+        index = self.encoding.index(self.encoded, finish.index)
 
         def merge_info() -> dict:
             return {**finish.merge_info(), "quantize": self.encoding.record()}

@@ -179,17 +179,8 @@ def check_logits(
                 want = model_outputs(ref(**inputs))
             except Exception as e:  # the reference cannot run: unchecked, not failed
                 return _no_reference(report, e)
-            try:
-                got = model_outputs(merged(**inputs))
-            except Exception as e:
-                if not quantized:
-                    raise
-                # the format's kernel on this machine (bitsandbytes' CPU 4-bit matmul wants whole groups of 32):
-                # a quantized model's logits are measured, never judged, so this is a note
-                report.notes.append(
-                    f"logits not compared: the {quantized['format']} model does not run here ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0][:160]}); its stored bytes are what the recomputation compares"
-                )
+            got = _merged_outputs(merged, inputs, quantized, report)
+            if got is None:
                 return
             errors += [float((got[k] - w).abs().max() / w.abs().max().clamp_min(1e-12)) for k, w in want.items()]
     worst = max(errors) if all(e == e for e in errors) else float("nan")  # max() would drop a NaN
@@ -214,6 +205,21 @@ def check_logits(
         )
     elif not worst <= tol:  # a NaN error fails too
         report.problems.append(f"{compared} differ from {against}: max relative error {worst:.2e} > {tol:g}")
+
+
+def _merged_outputs(merged, inputs: dict, quantized: dict | None, report) -> dict[str, torch.Tensor] | None:
+    """The merged model's outputs; None where a quantized model's format kernel cannot run on this machine
+    (bitsandbytes' CPU 4-bit matmul wants whole groups of 32), noted: its logits are measured, never judged."""
+    try:
+        return model_outputs(merged(**inputs))
+    except Exception as e:
+        if not quantized:
+            raise
+        report.notes.append(
+            f"logits not compared: the {quantized['format']} model does not run here ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160]}); its stored bytes are what the recomputation compares"
+        )
+        return None
 
 
 def model_outputs(out) -> dict[str, torch.Tensor]:

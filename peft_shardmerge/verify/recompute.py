@@ -263,7 +263,6 @@ def _encoding(record: dict | None, plan, result: RecomputeResult):
         return None
     try:
         encoder = encoder_from_record(quantize)
-        encoder.requires()
         return encode_plan(plan, encoder, base_quantization(plan) if quantize.get("base") else None)
     except ShardMergeError as e:
         result.problems.append(f"the quantized format cannot be recomputed: {str(e).splitlines()[0]}")
